@@ -1,0 +1,48 @@
+"""The lightning indexer of CSA layers: pick, per query, the compressed entries worth attending to.
+
+score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w), with its own ratio-4 compressor for the keys
+``k_w`` and its own query projection from the attention's low-rank query; only the ``index_topk`` best
+visible entries survive.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsinfer.config import ModelConfig
+from dsinfer.layers.compressor import Compressor, visible_entries
+from dsinfer.layers.rotary import apply_rope, rope_angles
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.ratio = config.index_topk, config.csa_ratio
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(
+            config.hidden_size, self.head_dim, config.csa_ratio, overlap=True, norm_eps=config.rms_norm_eps
+        )
+
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """Boolean [S, W] mask of the compressed entries each query of one sequence attends to."""
+        keys = self.compressor(x, inv_freq).float()  # [W, head_dim]
+        n_entries = keys.shape[0]
+        if n_entries == 0:
+            return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(q, cos, sin).float()
+        per_head = F.relu(torch.einsum("shd,wd->shw", q, keys)) * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [S, W]
+        visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.topk(min(self.topk, n_entries), dim=-1).indices
+        selected = torch.zeros_like(visible).scatter_(1, chosen, True)
+        return selected & visible

@@ -1,0 +1,69 @@
+"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams instead of one.
+
+Before each attention or MoE block the streams are collapsed into one input (weights ``pre``); after the
+block its output is spread back over the streams (``post``) and added to a mix of the old streams
+(``comb``, projected onto doubly-stochastic matrices by Sinkhorn-Knopp so the residual cannot blow up).
+All weights come from a small projection of the normalised streams themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsinfer.layers.norm import rms_normalize
+
+
+def sinkhorn(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
+    """Alternate column and row normalisation of the last two axes (column first, as the reference)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hyper_connection_weights(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From streams [T, n, D] compute ``pre`` [T, n], ``post`` [T, n] and ``comb`` [T, n, n], in fp32."""
+    n = streams.shape[-2]
+    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
+    comb = sinkhorn(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iterations, hc_eps)
+    return pre, post, comb
+
+
+def collapse_streams(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of the streams: the single input a block sees."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+def expand_streams(
+    block_output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """New streams: ``post`` spreads the block output, ``comb`` (applied transposed) mixes the old streams."""
+    dtype = streams.dtype
+    spread = post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2)
+    return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def hyper_head(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
+    """Final collapse of the streams before the output norm (V4's ``hc_head``)."""
+    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return collapse_streams(streams, pre)

@@ -1,0 +1,59 @@
+"""Partial, interleaved rotary position embedding (RoPE), with YaRN for the compressed layers.
+
+DeepSeek-V4 rotates only the last ``rope_dim`` channels of each head, pairing channels (0, 1), (2, 3)...
+Because K = V, the attention output's rope slice carries the keys' rotation; it is undone by rotating
+the output back with the query's angle (``inverse=True``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsinfer.config import YarnScaling
+
+
+def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
+    """One inverse frequency per channel pair; YaRN blends interpolated and original frequencies."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    base_freq = theta**exponents
+    inv_freq = 1.0 / base_freq
+    if yarn is None:
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_original = 1 - ramp
+    interpolated = 1.0 / (yarn.factor * base_freq)
+    return interpolated * (1 - keep_original) + inv_freq * keep_original
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [*positions.shape, rope_dim // 2], in float32."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles.
+
+    ``cos``/``sin`` are [N, rope_dim // 2]; they broadcast over any axes between N and the channels.
+    """
+    rope_dim = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

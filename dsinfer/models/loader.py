@@ -1,0 +1,254 @@
+"""Load a DeepSeek-V4 checkpoint directory: config.json, safetensors shards, FP8 / FP4 weights.
+
+Shards are memory-mapped and each is opened once. Every tensor is matched to a parameter of the model by
+name (official or Hugging Face spelling), checked for shape, dequantised if stored as FP8 (block scales)
+or FP4 (packed e2m1, per-32 scales), and copied into place. Anything that does not fit gives one
+:class:`CheckpointError` naming the tensor or file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from dsinfer.config import ConfigError, ModelConfig
+from dsinfer.layers.quant import dequantize_fp4, dequantize_fp8_blockwise
+from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
+from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP4_DTYPES = (torch.int8, torch.uint8)
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+# Parameters kept in float32 whatever the compute dtype (as DeepSeek and Hugging Face keep them).
+_FP32_PARAMETER = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias$)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the tensor or file."""
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The safetensors shards of a checkpoint, in index order; checks that every listed shard exists."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        names = list(dict.fromkeys(weight_map.values()))
+        for name in names:
+            if not (directory / name).is_file():
+                raise CheckpointError(f"{directory / name}: shard listed in {INDEX_FILE} is missing")
+        return [directory / name for name in names]
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    if len(found) > 1 or found[0].name != SINGLE_FILE:
+        raise CheckpointError(f"{index}: missing index file for the {len(found)} shard(s) in {directory}")
+    return found
+
+
+@dataclass
+class _Stored:
+    """One tensor as it sits in a shard (not yet read)."""
+
+    shard: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _scan_shards(shards: list[Path]) -> dict[str, _Stored]:
+    """Read only the headers: which tensors exist, where, with which shape and dtype."""
+    stored: dict[str, _Stored] = {}
+    for shard in shards:
+        try:
+            with safe_open(shard, "pt") as handle:
+                for key in handle.keys():
+                    view = handle.get_slice(key)
+                    stored[key] = _Stored(shard, key, tuple(view.get_shape()), view.get_dtype())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{shard}: unreadable or truncated safetensors shard ({exc})") from None
+        _check_length(shard)
+    return stored
+
+
+def _check_length(shard: Path) -> None:
+    """safetensors maps lazily; compare the header's data size with the file size to catch truncation."""
+    with open(shard, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_len))
+    end = max((entry["data_offsets"][1] for k, entry in header.items() if k != "__metadata__"), default=0)
+    actual = shard.stat().st_size - 8 - header_len
+    if actual < end:
+        raise CheckpointError(f"{shard}: truncated shard ({actual} data bytes, header needs {end})")
+
+
+def _plan(model: DeepseekV4, stored: dict[str, _Stored]) -> dict[str, list[str]]:
+    """Map each model parameter to the stored key(s) that fill it; report unexpected names."""
+    targets = dict(model.state_dict())
+    by_hf_name = {to_hf_name(name): name for name in targets}
+    plan: dict[str, list[str]] = {}
+    for key in stored:
+        if key.endswith(SCALE_SUFFIXES):
+            continue
+        bare = strip_model_prefix(key)
+        fused = FUSED_EXPERTS.match(to_hf_name(bare))
+        if fused:
+            layer, which = fused.groups()
+            plan.setdefault(f"fused:{layer}:{which}", []).append(key)
+            continue
+        name = bare if bare in targets else by_hf_name.get(to_hf_name(bare))
+        if name is None:
+            raise CheckpointError(f"unexpected tensor {key!r} in {stored[key].shard.name}: the model has no such weight")
+        plan.setdefault(name, []).append(key)
+    return plan
+
+
+def _scale_key(key: str, stored: dict[str, _Stored]) -> str | None:
+    base = key[: -len(".weight")] if key.endswith(".weight") else key
+    for suffix in SCALE_SUFFIXES:
+        if base + suffix in stored:
+            return base + suffix
+    return None
+
+
+class _ShardReader:
+    """Keeps each shard open once while tensors are read from it."""
+
+    def __init__(self) -> None:
+        self.handles: dict[Path, object] = {}
+
+    def get(self, item: _Stored) -> torch.Tensor:
+        handle = self.handles.get(item.shard)
+        if handle is None:
+            handle = self.handles[item.shard] = safe_open(item.shard, "pt")
+        try:
+            return handle.get_tensor(item.key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{item.shard}: cannot read tensor {item.key!r} ({exc})") from None
+
+
+def _materialise(
+    key: str, target: torch.Tensor, stored: dict[str, _Stored], reader: _ShardReader, config: ModelConfig
+) -> torch.Tensor:
+    """Read one stored tensor and bring it to the target's shape and dtype (dequantising on the way)."""
+    item = stored[key]
+    raw = reader.get(item)
+    scale_key = _scale_key(key, stored)
+    want = tuple(target.shape)
+    if raw.dtype in FP8_DTYPES:
+        if scale_key is None:
+            raise CheckpointError(f"tensor {key!r}: FP8 weight without a .scale tensor")
+        block = config.quantization.weight_block_size if config.quantization else (128, 128)
+        scale = reader.get(stored[scale_key])
+        expected_scale = (math.ceil(want[0] / block[0]), math.ceil(want[1] / block[1]))
+        if tuple(raw.shape) != want or tuple(scale.shape) != expected_scale:
+            raise CheckpointError(
+                f"tensor {key!r}: FP8 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
+                f"expected {want} with scale {expected_scale}"
+            )
+        return dequantize_fp8_blockwise(raw, scale, block, dtype=torch.float32)
+    if raw.dtype in FP4_DTYPES and target.is_floating_point():
+        if scale_key is None:
+            raise CheckpointError(f"tensor {key!r}: packed FP4 weight without a .scale tensor")
+        scale = reader.get(stored[scale_key])
+        group = config.quantization.fp4_group_size if config.quantization else 32
+        if len(want) != 2 or tuple(raw.shape) != (want[0], want[1] // 2) or tuple(scale.shape) != (
+            want[0],
+            want[1] // group,
+        ):
+            raise CheckpointError(
+                f"tensor {key!r}: FP4 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
+                f"expected {(want[0], want[1] // 2)} with scale {(want[0], want[1] // group)}"
+            )
+        return dequantize_fp4(raw, scale, group, dtype=torch.float32)
+    if tuple(raw.shape) != want:
+        raise CheckpointError(f"tensor {key!r}: shape {tuple(raw.shape)}, expected {want}")
+    return raw
+
+
+def _fused_expert_tensors(
+    kind: str, layer: str, fused: torch.Tensor, model_keys: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Split Hugging Face's stacked ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] per expert."""
+    for expert in range(fused.shape[0]):
+        prefix = f"layers.{layer}.ffn.experts.{expert}"
+        if kind == "gate_up_proj":
+            gate, up = fused[expert].chunk(2, dim=0)
+            yield f"{prefix}.w1.weight", gate
+            yield f"{prefix}.w3.weight", up
+        else:
+            yield f"{prefix}.w2.weight", fused[expert]
+    if f"layers.{layer}.ffn.experts.{fused.shape[0]}.w1.weight" in model_keys:
+        raise CheckpointError(f"tensor 'layers.{layer}.mlp.experts.{kind}': holds {fused.shape[0]} experts, too few")
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> DeepseekV4:
+    """Build the model described by ``path/config.json`` and fill it from the checkpoint's shards."""
+    directory = Path(path)
+    try:
+        config = ModelConfig.from_file(directory)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    stored = _scan_shards(shard_files(directory))
+    has_mtp = any(strip_model_prefix(k).startswith("mtp.") for k in stored)
+    with torch.device("meta"):
+        model = DeepseekV4(config, with_mtp=has_mtp)
+    targets = model.state_dict()
+    plan = _plan(model, stored)
+    reader = _ShardReader()
+    values: dict[str, torch.Tensor] = {}
+    model_keys = set(targets)
+    bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
+    for name, keys in plan.items():
+        if name.startswith("fused:"):
+            _, layer, kind = name.split(":")
+            fused = reader.get(stored[keys[0]])
+            for expert_name, tensor in _fused_expert_tensors(kind, layer, fused, model_keys):
+                if expert_name not in targets or tuple(tensor.shape) != tuple(targets[expert_name].shape):
+                    raise CheckpointError(
+                        f"tensor {keys[0]!r}: shape {tuple(fused.shape)} does not match the config's experts"
+                    )
+                values[expert_name] = tensor
+        else:
+            if len(keys) > 1:
+                raise CheckpointError(f"tensor {name!r} is stored twice: {keys}")
+            values[name] = _materialise(keys[0], targets[name], stored, reader, config)
+        bar.update(1)
+    bar.close()
+    missing = [name for name in targets if name not in values]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            param.data = values[name].to(device=device, dtype=parameter_dtype(name, param, dtype))
+    model.rope = RopeTables(config).to(device)
+    return model.eval()
+
+
+def parameter_dtype(name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """Integer tables keep their dtype; mHC, sinks, norms, ``ape`` and router bias stay float32."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    return torch.float32 if _FP32_PARAMETER.search(name) else compute_dtype
