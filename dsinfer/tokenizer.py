@@ -158,7 +158,16 @@ _V4_NAMED_TOKENS: tuple[tuple[str, int, bool], ...] = (
 
 _V41_ONLY = frozenset({SYSTEM_TOKEN, "<｜deepseek_image｜>"})
 _NOT_IN_V41 = frozenset(
-    {DSPARK_NOISE_TOKEN, "<｜image2｜>", "<｜/table>｜", "<｜table｜>", "<｜/td｜>", "<｜td｜>", "<｜/tr｜>", "<｜tr｜>"}
+    {
+        DSPARK_NOISE_TOKEN,
+        "<｜image2｜>",
+        "<｜/table>｜",
+        "<｜table｜>",
+        "<｜/td｜>",
+        "<｜td｜>",
+        "<｜/tr｜>",
+        "<｜tr｜>",
+    }
 )
 
 #: Every named DeepSeek-V4 / V4.1 control token (reserved placeholder slots left

@@ -64,3 +64,26 @@ def to_hf_name(name: str) -> str:
     for pattern, target in _COMPILED:
         name = pattern.sub(target, name)
     return name
+
+
+def official_to_hf_state_dict(state: dict) -> dict:
+    """Rename an official-named state dict for ``DeepseekV4ForCausalLM.load_state_dict`` (experts stacked)."""
+    import torch
+
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        if name.startswith("mtp."):
+            continue
+        match = re.match(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$", name)
+        if match:
+            layer, expert, which = match.groups()
+            experts.setdefault(int(layer), {}).setdefault(int(expert), {})[which] = tensor
+            continue
+        hf = to_hf_name(name)
+        out[hf if hf.startswith("lm_head") else "model." + hf] = tensor
+    for layer, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        gate_up = torch.stack([torch.cat([w["w1"], w["w3"]], dim=0) for w in ordered])
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w["w2"] for w in ordered])
+    return out

@@ -102,7 +102,7 @@ def _plan(model: DeepseekV4, stored: dict[str, _Stored]) -> dict[str, list[str]]
     by_hf_name = {to_hf_name(name): name for name in targets}
     plan: dict[str, list[str]] = {}
     for key in stored:
-        if key.endswith(SCALE_SUFFIXES):
+        if _is_weight_scale(key, stored):
             continue
         bare = strip_model_prefix(key)
         fused = FUSED_EXPERTS.match(to_hf_name(bare))
@@ -115,6 +115,14 @@ def _plan(model: DeepseekV4, stored: dict[str, _Stored]) -> dict[str, list[str]]
             raise CheckpointError(f"unexpected tensor {key!r} in {stored[key].shard.name}: the model has no such weight")
         plan.setdefault(name, []).append(key)
     return plan
+
+
+def _is_weight_scale(key: str, stored: dict[str, _Stored]) -> bool:
+    """A ``.scale`` tensor belongs to a quantised ``.weight`` sibling (``hc_head.hc_scale`` does not)."""
+    for suffix in SCALE_SUFFIXES:
+        if key.endswith(suffix) and key[: -len(suffix)] + ".weight" in stored:
+            return True
+    return False
 
 
 def _scale_key(key: str, stored: dict[str, _Stored]) -> str | None:
@@ -244,7 +252,7 @@ def load_model(
         for name, param in model.state_dict(keep_vars=True).items():
             param.data = values[name].to(device=device, dtype=parameter_dtype(name, param, dtype))
     model.rope = RopeTables(config).to(device)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def parameter_dtype(name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny checkpoints written once per test session, in the real file formats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer.models.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The embedded-default-sized V4 checkpoint: FP8 / FP4 weights, three shards, real tokenizer."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v4"), seed=0)
