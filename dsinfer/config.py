@@ -157,9 +157,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             if isinstance(model_type, str) and model_type.startswith("deepseek_v41"):
                 raise ConfigError(f"field 'model_type': {model_type!r} (DeepSeek-V4.1) is not supported yet")
-            raise ConfigError(
-                f"field 'model_type': expected one of {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}"
-            )
+            raise ConfigError(f"field 'model_type': expected one of {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}")
         values: dict[str, Any] = {"model_type": model_type}
         for name, aliases in _ALIASES.items():
             for key in (name, *aliases):
@@ -290,9 +288,7 @@ def _compress_ratios(raw: dict[str, Any], num_layers: int, csa: int, hca: int) -
         raise ConfigError(f"field 'compress_ratios': expected a list of integers, got {ratios!r}")
     # Official configs list one extra entry per MTP layer; the main stack takes the first num_layers.
     if len(ratios) < num_layers:
-        raise ConfigError(
-            f"field 'compress_ratios': {len(ratios)} entries for {num_layers} layers (num_hidden_layers)"
-        )
+        raise ConfigError(f"field 'compress_ratios': {len(ratios)} entries for {num_layers} layers (num_hidden_layers)")
     return tuple(ratios[:num_layers])
 
 
@@ -380,8 +376,7 @@ def _validate(cfg: ModelConfig) -> None:
             raise ConfigError(f"field {name!r}: must lie in (0, 1), got {getattr(cfg, name)}")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         raise ConfigError(
-            f"field 'num_experts_per_tok': {cfg.num_experts_per_tok} exceeds n_routed_experts "
-            f"({cfg.n_routed_experts})"
+            f"field 'num_experts_per_tok': {cfg.num_experts_per_tok} exceeds n_routed_experts ({cfg.n_routed_experts})"
         )
     if cfg.num_hash_layers > cfg.num_hidden_layers:
         raise ConfigError(
@@ -389,8 +384,7 @@ def _validate(cfg: ModelConfig) -> None:
         )
     if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim > cfg.head_dim or cfg.qk_rope_head_dim % 2:
         raise ConfigError(
-            f"field 'qk_rope_head_dim': must be even and within head_dim ({cfg.head_dim}), "
-            f"got {cfg.qk_rope_head_dim}"
+            f"field 'qk_rope_head_dim': must be even and within head_dim ({cfg.head_dim}), got {cfg.qk_rope_head_dim}"
         )
     if cfg.index_head_dim < cfg.qk_rope_head_dim:
         raise ConfigError(
@@ -411,9 +405,7 @@ def _validate(cfg: ModelConfig) -> None:
     allowed = {0, cfg.csa_ratio, cfg.hca_ratio}
     for layer_id, ratio in enumerate(cfg.compress_ratios):
         if ratio not in allowed:
-            raise ConfigError(
-                f"field 'compress_ratios': layer {layer_id} has ratio {ratio}; allowed {sorted(allowed)}"
-            )
+            raise ConfigError(f"field 'compress_ratios': layer {layer_id} has ratio {ratio}; allowed {sorted(allowed)}")
     if not 0 <= cfg.bos_token_id < cfg.vocab_size:
         raise ConfigError(f"field 'bos_token_id': {cfg.bos_token_id} is outside the vocabulary")
     if not 0 <= cfg.eos_token_id < cfg.vocab_size:

@@ -184,9 +184,7 @@ DEEPSEEK_V4_SPECIAL_TOKEN_IDS: dict[str, int] = {c: i for c, i, _ in _V4_NAMED_T
 #: Real ids in the DeepSeek-V4.1-Flash ``tokenizer.json`` (as reported by
 #: third-party V4.1 ports; slot 128799 is ``<｜System｜>`` and 129264 is
 #: ``<｜deepseek_image｜>``; the table tokens became reserved slots).
-DEEPSEEK_V41_SPECIAL_TOKEN_IDS: dict[str, int] = {
-    c: i for c, i, _ in _V4_NAMED_TOKENS if c not in _NOT_IN_V41
-}
+DEEPSEEK_V41_SPECIAL_TOKEN_IDS: dict[str, int] = {c: i for c, i, _ in _V4_NAMED_TOKENS if c not in _NOT_IN_V41}
 
 
 class TokenizerLoadError(ValueError):

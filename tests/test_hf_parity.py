@@ -145,7 +145,10 @@ def test_fp8_fp4_checkpoint_matches_reference_on_dequantized_weights(tmp_path, h
     running on the dequantised weights."""
     hf, ours = hf_and_ours
     config = ours.config.__class__.from_dict(
-        {**ours.config.to_dict(), "quantization_config": {"weight_block_size": [128, 128], "expert_dtype": "fp4"}}
+        {
+            **ours.config.to_dict(),
+            "quantization_config": {"weight_block_size": [128, 128], "expert_dtype": "fp4"},
+        }
     )
     ours.config, original_config = config, ours.config
     try:

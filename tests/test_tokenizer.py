@@ -80,15 +80,13 @@ def test_special_token_constant_matches_real_v4_layout() -> None:
     assert DSPARK_NOISE_TOKEN not in DEEPSEEK_V41_SPECIAL_TOKEN_IDS
     # Constant is ordered by real id.
     real = [
-        DEEPSEEK_V4_SPECIAL_TOKEN_IDS.get(t, DEEPSEEK_V41_SPECIAL_TOKEN_IDS.get(t))
-        for t in DEEPSEEK_V4_SPECIAL_TOKENS
+        DEEPSEEK_V4_SPECIAL_TOKEN_IDS.get(t, DEEPSEEK_V41_SPECIAL_TOKEN_IDS.get(t)) for t in DEEPSEEK_V4_SPECIAL_TOKENS
     ]
     assert real == sorted(real)
     # Chat tokens are not "special" (kept by skip_special_tokens); bos/eos/pad are.
     assert {BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, DSPARK_NOISE_TOKEN} <= DEEPSEEK_V4_SKIPPED_TOKENS
     assert (
-        not {USER_TOKEN, ASSISTANT_TOKEN, THINK_START_TOKEN, THINK_END_TOKEN, DSML_TOKEN}
-        & DEEPSEEK_V4_SKIPPED_TOKENS
+        not {USER_TOKEN, ASSISTANT_TOKEN, THINK_START_TOKEN, THINK_END_TOKEN, DSML_TOKEN} & DEEPSEEK_V4_SKIPPED_TOKENS
     )
 
 
@@ -148,10 +146,7 @@ def test_every_special_token_is_one_id_and_decodes_exactly(tok: Tokenizer) -> No
 
 
 def test_special_tokens_inside_text(tok: Tokenizer) -> None:
-    text = (
-        f"{BOS_TOKEN}{USER_TOKEN}hi there{ASSISTANT_TOKEN}"
-        f"{THINK_START_TOKEN}hmm{THINK_END_TOKEN}ok{EOS_TOKEN}"
-    )
+    text = f"{BOS_TOKEN}{USER_TOKEN}hi there{ASSISTANT_TOKEN}{THINK_START_TOKEN}hmm{THINK_END_TOKEN}ok{EOS_TOKEN}"
     ids = tok.encode(text)
     for token in (BOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, THINK_START_TOKEN, THINK_END_TOKEN, EOS_TOKEN):
         assert ids.count(tok.token_to_id(token)) == 1
@@ -160,8 +155,7 @@ def test_special_tokens_inside_text(tok: Tokenizer) -> None:
 
 def test_skip_special_tokens_mirrors_real_flags(tok: Tokenizer) -> None:
     text = (
-        f"{BOS_TOKEN}{USER_TOKEN}hi{ASSISTANT_TOKEN}"
-        f"{THINK_START_TOKEN}x{THINK_END_TOKEN}<｜DSML｜invoke>y{EOS_TOKEN}"
+        f"{BOS_TOKEN}{USER_TOKEN}hi{ASSISTANT_TOKEN}{THINK_START_TOKEN}x{THINK_END_TOKEN}<｜DSML｜invoke>y{EOS_TOKEN}"
     )
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=True) == (

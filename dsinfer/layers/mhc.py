@@ -61,7 +61,12 @@ def expand_streams(
 
 
 def hyper_head(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
 ) -> torch.Tensor:
     """Final collapse of the streams before the output norm (V4's ``hc_head``)."""
     flat = rms_normalize(streams.flatten(-2).float(), norm_eps)

@@ -70,7 +70,11 @@ class MoE(nn.Module):
             for _ in range(config.n_routed_experts)
         )
         self.shared_experts = (
-            Expert(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
+            Expert(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.swiglu_limit,
+            )
             if config.n_shared_experts
             else None
         )

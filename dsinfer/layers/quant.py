@@ -182,9 +182,7 @@ def dequantize_fp8_blockwise(
     if fp8_weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_weight must be torch.float8_e4m3fn, got dtype {fp8_weight.dtype}")
     if fp8_weight.dim() < 2:
-        raise ValueError(
-            f"fp8_weight must have at least 2 dims [..., out, in], got {tuple(fp8_weight.shape)}"
-        )
+        raise ValueError(f"fp8_weight must have at least 2 dims [..., out, in], got {tuple(fp8_weight.shape)}")
     if scale.dtype not in _SCALE_DTYPES:
         raise ValueError(f"scale must be torch.float8_e8m0fnu or torch.float32, got dtype {scale.dtype}")
     expected = _fp8_scale_shape(fp8_weight.shape, block)
@@ -316,9 +314,7 @@ def dequantize_fp4(
         raise ValueError(f"scale must be torch.float8_e8m0fnu or torch.float32, got dtype {scale.dtype}")
     n = codes.shape[-1]
     if n % group != 0:
-        raise ValueError(
-            f"unpacked last dim {n} (packed {packed.shape[-1]} x 2) is not a multiple of group {group}"
-        )
+        raise ValueError(f"unpacked last dim {n} (packed {packed.shape[-1]} x 2) is not a multiple of group {group}")
     expected = (*packed.shape[:-1], n // group)
     if tuple(scale.shape) != expected:
         raise ValueError(

@@ -70,7 +70,9 @@ class RopeTables(nn.Module):
         dim = config.qk_rope_head_dim
         self.register_buffer("window", rope_inverse_frequencies(dim, config.rope_theta, None), persistent=False)
         self.register_buffer(
-            "compressed", rope_inverse_frequencies(dim, config.compress_rope_theta, config.yarn), persistent=False
+            "compressed",
+            rope_inverse_frequencies(dim, config.compress_rope_theta, config.yarn),
+            persistent=False,
         )
 
     def for_ratio(self, compress_ratio: int) -> torch.Tensor:

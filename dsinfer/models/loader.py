@@ -112,7 +112,9 @@ def _plan(model: DeepseekV4, stored: dict[str, _Stored]) -> dict[str, list[str]]
             continue
         name = bare if bare in targets else by_hf_name.get(to_hf_name(bare))
         if name is None:
-            raise CheckpointError(f"unexpected tensor {key!r} in {stored[key].shard.name}: the model has no such weight")
+            raise CheckpointError(
+                f"unexpected tensor {key!r} in {stored[key].shard.name}: the model has no such weight"
+            )
         plan.setdefault(name, []).append(key)
     return plan
 
@@ -174,9 +176,14 @@ def _materialise(
             raise CheckpointError(f"tensor {key!r}: packed FP4 weight without a .scale tensor")
         scale = reader.get(stored[scale_key])
         group = config.quantization.fp4_group_size if config.quantization else 32
-        if len(want) != 2 or tuple(raw.shape) != (want[0], want[1] // 2) or tuple(scale.shape) != (
-            want[0],
-            want[1] // group,
+        if (
+            len(want) != 2
+            or tuple(raw.shape) != (want[0], want[1] // 2)
+            or tuple(scale.shape)
+            != (
+                want[0],
+                want[1] // group,
+            )
         ):
             raise CheckpointError(
                 f"tensor {key!r}: FP4 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "

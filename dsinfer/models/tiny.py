@@ -59,9 +59,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 # How DeepSeek stores each tensor (official names). Anything not listed is bf16.
-_FP8 = re.compile(
-    r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$"
-)
+_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$")
 _FP4 = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 _FP32 = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias$)")
 

@@ -182,9 +182,7 @@ def build_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     n_base = vocab_size - len(_TOP_TOKENS)
     data = _train_bpe(n_base)
     vocab: dict[str, int] = data["model"]["vocab"]
-    if sorted(vocab.values()) != list(range(len(vocab))) or any(
-        vocab.get(t) != i for i, t in enumerate(_LEADING)
-    ):
+    if sorted(vocab.values()) != list(range(len(vocab))) or any(vocab.get(t) != i for i, t in enumerate(_LEADING)):
         raise RuntimeError("BPE training produced an unexpected vocabulary layout")
 
     added = [_added_token(i, t, special=True) for i, t in enumerate(_LEADING)]
@@ -243,6 +241,4 @@ def _check(text: str, added: list[dict], vocab_size: int) -> None:
     for entry in added:
         ids = tok.encode(entry["content"], add_special_tokens=False).ids
         if ids != [entry["id"]]:
-            raise RuntimeError(
-                f"tiny tokenizer encodes {entry['content']!r} as {ids}, expected [{entry['id']}]"
-            )
+            raise RuntimeError(f"tiny tokenizer encodes {entry['content']!r} as {ids}, expected [{entry['id']}]")
