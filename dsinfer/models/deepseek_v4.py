@@ -11,55 +11,12 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.layers.attention import Attention
-from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights, hyper_head
-from dsinfer.layers.moe import MoE
+from dsinfer.layers.mhc import hyper_head
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import rope_inverse_frequencies
 from dsinfer.models.batch import PackedBatch
-
-
-def _hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
-    """(fn, base, scale) of one hyper-connection site: pre (n), post (n) and comb (n * n) weights."""
-    n = config.hc_mult
-    width = (2 + n) * n
-    return (
-        nn.Parameter(torch.zeros(width, n * config.hidden_size, dtype=torch.float32)),
-        nn.Parameter(torch.zeros(width, dtype=torch.float32)),
-        nn.Parameter(torch.ones(3, dtype=torch.float32)),
-    )
-
-
-class Block(nn.Module):
-    """One transformer block on ``hc_mult`` residual streams: an attention site and an MoE site."""
-
-    def __init__(self, config: ModelConfig, layer_id: int, compress_ratio: int, hash_routed: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_id = layer_id
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, compress_ratio)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, hash_routed)
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_parameters(config)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_parameters(config)
-
-    def forward(
-        self, streams: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, input_ids: torch.Tensor
-    ) -> torch.Tensor:
-        cfg = self.config
-        pre, post, comb = hyper_connection_weights(
-            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
-        )  # fmt: skip
-        attn_out = self.attn(self.attn_norm(collapse_streams(streams, pre)), batch, inv_freq)
-        streams = expand_streams(attn_out, streams, post, comb)
-        pre, post, comb = hyper_connection_weights(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
-        )  # fmt: skip
-        ffn_out = self.ffn(self.ffn_norm(collapse_streams(streams, pre)), input_ids)
-        return expand_streams(ffn_out, streams, post, comb)
+from dsinfer.models.block import Block
+from dsinfer.models.mtp import MTPLayer
 
 
 class RopeTables(nn.Module):
@@ -95,7 +52,10 @@ class DeepseekV4(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.rope = RopeTables(config)
-        self.mtp = nn.ModuleList()
+        self.mtp = nn.ModuleList(
+            MTPLayer(config, config.num_hidden_layers + i)
+            for i in range(config.num_nextn_predict_layers if with_mtp else 0)
+        )
 
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""
@@ -111,6 +71,16 @@ class DeepseekV4(nn.Module):
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps
         )
         return self.norm(collapsed)
+
+    def mtp_logits(self, streams: torch.Tensor, batch: PackedBatch, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """Draft logits [T, vocab] of the first MTP layer: position i, given token i + 1, guesses token i + 2.
+
+        ``streams`` are the target's residual streams from :meth:`hidden_streams` for the same batch.
+        """
+        if not len(self.mtp):
+            raise RuntimeError("this checkpoint has no MTP layer (no mtp.* tensors)")
+        hidden = self.mtp[0].draft_hidden(streams, self.embed(next_token_ids), next_token_ids, batch, self.rope.window)
+        return self.head(hidden).float()
 
     def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""

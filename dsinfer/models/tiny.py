@@ -61,11 +61,11 @@ def tiny_config(**overrides) -> ModelConfig:
 # How DeepSeek stores each tensor (official names). Anything not listed is bf16.
 _FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$")
 _FP4 = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
-_FP32 = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias$)")
+_FP32 = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$)")
 
 
 def storage_format(name: str, config: ModelConfig) -> str:
-    """'fp8', 'fp4', 'fp32', 'bf16' or 'int' for an official tensor name."""
+    """'fp8', 'fp4', 'fp32', 'bf16' or 'int' for an official tensor name (as the V4-Flash release stores it)."""
     if name.endswith("tid2eid"):
         return "int"
     if config.quantization is not None:
@@ -111,7 +111,7 @@ def quantize_like_checkpoint(model: DeepseekV4) -> dict[str, torch.Tensor]:
         elif kind == "fp4":
             out[name], out[base + ".scale"] = quantize_fp4(tensor.float(), cfg.quantization.fp4_group_size)
         elif kind == "int":
-            out[name] = tensor.to(torch.int32).contiguous()
+            out[name] = tensor.to(torch.int64).contiguous()
         else:
             out[name] = tensor.to(torch.float32 if kind == "fp32" else torch.bfloat16).contiguous()
     return out
