@@ -169,3 +169,17 @@ def test_fp8_fp4_checkpoint_matches_reference_on_dequantized_weights(tmp_path, h
         with torch.no_grad():
             ref = reference(ids[None]).logits[0]
         assert _relative_error(quantized(PackedBatch.from_sequences([ids.tolist()])), ref) < 1e-4
+
+
+def test_bfloat16_error_no_worse_than_hugging_face_bfloat16(tmp_path, hf_and_ours):
+    """In bf16 both implementations drift from the fp32 reference; ours must not drift more."""
+    hf, _ = hf_and_ours
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
+    hf_bf16 = DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 96, (97,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        hf_error = _relative_error(hf_bf16(ids[None]).logits[0].float(), ref)
+    our_error = _relative_error(ours(PackedBatch.from_sequences([ids.tolist()])), ref)
+    assert our_error <= 1.25 * hf_error
