@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.layers.quant import quantize_fp4, quantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4
-from dsinfer.models.loader import INDEX_FILE
+from dsinfer.models.loader import INDEX_FILE, parameter_dtype
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_VOCAB_SIZE = 512
@@ -79,24 +79,46 @@ def storage_format(name: str, config: ModelConfig) -> str:
 @torch.no_grad()
 def randomize_(model: DeepseekV4, seed: int) -> DeepseekV4:
     """Fill every weight with seeded random values that keep activations O(1) through the stack."""
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     cfg = model.config
+
+    def normal(shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device)
+
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("tid2eid"):
-            picks = torch.rand(tensor.shape[0], cfg.n_routed_experts, generator=generator).argsort(dim=-1)
-            tensor.copy_(picks[:, : tensor.shape[1]].to(tensor.dtype))
+            scores = torch.rand(tensor.shape[0], cfg.n_routed_experts, generator=generator, device=device)
+            tensor.copy_(scores.argsort(dim=-1)[:, : tensor.shape[1]].to(tensor.dtype))
         elif name.endswith("norm.weight"):
-            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(1 + 0.1 * normal(tensor.shape))
         elif name.endswith(("_scale", "hc_head_scale")):
-            tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+            tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator, device=device))
         elif name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
-            tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(0.5 * normal(tensor.shape))
         elif tensor.dim() == 2:
             std = 1.0 if name.endswith("embed.weight") else tensor.shape[1] ** -0.5
-            tensor.copy_(std * torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(std * normal(tensor.shape))
         else:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(normal(tensor.shape))
     return model
+
+
+def build_random_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> DeepseekV4:
+    """A random-weight model straight from a config, on any device: for measuring shapes without weights."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: a full-width fp32 copy would not fit
+    try:
+        with torch.device(device):
+            model = randomize_(DeepseekV4(config), seed)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            param.data = param.data.to(parameter_dtype(name, param, dtype))
+    return model.requires_grad_(False).eval()
 
 
 def quantize_like_checkpoint(model: DeepseekV4) -> dict[str, torch.Tensor]:
