@@ -63,16 +63,16 @@ def run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with torch.inference_mode():
         for _ in tqdm(range(args.max_tokens), desc="Generating", unit="step"):
-            batch = PackedBatch.from_sequences([s + g for s, g in zip(sequences, generated)], device=device)
-            next_tokens = model(batch, logits_for=batch.last_token_indices()).argmax(-1).tolist()
-            for i, token in enumerate(next_tokens):
-                if not finished[i]:
-                    generated[i].append(token)
-                    finished[i] = token == tokenizer.eos_id
-            if all(finished):
+            active = [i for i, done in enumerate(finished) if not done]
+            if not active:
                 break
+            batch = PackedBatch.from_sequences([sequences[i] + generated[i] for i in active], device=device)
+            next_tokens = model(batch, logits_for=batch.last_token_indices()).argmax(-1).tolist()
+            for i, token in zip(active, next_tokens, strict=True):
+                generated[i].append(token)
+                finished[i] = token == tokenizer.eos_id
     elapsed = time.perf_counter() - start
-    for prompt, tokens in zip(prompts, generated):
+    for prompt, tokens in zip(prompts, generated, strict=True):
         print(f"{prompt!r} -> {tokenizer.decode(tokens, skip_special_tokens=True)!r}")
     total = sum(len(g) for g in generated)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, full recompute per step)")
