@@ -6,7 +6,8 @@ visible compressed entries. A learned per-head sink joins the softmax denominato
 rope slice is rotated back, then a grouped low-rank projection (``wo_a`` per head group, ``wo_b``)
 returns to the hidden size.
 
-This is the reference path: exact, readable, quadratic in sequence length.
+This is the reference path: exact, readable, quadratic in the number of new tokens per sequence.
+The window and compressed entries of earlier tokens come from the cache named by the batch metadata.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.layers.compressor import Compressor, visible_entries
+from dsinfer.engine.kv_cache import LayerCache
+from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.batch import PackedBatch
+from dsinfer.models.batch import PackedBatch, SequenceSpan
 
 
 class Attention(nn.Module):
@@ -49,8 +51,9 @@ class Attention(nn.Module):
             if overlap:
                 self.indexer = Indexer(config)
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
+        layer_cache = batch.cache.layers[layer_id]
         cos, sin = rope_angles(batch.positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
@@ -58,39 +61,63 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
 
         outputs = []
-        for span in batch.sequence_slices():
-            positions = batch.positions[span]
-            compressed, compressed_visible = self._compressed_entries(x[span], q_latent[span], positions, inv_freq)
-            outputs.append(self._attend(q[span], kv[span], positions, compressed, compressed_visible))
+        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
+            positions = batch.positions[tokens]
+            compressed, visible = self._compressed_entries(
+                x[tokens], q_latent[tokens], positions, span, layer_cache, inv_freq
+            )
+            window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
+            outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
         out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
         return self._project_out(out)
 
+    def _window(
+        self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, ring: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of the window: cached ones from the sequence's ring, then the new ones; updates the ring."""
+        first_cached = max(span.window_from, span.start - self.window + 1)
+        cached_positions = torch.arange(first_cached, span.start, device=kv.device)
+        keys = torch.cat([ring[span.slot, cached_positions % self.window].to(kv.dtype), kv])
+        key_positions = torch.cat([cached_positions, positions])
+        recent = slice(max(0, kv.shape[0] - self.window), None)
+        ring[span.slot, positions[recent] % self.window] = kv[recent].to(ring.dtype)
+        return keys, key_positions
+
     def _compressed_entries(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        span: SequenceSpan,
+        layer_cache: LayerCache,
+        inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Compressed KV of one sequence and the [S, W] mask of entries each query sees."""
+        """All compressed entries of one sequence (after adding the new tokens) and the [n, W] visibility mask."""
         if self.compressor is None:
             return None, None
-        compressed = self.compressor(x, inv_freq)
+        self.compressor.update(x, positions, span, layer_cache.compressor, inv_freq)
+        count = (span.start + span.length) // self.compress_ratio
+        compressed = read_entries(layer_cache.compressor, span.block_table, count)
         if self.indexer is not None:
-            return compressed, self.indexer(x, q_latent, positions, inv_freq)
-        entry = torch.arange(compressed.shape[0], device=x.device)
+            return compressed, self.indexer(x, q_latent, positions, span, layer_cache.indexer, inv_freq)
+        entry = torch.arange(count, device=x.device)
         return compressed, entry < visible_entries(positions, self.compress_ratio)[:, None]
 
     def _attend(
         self,
         q: torch.Tensor,
-        kv: torch.Tensor,
         positions: torch.Tensor,
+        window_kv: torch.Tensor,
+        window_positions: torch.Tensor,
         compressed: torch.Tensor | None,
         compressed_visible: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Softmax attention of one sequence's queries [S, H, D] over its window and compressed entries."""
-        distance = positions[:, None] - positions[None, :]
+        """Softmax attention of one sequence's queries [n, H, D] over its window and compressed entries."""
+        distance = positions[:, None] - window_positions[None, :]
         window_visible = (distance >= 0) & (distance < self.window)
-        keys, visible = kv, window_visible
+        keys, visible = window_kv, window_visible
         if compressed is not None:
-            keys = torch.cat([kv, compressed.to(kv.dtype)])
+            keys = torch.cat([window_kv, compressed.to(window_kv.dtype)])
             visible = torch.cat([window_visible, compressed_visible], dim=1)
         logits = torch.einsum("shd,kd->hsk", q, keys).float() * self.softmax_scale
         logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))

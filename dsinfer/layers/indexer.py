@@ -1,8 +1,8 @@
 """The lightning indexer of CSA layers: pick, per query, the compressed entries worth attending to.
 
 score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w), with its own ratio-4 compressor for the keys
-``k_w`` and its own query projection from the attention's low-rank query; only the ``index_topk`` best
-visible entries survive.
+``k_w`` (cached like the main entries) and its own query projection from the attention's low-rank query;
+only the ``index_topk`` best visible entries survive.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.layers.compressor import Compressor, visible_entries
+from dsinfer.engine.kv_cache import CompressorCache
+from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.models.batch import SequenceSpan
 
 
 class Indexer(nn.Module):
@@ -28,19 +30,26 @@ class Indexer(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        span: SequenceSpan,
+        cache: CompressorCache,
+        inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        """Boolean [S, W] mask of the compressed entries each query of one sequence attends to."""
-        keys = self.compressor(x, inv_freq).float()  # [W, head_dim]
-        n_entries = keys.shape[0]
+        """Boolean [n, W] mask of the compressed entries each new query of one sequence attends to."""
+        self.compressor.update(x, positions, span, cache, inv_freq)
+        n_entries = (span.start + span.length) // self.ratio
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
+        keys = read_entries(cache, span.block_table, n_entries).float()
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         cos, sin = rope_angles(positions, inv_freq)
         q = apply_rope(q, cos, sin).float()
         per_head = F.relu(torch.einsum("shd,wd->shw", q, keys)) * self.head_dim**-0.5
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [S, W]
+        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
         visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, n_entries), dim=-1).indices

@@ -1,44 +1,81 @@
-"""The packed batch the model's forward takes: new tokens of many sequences laid end to end."""
+"""The packed batch the model's forward takes: new tokens of many sequences laid end to end, plus metadata.
+
+Each sequence contributes the tokens it has not run yet (a whole prompt, a prefill chunk, or one decode
+token) and a :class:`SequenceSpan` saying where they start, which state slot and blocks of the
+:class:`~dsinfer.engine.kv_cache.KVCache` hold its earlier tokens. A whole prompt with no engine around is
+the special case of a fresh scratch cache and spans that start at 0.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
+
+from dsinfer.config import ModelConfig
+from dsinfer.engine.kv_cache import KVCache
+
+
+@dataclass
+class SequenceSpan:
+    start: int  # position of the first new token; positions before it are already in the cache
+    length: int  # number of new tokens in this batch
+    slot: int  # the sequence's state slot (window ring, unfinished compressor windows)
+    block_table: list[int]  # blocks holding compressed entries, in position order
+    reuse_below: int = 0  # entries of windows ending at or before this position are stored already (prefix hit)
+    window_from: int = 0  # oldest position whose window KV is in the ring (later than 0 after a prefix hit)
 
 
 @dataclass
 class PackedBatch:
-    """Tokens of several sequences concatenated, plus where each sequence starts and ends.
-
-    ``positions`` are absolute positions inside each sequence. Every sequence here starts at position 0
-    (a whole prompt, no cache); the cache manager extends this object with slot and block tables.
-    """
-
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    seq_lens: list[int]
+    spans: list[SequenceSpan]
+    cache: KVCache | None
+    _slices: list[slice] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for span in self.spans:
+            self._slices.append(slice(offset, offset + span.length))
+            offset += span.length
+        if offset != self.input_ids.shape[0]:
+            raise ValueError(f"spans cover {offset} tokens but the batch holds {self.input_ids.shape[0]}")
 
     @classmethod
     def from_sequences(cls, sequences: list[list[int]], device: torch.device | str = "cpu") -> PackedBatch:
+        """Whole sequences from position 0; the model gives them a scratch cache when it runs them."""
         if not sequences or any(len(s) == 0 for s in sequences):
             raise ValueError("every sequence in a batch needs at least one token")
+        lengths = [len(s) for s in sequences]
+        spans = [SequenceSpan(0, length, slot, []) for slot, length in enumerate(lengths)]
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
-        return cls(input_ids=ids, positions=positions, seq_lens=[len(s) for s in sequences])
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        return cls(ids, positions, spans, None)
+
+    def attach_scratch_cache(self, config: ModelConfig, dtype: torch.dtype, with_mtp: bool) -> None:
+        """Give a batch of fresh sequences a throw-away cache and consecutive blocks."""
+        if any(span.start for span in self.spans):
+            raise ValueError("only sequences starting at position 0 can run without an engine cache")
+        self.cache = KVCache.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
+        next_block = 0
+        for span in self.spans:
+            blocks = math.ceil(span.length / self.cache.block_tokens)
+            span.block_table = list(range(next_block, next_block + blocks))
+            next_block += blocks
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def seq_lens(self) -> list[int]:
+        return [span.length for span in self.spans]
+
     def sequence_slices(self) -> list[slice]:
         """Token ranges of each sequence inside the packed tensors."""
-        slices, start = [], 0
-        for length in self.seq_lens:
-            slices.append(slice(start, start + length))
-            start += length
-        return slices
+        return self._slices
 
     def last_token_indices(self) -> torch.Tensor:
-        ends = torch.tensor(self.seq_lens, device=self.input_ids.device).cumsum(0)
-        return ends - 1
+        return torch.tensor([s.stop - 1 for s in self._slices], device=self.input_ids.device)

@@ -46,7 +46,7 @@ class Block(nn.Module):
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
             cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
         )  # fmt: skip
-        attn_out = self.attn(self.attn_norm(collapse_streams(streams, pre)), batch, inv_freq)
+        attn_out = self.attn(self.attn_norm(collapse_streams(streams, pre)), batch, inv_freq, self.layer_id)
         streams = expand_streams(attn_out, streams, post, comb)
         pre, post, comb = hyper_connection_weights(
             streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,

@@ -59,6 +59,8 @@ class DeepseekV4(nn.Module):
 
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""
+        if batch.cache is None:
+            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
         embedded = self.embed(batch.input_ids)
         streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:

@@ -1,0 +1,155 @@
+"""The caches DeepSeek-V4 keeps per sequence, owned here and written by the layers through the batch metadata.
+
+Two kinds of memory:
+
+* **Per-sequence state slots** (one per running sequence, ``num_slots`` of them): each layer's 128-token
+  window of K=V vectors (a ring indexed by ``position % window``) and each compressor's unfinished window
+  (``pending``: projected values and gates of tokens not yet pooled) plus, for overlapping (CSA)
+  compressors, the last complete window (its ``Ca`` half feeds the next entry).
+* **Compressed entries in blocks** (``num_blocks`` shared, reference-counted by the block manager): a block
+  covers ``block_tokens`` token positions and holds, for every compressed layer, the ``block_tokens / ratio``
+  entries those positions produce (CSA and HCA KV, indexer keys). A sequence's block table lists its blocks
+  in position order; full blocks can be shared between sequences with the same prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.config import ModelConfig
+
+
+@dataclass
+class CompressorCache:
+    """State of one compressor (a layer's main compressor or its indexer's) across all slots and blocks."""
+
+    ratio: int
+    dim: int
+    overlap: bool
+    pending_values: torch.Tensor  # [slots, ratio, width]
+    pending_gates: torch.Tensor  # [slots, ratio, width]
+    previous_values: torch.Tensor | None  # [slots, ratio, width]: last complete window (overlap only)
+    previous_gates: torch.Tensor | None
+    entries: torch.Tensor  # [blocks, block_tokens // ratio, dim]
+
+
+@dataclass
+class LayerCache:
+    window: torch.Tensor  # [slots, window, head_dim]
+    compressor: CompressorCache | None
+    indexer: CompressorCache | None
+
+
+def attention_layer_ratios(config: ModelConfig, with_mtp: bool) -> list[int]:
+    """Compression ratio of every attention layer that needs a cache (MTP layers are window-only)."""
+    extra = config.num_nextn_predict_layers if with_mtp else 0
+    return list(config.compress_ratios) + [0] * extra
+
+
+def block_tokens_for(config: ModelConfig, requested: int | None = None) -> int:
+    """Block size in tokens: a multiple of every compression ratio so entries never straddle blocks."""
+    step = math.lcm(config.csa_ratio, config.hca_ratio)
+    if requested is None:
+        return step
+    if requested <= 0 or requested % step:
+        raise ValueError(f"block_tokens: must be a positive multiple of {step} (the ratios' lcm), got {requested}")
+    return requested
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Bytes each cache kind costs: per state slot (window + compressor windows) and per block."""
+
+    config: ModelConfig
+    ratios: tuple[int, ...]
+    block_tokens: int
+    element_bytes: int
+
+    def slot_bytes(self) -> int:
+        cfg, total = self.config, 0
+        for ratio in self.ratios:
+            total += cfg.sliding_window * cfg.head_dim
+            if ratio:
+                overlap = ratio == cfg.csa_ratio
+                width = (2 if overlap else 1) * cfg.head_dim
+                total += (4 if overlap else 2) * ratio * width
+                if overlap:
+                    total += 4 * ratio * 2 * cfg.index_head_dim
+        return total * self.element_bytes
+
+    def block_bytes(self) -> int:
+        cfg, total = self.config, 0
+        for ratio in self.ratios:
+            if ratio:
+                total += self.block_tokens // ratio * cfg.head_dim
+                if ratio == cfg.csa_ratio:
+                    total += self.block_tokens // ratio * cfg.index_head_dim
+        return total * self.element_bytes
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Compressed-cache bytes per token position, by kind (what grows with context length)."""
+        cfg, out = self.config, {"csa_kv": 0.0, "hca_kv": 0.0, "indexer_keys": 0.0}
+        for ratio in self.ratios:
+            if ratio == cfg.csa_ratio:
+                out["csa_kv"] += cfg.head_dim / ratio * self.element_bytes
+                out["indexer_keys"] += cfg.index_head_dim / ratio * self.element_bytes
+            elif ratio:
+                out["hca_kv"] += cfg.head_dim / ratio * self.element_bytes
+        return out
+
+
+class KVCache:
+    """All cache tensors of one model replica; the layers index it by layer id."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ratios: list[int],
+        num_slots: int,
+        num_blocks: int,
+        block_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.config, self.num_slots, self.num_blocks, self.block_tokens = config, num_slots, num_blocks, block_tokens
+        self.layout = CacheLayout(config, tuple(ratios), block_tokens, torch.finfo(dtype).bits // 8)
+        self.layers = [self._layer(ratio, num_slots, num_blocks, dtype, device) for ratio in ratios]
+
+    def _layer(self, ratio: int, slots: int, blocks: int, dtype: torch.dtype, device) -> LayerCache:
+        cfg = self.config
+        window = torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+        if not ratio:
+            return LayerCache(window, None, None)
+        overlap = ratio == cfg.csa_ratio
+        compressor = self._compressor(ratio, cfg.head_dim, overlap, slots, blocks, dtype, device)
+        indexer = self._compressor(ratio, cfg.index_head_dim, True, slots, blocks, dtype, device) if overlap else None
+        return LayerCache(window, compressor, indexer)
+
+    def _compressor(self, ratio, dim, overlap, slots, blocks, dtype, device) -> CompressorCache:
+        width = (2 if overlap else 1) * dim
+
+        def state() -> torch.Tensor:
+            return torch.zeros(slots, ratio, width, dtype=dtype, device=device)
+
+        return CompressorCache(
+            ratio=ratio,
+            dim=dim,
+            overlap=overlap,
+            pending_values=state(),
+            pending_gates=state(),
+            previous_values=state() if overlap else None,
+            previous_gates=state() if overlap else None,
+            entries=torch.zeros(blocks, self.block_tokens // ratio, dim, dtype=dtype, device=device),
+        )
+
+    @classmethod
+    def scratch(
+        cls, config: ModelConfig, seq_lens: list[int], dtype: torch.dtype, device, with_mtp: bool = True
+    ) -> KVCache:
+        """A throw-away cache just big enough for whole sequences run from position 0 (no engine)."""
+        block_tokens = block_tokens_for(config)
+        blocks = sum(math.ceil(n / block_tokens) for n in seq_lens)
+        return cls(config, attention_layer_ratios(config, with_mtp), len(seq_lens), blocks, block_tokens, dtype, device)
