@@ -1,0 +1,69 @@
+"""A sequence: one completion of one request, moving through waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dsinfer.engine.sampler import SamplingState
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    sampling: SamplingState
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Cache bookkeeping, owned by the scheduler and block manager.
+    num_computed: int = 0  # positions whose KV is in the cache (the model has run them)
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # content hashes of the leading computed blocks
+    reuse_below: int = 0  # prefix-cache hit: entries for windows ending at or before this position are shared
+    window_from: int = 0  # oldest position whose window KV the ring holds
+    num_preemptions: int = 0
+    # Results.
+    text: str = ""
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.sampling.output_token_ids = self.output_token_ids  # one list, shared with the sampler's view
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def reset_cache_state(self) -> None:
+        """Forget everything cached (preemption by recompute): the tokens stay, their KV is rebuilt later."""
+        self.num_computed = 0
+        self.slot = None
+        self.block_table = []
+        self.block_hashes = []
+        self.reuse_below = 0
+        self.window_from = 0

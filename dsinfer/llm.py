@@ -1,0 +1,54 @@
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsinfer.config import EngineConfig
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.models.loader import load_model
+from dsinfer.models.tiny import default_model_dir
+from dsinfer.sampling_params import SamplingParams
+from dsinfer.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLM:
+    """Load a checkpoint (default: the embedded tiny model) and generate for batches of prompts."""
+
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options) -> None:
+        config = replace(config or EngineConfig(), **options)
+        model_dir = Path(model) if model is not None else default_model_dir()
+        if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: no CUDA device is available")
+        network = load_model(model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.engine = LLMEngine(network, self.tokenizer, config)
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in ids]
