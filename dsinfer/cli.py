@@ -8,15 +8,13 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dsinfer.config import ConfigError
-from dsinfer.models.batch import PackedBatch
-from dsinfer.models.loader import CheckpointError, load_model
-from dsinfer.models.tiny import default_model_dir, make_tiny_checkpoint
-from dsinfer.tokenizer import Tokenizer, TokenizerLoadError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from dsinfer.llm import DTYPES, LLM
+from dsinfer.models.loader import CheckpointError
+from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.sampling_params import SamplingParams
+from dsinfer.tokenizer import TokenizerLoadError
 
 
 def _positive_int(text: str) -> int:
@@ -33,10 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description="DeepSeek-V4 inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="greedy text completion with the reference model")
+    generate = commands.add_parser("generate", help="complete prompts offline through the engine")
     generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     generate.add_argument("--max-tokens", type=_positive_int, default=32, help="new tokens per prompt")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--max-num-seqs", type=_positive_int, default=16)
+    generate.add_argument("--max-model-len", type=_positive_int, default=None)
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -49,33 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Greedy decoding by full recomputation: the simplest correct loop, until the engine takes over."""
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    model = load_model(model_dir, dtype=DTYPES[args.dtype], device=device)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    """Generate completions for the prompts through the engine (continuous batching, paged caches)."""
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    options = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    llm = LLM(args.model, **options)
     prompts = args.prompt or ["The quick brown fox"]
-    sequences = [[tokenizer.bos_id, *tokenizer.encode(p, allow_special=False)] for p in prompts]
-    generated: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
     start = time.perf_counter()
-    with torch.inference_mode():
-        for _ in tqdm(range(args.max_tokens), desc="Generating", unit="step"):
-            active = [i for i, done in enumerate(finished) if not done]
-            if not active:
-                break
-            batch = PackedBatch.from_sequences([sequences[i] + generated[i] for i in active], device=device)
-            next_tokens = model(batch, logits_for=batch.last_token_indices()).argmax(-1).tolist()
-            for i, token in zip(active, next_tokens, strict=True):
-                generated[i].append(token)
-                finished[i] = token == tokenizer.eos_id
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    for prompt, tokens in zip(prompts, generated, strict=True):
-        print(f"{prompt!r} -> {tokenizer.decode(tokens, skip_special_tokens=True)!r}")
-    total = sum(len(g) for g in generated)
-    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, full recompute per step)")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"{prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)")
     return 0
 
 
