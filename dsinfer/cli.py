@@ -1,4 +1,4 @@
-"""The ``dsinfer`` command line: ``generate`` and ``make-tiny`` (serve, bench and eval arrive with their issues)."""
+"""The ``dsinfer`` command line: ``serve``, ``generate`` and ``make-tiny`` (bench and eval arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.config import ConfigError
+from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
@@ -44,6 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=16)
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    serve.add_argument("--max-model-len", type=_positive_int, default=None)
+    serve.add_argument("--data-parallel-size", type=int, default=1)
+    serve.add_argument("--expert-parallel-size", type=int, default=1)
+    serve.add_argument("--context-parallel-size", type=int, default=1)
+    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
+    serve.add_argument("--max-queue", type=_positive_int, default=None, help="waiting requests before 429")
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
     tiny = commands.add_parser("make-tiny", help="write a tiny random V4 checkpoint directory")
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -72,6 +89,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from dsinfer.server.launch import ServeOptions, serve
+
+    options = ServeOptions(
+        model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, data_parallel_size=args.data_parallel_size,
+        expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
+        request_timeout=args.request_timeout, max_queue=args.max_queue,
+    )  # fmt: skip
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+    )  # fmt: skip
+    serve(options, engine)
+    return 0
+
+
 def run_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_checkpoint(args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant)
     print(f"wrote a tiny DeepSeek-V4 checkpoint to {path}")
@@ -80,7 +114,7 @@ def run_make_tiny(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": run_generate, "make-tiny": run_make_tiny}
+    handlers = {"generate": run_generate, "serve": run_serve, "make-tiny": run_make_tiny}
     try:
         return handlers[args.command](args)
     except (CheckpointError, ConfigError, TokenizerLoadError, ValueError) as exc:

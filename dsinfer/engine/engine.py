@@ -192,8 +192,10 @@ class LLMEngine:
         ]
         finished_times = [s.finish_time for s in sequences]
         first_tokens = [s.first_token_time for s in sequences if s.first_token_time is not None]
+        scheduled = [s.first_scheduled_time for s in sequences if s.first_scheduled_time is not None]
         metrics = RequestMetrics(
             first.arrival_time,
+            min(scheduled) if scheduled else None,
             min(first_tokens) if first_tokens else None,
             max(finished_times) if all(t is not None for t in finished_times) else None,
         )

@@ -18,12 +18,17 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float | None
 
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def latency(self) -> float | None:

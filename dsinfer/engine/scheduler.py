@@ -10,6 +10,7 @@ will need.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -90,6 +91,8 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed + count)
             seq.slot = self.free_slots.pop()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, count))
             budget -= count

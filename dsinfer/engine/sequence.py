@@ -37,6 +37,7 @@ class Sequence:
     # Results.
     text: str = ""
     finish_reason: str | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -1,0 +1,210 @@
+"""The engine in its own thread, fed by the HTTP side through a command queue, answering through asyncio queues.
+
+HTTP handlers never call the engine directly: they post "add" and "abort" commands and await their request's
+channel. The engine thread applies commands between steps, steps while there is work, delivers each
+request's outputs to its channel, ends requests past their deadline, and keeps the metrics current. A client
+that goes away aborts its request, which frees its cache before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.sampling_params import SamplingParams
+from dsinfer.server.metrics import ServerMetrics
+
+log = logging.getLogger("dsinfer.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; the server can no longer generate."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``--max-queue`` allows."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran longer than ``--request-timeout``."""
+
+
+@dataclass
+class _Channel:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deadline: float | None
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    tokens_seen: dict[int, int] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        max_queue: int | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.max_queue, self.request_timeout = max_queue, request_timeout
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._channels: dict[str, _Channel] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._pending_adds = 0
+        self._exported_prefix = (0, 0)  # prefix-cache counters already added to the metrics
+        self.alive = False
+        self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.alive = True
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout=30)
+        self.alive = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    # ---- the HTTP side -----------------------------------------------------------------------
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iteration early (disconnect, cancel) aborts the request."""
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped; see the server log")
+        if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue})")
+        request_id = f"req-{next(self._ids)}"
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        channel = _Channel(asyncio.get_running_loop(), asyncio.Queue(), deadline)
+        self._channels[request_id] = channel
+        self._pending_adds += 1
+        self._post(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while True:
+                item = await channel.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._post(("abort", request_id))
+            self._channels.pop(request_id, None)
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                self._apply_commands()
+                self._expire_overdue()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._deliver_outputs(outputs)
+                self._update_gauges()
+        except Exception as exc:  # an engine bug: fail every request loudly, report unhealthy
+            log.exception("engine thread failed")
+            self.alive = False
+            for channel in list(self._channels.values()):
+                self._send(channel, EngineDeadError(f"the engine failed: {exc}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind, request_id = command[0], command[1]
+            if kind == "add":
+                self._pending_adds -= 1
+                channel = self._channels.get(request_id)
+                if channel is None:
+                    continue  # the client left before the request started
+                try:
+                    self.engine.add_request(command[2], command[3], request_id=request_id)
+                except ValueError as exc:
+                    self._send(channel, exc)
+            elif kind == "abort":
+                self.engine.abort(request_id)
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        for request_id, channel in list(self._channels.items()):
+            if channel.deadline is not None and now > channel.deadline and request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self._send(
+                    channel, RequestTimeoutError(f"request exceeded --request-timeout ({self.request_timeout} s)")
+                )
+                self.metrics.request_success.labels(self.metrics.model_name, "timeout").inc()
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        m, name, now = self.metrics, self.metrics.model_name, time.monotonic()
+        for output in outputs:
+            channel = self._channels.get(output.request_id)
+            new_tokens = 0
+            for completion in output.outputs:
+                seen = channel.tokens_seen.get(completion.index, 0) if channel else 0
+                count = len(completion.token_ids)
+                if channel and count > seen:
+                    last = channel.last_token_time.get(completion.index)
+                    if last is not None:
+                        m.itl.labels(name).observe(now - last)
+                    channel.last_token_time[completion.index] = now
+                    channel.tokens_seen[completion.index] = count
+                new_tokens += max(0, count - seen)
+            m.generation_tokens.labels(name).inc(new_tokens)
+            if output.finished:
+                self._record_finished(output)
+            if channel is not None:
+                self._send(channel, output)
+
+    def _record_finished(self, output: RequestOutput) -> None:
+        m, name, metrics = self.metrics, self.metrics.model_name, output.metrics
+        m.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            m.request_success.labels(name, completion.finish_reason or "unknown").inc()
+        if metrics.time_to_first_token is not None:
+            m.ttft.labels(name).observe(metrics.time_to_first_token)
+        if metrics.latency is not None:
+            m.e2e.labels(name).observe(metrics.latency)
+        if metrics.queue_time is not None:
+            m.queue_time.labels(name).observe(metrics.queue_time)
+
+    def _update_gauges(self) -> None:
+        m, name, engine = self.metrics, self.metrics.model_name, self.engine
+        m.running.labels(name).set(len(engine.scheduler.running))
+        m.waiting.labels(name).set(len(engine.scheduler.waiting))
+        m.blocks_in_use.labels(name).set(engine.blocks.num_used)
+        m.cache_usage.labels(name).set(engine.blocks.num_used / max(engine.blocks.num_blocks, 1))
+        m.prefix_queries.labels(name).inc(engine.blocks.prefix_queries - self._exported_prefix[0])
+        m.prefix_hits.labels(name).inc(engine.blocks.prefix_hits - self._exported_prefix[1])
+        self._exported_prefix = (engine.blocks.prefix_queries, engine.blocks.prefix_hits)
+
+    @staticmethod
+    def _send(channel: _Channel, item) -> None:
+        channel.loop.call_soon_threadsafe(channel.queue.put_nowait, item)

@@ -1,0 +1,76 @@
+"""``dsinfer serve``: load the model, start the engine thread, run the HTTP server until SIGTERM / Ctrl-C.
+
+On SIGTERM uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish
+(up to ``drain_timeout`` seconds); then the engine thread stops and the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from dsinfer.config import ConfigError, EngineConfig
+from dsinfer.llm import LLM
+from dsinfer.server.app import ServerSettings, build_app
+from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServeOptions:
+    model: str | None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    context_parallel_size: int = 1
+    request_timeout: float | None = None
+    max_queue: int | None = None
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+
+
+def check_parallelism(options: ServeOptions) -> None:
+    """DP attention x CP must tile the EP group exactly (the DeepInfer layout)."""
+    dp, ep, cp = options.data_parallel_size, options.expert_parallel_size, options.context_parallel_size
+    for name, value in (("--data-parallel-size", dp), ("--expert-parallel-size", ep), ("--context-parallel-size", cp)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if dp * cp != ep:
+        raise ConfigError(
+            f"--data-parallel-size x --context-parallel-size must equal --expert-parallel-size; got {dp} x {cp} != {ep}"
+        )
+    if ep > 1:
+        raise ConfigError(f"--expert-parallel-size {ep}: multi-rank serving is not available yet; use 1")
+
+
+def build_server(options: ServeOptions, engine_config: EngineConfig):
+    """The FastAPI app and its engine thread (not started), ready for uvicorn."""
+    check_parallelism(options)
+    llm = LLM(options.model, engine_config)
+    name = options.served_model_name or (Path(options.model).name if options.model else "dsinfer-tiny-v4")
+    metrics = ServerMetrics(name)
+    engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
+    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len)
+    return build_app(engine, llm.tokenizer, settings), engine
+
+
+def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, engine = build_server(options, engine_config)
+    engine.start()
+    try:
+        uvicorn.run(
+            app,
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
+            timeout_graceful_shutdown=options.drain_timeout,
+        )
+    finally:
+        engine.stop()

@@ -1,0 +1,47 @@
+"""Prometheus metrics of the server, vLLM-style names under the ``dsinfer:`` prefix.
+
+Each server owns its registry, so several servers (tests) in one process never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"dsinfer:{name}", doc, labels, registry=reg)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"dsinfer:{name}", doc, labels + (extra or []), registry=reg)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"dsinfer:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=reg)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
+        self.cache_usage = gauge("kv_cache_usage_perc", "Fraction of compressed-cache blocks in use (0-1)")
+        self.blocks_in_use = gauge("kv_cache_blocks_in_use", "Compressed-cache blocks referenced by sequences")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling")
+        self.prefix_queries = counter("prefix_cache_queries", "Cache blocks looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Cache blocks found in the prefix cache")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative draft rounds")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        self.model_name = model_name
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):  # fmt: skip
+            metric.labels(model_name)  # export zeros from the start

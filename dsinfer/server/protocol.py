@@ -1,0 +1,201 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic). Unknown request fields are ignored."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dsinfer.sampling_params import SamplingParams
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value):
+        if isinstance(value, list):
+            for part in value:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        return value
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(Lenient):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class SamplingFields(Lenient):
+    """Fields shared by chat and text completions that map onto :class:`SamplingParams`."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+        """Build validated SamplingParams (``ValueError`` names the field on bad values)."""
+        values: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [],
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return SamplingParams(**values)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value):
+        if not value:
+            raise ValueError("messages must contain at least one message")
+        return value
+
+    def thinking(self) -> bool:
+        """Thinking mode: asked for in chat_template_kwargs (thinking / enable_thinking) or by reasoning_effort."""
+        kwargs = self.chat_template_kwargs or {}
+        for key in ("thinking", "enable_thinking"):
+            if key in kwargs:
+                return bool(kwargs[key])
+        return self.reasoning_effort is not None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class TokenizeRequest(Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: Any = None):
+    """OpenAI-style error JSON."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
