@@ -7,9 +7,10 @@ what they are given, and a user gets one message naming the field instead of a c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing logits by a vanishing temperature
 # only approaches argmax while risking overflow, so we take argmax directly.
@@ -17,6 +18,73 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's documented range for presence_penalty and frequency_penalty.
 OPENAI_PENALTY_RANGE = (-2.0, 2.0)
+
+StructuredOutputKind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on the text of a completion: a JSON schema, any JSON object, a regex or an EBNF grammar.
+
+    ``spec`` is the JSON schema (a dict, or its JSON text) for ``json_schema``, the pattern for ``regex``, the
+    EBNF text (GBNF dialect, root rule ``root``) for ``grammar``, and None for ``json_object``. The spec is
+    parsed by xgrammar when the object is built, so a bad one is a ``ValueError`` naming the problem at the
+    edge (the server's 400), never a failure inside an engine step.
+    """
+
+    kind: StructuredOutputKind
+    spec: str | dict | None = None
+    # The constraint applies only after this token has been generated (``</think>`` in thinking mode).
+    start_after_token: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def spec_text(self) -> str:
+        """The spec as one string: a dict schema as its JSON text (property order kept: it steers generation)."""
+        if self.spec is None:
+            return ""
+        return self.spec if isinstance(self.spec, str) else json.dumps(self.spec, ensure_ascii=False)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """Identifies the compiled grammar: two requests with equal keys share one compilation."""
+        return (self.kind, self.spec_text)
+
+    def validate(self) -> None:
+        """Raise ValueError naming what is wrong with ``kind`` or ``spec`` (xgrammar's own words for a bad spec)."""
+        kinds = get_args(StructuredOutputKind)
+        if self.kind not in kinds:
+            raise ValueError(f"structured_output.kind must be one of {', '.join(kinds)}; got {self.kind!r}")
+        if self.kind == "json_object":
+            if self.spec is not None:
+                raise ValueError("structured_output.spec must be None for kind 'json_object'")
+        elif self.kind == "json_schema":
+            self._validate_schema_shape()
+        elif not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"structured_output.spec must be a non-empty string for kind {self.kind!r}")
+        # xgrammar costs seconds to import; only requests that ask for structured output pay for it.
+        from dsinfer.engine.structured_output import build_grammar
+
+        build_grammar(self.kind, self.spec_text)
+
+    def _validate_schema_shape(self) -> None:
+        if isinstance(self.spec, str):
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_output.spec is not valid JSON: {exc}") from None
+        elif isinstance(self.spec, dict):
+            schema = self.spec
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"structured_output.spec is not JSON-serialisable: {exc}") from None
+        else:
+            raise ValueError(f"structured_output.spec must be a JSON schema (dict or JSON text), got {self.spec!r}")
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_output.spec must be a JSON schema object, got {schema!r}")
 
 
 @dataclass
@@ -40,6 +108,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs to return per token, 0..20; 0: only the chosen token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None  # constrain the completion to a schema / regex / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +154,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")
 
     def _validate_penalties(self) -> None:
         low, high = OPENAI_PENALTY_RANGE

@@ -49,6 +49,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self.last_step: StepStats | None = None
+        self._grammar_compiler = None  # built on the first structured-output request
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -61,20 +62,27 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
         now = time.monotonic()
-        sequences = [
-            Sequence(
-                request_id,
-                i,
-                list(prompt_ids),
-                make_sampling_state(params, prompt_ids, self.tokenizer.eos_id, sample_index=i),
-                now,
-            )  # fmt: skip
-            for i in range(params.n)
-        ]
+        sequences = []
+        for i in range(params.n):
+            state = make_sampling_state(
+                params, prompt_ids, self.tokenizer.eos_id, sample_index=i, constraint=self._constraint(params)
+            )
+            sequences.append(Sequence(request_id, i, list(prompt_ids), state, now))
         self.requests[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
         return request_id
+
+    def _constraint(self, params: SamplingParams):
+        """A fresh grammar constraint for one sequence, when the request asks for structured output."""
+        wanted = params.structured_output
+        if wanted is None:
+            return None
+        if self._grammar_compiler is None:
+            from dsinfer.engine.structured_output import StructuredOutputCompiler  # xgrammar imports slowly
+
+            self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, vocab_size=self.model.config.vocab_size)
+        return self._grammar_compiler.make_constraint(wanted, start_after_token=wanted.start_after_token)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -140,6 +148,9 @@ class LLMEngine:
     def _append(self, seq: Sequence, result, now: float) -> None:
         token = result.token_ids[0]
         seq.output_token_ids.append(token)
+        constraint = seq.sampling.constraint
+        if constraint is not None:
+            constraint.accept(token)
         if result.logprobs is not None:
             seq.output_logprobs.append(result.logprobs[0])
             seq.output_top_logprobs.append(result.top_logprobs[0] if result.top_logprobs else [])
@@ -148,6 +159,8 @@ class LLMEngine:
         params = seq.sampling.params
         reason = None
         if token in seq.sampling.stop_token_ids and len(seq.output_token_ids) >= params.min_tokens:
+            reason = "stop"
+        elif constraint is not None and constraint.is_terminated():
             reason = "stop"
         seq.text = self._detokenize(seq, drop_last=reason == "stop")
         if reason is None and params.stop and len(seq.output_token_ids) >= params.min_tokens:

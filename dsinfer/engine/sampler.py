@@ -2,7 +2,8 @@
 
 Each row goes through, in this order: penalties (repetition on prompt + output tokens, presence and
 frequency on output tokens) -> stop tokens masked while the output is shorter than ``min_tokens`` ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> an exponential race.
+the structured-output grammar's mask, for rows that have one -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> an exponential race.
 
 Batch invariance is the design constraint. A request's token depends only on its own logits, its own
 generator and how many tokens it has drawn, never on which row it sits in or what else is in the batch:
@@ -16,10 +17,14 @@ import secrets
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # importing xgrammar costs seconds; only requests with structured output need it
+    from dsinfer.engine.structured_output import GrammarConstraint
 
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes 64-bit seeds; wider or negative seeds wrap
 
@@ -33,6 +38,7 @@ class SamplingState:
     output_token_ids: list[int]  # the engine appends each token it accepts
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and params.stop_token_ids
     generator: torch.Generator  # CPU generator owned by this request alone
+    constraint: GrammarConstraint | None = None  # structured output; the engine advances it, we only read it
 
 
 @dataclass
@@ -50,12 +56,14 @@ def make_sampling_state(
     eos_token_id: int | None,
     *,
     sample_index: int = 0,
+    constraint: GrammarConstraint | None = None,
 ) -> SamplingState:
     """Build a request's state: its stop ids and its own generator.
 
     ``sample_index`` tells apart the ``n`` completions of one seeded request: completion ``i`` is seeded with
     ``seed + i``, so they differ from each other yet each replays exactly. Unseeded requests draw a fresh
-    seed from the operating system, so no two requests share a random stream.
+    seed from the operating system, so no two requests share a random stream. ``constraint`` is this
+    completion's own structured-output grammar state (never shared between completions).
     """
     stop_token_ids = set(params.stop_token_ids)
     if eos_token_id is not None and not params.ignore_eos:
@@ -63,7 +71,7 @@ def make_sampling_state(
     seed = secrets.randbits(63) if params.seed is None else params.seed + sample_index
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed % _SEED_MODULUS)
-    return SamplingState(params, list(prompt_token_ids), [], frozenset(stop_token_ids), generator)
+    return SamplingState(params, list(prompt_token_ids), [], frozenset(stop_token_ids), generator, constraint)
 
 
 class Sampler:
@@ -93,6 +101,7 @@ class Sampler:
         scores = logits.float().clone()
         apply_penalties(scores, states)
         suppress_stop_tokens(scores, states)
+        apply_constraints(scores, states)
         token_ids = choose_tokens(scores, states, self._noise_pool)
         return _outputs(logits, token_ids, states)
 
@@ -122,13 +131,25 @@ def suppress_stop_tokens(scores: torch.Tensor, states: list[SamplingState]) -> t
     """Mask the stop token ids of rows whose output is still shorter than ``min_tokens``; in place, returns it.
 
     Ids beyond the vocabulary are ignored: ``stop_token_ids`` come from the user, who cannot know our vocab.
+    A row whose structured-output grammar is complete is left alone: the grammar's end wins over
+    ``min_tokens``, since masking eos there could leave no token at all.
     """
     vocab_size = scores.shape[-1]
     for row, state in enumerate(states):
+        if state.constraint is not None and state.constraint.is_completed():
+            continue
         if len(state.output_token_ids) < state.params.min_tokens:
             blocked = [token_id for token_id in state.stop_token_ids if token_id < vocab_size]
             if blocked:
                 scores[row, torch.tensor(blocked, device=scores.device)] = float("-inf")
+    return scores
+
+
+def apply_constraints(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Mask, in place, the tokens each constrained row's grammar forbids next; returns ``scores``."""
+    for row, state in enumerate(states):
+        if state.constraint is not None:
+            state.constraint.fill_mask(scores[row])
     return scores
 
 

@@ -34,6 +34,9 @@ def chat_options(body: ChatCompletionRequest, tokenizer: Tokenizer, variant: str
             raise ValueError(f"tool_choice names the function {wanted!r}, which is not among the request's tools")
     elif choice == "required" and not tools:
         raise ValueError("tool_choice is 'required' but the request defines no tools")
+    forced = choice == "required" or (choice is not None and not isinstance(choice, str))
+    if forced and thinking:
+        raise ValueError("tool_choice 'required' or a named function cannot be combined with thinking mode")
     response_format = body.response_format.model_dump(by_alias=True) if body.response_format else None
     if response_format and response_format["type"] == "text":
         response_format = None
@@ -46,12 +49,13 @@ def chat_options(body: ChatCompletionRequest, tokenizer: Tokenizer, variant: str
         reasoning_effort=body.reasoning_effort,
         tools=tools or None,
         response_format=response_format,
+        tool_choice="required" if forced else None,
     )
     structured = _structured_output(response_format, tokenizer, thinking)
     tools_enabled = bool(tools)
 
     def parser() -> ResponseParser:
-        return ResponseParser(variant, thinking=thinking, tools_enabled=tools_enabled)
+        return ResponseParser(variant, thinking=thinking, tools_enabled=tools_enabled, starts_in_tool_calls=forced)
 
     return ChatOptions(prompt_ids, thinking, tools_enabled, structured, parser)
 

@@ -1,0 +1,59 @@
+"""Start the real dsinfer server on 127.0.0.1 (uvicorn in a background thread) for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from dsinfer.config import EngineConfig
+from dsinfer.server.launch import ServeOptions, build_server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir, engine_config: EngineConfig | None = None, **options):
+    """Yield the base URL of a live server; shut it down (and its engine thread) afterwards."""
+    port = free_port()
+    serve_options = ServeOptions(model=str(model_dir), port=port, served_model_name="tiny", **options)
+    config = engine_config or EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    app, engine = build_server(serve_options, config)
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        time.sleep(0.05)
+    try:
+        yield base, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.stop()
+
+
+def metric_value(base: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples as the server exports them."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total

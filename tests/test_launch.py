@@ -1,0 +1,35 @@
+"""Serve-time options and the GPUStack backend description."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsinfer.config import ConfigError
+from dsinfer.server.launch import ServeOptions, check_parallelism
+
+BACKEND = Path(__file__).resolve().parents[1] / "deploy" / "gpustack" / "dsinfer-backend.yaml"
+
+
+@pytest.mark.parametrize(("dp", "ep", "cp"), [(2, 4, 1), (1, 2, 1), (4, 4, 2)])
+def test_parallel_sizes_must_tile(dp, ep, cp):
+    with pytest.raises(ConfigError, match=rf"got {dp} x {cp} != {ep}"):
+        check_parallelism(ServeOptions(None, data_parallel_size=dp, expert_parallel_size=ep, context_parallel_size=cp))
+
+
+def test_multi_rank_is_refused_clearly():
+    with pytest.raises(ConfigError, match="multi-rank serving is not available yet"):
+        check_parallelism(ServeOptions(None, data_parallel_size=2, expert_parallel_size=2))
+    check_parallelism(ServeOptions(None))  # the single-rank layout is fine
+
+
+def test_gpustack_backend_runs_dsinfer_serve():
+    backend = yaml.safe_load(BACKEND.read_text())
+    assert backend["health_check_path"] == "/health"
+    command = backend["version_configs"][backend["default_version"]]["run_command"]
+    for placeholder in ("{{model_path}}", "{{port}}", "{{gpu_count}}"):
+        assert placeholder in command and placeholder in backend["default_run_command"]
+    assert command.startswith("dsinfer serve {{model_path}}")
+    assert all(param.startswith("--") for param in backend["default_backend_param"])
