@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
+    bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
+    bench.add_argument("mode", choices=["sweep", "serve"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark (see --help there)")
+    evaluate = commands.add_parser("eval", help="evals: 'run' generates answers, 'grade' judges them")
+    evaluate.add_argument("mode", choices=["run", "grade"])
+    evaluate.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen step (see --help there)")
+
     tiny = commands.add_parser("make-tiny", help="write a tiny random V4 checkpoint directory")
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -106,6 +113,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    if args.mode == "sweep":
+        from dsinfer.bench.sweep import main as sweep_main
+
+        return sweep_main(args.rest)
+    from dsinfer.bench.serving import main as serving_main
+
+    return serving_main(args.rest)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from dsinfer.eval.cli import main as eval_main
+
+    return eval_main([args.mode, *args.rest])
+
+
 def run_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_checkpoint(args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant)
     print(f"wrote a tiny DeepSeek-V4 checkpoint to {path}")
@@ -114,7 +137,13 @@ def run_make_tiny(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": run_generate, "serve": run_serve, "make-tiny": run_make_tiny}
+    handlers = {
+        "generate": run_generate,
+        "serve": run_serve,
+        "bench": run_bench,
+        "eval": run_eval,
+        "make-tiny": run_make_tiny,
+    }
     try:
         return handlers[args.command](args)
     except (CheckpointError, ConfigError, TokenizerLoadError, ValueError) as exc:
