@@ -25,7 +25,7 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
     """Yield the base URL of a live server; shut it down (and its engine thread) afterwards."""
     port = free_port()
     serve_options = ServeOptions(model=str(model_dir), port=port, served_model_name="tiny", **options)
-    config = engine_config or EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    config = engine_config or EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
     app, engine = build_server(serve_options, config)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

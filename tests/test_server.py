@@ -104,7 +104,7 @@ BAD_REQUESTS = [
     ("wrong type", {"model": "tiny", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("negative max_tokens", {"model": "tiny", "messages": CHAT, "max_tokens": -3}, 400, "max_tokens"),
     ("n = 0", {"model": "tiny", "messages": CHAT, "n": 0}, 400, "n"),
-    ("prompt too long", {"model": "tiny", "messages": [{"role": "user", "content": "word " * 700}]}, 400,
+    ("prompt too long", {"model": "tiny", "messages": [{"role": "user", "content": "word " * 1500}]}, 400,
      "maximum context length"),
     ("unknown model", {"model": "gpt-9", "messages": CHAT}, 404, "gpt-9"),
     ("empty messages", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -190,3 +190,30 @@ def test_request_timeout_ends_the_request(tiny_checkpoint):
             "model": "tiny", "messages": CHAT, "max_tokens": 3500, "ignore_eos": True})  # fmt: skip
         assert response.status_code == 408 and "request-timeout" in response.json()["error"]["message"]
         assert metric_value(base, "dsinfer:kv_cache_blocks_in_use") == 0
+
+
+def test_thinking_mode_streams_reasoning(client):
+    kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 10, "temperature": 0, "reasoning_effort": "high"}
+    full = client.chat.completions.create(**kwargs)
+    message = full.choices[0].message
+    # The random model never closes </think>, so everything it writes is reasoning.
+    assert message.reasoning_content and not message.content
+    assert message.reasoning == message.reasoning_content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == message.reasoning_content
+
+
+def test_tools_are_accepted_and_tool_choice_validated(server, client):
+    base, _ = server
+    parameters = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [
+        {"type": "function", "function": {"name": "lookup", "description": "Find a fact", "parameters": parameters}}
+    ]
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "lookup"}}):
+        out = client.chat.completions.create(model="tiny", messages=CHAT, tools=tools, tool_choice=choice, max_tokens=4)
+        assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    body = {"model": "tiny", "messages": CHAT, "tools": tools, "tool_choice": unknown}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "nope" in response.json()["error"]["message"]

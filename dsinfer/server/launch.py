@@ -7,6 +7,7 @@ On SIGTERM uvicorn stops accepting connections and waits for in-flight requests 
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +65,21 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build_server(options, engine_config)
     engine.start()
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level=options.log_level,
+        timeout_graceful_shutdown=options.drain_timeout,
+    )  # fmt: skip
     try:
-        uvicorn.run(
-            app,
-            host=options.host,
-            port=options.port,
-            log_level=options.log_level,
-            timeout_graceful_shutdown=options.drain_timeout,
-        )
+        _DrainingServer(config).run()
     finally:
         engine.stop()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown; a drained server should exit with status 0."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and captured and captured[-1] == sig:
+            captured.pop()
