@@ -8,6 +8,7 @@ offline :class:`~dsinfer.llm.LLM` drives it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from dsinfer.engine.sequence import Sequence
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
+
+log = logging.getLogger("dsinfer.engine")
 
 
 @dataclass
@@ -149,21 +152,27 @@ class LLMEngine:
         token = result.token_ids[0]
         seq.output_token_ids.append(token)
         constraint = seq.sampling.constraint
+        violated = False
         if constraint is not None:
-            constraint.accept(token)
+            try:
+                constraint.accept(token)
+            except ValueError:  # a token the grammar forbids: end this sequence, never the engine
+                log.warning("request %s produced a token its grammar forbids; ending it", seq.request_id)
+                violated = True
         if result.logprobs is not None:
             seq.output_logprobs.append(result.logprobs[0])
             seq.output_top_logprobs.append(result.top_logprobs[0] if result.top_logprobs else [])
         if seq.first_token_time is None:
             seq.first_token_time = now
         params = seq.sampling.params
+        stopped_by_token = token in seq.sampling.stop_token_ids and len(seq.output_token_ids) >= params.min_tokens
+        seq.text = self._detokenize(seq, drop_last=stopped_by_token)
         reason = None
-        if token in seq.sampling.stop_token_ids and len(seq.output_token_ids) >= params.min_tokens:
+        if violated:
+            reason = "abort"
+        elif stopped_by_token or (constraint is not None and constraint.is_terminated()):
             reason = "stop"
-        elif constraint is not None and constraint.is_terminated():
-            reason = "stop"
-        seq.text = self._detokenize(seq, drop_last=reason == "stop")
-        if reason is None and params.stop and len(seq.output_token_ids) >= params.min_tokens:
+        elif params.stop and len(seq.output_token_ids) >= params.min_tokens:
             reason = self._apply_stop_strings(seq, params)
         if reason is None and params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             reason = "length"
