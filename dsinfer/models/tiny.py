@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,5 +183,5 @@ def default_model_dir() -> Path:
         try:
             staging.rename(cache)
         except OSError:  # another process finished first; keep theirs
-            pass
+            shutil.rmtree(staging, ignore_errors=True)
     return cache
