@@ -16,11 +16,10 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 
 import torch
 
-from dsinfer.config import ModelConfig
+from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.models.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import build_random_model, make_tiny_checkpoint
@@ -46,17 +45,6 @@ def time_forward(model, batch: PackedBatch, device: torch.device, repeats: int) 
             synchronize(device)
             times.append(time.perf_counter() - start)
     return times
-
-
-def flash_slice_config(num_layers: int) -> ModelConfig:
-    kinds = [0, 4, 128]
-    return replace(
-        ModelConfig(),
-        num_hidden_layers=num_layers,
-        compress_ratios=tuple(kinds[i % 3] for i in range(num_layers)),
-        num_hash_layers=1,
-        num_nextn_predict_layers=0,
-    )
 
 
 def cuda_matches_cpu(device: torch.device) -> float:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward_v4 import flash_slice_config  # noqa: E402
-
+from dsinfer.bench.shapes import flash_slice_config  # noqa: E402
 from dsinfer.config import EngineConfig  # noqa: E402
 from dsinfer.engine.engine import LLMEngine  # noqa: E402
 from dsinfer.llm import DTYPES  # noqa: E402

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Steady-state engine sweep in DeepInfer's positional form; a thin wrapper over `dsinfer bench sweep`.
+#
+#   scripts/run_sweep.sh MODE TAG [CONTEXT] [NEXTN] [ACCEPT] [-- EXTRA FLAGS...]
+#   scripts/run_sweep.sh decode  ce-128k 131072 3 0.75    # requests per DP rank; nextn=3, 75% acceptance
+#   scripts/run_sweep.sh prefill pe-128k 131072           # batch tokens per step
+#   FLASH_LAYERS=3 DEVICE=cuda POINTS=1,8,32 scripts/run_sweep.sh decode flash3-8k 8192
+#
+# MODE is decode or prefill (DeepInfer's "encoder" mode needs a vision encoder this engine lacks).
+# Everything else comes from the environment; unset means the `dsinfer bench sweep` default:
+#   MODEL=DIR            checkpoint directory          CONFIG=config.json   random weights of that shape
+#   FLASH_LAYERS=N       random weights, V4-Flash widths, N layers (no model option: the tiny checkpoint)
+#   DEVICE=cuda|cpu      DTYPE=bfloat16|float32        POINTS=1,2,4,...     OUT_ROOT=sweeps
+#   WARMUP_STEPS=3       MEASURE_STEPS=10              CACHE_GIB=G          PREFILL_CHUNK=8192
+#   TELEMETRY_INTERVAL=5 (seconds; 0 = off)            SEED=0               PYTHON=python3
+#   COMPARE_PUBLISHED=1  overlay DeepInfer's B200 points on the chart
+# Only dp_rank 0 (DP_RANK, else RANK) writes; other ranks run the points and exit. PROFILE is forced to 0:
+# a profiler distorts steady state.
+#
+# Writes OUT_ROOT/TAG/results.jsonl (one JSON object per point), pareto.png, summary.json and, on CUDA
+# with NVML, telemetry.csv. Fields of a results.jsonl record (the full table: `pydoc dsinfer.bench.sweep`):
+#   mode, point, point_unit, context, tag
+#   ms_per_step (mean of the timed steps), median_/min_/max_/p90_ms_per_step, steps, warmup_steps, measured_s
+#   tokens_per_step, tokens_per_s_per_gpu (= tokens_per_step / s per step), throughput_kind
+#   tokens_per_step_per_user, tokens_per_s_per_user (decode), irregular_steps, preemptions, step_time_share
+#   decode: context_range, fill_steps, fill_s, nextn, accept, speculative, measured {...}, assumed {...}
+#     assumed.tokens_per_step_per_user = 1 + nextn * accept (tau, 3.25 for 3 / 0.75) on the measured step;
+#     measured = what ran (1 token/step: speculative decoding is "not implemented, measured = no drafts")
+#   prefill: requests, position_cycle_steps, covers_full_cycle
+#   model, model_source, weights, num_layers, hidden_size, n_routed_experts, vocab_size
+#   dtype, device, gpu_name, engine {EngineConfig}, sampling, dp_rank, world_size, seed, timestamp,
+#   dsinfer_version, torch_version
+set -euo pipefail
+
+usage() {
+  echo "usage: $0 decode|prefill TAG [CONTEXT] [NEXTN] [ACCEPT] [-- EXTRA FLAGS...]" >&2
+  exit 2
+}
+[[ $# -ge 2 ]] || usage
+MODE=$1 TAG=$2
+shift 2
+POSITIONAL=()
+while [[ $# -gt 0 && $1 != "--" && ${#POSITIONAL[@]} -lt 3 ]]; do POSITIONAL+=("$1"); shift; done
+[[ ${1:-} == "--" ]] && shift
+CONTEXT=${POSITIONAL[0]:-} NEXTN=${POSITIONAL[1]:-} ACCEPT=${POSITIONAL[2]:-}
+case $MODE in
+  decode | prefill) ;;
+  *) echo "$0: MODE must be decode or prefill, got '$MODE'" >&2; usage ;;
+esac
+if [[ $MODE == prefill && -n $NEXTN && $NEXTN != 0 ]]; then
+  echo "$0: NEXTN applies to decode sweeps only" >&2
+  exit 2
+fi
+
+export PROFILE=0
+args=(bench sweep "$MODE" --tag "$TAG")
+add() { [[ -n ${2:-} ]] && args+=("$1" "$2"); return 0; }
+add --context "$CONTEXT"
+[[ $MODE == decode ]] && add --nextn "$NEXTN" && add --accept "$ACCEPT"
+add --model "${MODEL:-}"
+add --config "${CONFIG:-}"
+add --flash-layers "${FLASH_LAYERS:-}"
+add --device "${DEVICE:-}"
+add --dtype "${DTYPE:-}"
+add --points "${POINTS:-}"
+add --out-root "${OUT_ROOT:-}"
+add --warmup-steps "${WARMUP_STEPS:-}"
+add --measure-steps "${MEASURE_STEPS:-}"
+add --cache-gib "${CACHE_GIB:-}"
+add --prefill-chunk "${PREFILL_CHUNK:-}"
+add --telemetry-interval "${TELEMETRY_INTERVAL:-}"
+add --seed "${SEED:-}"
+[[ ${COMPARE_PUBLISHED:-0} != 0 ]] && args+=(--compare-published)
+
+if [[ -z ${PYTHON:-} ]]; then
+  PYTHON=$(command -v python || command -v python3)
+fi
+exec "$PYTHON" -m dsinfer.cli "${args[@]}" "$@"

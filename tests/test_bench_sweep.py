@@ -1,0 +1,201 @@
+"""The sweep tool on the CPU with the tiny checkpoint: consistent numbers, both accountings, a real PNG, rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dsinfer.bench import pareto, sweep
+from dsinfer.engine.engine import StepStats
+
+CONTEXT = 64
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def sweep_args(checkpoint, out_root, mode, points, *extra):
+    return [mode, "--model", str(checkpoint), "--context", str(CONTEXT), "--points", points, "--device", "cpu",
+            "--warmup-steps", "1", "--measure-steps", "3", "--cache-gib", "0.0625", "--out-root", str(out_root),
+            *extra]  # fmt: skip
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def decode_sweep(tiny_checkpoint, tmp_path_factory):
+    out_root = tmp_path_factory.mktemp("sweeps")
+    args = sweep_args(tiny_checkpoint, out_root, "decode", "1,2", "--tag", "ce", "--nextn", "3", "--accept", "0.75")
+    assert sweep.main(args) == 0
+    return out_root / "ce"
+
+
+@pytest.fixture(scope="module")
+def prefill_sweep(tiny_checkpoint, tmp_path_factory):
+    out_root = tmp_path_factory.mktemp("sweeps")
+    assert sweep.main(sweep_args(tiny_checkpoint, out_root, "prefill", "32,128", "--tag", "pe")) == 0
+    return out_root / "pe"
+
+
+def assert_consistent(record):
+    """tokens/s = tokens/step / s/step, and the mean step time is the measured time over the steps."""
+    seconds_per_step = record["ms_per_step"] / 1e3
+    assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_step"] / seconds_per_step, rel=1e-9)
+    assert record["measured_s"] == pytest.approx(record["steps"] * seconds_per_step, rel=1e-9)
+    assert record["min_ms_per_step"] <= record["median_ms_per_step"] <= record["max_ms_per_step"]
+    assert record["min_ms_per_step"] <= record["p90_ms_per_step"] <= record["max_ms_per_step"]
+    assert record["min_ms_per_step"] <= record["ms_per_step"] <= record["max_ms_per_step"]
+    assert record["irregular_steps"] == 0 and record["preemptions"] == 0
+    assert sum(record["step_time_share"].values()) == pytest.approx(1.0)
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 10_000  # axes, two labelled series: not an empty canvas
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width >= 600 and image.height >= 400
+
+
+def test_decode_records(decode_sweep):
+    records = read_records(decode_sweep / "results.jsonl")
+    assert [r["point"] for r in records] == [1, 2]
+    for record in records:
+        assert_consistent(record)
+        n = record["point"]
+        assert record["mode"] == "decode" and record["point_unit"] == "requests per DP rank"
+        assert record["steps"] == 3 and record["warmup_steps"] == 1
+        assert record["tokens_per_step"] == n  # one token per sequence per step
+        assert record["context"] == CONTEXT and CONTEXT < record["context_range"][0] <= record["context_range"][1]
+        seconds_per_step = record["ms_per_step"] / 1e3
+        assert record["tokens_per_step_per_user"] == 1.0
+        assert record["tokens_per_s_per_user"] == pytest.approx(1.0 / seconds_per_step, rel=1e-9)
+        assert record["engine"]["max_num_seqs"] == n and record["engine"]["enable_prefix_caching"] is False
+        assert record["weights"] == "checkpoint" and record["model"].startswith("checkpoint ")
+        assert record["gpu_name"] == "cpu" and record["device"] == "cpu" and record["dtype"] == "float32"
+        assert record["dp_rank"] == 0 and record["world_size"] == 1 and record["timestamp"].endswith("+00:00")
+
+
+def test_decode_speculative_accountings(decode_sweep):
+    for record in read_records(decode_sweep / "results.jsonl"):
+        seconds_per_step = record["ms_per_step"] / 1e3
+        assert record["nextn"] == 3 and record["accept"] == 0.75
+        assert record["speculative"] == "not implemented, measured = no drafts"
+        measured, assumed = record["measured"], record["assumed"]
+        assert measured["tokens_per_step_per_user"] == 1.0
+        assert measured["tokens_per_s_per_gpu"] == record["tokens_per_s_per_gpu"]
+        assert measured["tokens_per_s_per_user"] == record["tokens_per_s_per_user"]
+        assert assumed["tokens_per_step_per_user"] == 3.25  # 1 + 3 x 0.75, the official tau
+        assert assumed["tokens_per_s_per_user"] == pytest.approx(3.25 / seconds_per_step, rel=1e-9)
+        assert assumed["tokens_per_s_per_gpu"] == pytest.approx(record["point"] * 3.25 / seconds_per_step, rel=1e-9)
+        assert assumed["chained_tokens_per_step"] == pytest.approx(1 + 0.75 + 0.75**2 + 0.75**3)
+
+
+def test_decode_files(decode_sweep):
+    assert_png(decode_sweep / "pareto.png")
+    summary = json.loads((decode_sweep / "summary.json").read_text())
+    assert summary["points"] == [1, 2] and summary["skipped"] == [] and summary["pareto"] == "pareto.png"
+    assert summary["telemetry"] is None  # CPU run: no GPU to sample
+    assert not (decode_sweep / "telemetry.csv").exists()
+
+
+def test_prefill_records_and_chart(prefill_sweep):
+    records = read_records(prefill_sweep / "results.jsonl")
+    assert [r["point"] for r in records] == [32, 128]
+    for record in records:
+        assert_consistent(record)
+        assert record["mode"] == "prefill" and record["throughput_kind"] == "uncached input tokens"
+        assert record["tokens_per_step"] == record["point"]  # every timed step prefills exactly p new tokens
+        assert record["tokens_per_s_per_user"] is None and "assumed" not in record
+        assert record["engine"]["max_num_batched_tokens"] == record["point"]
+        assert record["covers_full_cycle"] is True
+    # 32 of a 64-token prompt per step: positions repeat every 2 steps, so 3 requested steps become 4.
+    assert (records[0]["position_cycle_steps"], records[0]["steps"]) == (2, 4)
+    assert (records[1]["position_cycle_steps"], records[1]["steps"]) == (1, 3)
+    assert_png(prefill_sweep / "pareto.png")
+
+
+def test_pareto_redraws_from_results(prefill_sweep, tmp_path):
+    out = tmp_path / "again.png"
+    assert pareto.main([str(prefill_sweep / "results.jsonl"), "--out", str(out), "--compare-published"]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_only_rank_zero_writes(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("DP_RANK", raising=False)
+    args = sweep_args(tiny_checkpoint, tmp_path / "sweeps", "decode", "1", "--tag", "r1", "--measure-steps", "1")
+    assert sweep.main(args) == 0
+    assert not (tmp_path / "sweeps").exists()
+    captured = capsys.readouterr()
+    assert "dp_rank 1" in captured.err and "decode point" in captured.out  # it ran, it did not write
+
+
+def test_dp_rank_prefers_dp_rank_over_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("DP_RANK", "0")
+    assert sweep.dp_rank() == 0
+    monkeypatch.delenv("DP_RANK")
+    assert sweep.dp_rank() == 3
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK"):
+        sweep.dp_rank()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["decode", "--points", "1,x"], "--points"),
+        (["decode", "--points", "0"], "--points"),
+        (["decode", "--accept", "1.5"], "--accept"),
+        (["prefill", "--nextn", "3"], "--nextn"),
+        (["decode", "--tag", "../escape"], "--tag"),
+        (["decode", "--measure-steps", "0"], "--measure-steps"),
+        (["decode", "--model", "/no/such/dir"], "--model"),
+    ],
+)
+def test_bad_options_are_one_clear_error(argv, message, tmp_path, capsys):
+    assert sweep.main([*argv, "--device", "cpu", "--out-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsinfer bench sweep: error:") and message in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_context_beyond_the_model_names_the_flag(tiny_checkpoint, tmp_path, capsys):
+    argv = ["decode", "--model", str(tiny_checkpoint), "--context", "131072", "--out-root", str(tmp_path)]
+    assert sweep.main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--context 131072" in err and "max_position_embeddings (4096)" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_step_statistics_arithmetic():
+    timed = [(0.1, StepStats(0.01, 0.08, 0.01, 4)), (0.3, StepStats(0.0, 0.3, 0.0, 4)), (0.2, StepStats(0, 0.2, 0, 3))]
+    stats = sweep.step_statistics(timed, expected_tokens=4)
+    assert stats["ms_per_step"] == pytest.approx(200.0)
+    assert stats["median_ms_per_step"] == pytest.approx(200.0)
+    assert stats["tokens_per_step"] == pytest.approx(11 / 3)
+    assert stats["tokens_per_s_per_gpu"] == pytest.approx(11 / 0.6)
+    assert stats["irregular_steps"] == 1 and stats["steps"] == 3
+    assert stats["step_time_share"]["schedule"] == pytest.approx(0.01 / 0.6)
+
+
+def test_prefill_measure_steps_cover_whole_position_cycles():
+    assert sweep.prefill_measure_steps(131072, 4096, 10) == (32, 32)
+    assert sweep.prefill_measure_steps(131072, 65536, 10) == (10, 2)
+    assert sweep.prefill_measure_steps(64, 128, 3) == (3, 1)
+    cycle = math.lcm(100003, 7) // 7
+    assert sweep.prefill_measure_steps(100003, 7, 5) == (5, cycle)  # too long a cycle: left as asked
+
+
+def test_speculative_accounting_without_drafts():
+    accounting = sweep.speculative_accounting(0, 0.75, 8, {"ms_per_step": 50.0, "tokens_per_step": 8.0,
+                                                           "tokens_per_s_per_gpu": 160.0})  # fmt: skip
+    assert accounting["speculative"] == "off (nextn = 0)"
+    assert accounting["assumed"]["tokens_per_step_per_user"] == 1.0
+    assert accounting["assumed"]["tokens_per_s_per_gpu"] == pytest.approx(160.0)
+    assert accounting["measured"]["tokens_per_s_per_user"] == pytest.approx(20.0)
