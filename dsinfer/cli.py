@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("mode", choices=["run", "grade"])
     evaluate.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen step (see --help there)")
 
-    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 checkpoint directory")
+    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 or V4.1 checkpoint directory")
     tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--arch", choices=["v4", "v41"], default="v4", help="v41: DeepSeek-V4.1 with Engram and DSpark")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=_positive_int, default=3)
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
@@ -130,8 +131,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_make_tiny(args: argparse.Namespace) -> int:
-    path = make_tiny_checkpoint(args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant)
-    print(f"wrote a tiny DeepSeek-V4 checkpoint to {path}")
+    path = make_tiny_checkpoint(
+        args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant, arch=args.arch
+    )
+    print(f"wrote a tiny DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {path}")
     return 0
 
 

@@ -13,7 +13,10 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsinfer.config_v41 import ModelConfigV41
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 # Window-only, CSA and HCA layers as the Hugging Face config names them.
@@ -132,7 +135,8 @@ class ModelConfig:
 
     # ---- parsing -----------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
+    def from_file(cls, path: str | Path) -> ModelConfig | ModelConfigV41:
+        """Parse ``path`` (a config.json or a checkpoint directory); V4.1 configs give a ModelConfigV41."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -150,14 +154,17 @@ class ModelConfig:
             raise ConfigError(f"{path}: {exc}") from None
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Accept official, inference-code and Hugging Face key spellings."""
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig | ModelConfigV41:
+        """Accept official, inference-code and Hugging Face key spellings; dispatch V4.1 on ``model_type``."""
         raw = dict(raw)
+        if is_v41_config(raw):
+            from dsinfer.config_v41 import ModelConfigV41
+
+            return ModelConfigV41.from_dict(raw)
         model_type = raw.get("model_type", "deepseek_v4" if "n_layers" in raw else None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            if isinstance(model_type, str) and model_type.startswith("deepseek_v41"):
-                raise ConfigError(f"field 'model_type': {model_type!r} (DeepSeek-V4.1) is not supported yet")
-            raise ConfigError(f"field 'model_type': expected one of {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}")
+            allowed = [*SUPPORTED_MODEL_TYPES, "deepseek_v41", "deepseek_v41_text"]
+            raise ConfigError(f"field 'model_type': expected one of {allowed}, got {model_type!r}")
         values: dict[str, Any] = {"model_type": model_type}
         for name, aliases in _ALIASES.items():
             for key in (name, *aliases):
@@ -203,6 +210,17 @@ class ModelConfig:
                 raise ConfigError(f"field {f_name!r}: expected a string, got {value!r}")
             kwargs[f_name] = value
         return cls(**kwargs)
+
+
+def is_v41_config(raw: dict[str, Any]) -> bool:
+    """A DeepSeek-V4.1 config: its ``model_type`` says so, or (inference spelling) a V4.1-only key is there."""
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str):
+        return model_type.startswith("deepseek_v41")
+    from dsinfer.config_v41 import V41_MARKER_KEYS
+
+    text = raw.get("text_config")
+    return any(key in raw or (isinstance(text, dict) and key in text) for key in V41_MARKER_KEYS)
 
 
 def default_compress_ratios(num_layers: int) -> tuple[int, ...]:
@@ -338,13 +356,14 @@ def _yarn(raw: dict[str, Any]) -> YarnScaling | None:
     )
 
 
-def _quantization(raw: dict[str, Any]) -> QuantizationConfig | None:
+def _quantization(raw: dict[str, Any], default_block: tuple[int, int] = (128, 128)) -> QuantizationConfig | None:
+    """The checkpoint's weight storage; ``default_block`` when it names no block size (V4: 128, V4.1: 32)."""
     quant = raw.get("quantization_config")
     if quant is None:
         return None
     if not isinstance(quant, dict):
         raise ConfigError(f"field 'quantization_config': expected an object, got {quant!r}")
-    block = quant.get("weight_block_size", [128, 128])
+    block = quant.get("weight_block_size", list(default_block))
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ConfigError(f"field 'quantization_config.weight_block_size': expected [rows, cols], got {block!r}")
     expert_dtype = quant.get("expert_dtype", raw.get("expert_dtype", "fp4"))
@@ -355,32 +374,29 @@ def _quantization(raw: dict[str, Any]) -> QuantizationConfig | None:
     return QuantizationConfig(weight_block_size=(block[0], block[1]), expert_dtype=expert_dtype)
 
 
-def _validate(cfg: ModelConfig) -> None:
-    """Reject impossible values with a message naming the field."""
-    positive = (
-        "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
-        "o_lora_rank n_routed_experts num_experts_per_tok moe_intermediate_size sliding_window csa_ratio "
-        "hca_ratio index_n_heads index_head_dim index_topk hc_mult hc_sinkhorn_iters max_position_embeddings"
-    ).split()
+def check_ranges(
+    cfg: Any, positive: list[str], non_negative: list[str], positive_numbers: list[str], unit_interval: list[str]
+) -> None:
+    """Range checks by field name, each failure naming its field (shared by the V4 and V4.1 configs)."""
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"field {name!r}: must be positive, got {getattr(cfg, name)}")
-    for name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"):
+    for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"field {name!r}: must not be negative, got {getattr(cfg, name)}")
-    for name in ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit"):
+    for name in positive_numbers:
         if not math.isfinite(getattr(cfg, name)) or getattr(cfg, name) <= 0:
             raise ConfigError(f"field {name!r}: must be a positive number, got {getattr(cfg, name)}")
-    for name in ("hc_eps", "rms_norm_eps"):
+    for name in unit_interval:
         if not 0 < getattr(cfg, name) < 1:
             raise ConfigError(f"field {name!r}: must lie in (0, 1), got {getattr(cfg, name)}")
+
+
+def check_attention_and_router(cfg: Any) -> None:
+    """Shapes and router settings V4 and V4.1 share: experts, RoPE slice, indexer width, output groups."""
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         raise ConfigError(
             f"field 'num_experts_per_tok': {cfg.num_experts_per_tok} exceeds n_routed_experts ({cfg.n_routed_experts})"
-        )
-    if cfg.num_hash_layers > cfg.num_hidden_layers:
-        raise ConfigError(
-            f"field 'num_hash_layers': {cfg.num_hash_layers} exceeds num_hidden_layers ({cfg.num_hidden_layers})"
         )
     if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim > cfg.head_dim or cfg.qk_rope_head_dim % 2:
         raise ConfigError(
@@ -396,6 +412,27 @@ def _validate(cfg: ModelConfig) -> None:
         )
     if cfg.scoring_func != "sqrtsoftplus":
         raise ConfigError(f"field 'scoring_func': DeepSeek-V4 uses 'sqrtsoftplus', got {cfg.scoring_func!r}")
+
+
+def _validate(cfg: ModelConfig) -> None:
+    """Reject impossible values with a message naming the field."""
+    positive = (
+        "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
+        "o_lora_rank n_routed_experts num_experts_per_tok moe_intermediate_size sliding_window csa_ratio "
+        "hca_ratio index_n_heads index_head_dim index_topk hc_mult hc_sinkhorn_iters max_position_embeddings"
+    ).split()
+    check_ranges(
+        cfg,
+        positive,
+        ["n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"],
+        ["rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit"],
+        ["hc_eps", "rms_norm_eps"],
+    )
+    if cfg.num_hash_layers > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"field 'num_hash_layers': {cfg.num_hash_layers} exceeds num_hidden_layers ({cfg.num_hidden_layers})"
+        )
+    check_attention_and_router(cfg)
     if cfg.csa_ratio == cfg.hca_ratio:
         raise ConfigError("field 'compress_rate_hca': must differ from compress_rate_csa")
     if len(cfg.compress_ratios) != cfg.num_hidden_layers:

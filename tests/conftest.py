@@ -18,3 +18,9 @@ def _deterministic_threads():
 def tiny_checkpoint(tmp_path_factory):
     """The embedded-default-sized V4 checkpoint: FP8 / FP4 weights, three shards, real tokenizer."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v4"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_checkpoint(tmp_path_factory):
+    """A tiny V4.1 checkpoint with every layer role, Engram on, DSpark stages: FP8 32x32 / FP4, real tokenizer."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v41"), seed=0, arch="v41")

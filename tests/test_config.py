@@ -151,8 +151,10 @@ def test_round_trip_through_to_dict():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "llama"}, r"field 'model_type': expected one of \['deepseek_v4'\], got 'llama'"),
-        ({"model_type": "deepseek_v41"}, r"field 'model_type': 'deepseek_v41' \(DeepSeek-V4\.1\) is not supported"),
+        (
+            {"model_type": "llama"},
+            r"field 'model_type': expected one of \['deepseek_v4', 'deepseek_v41', .*got 'llama'",
+        ),
         ({"hidden_size": -4096}, r"field 'hidden_size': must be positive"),
         ({"hidden_size": "4096"}, r"field 'hidden_size': expected a number"),
         ({"num_hidden_layers": 4.5}, r"field 'num_hidden_layers': expected an integer"),

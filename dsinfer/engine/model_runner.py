@@ -38,6 +38,11 @@ def cache_blocks_for_budget(model: DeepseekV4, engine: EngineConfig, num_slots: 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, engine: EngineConfig, max_model_len: int) -> None:
+        if not isinstance(model, DeepseekV4):
+            raise ValueError(
+                f"the engine does not serve {type(model).__name__} checkpoints yet (the V4.1 model runs through "
+                "dsinfer.models.deepseek_v41 with its own cache, dsinfer.engine.kv_cache_v41)"
+            )
         self.model = model
         self.device = torch.device(engine.device)
         config = model.config

@@ -27,10 +27,23 @@ from dsinfer.models.batch import PackedBatch, SequenceSpan
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, compress_ratio: int) -> None:
         super().__init__()
+        self.compress_ratio = compress_ratio
+        self._build_projections(config)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if compress_ratio:
+            overlap = compress_ratio == config.csa_ratio
+            self.compressor = Compressor(
+                config.hidden_size, self.head_dim, compress_ratio, overlap, config.rms_norm_eps
+            )
+            if overlap:
+                self.indexer = Indexer(config)
+
+    def _build_projections(self, config) -> None:
+        """The projections, norms and sinks every shared-KV attention has (V4, V4.1 and its DSpark stages)."""
         self.config = config
         self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.window = config.sliding_window
-        self.compress_ratio = compress_ratio
         self.softmax_scale = self.head_dim**-0.5
         self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -41,15 +54,6 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.compressor: Compressor | None = None
-        self.indexer: Indexer | None = None
-        if compress_ratio:
-            overlap = compress_ratio == config.csa_ratio
-            self.compressor = Compressor(
-                config.hidden_size, self.head_dim, compress_ratio, overlap, config.rms_norm_eps
-            )
-            if overlap:
-                self.indexer = Indexer(config)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""

@@ -81,6 +81,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
+        return self._dispatch(x, experts, weights)
+
+    def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Run each picked expert on its tokens, mix by ``weights``, add the shared expert."""
         routed = torch.zeros_like(x)
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
@@ -98,3 +102,52 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed
+
+
+class RouterV41(nn.Module):
+    """DeepSeek-V4.1's router: V4's sqrt-softplus scoring over all layers (no hash routing), logits divided
+    by ``gate_temp``, and a second selection bias ``bias_vl`` that replaces ``bias`` for image tokens.
+    Weights are normalised only when more than one expert is picked (as the reference does)."""
+
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, config) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate_temp = config.gate_temp
+        self.scaling = config.routed_scaling_factor
+        self.normalize = config.norm_topk_prob and top_k > 1
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float()) / self.gate_temp).sqrt()
+        bias = self.bias.float().expand_as(scores)
+        if image_mask is not None and bool(image_mask.any()):
+            bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
+        experts = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class MoEV41(MoE):
+    """V4.1 MoE (backbone: 384 experts top-6; DSpark stages: their own expert count and top-k)."""
+
+    def __init__(self, config, n_experts: int, top_k: int) -> None:
+        nn.Module.__init__(self)
+        self.n_experts = n_experts
+        self.gate = RouterV41(config.hidden_size, n_experts, top_k, config)
+        self.experts = nn.ModuleList(
+            Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit) for _ in range(n_experts)
+        )
+        self.shared_experts = (
+            Expert(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        experts, weights = self.gate(x, image_mask)
+        return self._dispatch(x, experts, weights)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dsinfer.config import ModelConfig
+from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engine.kv_cache import KVCache
+from dsinfer.engine.kv_cache_v41 import KVCacheV41
 
 
 @dataclass
@@ -32,7 +34,7 @@ class PackedBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     spans: list[SequenceSpan]
-    cache: KVCache | None
+    cache: KVCache | KVCacheV41 | None
     _slices: list[slice] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,11 +56,14 @@ class PackedBatch:
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         return cls(ids, positions, spans, None)
 
-    def attach_scratch_cache(self, config: ModelConfig, dtype: torch.dtype, with_mtp: bool) -> None:
+    def attach_scratch_cache(self, config: ModelConfig | ModelConfigV41, dtype: torch.dtype, with_mtp: bool) -> None:
         """Give a batch of fresh sequences a throw-away cache and consecutive blocks."""
         if any(span.start for span in self.spans):
             raise ValueError("only sequences starting at position 0 can run without an engine cache")
-        self.cache = KVCache.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
+        if isinstance(config, ModelConfigV41):
+            self.cache = KVCacheV41.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
+        else:
+            self.cache = KVCache.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
         next_block = 0
         for span in self.spans:
             blocks = math.ceil(span.length / self.cache.block_tokens)

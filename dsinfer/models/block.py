@@ -13,7 +13,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.batch import PackedBatch
 
 
-def _hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+def hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
     """(fn, base, scale) of one hyper-connection site: pre (n), post (n) and comb (n * n) weights."""
     n = config.hc_mult
     width = (2 + n) * n
@@ -35,8 +35,8 @@ class Block(nn.Module):
         self.attn = Attention(config, compress_ratio)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = MoE(config, hash_routed)
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_parameters(config)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_parameters(config)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
 
     def forward(
         self, streams: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, input_ids: torch.Tensor

@@ -66,6 +66,13 @@ def to_hf_name(name: str) -> str:
     return name
 
 
+def v41_name(name: str) -> str:
+    """The one key of a V4.1 tensor: Hugging Face's V4.1 modules keep the official names, under ``model.``,
+    except the output head (``lm_head``)."""
+    name = strip_model_prefix(name)
+    return "head.weight" if name == "lm_head.weight" else name
+
+
 def official_to_hf_state_dict(state: dict) -> dict:
     """Rename an official-named state dict for ``DeepseekV4ForCausalLM.load_state_dict`` (experts stacked)."""
     import torch

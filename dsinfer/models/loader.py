@@ -1,4 +1,4 @@
-"""Load a DeepSeek-V4 checkpoint directory: config.json, safetensors shards, FP8 / FP4 weights.
+"""Load a DeepSeek-V4 or V4.1 checkpoint directory: config.json, safetensors shards, FP8 / FP4 weights.
 
 Shards are memory-mapped and each is opened once. Every tensor is matched to a parameter of the model by
 name (official or Hugging Face spelling), checked for shape, dequantised if stored as FP8 (block scales)
@@ -20,9 +20,13 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsinfer.config import ConfigError, ModelConfig
+from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.engram.hashing import EngramHasher
 from dsinfer.layers.quant import dequantize_fp4, dequantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
-from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name
+from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name, v41_name
+from dsinfer.tokenizer import Tokenizer, TokenizerLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,7 +34,11 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 FP4_DTYPES = (torch.int8, torch.uint8)
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 # Parameters kept in float32 whatever the compute dtype (as DeepSeek and Hugging Face keep them).
-_FP32_PARAMETER = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias$)")
+_FP32_PARAMETER = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias(_vl)?$|engram\.embed\.scale$)")
+# Kept in their stored FP8 form and dequantised on use (the V4.1 Engram tables, ~100 GB each when released).
+_KEEP_STORED = re.compile(r"engram\.embed\.weight$")
+# V4.1 tensors a checkpoint may leave out, filled with zeros: DSpark routers' image-token bias.
+_OPTIONAL_ZEROS = re.compile(r"^mtp\.\d+\.ffn\.gate\.bias_vl$")
 
 
 class CheckpointError(ValueError):
@@ -96,21 +104,22 @@ def _check_length(shard: Path) -> None:
         raise CheckpointError(f"{shard}: truncated shard ({actual} data bytes, header needs {end})")
 
 
-def _plan(model: DeepseekV4, stored: dict[str, _Stored]) -> dict[str, list[str]]:
+def _plan(model: DeepseekV4 | DeepseekV41, stored: dict[str, _Stored]) -> dict[str, list[str]]:
     """Map each model parameter to the stored key(s) that fill it; report unexpected names."""
     targets = dict(model.state_dict())
-    by_hf_name = {to_hf_name(name): name for name in targets}
+    name_key = v41_name if isinstance(model, DeepseekV41) else to_hf_name
+    by_hf_name = {name_key(name): name for name in targets}
     plan: dict[str, list[str]] = {}
     for key in stored:
-        if _is_weight_scale(key, stored):
-            continue
         bare = strip_model_prefix(key)
-        fused = FUSED_EXPERTS.match(to_hf_name(bare))
+        if _is_weight_scale(key, stored) and name_key(bare) not in by_hf_name:
+            continue
+        fused = FUSED_EXPERTS.match(to_hf_name(bare)) if name_key is to_hf_name else None
         if fused:
             layer, which = fused.groups()
             plan.setdefault(f"fused:{layer}:{which}", []).append(key)
             continue
-        name = bare if bare in targets else by_hf_name.get(to_hf_name(bare))
+        name = bare if bare in targets else by_hf_name.get(name_key(bare))
         if name is None:
             raise CheckpointError(
                 f"unexpected tensor {key!r} in {stored[key].shard.name}: the model has no such weight"
@@ -152,13 +161,21 @@ class _ShardReader:
 
 
 def _materialise(
-    key: str, target: torch.Tensor, stored: dict[str, _Stored], reader: _ShardReader, config: ModelConfig
+    key: str,
+    target: torch.Tensor,
+    stored: dict[str, _Stored],
+    reader: _ShardReader,
+    config: ModelConfig | ModelConfigV41,
 ) -> torch.Tensor:
     """Read one stored tensor and bring it to the target's shape and dtype (dequantising on the way)."""
     item = stored[key]
     raw = reader.get(item)
     scale_key = _scale_key(key, stored)
     want = tuple(target.shape)
+    if _KEEP_STORED.search(key):
+        if tuple(raw.shape) != want:
+            raise CheckpointError(f"tensor {key!r}: shape {tuple(raw.shape)}, expected {want}")
+        return raw
     if raw.dtype in FP8_DTYPES:
         if scale_key is None:
             raise CheckpointError(f"tensor {key!r}: FP8 weight without a .scale tensor")
@@ -216,8 +233,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
-) -> DeepseekV4:
-    """Build the model described by ``path/config.json`` and fill it from the checkpoint's shards."""
+) -> DeepseekV4 | DeepseekV41:
+    """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards."""
     directory = Path(path)
     try:
         config = ModelConfig.from_file(directory)
@@ -225,8 +242,9 @@ def load_model(
         raise CheckpointError(str(exc)) from None
     stored = _scan_shards(shard_files(directory))
     has_mtp = any(strip_model_prefix(k).startswith("mtp.") for k in stored)
+    model_class = DeepseekV41 if isinstance(config, ModelConfigV41) else DeepseekV4
     with torch.device("meta"):
-        model = DeepseekV4(config, with_mtp=has_mtp)
+        model = model_class(config, with_mtp=has_mtp)
     targets = model.state_dict()
     plan = _plan(model, stored)
     reader = _ShardReader()
@@ -249,6 +267,9 @@ def load_model(
             values[name] = _materialise(keys[0], targets[name], stored, reader, config)
         bar.update(1)
     bar.close()
+    for name in targets:
+        if name not in values and _OPTIONAL_ZEROS.search(name):
+            values[name] = torch.zeros(targets[name].shape, dtype=torch.float32)
     missing = [name for name in targets if name not in values]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
@@ -257,9 +278,25 @@ def load_model(
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
-            param.data = values[name].to(device=device, dtype=parameter_dtype(name, param, dtype))
+            value = values[name]
+            kept = _KEEP_STORED.search(name) and value.dtype in FP8_DTYPES
+            param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
     model.rope = RopeTables(config).to(device)
+    if isinstance(model, DeepseekV41) and config.engram_layer_ids:
+        model.attach_engram_hasher(engram_hasher_for(directory, config))
     return model.requires_grad_(False).eval()
+
+
+def engram_hasher_for(directory: Path, config: ModelConfigV41) -> EngramHasher:
+    """The Engram hasher of a V4.1 checkpoint: its compressed vocabulary comes from the checkpoint's tokenizer."""
+    try:
+        tokenizer = Tokenizer.from_dir(directory)
+    except TokenizerLoadError as exc:
+        raise CheckpointError(f"{directory}: the Engram layers need the checkpoint's tokenizer ({exc})") from None
+    try:
+        return EngramHasher.from_tokenizer(tokenizer, **config.engram_hasher_options())
+    except ValueError as exc:
+        raise CheckpointError(f"{directory / 'tokenizer.json'}: {exc}") from None
 
 
 def parameter_dtype(name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:

@@ -20,32 +20,43 @@ import torch
 from safetensors.torch import save_file
 
 from dsinfer.config import ModelConfig, QuantizationConfig
+from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
+from dsinfer.engram.vocabulary import build_compressed_vocabulary
 from dsinfer.layers.quant import quantize_fp4, quantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4
+from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import INDEX_FILE, parameter_dtype
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
+from dsinfer.tokenizer import Tokenizer
 
 TINY_VOCAB_SIZE = 512
+
+
+# The widths every tiny checkpoint (V4 and V4.1) shares.
+TINY_WIDTHS = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    sliding_window=16,
+    max_position_embeddings=4096,
+)
 
 
 def tiny_config(**overrides) -> ModelConfig:
     """A V4 architecture small enough for a laptop CPU, with every layer kind and short compression spans."""
     base = ModelConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=64,
+        **TINY_WIDTHS,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        head_dim=64,
-        qk_rope_head_dim=16,
-        q_lora_rank=32,
-        o_groups=2,
-        o_lora_rank=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=32,
         num_hash_layers=1,
-        sliding_window=16,
         compress_ratios=(0, 4, 32, 4),
         csa_ratio=4,
         hca_ratio=32,
@@ -53,7 +64,6 @@ def tiny_config(**overrides) -> ModelConfig:
         index_head_dim=32,
         index_topk=4,
         num_nextn_predict_layers=1,
-        max_position_embeddings=4096,
         quantization=QuantizationConfig(weight_block_size=(128, 128), expert_dtype="fp4"),
     )
     return replace(base, **overrides)
@@ -106,14 +116,21 @@ def randomize_(model: DeepseekV4, seed: int) -> DeepseekV4:
 
 
 def build_random_model(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> DeepseekV4:
-    """A random-weight model straight from a config, on any device: for measuring shapes without weights."""
+    config: ModelConfig | ModelConfigV41,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> DeepseekV4 | DeepseekV41:
+    """A random-weight model (V4 or V4.1) straight from a config, on any device: for measuring without weights.
+
+    A V4.1 model comes without an Engram hasher (that needs a tokenizer): attach one before running it.
+    """
+    v41 = isinstance(config, ModelConfigV41)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: a full-width fp32 copy would not fit
     try:
         with torch.device(device):
-            model = randomize_(DeepseekV4(config), seed)
+            model = randomize_v41_(DeepseekV41(config), seed) if v41 else randomize_(DeepseekV4(config), seed)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
@@ -140,7 +157,9 @@ def quantize_like_checkpoint(model: DeepseekV4) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig, directory: Path, num_shards: int) -> None:
+def write_checkpoint(
+    tensors: dict[str, torch.Tensor], config: ModelConfig | ModelConfigV41, directory: Path, num_shards: int
+) -> None:
     """config.json + ``num_shards`` safetensors files + the index that maps each tensor to its shard."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
@@ -159,9 +178,18 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig, dire
 
 
 def make_tiny_checkpoint(
-    directory: str | Path, seed: int = 0, num_shards: int = 3, quantized: bool = True, **config_overrides
+    directory: str | Path,
+    seed: int = 0,
+    num_shards: int = 3,
+    quantized: bool = True,
+    arch: str = "v4",
+    **config_overrides,
 ) -> Path:
-    """Write a complete tiny checkpoint directory and return its path."""
+    """Write a complete tiny checkpoint directory (``arch`` 'v4' or 'v41') and return its path."""
+    if arch == "v41":
+        return make_tiny_checkpoint_v41(directory, seed, num_shards, quantized, **config_overrides)
+    if arch != "v4":
+        raise ValueError(f"arch: expected 'v4' or 'v41', got {arch!r}")
     directory = Path(directory)
     config = tiny_config(**config_overrides)
     if not quantized:
@@ -169,6 +197,127 @@ def make_tiny_checkpoint(
     model = randomize_(DeepseekV4(config), seed)
     write_checkpoint(quantize_like_checkpoint(model), config, directory, num_shards)
     build_tiny_tokenizer(directory, vocab_size=config.vocab_size)
+    return directory
+
+
+# ---- DeepSeek-V4.1 ---------------------------------------------------------------------------------
+def tiny_config_v41(**overrides) -> ModelConfigV41:
+    """A V4.1 architecture small enough for a laptop CPU with every layer role and two Engram layers.
+
+    Layers: 0 window only; 1 ratio-2 KV + index source; 2 reuses 1; 3 a second ratio-2 source (replaces
+    1's entries); 4 reuses 3; 5 the ratio-1 KV source, index and candidate source (the CED decoder starts
+    here); 6 reuses 5; 7 a keyless index source re-scoring 5's keys inside the candidate blocks; 8 reuses 7.
+    Engram on layers 1 (encoder) and 6 (decoder). Two DSpark stages read layers 6, 7, 8.
+    ``engram_compressed_vocab_size`` must match the tokenizer (``make_tiny_checkpoint_v41`` computes it).
+    """
+    base = ModelConfigV41(
+        **TINY_WIDTHS,
+        num_hidden_layers=9,
+        compress_ratios=(0, 2, 2, 2, 2, 1, 1, 1, 1),
+        kv_source_layer_ids=(1, 3, 5),
+        index_source_layer_ids=(1, 3, 5, 7),
+        candidate_source_layer_id=5,
+        candidate_topk_blocks=3,
+        candidate_block_size=4,
+        index_n_heads=32,  # enough heads that no score is exactly 0 after ReLU (ties make top-k ambiguous)
+        index_head_dim=32,
+        index_topk=6,
+        engram_layer_ids=(1, 6),
+        engram_vocab_size=1000,
+        engram_max_ngram_size=4,
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_pad_id=2,
+        engram_compressed_vocab_size=TINY_VOCAB_SIZE,
+        num_nextn_predict_layers=2,
+        dspark_block_size=3,
+        dspark_noise_token_id=TINY_VOCAB_SIZE - 1,
+        dspark_target_layer_ids=(6, 7, 8),
+        dspark_markov_rank=8,
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
+        image_token_id=None,
+        quantization=QuantizationConfig(weight_block_size=(32, 32), expert_dtype="fp4"),
+    )
+    return replace(base, **overrides)
+
+
+# How the V4.1 release stores each tensor (official names); anything not listed is bf16.
+_FP8_V41 = re.compile(
+    r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$"
+)
+_FP32_V41 = re.compile(r"(hc_|attn_sink|gate\.bias(_vl)?$)")
+_ENGRAM_TABLE = re.compile(r"engram\.embed\.(weight|scale)$")
+
+
+def storage_format_v41(name: str, config: ModelConfigV41) -> str:
+    """'fp8', 'fp4', 'fp32' or 'bf16' for an official V4.1 tensor name (ratio-2 compressor ``wkv`` is fp32)."""
+    if config.quantization is not None:
+        if _FP4.search(name):
+            return config.quantization.expert_dtype
+        if _FP8_V41.search(name):
+            return "fp8"
+    compressor_wkv = re.match(r"layers\.(\d+)\.attn\.compressor\.wkv\.weight$", name)
+    if compressor_wkv and config.compress_ratios[int(compressor_wkv.group(1))] > 1:
+        return "fp32"
+    return "fp32" if _FP32_V41.search(name) else "bf16"
+
+
+@torch.no_grad()
+def randomize_v41_(model: DeepseekV41, seed: int) -> DeepseekV41:
+    """V4's random fill, plus unit Engram row scales and q/k weights near one (as the reference initialises)."""
+    randomize_(model, seed)
+    generator = torch.Generator(device=model.embed.weight.device).manual_seed(seed + 1)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("engram.embed.scale"):
+            tensor.fill_(1.0)
+        elif name.endswith(("engram.q_weight", "engram.k_weight")):
+            noise = torch.randn(tensor.shape, generator=generator, device=tensor.device)
+            tensor.copy_(1 + 0.1 * noise)
+    return model
+
+
+def quantize_like_checkpoint_v41(model: DeepseekV41) -> dict[str, torch.Tensor]:
+    """The V4.1 model's weights in release storage: FP8 32x32 + ``.scale``, FP4 experts, FP8 Engram rows."""
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if _ENGRAM_TABLE.search(name):
+            if name.endswith(".weight"):
+                table = tensor.float() * state[name[: -len("weight")] + "scale"].repeat_interleave(FP8_SCALE_BLOCK, -1)
+                base = name[: -len(".weight")]
+                if cfg.quantization is None:
+                    out[name] = table.to(torch.bfloat16).contiguous()
+                    out[base + ".scale"] = torch.ones_like(state[base + ".scale"], dtype=torch.float32)
+                else:  # one ue8m0 scale per 32 channels of each row
+                    out[name], out[base + ".scale"] = quantize_fp8_blockwise(table, (1, FP8_SCALE_BLOCK))
+            continue
+        kind = storage_format_v41(name, cfg)
+        base = name[: -len(".weight")]
+        if kind == "fp8":
+            out[name], out[base + ".scale"] = quantize_fp8_blockwise(tensor.float(), cfg.quantization.weight_block_size)
+        elif kind == "fp4":
+            out[name], out[base + ".scale"] = quantize_fp4(tensor.float(), cfg.quantization.fp4_group_size)
+        else:
+            out[name] = tensor.to(torch.float32 if kind == "fp32" else torch.bfloat16).contiguous()
+    return out
+
+
+def make_tiny_checkpoint_v41(
+    directory: str | Path, seed: int = 0, num_shards: int = 3, quantized: bool = True, **config_overrides
+) -> Path:
+    """A tiny V4.1 checkpoint with Engram on; its compressed Engram vocabulary is measured from the tokenizer."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab_size = config_overrides.get("vocab_size", TINY_VOCAB_SIZE)
+    build_tiny_tokenizer(directory, vocab_size=vocab_size)
+    compressed = int(build_compressed_vocabulary(Tokenizer.from_dir(directory)).max()) + 1
+    config = tiny_config_v41(**{"engram_compressed_vocab_size": compressed, **config_overrides})
+    if not quantized:
+        config = replace(config, quantization=None)
+    model = randomize_v41_(DeepseekV41(config), seed)
+    write_checkpoint(quantize_like_checkpoint_v41(model), config, directory, num_shards)
     return directory
 
 

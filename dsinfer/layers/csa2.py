@@ -1,0 +1,258 @@
+"""DeepSeek-V4.1 attention (CSA2): a sliding window per layer plus compressed KV shared across layers.
+
+Every layer attends to its ``sliding_window`` tokens (K = V = ``kv_norm(wkv x)``, RoPE'd, FP8-rounded). Layers
+with a compress ratio also attend to compressed entries, but only **KV-source** layers compute them:
+
+* ratio 2: each pair of tokens is pooled by a per-channel softmax over ``wgate x`` of ``wkv x`` (in fp32),
+  then RMSNorm; ratio 1: ``norm(wkv x)`` per token (the CED decoder's global KV);
+* the latent (before RoPE) also gives the **index keys** ``k_norm(wk(latent))``; both are RoPE'd at the
+  group's first position and rounded (entries FP4/16/e4m3, keys FP4/32/ue8m0) before they are cached.
+
+Later layers reuse the latest source's entries. **Index-source** layers score the entries (sum over heads
+of ``weights_proj(x) * ReLU(q . k)``) against the latest source's keys and keep the top ``index_topk``
+visible ones; the layers after them reuse that choice. The candidate source additionally keeps the best
+``candidate_topk_blocks`` blocks of ``candidate_block_size`` entries (the newest block always) and every
+later index source chooses only inside those blocks.
+
+Within a forward, what a source publishes for the layers after it lives in one dict per sequence
+(``shared``); what outlives the forward (windows, unfinished groups, entries, keys) lives in the cache.
+A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
+concatenates, which is a bug: see docs/model.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.engine.kv_cache_v41 import SourceCache
+from dsinfer.layers.attention import Attention
+from dsinfer.layers.compressor import visible_entries
+from dsinfer.layers.fake_quant import ActivationQuantizer
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.models.batch import PackedBatch, SequenceSpan
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible_counts: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks.
+
+    A block's score is the max over its ``block_size`` entries (invisible entries are -inf in ``scores``);
+    the block holding the query's newest visible entry is always kept (it is only partly filled but holds
+    the most recent tokens); blocks with no visible entry are never kept.
+    """
+    width = scores.shape[-1]
+    if width == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    num_blocks = block_scores.shape[-1]
+    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
+    block_ids = torch.arange(num_blocks, device=scores.device)
+    block_scores = block_scores.masked_fill(block_ids == newest[:, None], float("inf"))
+    top = block_scores.topk(min(topk_blocks, num_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [n, W]: each row's ``k`` best finite scores (fewer when fewer are finite)."""
+    width = scores.shape[-1]
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    if width == 0:
+        return selected
+    top = scores.topk(min(k, width), dim=-1)
+    return selected.scatter_(-1, top.indices, top.values > float("-inf"))
+
+
+def _entry_location(block_table: list[int], entry_ids: torch.Tensor, per_block: int):
+    table = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
+    return table[entry_ids // per_block], entry_ids % per_block
+
+
+def write_source_entries(
+    cache: SourceCache, block_table: list[int], entry_ids: torch.Tensor, entries: torch.Tensor, keys: torch.Tensor
+) -> None:
+    """Store new entries and their index keys (by their index in the sequence) into the sequence's blocks."""
+    if entry_ids.numel():
+        blocks, offsets = _entry_location(block_table, entry_ids, cache.entries.shape[1])
+        cache.entries[blocks, offsets] = entries.to(cache.entries.dtype)
+        cache.index_keys[blocks, offsets] = keys.to(cache.index_keys.dtype)
+
+
+def read_source_entries(cache: SourceCache, block_table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` entries [count, head_dim] and index keys [count, index_head_dim] of a sequence."""
+    entry_ids = torch.arange(count, device=cache.entries.device)
+    blocks, offsets = _entry_location(block_table, entry_ids, cache.entries.shape[1])
+    return cache.entries[blocks, offsets], cache.index_keys[blocks, offsets]
+
+
+class SourceCompressor(nn.Module):
+    """A KV source's compressor: ``wkv`` (+ ``wgate`` above ratio 1) and ``norm``; returns pre-RoPE latents."""
+
+    def __init__(self, config: ModelConfigV41, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def latents(self, x: torch.Tensor, span: SequenceSpan, cache: SourceCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [g, head_dim] of the groups one sequence's new tokens complete, and their entry ids [g]."""
+        if self.wgate is None:  # ratio 1: every token is its own entry, no pooling state
+            return self.norm(self.wkv(x)), torch.arange(span.start, span.start + x.shape[0], device=x.device)
+        ratio, slot = self.ratio, span.slot
+        values = F.linear(x.float(), self.wkv.weight.float())  # the pooling runs in fp32
+        gates = F.linear(x.float(), self.wgate.weight.float())
+        pending = span.start % ratio
+        values = torch.cat([cache.pending_values[slot, :pending], values])
+        gates = torch.cat([cache.pending_gates[slot, :pending], gates])
+        complete = values.shape[0] // ratio
+        used = complete * ratio
+        cache.pending_values[slot, : values.shape[0] - used] = values[used:]
+        cache.pending_gates[slot, : values.shape[0] - used] = gates[used:]
+        width = values.shape[-1]
+        groups = values[:used].view(complete, ratio, width)
+        weights = gates[:used].view(complete, ratio, width).softmax(dim=1, dtype=torch.float32)
+        pooled = (groups * weights).sum(dim=1)
+        first = (span.start - pending) // ratio
+        return self.norm(pooled.to(x.dtype)), torch.arange(first, first + complete, device=x.device)
+
+
+class IndexerV41(nn.Module):
+    """An index source's scorer; on KV-source layers it also owns the index-key projection (``wk``, ``k_norm``)."""
+
+    def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.ratio = config.index_topk, config.compress_ratios[layer_id]
+        self.is_candidate_source = layer_id == config.candidate_source_layer_id
+        self.uses_candidates = config.uses_candidates(layer_id)
+        self.candidate_topk_blocks, self.candidate_block_size = (
+            config.candidate_topk_blocks,
+            config.candidate_block_size,
+        )
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.owns_keys = config.is_kv_source(layer_id)
+        if self.owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(
+        self,
+        latents: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        quantizer: ActivationQuantizer,
+        layer_id: int,
+        entry_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
+        return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin), layer_id, entry_ids)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """Boolean [n, W]: the entries each new query of one sequence attends to."""
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        q = quantizer.index_queries(q, layer_id, positions)
+        per_head = F.relu(torch.einsum("shd,wd->shw", q.float(), keys.float())) * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
+        counts = visible_entries(positions, self.ratio)
+        visible = torch.arange(keys.shape[0], device=x.device) < counts[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if self.is_candidate_source:
+            state["candidates"] = select_candidate_blocks(
+                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+            )
+        elif self.uses_candidates and "candidates" in state:
+            scores = scores.masked_fill(~state["candidates"], float("-inf"))
+        return top_k_visible(scores, self.topk)
+
+
+class AttentionV41(Attention):
+    """Shared-KV MQA with a window and (ratio > 0) the shared compressed entries; V4's window and projections."""
+
+    def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
+        nn.Module.__init__(self)
+        self.layer_id = layer_id
+        self.compress_ratio = config.compress_ratios[layer_id]
+        self._build_projections(config)
+        self.compressor = SourceCompressor(config, self.compress_ratio) if config.is_kv_source(layer_id) else None
+        self.indexer = IndexerV41(config, layer_id) if config.is_index_source(layer_id) else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        inv_freq: torch.Tensor,
+        shared: list[dict],
+        quantizer: ActivationQuantizer,
+        compressor_only: bool = False,
+    ) -> torch.Tensor | None:
+        """x: [T, hidden] packed. ``shared`` holds one dict per sequence for what sources publish.
+
+        ``compressor_only`` (CED prefill) runs just the source's compressor and index keys: it fills the
+        cache's compressed entries for the batch and returns None.
+        """
+        layer_cache = batch.cache.layers[self.layer_id]
+        if compressor_only:
+            for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
+                self._publish(x[tokens], span, layer_cache.source, inv_freq, state, quantizer)
+            return None
+        cos, sin = rope_angles(batch.positions, inv_freq)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, batch.positions)
+        outputs = []
+        for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
+            positions = batch.positions[tokens]
+            compressed, visible = None, None
+            if self.compress_ratio:
+                if self.compressor is not None:
+                    self._publish(x[tokens], span, layer_cache.source, inv_freq, state, quantizer)
+                if self.indexer is not None:
+                    state["selected"] = self.indexer.select(
+                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer,
+                        self.layer_id,
+                    )  # fmt: skip
+                compressed, visible = state["entries"], state["selected"]
+            window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
+            outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
+        out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
+        return self._project_out(out)
+
+    def _publish(
+        self,
+        x: torch.Tensor,
+        span: SequenceSpan,
+        cache: SourceCache,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> None:
+        """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them."""
+        latents, entry_ids = self.compressor.latents(x, span, cache)
+        if entry_ids.numel():
+            cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
+            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
+            keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
+            keep = (entry_ids + 1) * self.compress_ratio > span.reuse_below  # prefix hits hold older entries
+            write_source_entries(cache, span.block_table, entry_ids[keep], entries[keep], keys[keep])
+        count = (span.start + span.length) // self.compress_ratio
+        state["entries"], state["index_keys"] = read_source_entries(cache, span.block_table, count)

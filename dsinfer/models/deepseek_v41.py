@@ -1,0 +1,304 @@
+"""DeepSeek-V4.1-Flash, top to bottom: embedding -> [Engram] -> staggered-mHC blocks (CSA2 attention, MoE)
+-> collapse with the last site's mix -> norm -> head.  Only what differs from V4 lives here.
+
+* **Staggered mHC**: each site computes (pre, post, comb) from its input streams, but a site's ``pre`` is
+  used by the *next* site: attention collapses with the previous layer's FFN ``pre`` (a one-hot on stream 0
+  at layer 0), the FFN with its own layer's attention ``pre``, and the final collapse with the last FFN's
+  ``pre``. There is no ``hc_head``.
+* **CSA2 attention** (``dsinfer.layers.csa2``): compressed KV computed by a few source layers and reused.
+* **Engram** (``dsinfer.engram``): gated n-gram memory added to the streams before its layers' blocks.
+* **MoE**: every layer scored (no hash routing); image tokens select with ``bias_vl``.
+* **Trained-in fake quantization** of window KV, compressed KV and indexer q/k: on by default
+  (:meth:`DeepseekV41.set_fake_quantization` turns it off, for tests).
+* **CED prefill** (:meth:`DeepseekV41.prefill`): ``exact`` runs every layer over the prompt; ``bounded``
+  runs the encoder over the prompt, lets the first decoder layer (a ratio-1 KV source) turn the encoder
+  output into the decoder's global KV, and re-runs the decoder only over the last ``replay_tokens``.
+* **DSpark** stages (``dsinfer.models.dspark``) under ``mtp.N``: loaded and runnable as modules.
+
+Module and parameter names follow the official checkpoint (``layers.L.attn.indexer.wk``,
+``layers.L.engram.embed.weight``, ``layers.L.ffn.gate.bias_vl``, ``mtp.N.markov_head.embed.weight`` ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.engram.hashing import EngramContext, EngramHasher
+from dsinfer.engram.module import Engram
+from dsinfer.layers.csa2 import AttentionV41
+from dsinfer.layers.fake_quant import ActivationQuantizer
+from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
+from dsinfer.layers.moe import MoEV41
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.models.block import hc_parameters
+from dsinfer.models.deepseek_v4 import RopeTables
+from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
+
+PREFILL_MODES = ("exact", "bounded")
+DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
+
+
+@dataclass
+class ForwardContext:
+    """What every block of one forward needs besides its streams."""
+
+    batch: PackedBatch
+    rope: RopeTables
+    quantizer: ActivationQuantizer
+    shared: list[dict]  # one dict per sequence: what KV / index sources publish to later layers
+    engram_rows: torch.Tensor | None = None  # [T, engram layers, columns]
+    gate_mask: torch.Tensor | None = None  # [T] False at image tokens (Engram gate shut)
+    image_mask: torch.Tensor | None = None  # [T] True at image tokens (MoE selects with bias_vl)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark targets: layer -> [T, hidden]
+
+    def sliced(self, batch: PackedBatch, rows: torch.Tensor) -> ForwardContext:
+        """The context of a sub-batch made of the token indices ``rows`` (CED replay)."""
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return replace(
+            self,
+            batch=batch,
+            shared=[{} for _ in batch.spans],
+            engram_rows=take(self.engram_rows),
+            gate_mask=take(self.gate_mask),
+            image_mask=take(self.image_mask),
+            captured={},
+        )
+
+
+class BlockV41(nn.Module):
+    """One V4.1 layer: optional Engram, then an attention site and an MoE site with staggered mHC."""
+
+    def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
+        self.engram_index = config.engram_layer_ids.index(layer_id) if self.engram is not None else None
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = AttentionV41(config, layer_id)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = MoEV41(config, config.n_routed_experts, config.num_experts_per_tok)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
+
+    def with_engram(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.engram is None:
+            return streams
+        return self.engram(streams, ctx.engram_rows[:, self.engram_index], ctx.gate_mask)
+
+    def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
+        return hyper_connection_weights(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+
+    def forward(
+        self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams [T, hc, hidden] and the mix the next site collapses with, [T, hc]."""
+        streams = self.with_engram(streams, ctx)
+        if self.layer_id in ctx.captured:
+            ctx.captured[self.layer_id] = streams.float().mean(dim=-2).to(streams.dtype)
+        attn_pre, attn_post, attn_comb = self.site_weights(streams, "attn")
+        x = self.attn_norm(collapse_streams(streams, pre_mix))
+        inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
+        out = self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
+        streams = expand_streams(out, streams, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.site_weights(streams, "ffn")
+        x = self.ffn_norm(collapse_streams(streams, attn_pre))
+        streams = expand_streams(self.ffn(x, ctx.image_mask), streams, ffn_post, ffn_comb)
+        return streams, ffn_pre
+
+    def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext) -> None:
+        """CED: run only this KV source's compressor over the batch (fills the decoder's global KV)."""
+        streams = self.with_engram(streams, ctx)
+        x = self.attn_norm(collapse_streams(streams, pre_mix))
+        inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
+        self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
+
+
+class DeepseekV41(nn.Module):
+    def __init__(self, config: ModelConfigV41, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(BlockV41(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RopeTables(config)
+        stages = config.num_nextn_predict_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
+        self.engram_hasher: EngramHasher | None = None
+        self.quantizer = ActivationQuantizer(enabled=True)
+        self.prefill_mode = "exact"
+        self.replay_tokens = DEFAULT_REPLAY_TOKENS
+
+    # ---- settings ----------------------------------------------------------------------------------
+    def attach_engram_hasher(self, hasher: EngramHasher) -> DeepseekV41:
+        """The hasher (built from the checkpoint's tokenizer) that turns token ids into Engram rows."""
+        if tuple(hasher.layer_ids) != tuple(self.config.engram_layer_ids):
+            raise ValueError(
+                f"the Engram hasher covers layers {list(hasher.layer_ids)}, "
+                f"the model {list(self.config.engram_layer_ids)}"
+            )
+        sizes = hasher.table_sizes()
+        for layer_id, rows in zip(self.config.engram_layer_ids, self.config.engram_num_embeddings, strict=True):
+            if sizes[layer_id] != rows:
+                raise ValueError(
+                    f"the Engram hasher addresses {sizes[layer_id]} rows of layer {layer_id}, the table has {rows}"
+                )
+        self.engram_hasher = hasher.to(self.embed.weight.device)
+        return self
+
+    @property
+    def fake_quantization(self) -> bool:
+        return self.quantizer.enabled
+
+    def set_fake_quantization(self, enabled: bool) -> DeepseekV41:
+        """The reference always rounds window KV, compressed KV and indexer q/k; off is for testing only."""
+        self.quantizer = ActivationQuantizer(enabled=bool(enabled))
+        return self
+
+    def set_prefill_mode(self, mode: str, replay_tokens: int = DEFAULT_REPLAY_TOKENS) -> DeepseekV41:
+        """``exact`` (every layer over the whole prompt) or ``bounded`` (CED with a bounded decoder replay)."""
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill mode: expected one of {list(PREFILL_MODES)}, got {mode!r}")
+        if replay_tokens < self.config.sliding_window:
+            raise ValueError(
+                f"replay_tokens: must be at least the sliding window ({self.config.sliding_window}), "
+                f"got {replay_tokens}"
+            )
+        if mode == "bounded" and self.config.decoder_start is None:
+            raise ValueError("bounded prefill needs a CED decoder: the last KV source must have compress ratio 1")
+        self.prefill_mode, self.replay_tokens = mode, replay_tokens
+        return self
+
+    # ---- forward -----------------------------------------------------------------------------------
+    def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""
+        streams, pre_mix, _ = self.run_layers(batch)
+        hidden = self.final_hidden(streams, pre_mix)
+        if logits_for is not None:
+            hidden = hidden[logits_for]
+        return self.head(hidden).float()
+
+    def run_layers(
+        self, batch: PackedBatch, capture: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Embedding and every block: streams [T, hc, hidden], the final mix [T, hc], and the context."""
+        ctx = self.context(batch, capture)
+        streams, pre_mix = self.embed_streams(batch.input_ids)
+        streams, pre_mix = self.run_range(streams, pre_mix, ctx, 0, len(self.layers))
+        return streams, pre_mix, ctx
+
+    def final_hidden(self, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """Collapse with the last site's mix (no ``hc_head`` in V4.1), then the output norm."""
+        return self.norm(collapse_streams(streams, pre_mix))
+
+    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams [T, hc, hidden] (the embedding copied) and the first site's mix: one-hot on stream 0."""
+        embedded = self.embed(input_ids)
+        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
+        pre_mix[:, 0] = 1.0
+        return streams, pre_mix
+
+    def run_range(
+        self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext, first: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers[first:stop]:
+            streams, pre_mix = layer(streams, pre_mix, ctx)
+        return streams, pre_mix
+
+    def context(self, batch: PackedBatch, capture: bool = False) -> ForwardContext:
+        """Scratch cache if needed, Engram rows (advancing each sequence's Engram history), token masks."""
+        if batch.cache is None:
+            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
+        ctx = ForwardContext(batch, self.rope, self.quantizer, [{} for _ in batch.spans])
+        image_id = self.config.image_token_id
+        if image_id is not None:
+            ctx.image_mask = batch.input_ids == image_id
+            ctx.gate_mask = ~ctx.image_mask
+        if self.config.engram_layer_ids:
+            ctx.engram_rows = self._engram_rows(batch)
+        if capture:
+            ctx.captured = dict.fromkeys(self.config.dspark_target_layer_ids)
+        return ctx
+
+    def _engram_rows(self, batch: PackedBatch) -> torch.Tensor:
+        if self.engram_hasher is None:
+            raise RuntimeError("this model has Engram layers: attach an EngramHasher built from its tokenizer first")
+        history = batch.cache.engram_history
+        slots = torch.tensor([span.slot for span in batch.spans], dtype=torch.long, device=history.device)
+        contexts = history[slots].clone()
+        fresh = torch.tensor([span.start == 0 for span in batch.spans], device=history.device)
+        contexts[fresh] = EngramContext.stack([EngramContext.empty(self.config.engram_max_ngram_size)], history.device)
+        hasher, ids, lengths = self.engram_hasher, batch.input_ids, batch.seq_lens
+        rows = hasher.all_row_ids(ids, lengths, contexts)
+        history[slots] = hasher.next_contexts(ids, lengths, contexts)
+        return rows
+
+    # ---- prefill (CED) -----------------------------------------------------------------------------
+    def prefill(self, batch: PackedBatch, mode: str | None = None, replay_tokens: int | None = None) -> torch.Tensor:
+        """Logits [S, vocab] of each sequence's last prompt token, filling the cache for decoding.
+
+        ``exact`` is a plain forward. ``bounded`` (whole prompts from position 0 only): the encoder layers run
+        over every token, the first decoder layer's compressor turns their output into the global KV of
+        every position, and the decoder layers run only over the last ``replay_tokens`` of each prompt, which
+        rebuilds their window caches. Later decode steps see the same cache layout either way.
+        """
+        mode = self.prefill_mode if mode is None else mode
+        replay_tokens = self.replay_tokens if replay_tokens is None else replay_tokens
+        if mode == "exact":
+            return self(batch, logits_for=batch.last_token_indices())
+        self.set_prefill_mode(mode, replay_tokens)  # validates
+        if any(span.start for span in batch.spans):
+            raise ValueError("bounded prefill runs whole prompts: every sequence must start at position 0")
+        decoder = self.config.decoder_start
+        ctx = self.context(batch)
+        streams, pre_mix = self.embed_streams(batch.input_ids)
+        streams, pre_mix = self.run_range(streams, pre_mix, ctx, 0, decoder)
+        self.layers[decoder].compress_only(streams, pre_mix, ctx)
+        replay_batch, rows = self._replay_batch(batch, replay_tokens)
+        replay_ctx = ctx.sliced(replay_batch, rows)
+        streams, pre_mix = self.run_range(streams[rows], pre_mix[rows], replay_ctx, decoder, len(self.layers))
+        hidden = self.final_hidden(streams, pre_mix)[replay_batch.last_token_indices()]
+        return self.head(hidden).float()
+
+    @staticmethod
+    def _replay_batch(batch: PackedBatch, replay_tokens: int) -> tuple[PackedBatch, torch.Tensor]:
+        """The last ``replay_tokens`` of every sequence, as a batch whose decoder windows start at the replay."""
+        spans, rows = [], []
+        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
+            keep = min(replay_tokens, span.length)
+            first = span.start + span.length - keep
+            spans.append(
+                SequenceSpan(first, keep, span.slot, span.block_table, reuse_below=first + keep, window_from=first)
+            )
+            rows.append(torch.arange(tokens.stop - keep, tokens.stop, device=batch.input_ids.device))
+        rows = torch.cat(rows)
+        return PackedBatch(batch.input_ids[rows], batch.positions[rows], spans, batch.cache), rows
+
+    # ---- DSpark ------------------------------------------------------------------------------------
+    def dspark_seed(self, batch: PackedBatch, ctx: ForwardContext) -> None:
+        """Write the DSpark rings of the batch's sequences from the target hiddens captured in ``ctx``."""
+        self._require_dspark()
+        targets = torch.cat([ctx.captured[i] for i in self.config.dspark_target_layer_ids], dim=-1)
+        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
+            seed_rings(self.mtp, batch.cache.dspark_rings, span.slot, targets[tokens], batch.positions[tokens],
+                       self.rope.window, self.quantizer)  # fmt: skip
+
+    def dspark_draft(self, cache, slot: int, last_position: int, token: int) -> DraftBlock:
+        """Draft ``dspark_block_size`` tokens after ``token`` (at ``last_position + 1``) from the slot's rings."""
+        self._require_dspark()
+        return draft_block(self, cache.dspark_rings, slot, last_position, token)
+
+    def _require_dspark(self) -> None:
+        if not len(self.mtp):
+            raise RuntimeError("this checkpoint has no DSpark layers (no mtp.* tensors)")

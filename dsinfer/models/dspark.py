@@ -1,0 +1,188 @@
+"""DeepSeek-V4.1's DSpark draft stages (``mtp.0`` .. ``mtp.N-1``): block drafting for speculative decoding.
+
+The target model hands over, for every position it has run, the mean of the residual streams entering
+each of ``dspark_target_layer_ids`` (37, 38, 39 in the release), concatenated. Stage 0's ``main_proj`` and
+``main_norm`` turn that into one vector per position, and every stage keeps a ``sliding_window``-slot ring
+of keys ``fp8(rope(kv_norm(wkv(main))))`` at those positions (:func:`seed_rings`).
+
+A draft (:func:`draft_block`) takes the block ``[token, noise x (block_size - 1)]`` at the positions after
+the target's last one, runs it through the stages (each: window attention over its whole ring plus the
+block itself, non-causal within the block; a ``dspark_n_routed_experts`` top-``dspark_num_experts_per_tok``
+MoE; staggered mHC as in the backbone), collapses with the last mix, and reads logits through the last
+stage's norm and the target's head. A rank-``dspark_markov_rank`` Markov head adds a bias that depends on
+the previously drafted token (so drafting is sequential over the block), and a confidence head scores each
+drafted position from ``[pre-norm hidden, Markov embedding]``. Deciding how many drafts to verify is the
+speculative decoder's job (a later step); here the stages are loaded and run.
+
+Follows the MLX port ``thedracle/deepseek-v41-mlx`` (``dspark.py``), which checks itself against
+DeepSeek's ``forward_spec``; Hugging Face does not model these layers yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.layers.attention import Attention
+from dsinfer.layers.fake_quant import ActivationQuantizer
+from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
+from dsinfer.layers.moe import MoEV41
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.models.block import hc_parameters
+
+if TYPE_CHECKING:
+    from dsinfer.models.deepseek_v41 import DeepseekV41
+
+
+@dataclass
+class DraftBlock:
+    logits: torch.Tensor  # [block_size, vocab] float32, Markov bias included
+    tokens: list[int]  # the greedy drafted tokens, one per block position
+    confidence: torch.Tensor  # [block_size] float32 confidence-head logits
+
+
+class DSparkAttention(Attention):
+    """Window attention of a draft stage: keys are its ring (target positions) plus the draft block."""
+
+    def __init__(self, config: ModelConfigV41, stage: int) -> None:
+        nn.Module.__init__(self)
+        self.stage = stage
+        self._build_projections(config)
+
+    def keys(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, quantizer: ActivationQuantizer
+    ) -> torch.Tensor:
+        cos, sin = rope_angles(positions, inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return quantizer.window_kv(kv, f"mtp.{self.stage}", positions)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ring_keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """x [B, hidden] at ``positions`` [B]; every query sees every ring key and every block key."""
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim), cos, sin)
+        keys = torch.cat([ring_keys.to(x.dtype), self.keys(x, positions, inv_freq, quantizer)])
+        logits = torch.einsum("shd,kd->hsk", q, keys).float() * self.softmax_scale
+        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("hsk,kd->shd", probs.to(keys.dtype), keys)
+        return self._project_out(apply_rope(out, cos, sin, inverse=True))
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank)
+        self.head = nn.Linear(rank, vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, 1, bias=False)
+
+
+class DSparkStage(nn.Module):
+    """One draft stage; stage 0 owns the target-hidden projection, the last stage the output heads."""
+
+    def __init__(self, config: ModelConfigV41, stage: int, num_stages: int) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.hidden_size
+        self.attn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.attn = DSparkAttention(config, stage)
+        self.ffn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.ffn = MoEV41(config, config.dspark_n_routed_experts, config.dspark_num_experts_per_tok)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
+        if stage == 0:
+            self.main_proj = nn.Linear(dim * len(config.dspark_target_layer_ids), dim, bias=False)
+            self.main_norm = RMSNorm(dim, config.rms_norm_eps)
+        if stage == num_stages - 1:
+            self.norm = RMSNorm(dim, config.rms_norm_eps)
+            self.markov_head = MarkovHead(config.vocab_size, config.dspark_markov_rank)
+            self.confidence_head = ConfidenceHead(dim + config.dspark_markov_rank)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre_mix: torch.Tensor,
+        positions: torch.Tensor,
+        ring_keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        quantizer: ActivationQuantizer,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+
+        def weights(site: str):
+            fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
+            return hyper_connection_weights(
+                streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+            )
+
+        attn_pre, attn_post, attn_comb = weights("attn")
+        x = self.attn_norm(collapse_streams(streams, pre_mix))
+        attn_out = self.attn(x, positions, ring_keys, inv_freq, quantizer)
+        streams = expand_streams(attn_out, streams, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = weights("ffn")
+        x = self.ffn_norm(collapse_streams(streams, attn_pre))
+        return expand_streams(self.ffn(x), streams, ffn_post, ffn_comb), ffn_pre
+
+
+def seed_rings(
+    stages: nn.ModuleList,
+    rings: list[torch.Tensor],
+    slot: int,
+    target_hidden: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    quantizer: ActivationQuantizer,
+) -> None:
+    """Write each stage's ring slots ``position % window`` from the target hiddens [n, targets * hidden]."""
+    window = rings[0].shape[1] if rings else 0
+    recent = slice(max(0, target_hidden.shape[0] - window), None)
+    main = stages[0].main_norm(stages[0].main_proj(target_hidden[recent]))
+    for stage, ring in zip(stages, rings, strict=True):
+        keys = stage.attn.keys(main, positions[recent], inv_freq, quantizer)
+        ring[slot, positions[recent] % window] = keys.to(ring.dtype)
+
+
+@torch.no_grad()
+def draft_block(model: DeepseekV41, rings: list[torch.Tensor], slot: int, last_position: int, token: int) -> DraftBlock:
+    """Greedy block draft after ``token`` (which sits at ``last_position + 1``), Markov bias and confidence."""
+    cfg, device = model.config, model.embed.weight.device
+    size = cfg.dspark_block_size
+    ids = torch.tensor([token] + [cfg.dspark_noise_token_id] * (size - 1), device=device)
+    positions = torch.arange(last_position + 1, last_position + 1 + size, device=device)
+    streams, pre_mix = model.embed_streams(ids)
+    seen = min(cfg.sliding_window, last_position + 1)
+    for stage, ring in zip(model.mtp, rings, strict=True):
+        ring_keys = ring[slot, :seen]
+        streams, pre_mix = stage(streams, pre_mix, positions, ring_keys, model.rope.window, model.quantizer)
+    last = model.mtp[-1]
+    hidden = collapse_streams(streams, pre_mix)
+    logits = model.head(last.norm(hidden)).float()
+    previous = torch.tensor([token], device=device)
+    columns, tokens, embeddings = [], [], []
+    for i in range(size):
+        embedding = last.markov_head.embed(previous)
+        column = logits[i] + last.markov_head.head(embedding)[0].float()
+        previous = column.argmax(dim=-1, keepdim=True)
+        embeddings.append(embedding[0])
+        columns.append(column)
+        tokens.append(int(previous))
+    features = torch.cat([hidden.float(), torch.stack(embeddings).float()], dim=-1)
+    confidence = F.linear(features, last.confidence_head.proj.weight.float())[:, 0]
+    return DraftBlock(torch.stack(columns), tokens, confidence)
