@@ -1,0 +1,770 @@
+"""Engram fetch on a GPU: zero-copy host gathers against the pinned copy ceiling, and a prefill step.
+
+    python benchmarks/engram_fetch.py --out results/ [--table-gib 16 64 32] [--page-sizes 4k 2m]
+        [--tables 16:4k 16:2m 64:2m ...] [--rows 4096 ... 524288] [--configure-huge-pages]
+        [--tokenizer tokenizer.json] [--prefill-tokens 65536 --prefill-layers 16] [--deadline-s 390]
+        [--check-only]
+
+What it does, in order (each section is fenced: a failure is logged and the next section runs):
+
+1. **Correctness first.** Random tables in a real :class:`~dsinfer.engram.store.EngramStore`; the
+   ``host`` (registered segment, Triton zero-copy kernel) and ``device`` placements on the GPU against
+   the CPU reference, bit for bit, bf16 and fp32, with and without de-duplication, sync and prefetched;
+   outputs poisoned first so an unwritten row shows.
+2. **Ceilings.** Pinned host-to-device copy bandwidth (``cudaHostAlloc`` buffer and the registered
+   segment itself), measured in the same run, for the gather/copy ratio.
+3. **Per table size and page size** (4 KiB ``/dev/shm``; 2 MiB hugetlbfs): gather throughput against
+   rows per step for random-order ids (fresh each repetition, and the same ids repeated, as a naive
+   timing loop does), sorted ids, sorted ids with the scales in device memory, and the full fetch
+   (plan + gather + expand) on ids hashed from a Zipf token stream with and without de-duplication.
+   On the first table also: a footprint sweep (same row count, ids confined to the first W bytes)
+   to expose translation-cache reach, kernel-shape variants, torch's own ``index_select`` through
+   the same zero-copy tensor, a CPU gather + copy, and the ``device`` placement.
+4. **Prefill step.** A V4.1-width slice (hidden 5120, 64x512 heads, q rank 1280, 8x1024 output
+   groups, 6+1 experts x 2304 as dense matmuls) over 65,536 tokens with Engram at layers 1 and 14,
+   bf16: no fetch (rows already on the GPU), synchronous fetch (with and without de-duplication),
+   and prefetched fetch at several program caps.
+
+Results go to ``--out`` as ``engram_fetch.json`` and ``engram_fetch.md`` after every section.
+GB/s is 1e9 bytes per second. "payload" counts the bytes read over PCIe (unique rows x 264: 256 FP8
+bytes plus 8 scale bytes; 256 with scales in device memory); "effective" counts rows requested x 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from dsinfer.engram.fetch import DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
+from dsinfer.engram.hashing import EngramHasher
+from dsinfer.engram.store import (
+    HUGE_PAGE_BYTES,
+    EngramMemoryError,
+    EngramStore,
+    RandomEngramSource,
+    _hugetlbfs_mount,
+    _meminfo,
+    segment_bytes,
+)
+from dsinfer.kernels.engram_gather import gather_dequantize, gather_dequantize_reference
+
+ROW_BYTES, SCALE_BYTES = 256, 8
+GIB = 2**30
+
+
+# ------------------------------------------------------------------------------------------ plumbing
+class Report:
+    """Rows of results, written to JSON and Markdown after every section."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.sections: dict[str, list[dict]] = {}
+        self.notes: list[str] = []
+
+    def add(self, section: str, **row) -> None:
+        self.sections.setdefault(section, []).append(row)
+        print(f"[{section}] " + " ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+        self.write()  # a run stopped at its time limit keeps everything measured so far
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"[note] {text}", flush=True)
+
+    def write(self) -> None:
+        (self.out / "engram_fetch.json").write_text(json.dumps({"notes": self.notes, **self.sections}, indent=1))
+        (self.out / "engram_fetch.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        lines = []
+        for name, rows in self.sections.items():
+            keys = list(dict.fromkeys(k for row in rows for k in row))
+            lines += [f"### {name}", "", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+            lines += ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
+            lines.append("")
+        lines += ["### notes", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+@contextmanager
+def section(report: Report, name: str):
+    started = time.monotonic()
+    print(f"==== {name}", flush=True)
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - one broken section must not cost the rest of the run
+        report.note(f"section {name!r} failed: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    finally:
+        try:
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"after section {name!r}: {type(exc).__name__}: {exc}")
+        report.write()
+        print(f"==== {name} took {time.monotonic() - started:.1f} s", flush=True)
+
+
+def time_ms(fn, *, budget_s: float = 0.15, min_reps: int = 3, max_reps: int = 25, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn(rep)`` timed with CUDA events (``rep`` lets callers rotate inputs)."""
+    for rep in range(warmup):
+        fn(rep)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(warmup)
+    end.record()
+    end.synchronize()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    reps = max(min_reps, min(max_reps, int(budget_s * 1e3 / estimate)))
+    times = []
+    for rep in range(reps):
+        start.record()
+        fn(warmup + 1 + rep)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def shell(command: str) -> str:
+    try:
+        return subprocess.run(command, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"({exc})"
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------ ids
+class TextIds:
+    """Engram row ids of a token stream, hashed as V4.1 does, then folded into the benchmark table.
+
+    With a DeepSeek ``tokenizer.json`` the stream is real text (the Python reference documentation
+    shipped in the standard library, ``pydoc_data/topics.py``) and the compressed vocabulary is the
+    real one; without one, or with ``zipf=True``, tokens are drawn independently from a Zipf law,
+    which repeats n-grams far less than text does (a pessimistic case for de-duplication).
+    """
+
+    def __init__(self, device: torch.device, tokenizer_path: Path | None = None, seed: int = 0):
+        vocab, compressed = 129_280, 99_092
+        table = torch.arange(vocab) % compressed
+        self.stream = None
+        self.source = "iid zipf tokens"
+        if tokenizer_path is not None:
+            import sysconfig
+
+            import tokenizers
+
+            from dsinfer.engram.vocabulary import build_compressed_vocabulary
+
+            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+            table = build_compressed_vocabulary(tokenizer, expected_size=compressed)
+            docs = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+            self.stream = torch.tensor(tokenizer.encode(docs.read_text(errors="replace")).ids, device=device)
+            self.source = f"{docs.name} ({self.stream.numel():,} tokens)"
+        self.hasher = EngramHasher(
+            table,
+            engram_layer_ids=[1, 14],
+            engram_vocab_size=16_000_000,
+            engram_max_ngram_size=4,
+            engram_n_heads=8,
+            engram_pad_id=2,
+            engram_compressed_vocab_size=compressed,
+            image_token_id=None,
+        ).to(device)
+        ranks = torch.arange(vocab, dtype=torch.float64)
+        self.weights = (1.0 / (ranks + 2.7)).float().to(device)  # Zipf-Mandelbrot, exponent 1
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.device = device
+
+    def ids(self, tokens: int, rows: int, zipf: bool = False) -> dict[int, torch.Tensor]:
+        """``{layer: [tokens, 24]}`` row ids of one ``tokens``-long sequence, modulo ``rows``."""
+        if self.stream is None or zipf:
+            token_ids = torch.multinomial(self.weights, tokens, replacement=True, generator=self.generator)
+        else:
+            length = self.stream.numel()
+            offset = int(torch.randint(0, length, (1,), generator=self.generator, device=self.device))
+            token_ids = self.stream.repeat(-(-tokens // length) + 1)[offset : offset + tokens]
+        hashed = self.hasher.all_row_ids(token_ids)  # [T, 2, 24]
+        return {layer: hashed[:, i].remainder(rows).contiguous() for i, layer in enumerate((1, 14))}
+
+
+def random_ids(count: int, high: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randint(0, high, (count,), generator=generator, device=device, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------ system
+def system_report(report: Report) -> None:
+    props = torch.cuda.get_device_properties(0)
+    info = _meminfo()
+    report.add(
+        "system",
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        mem_total_gib=info.get("MemTotal", 0) / GIB,
+        mem_available_gib=info.get("MemAvailable", 0) / GIB,
+        cpus=os.cpu_count(),
+    )
+    for command in (
+        "nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.max,"
+        "pcie.link.width.current,pcie.link.width.max --format=csv,noheader",
+        "nvidia-smi -q | grep -i -E 'addressing mode|bar1|ats' | head -5",
+        "cat /proc/cmdline",
+        "ls /sys/class/iommu 2>&1 | head -3; ls /sys/kernel/iommu_groups 2>/dev/null | wc -l",
+        "cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled",
+        "df -h /dev/shm | tail -1; grep -i huge /proc/meminfo | tr '\\n' ' '",
+        "uname -r; lscpu | grep -E 'Model name|NUMA node\\(s\\)'",
+    ):
+        report.note(f"`{command.split('|')[0].strip()[:60]}`: {shell(command)}")
+
+
+def configure_huge_pages(pages: int, report: Report) -> None:
+    """Reserve ``pages`` 2 MiB pages (root; for this throwaway machine) and mount hugetlbfs if needed."""
+    if _hugetlbfs_mount() is None:
+        os.makedirs("/dev/hugepages", exist_ok=True)
+        report.note(f"mount hugetlbfs: {shell('mount -t hugetlbfs -o pagesize=2M none /dev/hugepages 2>&1') or 'ok'}")
+    shell("sync; echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory")
+    started = time.monotonic()
+    Path("/proc/sys/vm/nr_hugepages").write_text(str(pages))
+    info = _meminfo()
+    report.note(
+        f"nr_hugepages <- {pages}: got {info.get('HugePages_Total', 0)} total, {info.get('HugePages_Free', 0)} free "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+
+
+def release_huge_pages() -> None:
+    try:
+        Path("/proc/sys/vm/nr_hugepages").write_text("0")
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ 1. correctness
+def check_correctness(report: Report, device: torch.device) -> bool:
+    source = RandomEngramSource({1: 200_003, 14: 100_019}, seed=5)
+    ok = True
+    edge_row = 77_777  # its scales span 2**-127 .. 2**127: subnormal and overflowing products
+    with EngramStore.create(f"dsinfer-bench-{uuid.uuid4().hex[:8]}", source) as store:
+        store.scale(1)[edge_row] = torch.tensor([0, 1, 2, 126, 127, 128, 200, 254], dtype=torch.uint8)
+        reference = HostEngramFetcher.from_store(store, "cpu")
+        host = HostEngramFetcher.from_store(store, device)
+        on_device = DeviceEngramFetcher.from_store(store, device)
+        host.dedup_min_ids = on_device.dedup_min_ids = 0  # exercise the plan at every size here
+        generator = torch.Generator().manual_seed(1)
+        for name, fetcher in (("host", host), ("device", on_device)):
+            for dtype in (torch.bfloat16, torch.float32):
+                for dedup in (True, False):
+                    fetcher.out_dtype, reference.out_dtype = dtype, dtype
+                    fetcher.dedup = fetcher.sort = dedup
+                    for layer, rows in ((1, 200_003), (14, 100_019)):
+                        ids = torch.randint(0, rows, (999, 24), generator=generator)
+                        ids[:300] = ids[0]
+                        ids[5, :3] = torch.tensor([0, rows - 1, rows // 2])
+                        ids[ids == edge_row] = 1  # realistic scales here; the edge row is checked below
+                        expected = reference.fetch(ids, layer)
+                        got = fetcher.fetch(ids.to(device), layer).cpu()
+                        fetcher.start({layer: ids.to(device)})
+                        got_prefetched = fetcher.wait(layer).cpu()
+                        same = torch.equal(_bits(got), _bits(expected)) and torch.equal(
+                            _bits(got_prefetched), _bits(expected)
+                        )
+                        ok &= same
+                        report.add(
+                            "correctness",
+                            placement=name,
+                            dtype=str(dtype)[6:],
+                            dedup=dedup,
+                            layer=layer,
+                            ids=ids.numel(),
+                            bit_equal=same,
+                        )
+        # Poisoned output: every row below `count` written, none above; edge exponents (2**-127, 2**127).
+        weight, scale = host.tables[1]
+        ids = torch.randint(0, 200_003, (5000,), generator=generator)
+        ids[ids == edge_row] = 1
+        ids[0] = edge_row
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.full((5000, 256), float("nan"), dtype=dtype, device=device)
+            count = torch.tensor([4000], device=device)
+            gather_dequantize(weight, scale, ids.to(device), count=count, out=out, out_dtype=dtype)
+            expected = gather_dequantize_reference(store.weight(1), store.scale(1), ids[:4000], dtype)
+            got = out[:4000].cpu()
+            realistic = torch.equal(_bits(got[1:]), _bits(expected[1:]))
+            edge = torch.equal(_bits(got[:1]), _bits(expected[:1]))
+            untouched = bool(out[4000:].isnan().all())
+            ok &= realistic and untouched
+            report.add(
+                "correctness",
+                placement="host-kernel",
+                dtype=str(dtype)[6:],
+                poisoned_rows_written=realistic,
+                tail_untouched=untouched,
+                edge_exponents_bit_equal=edge,
+            )
+        host.close()
+    report.note(f"correctness: {'all bit-equal' if ok else 'MISMATCH, see the correctness table'}")
+    return ok
+
+
+# ------------------------------------------------------------------------------------------ 2. ceilings
+def copy_ceilings(report: Report, device: torch.device, host_view: torch.Tensor | None, label: str) -> float:
+    """Pinned host-to-device copy GB/s (median of repeated 1 GiB copies); returns the best."""
+    nbytes = GIB if host_view is None else min(GIB, host_view.numel())
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sources = {}
+    if host_view is None:
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned.fill_(0x5A)  # PCIe does not compress: the contents do not matter here
+        sources["cudaHostAlloc buffer"] = pinned
+    else:
+        sources[f"registered segment ({label})"] = host_view[:nbytes]
+    best = 0.0
+    for name, src in sources.items():
+        ms = time_ms(lambda rep, src=src: target.copy_(src, non_blocking=True), min_reps=5, max_reps=10)
+        gbps = nbytes / ms / 1e6
+        best = max(best, gbps)
+        report.add("copy_ceiling", source=name, bytes=nbytes, ms=ms, gb_per_s=gbps)
+    back = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    ms = time_ms(lambda rep: back.copy_(target, non_blocking=True), min_reps=5, max_reps=10)
+    report.add("copy_ceiling", source=f"device-to-host ({label})", bytes=nbytes, ms=ms, gb_per_s=nbytes / ms / 1e6)
+    return best
+
+
+# ------------------------------------------------------------------------------------------ 3. gathers
+def gather_sweep(report, store, fetcher, args, device, label, state, text_ids, copy_gbps) -> None:
+    table = store.tables[1]
+    rows = table.rows
+    weight, scale = fetcher.tables[1]
+    scale_on_device = store.scale(1).to(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    generator = torch.Generator(device=device).manual_seed(2)
+    max_rows = max(args.rows)
+    out = torch.empty(max_rows, ROW_BYTES, dtype=torch.bfloat16, device=device)
+
+    def kernel(ids, *, scales=scale, block_rows=32, num_warps=4, programs=None):
+        gather_dequantize(
+            weight,
+            scales,
+            ids,
+            out=out[: ids.numel()],
+            block_rows=block_rows,
+            num_warps=num_warps,
+            max_programs=programs,
+        )
+
+    def record(kind, count, ms, payload_row_bytes=ROW_BYTES + SCALE_BYTES, unique=None, **extra):
+        unique = count if unique is None else unique
+        payload = unique * payload_row_bytes / ms / 1e6
+        report.add(
+            "gather",
+            table=label,
+            kind=kind,
+            rows=count,
+            unique=unique,
+            ms=ms,
+            payload_gb_s=payload,
+            effective_gb_s=count * ROW_BYTES / ms / 1e6,
+            vs_copy=payload / copy_gbps,
+            **extra,
+        )
+
+    def measure(kind, sets, payload_row_bytes=ROW_BYTES + SCALE_BYTES, **options):
+        """Time the kernel over ``sets`` (rotating; one set = the same ids every repetition)."""
+        ms = time_ms(lambda rep: kernel(sets[rep % len(sets)], **options))
+        record(kind, sets[0].numel(), ms, payload_row_bytes)
+
+    def measure_fetch(kind, steps, dedup):
+        fetcher.dedup = fetcher.sort = dedup
+        fetcher.dedup_min_ids = 0
+        ms = time_ms(lambda rep: fetcher.fetch(steps[rep % len(steps)], 1))
+        fetcher.dedup = fetcher.sort = True
+        unique = int(torch.unique(steps[0]).numel()) if dedup else None
+        record(kind, steps[0].numel(), ms, unique=unique)
+
+    for count in args.rows:
+        fresh = [random_ids(count, rows, generator, device) for _ in range(4)]
+        fresh_sorted = [ids.sort().values for ids in fresh]
+        measure("random", fresh)
+        measure("random, same ids every rep", fresh[:1])
+        measure("sorted", fresh_sorted)
+        measure("sorted, scales on device", fresh_sorted, ROW_BYTES, scales=scale_on_device)
+        # The whole fetch (plan + gather + expand) on hashed text ids.
+        steps = [text_ids.ids(max(1, count // 24), rows)[1] for _ in range(2)]
+        measure_fetch("fetch text ids, dedup+sort", steps, True)
+        measure_fetch("fetch text ids, no dedup, request order", steps, False)
+    # Footprint (once per page size): one row count, ids confined to the first W bytes of the table.
+    count = 262_144 if 262_144 in args.rows else max_rows
+    page = label.split()[-1]
+    if page in state.setdefault("footprint_done", set()):
+        return
+    state["footprint_done"].add(page)
+    for window_gib in (1 / 16, 1 / 2, 2, 8, rows * ROW_BYTES / GIB):
+        window = min(rows, int(window_gib * GIB / ROW_BYTES))
+        ids = [random_ids(count, window, generator, device) for _ in range(4)]
+        ids_sorted = [i.sort().values for i in ids]
+        measure(f"footprint {window_gib:g} GiB, random", ids)
+        measure(f"footprint {window_gib:g} GiB, sorted", ids_sorted)
+    if state.get("extras_done"):
+        return
+    state["extras_done"] = True
+
+    # Kernel shapes: rows per program, warps, program cap.
+    ids = [random_ids(count, rows, generator, device) for _ in range(4)]
+    ids_sorted = [i.sort().values for i in ids]
+    for block_rows, num_warps, programs in (
+        (16, 4, None),
+        (32, 4, None),
+        (64, 4, None),
+        (64, 8, None),
+        (128, 8, None),
+        (32, 4, sms),
+        (32, 4, 4 * sms),
+        (64, 8, 2 * sms),
+        (32, 4, 32),
+        (64, 8, 32),
+        (64, 8, 16),
+    ):
+        shape = {"block_rows": block_rows, "num_warps": num_warps, "programs": programs}
+        label_shape = f"shape {block_rows}x{num_warps}w programs={programs or 'all'}"
+        measure(f"{label_shape}, random", ids, **shape)
+        measure(f"{label_shape}, sorted", ids_sorted, **shape)
+
+    # torch's own CUDA index_select through the same zero-copy tensor (bytes; and 8-byte words).
+    as_words = weight.view(torch.int64)
+    ms = time_ms(lambda rep: weight.index_select(0, ids_sorted[rep % 4]), max_reps=5)
+    record("torch index_select uint8 (no dequant), sorted", count, ms, ROW_BYTES)
+    ms = time_ms(lambda rep: as_words.index_select(0, ids_sorted[rep % 4]), max_reps=5)
+    record("torch index_select int64 words (no dequant), sorted", count, ms, ROW_BYTES)
+
+    # CPU gather into a pinned buffer, then one copy (16 threads).
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    cpu_weight, cpu_ids = store.weight(1), ids_sorted[0].cpu()
+    staging = torch.empty(count, ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+    landing = torch.empty(count, ROW_BYTES, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch.index_select(cpu_weight, 0, cpu_ids, out=staging)
+        landing.copy_(staging, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+    record("CPU index_select + pinned copy (no dequant), sorted", count, statistics.median(times), ROW_BYTES)
+
+    # The device placement: the same table in GPU memory.
+    device_weight = store.weight(1).to(device)
+    for count in args.rows:
+        ids = [random_ids(count, rows, generator, device) for _ in range(4)]
+        target = out[:count]
+        ms = time_ms(
+            lambda rep, ids=ids, target=target: gather_dequantize(
+                device_weight, scale_on_device, ids[rep % 4], out=target
+            )
+        )
+        record("device placement (HBM), random", count, ms)
+
+
+def run_table(report, args, device, table_gib, page, text_ids, state) -> None:
+    try:
+        _run_table(report, args, device, table_gib, page, text_ids, state)
+    finally:
+        gc.collect()
+        if page == "2m" and args.configure_huge_pages:
+            release_huge_pages()
+
+
+def _run_table(report, args, device, table_gib, page, text_ids, state) -> None:
+    rows = int(table_gib * GIB) // ROW_BYTES
+    label = f"{table_gib:g} GiB {page}"
+    source = RandomEngramSource({1: rows}, seed=9, tile_rows=1 << 16)
+    huge = page == "2m"
+    needed = segment_bytes(source.table_specs())
+    if huge and args.configure_huge_pages:
+        configure_huge_pages(needed // HUGE_PAGE_BYTES + 4, report)
+    if huge:
+        fallback = EngramStore._choose_location(source.table_specs(), huge_pages=True)[2]
+        if fallback:
+            report.note(f"{label}: no huge pages ({fallback}); skipped")
+            state["huge_unavailable"] = True
+            return
+    started = time.monotonic()
+    name = f"dsinfer-bench-{uuid.uuid4().hex[:8]}"
+    try:
+        store = EngramStore.create(name, source, huge_pages=huge)
+    except EngramMemoryError as exc:
+        report.note(f"{label}: {exc}")
+        if _meminfo().get("MemTotal", 0) < needed * 1.15:
+            return
+        report.note(f"{label}: MemTotal is large enough; retrying without the memory check")
+        store = EngramStore.create(name, source, huge_pages=huge, check_memory=False)
+    with store:
+        created = time.monotonic() - started
+        if huge and not store.huge_pages:
+            report.note(f"{label}: fell back to 4 KiB pages ({store.huge_pages_fallback}); skipped")
+            state["huge_unavailable"] = True
+            return
+        started = time.monotonic()
+        fetcher = HostEngramFetcher.from_store(store, device)
+        registered = time.monotonic() - started
+        report.add(
+            "tables",
+            table=label,
+            bytes=store.nbytes,
+            page_size=store.page_size,
+            create_s=created,
+            load_gb_s=store.nbytes / created / 1e9,
+            register_s=registered,
+        )
+        try:
+            ids = torch.randint(0, rows, (4096,))
+            same = torch.equal(
+                _bits(fetcher.fetch(ids.to(device), 1).cpu()),
+                _bits(gather_dequantize_reference(store.weight(1), store.scale(1), ids)),
+            )
+            report.add("correctness", placement=f"host {label}", dtype="bfloat16", ids=4096, bit_equal=same)
+            segment_view = store.base_tensor()
+            copy_gbps = copy_ceilings(report, device, segment_view[store.tables[1].weight_offset :], label)
+            copy_gbps = max(copy_gbps, state.get("copy_gbps", 0.0))
+            del segment_view  # no tensor may outlive the store's mapping, or its memory stays mapped
+            gather_sweep(report, store, fetcher, args, device, label, state, text_ids, copy_gbps)
+            wants_prefill = huge or state.get("huge_unavailable") or "2m" not in state.get("pages", ())
+            if args.prefill_tokens and not state.get("prefill_done") and wants_prefill:
+                run_prefill(report, args, device, store, fetcher, text_ids, label)
+                state["prefill_done"] = True
+        finally:
+            fetcher.close()
+            del fetcher
+
+
+# ------------------------------------------------------------------------------------------ 4. prefill
+class V41Slice:
+    """A V4.1-width slice in bf16: the matrix work of each layer, dense-equivalent MoE, Engram at 1 and 14."""
+
+    HIDDEN, HEADS_DIM, Q_RANK, GROUPS, GROUP_RANK, EXPERT_WIDTH, ACTIVE_EXPERTS = 5120, 64 * 512, 1280, 8, 1024, 2304, 7
+
+    def __init__(self, tokens: int, layers: int, device: torch.device):
+        h, g = self.HIDDEN, torch.Generator(device=device).manual_seed(0)
+        moe = self.EXPERT_WIDTH * self.ACTIVE_EXPERTS
+
+        def weight(*shape):
+            return (torch.randn(*shape, device=device, generator=g) * shape[-2] ** -0.5).to(torch.bfloat16)
+
+        self.tokens, self.layers, self.moe = tokens, layers, moe
+        self.w = {
+            "wq_a": weight(h, self.Q_RANK),
+            "wq_b": weight(self.Q_RANK, self.HEADS_DIM),
+            "wkv": weight(h, 512),
+            "wo_a": weight(self.GROUPS, self.HEADS_DIM // self.GROUPS, self.GROUP_RANK),
+            "wo_b": weight(self.GROUPS * self.GROUP_RANK, h),
+            "w13": weight(h, 2 * moe),
+            "w2": weight(moe, h),
+            "engram_wkv": weight(24 * ROW_BYTES, 5 * h),
+        }
+        self.x0 = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16)
+
+    def flops(self) -> float:
+        w = self.w
+        per_token = sum(t.numel() for k, t in w.items() if k != "engram_wkv")
+        return 2.0 * self.tokens * (per_token * self.layers + 2 * w["engram_wkv"].numel())
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
+        w, t = self.w, self.tokens
+        normed = torch.nn.functional.rms_norm(x, (self.HIDDEN,))
+        q = (normed @ w["wq_a"]) @ w["wq_b"]
+        kv = normed @ w["wkv"]
+        grouped = torch.bmm(q.view(t, self.GROUPS, -1).transpose(0, 1), w["wo_a"]).transpose(0, 1).reshape(t, -1)
+        x = x + grouped @ w["wo_b"] + kv.sum(-1, keepdim=True) * 1e-3
+        up = torch.nn.functional.rms_norm(x, (self.HIDDEN,)) @ w["w13"]
+        return x + (torch.nn.functional.silu(up[:, : self.moe]) * up[:, self.moe :]) @ w["w2"]
+
+    def engram(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        kv = rows.view(self.tokens, -1) @ self.w["engram_wkv"]
+        key, value = kv[:, : 4 * self.HIDDEN], kv[:, 4 * self.HIDDEN :]
+        gate = torch.sigmoid((x.float() * key[:, : self.HIDDEN].float()).mean(-1, keepdim=True))
+        return x + (gate * value.float()).to(x.dtype)
+
+    def step(self, get_rows, before=None) -> torch.Tensor:
+        x = self.x0
+        if before is not None:
+            before()
+        for layer in range(self.layers):
+            if layer in (1, 14):
+                x = self.engram(x, get_rows(layer))
+            x = self.layer(x)
+        return x
+
+
+def run_prefill(report, args, device, store, fetcher, text_ids, label) -> None:
+    with section(report, f"prefill step ({label})"):
+        rows = store.tables[1].rows
+        fetcher.tables[14] = fetcher.tables[1]  # both Engram layers read this one table here
+        ids = text_ids.ids(args.prefill_tokens, rows)
+        zipf = text_ids.ids(args.prefill_tokens, rows, zipf=True)
+        for source, step_ids in ((text_ids.source, ids), ("iid zipf tokens", zipf)):
+            for layer in (1, 14):
+                unique = int(torch.unique(step_ids[layer]).numel())
+                report.add(
+                    "prefill_ids",
+                    tokens=source,
+                    layer=layer,
+                    ids=step_ids[layer].numel(),
+                    unique=unique,
+                    unique_fraction=unique / step_ids[layer].numel(),
+                )
+        model = V41Slice(args.prefill_tokens, args.prefill_layers, device)
+        ready = {layer: fetcher.fetch(ids[layer], layer) for layer in (1, 14)}
+        plain = EngramFetcher(fetcher.tables, device=device, dedup=False, sort=False)
+        caps = {"all": None, "4xSM": 4 * torch.cuda.get_device_properties(device).multi_processor_count, "32": 32}
+        variants = {
+            "rows already on GPU (no fetch)": lambda: model.step(lambda layer: ready[layer]),
+            "sync fetch, no dedup, request order": lambda: model.step(lambda layer: plain.fetch(ids[layer], layer)),
+            "sync fetch, dedup+sort": lambda: model.step(lambda layer: fetcher.fetch(ids[layer], layer)),
+        }
+        for name, cap in caps.items():
+
+            def prefetched(cap=cap):
+                fetcher.prefetch_programs = cap
+                return model.step(fetcher.wait, before=lambda: fetcher.start({1: ids[1], 14: ids[14]}))
+
+            variants[f"prefetch, programs={name}"] = prefetched
+
+        def prefetched_zipf():
+            fetcher.prefetch_programs = None
+            return model.step(fetcher.wait, before=lambda: fetcher.start({1: zipf[1], 14: zipf[14]}))
+
+        variants["sync fetch, dedup+sort, zipf ids"] = lambda: model.step(lambda i: fetcher.fetch(zipf[i], i))
+        variants["prefetch, programs=all, zipf ids"] = prefetched_zipf
+        fetch_only = {
+            "fetch only, sync, dedup+sort (both layers)": lambda: [fetcher.fetch(ids[i], i) for i in (1, 14)],
+            "fetch only, sync, no dedup (both layers)": lambda: [plain.fetch(ids[i], i) for i in (1, 14)],
+        }
+        for name, fn in fetch_only.items():
+            report.add("prefill_step", variant=name, ms=time_ms(lambda rep, fn=fn: fn(), min_reps=5, max_reps=10))
+        times = {name: [] for name in variants}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for rep in range(args.prefill_reps + 1):  # round robin, first round is warm-up
+            for name, fn in variants.items():
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                if rep:
+                    times[name].append(start.elapsed_time(end))
+        base = statistics.median(times["rows already on GPU (no fetch)"])
+        full_model = base * 40 / args.prefill_layers
+        for name, samples in times.items():
+            ms = statistics.median(samples)
+            report.add(
+                "prefill_step",
+                variant=name,
+                ms=ms,
+                spread_ms=max(samples) - min(samples),
+                added_ms=ms - base,
+                added_pct_of_slice=100 * (ms - base) / base,
+                added_pct_of_40_layers=100 * (ms - base) / full_model,
+            )
+        report.note(
+            f"prefill slice: {args.prefill_layers} layers x {args.prefill_tokens} tokens, "
+            f"{model.flops() / 1e12:.0f} TFLOP bf16, {model.flops() / base / 1e9:.0f} TFLOP/s; "
+            f"'added_pct_of_40_layers' scales the no-fetch step to 40 layers"
+        )
+        del fetcher.tables[14]
+
+
+# ------------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "engram_fetch_results")))
+    parser.add_argument("--table-gib", type=float, nargs="+", default=[16, 64, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[4096, 16384, 65536, 131072, 262144, 524288])
+    parser.add_argument("--page-sizes", nargs="+", default=["4k", "2m"], choices=["4k", "2m"])
+    parser.add_argument("--tables", nargs="+", help="explicit order of GIB:PAGE runs, e.g. 16:4k 16:2m 64:2m")
+    parser.add_argument(
+        "--configure-huge-pages",
+        action="store_true",
+        help="as root, mount hugetlbfs and set vm.nr_hugepages for the 2m runs (then back to 0)",
+    )
+    parser.add_argument("--prefill-tokens", type=int, default=65536)
+    parser.add_argument("--prefill-layers", type=int, default=16)
+    parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=390.0, help="skip table sizes that would start later")
+    parser.add_argument("--tokenizer", type=Path, help="a DeepSeek tokenizer.json: real text ids (default: Zipf)")
+    parser.add_argument("--check-only", action="store_true")
+    args = parser.parse_args()
+    for entry in args.tables or []:
+        gib, _, page = entry.partition(":")
+        try:
+            float(gib)
+        except ValueError:
+            parser.error(f"--tables entries look like 16:4k, got {entry!r}")
+        if page not in ("4k", "2m"):
+            parser.error(f"--tables entries look like 16:4k or 64:2m, got {entry!r}")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/engram_fetch.py needs a CUDA GPU")
+    started = time.monotonic()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    report = Report(args.out)
+    with section(report, "system"):
+        system_report(report)
+    correct = False
+    with section(report, "correctness"):
+        correct = check_correctness(report, device)
+    if args.check_only:
+        sys.exit(0 if correct else 1)
+    state: dict = {}
+    with section(report, "copy ceiling (cudaHostAlloc)"):
+        state["copy_gbps"] = copy_ceilings(report, device, None, "pinned")
+    try:
+        text_ids = TextIds(device, args.tokenizer)
+    except Exception as exc:  # noqa: BLE001 - fall back to Zipf tokens
+        report.note(f"text ids: {type(exc).__name__}: {exc}; using Zipf tokens")
+        text_ids = TextIds(device)
+    report.note(f"text ids from {text_ids.source}")
+    configs = (
+        [(float(g), p) for g, _, p in (entry.partition(":") for entry in args.tables)]
+        if args.tables
+        else [(g, p) for g in args.table_gib for p in args.page_sizes]
+    )
+    state["pages"] = [page for _, page in configs]
+    for table_gib, page in configs:
+        elapsed = time.monotonic() - started
+        budget = 30 + 1.3 * table_gib  # seconds a table of this size takes, roughly
+        if elapsed + budget > args.deadline_s:
+            report.note(f"{table_gib:g} GiB {page}: skipped, {elapsed:.0f} s used of the {args.deadline_s:.0f} s")
+            continue
+        with section(report, f"table {table_gib:g} GiB, {page} pages"):
+            run_table(report, args, device, table_gib, page, text_ids, state)
+    report.note(f"total {time.monotonic() - started:.0f} s; correctness {'ok' if correct else 'FAILED'}")
+    report.write()
+    print(report.markdown())
+
+
+if __name__ == "__main__":
+    main()
