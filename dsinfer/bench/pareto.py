@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Read off the README charts (see /work/shared/specs/serving-and-tools.md, "Published numbers").
+# Read off the DeepInfer README charts (B200, 131,072-token context); approximate.
 PUBLISHED_B200 = {
     "prefill": [  # (batch tokens, ms/step, uncached input tokens/s/GPU), EP4DP4
         (4096, 68.0, 60_000.0),

@@ -1,29 +1,5 @@
 #!/usr/bin/env bash
-# GPQA Diamond (multiple choice): generate K=8 samples per question
-#   against a running OpenAI-compatible server, then grade them.
-#   eval/gpqa/run.sh [DATA [BASE_URL]]            (arguments win over the environment; see eval/README.md)
-# Environment: DATA, BASE_URL, MODEL, OUT, K, TEMPERATURE, TOP_P, MAX_TOKENS, REASONING_EFFORT, CONCURRENCY, SEED,
-#   JUDGE, JUDGE_BASE_URL, JUDGE_MODEL. Rerunning the same command resumes generation where it stopped.
+# GPQA (multiple choice): generate K=8 samples per question against a running OpenAI-compatible server, then grade them.
+#   eval/gpqa/run.sh [DATA [BASE_URL]]   (arguments win over the environment; see eval/run_benchmark.sh, eval/README.md)
 set -euo pipefail
-
-DATA="${1:-${DATA:-eval/data/gpqa_diamond.jsonl}}"
-BASE_URL="${2:-${BASE_URL:-http://127.0.0.1:8000}}"
-OUT="${OUT:-eval/results/gpqa}"
-JUDGE="${JUDGE:-rule}"
-
-if [ "$JUDGE" = llm ] && [ -z "${JUDGE_BASE_URL:-${DSINFER_JUDGE_BASE_URL:-}}" ]; then
-  echo "eval/gpqa/run.sh: the llm judge needs an endpoint: set JUDGE_BASE_URL (and JUDGE_MODEL)" >&2
-  exit 2
-fi
-
-status=0
-dsinfer eval run gpqa --data "$DATA" --base-url "$BASE_URL" ${MODEL:+--model "$MODEL"} --out "$OUT" \
-  --samples "${K:-8}" --temperature "${TEMPERATURE:-1.0}" --top-p "${TOP_P:-1.0}" \
-  --max-tokens "${MAX_TOKENS:-32768}" --reasoning-effort "${REASONING_EFFORT:-high}" \
-  --concurrency "${CONCURRENCY:-32}" --seed "${SEED:-0}" || status=$?
-# 3 = every sample was attempted but some failed: grade anyway (coverage_complete will say false), then fail.
-if [ "$status" -ne 0 ] && [ "$status" -ne 3 ]; then exit "$status"; fi
-
-dsinfer eval grade "$OUT" --judge "$JUDGE" ${JUDGE_BASE_URL:+--judge-base-url "$JUDGE_BASE_URL"} \
-  ${JUDGE_MODEL:+--judge-model "$JUDGE_MODEL"}
-exit "$status"
+exec "$(dirname "$0")/../run_benchmark.sh" gpqa eval/data/gpqa_diamond.jsonl 8 rule "$@"
