@@ -9,22 +9,13 @@ from pathlib import Path
 
 import torch
 
+from dsinfer.arg_types import positive_int
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import TokenizerLoadError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,13 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="complete prompts offline through the engine")
     generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
-    generate.add_argument("--max-tokens", type=_positive_int, default=32, help="new tokens per prompt")
+    generate.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    generate.add_argument("--max-model-len", type=_positive_int, default=None)
+    generate.add_argument("--max-num-seqs", type=positive_int, default=16)
+    generate.add_argument("--max-model-len", type=positive_int, default=None)
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -50,14 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
-    serve.add_argument("--max-model-len", type=_positive_int, default=None)
+    serve.add_argument("--max-num-seqs", type=positive_int, default=16)
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    serve.add_argument("--max-model-len", type=positive_int, default=None)
     serve.add_argument("--data-parallel-size", type=int, default=1)
     serve.add_argument("--expert-parallel-size", type=int, default=1)
     serve.add_argument("--context-parallel-size", type=int, default=1)
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
-    serve.add_argument("--max-queue", type=_positive_int, default=None, help="waiting requests before 429")
+    serve.add_argument("--max-queue", type=positive_int, default=None, help="waiting requests before 429")
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -72,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--arch", choices=["v4", "v41"], default="v4", help="v41: DeepSeek-V4.1 with Engram and DSpark")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--shards", type=_positive_int, default=3)
+    tiny.add_argument("--shards", type=positive_int, default=3)
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
     return parser
 

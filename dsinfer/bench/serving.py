@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from dsinfer.arg_types import positive_int
+
 try:  # the client side needs openai + httpx (the 'test' extra); main() says so instead of a traceback
     import httpx
     import openai
@@ -78,16 +80,6 @@ GPUSTACK_FIELDS = (
 
 
 # ---- arguments ---------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -128,20 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="jsonl: one object per line with 'prompt' or 'messages', optional 'output_len'",
     )
-    parser.add_argument("--input-len", type=_positive_int, default=1024, help="random: prompt tokens (default 1024)")
+    parser.add_argument("--input-len", type=positive_int, default=1024, help="random: prompt tokens (default 1024)")
     parser.add_argument(
         "--output-len",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         help="tokens to generate per request (jsonl: when a line has no output_len; default 128)",
     )
     parser.add_argument(
         "--num-prompts",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="requests to send (default: 1000 for random, the file's lines for jsonl, cycled)",
     )
-    parser.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     parser.add_argument(
         "--request-rate",
         type=_positive_float,

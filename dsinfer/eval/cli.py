@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from dsinfer.arg_types import positive_int
 from dsinfer.eval.backends import REASONING_EFFORTS, GenerationOptions, OfflineBackend, OpenAIBackend
 from dsinfer.eval.datasets import BENCHMARKS, DEFAULT_SAMPLES, EvalError, load_dataset
 from dsinfer.eval.generate import GenerationRun, read_manifest, run_generation
@@ -15,16 +16,6 @@ from dsinfer.eval.grade import DEFAULT_JUDGE, JUDGES, grade_run
 
 #: Exit status of ``run`` when every sample was attempted but some failed (rerun to retry them).
 EXIT_SAMPLES_FAILED = 3
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -54,22 +45,22 @@ def run_parser() -> argparse.ArgumentParser:
     source.add_argument("--model-dir", help="generate in this process with dsinfer's engine from this checkpoint")
     parser.add_argument("--model", help="model name for --base-url (default: the one model the server lists)")
     parser.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else none)")
-    parser.add_argument("--samples", type=_positive_int, default=None,
+    parser.add_argument("--samples", type=positive_int, default=None,
                         help="samples per question (default: AIME 32, GPQA 8, HLE 1)")  # fmt: skip
     parser.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-p", type=_top_p, default=1.0)
     parser.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, default="high",
                         help="thinking effort; 'none' turns thinking mode off")  # fmt: skip
-    parser.add_argument("--max-tokens", type=_positive_int, default=32768, help="new tokens per sample")
-    parser.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight")
+    parser.add_argument("--max-tokens", type=positive_int, default=32768, help="new tokens per sample")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
     parser.add_argument("--seed", type=int, default=0, help="run seed: per-sample seeds and GPQA option order")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="only the first N questions")
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N questions")
     parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request (--base-url)")
     parser.add_argument("--max-retries", type=int, default=3, help="retries of a failed request (--base-url)")
     parser.add_argument("--device", default=None, help="--model-dir: cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="--model-dir: weights dtype (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="--model-dir only")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="--model-dir only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -85,8 +76,8 @@ def grade_parser() -> argparse.ArgumentParser:
                         help="judge model (default: $DSINFER_JUDGE_MODEL, else the endpoint's only model)")  # fmt: skip
     parser.add_argument("--judge-api-key", default=None,
                         help="judge API key (default: $DSINFER_JUDGE_API_KEY, else $OPENAI_API_KEY)")  # fmt: skip
-    parser.add_argument("--judge-max-tokens", type=_positive_int, default=2048, help="tokens for the verdict reply")
-    parser.add_argument("--concurrency", type=_positive_int, default=16, help="judge requests in flight")
+    parser.add_argument("--judge-max-tokens", type=positive_int, default=2048, help="tokens for the verdict reply")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="judge requests in flight")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per judge request")
     parser.add_argument("--max-retries", type=int, default=3)
     parser.add_argument("--no-progress", action="store_true")
