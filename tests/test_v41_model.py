@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dsinfer.engine.kv_cache_v41 import KVCacheV41
-from dsinfer.layers.csa2 import read_source_entries
 from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.models.batch import PackedBatch, SequenceSpan
 from dsinfer.models.deepseek_v41 import DeepseekV41
@@ -206,8 +205,8 @@ def test_later_sources_replace_earlier_entries(model, monkeypatch):
     tokens = _tokens(41, 7)
     cache = _cache(model)
     _run_in_pieces(model, cache, tokens, [41])
-    entries_3, _ = read_source_entries(cache.layers[3].source, BLOCK_TABLE, 41 // 2)
-    entries_1, _ = read_source_entries(cache.layers[1].source, BLOCK_TABLE, 41 // 2)
+    entries_3, _ = cache.read_entries(3, BLOCK_TABLE, 41 // 2)
+    entries_1, _ = cache.read_entries(1, BLOCK_TABLE, 41 // 2)
     assert torch.equal(seen["compressed"], entries_3) and not torch.equal(entries_1, entries_3)
     assert seen["visible"].shape == (41, 20)
     assert int(seen["visible"].sum(-1).max()) <= model.config.index_topk
@@ -282,8 +281,8 @@ def test_bounded_prefill_builds_the_exact_global_kv_and_decodes_on(model):
     for layer in range(decoder + 1):
         source = exact.layers[layer].source
         if source is not None:
-            got = read_source_entries(bounded.layers[layer].source, BLOCK_TABLE, 100 // source.ratio)
-            want = read_source_entries(source, BLOCK_TABLE, 100 // source.ratio)
+            got = bounded.read_entries(layer, BLOCK_TABLE, 100 // source.ratio)
+            want = exact.read_entries(layer, BLOCK_TABLE, 100 // source.ratio)
             assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want, strict=True)), layer
     # ...and so do the windows of every layer whose input the encoder alone decides (up to the first decoder
     # layer's own window); the later decoder windows only approximate the exact ones.

@@ -10,6 +10,16 @@ V4.1 shares compressed KV across layers (CSA2), so only KV-source layers own com
   ``block_tokens`` positions and holds, for every KV source, the ``block_tokens / ratio`` compressed KV
   entries (post-RoPE) and index keys those positions produce. Layers between sources read their source's
   entries; nothing else is stored per layer.
+
+**Storage.** By default windows, entries and index keys are kept in the model dtype. With
+``quantized_storage=True`` they are kept as what the trained-in rounding made them
+(:mod:`dsinfer.layers.cache_codec`): window KV as FP8 e4m3 codes with a ue8m0 exponent per 32 channels,
+compressed entries as packed FP4 e2m1 with an e4m3 scale per 16, index keys as packed FP4 with a ue8m0
+exponent per 32; decoding gives back the rounded values bit for bit, so the logits do not change. That
+needs the model's fake quantization on (:meth:`KVCacheV41.check_fake_quantization`). Unfinished groups
+(fp32), Engram ids and DSpark rings are stored as before. The layers read and write only through
+:meth:`~KVCacheV41.write_window`, :meth:`~KVCacheV41.read_window`, :meth:`~KVCacheV41.write_entries` and
+:meth:`~KVCacheV41.read_entries`, so both storages share one code path.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import torch
 
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
+from dsinfer.layers.cache_codec import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -32,14 +43,17 @@ class SourceCache:
     ratio: int
     pending_values: torch.Tensor | None  # [slots, ratio, head_dim] fp32 (ratio > 1 only)
     pending_gates: torch.Tensor | None  # [slots, ratio, head_dim] fp32
-    entries: torch.Tensor  # [blocks, block_tokens // ratio, head_dim]
-    index_keys: torch.Tensor  # [blocks, block_tokens // ratio, index_head_dim]
+    entries: torch.Tensor  # [blocks, block_tokens // ratio, head_dim]; quantized: packed FP4 [..., head_dim / 2]
+    index_keys: torch.Tensor  # [blocks, block_tokens // ratio, index_head_dim]; quantized: packed FP4 [..., / 2]
+    entry_scales: torch.Tensor | None = None  # quantized only: [blocks, block_tokens // ratio, head_dim / 16] e4m3
+    index_key_scales: torch.Tensor | None = None  # quantized only: [..., index_head_dim / 32] ue8m0 bytes
 
 
 @dataclass
 class LayerCacheV41:
-    window: torch.Tensor  # [slots, window, head_dim]
+    window: torch.Tensor  # [slots, window, head_dim]; quantized: FP8 e4m3 codes
     source: SourceCache | None  # only on KV-source layers
+    window_scales: torch.Tensor | None = None  # quantized only: [slots, window, head_dim / 32] ue8m0 bytes
 
 
 def block_tokens_for_v41(config: ModelConfigV41, requested: int | None = None) -> int:
@@ -55,7 +69,11 @@ def block_tokens_for_v41(config: ModelConfigV41, requested: int | None = None) -
 
 
 class KVCacheV41:
-    """All cache tensors of one V4.1 model replica; the layers index ``layers`` by layer id."""
+    """All cache tensors of one V4.1 model replica, read and written by the layers through its methods.
+
+    ``quantized_storage`` (keyword, default off) keeps windows, entries and index keys as FP8 / FP4 codes
+    plus scales instead of model-dtype values: same numbers, 2 to 4 times fewer bytes (see the module doc).
+    """
 
     def __init__(
         self,
@@ -66,45 +84,152 @@ class KVCacheV41:
         dtype: torch.dtype,
         device: torch.device | str,
         with_dspark: bool = False,
+        *,
+        quantized_storage: bool = False,
     ) -> None:
         block_tokens = block_tokens_for_v41(config, block_tokens)
         self.config, self.num_slots, self.num_blocks, self.block_tokens = config, num_slots, num_blocks, block_tokens
-        self.element_bytes = torch.finfo(dtype).bits // 8
-        self.layers = [self._layer(i, dtype, device) for i in range(config.num_hidden_layers)]
+        self.dtype, self.element_bytes = dtype, torch.finfo(dtype).bits // 8
+        self.quantized_storage = bool(quantized_storage)
+        self.window_format, self.entry_format, self.index_key_format = self._formats()
+        self.layers = [self._layer(i, device) for i in range(config.num_hidden_layers)]
         width = config.engram_max_ngram_size - 1
         self.engram_history = torch.full((num_slots, width), ENGRAM_DEAD, dtype=torch.int64, device=device)
         stages = config.num_nextn_predict_layers if with_dspark else 0
         shape = (num_slots, config.sliding_window, config.head_dim)
         self.dspark_rings = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(stages)]
 
-    def _layer(self, layer_id: int, dtype: torch.dtype, device) -> LayerCacheV41:
+    def _formats(self) -> tuple[CacheFormat | None, CacheFormat | None, CacheFormat | None]:
+        """The storage formats of windows, entries and index keys; None each for model-dtype storage."""
+        if not self.quantized_storage:
+            return None, None, None
+        cfg = self.config
+        for fmt, channels, field in (
+            (WINDOW_KV_FORMAT, cfg.head_dim, "head_dim"),
+            (COMPRESSED_KV_FORMAT, cfg.head_dim, "head_dim"),
+            (INDEX_KEY_FORMAT, cfg.index_head_dim, "index_head_dim"),
+        ):
+            try:
+                fmt.check_channels(channels)
+            except ValueError as error:
+                raise ValueError(f"quantized_storage: the model's {field} does not fit: {error}") from None
+        return WINDOW_KV_FORMAT, COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT
+
+    def _allocate(
+        self, rows: tuple[int, ...], channels: int, fmt: CacheFormat | None, device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zeroed storage for ``rows`` rows of ``channels``: values, or codes and scales."""
+        if fmt is None:
+            return torch.zeros(*rows, channels, dtype=self.dtype, device=device), None
+        codes = torch.zeros(*rows, fmt.code_width(channels), dtype=fmt.code_dtype, device=device)
+        return codes, torch.zeros(*rows, fmt.scale_width(channels), dtype=fmt.scale_dtype, device=device)
+
+    def _layer(self, layer_id: int, device) -> LayerCacheV41:
         cfg, slots = self.config, self.num_slots
-        window = torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+        window, window_scales = self._allocate((slots, cfg.sliding_window), cfg.head_dim, self.window_format, device)
         if not cfg.is_kv_source(layer_id):
-            return LayerCacheV41(window, None)
+            return LayerCacheV41(window, None, window_scales)
         ratio = cfg.compress_ratios[layer_id]
-        per_block = self.block_tokens // ratio
+        rows = (self.num_blocks, self.block_tokens // ratio)
 
         def pending() -> torch.Tensor | None:
             if ratio == 1:
                 return None
             return torch.zeros(slots, ratio, cfg.head_dim, dtype=torch.float32, device=device)
 
-        source = SourceCache(
-            ratio=ratio,
-            pending_values=pending(),
-            pending_gates=pending(),
-            entries=torch.zeros(self.num_blocks, per_block, cfg.head_dim, dtype=dtype, device=device),
-            index_keys=torch.zeros(self.num_blocks, per_block, cfg.index_head_dim, dtype=dtype, device=device),
-        )
-        return LayerCacheV41(window, source)
+        entries, entry_scales = self._allocate(rows, cfg.head_dim, self.entry_format, device)
+        index_keys, index_key_scales = self._allocate(rows, cfg.index_head_dim, self.index_key_format, device)
+        source = SourceCache(ratio, pending(), pending(), entries, index_keys, entry_scales, index_key_scales)
+        return LayerCacheV41(window, source, window_scales)
+
+    # ---- what the layers call ----------------------------------------------------------------------
+    def check_fake_quantization(self, enabled: bool) -> None:
+        """Refuse quantized storage under a model whose trained-in rounding is off (its values have no codes)."""
+        if self.quantized_storage and not enabled:
+            raise ValueError(
+                "quantized_storage: this cache keeps window KV, compressed KV and index keys as FP8 / FP4 codes, "
+                "which hold them exactly only when the model's fake quantization is on; turn it on or build the "
+                "cache with quantized_storage=False"
+            )
+
+    def write_window(self, layer_id: int, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store the K=V rows ``kv [n, head_dim]`` of ``positions`` in the slot's ring (row ``position % window``)."""
+        layer = self.layers[layer_id]
+        index = (slot, positions % self.config.sliding_window)
+        self._write(layer.window, layer.window_scales, self.window_format, index, kv)
+
+    def read_window(self, layer_id: int, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """The K=V rows ``[n, head_dim]`` (cache dtype) of ``positions``, which must still be in the slot's ring."""
+        layer = self.layers[layer_id]
+        index = (slot, positions % self.config.sliding_window)
+        return self._read(layer.window, layer.window_scales, self.window_format, index)
+
+    def write_entries(
+        self,
+        layer_id: int,
+        block_table: list[int],
+        entry_ids: torch.Tensor,
+        entries: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> None:
+        """Store a KV source's new entries ``[g, head_dim]`` and index keys by their index in the sequence."""
+        if not entry_ids.numel():
+            return
+        source = self._source(layer_id)
+        index = self._entry_location(source, block_table, entry_ids)
+        self._write(source.entries, source.entry_scales, self.entry_format, index, entries)
+        self._write(source.index_keys, source.index_key_scales, self.index_key_format, index, keys)
+
+    def read_entries(self, layer_id: int, block_table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first ``count`` entries ``[count, head_dim]`` and index keys (cache dtype) of a KV source."""
+        source = self._source(layer_id)
+        device = source.entries.device
+        index = self._entry_location(source, block_table, torch.arange(count, device=device))
+        entries = self._read(source.entries, source.entry_scales, self.entry_format, index)
+        return entries, self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
+
+    def _source(self, layer_id: int) -> SourceCache:
+        source = self.layers[layer_id].source
+        if source is None:
+            raise ValueError(f"layer {layer_id} is not a KV source: it owns no compressed entries")
+        return source
+
+    def _entry_location(
+        self, source: SourceCache, block_table: list[int], entry_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of each entry: entries fill a sequence's blocks in order, ``block_tokens / ratio`` each."""
+        per_block = self.block_tokens // source.ratio
+        table = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
+        return table[entry_ids // per_block], entry_ids % per_block
+
+    def _write(
+        self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple, rows
+    ) -> None:
+        if fmt is None:
+            data[index] = rows.to(data.dtype)
+            return
+        codes, row_scales = fmt.encode(rows)
+        # Through byte views: advanced indexing of float8 tensors is missing on some devices and torch versions.
+        data.view(torch.uint8)[index] = codes.view(torch.uint8)
+        scales.view(torch.uint8)[index] = row_scales.view(torch.uint8)
+
+    def _read(
+        self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple
+    ) -> torch.Tensor:
+        if fmt is None:
+            return data[index]
+        codes = data.view(torch.uint8)[index].view(data.dtype)
+        return fmt.decode(codes, scales.view(torch.uint8)[index].view(scales.dtype), self.dtype)
 
     # ---- accounting ------------------------------------------------------------------------------
+    def _row_bytes(self, fmt: CacheFormat | None, channels: int) -> int:
+        return channels * self.element_bytes if fmt is None else fmt.row_bytes(channels)
+
     def slot_bytes(self) -> int:
         """Bytes one state slot costs: windows, unfinished groups, Engram ids, DSpark rings."""
         cfg, total = self.config, 0
         for layer in self.layers:
-            total += cfg.sliding_window * cfg.head_dim * self.element_bytes
+            total += cfg.sliding_window * self._row_bytes(self.window_format, cfg.head_dim)
             if layer.source is not None and layer.source.pending_values is not None:
                 total += 2 * layer.source.ratio * cfg.head_dim * 4
         total += (cfg.engram_max_ngram_size - 1) * 8
@@ -114,10 +239,13 @@ class KVCacheV41:
     def block_bytes(self) -> int:
         """Bytes one block costs: every source's entries and index keys for ``block_tokens`` positions."""
         cfg, total = self.config, 0
+        row = self._row_bytes(self.entry_format, cfg.head_dim) + self._row_bytes(
+            self.index_key_format, cfg.index_head_dim
+        )
         for layer in self.layers:
             if layer.source is not None:
-                total += self.block_tokens // layer.source.ratio * (cfg.head_dim + cfg.index_head_dim)
-        return total * self.element_bytes
+                total += self.block_tokens // layer.source.ratio * row
+        return total
 
     def bytes_per_token(self) -> float:
         """Compressed-cache bytes per token position (what grows with the context)."""
@@ -125,9 +253,18 @@ class KVCacheV41:
 
     @classmethod
     def scratch(
-        cls, config: ModelConfigV41, seq_lens: list[int], dtype: torch.dtype, device, with_dspark: bool = False
+        cls,
+        config: ModelConfigV41,
+        seq_lens: list[int],
+        dtype: torch.dtype,
+        device,
+        with_dspark: bool = False,
+        *,
+        quantized_storage: bool = False,
     ) -> KVCacheV41:
         """A throw-away cache just big enough for whole sequences run from position 0 (no engine)."""
         block_tokens = block_tokens_for_v41(config)
         blocks = sum(math.ceil(n / block_tokens) for n in seq_lens)
-        return cls(config, len(seq_lens), blocks, block_tokens, dtype, device, with_dspark)
+        return cls(
+            config, len(seq_lens), blocks, block_tokens, dtype, device, with_dspark, quantized_storage=quantized_storage
+        )

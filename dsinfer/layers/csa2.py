@@ -15,7 +15,8 @@ visible ones; the layers after them reuse that choice. The candidate source addi
 later index source chooses only inside those blocks.
 
 Within a forward, what a source publishes for the layers after it lives in one dict per sequence
-(``shared``); what outlives the forward (windows, unfinished groups, entries, keys) lives in the cache.
+(``shared``); what outlives the forward (windows, unfinished groups, entries, keys) lives in the cache, read
+and written through its methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
 A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
 concatenates, which is a bug: see docs/model.md).
 """
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config_v41 import ModelConfigV41
-from dsinfer.engine.kv_cache_v41 import SourceCache
+from dsinfer.engine.kv_cache_v41 import KVCacheV41, SourceCache
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import visible_entries
 from dsinfer.layers.fake_quant import ActivationQuantizer
@@ -67,28 +68,6 @@ def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
         return selected
     top = scores.topk(min(k, width), dim=-1)
     return selected.scatter_(-1, top.indices, top.values > float("-inf"))
-
-
-def _entry_location(block_table: list[int], entry_ids: torch.Tensor, per_block: int):
-    table = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
-    return table[entry_ids // per_block], entry_ids % per_block
-
-
-def write_source_entries(
-    cache: SourceCache, block_table: list[int], entry_ids: torch.Tensor, entries: torch.Tensor, keys: torch.Tensor
-) -> None:
-    """Store new entries and their index keys (by their index in the sequence) into the sequence's blocks."""
-    if entry_ids.numel():
-        blocks, offsets = _entry_location(block_table, entry_ids, cache.entries.shape[1])
-        cache.entries[blocks, offsets] = entries.to(cache.entries.dtype)
-        cache.index_keys[blocks, offsets] = keys.to(cache.index_keys.dtype)
-
-
-def read_source_entries(cache: SourceCache, block_table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``count`` entries [count, head_dim] and index keys [count, index_head_dim] of a sequence."""
-    entry_ids = torch.arange(count, device=cache.entries.device)
-    blocks, offsets = _entry_location(block_table, entry_ids, cache.entries.shape[1])
-    return cache.entries[blocks, offsets], cache.index_keys[blocks, offsets]
 
 
 class SourceCompressor(nn.Module):
@@ -210,10 +189,11 @@ class AttentionV41(Attention):
         ``compressor_only`` (CED prefill) runs just the source's compressor and index keys: it fills the
         cache's compressed entries for the batch and returns None.
         """
-        layer_cache = batch.cache.layers[self.layer_id]
+        cache: KVCacheV41 = batch.cache
+        cache.check_fake_quantization(quantizer.enabled)
         if compressor_only:
             for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
-                self._publish(x[tokens], span, layer_cache.source, inv_freq, state, quantizer)
+                self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
             return None
         cos, sin = rope_angles(batch.positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
@@ -225,34 +205,47 @@ class AttentionV41(Attention):
             compressed, visible = None, None
             if self.compress_ratio:
                 if self.compressor is not None:
-                    self._publish(x[tokens], span, layer_cache.source, inv_freq, state, quantizer)
+                    self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
                 if self.indexer is not None:
                     state["selected"] = self.indexer.select(
                         x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer,
                         self.layer_id,
                     )  # fmt: skip
                 compressed, visible = state["entries"], state["selected"]
-            window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
+            window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
         out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
         return self._project_out(out)
+
+    def _window_keys(
+        self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache: KVCacheV41
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of the window: cached ones from the sequence's ring, then the new ones; updates the ring."""
+        first_cached = max(span.window_from, span.start - self.window + 1)
+        cached_positions = torch.arange(first_cached, span.start, device=kv.device)
+        cached = cache.read_window(self.layer_id, span.slot, cached_positions)
+        keys = torch.cat([cached.to(kv.dtype), kv])
+        key_positions = torch.cat([cached_positions, positions])
+        recent = slice(max(0, kv.shape[0] - self.window), None)
+        cache.write_window(self.layer_id, span.slot, positions[recent], kv[recent])
+        return keys, key_positions
 
     def _publish(
         self,
         x: torch.Tensor,
         span: SequenceSpan,
-        cache: SourceCache,
+        cache: KVCacheV41,
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
     ) -> None:
         """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them."""
-        latents, entry_ids = self.compressor.latents(x, span, cache)
+        latents, entry_ids = self.compressor.latents(x, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
             entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             keep = (entry_ids + 1) * self.compress_ratio > span.reuse_below  # prefix hits hold older entries
-            write_source_entries(cache, span.block_table, entry_ids[keep], entries[keep], keys[keep])
+            cache.write_entries(self.layer_id, span.block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
-        state["entries"], state["index_keys"] = read_source_entries(cache, span.block_table, count)
+        state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, span.block_table, count)

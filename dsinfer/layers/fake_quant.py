@@ -14,7 +14,10 @@ The rounding follows Hugging Face ``modeling_deepseek_v41.py`` (``_fake_quant_fp
 ``_fake_quant_fp4_block``, ``_pow2_ceil_scale``) to the bit: the power-of-two ceiling reads the IEEE-754
 fields of ``amax * fl32(1/max)`` (a product with the rounded reciprocal, not a division), e2m1 rounds to
 nearest with ties to the even code, and a last axis that is not a whole number of blocks passes through
-unchanged, as in the reference. Every function returns a new tensor in the input dtype.
+unchanged, as in the reference. Every ``fake_quant_*`` function returns a new tensor in the input dtype.
+
+The rounding is also available in halves, codes and scales (:func:`fp8_block_codes`, :func:`fp4_block_scale`,
+:func:`fp4_block_codes`), which the cache's storage formats (:mod:`dsinfer.layers.cache_codec`) share.
 """
 
 from __future__ import annotations
@@ -48,15 +51,45 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def fp8_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 rounding's two halves: e4m3 codes shaped like ``blocks`` and one ue8m0 scale per block (float32).
+
+    ``blocks`` is float32 ``[..., n_blocks, block]``; the value each element stands for is ``code * scale``.
+    Shared with the cache's storage format so both round by the one rule.
+    """
+    amax = blocks.abs().amax(-1).clamp_min(FP8_AMAX_FLOOR)
+    scale = pow2_ceil(amax * (1.0 / FP8_MAX))
+    codes = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def fp4_block_scale(amax: torch.Tensor, e4m3_scales: bool) -> torch.Tensor:
+    """The FP4 scale (float32) of blocks whose largest magnitude is ``amax``: e4m3-rounded or a power of two."""
+    if e4m3_scales:
+        return (amax.clamp_min(FP4_E4M3_AMAX_FLOOR) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    return pow2_ceil(amax.clamp_min(FP4_UE8M0_AMAX_FLOOR) * (1.0 / FP4_MAX))
+
+
+def fp4_block_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (``uint8`` in [0, 15]) of float32 ``blocks [..., n, block]`` under ``scale [..., n]``.
+
+    Ties go to the even code; magnitudes above 6 saturate.
+    """
+    return round_to_e2m1_codes((blocks / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 value of each 4-bit e2m1 code."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_KV_BLOCK) -> torch.Tensor:
     """Round ``x`` through FP8 e4m3 with one ue8m0 scale per ``block`` channels of the last axis."""
     blocks = _blocks(x, block)
     if blocks is None:
         return x
-    amax = blocks.abs().amax(-1).clamp_min(FP8_AMAX_FLOOR)
-    scale = pow2_ceil(amax * (1.0 / FP8_MAX)).unsqueeze(-1)
-    codes = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (codes.float() * scale).reshape(x.shape).to(x.dtype)
+    codes, scale = fp8_block_codes(blocks)
+    return (codes.float() * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tensor:
@@ -64,15 +97,9 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tens
     blocks = _blocks(x, block)
     if blocks is None:
         return x
-    amax = blocks.abs().amax(-1)
-    if e4m3_scales:
-        scale = (amax.clamp_min(FP4_E4M3_AMAX_FLOOR) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        scale = pow2_ceil(amax.clamp_min(FP4_UE8M0_AMAX_FLOOR) * (1.0 / FP4_MAX))
-    scale = scale.unsqueeze(-1)
-    codes = round_to_e2m1_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX))
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[codes.long()]
-    return (values * scale).reshape(x.shape).to(x.dtype)
+    scale = fp4_block_scale(blocks.abs().amax(-1), e4m3_scales)
+    values = e2m1_values(fp4_block_codes(blocks, scale))
+    return (values * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 def fake_quant_window_kv(x: torch.Tensor) -> torch.Tensor:

@@ -228,18 +228,19 @@ def round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
+def pack_e2m1_codes(codes: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     """Pack 4-bit codes ``[..., n]`` (n even) into ``int8 [..., n/2]``.
 
     Element ``2j`` goes to the low nibble of byte ``j`` and element ``2j+1`` to the high nibble,
     the order the official convert.py unpacks (``low = x & 0xF`` first) and the order of
-    torch's ``float4_e2m1fn_x2``.
+    torch's ``float4_e2m1fn_x2``. ``validate=False`` skips the range check (a device synchronisation)
+    for codes that come from the rounding itself, as on the cache's write path.
     """
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be torch.uint8, got dtype {codes.dtype}")
     if codes.dim() < 1 or codes.shape[-1] % 2 != 0:
         raise ValueError(f"codes last dim must be even, got shape {tuple(codes.shape)}")
-    if bool((codes > 15).any()):
+    if validate and bool((codes > 15).any()):
         raise ValueError("codes must lie in [0, 15]")
     pairs = codes.reshape(*codes.shape[:-1], -1, 2)
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
