@@ -118,6 +118,14 @@ class KVCache:
         self.layout = CacheLayout(config, tuple(ratios), block_tokens, torch.finfo(dtype).bits // 8)
         self.layers = [self._layer(ratio, num_slots, num_blocks, dtype, device) for ratio in ratios]
 
+    def slot_bytes(self) -> int:
+        """Bytes one state slot costs (the same accounting ``KVCacheV41`` offers, so the engine sizes both alike)."""
+        return self.layout.slot_bytes()
+
+    def block_bytes(self) -> int:
+        """Bytes one block of compressed entries costs."""
+        return self.layout.block_bytes()
+
     def _layer(self, ratio: int, slots: int, blocks: int, dtype: torch.dtype, device) -> LayerCache:
         cfg = self.config
         window = torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)

@@ -1,52 +1,59 @@
-"""Runs the model for one scheduled step: builds the packed batch over the engine's cache, returns logits."""
+"""Runs the model for one scheduled step: builds the packed batch over the engine's cache, returns logits.
+
+A step is run in two halves. :meth:`ModelRunner.prepare` runs on the engine thread and turns the scheduled
+sequences into plain data (token ids, positions, spans with copied block tables) while the sequences still
+describe this step. :meth:`ModelRunner.execute` runs on the device worker and is the only place that writes
+the cache, so steps write it strictly in order however far ahead the scheduler plans.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dsinfer.config import EngineConfig
-from dsinfer.engine.kv_cache import KVCache, attention_layer_ratios, block_tokens_for
+from dsinfer.engine.cache_plan import (
+    ServedModel,
+    build_cache,
+    cache_block_tokens,
+    cache_blocks_for_budget,
+    check_served_model,
+)
+from dsinfer.engine.kv_cache_v41 import KVCacheV41
 from dsinfer.engine.scheduler import ScheduledSequence
+from dsinfer.engram.hashing import EngramContext
 from dsinfer.models.batch import PackedBatch, SequenceSpan
-from dsinfer.models.deepseek_v4 import DeepseekV4
-
-CPU_CACHE_BYTES = 512 * 2**20
 
 
-def cache_blocks_for_budget(model: DeepseekV4, engine: EngineConfig, num_slots: int, block_tokens: int) -> int:
-    """How many compressed-cache blocks fit: a configured byte budget, or free GPU memory on CUDA."""
-    if engine.num_cache_blocks is not None:
-        return engine.num_cache_blocks
-    probe = KVCache(model.config, attention_layer_ratios(model.config, False), 0, 0, block_tokens,
-                    model.embed.weight.dtype, "meta")  # fmt: skip
-    layout = probe.layout
-    budget = engine.cache_memory_bytes
-    if budget is None:
-        device = torch.device(engine.device)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(free - total * (1 - engine.gpu_memory_utilization))
-        else:
-            budget = CPU_CACHE_BYTES
-    available = budget - num_slots * layout.slot_bytes()
-    if available <= 0:
-        return 0
-    return available // max(layout.block_bytes(), 1)
+@dataclass
+class EngramResume:
+    """Sequences entering their slot past position 0: their slots and the tokens just before their start."""
+
+    slots: list[int]
+    earlier_tokens: list[list[int]]  # at most ``max_ngram_size - 1`` tokens each
+
+
+@dataclass
+class StepInput:
+    """One scheduled step as plain data, ready for :meth:`ModelRunner.execute`."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    spans: list[SequenceSpan]
+    sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
+    engram_resume: EngramResume | None = None
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, engine: EngineConfig, max_model_len: int) -> None:
-        if not isinstance(model, DeepseekV4):
-            raise ValueError(
-                f"the engine does not serve {type(model).__name__} checkpoints yet (the V4.1 model runs through "
-                "dsinfer.models.deepseek_v41 with its own cache, dsinfer.engine.kv_cache_v41)"
-            )
+    """Owns the model replica's cache (V4 or V4.1, sized from the engine's budget) and runs prepared steps."""
+
+    def __init__(self, model: ServedModel, engine: EngineConfig, max_model_len: int) -> None:
+        check_served_model(model)
         self.model = model
         self.device = torch.device(engine.device)
-        config = model.config
-        self.block_tokens = block_tokens_for(config, engine.block_tokens)
+        self.block_tokens = cache_block_tokens(model, engine.block_tokens)
         num_blocks = cache_blocks_for_budget(model, engine, engine.max_num_seqs, self.block_tokens)
         needed = math.ceil(max_model_len / self.block_tokens)
         if num_blocks < needed:
@@ -54,32 +61,72 @@ class ModelRunner:
                 f"cache budget too small: {num_blocks} blocks of {self.block_tokens} tokens cannot hold one sequence "
                 f"of max_model_len {max_model_len} ({needed} blocks); raise the cache budget or lower max_model_len"
             )
-        self.cache = KVCache(
-            config, attention_layer_ratios(config, False), engine.max_num_seqs, num_blocks, self.block_tokens,
-            model.embed.weight.dtype, self.device,
-        )  # fmt: skip
+        self.cache = build_cache(model, engine.max_num_seqs, num_blocks, self.block_tokens, self.device)
+        self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
 
     @property
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Compute the scheduled tokens; logits [k, vocab] for the k sequences whose last token ran."""
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInput:
+        """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step."""
         ids, positions, spans, sample_rows = [], [], [], []
         offset = 0
         for item in scheduled:
             seq, start, count = item.seq, item.seq.num_computed, item.num_new_tokens
             ids += seq.token_ids[start : start + count]
             positions += range(start, start + count)
-            spans.append(SequenceSpan(start, count, seq.slot, seq.block_table, seq.reuse_below, seq.window_from))
+            table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
+            spans.append(SequenceSpan(start, count, seq.slot, table, seq.reuse_below, seq.window_from))
             offset += count
             if item.completes_sequence:
                 sample_rows.append(offset - 1)
-        batch = PackedBatch(
+        return StepInput(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             spans,
-            self.cache,
+            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            self._engram_resume(scheduled),
         )
-        return self.model(batch, logits_for=torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Compute a prepared step over the cache; logits [k, vocab] for its sampled sequences."""
+        if step.engram_resume is not None:
+            self._restore_engram_history(step.engram_resume)
+        batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
+        return self.model(batch, logits_for=step.sample_rows)
+
+    # ---- Engram history after a prefix-cache hit ----------------------------------------------------------
+    def _uses_engram_history(self) -> bool:
+        return isinstance(self.cache, KVCacheV41) and bool(self.model.config.engram_layer_ids)
+
+    def _engram_resume(self, scheduled: list[ScheduledSequence]) -> EngramResume | None:
+        """The sequences whose Engram history must be rebuilt before this step, with the tokens it needs.
+
+        The model starts a span from an empty Engram context only at position 0; a later span continues from
+        its slot's ``engram_history``. After a prefix-cache hit a sequence's first step starts at its replay
+        position (``num_computed == window_from > 0``) in a slot whose history still describes the slot's
+        previous occupant. (A preempted sequence restarts at 0, which the model handles, or at a replay
+        position when its own prefix is still cached, which lands here too.)
+        """
+        if not self._engram_width:
+            return None
+        entering = [item.seq for item in scheduled if item.seq.num_computed == item.seq.window_from > 0]
+        if not entering:
+            return None
+        width = self._engram_width
+        earlier = [seq.token_ids[max(0, seq.num_computed - width) : seq.num_computed] for seq in entering]
+        return EngramResume([seq.slot for seq in entering], earlier)
+
+    def _restore_engram_history(self, resume: EngramResume) -> None:
+        """Write the Engram context of each entering sequence's earlier tokens into its slot."""
+        hasher = self.model.engram_hasher
+        if hasher is None:
+            return  # the forward raises, naming the missing hasher
+        history = self.cache.engram_history
+        flat = [t for ids in resume.earlier_tokens for t in ids]
+        tokens = torch.tensor(flat, dtype=torch.long, device=history.device)
+        empty = EngramContext.stack([EngramContext.empty(self._engram_width + 1)] * len(resume.slots), history.device)
+        contexts = hasher.next_contexts(tokens, [len(ids) for ids in resume.earlier_tokens], empty)
+        history[torch.tensor(resume.slots, dtype=torch.long, device=history.device)] = contexts

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from dsinfer.server.chat_format import Variant
 from dsinfer.server.chat_options import ChatOptions, chat_options
 from dsinfer.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ class ServerSettings:
     api_key: str | None = None
     max_model_len: int = 4096
     default_max_tokens: int = 256
+    chat_variant: Variant = "v4"  # the prompt spelling the checkpoint was trained on ("v41" for DeepSeek-V4.1)
 
 
 class APIError(Exception):
@@ -89,7 +91,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
             if body.add_special_tokens and tokenizer.bos_id is not None:
                 ids = [tokenizer.bos_id, *ids]
         else:
-            ids = chat_options(ChatCompletionRequest(messages=body.messages), tokenizer).prompt_ids
+            request = ChatCompletionRequest(messages=body.messages)
+            ids = chat_options(request, tokenizer, settings.chat_variant).prompt_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
 
     @app.post("/detokenize")
@@ -117,7 +120,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
-        options = chat_options(body, tokenizer)
+        options = chat_options(body, tokenizer, settings.chat_variant)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, body.max_completion_tokens or body.max_tokens, logprobs, settings)
         if options.structured_output is not None:
