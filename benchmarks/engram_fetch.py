@@ -1,31 +1,45 @@
-"""Engram fetch on a GPU: zero-copy host gathers against the pinned copy ceiling, and a prefill step.
+"""Engram fetch on a GPU: host gathers (zero-copy and staged) against the pinned copy ceiling, and a prefill step.
 
-    python benchmarks/engram_fetch.py --out results/ [--table-gib 16 64 32] [--page-sizes 4k 2m]
-        [--tables 16:4k 16:2m 64:2m ...] [--rows 4096 ... 524288] [--configure-huge-pages]
-        [--tokenizer tokenizer.json] [--prefill-tokens 65536 --prefill-layers 16] [--deadline-s 390]
-        [--check-only]
+    python benchmarks/engram_fetch.py --out results/ [--suite full|staged] [--table-gib 16 64 32]
+        [--page-sizes 4k 2m] [--tables 16:4k 16:2m 64:2m ...] [--rows 4096 ... 524288]
+        [--configure-huge-pages] [--tokenizer tokenizer.json] [--prefill-tokens 65536 --prefill-layers 16]
+        [--threads N --chunk-rows N --zero-copy-share 0.5]
+        [--grid-threads 4 8 16 --grid-chunks 4096 16384 32768 --grid-shares 0.3 0.4 0.6]
+        [--deadline-s 390] [--check-only]
 
 What it does, in order (each section is fenced: a failure is logged and the next section runs):
 
 1. **Correctness first.** Random tables in a real :class:`~dsinfer.engram.store.EngramStore`; the
-   ``host`` (registered segment, Triton zero-copy kernel) and ``device`` placements on the GPU against
-   the CPU reference, bit for bit, bf16 and fp32, with and without de-duplication, sync and prefetched;
-   outputs poisoned first so an unwritten row shows.
+   ``host`` placement by each method (``zero_copy``: registered segment, Triton kernel; ``staged``:
+   CPU gather in small chunks and rounds, copies, GPU dequantisation; ``split``: both on two shares)
+   and the ``device`` placement on the GPU against the CPU reference, bit for bit, bf16 and fp32,
+   with and without de-duplication, sync and prefetched; outputs poisoned first so an unwritten row
+   shows.
 2. **Ceilings.** Pinned host-to-device copy bandwidth (``cudaHostAlloc`` buffer and the registered
    segment itself), measured in the same run, for the gather/copy ratio.
-3. **Per table size and page size** (4 KiB ``/dev/shm``; 2 MiB hugetlbfs): gather throughput against
-   rows per step for random-order ids (fresh each repetition, and the same ids repeated, as a naive
-   timing loop does), sorted ids, sorted ids with the scales in device memory, and the full fetch
-   (plan + gather + expand) on ids hashed from a Zipf token stream with and without de-duplication.
-   On the first table also: a footprint sweep (same row count, ids confined to the first W bytes)
-   to expose translation-cache reach, kernel-shape variants, torch's own ``index_select`` through
-   the same zero-copy tensor, a CPU gather + copy, and the ``device`` placement.
-4. **Prefill step.** A V4.1-width slice (hidden 5120, 64x512 heads, q rank 1280, 8x1024 output
-   groups, 6+1 experts x 2304 as dense matmuls) over 65,536 tokens with Engram at layers 1 and 14,
-   bf16: no fetch (rows already on the GPU), synchronous fetch (with and without de-duplication),
-   and prefetched fetch at several program caps.
+3. **Per table size and page size** (4 KiB ``/dev/shm``; 2 MiB hugetlbfs).
 
-Results go to ``--out`` as ``engram_fetch.json`` and ``engram_fetch.md`` after every section.
+   ``--suite full`` (zero-copy exploration): gather throughput against rows per step for random-order
+   ids (fresh each repetition, and the same ids repeated, as a naive timing loop does), sorted ids,
+   sorted ids with the scales in device memory, and the full fetch (plan + gather + expand) on ids
+   hashed from a Zipf token stream with and without de-duplication. On the first table also: a
+   footprint sweep (same row count, ids confined to the first W bytes) to expose translation-cache
+   reach, kernel-shape variants, torch's own ``index_select`` through the same zero-copy tensor, a
+   CPU gather + copy, and the ``device`` placement.
+
+   ``--suite staged`` (the host methods compared; tables 16:4k 64:4k 64:2m unless ``--tables`` says
+   otherwise, about 3.5 minutes with ``--configure-huge-pages``): zero-copy, staged and split over
+   rows per step on sorted unique ids and on the full fetch of hashed text ids, as GB/s and % of the
+   pinned copy (``staged_summary``); on the first table also the staged lanes x chunk rows grid, the
+   split's zero-copy share, the CPU gather alone (numpy in threads), and torch's ``index_select``
+   over its intra-op threads plus one copy, unpipelined.
+4. **Prefill step** (first table in the staged suite). A V4.1-width slice (hidden 5120, 64x512 heads,
+   q rank 1280, 8x1024 output groups, 6+1 experts x 2304 as dense matmuls) over 65,536 tokens with
+   Engram at layers 1 and 14, bf16: no fetch (rows already on the GPU), synchronous and prefetched
+   fetches by each host method (``start_host_ms``: the caller's time in ``start``); the full suite
+   adds request-order fetches, program caps and i.i.d. Zipf ids.
+
+Results go to ``--out`` as ``engram_fetch.json`` and ``engram_fetch.md`` after every measurement.
 GB/s is 1e9 bytes per second. "payload" counts the bytes read over PCIe (unique rows x 264: 256 FP8
 bytes plus 8 scale bytes; 256 with scales in device memory); "effective" counts rows requested x 256.
 """
@@ -42,13 +56,17 @@ import sys
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from dsinfer.engram.fetch import DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
+from dsinfer.arg_types import positive_int
+from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
 from dsinfer.engram.hashing import EngramHasher
+from dsinfer.engram.staged_gather import DEFAULT_CHUNK_ROWS
 from dsinfer.engram.store import (
     HUGE_PAGE_BYTES,
     EngramMemoryError,
@@ -58,10 +76,11 @@ from dsinfer.engram.store import (
     _meminfo,
     segment_bytes,
 )
-from dsinfer.kernels.engram_gather import gather_dequantize, gather_dequantize_reference
+from dsinfer.kernels.engram_gather import dequantize_rows, gather_dequantize, gather_dequantize_reference
 
 ROW_BYTES, SCALE_BYTES = 256, 8
 GIB = 2**30
+STAGED_TABLES = ("16:4k", "64:4k", "64:2m")
 
 
 # ------------------------------------------------------------------------------------------ plumbing
@@ -122,6 +141,16 @@ def section(report: Report, name: str):
             report.note(f"after section {name!r}: {type(exc).__name__}: {exc}")
         report.write()
         print(f"==== {name} took {time.monotonic() - started:.1f} s", flush=True)
+
+
+@contextmanager
+def fenced(report: Report, what: str):
+    """Run one configuration; a failure is noted and the run goes on with the next one."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - one broken configuration must not cost the others
+        report.note(f"{what} failed: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
 
 
 def time_ms(fn, *, budget_s: float = 0.15, min_reps: int = 3, max_reps: int = 25, warmup: int = 2) -> float:
@@ -271,12 +300,18 @@ def check_correctness(report: Report, device: torch.device) -> bool:
     edge_row = 77_777  # its scales span 2**-127 .. 2**127: subnormal and overflowing products
     with EngramStore.create(f"dsinfer-bench-{uuid.uuid4().hex[:8]}", source) as store:
         store.scale(1)[edge_row] = torch.tensor([0, 1, 2, 126, 127, 128, 200, 254], dtype=torch.uint8)
-        reference = HostEngramFetcher.from_store(store, "cpu")
-        host = HostEngramFetcher.from_store(store, device)
+        reference = HostEngramFetcher.from_store(store, "cpu", method="zero_copy")
+        host = HostEngramFetcher.from_store(store, device, method="zero_copy")
+        # Small chunks and three lanes: many chunks per fetch, so chunk edges and buffer reuse are exercised.
+        staging = {"staging_threads": 3, "staging_chunk_rows": 1000, "staging_rows": 2500}  # rounds, many chunks
+        staged = HostEngramFetcher.from_store(store, device, method="staged", **staging)
+        split = split_fetcher(store, host, zero_copy_share=0.37, split_min_ids=0, **staging)
         on_device = DeviceEngramFetcher.from_store(store, device)
-        host.dedup_min_ids = on_device.dedup_min_ids = 0  # exercise the plan at every size here
+        fetchers = {"host": host, "host staged": staged, "host split": split, "device": on_device}
+        for fetcher in fetchers.values():
+            fetcher.dedup_min_ids = 0  # the plan at every size here
         generator = torch.Generator().manual_seed(1)
-        for name, fetcher in (("host", host), ("device", on_device)):
+        for name, fetcher in fetchers.items():
             for dtype in (torch.bfloat16, torch.float32):
                 for dedup in (True, False):
                     fetcher.out_dtype, reference.out_dtype = dtype, dtype
@@ -326,7 +361,20 @@ def check_correctness(report: Report, device: torch.device) -> bool:
                 tail_untouched=untouched,
                 edge_exponents_bit_equal=edge,
             )
-        host.close()
+            # The staged method's dequantisation: the same kernel on rows already in device memory.
+            rows = dequantize_rows(store.weight(1)[ids].to(device), store.scale(1)[ids].to(device), out_dtype=dtype)
+            expected = gather_dequantize_reference(store.weight(1), store.scale(1), ids, dtype)
+            same = torch.equal(_bits(rows[1:].cpu()), _bits(expected[1:]))
+            ok &= same
+            report.add(
+                "correctness",
+                placement="dequantize_rows",
+                dtype=str(dtype)[6:],
+                rows_bit_equal=same,
+                edge_exponents_bit_equal=torch.equal(_bits(rows[:1].cpu()), _bits(expected[:1])),
+            )
+        for fetcher in (split, staged, host):
+            fetcher.close()
     report.note(f"correctness: {'all bit-equal' if ok else 'MISMATCH, see the correctness table'}")
     return ok
 
@@ -529,8 +577,14 @@ def _run_table(report, args, device, table_gib, page, text_ids, state) -> None:
             state["huge_unavailable"] = True
             return
         started = time.monotonic()
-        fetcher = HostEngramFetcher.from_store(store, device)
+        fetcher = HostEngramFetcher.from_store(store, device, method="zero_copy")
         registered = time.monotonic() - started
+        staging = {"staging_threads": args.threads, "staging_chunk_rows": args.chunk_rows}
+        methods = {
+            "zero_copy": fetcher,
+            "staged": HostEngramFetcher.from_store(store, device, method="staged", **staging),
+            "split": split_fetcher(store, fetcher, zero_copy_share=args.zero_copy_share, **staging),
+        }
         report.add(
             "tables",
             table=label,
@@ -542,23 +596,198 @@ def _run_table(report, args, device, table_gib, page, text_ids, state) -> None:
         )
         try:
             ids = torch.randint(0, rows, (4096,))
-            same = torch.equal(
-                _bits(fetcher.fetch(ids.to(device), 1).cpu()),
-                _bits(gather_dequantize_reference(store.weight(1), store.scale(1), ids)),
-            )
-            report.add("correctness", placement=f"host {label}", dtype="bfloat16", ids=4096, bit_equal=same)
-            segment_view = store.base_tensor()
-            copy_gbps = copy_ceilings(report, device, segment_view[store.tables[1].weight_offset :], label)
-            copy_gbps = max(copy_gbps, state.get("copy_gbps", 0.0))
-            del segment_view  # no tensor may outlive the store's mapping, or its memory stays mapped
-            gather_sweep(report, store, fetcher, args, device, label, state, text_ids, copy_gbps)
-            wants_prefill = huge or state.get("huge_unavailable") or "2m" not in state.get("pages", ())
+            expected = _bits(gather_dequantize_reference(store.weight(1), store.scale(1), ids))
+            methods["split"].split_min_ids = 0  # split even these 4096 ids
+            for name, method in methods.items():
+                same = torch.equal(_bits(method.fetch(ids.to(device), 1).cpu()), expected)
+                report.add("correctness", placement=f"host {name} {label}", dtype="bfloat16", ids=4096, bit_equal=same)
+            methods["split"].split_min_ids = DEFAULT_SPLIT_MIN_IDS
+            if args.suite == "staged":
+                copy_gbps = state.get("copy_gbps") or copy_ceilings(report, device, None, "pinned")
+                with fenced(report, f"{label}: staged sweep"):
+                    staged_sweep(report, store, methods, args, device, label, state, text_ids, copy_gbps)
+                wants_prefill = True  # on the first table: the run's time limit may not reach the others
+            else:
+                segment_view = store.base_tensor()
+                copy_gbps = copy_ceilings(report, device, segment_view[store.tables[1].weight_offset :], label)
+                copy_gbps = max(copy_gbps, state.get("copy_gbps", 0.0))
+                del segment_view  # no tensor may outlive the store's mapping, or its memory stays mapped
+                gather_sweep(report, store, fetcher, args, device, label, state, text_ids, copy_gbps)
+                wants_prefill = huge or state.get("huge_unavailable") or "2m" not in state.get("pages", ())
             if args.prefill_tokens and not state.get("prefill_done") and wants_prefill:
-                run_prefill(report, args, device, store, fetcher, text_ids, label)
+                run_prefill(report, args, device, store, methods, text_ids, label)
                 state["prefill_done"] = True
         finally:
-            fetcher.close()
-            del fetcher
+            for method in reversed(methods.values()):  # the zero-copy fetcher, which registered the segment, last
+                method.close()
+            del fetcher, methods
+
+
+def split_fetcher(store: EngramStore, zero_copy: HostEngramFetcher, **options) -> HostEngramFetcher:
+    """A ``split`` fetcher over the segment ``zero_copy`` has registered already (a range registers once)."""
+    host_tables = {layer: (store.weight(layer), store.scale(layer)) for layer in store.layer_ids}
+    return HostEngramFetcher(
+        dict(zero_copy.tables), device=zero_copy.device, method="split", host_tables=host_tables, **options
+    )
+
+
+# ------------------------------------------------------------------------------------------ 3b. staged
+def staged_sweep(report, store, methods, args, device, label, state, text_ids, copy_gbps) -> None:
+    """The host methods over rows per step; on the first table also lanes x chunk rows, shares and CPU baselines.
+
+    "sorted unique rows" times ``fetch`` of ids that are already sorted and unique (plan off): the
+    gather alone, from ids on the GPU to dequantised rows on the GPU, so the staged and split times
+    include their device-to-host copy of the ids. "fetch text ids" is the whole fetch (plan + gather
+    + expand).
+    """
+    rows = store.tables[1].rows
+    generator = torch.Generator(device=device).manual_seed(3)
+
+    def record(method, kind, requested, unique, ms, **extra):
+        payload = unique * (ROW_BYTES + SCALE_BYTES) / ms / 1e6
+        report.add(
+            "staged",
+            table=label,
+            method=method,
+            kind=kind,
+            rows=requested,
+            unique=unique,
+            ms=ms,
+            payload_gb_s=payload,
+            pct_of_copy=100 * payload / copy_gbps,
+            effective_gb_s=requested * ROW_BYTES / ms / 1e6,
+            **extra,
+        )
+
+    def sorted_sets(count, sets=3):
+        return [torch.unique(random_ids(count, rows, generator, device)) for _ in range(sets)]
+
+    def gather_ms(fetcher, sets):
+        fetcher.dedup = fetcher.sort = False
+        try:
+            return time_ms(lambda rep: fetcher.fetch(sets[rep % len(sets)], 1), min_reps=3, max_reps=15)
+        finally:
+            fetcher.dedup = fetcher.sort = True
+
+    for count in args.rows:
+        with fenced(report, f"{label}: {count} rows"):
+            sets = sorted_sets(count)
+            unique = sets[0].numel()
+            gbps = {}
+            for method, fetcher in methods.items():
+                ms = gather_ms(fetcher, sets)
+                record(method, "sorted unique rows", unique, unique, ms)
+                gbps[method] = unique * (ROW_BYTES + SCALE_BYTES) / ms / 1e6
+            summary = {}
+            for method, rate in gbps.items():
+                summary[f"{method}_gb_s"] = rate
+                summary[f"{method}_pct_of_copy"] = 100 * rate / copy_gbps
+            best = max(gbps, key=gbps.get)
+            report.add("staged_summary", table=label, rows=unique, **summary, fastest=best)
+            steps = [text_ids.ids(max(1, count // 24), rows)[1] for _ in range(2)]
+            unique = int(torch.unique(steps[0]).numel())
+            for method, fetcher in methods.items():
+                fetcher.dedup_min_ids = 0
+                ms = time_ms(lambda rep, f=fetcher, steps=steps: f.fetch(steps[rep % 2], 1), min_reps=3, max_reps=15)
+                record(method, "fetch text ids, dedup+sort", steps[0].numel(), unique, ms)
+    if state.get("grid_done"):
+        return
+    state["grid_done"] = True
+
+    # Lanes x chunk rows, at the largest step sizes.
+    counts = [count for count in args.rows if count >= 131_072][-2:] or [max(args.rows)]
+    sets = {count: sorted_sets(count, sets=2) for count in counts}
+    for threads in args.grid_threads:
+        for chunk in args.grid_chunks:
+            with fenced(report, f"{label}: staged lanes={threads} chunk={chunk}"):
+                fetcher = HostEngramFetcher.from_store(
+                    store, device, method="staged", staging_threads=threads, staging_chunk_rows=chunk
+                )
+                try:
+                    for count in counts:
+                        ms = gather_ms(fetcher, sets[count])
+                        record(
+                            "staged",
+                            "grid",
+                            sets[count][0].numel(),
+                            sets[count][0].numel(),
+                            ms,
+                            lanes=threads,
+                            chunk_rows=chunk,
+                        )
+                finally:
+                    fetcher.close()
+
+    # The split's zero-copy share.
+    staging = {"staging_threads": args.threads, "staging_chunk_rows": args.chunk_rows}
+    for share in args.grid_shares:
+        with fenced(report, f"{label}: split share={share}"):
+            fetcher = split_fetcher(store, methods["zero_copy"], zero_copy_share=share, **staging)
+            try:
+                for count in counts:
+                    ms = gather_ms(fetcher, sets[count])
+                    unique = sets[count][0].numel()
+                    record("split", "share", unique, unique, ms, zero_copy_share=share)
+            finally:
+                fetcher.close()
+
+    # Where the time goes: the CPU gather alone, by numpy in threads (one slice each, as the lanes do it
+    # but without chunks or copies), and by torch's index_select over its intra-op threads into pinned
+    # buffers followed by one copy, unpipelined.
+    weight, scale = store.weight(1), store.scale(1)
+    ids = sets[counts[-1]][0].cpu()
+    count = ids.numel()
+    for threads in args.grid_threads:
+        with fenced(report, f"{label}: numpy threads={threads}"), ThreadPoolExecutor(threads) as pool:
+            ms = wall_ms(lambda pool=pool, threads=threads: numpy_gather(pool, threads, weight, scale, ids))
+            record("numpy.take in threads (CPU only)", "cpu", count, count, ms, lanes=threads)
+    codes = torch.empty(count, ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+    scales = torch.empty(count, SCALE_BYTES, dtype=torch.uint8, pin_memory=True)
+    landing = torch.empty(count, ROW_BYTES + SCALE_BYTES, dtype=torch.uint8, device=device)
+    torch_threads = torch.get_num_threads()
+    for threads in args.grid_threads:
+        with fenced(report, f"{label}: torch index_select threads={threads}"):
+            torch.set_num_threads(threads)
+
+            def cpu_gather():
+                torch.index_select(weight, 0, ids, out=codes)
+                torch.index_select(scale, 0, ids, out=scales)
+
+            def gather_and_copy():
+                cpu_gather()
+                landing[:, :ROW_BYTES].copy_(codes, non_blocking=True)
+                landing[:, ROW_BYTES:].copy_(scales, non_blocking=True)
+                torch.cuda.synchronize(device)
+
+            record("torch index_select only", "cpu", count, count, wall_ms(cpu_gather), lanes=threads)
+            record("torch index_select + copy", "unpipelined", count, count, wall_ms(gather_and_copy), lanes=threads)
+    torch.set_num_threads(torch_threads)
+
+
+def numpy_gather(pool: ThreadPoolExecutor, threads: int, weight, scale, ids) -> None:
+    """Rows ``ids`` of the tables into fresh CPU memory, ``threads`` slices in parallel (numpy releases the GIL)."""
+    weight, scale, ids = weight.numpy(), scale.numpy(), ids.numpy()
+    codes = np.empty((ids.shape[0], weight.shape[1]), dtype=np.uint8)
+    scales = np.empty((ids.shape[0], scale.shape[1]), dtype=np.uint8)
+    bounds = np.linspace(0, ids.shape[0], threads + 1).astype(int)
+
+    def part(i):
+        a, b = bounds[i], bounds[i + 1]
+        np.take(weight, ids[a:b], axis=0, out=codes[a:b], mode="clip")
+        np.take(scale, ids[a:b], axis=0, out=scales[a:b], mode="clip")
+
+    list(pool.map(part, range(threads)))
+
+
+def wall_ms(fn, reps: int = 5) -> float:
+    """Median wall-clock milliseconds of ``fn()`` (host work, or host work ending in a synchronisation)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------ 4. prefill
@@ -619,10 +848,15 @@ class V41Slice:
         return x
 
 
-def run_prefill(report, args, device, store, fetcher, text_ids, label) -> None:
+def run_prefill(report, args, device, store, methods, text_ids, label) -> None:
+    """A prefill step with Engram rows fetched synchronously or prefetched by each host method."""
     with section(report, f"prefill step ({label})"):
         rows = store.tables[1].rows
-        fetcher.tables[14] = fetcher.tables[1]  # both Engram layers read this one table here
+        fetcher = methods["zero_copy"]
+        for f in methods.values():
+            f.tables[14] = f.tables[1]  # both Engram layers read this one table here
+            if f.host_tables:
+                f.host_tables[14] = f.host_tables[1]
         ids = text_ids.ids(args.prefill_tokens, rows)
         zipf = text_ids.ids(args.prefill_tokens, rows, zipf=True)
         for source, step_ids in ((text_ids.source, ids), ("iid zipf tokens", zipf)):
@@ -638,48 +872,71 @@ def run_prefill(report, args, device, store, fetcher, text_ids, label) -> None:
                 )
         model = V41Slice(args.prefill_tokens, args.prefill_layers, device)
         ready = {layer: fetcher.fetch(ids[layer], layer) for layer in (1, 14)}
-        plain = EngramFetcher(fetcher.tables, device=device, dedup=False, sort=False)
-        caps = {"all": None, "4xSM": 4 * torch.cuda.get_device_properties(device).multi_processor_count, "32": 32}
-        variants = {
-            "rows already on GPU (no fetch)": lambda: model.step(lambda layer: ready[layer]),
-            "sync fetch, no dedup, request order": lambda: model.step(lambda layer: plain.fetch(ids[layer], layer)),
-            "sync fetch, dedup+sort": lambda: model.step(lambda layer: fetcher.fetch(ids[layer], layer)),
-        }
-        for name, cap in caps.items():
+        start_ms: dict[str, list[float]] = {}
 
-            def prefetched(cap=cap):
-                fetcher.prefetch_programs = cap
-                return model.step(fetcher.wait, before=lambda: fetcher.start({1: ids[1], 14: ids[14]}))
+        def prefetch(name, f, step_ids, **settings):
+            """A step whose Engram rows ``f`` prefetches at its start; the host time of ``start`` is kept."""
 
-            variants[f"prefetch, programs={name}"] = prefetched
+            def before():
+                for key, value in settings.items():
+                    setattr(f, key, value)
+                started = time.perf_counter()
+                f.start({1: step_ids[1], 14: step_ids[14]})
+                start_ms.setdefault(name, []).append((time.perf_counter() - started) * 1e3)
 
-        def prefetched_zipf():
-            fetcher.prefetch_programs = None
-            return model.step(fetcher.wait, before=lambda: fetcher.start({1: zipf[1], 14: zipf[14]}))
+            return name, lambda: model.step(f.wait, before=before)
 
-        variants["sync fetch, dedup+sort, zipf ids"] = lambda: model.step(lambda i: fetcher.fetch(zipf[i], i))
-        variants["prefetch, programs=all, zipf ids"] = prefetched_zipf
+        variants = {"rows already on GPU (no fetch)": lambda: model.step(lambda layer: ready[layer])}
+        for name, f in methods.items():
+            variants[f"sync fetch, dedup+sort, {name}"] = lambda f=f: model.step(lambda i: f.fetch(ids[i], i))
+        variants.update(
+            [
+                prefetch("prefetch, zero_copy, programs=32", fetcher, ids, prefetch_programs=32),
+                prefetch("prefetch, staged", methods["staged"], ids),
+                prefetch("prefetch, split", methods["split"], ids),
+            ]
+        )
         fetch_only = {
-            "fetch only, sync, dedup+sort (both layers)": lambda: [fetcher.fetch(ids[i], i) for i in (1, 14)],
-            "fetch only, sync, no dedup (both layers)": lambda: [plain.fetch(ids[i], i) for i in (1, 14)],
+            f"fetch only, sync, dedup+sort, {name} (both layers)": lambda f=f: [f.fetch(ids[i], i) for i in (1, 14)]
+            for name, f in methods.items()
         }
+        if args.suite == "full":
+            plain = EngramFetcher(fetcher.tables, device=device, dedup=False, sort=False)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            variants["sync fetch, no dedup, request order"] = lambda: model.step(lambda i: plain.fetch(ids[i], i))
+            variants.update(
+                [
+                    prefetch("prefetch, zero_copy, programs=all", fetcher, ids, prefetch_programs=None),
+                    prefetch("prefetch, zero_copy, programs=4xSM", fetcher, ids, prefetch_programs=4 * sms),
+                    ("sync fetch, dedup+sort, zipf ids", lambda: model.step(lambda i: fetcher.fetch(zipf[i], i))),
+                    prefetch("prefetch, zero_copy, programs=32, zipf ids", fetcher, zipf, prefetch_programs=32),
+                    prefetch("prefetch, staged, zipf ids", methods["staged"], zipf),
+                    prefetch("prefetch, split, zipf ids", methods["split"], zipf),
+                ]
+            )
+            fetch_only["fetch only, sync, no dedup (both layers)"] = lambda: [plain.fetch(ids[i], i) for i in (1, 14)]
         for name, fn in fetch_only.items():
-            report.add("prefill_step", variant=name, ms=time_ms(lambda rep, fn=fn: fn(), min_reps=5, max_reps=10))
+            with fenced(report, f"prefill {name}"):
+                report.add("prefill_step", variant=name, ms=time_ms(lambda rep, fn=fn: fn(), min_reps=3, max_reps=8))
         times = {name: [] for name in variants}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for rep in range(args.prefill_reps + 1):  # round robin, first round is warm-up
             for name, fn in variants.items():
-                torch.cuda.synchronize()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                if rep:
-                    times[name].append(start.elapsed_time(end))
+                with fenced(report, f"prefill {name}"):
+                    torch.cuda.synchronize()
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    if rep:
+                        times[name].append(start.elapsed_time(end))
         base = statistics.median(times["rows already on GPU (no fetch)"])
         full_model = base * 40 / args.prefill_layers
         for name, samples in times.items():
+            if not samples:
+                continue
             ms = statistics.median(samples)
+            starts = start_ms.get(name, [])
             report.add(
                 "prefill_step",
                 variant=name,
@@ -688,23 +945,43 @@ def run_prefill(report, args, device, store, fetcher, text_ids, label) -> None:
                 added_ms=ms - base,
                 added_pct_of_slice=100 * (ms - base) / base,
                 added_pct_of_40_layers=100 * (ms - base) / full_model,
+                start_host_ms=statistics.median(starts[1:] or starts) if starts else "",
             )
         report.note(
             f"prefill slice: {args.prefill_layers} layers x {args.prefill_tokens} tokens, "
             f"{model.flops() / 1e12:.0f} TFLOP bf16, {model.flops() / base / 1e9:.0f} TFLOP/s; "
-            f"'added_pct_of_40_layers' scales the no-fetch step to 40 layers"
+            f"'added_pct_of_40_layers' scales the no-fetch step to 40 layers; "
+            f"'start_host_ms' is the caller's time in start() (the staged gathers run on a worker thread)"
         )
-        del fetcher.tables[14]
+        for f in methods.values():
+            del f.tables[14]
+            f.host_tables.pop(14, None)
 
 
 # ------------------------------------------------------------------------------------------ main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "engram_fetch_results")))
+    parser.add_argument(
+        "--suite",
+        choices=["full", "staged"],
+        default="full",
+        help="full: every zero-copy measurement; staged: the host methods compared (about 3.5 min)",
+    )
     parser.add_argument("--table-gib", type=float, nargs="+", default=[16, 64, 32])
-    parser.add_argument("--rows", type=int, nargs="+", default=[4096, 16384, 65536, 131072, 262144, 524288])
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=[4096, 16384, 65536, 131072, 262144, 524288])
     parser.add_argument("--page-sizes", nargs="+", default=["4k", "2m"], choices=["4k", "2m"])
-    parser.add_argument("--tables", nargs="+", help="explicit order of GIB:PAGE runs, e.g. 16:4k 16:2m 64:2m")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        help=f"explicit order of GIB:PAGE runs, e.g. 16:4k 16:2m 64:2m (staged suite: {' '.join(STAGED_TABLES)})",
+    )
+    parser.add_argument("--threads", type=positive_int, help="lanes of the staged fetcher (default: its own)")
+    parser.add_argument("--chunk-rows", type=positive_int, default=DEFAULT_CHUNK_ROWS, help="staged chunk rows")
+    parser.add_argument("--grid-threads", type=positive_int, nargs="+", default=[4, 8, 16], help="staged lanes tried")
+    parser.add_argument("--grid-chunks", type=positive_int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--zero-copy-share", type=float, default=0.5, help="the split method's zero-copy share")
+    parser.add_argument("--grid-shares", type=float, nargs="+", default=[0.3, 0.4, 0.6], help="split shares tried")
     parser.add_argument(
         "--configure-huge-pages",
         action="store_true",
@@ -713,10 +990,16 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=65536)
     parser.add_argument("--prefill-layers", type=int, default=16)
     parser.add_argument("--prefill-reps", type=int, default=3)
-    parser.add_argument("--deadline-s", type=float, default=390.0, help="skip table sizes that would start later")
+    parser.add_argument(
+        "--deadline-s", type=float, help="skip tables that would end later (default 390 s; staged suite 300 s)"
+    )
     parser.add_argument("--tokenizer", type=Path, help="a DeepSeek tokenizer.json: real text ids (default: Zipf)")
     parser.add_argument("--check-only", action="store_true")
     args = parser.parse_args()
+    if args.suite == "staged" and not args.tables:
+        args.tables = list(STAGED_TABLES)
+    if args.deadline_s is None:
+        args.deadline_s = 300.0 if args.suite == "staged" else 390.0
     for entry in args.tables or []:
         gib, _, page = entry.partition(":")
         try:

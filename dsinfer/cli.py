@@ -11,6 +11,8 @@ import torch
 
 from dsinfer.arg_types import positive_int
 from dsinfer.config import ConfigError, EngineConfig
+from dsinfer.engram.fetch import PLACEMENTS
+from dsinfer.engram.store import EngramStoreError
 from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-model-len", type=positive_int, default=None)
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_engram_placement(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
@@ -51,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=positive_int, default=None, help="waiting requests before 429")
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_engram_placement(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -68,19 +72,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_engram_placement(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engram-placement",
+        choices=PLACEMENTS,
+        default=None,
+        help="where DeepSeek-V4.1's Engram tables live: on the device, once per host in shared memory read over "
+        "PCIe, or split over the ranks (default: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they exceed the "
+        "GPU's budget, else 'device'); ignored for checkpoints without Engram layers",
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for the prompts through the engine (continuous batching, paged caches)."""
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    options = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs}
+    options = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_num_seqs": args.max_num_seqs,
+        "engram_placement": args.engram_placement,
+    }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
-    llm = LLM(args.model, **options)
     prompts = args.prompt or ["The quick brown fox"]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with LLM(args.model, **options) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"{prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -100,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+        engram_placement=args.engram_placement,
     )  # fmt: skip
     serve(options, engine)
     return 0
@@ -140,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (CheckpointError, ConfigError, TokenizerLoadError, ValueError) as exc:
+    except (CheckpointError, ConfigError, TokenizerLoadError, EngramStoreError, ValueError) as exc:
         print(f"dsinfer {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

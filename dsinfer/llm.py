@@ -1,4 +1,8 @@
-"""Offline API: ``LLM(model).generate(prompts, SamplingParams)``."""
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams)``; ``close()`` (or ``with LLM(...)``) when done.
+
+Closing matters for V4.1 checkpoints loaded with ``engram_placement='host'`` or ``'sharded'``: the model then
+maps its Engram tables from a shared-memory segment (:mod:`dsinfer.engram.placement`), which closing unmaps.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from tqdm import tqdm
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.sampling_params import SamplingParams
@@ -20,16 +25,45 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLM:
-    """Load a checkpoint (default: the embedded tiny model) and generate for batches of prompts."""
+    """Load a checkpoint (default: the embedded tiny model) and generate for batches of prompts.
+
+    ``options`` override fields of ``config`` (:class:`~dsinfer.config.EngineConfig`), e.g.
+    ``LLM(path, engram_placement="host")``.
+    """
 
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options) -> None:
         config = replace(config or EngineConfig(), **options)
         model_dir = Path(model) if model is not None else default_model_dir()
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: no CUDA device is available")
-        network = load_model(model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.engine = LLMEngine(network, self.tokenizer, config)
+        self.model = load_model(
+            model_dir,
+            dtype=DTYPES[config.dtype],
+            device=config.device,
+            progress=False,
+            engram_placement=config.engram_placement,
+        )
+        try:
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.engine = LLMEngine(self.model, self.tokenizer, config)
+        except BaseException:
+            self._release_model()
+            raise
+
+    def close(self) -> None:
+        """Stop the engine (a step in flight finishes first), then release the model's Engram tables. Idempotent."""
+        self.engine.close()
+        self._release_model()
+
+    def _release_model(self) -> None:
+        if isinstance(self.model, DeepseekV41):
+            self.model.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

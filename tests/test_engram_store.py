@@ -173,6 +173,19 @@ def test_loads_safetensors_shards_into_one_segment(tmp_path, name):
         assert all(t.weight_offset % (2 << 20) == 0 == t.scale_offset % (2 << 20) for t in store.tables.values())
 
 
+def test_close_leaves_the_mapping_to_tensors_still_viewing_it(name):
+    """Unmapping under a live tensor would make its next read a segmentation fault."""
+    store = EngramStore.create(name, RandomEngramSource(ROWS))
+    weight = store.weight(1)
+    expected = weight[:8].clone()
+    store.close()
+    assert torch.equal(weight[:8], expected)
+    del weight
+    with EngramStore.create(name, RandomEngramSource(ROWS)) as second:
+        second.weight(1)  # dropped at once: nothing holds the mapping
+    assert second._mapping.closed
+
+
 def test_safetensors_problems_name_the_file_and_tensor(tmp_path):
     _write_checkpoint(tmp_path, {1: 64})
     shard = next(tmp_path.glob("*.safetensors"))

@@ -10,9 +10,13 @@ into dequantised rows ``[T, k, 256]``. Every placement does the same three thing
 2. **Gather** the unique rows and dequantise them (``code * 2**(scale - 127)``, exact):
 
    * ``device``: the tables sit in GPU memory (small models, or a big GPU budget).
-   * ``host``: the tables stay in the host's shared-memory segment (:mod:`dsinfer.engram.store`),
-     registered with ``cudaHostRegister``; a Triton kernel (:mod:`dsinfer.kernels.engram_gather`)
-     reads the rows straight over PCIe ("zero-copy") and dequantises on the fly.
+   * ``host``: the tables stay in the host's shared-memory segment (:mod:`dsinfer.engram.store`).
+     Three methods read them (:func:`resolve_host_method`): ``zero_copy`` registers the segment with
+     ``cudaHostRegister`` and a Triton kernel (:mod:`dsinfer.kernels.engram_gather`) reads the rows
+     straight over PCIe, dequantising on the fly; ``staged`` has CPU threads gather the rows into
+     pinned buffers that reach the GPU as a few large copies (:mod:`dsinfer.engram.staged_gather`),
+     then dequantises them there; ``split`` does both at once on two shares of each large fetch.
+     Staging needs the ids on the host: one small device-to-host copy per layer.
    * ``sharded``: each rank holds rows ``[r * N / W, (r + 1) * N / W)`` of every table; a step sends
      each owner the ids it holds and gets the raw FP8 rows back through two ``all_to_all_single``
      calls (the upstream DeepInfer layout, over ``torch.distributed`` instead of RDMA reads).
@@ -25,7 +29,10 @@ rounding to the output dtype.
 **Prefetch.** :meth:`EngramFetcher.start` takes the ids of every Engram layer at the start of a step
 and issues the gathers on a side CUDA stream, earliest layer first; :meth:`EngramFetcher.wait` makes
 the compute stream wait for one layer's rows right before that layer. On CPU the same calls run
-synchronously.
+synchronously. The staged and split host methods plan on the side stream too (split also starts its
+zero-copy share there), then hand each layer to a worker thread that waits for the ids to reach the
+host and runs the CPU gather, the copies and the dequantisation; ``start`` returns at once and
+``wait`` joins that layer's work (on CPU as well).
 
 **What it costs** (H200, PCIe 5, 55 GB/s pinned copy; ``benchmarks/engram_fetch.py``, docs/perf.md):
 scattered host reads are translation-bound (5.5 GB/s for random rows of a 16 GiB table), sorting
@@ -34,24 +41,47 @@ behind the first layers with 32 programs the host placement added 2.4 ms (0.2%) 
 Small fetches (decode) skip the plan: below ``dedup_min_ids`` (65,536 ids on CUDA) its kernels
 cost more than the duplicate rows they save.
 
+**Host methods compared** (``--suite staged``, sorted unique rows, GB/s of the 264-byte rows, same
+run, 16 host cores): the staged method is bound by the host's memory system, not by translation:
+16 threads gather random rows at 8.6-27 GB/s depending on the machine, and the staged pipeline
+delivers 80-90% of that. At 524,288 rows of a 64 GiB table zero-copy reads 11.5, staged 13-17 and
+split 18.6-20.9 GB/s (34-38% of the pinned copy, 1.6-1.8x zero-copy); on a 16 GiB table zero-copy
+reads 19.4 and split 12.1 (a machine whose CPU gathered at 8.6 GB/s). Below 131,072 ids zero-copy
+is faster (staging costs 0.7-2 ms of host round trip), hence ``split_min_ids``. Prefetched behind a
+65,536-token prefill every method adds 3-15 ms (0.2-1.1%, within the step's noise). ``zero_copy``
+stays the default: the same end-to-end cost, no host threads, no host synchronisation; ``split``
+is the faster choice for large fetches from V4.1-size tables on a host with CPU to spare
+(``DSINFER_ENGRAM_HOST_METHOD=split``). No method reaches 70% of the pinned copy on this machine.
+
 **Choosing a placement** (:func:`resolve_placement`): the ``--engram-placement`` flag, else
 ``$DSINFER_ENGRAM_PLACEMENT``, else ``host`` when a GPU is present and the tables exceed the device
 budget (``$DSINFER_ENGRAM_DEVICE_BUDGET_GIB``, default a quarter of the GPU's memory), else ``device``.
+The host method: the ``host_method`` option, else ``$DSINFER_ENGRAM_HOST_METHOD``, else ``zero_copy``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dsinfer.engram.staged_gather import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_STAGING_BUFFERS,
+    DEFAULT_STAGING_ROWS,
+    StagedGather,
+)
 from dsinfer.engram.store import EngramStore
 from dsinfer.kernels.engram_gather import (
     DEFAULT_BLOCK_ROWS,
     DEFAULT_NUM_WARPS,
+    dequantize_reference,
+    dequantize_rows,
     gather_dequantize,
     gather_dequantize_reference,
     triton_available,
@@ -59,6 +89,8 @@ from dsinfer.kernels.engram_gather import (
 
 __all__ = [
     "DEVICE_BUDGET_ENV",
+    "HOST_METHODS",
+    "HOST_METHOD_ENV",
     "PLACEMENTS",
     "PLACEMENT_ENV",
     "DeviceEngramFetcher",
@@ -70,6 +102,7 @@ __all__ = [
     "host_tensor",
     "make_engram_fetcher",
     "plan_fetch",
+    "resolve_host_method",
     "resolve_placement",
     "shard_bounds",
 ]
@@ -82,6 +115,26 @@ DEDUP_MIN_IDS_CUDA = 65_536
 """Below this many ids a CUDA fetch gathers in request order: sorting costs more than it saves there."""
 HOST_GATHER_SHAPE = {"block_rows": 64, "num_warps": 8, "max_programs": 32, "prefetch_programs": 32}
 """Triton shape for host memory: few programs keep the rows in flight close together (see the kernel)."""
+HOST_METHODS = ("zero_copy", "staged", "split")
+HOST_METHOD_ENV = "DSINFER_ENGRAM_HOST_METHOD"
+DEFAULT_HOST_METHOD = "zero_copy"
+"""Same prefetched step cost as the others on the H200, no host threads or synchronisation (module docstring)."""
+HOST_ONLY_OPTIONS = (
+    "scales_on_device",
+    "zero_copy_share",
+    "split_min_ids",
+    "staging_threads",
+    "staging_chunk_rows",
+    "staging_rows",
+    "staging_buffers",
+)
+"""Options of the host placement that :func:`make_engram_fetcher` leaves out for the other placements."""
+DEFAULT_ZERO_COPY_SHARE = 0.5
+"""Share of a ``split`` fetch's rows that the zero-copy kernel reads (the CPU stages the rest)."""
+DEFAULT_SPLIT_MIN_IDS = 131_072
+"""``split`` fetches of fewer ids are read all zero-copy: below this the host round trip costs more than it saves."""
+SHARE_BITS = 10
+"""The share is ``count * round(share * 2**SHARE_BITS) >> SHARE_BITS`` rows: the same integer on device and host."""
 
 
 # ------------------------------------------------------------------------------------------ placement
@@ -118,6 +171,22 @@ def resolve_placement(
             total = torch.cuda.get_device_properties(device).total_memory
             device_memory_budget = int(total * DEFAULT_DEVICE_BUDGET_FRACTION)
     return "host" if table_bytes > device_memory_budget else "device"
+
+
+def resolve_host_method(requested: str | None) -> str:
+    """How the host placement reads its tables: ``requested``, else ``$DSINFER_ENGRAM_HOST_METHOD``, else the default.
+
+    ``zero_copy``: the GPU reads the registered segment itself; ``staged``: CPU threads gather the rows
+    and the GPU receives them as large copies; ``split``: both at once, each on a share of the rows.
+    ``-`` may stand for ``_``.
+    """
+    for value, where in ((requested, "host_method"), (os.environ.get(HOST_METHOD_ENV), HOST_METHOD_ENV)):
+        if value:
+            value = value.strip().lower().replace("-", "_")
+            if value not in HOST_METHODS:
+                raise ValueError(f"{where} must be one of {', '.join(HOST_METHODS)}, got {value!r}")
+            return value
+    return DEFAULT_HOST_METHOD
 
 
 def shard_bounds(rows: int, world_size: int) -> list[int]:
@@ -387,11 +456,27 @@ class DeviceEngramFetcher(EngramFetcher):
 
 
 class HostEngramFetcher(EngramFetcher):
-    """``host`` placement: the GPU reads the shared-memory segment in place over PCIe.
+    """``host`` placement: the tables stay in the shared-memory segment; ``method`` says how rows reach the GPU.
 
-    The whole segment is registered once (``cudaHostRegister``), and each table is a CUDA tensor
-    aliasing it. ``scales_on_device`` copies the small scale tables (3 GB each for V4.1) to device
-    memory, which saves one small PCIe read per row. On CPU the store's tensors are used directly.
+    ``zero_copy``: the whole segment is registered once (``cudaHostRegister``), each table is a CUDA
+    tensor aliasing it, and the gather kernel reads the rows over PCIe. ``scales_on_device`` copies
+    the small scale tables (3 GB each for V4.1) to device memory, which saves one small PCIe read per
+    row.
+
+    ``staged``: the tables are the store's CPU tensors (nothing is registered); a
+    :class:`~dsinfer.engram.staged_gather.StagedGather` (``staging_threads`` lanes gathering chunks of
+    ``staging_chunk_rows`` rows into ``staging_buffers`` pinned buffers of ``staging_rows`` rows)
+    gathers the rows on the CPU and copies them over in large pieces; the GPU dequantises them.
+    :meth:`fetch` waits for the ids to reach the host; :meth:`start` does not (a worker thread does).
+
+    ``split``: both at once, since they are bound by different things (the device's address
+    translation; the host's memory system): the zero-copy kernel reads the first ``zero_copy_share``
+    of each fetch's sorted rows on a stream of its own while the CPU stages the rest. Fetches of
+    fewer than ``split_min_ids`` ids are read all zero-copy (no host round trip). ``tables`` are the
+    registered CUDA views, ``host_tables`` the same tables as CPU tensors.
+
+    On CPU every method runs its pipeline in memory (the zero-copy share through the reference).
+    ``method`` defaults to :func:`resolve_host_method`'s choice.
     """
 
     placement = "host"
@@ -402,6 +487,14 @@ class HostEngramFetcher(EngramFetcher):
         *,
         store: EngramStore | None = None,
         registration: HostRegistration | None = None,
+        method: str | None = None,
+        host_tables: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        zero_copy_share: float = DEFAULT_ZERO_COPY_SHARE,
+        split_min_ids: int = DEFAULT_SPLIT_MIN_IDS,
+        staging_threads: int | None = None,
+        staging_chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        staging_rows: int = DEFAULT_STAGING_ROWS,
+        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         **options: Any,
     ):
         if torch.device(options["device"]).type == "cuda":
@@ -410,15 +503,54 @@ class HostEngramFetcher(EngramFetcher):
         super().__init__(tables, **options)
         self.store = store
         self.registration = registration
+        self.method = resolve_host_method(method)
+        self.host_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._share_parts = 0
+        self.split_min_ids = split_min_ids
+        self._stager: StagedGather | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._split_stream: torch.cuda.Stream | None = None
+        if self.method == "zero_copy":
+            return
+        if self.method == "split":
+            if not 0.0 <= zero_copy_share <= 1.0:
+                raise ValueError(f"zero_copy_share must lie in [0, 1], got {zero_copy_share}")
+            self._share_parts = round(zero_copy_share * (1 << SHARE_BITS))
+            if self.device.type == "cuda":
+                if not self.use_kernel:
+                    raise ValueError("the split host method needs the Triton gather kernel on CUDA")
+                self._split_stream = torch.cuda.Stream(self.device)
+        self.host_tables = dict(self.tables if host_tables is None else host_tables)
+        self._check_host_tables()
+        weight, scale = next(iter(self.host_tables.values()))
+        self._stager = StagedGather(
+            self.device,
+            threads=staging_threads,
+            chunk_rows=staging_chunk_rows,
+            staging_rows=staging_rows,
+            buffers=staging_buffers,
+            row_bytes=weight.shape[1],
+            scale_columns=scale.shape[1],
+        )
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch", initializer=self._enter_device)
 
     @classmethod
     def from_store(
-        cls, store: EngramStore, device: torch.device | str, *, scales_on_device: bool = False, **options: Any
+        cls,
+        store: EngramStore,
+        device: torch.device | str,
+        *,
+        scales_on_device: bool = False,
+        method: str | None = None,
+        **options: Any,
     ) -> HostEngramFetcher:
         device = torch.device(device)
-        if device.type != "cuda":
-            tables = {layer: (store.weight(layer), store.scale(layer)) for layer in store.layer_ids}
-            return cls(tables, store=store, device=device, **options)
+        method = resolve_host_method(method)
+        if scales_on_device and method != "zero_copy":
+            raise ValueError(f"scales_on_device applies to the zero_copy host method, not {method}")
+        host_tables = {layer: (store.weight(layer), store.scale(layer)) for layer in store.layer_ids}
+        if device.type != "cuda" or method == "staged":
+            return cls(host_tables, store=store, device=device, method=method, **options)
         registration = HostRegistration(store.address, store.nbytes, device)
         try:
             segment = host_tensor(store.address, store.nbytes, device)
@@ -430,18 +562,195 @@ class HostEngramFetcher(EngramFetcher):
                 if scales_on_device:
                     scale = store.scale(layer_id).to(device)
                 tables[layer_id] = (weight.view(table.rows, table.row_bytes), scale)
-            return cls(tables, store=store, registration=registration, device=device, **options)
+            if method == "split":
+                options["host_tables"] = host_tables
+            return cls(tables, store=store, registration=registration, device=device, method=method, **options)
         except BaseException:
             registration.close()
             raise
 
+    def start(self, row_ids_per_layer: Mapping[int, torch.Tensor]) -> None:
+        if self.method == "zero_copy":
+            return super().start(row_ids_per_layer)
+        for layer_id in row_ids_per_layer:
+            self._table(layer_id)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream) if self._stream is not None else _no_stream():
+            for layer_id in sorted(row_ids_per_layer):
+                row_ids = row_ids_per_layer[layer_id]
+                if self._stream is not None and row_ids.device == self.device:
+                    row_ids.record_stream(self._stream)
+                if self._reads_zero_copy(row_ids.numel()):
+                    rows = self.fetch(row_ids, layer_id, programs=self.prefetch_programs)
+                    done = None
+                    if self._stream is not None:
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
+                    self._pending[layer_id] = (rows, done)
+                    continue
+                row_ids = self._check_ids(row_ids, layer_id)
+                plan = self._plan(row_ids)
+                share = self._begin_zero_copy_share(layer_id, plan, self.prefetch_programs)
+                ids, count, ready = plan.ids, plan.count, None
+                if self._stream is not None:  # the ids go to the host on the side stream; the worker waits for them
+                    ids = torch.empty(plan.ids.shape, dtype=torch.int64, pin_memory=True)
+                    count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+                    ids.copy_(plan.ids, non_blocking=True)
+                    count.copy_(plan.count, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+                shape = tuple(row_ids.shape)
+                self._pending[layer_id] = self._worker.submit(
+                    self._prefetch, layer_id, plan, share, ids, count, ready, shape
+                )
+
+    def wait(self, layer_id: int) -> torch.Tensor:
+        pending = self._pending.get(layer_id)
+        if isinstance(pending, Future):
+            try:
+                self._pending[layer_id] = pending.result()  # this layer's CPU gather is done, its GPU work enqueued
+            except BaseException:
+                del self._pending[layer_id]
+                raise
+        return super().wait(layer_id)
+
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)  # no thread may read the tables after this
+            self._worker = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         super().close()
         self.tables.clear()
+        self.host_tables.clear()
         if self.registration is not None:
             torch.cuda.synchronize(self.device)
             self.registration.close()
             self.registration = None
+
+    # ------------------------------------------------------------------ staged and split methods
+    def _check_host_tables(self) -> None:
+        if set(self.host_tables) != set(self.tables):
+            raise ValueError(f"host_tables hold layers {sorted(self.host_tables)}, the tables {self.layer_ids}")
+        for layer_id, (weight, scale) in self.host_tables.items():
+            for name, table in (("weight", weight), ("scale", scale)):
+                if table.device.type != "cpu" or table.dtype != torch.uint8 or not table.is_contiguous():
+                    raise ValueError(
+                        f"the {self.method} host method reads contiguous uint8 tables in host memory; layer "
+                        f"{layer_id}'s {name} is {table.dtype} on {table.device}"
+                    )
+
+    def _enter_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _plan(self, row_ids: torch.Tensor) -> FetchPlan:
+        planned = row_ids.numel() >= self.dedup_min_ids
+        return plan_fetch(row_ids.reshape(-1), dedup=self.dedup and planned, sort=self.sort and planned)
+
+    def _reads_zero_copy(self, ids: int) -> bool:
+        """Whether a fetch of ``ids`` ids takes the zero-copy path alone (a small ``split`` fetch)."""
+        return self.method == "zero_copy" or (self.method == "split" and ids < self.split_min_ids)
+
+    def _gather(self, layer_id: int, plan: FetchPlan, programs: int | None) -> torch.Tensor:
+        if self._reads_zero_copy(plan.ids.numel()):
+            return super()._gather(layer_id, plan, programs)
+        share = self._begin_zero_copy_share(layer_id, plan, programs)  # runs on the device during the CPU gather
+        ids = plan.ids[: int(plan.count)].cpu()  # a host synchronisation: the CPU gathers by these ids
+        stream = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        return self._finish(layer_id, ids, ids.numel(), share, stream)
+
+    def _begin_zero_copy_share(
+        self, layer_id: int, plan: FetchPlan, programs: int | None
+    ) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """Start the zero-copy share of a split fetch on its own stream, without a host synchronisation.
+
+        Returns ``(rows, done)``: ``rows`` [capacity, 256] receives rows ``[0, k)`` of the plan, ``k``
+        being ``count * share`` computed on the device, and ``done`` is recorded behind the kernel.
+        ``None`` where nothing is shared out (staged; split on CPU does its share in :meth:`_finish`).
+        """
+        if self._split_stream is None or not self._share_parts:
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        weight, scale = self._table(layer_id)
+        rows = torch.empty(plan.ids.numel(), weight.shape[1], dtype=self.out_dtype, device=self.device)
+        shared = (plan.count * self._share_parts) >> SHARE_BITS
+        self._split_stream.wait_stream(stream)
+        with torch.cuda.stream(self._split_stream):
+            gather_dequantize(
+                weight,
+                scale,
+                plan.ids,
+                count=shared,
+                out=rows,
+                out_dtype=self.out_dtype,
+                block_rows=self.block_rows,
+                num_warps=self.num_warps,
+                max_programs=programs,
+            )
+            done = torch.cuda.Event()
+            done.record(self._split_stream)
+        for tensor in (rows, plan.ids, shared):
+            tensor.record_stream(self._split_stream)
+        return rows, done
+
+    def _finish(
+        self,
+        layer_id: int,
+        ids: torch.Tensor,
+        count: int,
+        share: tuple[torch.Tensor, torch.cuda.Event] | None,
+        stream: torch.cuda.Stream | None,
+    ) -> torch.Tensor:
+        """Dequantised rows of ``ids[:count]`` (host ids): the staged rows, after the zero-copy share if any.
+
+        The CPU gathers rows ``[k, count)``, the copies and the dequantisation run on ``stream`` (the
+        current one), which then waits for the zero-copy share.
+        """
+        shared = (count * self._share_parts) >> SHARE_BITS
+        weight, scale = self.host_tables[layer_id]
+        codes, scales = self._stager.gather(weight, scale, ids[shared:count], stream=stream)
+        if share is not None:
+            rows, done = share
+        else:
+            rows = torch.empty(count, weight.shape[1], dtype=self.out_dtype, device=self.device)
+            if shared:  # split on CPU: the zero-copy share through the reference
+                rows[:shared] = gather_dequantize_reference(*self._table(layer_id), ids[:shared], self.out_dtype)
+            done = None
+        staged = rows[shared:count]
+        if self.use_kernel:
+            dequantize_rows(codes, scales, out=staged, out_dtype=self.out_dtype)
+        else:
+            staged.copy_(dequantize_reference(codes, scales, self.out_dtype))
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return rows
+
+    def _prefetch(
+        self,
+        layer_id: int,
+        plan: FetchPlan,
+        share: tuple[torch.Tensor, torch.cuda.Event] | None,
+        ids: torch.Tensor,
+        count: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        shape: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """One layer of :meth:`start`, on the worker thread: the rest of the fetch of ``plan`` (GPU: side stream)."""
+        with torch.cuda.stream(self._stream) if self._stream is not None else _no_stream():
+            if ready is not None:
+                ready.synchronize()  # the plan's ids and count are on the host
+            count = int(count)
+            rows = self._finish(layer_id, ids, count, share, self._stream)
+            rows = rows.index_select(0, plan.inverse) if plan.inverse is not None else rows[:count]
+            rows = rows.view(*shape, rows.shape[-1])
+            done = None
+            if self._stream is not None:
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return rows, done
 
 
 class ShardedEngramFetcher(EngramFetcher):
@@ -534,16 +843,22 @@ def make_engram_fetcher(
     device: torch.device | str,
     group: Any = None,
     device_memory_budget: int | None = None,
+    host_method: str | None = None,
     **options: Any,
 ) -> EngramFetcher:
-    """The fetcher of the resolved placement (:func:`resolve_placement`) over ``store``'s tables."""
+    """The fetcher of the resolved placement (:func:`resolve_placement`) over ``store``'s tables.
+
+    ``host_method`` (:func:`resolve_host_method`) and the options in ``HOST_ONLY_OPTIONS`` apply to the
+    host placement only; the other placements ignore them, so one set of options serves every placement.
+    """
     table_bytes = sum(t.weight_bytes + t.scale_bytes for t in store.tables.values())
     placement = resolve_placement(
         placement, table_bytes=table_bytes, device=device, device_memory_budget=device_memory_budget
     )
+    if placement == "host":
+        return HostEngramFetcher.from_store(store, device, method=host_method, **options)
+    options = {key: value for key, value in options.items() if key not in HOST_ONLY_OPTIONS}
     if placement == "device":
         return DeviceEngramFetcher.from_store(store, device, **options)
-    if placement == "host":
-        return HostEngramFetcher.from_store(store, device, **options)
     tables = {layer: (store.weight(layer), store.scale(layer)) for layer in store.layer_ids}
     return ShardedEngramFetcher.from_tables(tables, group=group, device=device, **options)

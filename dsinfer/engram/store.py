@@ -329,10 +329,10 @@ class SafetensorsEngramSource:
                     f"{extent.nbytes} bytes; expected a 2-D table of one byte per element"
                 )
         rows, row_bytes = weight.shape
-        if row_bytes != ENGRAM_ROW_BYTES:
+        if row_bytes <= 0 or row_bytes % ENGRAM_SCALE_BLOCK:  # the release has 256; tiny test models fewer
             raise EngramStoreError(
-                f"{weight.path}: layers.{layer}.engram.embed.weight has {row_bytes} columns, "
-                f"expected {ENGRAM_ROW_BYTES}"
+                f"{weight.path}: layers.{layer}.engram.embed.weight has {row_bytes} columns, expected a positive "
+                f"multiple of {ENGRAM_SCALE_BLOCK} ({ENGRAM_ROW_BYTES} in the release)"
             )
         expected_scale = (rows, row_bytes // ENGRAM_SCALE_BLOCK)
         if scale.shape != expected_scale:
@@ -1087,7 +1087,9 @@ class EngramStore:
         import torch
 
         if self._base is None:
-            self._base = torch.frombuffer(self._mapping, dtype=torch.uint8, count=self.nbytes)
+            # Through a memoryview: its buffer export lives as long as the tensor, so close() cannot unmap the
+            # segment under a tensor still in use (torch.frombuffer on the mmap itself holds no export).
+            self._base = torch.frombuffer(memoryview(self._mapping), dtype=torch.uint8, count=self.nbytes)
         return self._base
 
     def weight(self, layer_id: int) -> torch.Tensor:

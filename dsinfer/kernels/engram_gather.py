@@ -25,6 +25,9 @@ an H200 in a Firecracker VM, PCIe 5 x16, 55 GB/s pinned copy (``benchmarks/engra
 * **Count read on the device.** The number of valid rows comes from a device tensor, so a
   de-duplicated id list whose length is only known on the GPU needs no host synchronisation.
 
+:func:`dequantize_rows` runs the same kernel without the gather, on rows that already sit contiguously in
+device memory: the staged host fetch (:mod:`dsinfer.engram.staged_gather`) copies the raw rows over first.
+
 The reference (:func:`gather_dequantize_reference`) is ``dsinfer.layers.quant.dequantize_fp8_blockwise``
 with 1x32 blocks; the kernel matches it bit for bit (an e4m3 value times a power of two is exact in
 float32, and both round the same float32 to the output dtype).
@@ -46,6 +49,8 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = [
     "DEFAULT_BLOCK_ROWS",
     "DEFAULT_NUM_WARPS",
+    "dequantize_reference",
+    "dequantize_rows",
     "gather_dequantize",
     "gather_dequantize_reference",
     "triton_available",
@@ -76,17 +81,28 @@ def _check_tables(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return row_bytes, scale_columns
 
 
+def dequantize_reference(
+    codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Every row of ``codes`` [n, row_bytes] dequantised with its ``scales`` [n, scale_columns] (torch reference)."""
+    row_bytes, scale_columns = _check_tables(codes, scales)
+    if codes.shape[0] == 0:
+        return torch.empty(0, row_bytes, dtype=out_dtype, device=codes.device)
+    return dequantize_fp8_blockwise(
+        codes.view(torch.float8_e4m3fn),
+        scales.view(torch.float8_e8m0fnu),
+        block=(1, row_bytes // scale_columns),
+        dtype=out_dtype,
+    )
+
+
 def gather_dequantize_reference(
     weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """``[len(ids), row_bytes]`` rows ``ids`` of the table, dequantised: ``code * 2**(scale_byte - 127)``."""
-    row_bytes, scale_columns = _check_tables(weight, scale)
+    _check_tables(weight, scale)
     ids = ids.reshape(-1).to(device=weight.device, dtype=torch.int64)
-    if ids.numel() == 0:
-        return torch.empty(0, row_bytes, dtype=out_dtype, device=weight.device)
-    codes = weight.index_select(0, ids).view(torch.float8_e4m3fn)
-    scales = scale.index_select(0, ids).view(torch.float8_e8m0fnu)
-    return dequantize_fp8_blockwise(codes, scales, block=(1, row_bytes // scale_columns), dtype=out_dtype)
+    return dequantize_reference(weight.index_select(0, ids), scale.index_select(0, ids), out_dtype)
 
 
 if triton is not None:
@@ -101,6 +117,7 @@ if triton is not None:
         ROW_BYTES: tl.constexpr,
         SCALE_COLUMNS: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         program = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -114,7 +131,10 @@ if triton is not None:
         for first in range(program * BLOCK_ROWS, count, programs * BLOCK_ROWS):
             slots = first + tl.arange(0, BLOCK_ROWS)
             live = slots < count
-            rows = tl.load(ids_ptr + slots, mask=live, other=0).to(tl.int64)
+            if GATHER:
+                rows = tl.load(ids_ptr + slots, mask=live, other=0).to(tl.int64)
+            else:  # the rows already sit in order: row i of the table is output row i
+                rows = slots.to(tl.int64)
             live3 = live[:, None, None]
             codes = tl.load(weight_ptr + rows[:, None, None] * ROW_BYTES + columns[None, :, :], mask=live3, other=0)
             exponents = tl.load(
@@ -148,30 +168,64 @@ def gather_dequantize(
     device tensor of one element (default: all of ``ids``); rows of ``out`` past it are left as
     they were. Ids are not range-checked here (the caller asserts on the device).
     """
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    return _launch(weight, scale, ids, ids.numel(), count, out, out_dtype, block_rows, num_warps, max_programs)
+
+
+def dequantize_rows(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    max_programs: int | None = None,
+) -> torch.Tensor:
+    """Triton dequantisation of every row of ``codes`` [n, 256] with ``scales`` [n, 8] (CUDA tensors) into ``out``.
+
+    Bit-identical to :func:`dequantize_reference`; the staged host fetch uses it once the raw rows
+    are in device memory.
+    """
+    capacity = codes.shape[0] if codes.dim() == 2 else 0
+    return _launch(codes, scales, None, capacity, None, out, out_dtype, block_rows, num_warps, max_programs)
+
+
+def _launch(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    ids: torch.Tensor | None,
+    capacity: int,
+    count: torch.Tensor | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    block_rows: int,
+    num_warps: int,
+    max_programs: int | None,
+) -> torch.Tensor:
+    """Validate and run :func:`_gather_dequantize_kernel` over ``capacity`` output rows (``ids=None``: no gather)."""
     if triton is None:
-        raise RuntimeError("gather_dequantize needs Triton; use gather_dequantize_reference on this install")
+        raise RuntimeError("the Engram dequantisation kernel needs Triton; use the torch reference on this install")
     row_bytes, scale_columns = _check_tables(weight, scale)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if ids.dim() != 1 or ids.dtype != torch.int64:
-        raise ValueError(f"ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    capacity = ids.numel()
     if out is None:
-        out = torch.empty(capacity, row_bytes, dtype=out_dtype, device=ids.device)
+        out = torch.empty(capacity, row_bytes, dtype=out_dtype, device=weight.device if ids is None else ids.device)
     elif out.shape != (capacity, row_bytes) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{capacity}, {row_bytes}] tensor, got {tuple(out.shape)}")
     if capacity == 0:
         return out
     if count is None:
-        count = torch.full((1,), capacity, dtype=torch.int64, device=ids.device)
+        count = torch.full((1,), capacity, dtype=torch.int64, device=out.device)
     blocks = triton.cdiv(capacity, block_rows)
     if max_programs is None:
-        max_programs = torch.cuda.get_device_properties(ids.device).multi_processor_count * 16
+        max_programs = torch.cuda.get_device_properties(out.device).multi_processor_count * 16
     grid = (max(1, min(blocks, max_programs)),)
     _gather_dequantize_kernel[grid](
-        ids,
+        count if ids is None else ids,  # not read without a gather; any pointer will do
         count,
         weight,
         scale,
@@ -179,6 +233,7 @@ def gather_dequantize(
         ROW_BYTES=row_bytes,
         SCALE_COLUMNS=scale_columns,
         BLOCK_ROWS=block_rows,
+        GATHER=ids is not None,
         num_warps=num_warps,
     )
     return out

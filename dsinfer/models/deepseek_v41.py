@@ -6,7 +6,10 @@
   at layer 0), the FFN with its own layer's attention ``pre``, and the final collapse with the last FFN's
   ``pre``. There is no ``hc_head``.
 * **CSA2 attention** (``dsinfer.layers.csa2``): compressed KV computed by a few source layers and reused.
-* **Engram** (``dsinfer.engram``): gated n-gram memory added to the streams before its layers' blocks.
+* **Engram** (``dsinfer.engram``): gated n-gram memory added to the streams before its layers' blocks. Each
+  forward computes every Engram layer's row ids once, starts their fetch (:class:`EngramReads`), and each
+  layer collects its dequantised rows right before it runs, from wherever the tables live: the layers' own
+  buffers, or a host / sharded fetcher attached at load time (:meth:`DeepseekV41.attach_engram_fetcher`).
 * **MoE**: every layer scored (no hash routing); image tokens select with ``bias_vl``.
 * **Trained-in fake quantization** of window KV, compressed KV and indexer q/k: on by default
   (:meth:`DeepseekV41.set_fake_quantization` turns it off, for tests).
@@ -28,7 +31,8 @@ from torch import nn
 
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import EngramContext, EngramHasher
-from dsinfer.engram.module import Engram
+from dsinfer.engram.module import Engram, EngramTableFetcher
+from dsinfer.engram.placement import EngramRowSource
 from dsinfer.layers.csa2 import AttentionV41
 from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
@@ -43,6 +47,28 @@ PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
 
 
+class EngramReads:
+    """One forward's Engram rows: every layer's fetch issued at the start, each collected right before its layer.
+
+    A layer's rows are handed out once and then dropped, unless the caller keeps them: CED prefill runs its
+    first decoder layer twice (the compressor pass over the whole prompt, then the replay).
+    """
+
+    def __init__(self, source: EngramRowSource, row_ids_per_layer: dict[int, torch.Tensor]) -> None:
+        self.source = source
+        self._rows: dict[int, torch.Tensor] = {}
+        source.start(row_ids_per_layer)
+
+    def take(self, layer_id: int, keep: bool = False) -> torch.Tensor:
+        """Layer ``layer_id``'s dequantised rows [T, columns, dim] for every token of the forward."""
+        rows = self._rows.pop(layer_id, None)
+        if rows is None:
+            rows = self.source.wait(layer_id)
+        if keep:
+            self._rows[layer_id] = rows
+        return rows
+
+
 @dataclass
 class ForwardContext:
     """What every block of one forward needs besides its streams."""
@@ -51,7 +77,9 @@ class ForwardContext:
     rope: RopeTables
     quantizer: ActivationQuantizer
     shared: list[dict]  # one dict per sequence: what KV / index sources publish to later layers
-    engram_rows: torch.Tensor | None = None  # [T, engram layers, columns]
+    engram_rows: torch.Tensor | None = None  # [T, engram layers, columns] row ids
+    engram_reads: EngramReads | None = None  # the forward's fetched rows, shared by sliced contexts
+    engram_tokens: torch.Tensor | None = None  # which tokens of the forward this context holds; None: all
     gate_mask: torch.Tensor | None = None  # [T] False at image tokens (Engram gate shut)
     image_mask: torch.Tensor | None = None  # [T] True at image tokens (MoE selects with bias_vl)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark targets: layer -> [T, hidden]
@@ -67,10 +95,16 @@ class ForwardContext:
             batch=batch,
             shared=[{} for _ in batch.spans],
             engram_rows=take(self.engram_rows),
+            engram_tokens=rows if self.engram_tokens is None else self.engram_tokens[rows],
             gate_mask=take(self.gate_mask),
             image_mask=take(self.image_mask),
             captured={},
         )
+
+    def engram_values(self, layer_id: int, keep: bool = False) -> torch.Tensor:
+        """Dequantised rows [T, columns, dim] of Engram layer ``layer_id`` for this context's tokens."""
+        rows = self.engram_reads.take(layer_id, keep)
+        return rows if self.engram_tokens is None else rows[self.engram_tokens]
 
 
 class BlockV41(nn.Module):
@@ -80,7 +114,6 @@ class BlockV41(nn.Module):
         super().__init__()
         self.config, self.layer_id = config, layer_id
         self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
-        self.engram_index = config.engram_layer_ids.index(layer_id) if self.engram is not None else None
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = AttentionV41(config, layer_id)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -88,10 +121,11 @@ class BlockV41(nn.Module):
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
 
-    def with_engram(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def with_engram(self, streams: torch.Tensor, ctx: ForwardContext, keep_rows: bool = False) -> torch.Tensor:
+        """The streams after this layer's Engram (if it has one); ``keep_rows`` when the layer runs again."""
         if self.engram is None:
             return streams
-        return self.engram(streams, ctx.engram_rows[:, self.engram_index], ctx.gate_mask)
+        return self.engram(streams, ctx.engram_values(self.layer_id, keep_rows), ctx.gate_mask)
 
     def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -117,7 +151,7 @@ class BlockV41(nn.Module):
 
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext) -> None:
         """CED: run only this KV source's compressor over the batch (fills the decoder's global KV)."""
-        streams = self.with_engram(streams, ctx)
+        streams = self.with_engram(streams, ctx, keep_rows=True)  # the replay runs this layer again
         x = self.attn_norm(collapse_streams(streams, pre_mix))
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
         self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
@@ -135,6 +169,7 @@ class DeepseekV41(nn.Module):
         stages = config.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
         self.engram_hasher: EngramHasher | None = None
+        self.engram_fetcher: EngramRowSource | None = None  # None: read the layers' own tables
         self.quantizer = ActivationQuantizer(enabled=True)
         self.prefill_mode = "exact"
         self.replay_tokens = DEFAULT_REPLAY_TOKENS
@@ -155,6 +190,61 @@ class DeepseekV41(nn.Module):
                 )
         self.engram_hasher = hasher.to(self.embed.weight.device)
         return self
+
+    def attach_engram_fetcher(self, fetcher: EngramRowSource | None) -> DeepseekV41:
+        """Read Engram rows through ``fetcher`` (None: the layers' own tables) from the next forward on.
+
+        The model owns the fetcher from this call on: :meth:`close`, attaching another, or rejecting it
+        (tables that do not fit the model's Engram layers) closes it.
+        """
+        if fetcher is not None:
+            try:
+                self._check_engram_fetcher(fetcher)
+            except BaseException:
+                fetcher.close()
+                raise
+        if self.engram_fetcher is not None and self.engram_fetcher is not fetcher:
+            self.engram_fetcher.close()
+        self.engram_fetcher = fetcher
+        return self
+
+    def _check_engram_fetcher(self, fetcher: EngramRowSource) -> None:
+        if sorted(fetcher.layer_ids) != sorted(self.config.engram_layer_ids):
+            raise ValueError(
+                f"the Engram fetcher holds tables of layers {sorted(fetcher.layer_ids)}, "
+                f"the model has Engram layers {list(self.config.engram_layer_ids)}"
+            )
+        for layer_id, rows in zip(self.config.engram_layer_ids, self.config.engram_num_embeddings, strict=True):
+            if fetcher.rows(layer_id) != rows:
+                raise ValueError(
+                    f"the Engram fetcher's table of layer {layer_id} has {fetcher.rows(layer_id)} rows, "
+                    f"the model addresses {rows}"
+                )
+
+    def drop_engram_tables(self) -> DeepseekV41:
+        """Remove the layers' own Engram tables (they live outside the model); a fetcher must then be attached."""
+        for block in self.layers:
+            if block.engram is not None:
+                block.engram.embed = None
+        return self
+
+    def engram_source(self) -> EngramRowSource:
+        """Where this forward reads Engram rows: the attached fetcher, else the layers' own tables."""
+        if self.engram_fetcher is not None:
+            return self.engram_fetcher
+        tables = {block.layer_id: block.engram.embed for block in self.layers if block.engram is not None}
+        if any(table is None for table in tables.values()):
+            raise RuntimeError(
+                "this model's Engram tables live outside it (host or sharded placement) and no fetcher is attached "
+                "(closed?); load it again, or attach one with attach_engram_fetcher()"
+            )
+        return EngramTableFetcher(tables)
+
+    def close(self) -> None:
+        """Release what the model holds outside itself: the Engram fetcher and its shared memory. Idempotent."""
+        if self.engram_fetcher is not None:
+            fetcher, self.engram_fetcher = self.engram_fetcher, None
+            fetcher.close()
 
     @property
     def fake_quantization(self) -> bool:
@@ -227,6 +317,9 @@ class DeepseekV41(nn.Module):
             ctx.gate_mask = ~ctx.image_mask
         if self.config.engram_layer_ids:
             ctx.engram_rows = self._engram_rows(batch)
+            layer_ids = self.config.engram_layer_ids
+            row_ids = {layer_id: ctx.engram_rows[:, index] for index, layer_id in enumerate(layer_ids)}
+            ctx.engram_reads = EngramReads(self.engram_source(), row_ids)
         if capture:
             ctx.captured = dict.fromkeys(self.config.dspark_target_layer_ids)
         return ctx

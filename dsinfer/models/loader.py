@@ -4,6 +4,10 @@ Shards are memory-mapped and each is opened once. Every tensor is matched to a p
 name (official or Hugging Face spelling), checked for shape, dequantised if stored as FP8 (block scales)
 or FP4 (packed e2m1, per-32 scales), and copied into place. Anything that does not fit gives one
 :class:`CheckpointError` naming the tensor or file.
+
+V4.1's Engram tables go where ``engram_placement`` says (:mod:`dsinfer.engram.placement`): into the model
+like any weight (``device``), or, for ``host`` and ``sharded``, not into the model at all: they are read
+from the shards into a shared-memory segment and the model gets the placement's fetcher, which it owns.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tqdm import tqdm
 from dsinfer.config import ConfigError, ModelConfig
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import EngramHasher
+from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choose_placement, open_engram_tables
 from dsinfer.layers.quant import dequantize_fp4, dequantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
@@ -37,6 +42,8 @@ SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 _FP32_PARAMETER = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias(_vl)?$|engram\.embed\.scale$)")
 # Kept in their stored FP8 form and dequantised on use (the V4.1 Engram tables, ~100 GB each when released).
 _KEEP_STORED = re.compile(r"engram\.embed\.weight$")
+# The Engram tables: left out of the model when they live outside it (host / sharded placement).
+_ENGRAM_TABLE = re.compile(r"engram\.embed\.(weight|scale)$")
 # V4.1 tensors a checkpoint may leave out, filled with zeros: DSpark routers' image-token bias.
 _OPTIONAL_ZEROS = re.compile(r"^mtp\.\d+\.ffn\.gate\.bias_vl$")
 
@@ -233,20 +240,33 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    engram_placement: str | None = None,
 ) -> DeepseekV4 | DeepseekV41:
-    """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards."""
+    """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards.
+
+    ``engram_placement`` (``device``, ``host``, ``sharded``; None: ``$DSINFER_ENGRAM_PLACEMENT``, else the
+    default of :func:`dsinfer.engram.fetch.resolve_placement`) says where V4.1's Engram tables live. A
+    model without Engram layers (every V4 checkpoint) ignores it. With ``host`` or ``sharded`` the
+    returned model owns a shared-memory segment or a table shard: call its ``close()`` when done.
+    """
     directory = Path(path)
     try:
         config = ModelConfig.from_file(directory)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
+    has_engram = isinstance(config, ModelConfigV41) and bool(config.engram_layer_ids)
+    placement = choose_placement(config, engram_placement, device) if has_engram else None
+    check_placement(placement)  # before the shards are read: 'sharded' needs a process group
     stored = _scan_shards(shard_files(directory))
     has_mtp = any(strip_model_prefix(k).startswith("mtp.") for k in stored)
     model_class = DeepseekV41 if isinstance(config, ModelConfigV41) else DeepseekV4
     with torch.device("meta"):
         model = model_class(config, with_mtp=has_mtp)
-    targets = model.state_dict()
     plan = _plan(model, stored)
+    if placement in TABLES_OUTSIDE_MODEL:  # read into shared memory below, never into the model
+        model.drop_engram_tables()
+        plan = {name: keys for name, keys in plan.items() if not _ENGRAM_TABLE.search(name)}
+    targets = model.state_dict()
     reader = _ShardReader()
     values: dict[str, torch.Tensor] = {}
     model_keys = set(targets)
@@ -282,8 +302,10 @@ def load_model(
             kept = _KEEP_STORED.search(name) and value.dtype in FP8_DTYPES
             param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
     model.rope = RopeTables(config).to(device)
-    if isinstance(model, DeepseekV41) and config.engram_layer_ids:
+    if has_engram:
         model.attach_engram_hasher(engram_hasher_for(directory, config))
+        if placement in TABLES_OUTSIDE_MODEL:
+            model.attach_engram_fetcher(open_engram_tables(directory, config, placement, device=device, dtype=dtype))
     return model.requires_grad_(False).eval()
 
 

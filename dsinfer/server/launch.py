@@ -1,7 +1,8 @@
 """``dsinfer serve``: load the model, start the engine thread, run the HTTP server until SIGTERM / Ctrl-C.
 
 On SIGTERM uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish
-(up to ``drain_timeout`` seconds); then the engine thread stops and the process exits.
+(up to ``drain_timeout`` seconds); then the engine thread stops, the model releases what it holds outside
+itself (V4.1 Engram tables in shared memory, ``--engram-placement host``) and the process exits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.config import ConfigError, EngineConfig
+from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.llm import LLM
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
@@ -51,14 +53,20 @@ def check_parallelism(options: ServeOptions) -> None:
 
 
 def build_server(options: ServeOptions, engine_config: EngineConfig):
-    """The FastAPI app and its engine thread (not started), ready for uvicorn."""
+    """The FastAPI app and its engine thread (not started), ready for uvicorn.
+
+    The app keeps the :class:`~dsinfer.llm.LLM` in ``app.state.llm``: close it after stopping the engine.
+    """
     check_parallelism(options)
     llm = LLM(options.model, engine_config)
     name = options.served_model_name or (Path(options.model).name if options.model else "dsinfer-tiny-v4")
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
-    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len)
-    return build_app(engine, llm.tokenizer, settings), engine
+    variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
+    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len, chat_variant=variant)
+    app = build_app(engine, llm.tokenizer, settings)
+    app.state.llm = llm
+    return app, engine
 
 
 def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
@@ -73,6 +81,8 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
         _DrainingServer(config).run()
     finally:
         engine.stop()
+        if not engine.thread.is_alive():  # a step stuck past the timeout keeps its tables until the process exits
+            app.state.llm.close()
 
 
 class _DrainingServer(uvicorn.Server):
