@@ -466,6 +466,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     dtype: str = "float32"
     device: str = "cpu"
+    async_scheduling: bool = True  # schedule step N+1 while the device runs step N (dsinfer.engine.engine)
+    # Where V4.1's Engram tables live: 'device', 'host' (one shared-memory copy per host, read over PCIe) or
+    # 'sharded' (split over the process group's ranks); None: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they
+    # exceed the GPU's budget, else 'device' (dsinfer.engram.placement). Ignored by models without Engram (V4).
+    engram_placement: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -481,6 +486,13 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"engine option 'gpu_memory_utilization': must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        from dsinfer.engram.fetch import PLACEMENTS  # here: the fetch module imports torch and the kernels
+
+        if self.engram_placement is not None and self.engram_placement not in PLACEMENTS:
+            raise ConfigError(
+                f"engine option 'engram_placement': expected one of {', '.join(PLACEMENTS)} (or None), "
+                f"got {self.engram_placement!r}"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")

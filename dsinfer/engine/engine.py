@@ -3,6 +3,15 @@
 ``step()`` schedules (which sequences, how many tokens), runs the model over the shared cache, samples the
 sequences whose last token ran, applies stop conditions and frees what finished. An async server loop or the
 offline :class:`~dsinfer.llm.LLM` drives it.
+
+**Overlap scheduling** (``EngineConfig.async_scheduling``, on by default). The forward and the sampler run on
+the device worker's thread (:mod:`dsinfer.engine.device_worker`), so while step N runs there the engine thread
+already schedules step N+1: every sequence sampled in step N counts one pending token, which lets the
+scheduler plan its decode before the token exists. When step N's tokens arrive the engine applies the stop
+rules that need no text, drops the sequences that ended from plan N+1, launches it, and only then
+detokenizes step N's tokens (stop strings found there end a sequence whose step N+1 result is then ignored).
+The worker runs steps strictly in order, so memory that plan N+1 frees or hands to another sequence is only
+written by a later forward; the outputs are identical with and without overlap (tests/test_engine_overlap.py).
 """
 
 from __future__ import annotations
@@ -10,18 +19,19 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-
-import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.block_manager import BlockManager
+from dsinfer.engine.cache_plan import ServedModel
+from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.device_worker import DeviceWorker
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.sampler import Sampler, make_sampling_state
-from dsinfer.engine.scheduler import Scheduler
+from dsinfer.engine.scheduler import ScheduledSequence, Scheduler
 from dsinfer.engine.sequence import Sequence
-from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
@@ -30,25 +40,45 @@ log = logging.getLogger("dsinfer.engine")
 
 @dataclass
 class StepStats:
-    """Where a step's time went: host-side scheduling and bookkeeping vs. the model forward."""
+    """Where a step's time went on the engine thread.
+
+    ``schedule_s``: scheduling (with overlap: the next step's, while the device runs this one);
+    ``model_s``: waiting for the forward and the sampler; ``postprocess_s``: stop rules, launching the next
+    step, detokenization and outputs; ``num_tokens``: tokens of the step whose results came back.
+    """
 
     schedule_s: float
     model_s: float
     postprocess_s: float
     num_tokens: int
+    overlapped: bool = False
+
+
+@dataclass
+class InflightStep:
+    """A step handed to the device worker: which sequences it samples, and its future sample outputs."""
+
+    sampled: list[Sequence]
+    handle: Future
+    num_tokens: int
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekV4, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: ServedModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.resolved_max_model_len(model.config)
         self.runner = ModelRunner(model, config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_tokens, config.enable_prefix_caching)
+        # After a prefix hit the windows are rebuilt by recomputing this many positions: a window KV depends on
+        # at most `sliding_window` earlier inputs per layer (V4 and V4.1 alike; compressed entries are cached).
         replay = model.config.num_hidden_layers * model.config.sliding_window
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, replay
         )
         self.sampler = Sampler()
+        self.async_scheduling = config.async_scheduling
+        self.worker = DeviceWorker(self.runner, self.sampler, threaded=config.async_scheduling)
+        self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self.last_step: StepStats | None = None
@@ -115,40 +145,93 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Work is left: sequences waiting or running, or a step in flight whose tokens someone still wants."""
+        inflight = self._inflight
+        return self.scheduler.has_work() or (
+            inflight is not None and any(not seq.is_finished for seq in inflight.sampled)
+        )
+
+    def close(self) -> None:
+        """Stop the device worker (waits for a step still running). The engine is unusable afterwards."""
+        if self._inflight is not None:
+            self._inflight.handle.result()
+            self._inflight = None
+        self.worker.close()
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; report every request that changed (new tokens or finished)."""
+        """Run one step; report every request that changed (new tokens or finished).
+
+        With ``async_scheduling`` the device worker is already running the step launched by the previous
+        call: this call schedules the next step while it runs, collects its tokens, launches the next step
+        and only then turns the new tokens into text. Without it, each call schedules, runs and finishes
+        one step.
+        """
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
+        if self._inflight is None:
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                now = time.perf_counter()
+                self.last_step = StepStats(now - start, 0.0, 0.0, 0, self.async_scheduling)
+                return []
+            self._inflight = self._launch(plan.scheduled)
+        current, self._inflight = self._inflight, None
+        next_plan = None
+        if self.async_scheduling:
+            for seq in current.sampled:
+                if seq.is_finished:
+                    continue
+                if self._reaches_length_limit(seq):
+                    self.scheduler.retire(seq)  # its slot and blocks can serve the next step already
+                else:
+                    seq.num_pending_tokens = 1  # its token is being sampled: plan the step after it now
+            next_plan = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
-        touched: dict[str, None] = {}
-        if plan.scheduled:
-            logits = self.runner.run(plan.scheduled)
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize(logits.device)
-            ran_at = time.perf_counter()
-            sampled = [item.seq for item in plan.scheduled if item.completes_sequence]
-            for item in plan.scheduled:
-                item.seq.num_computed += item.num_new_tokens
-                self.blocks.register_computed(item.seq)
-            results = self.sampler(logits, [seq.sampling for seq in sampled]) if sampled else []
-            now = time.monotonic()
-            for seq, result in zip(sampled, results, strict=True):
-                self._append(seq, result, now)
-                touched[seq.request_id] = None
-        else:
-            ran_at = scheduled_at
-        outputs = [self._request_output(rid) for rid in touched]
-        for rid in touched:
+        results = current.handle.result()
+        ran_at = time.perf_counter()
+        for seq in current.sampled:
+            seq.num_pending_tokens = 0
+        now = time.monotonic()
+        touched: dict[int, Sequence] = {}
+        for seq, result in zip(current.sampled, results, strict=True):
+            if not seq.is_finished:  # an abort, or a stop string found while this step ran, ended it
+                self._append_token(seq, result, now)
+                touched[id(seq)] = seq
+        if next_plan is not None:
+            live = [item for item in next_plan.scheduled if not item.seq.is_finished]
+            if live:
+                self._inflight = self._launch(live)
+        for seq in touched.values():
+            self._update_text(seq, now)
+        request_ids = dict.fromkeys(seq.request_id for seq in touched.values() if seq.request_id in self.requests)
+        outputs = [self._request_output(rid) for rid in request_ids]
+        for rid in request_ids:
             if all(seq.is_finished for seq in self.requests[rid]):
                 del self.requests[rid]
         end = time.perf_counter()
-        self.last_step = StepStats(scheduled_at - start, ran_at - scheduled_at, end - ran_at, plan.num_tokens)
+        self.last_step = StepStats(
+            scheduled_at - start, ran_at - scheduled_at, end - ran_at, current.num_tokens, self.async_scheduling
+        )
         return outputs
 
-    def _append(self, seq: Sequence, result, now: float) -> None:
+    def _reaches_length_limit(self, seq: Sequence) -> bool:
+        """True when the token being sampled is the sequence's last by length (no step to plan after it)."""
+        max_tokens = seq.sampling.params.max_tokens
+        produced = len(seq.output_token_ids) + 1
+        return (max_tokens is not None and produced >= max_tokens) or seq.num_tokens + 1 >= self.max_model_len
+
+    def _launch(self, scheduled: list[ScheduledSequence]) -> InflightStep:
+        """Hand a scheduled step to the device worker; the cache bookkeeping advances now."""
+        sampled = [item.seq for item in scheduled if item.completes_sequence]
+        batch = self.runner.prepare(scheduled)  # reads the sequences now, before the scheduler moves on
+        for item in scheduled:
+            item.seq.num_computed += item.num_new_tokens
+            self.blocks.register_computed(item.seq)
+        handle = self.worker.submit(batch, [seq.sampling for seq in sampled])
+        return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled))
+
+    def _append_token(self, seq: Sequence, result, now: float) -> None:
+        """Take a sampled token: grammar, logprobs, and every stop rule that needs no text."""
         token = result.token_ids[0]
         seq.output_token_ids.append(token)
         constraint = seq.sampling.constraint
@@ -166,37 +249,61 @@ class LLMEngine:
             seq.first_token_time = now
         params = seq.sampling.params
         stopped_by_token = token in seq.sampling.stop_token_ids and len(seq.output_token_ids) >= params.min_tokens
-        seq.text = self._detokenize(seq, drop_last=stopped_by_token)
         reason = None
         if violated:
             reason = "abort"
         elif stopped_by_token or (constraint is not None and constraint.is_terminated()):
             reason = "stop"
-        elif params.stop and len(seq.output_token_ids) >= params.min_tokens:
-            reason = self._apply_stop_strings(seq, params)
         if reason is None and params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
+        seq.hide_last_token = stopped_by_token
         if reason is not None:
-            seq.finish_reason = reason
-            seq.finish_time = now
-            self.scheduler.finish(seq)
+            self._finish(seq, reason, now)
 
-    def _detokenize(self, seq: Sequence, drop_last: bool) -> str:
-        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=seq.sampling.params.skip_special_tokens)
+    def _update_text(self, seq: Sequence, now: float) -> None:
+        """Detokenize the new token and apply stop strings (which may end the sequence)."""
+        params = seq.sampling.params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        visible = len(seq.output_token_ids) - (1 if seq.hide_last_token else 0)
+        searched_from = len(seq.text)
+        seq.text += seq.detokenizer.push(seq.output_token_ids[len(seq.detokenizer.ids) : visible])
+        if seq.is_finished:
+            seq.text += seq.detokenizer.flush()
+        if (
+            params.stop
+            and seq.finish_reason in (None, "length")  # a stop token or grammar end leaves the text whole
+            and len(seq.output_token_ids) >= params.min_tokens
+            and self._apply_stop_strings(seq, params, searched_from)
+        ):
+            if seq.is_finished:
+                seq.finish_reason = "stop"  # the stop string came with the last allowed token
+            else:
+                self._finish(seq, "stop", now)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = now
+        self.scheduler.finish(seq)
 
     @staticmethod
-    def _apply_stop_strings(seq: Sequence, params: SamplingParams) -> str | None:
-        """Cut the text at the first stop string; the stop string stays only if asked for."""
-        hits = [(seq.text.find(stop), stop) for stop in params.stop if stop and stop in seq.text]
+    def _apply_stop_strings(seq: Sequence, params: SamplingParams, searched_from: int) -> bool:
+        """Cut the text at the first stop string; the stop string stays only if asked for.
+
+        Only text that could hold a new match is searched: from ``searched_from`` (the text's length before
+        the new token) minus the longest stop string.
+        """
+        longest = max((len(stop) for stop in params.stop if stop), default=0)
+        begin = max(0, searched_from - longest + 1)
+        hits = [(position, stop) for stop in params.stop if stop and (position := seq.text.find(stop, begin)) >= 0]
         if not hits:
-            return None
+            return False
         position, stop = min(hits)
         end = position + len(stop) if params.include_stop_str_in_output else position
         seq.text = seq.text[:end]
-        return "stop"
+        return True
 
     def _request_output(self, request_id: str) -> RequestOutput:
         sequences = self.requests[request_id]

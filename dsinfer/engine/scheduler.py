@@ -82,6 +82,8 @@ class Scheduler:
             budget -= count
         while self.waiting and budget > 0 and self.free_slots:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last token is still being sampled: admit it next step
             self._attach_cached_prefix(seq)
             count = self._chunk(seq, budget)
             if count == 0 or self.blocks.blocks_needed(seq, seq.num_computed + count) > self.blocks.num_free:
@@ -107,6 +109,17 @@ class Scheduler:
             self.waiting.remove(seq)
             self._release(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def retire(self, seq: Sequence) -> None:
+        """Free a running sequence's slot and blocks before it finishes: its last token is being sampled.
+
+        Overlap scheduling calls this for a sequence whose in-flight step produces its last token by length,
+        so the next step can use what it held. The device runs steps in order, so the in-flight step's
+        writes land before any later owner's; :meth:`finish` then only marks it finished.
+        """
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dsinfer.engine.sampler import SamplingState
+
+if TYPE_CHECKING:
+    from dsinfer.engine.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -34,8 +38,12 @@ class Sequence:
     reuse_below: int = 0  # prefix-cache hit: entries for windows ending at or before this position are shared
     window_from: int = 0  # oldest position whose window KV the ring holds
     num_preemptions: int = 0
+    # A token being sampled by a step still on the device (overlap scheduling plans the next step around it).
+    num_pending_tokens: int = 0
     # Results.
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
+    hide_last_token: bool = False  # the last token is a stop token: not part of the text
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -46,7 +54,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens of the sequence, counting one still being sampled."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def token_ids(self) -> list[int]:

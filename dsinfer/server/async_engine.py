@@ -75,6 +75,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.engine.close()  # the device worker finishes a step still in flight, then exits
         self.alive = False
 
     @property

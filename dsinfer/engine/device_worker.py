@@ -1,0 +1,58 @@
+"""The device worker: runs prepared steps (forward, then sampling) in order, on its own thread.
+
+The engine thread hands over a step already turned into plain data (:meth:`ModelRunner.prepare`) with the
+sampling states of the sequences it samples, and gets a :class:`concurrent.futures.Future` of their
+:class:`~dsinfer.engine.sampler.SampleOutput` list. One thread runs every step in submission order, so a
+step's cache writes always land before the next step reads; the engine thread meanwhile schedules the next
+step (torch releases the Python lock inside its kernels and device synchronisations).
+
+``threaded=False`` runs each step inline on the caller's thread and returns a finished future: the same
+contract, no overlap. This is the shape of one worker per rank: a later multi-rank engine keeps the
+engine core and gives each rank a worker of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from dsinfer.engine.sampler import SampleOutput, Sampler, SamplingState
+
+if TYPE_CHECKING:
+    from dsinfer.engine.model_runner import ModelRunner, StepInput
+
+
+class DeviceWorker:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, threaded: bool = True) -> None:
+        self.runner, self.sampler = runner, sampler
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsinfer-device") if threaded else None
+
+    def submit(self, batch: StepInput, states: list[SamplingState]) -> Future:
+        """Queue a step; the future holds one sample output per state (none for a step without samples)."""
+        if self._pool is not None:
+            started = threading.Event()
+            future = self._pool.submit(self._run, batch, states, started)
+            # Hand the Python lock to the worker now: otherwise it would start the forward only once the
+            # engine thread blocks, after the scheduling it was meant to overlap.
+            started.wait()
+            return future
+        future: Future = Future()
+        try:
+            future.set_result(self._run(batch, states))
+        except Exception as exc:  # the caller sees it from result(), as with the threaded worker
+            future.set_exception(exc)
+        return future
+
+    def _run(
+        self, batch: StepInput, states: list[SamplingState], started: threading.Event | None = None
+    ) -> list[SampleOutput]:
+        if started is not None:
+            started.set()
+        logits = self.runner.execute(batch)
+        return self.sampler(logits, states) if states else []
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,153 @@
+"""Overlap scheduling changes when the host works, never what the engine produces."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dsinfer.config import EngineConfig
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.models.loader import load_model
+from dsinfer.sampling_params import SamplingParams
+from dsinfer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return Tokenizer.from_dir(tiny_checkpoint)
+
+
+def _engine(model, tokenizer, async_scheduling: bool, **options) -> LLMEngine:
+    defaults = {"max_num_seqs": 8, "max_num_batched_tokens": 48, "max_model_len": 160, "num_cache_blocks": 14}
+    config = EngineConfig(**{**defaults, **options}, async_scheduling=async_scheduling)
+    return LLMEngine(model, tokenizer, config)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 110, (count,), generator=gen).tolist()
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = _prompts(16, seed=21)
+    params = []
+    for i in range(16):
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, logprobs=2, n=2))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0.7, seed=i, max_tokens=14, stop=[" the", "e"], min_tokens=2))
+        else:
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=10, stop_token_ids=[17, 42, 99]))
+    return prompts, params
+
+
+def _run(engine: LLMEngine, prompts, params, abort_after: dict[int, str] | None = None):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    results, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        steps += 1
+        if abort_after and steps in abort_after:
+            engine.abort(abort_after[steps])
+    return [results.get(i) for i in ids]
+
+
+def _summary(outputs):
+    """Tokens, text and finish reasons of every completion (logprobs are compared separately)."""
+    return [None if out is None else [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] for out in outputs]
+
+
+def _logprobs(outputs) -> list[float]:
+    return [lp for out in outputs for c in out.outputs for lp in (c.logprobs or [])]
+
+
+def test_overlapped_engine_produces_exactly_what_the_serial_engine_produces(model, tokenizer):
+    prompts, params = _workload(tokenizer)
+    serial = _engine(model, tokenizer, async_scheduling=False)
+    overlapped = _engine(model, tokenizer, async_scheduling=True)
+    serial_outputs = _run(serial, prompts, params)
+    overlapped_outputs = _run(overlapped, prompts, params)
+    expected, got = _summary(serial_outputs), _summary(overlapped_outputs)
+    assert serial.scheduler.num_preemptions > 0 and overlapped.scheduler.num_preemptions > 0
+    assert got == expected
+    # Plan N+1 is made before step N's finished sequences are known, so its budget can split a prompt at
+    # another point than the serial engine does; chunking moves fp32 logits by rounding only.
+    serial_lp, overlapped_lp = _logprobs(serial_outputs), _logprobs(overlapped_outputs)
+    assert len(serial_lp) == len(overlapped_lp) > 0
+    assert max(abs(a - b) for a, b in zip(serial_lp, overlapped_lp, strict=True)) < 1e-4
+    finish_reasons = {c[2] for out in expected for c in out}
+    assert finish_reasons == {"length", "stop"}  # the workload exercises both ways of ending
+    for engine in (serial, overlapped):
+        assert engine.blocks.num_used == 0 and not engine.requests
+        assert sorted(engine.scheduler.free_slots) == list(range(8))
+        engine.close()
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything(model, tokenizer):
+    prompts, params = _workload(tokenizer)
+    engine = _engine(model, tokenizer, async_scheduling=True)
+    outputs = _run(engine, prompts[:6], params[:6], abort_after={3: "req-1", 5: "req-4"})
+    assert outputs[1] is None and outputs[4] is None  # aborted requests report nothing more
+    serial = _engine(model, tokenizer, async_scheduling=False)
+    alone = _summary(_run(serial, [prompts[0]], [params[0]]))
+    assert _summary([outputs[0]]) == alone  # a greedy neighbour is untouched by the aborts
+    assert engine.blocks.num_used == 0 and not engine.requests and not engine.has_unfinished_requests()
+    engine.close()
+    serial.close()
+
+
+def test_next_step_is_scheduled_while_the_device_runs(model, tokenizer):
+    """With overlap, the scheduler runs while a forward is executing on the worker; without, never."""
+    for async_scheduling in (False, True):
+        engine = _engine(model, tokenizer, async_scheduling=async_scheduling)
+        running = threading.Event()
+        seen_running = []
+        execute, schedule = engine.runner.execute, engine.scheduler.schedule
+
+        def slow_execute(batch, execute=execute, running=running):
+            running.set()
+            try:
+                time.sleep(0.01)  # a forward long enough for the engine thread to get ahead
+                return execute(batch)
+            finally:
+                running.clear()
+
+        def watched_schedule(schedule=schedule, running=running, seen_running=seen_running):
+            seen_running.append(running.is_set())
+            return schedule()
+
+        engine.runner.execute = slow_execute
+        engine.scheduler.schedule = watched_schedule
+        _run(engine, _prompts(4, seed=5), [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
+        engine.close()
+        assert any(seen_running) is async_scheduling
+        if async_scheduling:
+            assert sum(seen_running) >= 5  # every decode step was planned during the previous forward
+
+
+def test_engine_errors_surface_to_the_caller_and_close_still_works(model, tokenizer):
+    engine = _engine(model, tokenizer, async_scheduling=True)
+
+    def broken(batch):
+        raise RuntimeError("device fell over")
+
+    engine.runner.execute = broken
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="device fell over"):
+        for _ in range(3):
+            engine.step()
+    engine.close()
