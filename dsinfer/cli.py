@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_engram_placement(generate)
+    add_async_scheduling(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_engram_placement(serve)
+    add_async_scheduling(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -83,6 +85,15 @@ def add_engram_placement(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_async_scheduling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs the current one (default: on for CUDA, off on CPU)",
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for the prompts through the engine (continuous batching, paged caches)."""
     params = SamplingParams(
@@ -93,6 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "device": args.device,
         "max_num_seqs": args.max_num_seqs,
         "engram_placement": args.engram_placement,
+        "async_scheduling": args.async_scheduling,
     }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
@@ -120,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        engram_placement=args.engram_placement,
+        engram_placement=args.engram_placement, async_scheduling=args.async_scheduling,
     )  # fmt: skip
     serve(options, engine)
     return 0

@@ -466,7 +466,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     dtype: str = "float32"
     device: str = "cpu"
-    async_scheduling: bool = True  # schedule step N+1 while the device runs step N (dsinfer.engine.engine)
+    # Schedule step N+1 while the device runs step N (dsinfer.engine.engine); None: on for CUDA, off on CPU,
+    # where the forward itself runs on the host cores that the scheduler would compete for.
+    async_scheduling: bool | None = None
     # Where V4.1's Engram tables live: 'device', 'host' (one shared-memory copy per host, read over PCIe) or
     # 'sharded' (split over the process group's ranks); None: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they
     # exceed the GPU's budget, else 'device' (dsinfer.engram.placement). Ignored by models without Engram (V4).
@@ -494,6 +496,10 @@ class EngineConfig:
                 f"engine option 'engram_placement': expected one of {', '.join(PLACEMENTS)} (or None), "
                 f"got {self.engram_placement!r}"
             )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(
+                f"engine option 'async_scheduling': expected true, false or null, got {self.async_scheduling!r}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
@@ -502,6 +508,13 @@ class EngineConfig:
                     "engine option 'max_num_batched_tokens': without chunked prefill it must be at least "
                     f"max_model_len ({self.max_model_len}), got {self.max_num_batched_tokens}"
                 )
+
+    @property
+    def resolved_async_scheduling(self) -> bool:
+        """Overlap scheduling as configured, else on for a CUDA device and off on CPU."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

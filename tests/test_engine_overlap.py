@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
+import openai
 import pytest
 import torch
+from server_harness import metric_value, running_server
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -151,3 +154,56 @@ def test_engine_errors_surface_to_the_caller_and_close_still_works(model, tokeni
         for _ in range(3):
             engine.step()
     engine.close()
+
+
+def test_two_hundred_overlapped_requests_return_every_block(model, tokenizer):
+    engine = _engine(model, tokenizer, async_scheduling=True, num_cache_blocks=30, max_num_seqs=16,
+                     max_num_batched_tokens=128)  # fmt: skip
+    prompts = _prompts(200, seed=4)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=1 + i % 5, stop_token_ids=[7]) for i in range(200)]
+    outputs = _run(engine, prompts, params)
+    assert all(o is not None and o.finished for o in outputs)
+    assert engine.blocks.num_used == 0 and not engine.requests
+    assert sorted(engine.scheduler.free_slots) == list(range(16))
+    engine.close()
+
+
+def test_overlapped_prefix_cache_hit_equals_a_miss(model, tokenizer):
+    shared = _prompts(1, seed=3)[0] * 2
+    prompts = [shared[:140] + [7, 8, 9], shared[:140] + [10], shared[:140] + [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cold = _engine(model, tokenizer, async_scheduling=False, enable_prefix_caching=False, max_model_len=200,
+                   num_cache_blocks=None)  # fmt: skip
+    expected = [out.outputs[0].token_ids for out in _run(cold, prompts, [params] * 3)]
+    warm = _engine(model, tokenizer, async_scheduling=True, max_model_len=200, num_cache_blocks=None)
+    got = [_run(warm, [prompt], [params])[0].outputs[0].token_ids for prompt in prompts]
+    assert warm.blocks.prefix_hits > 0 and got == expected
+    assert warm.blocks.num_used == 0
+    cold.close()
+    warm.close()
+
+
+def test_server_with_overlap_frees_dropped_streams(tiny_checkpoint):
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, async_scheduling=True)
+    with running_server(tiny_checkpoint, config) as (base, engine):
+        assert engine.engine.async_scheduling
+
+        def drop_midway():
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json=body) as response:
+                for count, _line in enumerate(response.iter_lines()):
+                    if count >= 3:
+                        return
+
+        threads = [threading.Thread(target=drop_midway) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        done = client.completions.create(model="tiny", prompt="count", max_tokens=5, temperature=0)
+        assert done.choices[0].finish_reason == "length"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and metric_value(base, "dsinfer:kv_cache_blocks_in_use") > 0:
+            time.sleep(0.05)
+        assert metric_value(base, "dsinfer:kv_cache_blocks_in_use") == 0

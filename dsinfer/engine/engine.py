@@ -4,14 +4,18 @@
 sequences whose last token ran, applies stop conditions and frees what finished. An async server loop or the
 offline :class:`~dsinfer.llm.LLM` drives it.
 
-**Overlap scheduling** (``EngineConfig.async_scheduling``, on by default). The forward and the sampler run on
-the device worker's thread (:mod:`dsinfer.engine.device_worker`), so while step N runs there the engine thread
-already schedules step N+1: every sequence sampled in step N counts one pending token, which lets the
-scheduler plan its decode before the token exists. When step N's tokens arrive the engine applies the stop
-rules that need no text, drops the sequences that ended from plan N+1, launches it, and only then
-detokenizes step N's tokens (stop strings found there end a sequence whose step N+1 result is then ignored).
-The worker runs steps strictly in order, so memory that plan N+1 frees or hands to another sequence is only
-written by a later forward; the outputs are identical with and without overlap (tests/test_engine_overlap.py).
+**Overlap scheduling** (``EngineConfig.async_scheduling``: by default on for CUDA, off on CPU, where the
+forward runs on the very cores the scheduler would take). The forward and the sampler run on the device
+worker's thread (:mod:`dsinfer.engine.device_worker`), so while step N runs there the engine thread already
+schedules step N+1: every sequence sampled in step N counts one pending token, which lets the scheduler plan
+its decode before the token exists; a sequence whose token in flight is its last by length gives its slot and
+blocks back at once (:meth:`Scheduler.retire`). When step N's tokens arrive the engine applies the stop rules
+that need no text, drops the sequences that ended from plan N+1, launches it, and only then detokenizes step
+N's tokens (a stop string found there ends a sequence whose step N+1 result is then ignored). The worker runs
+steps strictly in order, so memory that plan N+1 frees or hands to another sequence is only written by a
+later forward. Tokens, text and finish reasons are the same with and without overlap
+(tests/test_engine_overlap.py); a prompt may be split into prefill chunks at other points, which moves fp32
+logits by rounding only.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ class LLMEngine:
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, replay
         )
         self.sampler = Sampler()
-        self.async_scheduling = config.async_scheduling
-        self.worker = DeviceWorker(self.runner, self.sampler, threaded=config.async_scheduling)
+        self.async_scheduling = config.resolved_async_scheduling
+        self.worker = DeviceWorker(self.runner, self.sampler, threaded=self.async_scheduling)
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -168,13 +172,16 @@ class LLMEngine:
         one step.
         """
         start = time.perf_counter()
+        schedule_s = model_s = 0.0
         if self._inflight is None:
             plan = self.scheduler.schedule()
+            schedule_s = time.perf_counter() - start
             if not plan.scheduled:
-                now = time.perf_counter()
-                self.last_step = StepStats(now - start, 0.0, 0.0, 0, self.async_scheduling)
+                self.last_step = StepStats(schedule_s, 0.0, 0.0, 0, self.async_scheduling)
                 return []
-            self._inflight = self._launch(plan.scheduled)
+            launch_at = time.perf_counter()
+            self._inflight = self._launch(plan.scheduled)  # without overlap the step runs right here
+            model_s = time.perf_counter() - launch_at
         current, self._inflight = self._inflight, None
         next_plan = None
         if self.async_scheduling:
@@ -185,10 +192,13 @@ class LLMEngine:
                     self.scheduler.retire(seq)  # its slot and blocks can serve the next step already
                 else:
                     seq.num_pending_tokens = 1  # its token is being sampled: plan the step after it now
+            schedule_at = time.perf_counter()
             next_plan = self.scheduler.schedule()
-        scheduled_at = time.perf_counter()
+            schedule_s += time.perf_counter() - schedule_at
+        wait_at = time.perf_counter()
         results = current.handle.result()
         ran_at = time.perf_counter()
+        model_s += ran_at - wait_at
         for seq in current.sampled:
             seq.num_pending_tokens = 0
         now = time.monotonic()
@@ -209,9 +219,8 @@ class LLMEngine:
             if all(seq.is_finished for seq in self.requests[rid]):
                 del self.requests[rid]
         end = time.perf_counter()
-        self.last_step = StepStats(
-            scheduled_at - start, ran_at - scheduled_at, end - ran_at, current.num_tokens, self.async_scheduling
-        )
+        postprocess_s = (end - start) - schedule_s - model_s
+        self.last_step = StepStats(schedule_s, model_s, postprocess_s, current.num_tokens, self.async_scheduling)
         return outputs
 
     def _reaches_length_limit(self, seq: Sequence) -> bool:
