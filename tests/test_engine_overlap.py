@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-import torch
+from engine_harness import random_prompts, run_all
 from server_harness import metric_value, running_server
 
 from dsinfer.config import EngineConfig
@@ -34,14 +34,8 @@ def _engine(model, tokenizer, async_scheduling: bool, **options) -> LLMEngine:
     return LLMEngine(model, tokenizer, config)
 
 
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 110, (count,), generator=gen).tolist()
-    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
-
-
 def _workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
-    prompts = _prompts(16, seed=21)
+    prompts = random_prompts(16, seed=21)
     params = []
     for i in range(16):
         kind = i % 4
@@ -54,19 +48,6 @@ def _workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
         else:
             params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=10, stop_token_ids=[17, 42, 99]))
     return prompts, params
-
-
-def _run(engine: LLMEngine, prompts, params, abort_after: dict[int, str] | None = None):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    results, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        steps += 1
-        if abort_after and steps in abort_after:
-            engine.abort(abort_after[steps])
-    return [results.get(i) for i in ids]
 
 
 def _summary(outputs):
@@ -82,8 +63,8 @@ def test_overlapped_engine_produces_exactly_what_the_serial_engine_produces(mode
     prompts, params = _workload(tokenizer)
     serial = _engine(model, tokenizer, async_scheduling=False)
     overlapped = _engine(model, tokenizer, async_scheduling=True)
-    serial_outputs = _run(serial, prompts, params)
-    overlapped_outputs = _run(overlapped, prompts, params)
+    serial_outputs = run_all(serial, prompts, params)
+    overlapped_outputs = run_all(overlapped, prompts, params)
     expected, got = _summary(serial_outputs), _summary(overlapped_outputs)
     assert serial.scheduler.num_preemptions > 0 and overlapped.scheduler.num_preemptions > 0
     assert got == expected
@@ -103,10 +84,10 @@ def test_overlapped_engine_produces_exactly_what_the_serial_engine_produces(mode
 def test_abort_while_a_step_is_in_flight_frees_everything(model, tokenizer):
     prompts, params = _workload(tokenizer)
     engine = _engine(model, tokenizer, async_scheduling=True)
-    outputs = _run(engine, prompts[:6], params[:6], abort_after={3: "req-1", 5: "req-4"})
+    outputs = run_all(engine, prompts[:6], params[:6], abort_after={3: "req-1", 5: "req-4"})
     assert outputs[1] is None and outputs[4] is None  # aborted requests report nothing more
     serial = _engine(model, tokenizer, async_scheduling=False)
-    alone = _summary(_run(serial, [prompts[0]], [params[0]]))
+    alone = _summary(run_all(serial, [prompts[0]], [params[0]]))
     assert _summary([outputs[0]]) == alone  # a greedy neighbour is untouched by the aborts
     assert engine.blocks.num_used == 0 and not engine.requests and not engine.has_unfinished_requests()
     engine.close()
@@ -135,7 +116,7 @@ def test_next_step_is_scheduled_while_the_device_runs(model, tokenizer):
 
         engine.runner.execute = slow_execute
         engine.scheduler.schedule = watched_schedule
-        _run(engine, _prompts(4, seed=5), [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
+        run_all(engine, random_prompts(4, seed=5), [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
         engine.close()
         assert any(seen_running) is async_scheduling
         if async_scheduling:
@@ -159,9 +140,9 @@ def test_engine_errors_surface_to_the_caller_and_close_still_works(model, tokeni
 def test_two_hundred_overlapped_requests_return_every_block(model, tokenizer):
     engine = _engine(model, tokenizer, async_scheduling=True, num_cache_blocks=30, max_num_seqs=16,
                      max_num_batched_tokens=128)  # fmt: skip
-    prompts = _prompts(200, seed=4)
+    prompts = random_prompts(200, seed=4)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=1 + i % 5, stop_token_ids=[7]) for i in range(200)]
-    outputs = _run(engine, prompts, params)
+    outputs = run_all(engine, prompts, params)
     assert all(o is not None and o.finished for o in outputs)
     assert engine.blocks.num_used == 0 and not engine.requests
     assert sorted(engine.scheduler.free_slots) == list(range(16))
@@ -169,14 +150,14 @@ def test_two_hundred_overlapped_requests_return_every_block(model, tokenizer):
 
 
 def test_overlapped_prefix_cache_hit_equals_a_miss(model, tokenizer):
-    shared = _prompts(1, seed=3)[0] * 2
+    shared = random_prompts(1, seed=3)[0] * 2
     prompts = [shared[:140] + [7, 8, 9], shared[:140] + [10], shared[:140] + [7, 8, 9]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cold = _engine(model, tokenizer, async_scheduling=False, enable_prefix_caching=False, max_model_len=200,
                    num_cache_blocks=None)  # fmt: skip
-    expected = [out.outputs[0].token_ids for out in _run(cold, prompts, [params] * 3)]
+    expected = [out.outputs[0].token_ids for out in run_all(cold, prompts, [params] * 3)]
     warm = _engine(model, tokenizer, async_scheduling=True, max_model_len=200, num_cache_blocks=None)
-    got = [_run(warm, [prompt], [params])[0].outputs[0].token_ids for prompt in prompts]
+    got = [run_all(warm, [prompt], [params])[0].outputs[0].token_ids for prompt in prompts]
     assert warm.blocks.prefix_hits > 0 and got == expected
     assert warm.blocks.num_used == 0
     cold.close()

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from engine_harness import random_prompts, run_all
 from server_harness import running_server
 
 from dsinfer.cli import main
@@ -62,23 +63,6 @@ def make_engine(model, tokenizer):
         engine.close()
 
 
-def _run(engine: LLMEngine, prompts, params) -> list:
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-    return [results[i] for i in ids]
-
-
-def _prompts(count: int, seed: int, low: int = 3, high: int = 80) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high, (count,), generator=gen).tolist()
-    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
-
-
 def _greedy_by_recompute(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations, each token from a full forward of every whole sequence (fresh scratch cache)."""
     sequences = [list(prompt) for prompt in prompts]
@@ -112,7 +96,7 @@ def test_runner_builds_a_v41_cache_sized_by_its_own_accounting(model):
 
 # ---- the engine against the model -------------------------------------------------------------------------
 def test_batch_with_chunked_prefill_and_preemption_equals_full_recompute(model, make_engine):
-    prompts = _prompts(16, seed=1)
+    prompts = random_prompts(16, seed=1, high=80)
     engine = make_engine(num_cache_blocks=14, max_num_batched_tokens=48)
     chunked = []
     execute = engine.runner.execute
@@ -122,7 +106,7 @@ def test_batch_with_chunked_prefill_and_preemption_equals_full_recompute(model, 
         return execute(step)
 
     engine.runner.execute = watched_execute
-    outputs = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0  # the small cache forced recomputation
     assert chunked  # some prompt was continued in a later step (chunked prefill)
     assert [out.outputs[0].token_ids for out in outputs] == _greedy_by_recompute(model, prompts, 6)
@@ -134,17 +118,17 @@ def test_batch_with_chunked_prefill_and_preemption_equals_full_recompute(model, 
     SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True),
 ])  # fmt: skip
 def test_output_is_the_same_alone_and_in_a_busy_batch(make_engine, params):
-    probe = _prompts(1, seed=9)[0]
-    alone = _run(make_engine(), [probe], params)[0].outputs[0].token_ids
-    others = _prompts(7, seed=10)
+    probe = random_prompts(1, seed=9, high=80)[0]
+    alone = run_all(make_engine(), [probe], params)[0].outputs[0].token_ids
+    others = random_prompts(7, seed=10, high=80)
     busy_params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(7)]
-    busy = _run(make_engine(), others[:3] + [probe] + others[3:], busy_params[:3] + [params] + busy_params[3:])
+    busy = run_all(make_engine(), others[:3] + [probe] + others[3:], busy_params[:3] + [params] + busy_params[3:])
     assert busy[3].outputs[0].token_ids == alone
 
 
 def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(model, make_engine, monkeypatch):
     """A hit replays from position 56 (not 0) over shared blocks; the Engram history there is the prompt's."""
-    shared = _prompts(1, seed=3, low=200, high=201)[0]
+    shared = random_prompts(1, seed=3, low=200, high=201)[0]
     prompts = [shared + [7, 8, 9], shared + [10], shared + [7, 8, 9]]
     params = [
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -153,7 +137,7 @@ def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(model, make_engine, mo
     ]
     options = {"block_tokens": 8, "max_model_len": 240, "num_cache_blocks": 100}
     cold = make_engine(enable_prefix_caching=False, **options)
-    expected = [o.outputs[0].token_ids for o in _run(cold, prompts, params)]
+    expected = [o.outputs[0].token_ids for o in run_all(cold, prompts, params)]
 
     warm = make_engine(**options)
     replay = model.config.num_hidden_layers * model.config.sliding_window  # 144 positions
@@ -171,7 +155,7 @@ def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(model, make_engine, mo
     monkeypatch.setattr(model, "_engram_rows", engram_rows)
     got = []
     for prompt, sp in zip(prompts, params, strict=True):  # one after another, so later ones can hit
-        got.append(_run(warm, [prompt], sp)[0].outputs[0].token_ids)
+        got.append(run_all(warm, [prompt], sp)[0].outputs[0].token_ids)
     assert warm.blocks.prefix_hits >= 2 * (200 // 8)
     context = model.engram_hasher.advance(EngramContext.empty(model.config.engram_max_ngram_size), shared[:56])
     assert entered == [(56, 200, list(context.history))] * 2  # both hits started mid-prompt, from the right context
@@ -181,9 +165,9 @@ def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(model, make_engine, mo
 
 def test_two_hundred_requests_return_every_block(make_engine):
     engine = make_engine(num_cache_blocks=30, max_num_seqs=16, max_num_batched_tokens=128)
-    prompts = _prompts(200, seed=4, low=2, high=40)
+    prompts = random_prompts(200, seed=4, low=2, high=40)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=1 + i % 3) for i in range(200)]
-    outputs = _run(engine, prompts, params)
+    outputs = run_all(engine, prompts, params)
     assert len(outputs) == 200 and all(o.finished for o in outputs)
     assert engine.blocks.num_used == 0
     assert sorted(engine.scheduler.free_slots) == list(range(16))
