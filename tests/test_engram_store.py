@@ -173,6 +173,22 @@ def test_loads_safetensors_shards_into_one_segment(tmp_path, name):
         assert all(t.weight_offset % (2 << 20) == 0 == t.scale_offset % (2 << 20) for t in store.tables.values())
 
 
+def test_read_rows_reads_exactly_a_slice_of_a_table(tmp_path):
+    """The sharded placement's loader: any row range, from the shards' bytes, without the whole table."""
+    tables = _write_checkpoint(tmp_path, ROWS)
+    source = SafetensorsEngramSource.from_checkpoint(tmp_path, [1, 14], threads=2)
+    for layer, (codes, scales) in tables.items():
+        rows = codes.shape[0]
+        for start, stop in ((0, rows), (0, 1), (rows - 1, rows), (rows // 3, 2 * rows // 3), (17, 17)):
+            weight, scale = source.read_rows(layer, start, stop)
+            assert len(weight) == (stop - start) * 256 and len(scale) == (stop - start) * 8
+            if stop > start:
+                assert torch.equal(torch.frombuffer(weight, dtype=torch.uint8).view(-1, 256), codes[start:stop])
+                assert torch.equal(torch.frombuffer(scale, dtype=torch.uint8).view(-1, 8), scales[start:stop])
+    with pytest.raises(EngramStoreError, match=r"rows \[0, 3001\) lie outside layer 1's table of 3000 rows"):
+        source.read_rows(1, 0, 3001)
+
+
 def test_close_leaves_the_mapping_to_tensors_still_viewing_it(name):
     """Unmapping under a live tensor would make its next read a segmentation fault."""
     store = EngramStore.create(name, RandomEngramSource(ROWS))

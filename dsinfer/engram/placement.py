@@ -11,9 +11,10 @@ The release's two Engram tables take about 197 GB, more than a GPU holds next to
   safetensors into one shared-memory segment per host (:class:`~dsinfer.engram.store.EngramStore`:
   the lowest local rank loads, the others attach) and the GPU reads rows there in place
   (:class:`~dsinfer.engram.fetch.HostEngramFetcher`);
-* ``sharded``: the model holds no table; each rank of the ``torch.distributed`` group keeps its slice
-  of every table (:class:`~dsinfer.engram.fetch.ShardedEngramFetcher`, copied out of the segment,
-  which is closed right after) and a forward is collective: every rank must run one for each step.
+* ``sharded``: the model holds no table and no segment is made; each rank of the ``torch.distributed``
+  group reads only its slice of every table from the checkpoint shards into device memory
+  (:class:`~dsinfer.engram.fetch.ShardedEngramFetcher`; 1/N of 197 GB per rank, never the whole table
+  anywhere) and a forward is collective: every rank must run one for each step.
 
 **Lifetime.** :class:`PlacedEngramTables` owns the fetcher and the segment; the model it is attached to
 owns it (:meth:`dsinfer.models.deepseek_v41.DeepseekV41.close`), and ``LLM.close()`` or the server's
@@ -34,7 +35,14 @@ from typing import Any, Protocol
 import torch
 
 from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
-from dsinfer.engram.fetch import PLACEMENTS, EngramFetcher, make_engram_fetcher, resolve_placement
+from dsinfer.engram.fetch import (
+    PLACEMENTS,
+    EngramFetcher,
+    ShardedEngramFetcher,
+    make_engram_fetcher,
+    resolve_placement,
+    shard_bounds,
+)
 from dsinfer.engram.store import EngramStore, SafetensorsEngramSource, default_segment_name
 
 __all__ = [
@@ -49,7 +57,7 @@ __all__ = [
 
 TABLES_OUTSIDE_MODEL = ("host", "sharded")
 """Placements whose tables are not materialised in the model."""
-_COPYING_FETCHERS = ("device", "sharded")
+_COPYING_FETCHERS = ("device",)
 """Placements whose fetcher copies what it needs out of the segment, which can then be closed at once."""
 
 
@@ -177,12 +185,14 @@ def open_engram_tables(
     check_placement(placement)
     directory = Path(directory)
     layer_ids = list(config.engram_layer_ids)
+    if placement == "sharded":
+        return PlacedEngramTables(placement, _load_shards(directory, config, device, dtype, group), None)
     local_rank, local_size = local_rank_and_size(group)
     source = SafetensorsEngramSource.from_checkpoint(directory, layer_ids) if local_rank == 0 else None
     name = default_segment_name(str(directory.resolve()))
     store = EngramStore.open(name, source, local_rank=local_rank, local_world_size=local_size)
     try:
-        _check_layout(store, config, directory)
+        _check_layout({layer: (t.rows, t.row_bytes) for layer, t in store.tables.items()}, config, directory)
         fetcher = make_engram_fetcher(store, placement, device=device, group=group, out_dtype=dtype)
         if placement in _COPYING_FETCHERS:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -196,12 +206,37 @@ def open_engram_tables(
     return PlacedEngramTables(placement, fetcher, store)
 
 
-def _check_layout(store: EngramStore, config: ModelConfigV41, directory: Path) -> None:
-    """The segment's tables have the rows and widths that config.json's Engram layout addresses."""
+def _load_shards(
+    directory: Path, config: ModelConfigV41, device: torch.device | str, dtype: torch.dtype, group: Any
+) -> ShardedEngramFetcher:
+    """This rank's rows ``shard_bounds(rows, W)[r:r + 2]`` of every table, read straight from the shards."""
+    dist = torch.distributed
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    source = SafetensorsEngramSource.from_checkpoint(directory, list(config.engram_layer_ids))
+    _check_layout({spec.layer_id: (spec.rows, spec.row_bytes) for spec in source.table_specs()}, config, directory)
+    device = torch.device(device)
+    shards, rows = {}, {}
+    for spec in source.table_specs():
+        bounds = shard_bounds(spec.rows, world_size)
+        weight, scale = source.read_rows(spec.layer_id, bounds[rank], bounds[rank + 1])
+        shards[spec.layer_id] = (_rows(weight, spec.row_bytes, device), _rows(scale, spec.scale_columns, device))
+        rows[spec.layer_id] = spec.rows
+    return ShardedEngramFetcher(shards, rows, group=group, device=device, out_dtype=dtype)
+
+
+def _rows(buffer: bytearray, columns: int, device: torch.device) -> torch.Tensor:
+    """Raw table bytes as a ``uint8 [rows, columns]`` tensor on ``device`` (a rank may own no rows)."""
+    if not buffer:
+        return torch.empty(0, columns, dtype=torch.uint8, device=device)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(-1, columns).to(device)
+
+
+def _check_layout(tables: Mapping[int, tuple[int, int]], config: ModelConfigV41, directory: Path) -> None:
+    """The tables (layer -> rows, row bytes) have the shapes that config.json's Engram layout addresses."""
     for layer_id, rows in zip(config.engram_layer_ids, config.engram_num_embeddings, strict=True):
-        table = store.tables.get(layer_id)
-        if table is None or (table.rows, table.row_bytes) != (rows, config.engram_head_dim):
-            got = "no table" if table is None else f"[{table.rows}, {table.row_bytes}]"
+        table = tables.get(layer_id)
+        if table is None or table != (rows, config.engram_head_dim):
+            got = "no table" if table is None else f"[{table[0]}, {table[1]}]"
             raise ValueError(
                 f"{directory}: layers.{layer_id}.engram.embed.weight is {got}, but config.json's Engram layout "
                 f"needs [{rows}, {config.engram_head_dim}]"

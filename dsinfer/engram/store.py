@@ -346,12 +346,40 @@ class SafetensorsEngramSource:
         return list(self._specs)
 
     def fill(self, spec: EngramTableSpec, weight: memoryview, scale: memoryview, progress: Callable[[int], None]):
+        self._read_tables(spec.layer_id, 0, spec.rows, weight, scale, progress)
+
+    def read_rows(self, layer_id: int, start: int, stop: int) -> tuple[bytearray, bytearray]:
+        """The raw bytes of rows ``[start, stop)`` of ``layer_id``'s table: (FP8 codes, ue8m0 scales).
+
+        Rows are contiguous in the shard, so this reads just that byte range of each tensor (the
+        ``sharded`` placement loads a rank's slice this way, never the whole table).
+        """
+        spec = self._specs[self.layer_ids.index(layer_id)]
+        if not 0 <= start <= stop <= spec.rows:
+            raise EngramStoreError(f"rows [{start}, {stop}) lie outside layer {layer_id}'s table of {spec.rows} rows")
+        weight = bytearray((stop - start) * spec.row_bytes)
+        scale = bytearray((stop - start) * spec.scale_columns)
+        self._read_tables(layer_id, start, stop, memoryview(weight), memoryview(scale), lambda _: None)
+        return weight, scale
+
+    def _read_tables(
+        self,
+        layer_id: int,
+        start: int,
+        stop: int,
+        weight: memoryview,
+        scale: memoryview,
+        progress: Callable[[int], None],
+    ) -> None:
+        """Copy rows ``[start, stop)`` of the layer's weight and scale tensors into ``weight`` / ``scale``."""
         chunk = 64 << 20
         jobs = []
         for kind, target in (("weight", weight), ("scale", scale)):
-            extent = self._extents[f"layers.{spec.layer_id}.engram.embed.{kind}"]
-            for offset in range(0, extent.nbytes, chunk):
-                jobs.append((extent.path, extent.start + offset, target[offset : min(offset + chunk, extent.nbytes)]))
+            extent = self._extents[f"layers.{layer_id}.engram.embed.{kind}"]
+            row_bytes = extent.shape[1]
+            first, nbytes = extent.start + start * row_bytes, (stop - start) * row_bytes
+            for offset in range(0, nbytes, chunk):
+                jobs.append((extent.path, first + offset, target[offset : min(offset + chunk, nbytes)]))
 
         def copy(job: tuple[Path, int, memoryview]) -> None:
             path, file_offset, target = job
