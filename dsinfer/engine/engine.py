@@ -202,18 +202,18 @@ class LLMEngine:
         for seq in current.sampled:
             seq.num_pending_tokens = 0
         now = time.monotonic()
-        touched: dict[int, Sequence] = {}
+        touched = []
         for seq, result in zip(current.sampled, results, strict=True):
             if not seq.is_finished:  # an abort, or a stop string found while this step ran, ended it
                 self._append_token(seq, result, now)
-                touched[id(seq)] = seq
+                touched.append(seq)
         if next_plan is not None:
             live = [item for item in next_plan.scheduled if not item.seq.is_finished]
             if live:
                 self._inflight = self._launch(live)
-        for seq in touched.values():
+        for seq in touched:
             self._update_text(seq, now)
-        request_ids = dict.fromkeys(seq.request_id for seq in touched.values() if seq.request_id in self.requests)
+        request_ids = dict.fromkeys(seq.request_id for seq in touched if seq.request_id in self.requests)
         outputs = [self._request_output(rid) for rid in request_ids]
         for rid in request_ids:
             if all(seq.is_finished for seq in self.requests[rid]):
