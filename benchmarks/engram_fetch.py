@@ -609,7 +609,7 @@ def _run_table(report, args, device, table_gib, page, text_ids, state) -> None:
                 wants_prefill = True  # on the first table: the run's time limit may not reach the others
             else:
                 segment_view = store.base_tensor()
-                copy_gbps = copy_ceilings(report, device, segment_view[store.tables[1].weight_offset :], label)
+                copy_gbps = copy_ceilings(report, device, segment_view[store.tables[1].offset :], label)
                 copy_gbps = max(copy_gbps, state.get("copy_gbps", 0.0))
                 del segment_view  # no tensor may outlive the store's mapping, or its memory stays mapped
                 gather_sweep(report, store, fetcher, args, device, label, state, text_ids, copy_gbps)

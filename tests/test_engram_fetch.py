@@ -25,7 +25,7 @@ from dsinfer.engram.fetch import (
     resolve_placement,
     shard_bounds,
 )
-from dsinfer.engram.staged_gather import StagedGather
+from dsinfer.engram.staged_gather import StagedGather, _records_of
 from dsinfer.engram.store import EngramStore, RandomEngramSource
 from dsinfer.kernels import engram_gather
 from dsinfer.kernels.engram_gather import dequantize_reference, gather_dequantize_reference
@@ -237,6 +237,13 @@ def test_triton_kernel_matches_reference_in_the_interpreter(monkeypatch):
     )
     assert torch.equal(_bits(out[:90]), _bits(gather_dequantize_reference(weight, scale, ids[:90], torch.float32)))
     assert bool((out[90:] == -7.0).all())
+    # The store's layout: codes and scales as the two column ranges of 264-byte records.
+    records = torch.cat([weight, scale], dim=1)
+    out = engram_gather.gather_dequantize(records[:, :256], records[:, 256:], ids, out_dtype=torch.float32,
+                                          max_programs=3, block_rows=16)  # fmt: skip
+    assert torch.equal(_bits(out), _bits(gather_dequantize_reference(weight, scale, ids, torch.float32)))
+    with pytest.raises(ValueError, match="must have contiguous rows"):
+        engram_gather.gather_dequantize(records[:, :256].t().contiguous().t(), records[:, 256:], ids)
 
 
 def test_fetcher_validates_its_tables():
@@ -327,6 +334,23 @@ def test_staged_gather_chunks_cover_every_row_once():
         wide.close()
     with pytest.raises(ValueError, match="staging threads must be a positive integer"):
         StagedGather("cpu", threads=0)
+
+
+def test_staged_gather_reads_records_whole():
+    """The store's tables (column ranges of one record table) are gathered as records; separate tables still work."""
+    records = torch.arange(40 * 264, dtype=torch.int32).remainder(253).to(torch.uint8).view(40, 264)
+    weight, scale = records[:, :256], records[:, 256:]
+    assert _records_of(weight, scale) is not None and _records_of(weight.clone(), scale.clone()) is None
+    assert _records_of(records[:, :256], records[:, 8:16]) is None  # not the record's own scales
+    stager = StagedGather("cpu", threads=2, chunk_rows=4, staging_rows=10)
+    try:
+        for separate in (False, True):
+            tables = (weight.contiguous(), scale.contiguous()) if separate else (weight, scale)
+            ids = torch.tensor([39, 0, 7, 7, 22, 5, 38, 1, 2, 3, 4, 9, 11], dtype=torch.int64)
+            codes, scales = stager.gather(*tables, ids)
+            assert torch.equal(codes, weight[ids]) and torch.equal(scales, scale[ids])
+    finally:
+        stager.close()
 
 
 def test_staged_gather_reports_a_lane_failure(monkeypatch):
@@ -445,7 +469,7 @@ def test_host_method_choice(store, monkeypatch):
         make_engram_fetcher(store, "host", device="cpu", host_method="rdma")
     with pytest.raises(ValueError, match="scales_on_device applies to the zero_copy host method, not staged"):
         HostEngramFetcher.from_store(store, "cpu", method="staged", scales_on_device=True)
-    with pytest.raises(ValueError, match="staged host method reads contiguous uint8 tables in host memory"):
+    with pytest.raises(ValueError, match="staged host method reads uint8 tables with contiguous rows in host memory"):
         HostEngramFetcher({1: (torch.zeros(1, 256), torch.zeros(1, 8))}, device="cpu", method="staged")
     with pytest.raises(ValueError, match=r"zero_copy_share must lie in \[0, 1\], got 1.5"):
         HostEngramFetcher.from_store(store, "cpu", method="split", zero_copy_share=1.5)

@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -48,17 +49,16 @@ spec.loader.exec_module(store)
 role, name = sys.argv[2], sys.argv[3]
 
 class BlockingSource(store.RandomEngramSource):
-    def fill(self, spec, weight, scale, progress):
+    def fill(self, spec, records, progress):
         print(json.dumps({"filling": True}), flush=True)
         time.sleep(3600)
 
 def digest(s):
     out = {}
     for layer in s.layer_ids:
-        for kind in ("weight", "scale"):
-            view = s.region(layer, kind)
-            out[f"{layer}.{kind}"] = hashlib.sha256(view).hexdigest()
-            view.release()
+        view = s.region(layer)
+        out[str(layer)] = hashlib.sha256(view).hexdigest()
+        view.release()
     return out
 
 if role == "load":
@@ -125,8 +125,8 @@ def _expected_digest(source: RandomEngramSource) -> dict[str, str]:
     out = {}
     for layer in source.rows:
         codes, scales = source.expected(layer)
-        out[f"{layer}.weight"] = hashlib.sha256(codes.tobytes()).hexdigest()
-        out[f"{layer}.scale"] = hashlib.sha256(scales.tobytes()).hexdigest()
+        records = np.concatenate([codes, scales], axis=1)  # the segment's layout
+        out[str(layer)] = hashlib.sha256(records.tobytes()).hexdigest()
     return out
 
 
@@ -170,7 +170,10 @@ def test_loads_safetensors_shards_into_one_segment(tmp_path, name):
         for layer, (codes, scales) in tables.items():
             assert torch.equal(store.weight(layer), codes)
             assert torch.equal(store.scale(layer), scales)
-        assert all(t.weight_offset % (2 << 20) == 0 == t.scale_offset % (2 << 20) for t in store.tables.values())
+        assert all(t.offset % (2 << 20) == 0 for t in store.tables.values())
+        # Stored as records: each row's 256 codes, then its 8 scale bytes.
+        for layer, (codes, scales) in tables.items():
+            assert torch.equal(store.records(layer), torch.cat([codes, scales], dim=1))
 
 
 def test_read_rows_reads_exactly_a_slice_of_a_table(tmp_path):
@@ -259,7 +262,7 @@ def test_second_process_attaches_reads_the_same_bytes_and_nothing_is_left(name):
 
 def test_loader_exception_reaches_the_waiting_rank(name):
     class Broken(RandomEngramSource):
-        def fill(self, spec, weight, scale, progress):
+        def fill(self, spec, records, progress):
             time.sleep(0.5)  # the waiting rank finds the segment while it is loading
             raise OSError("disk on fire")
 

@@ -76,7 +76,7 @@ from dsinfer.engram.staged_gather import (
     DEFAULT_STAGING_ROWS,
     StagedGather,
 )
-from dsinfer.engram.store import EngramStore
+from dsinfer.engram.store import EngramStore, table_records
 from dsinfer.kernels.engram_gather import (
     DEFAULT_BLOCK_ROWS,
     DEFAULT_NUM_WARPS,
@@ -448,10 +448,11 @@ class DeviceEngramFetcher(EngramFetcher):
         tables = {}
         for layer_id in store.layer_ids:
             weight, scale = store.weight(layer_id), store.scale(layer_id)
-            if device.type == "cpu":
-                tables[layer_id] = (weight.clone(), scale.clone())
-            else:
-                tables[layer_id] = (weight.to(device), scale.to(device))
+            # Contiguous private copies (the store's are column ranges of its records).
+            tables[layer_id] = (
+                weight.to(device, memory_format=torch.contiguous_format, copy=True),
+                scale.to(device, memory_format=torch.contiguous_format, copy=True),
+            )
         return cls(tables, device=device, **options)
 
 
@@ -556,12 +557,11 @@ class HostEngramFetcher(EngramFetcher):
             segment = host_tensor(store.address, store.nbytes, device)
             tables = {}
             for layer_id, table in store.tables.items():
-                weight = segment[table.weight_offset : table.weight_offset + table.weight_bytes]
-                scale = segment[table.scale_offset : table.scale_offset + table.scale_bytes]
-                scale = scale.view(table.rows, table.scale_columns)
+                records = table_records(segment, table)
+                weight, scale = records[:, : table.row_bytes], records[:, table.row_bytes :]
                 if scales_on_device:
-                    scale = store.scale(layer_id).to(device)
-                tables[layer_id] = (weight.view(table.rows, table.row_bytes), scale)
+                    scale = store.scale(layer_id).to(device, memory_format=torch.contiguous_format)
+                tables[layer_id] = (weight, scale)
             if method == "split":
                 options["host_tables"] = host_tables
             return cls(tables, store=store, registration=registration, device=device, method=method, **options)
@@ -636,10 +636,11 @@ class HostEngramFetcher(EngramFetcher):
             raise ValueError(f"host_tables hold layers {sorted(self.host_tables)}, the tables {self.layer_ids}")
         for layer_id, (weight, scale) in self.host_tables.items():
             for name, table in (("weight", weight), ("scale", scale)):
-                if table.device.type != "cpu" or table.dtype != torch.uint8 or not table.is_contiguous():
+                if table.device.type != "cpu" or table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1:
                     raise ValueError(
-                        f"the {self.method} host method reads contiguous uint8 tables in host memory; layer "
-                        f"{layer_id}'s {name} is {table.dtype} on {table.device}"
+                        f"the {self.method} host method reads uint8 tables with contiguous rows in host memory; "
+                        f"layer {layer_id}'s {name} is {table.dtype} {tuple(table.shape)} with strides "
+                        f"{table.stride()} on {table.device}"
                     )
 
     def _enter_device(self) -> None:
@@ -851,7 +852,7 @@ def make_engram_fetcher(
     ``host_method`` (:func:`resolve_host_method`) and the options in ``HOST_ONLY_OPTIONS`` apply to the
     host placement only; the other placements ignore them, so one set of options serves every placement.
     """
-    table_bytes = sum(t.weight_bytes + t.scale_bytes for t in store.tables.values())
+    table_bytes = sum(t.table_bytes for t in store.tables.values())
     placement = resolve_placement(
         placement, table_bytes=table_bytes, device=device, device_memory_budget=device_memory_budget
     )

@@ -17,6 +17,9 @@ How a gather runs (:meth:`StagedGather.gather`):
 * The rows go through staging buffers of ``staging_rows`` rows (pinned on CUDA) in rounds; ``buffers`` of them
   rotate, so one round's copies can still run while the next round is gathered into the next buffer. A buffer
   is reused only after an event recorded behind its last copy has completed.
+* Rows stored as records (the store's layout: codes then scales, :mod:`dsinfer.engram.store`) are gathered
+  whole, one ``numpy.take`` of 264-byte records per chunk, and copied as records; the outputs are then the
+  two column ranges of the device's records. Separate code and scale tables are gathered one after the other.
 * Within a round, ``threads`` lanes (one thread each) take chunks of ``chunk_rows`` rows from a shared counter
   and gather them with ``numpy.take`` into the buffer; numpy releases the GIL while it copies, so the lanes run
   in parallel, and a lane that falls behind simply takes fewer chunks. The lanes make no CUDA calls.
@@ -76,29 +79,37 @@ def default_threads() -> int:
 
 
 class _StagingBuffer:
-    """Staging memory for one round (codes and scales, pinned on CUDA) and the event behind its last copy."""
+    """Staging memory for one round (records of codes and scales, pinned on CUDA) and the event behind its last
+    copy; ``codes`` and ``scales`` are its two column ranges."""
 
     def __init__(self, rows: int, row_bytes: int, scale_columns: int, pinned: bool):
-        self.codes = torch.empty(rows, row_bytes, dtype=torch.uint8, pin_memory=pinned)
-        self.scales = torch.empty(rows, scale_columns, dtype=torch.uint8, pin_memory=pinned)
-        self.codes_array, self.scales_array = self.codes.numpy(), self.scales.numpy()
+        self.records = torch.empty(rows, row_bytes + scale_columns, dtype=torch.uint8, pin_memory=pinned)
+        self.codes, self.scales = self.records[:, :row_bytes], self.records[:, row_bytes:]
+        self.records_array, self.codes_array, self.scales_array = (
+            self.records.numpy(),
+            self.codes.numpy(),
+            self.scales.numpy(),
+        )
         self.copied = torch.cuda.Event() if pinned else None
 
     @property
     def rows(self) -> int:
-        return self.codes.shape[0]
+        return self.records.shape[0]
 
 
 @dataclass
 class _Round:
-    """One round of a gather: ``ids`` (a slice of the request) into ``buffer``, then to ``codes`` / ``scales``."""
+    """One round of a gather: ``ids`` (a slice of the request) into ``buffer``, then to ``records`` on the device.
 
-    weight: np.ndarray
-    scale: np.ndarray
+    ``table`` is the host records (``weight`` / ``scale`` None), or None with separate ``weight`` and ``scale``.
+    """
+
+    table: np.ndarray | None
+    weight: np.ndarray | None
+    scale: np.ndarray | None
     ids: np.ndarray
     buffer: _StagingBuffer
-    codes: torch.Tensor
-    scales: torch.Tensor
+    records: torch.Tensor
     chunk: int
     chunks: int
     next_chunk: int = 0
@@ -114,16 +125,32 @@ class _Round:
     def gather(self, start: int, stop: int) -> None:
         """Rows ``[start, stop)`` of this round into the staging buffer (ids out of the table are clamped)."""
         ids = self.ids[start:stop]
+        if self.table is not None:
+            np.take(self.table, ids, axis=0, out=self.buffer.records_array[start:stop], mode="clip")
+            return
         np.take(self.weight, ids, axis=0, out=self.buffer.codes_array[start:stop], mode="clip")
         np.take(self.scale, ids, axis=0, out=self.buffer.scales_array[start:stop], mode="clip")
 
     def copy(self, start: int, stop: int) -> None:
         """Rows ``[start, stop)`` of the staging buffer to the output (enqueued on the current stream on CUDA)."""
-        self.codes[start:stop].copy_(self.buffer.codes[start:stop], non_blocking=True)
-        self.scales[start:stop].copy_(self.buffer.scales[start:stop], non_blocking=True)
+        self.records[start:stop].copy_(self.buffer.records[start:stop], non_blocking=True)
 
 
 _FAILED = -1
+
+
+def _records_of(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The records ``[rows, row_bytes + scale_columns]`` whose two column ranges are ``weight``, ``scale``, or None."""
+    row_bytes, record = weight.shape[1], weight.shape[1] + scale.shape[1]
+    if (
+        weight.stride() == (record, 1)
+        and scale.stride() == (record, 1)
+        and weight.shape[0] == scale.shape[0]
+        and weight.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
+        and scale.storage_offset() == weight.storage_offset() + row_bytes
+    ):
+        return weight.as_strided((weight.shape[0], record), (record, 1))
+    return None
 
 
 class StagedGather:
@@ -185,7 +212,9 @@ class StagedGather:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes [n, row_bytes], scales [n, scale_columns])``: rows ``ids`` of host tables, on this device.
 
-        ``weight`` and ``scale`` are contiguous uint8 CPU tensors, ``ids`` a 1-D int64 CPU tensor. Ids
+        ``weight`` and ``scale`` are uint8 CPU tensors with contiguous rows: the two column ranges of one
+        table of records (the store's, gathered whole), or two separate tables. The outputs are the two
+        column ranges of ``[n, row_bytes + scale_columns]`` records. ``ids`` is a 1-D int64 CPU tensor. Ids
         outside the table are clamped to its first or last row (memory outside it is never read); the
         caller checks them. On CUDA the copies are enqueued on ``stream`` (default: the current stream)
         and may still run when this returns; the outputs are allocated on that stream.
@@ -204,28 +233,32 @@ class StagedGather:
         rows = ids.numel()
         context = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with context:
-            codes = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
-            scales = torch.empty(rows, self.scale_columns, dtype=torch.uint8, device=self.device)
-            weight_array, scale_array, id_array = weight.numpy(), scale.numpy(), ids.contiguous().numpy()
+            records = torch.empty(rows, self.row_bytes + self.scale_columns, dtype=torch.uint8, device=self.device)
+            table = _records_of(weight, scale)
+            if table is not None:
+                table_array, weight_array, scale_array = table.numpy(), None, None
+            else:
+                table_array, weight_array, scale_array = None, weight.numpy(), scale.numpy()
+            id_array = ids.contiguous().numpy()
             with self._lock:
                 for start in range(0, rows, self.staging_rows):
                     stop = min(start + self.staging_rows, rows)
                     buffer = self._next_buffer(stop - start)
                     chunk = self.chunk_rows_for(stop - start)
                     job = _Round(
+                        table_array,
                         weight_array,
                         scale_array,
                         id_array[start:stop],
                         buffer,
-                        codes[start:stop],
-                        scales[start:stop],
+                        records[start:stop],
                         chunk,
                         -(-(stop - start) // chunk),
                     )
                     self._run_round(job)
                     if buffer.copied is not None:
                         buffer.copied.record(stream)
-        return codes, scales
+        return records[:, : self.row_bytes], records[:, self.row_bytes :]
 
     def close(self) -> None:
         """Stop the lanes (after the gather in progress, if any) and drop the staging memory."""

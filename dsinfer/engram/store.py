@@ -9,7 +9,12 @@ not one per rank.
 
 **Segment layout.** One file, ``/dev/shm/<name>`` (4 KiB pages) or ``<hugetlbfs mount>/<name>``
 (2 MiB pages). A 4 KiB header (magic, state, loader pid, attach count, the table directory) is
-followed by each table's weight bytes and then its scale bytes, every region aligned to 2 MiB.
+followed by each table as one region of *records*, each region aligned to 2 MiB: a record is a row's
+256 FP8 codes followed by its 8 scale bytes (264 bytes), so reading a row touches one stretch of
+memory. The GPU reads rows of host memory at a rate set by address translations (one per page a read
+touches, ``benchmarks/engram_translation_probe.py``): with the scales in a table of their own every
+row cost two, and 65,536 sorted rows of a 64 GiB table came at 9.0 GB/s; as records, at 16.7 GB/s.
+:meth:`EngramStore.weight` and :meth:`EngramStore.scale` are the two column ranges of the records.
 On Linux ``shm_open(3)`` is an ``open(2)`` under ``/dev/shm``; opening the path directly lets the
 same code serve hugetlbfs, and keeps Python's ``resource_tracker`` (which unlinks segments that
 *attaching* processes merely opened) out of the way.
@@ -114,14 +119,14 @@ ATTACH_TIMEOUT_ENV = "DSINFER_ENGRAM_ATTACH_TIMEOUT"
 DEFAULT_ATTACH_TIMEOUT_S = 1800.0
 
 _MAGIC = b"DSENGRM1"
-_VERSION = 1
+_VERSION = 2  # 2: one region of records per table (1: separate code and scale regions)
 _STATE_LOADING, _STATE_READY, _STATE_FAILED = 0, 1, 2
 _STATE_NAMES = {_STATE_LOADING: "loading", _STATE_READY: "ready", _STATE_FAILED: "failed"}
 # magic, version, state, loader pid, expected attachers, attached, table count, unlinked flag,
 # page size, total bytes, data bytes, loaded bytes, loader start time (clock ticks since boot).
 _HEADER = struct.Struct("<8sIIIIIIIIQQQQ")
 _ERROR_OFFSET, _ERROR_BYTES = 128, 512
-_TABLE = struct.Struct("<qQIIQQ")  # layer id, rows, row bytes, scale columns, weight offset, scale offset
+_TABLE = struct.Struct("<qQIIQQ")  # layer id, rows, row bytes, scale columns, records offset, record bytes
 _TABLES_OFFSET = _ERROR_OFFSET + _ERROR_BYTES
 _MAX_TABLES = (HEADER_BYTES - _TABLES_OFFSET) // _TABLE.size
 _POLL_S = 0.01
@@ -155,20 +160,20 @@ class EngramTableSpec:
             )
 
     @property
-    def weight_bytes(self) -> int:
-        return self.rows * self.row_bytes
+    def record_bytes(self) -> int:
+        """Bytes of one row as stored: its codes, then its scales."""
+        return self.row_bytes + self.scale_columns
 
     @property
-    def scale_bytes(self) -> int:
-        return self.rows * self.scale_columns
+    def table_bytes(self) -> int:
+        return self.rows * self.record_bytes
 
 
 @dataclass(frozen=True)
 class EngramTableLayout(EngramTableSpec):
-    """A table spec plus where its two regions sit in the segment."""
+    """A table spec plus where its records start in the segment."""
 
-    weight_offset: int = 0
-    scale_offset: int = 0
+    offset: int = 0
 
 
 def _align(value: int, alignment: int) -> int:
@@ -187,13 +192,14 @@ def _layout(specs: Sequence[EngramTableSpec], page_size: int) -> tuple[list[Engr
     offset = REGION_ALIGNMENT
     layouts = []
     for spec in specs:
-        weight_offset = offset
-        scale_offset = _align(weight_offset + spec.weight_bytes, REGION_ALIGNMENT)
-        offset = _align(scale_offset + spec.scale_bytes, REGION_ALIGNMENT)
-        layouts.append(
-            EngramTableLayout(spec.layer_id, spec.rows, spec.row_bytes, spec.scale_columns, weight_offset, scale_offset)
-        )
+        layouts.append(EngramTableLayout(spec.layer_id, spec.rows, spec.row_bytes, spec.scale_columns, offset))
+        offset = _align(offset + spec.table_bytes, REGION_ALIGNMENT)
     return layouts, _align(offset, page_size)
+
+
+def table_records(segment: torch.Tensor, table: EngramTableLayout) -> torch.Tensor:
+    """``[rows, record_bytes]`` view of one table's records in ``segment`` (a uint8 tensor of the whole segment)."""
+    return segment[table.offset : table.offset + table.table_bytes].view(table.rows, table.record_bytes)
 
 
 def segment_bytes(specs: Sequence[EngramTableSpec]) -> int:
@@ -209,9 +215,9 @@ class EngramSource(Protocol):
         """The tables, in the order they are laid out."""
         ...
 
-    def fill(self, spec: EngramTableSpec, weight: memoryview, scale: memoryview, progress: Callable[[int], None]):
-        """Write the table's ``[rows, row_bytes]`` codes into ``weight`` and ``[rows, scale_columns]``
-        ue8m0 bytes into ``scale``; call ``progress(n)`` after each ``n`` bytes written."""
+    def fill(self, spec: EngramTableSpec, records: memoryview, progress: Callable[[int], None]):
+        """Write the table as ``[rows, record_bytes]`` records into ``records`` (each row's codes, then its
+        ue8m0 scale bytes); call ``progress(n)`` after each ``n`` bytes written, from any thread."""
         ...
 
 
@@ -345,8 +351,29 @@ class SafetensorsEngramSource:
     def table_specs(self) -> list[EngramTableSpec]:
         return list(self._specs)
 
-    def fill(self, spec: EngramTableSpec, weight: memoryview, scale: memoryview, progress: Callable[[int], None]):
-        self._read_tables(spec.layer_id, 0, spec.rows, weight, scale, progress)
+    def fill(self, spec: EngramTableSpec, records: memoryview, progress: Callable[[int], None]):
+        """Read the two tensors a chunk of rows at a time (threads in parallel) and interleave them into records."""
+        import numpy as np
+
+        table = np.frombuffer(records, dtype=np.uint8).reshape(spec.rows, spec.record_bytes)
+        chunk_rows = max(1, (64 << 20) // spec.row_bytes)
+
+        def load(start: int) -> None:
+            stop = min(start + chunk_rows, spec.rows)
+            weight = bytearray((stop - start) * spec.row_bytes)
+            scale = bytearray((stop - start) * spec.scale_columns)
+            for path, file_offset, target in self._row_reads(spec.layer_id, start, stop, weight, scale, len(weight)):
+                _read_exactly(path, file_offset, target)
+            table[start:stop, : spec.row_bytes] = np.frombuffer(weight, dtype=np.uint8).reshape(-1, spec.row_bytes)
+            table[start:stop, spec.row_bytes :] = np.frombuffer(scale, dtype=np.uint8).reshape(-1, spec.scale_columns)
+            progress((stop - start) * spec.record_bytes)
+
+        try:
+            with ThreadPoolExecutor(max_workers=self.threads) as pool:
+                for _ in pool.map(load, range(0, spec.rows, chunk_rows)):
+                    pass
+        finally:
+            table = None  # drop the export of ``records`` before the caller releases it
 
     def read_rows(self, layer_id: int, start: int, stop: int) -> tuple[bytearray, bytearray]:
         """The raw bytes of rows ``[start, stop)`` of ``layer_id``'s table: (FP8 codes, ue8m0 scales).
@@ -359,47 +386,41 @@ class SafetensorsEngramSource:
             raise EngramStoreError(f"rows [{start}, {stop}) lie outside layer {layer_id}'s table of {spec.rows} rows")
         weight = bytearray((stop - start) * spec.row_bytes)
         scale = bytearray((stop - start) * spec.scale_columns)
-        self._read_tables(layer_id, start, stop, memoryview(weight), memoryview(scale), lambda _: None)
+        jobs = self._row_reads(layer_id, start, stop, weight, scale, 64 << 20)
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for _ in pool.map(lambda job: _read_exactly(*job), jobs):
+                pass
         return weight, scale
 
-    def _read_tables(
-        self,
-        layer_id: int,
-        start: int,
-        stop: int,
-        weight: memoryview,
-        scale: memoryview,
-        progress: Callable[[int], None],
-    ) -> None:
-        """Copy rows ``[start, stop)`` of the layer's weight and scale tensors into ``weight`` / ``scale``."""
-        chunk = 64 << 20
+    def _row_reads(
+        self, layer_id: int, start: int, stop: int, weight: bytearray, scale: bytearray, chunk: int
+    ) -> list[tuple[Path, int, memoryview]]:
+        """``(file, offset, target)`` reads of at most ``chunk`` bytes that put rows ``[start, stop)`` of the
+        layer's weight and scale tensors into ``weight`` / ``scale``."""
         jobs = []
-        for kind, target in (("weight", weight), ("scale", scale)):
+        for kind, target in (("weight", memoryview(weight)), ("scale", memoryview(scale))):
             extent = self._extents[f"layers.{layer_id}.engram.embed.{kind}"]
             row_bytes = extent.shape[1]
             first, nbytes = extent.start + start * row_bytes, (stop - start) * row_bytes
             for offset in range(0, nbytes, chunk):
                 jobs.append((extent.path, first + offset, target[offset : min(offset + chunk, nbytes)]))
+        return jobs
 
-        def copy(job: tuple[Path, int, memoryview]) -> None:
-            path, file_offset, target = job
-            size = len(target)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < size:
-                    n = os.preadv(fd, [target[done:]], file_offset + done)
-                    if n == 0:
-                        raise EngramStoreError(f"{path}: unexpected end of file at byte {file_offset + done}")
-                    done += n
-            finally:
-                os.close(fd)
-                target.release()
-            progress(size)
 
-        with ThreadPoolExecutor(max_workers=self.threads) as pool:
-            for _ in pool.map(copy, jobs):
-                pass
+def _read_exactly(path: Path, file_offset: int, target: memoryview) -> None:
+    """Fill ``target`` with the bytes of ``path`` from ``file_offset`` on (an error at a short file)."""
+    size = len(target)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [target[done:]], file_offset + done)
+            if n == 0:
+                raise EngramStoreError(f"{path}: unexpected end of file at byte {file_offset + done}")
+            done += n
+    finally:
+        os.close(fd)
+        target.release()
 
 
 class RandomEngramSource:
@@ -437,29 +458,28 @@ class RandomEngramSource:
         scales = rng.integers(low, high + 1, size=(rows, ENGRAM_ROW_BYTES // ENGRAM_SCALE_BLOCK), dtype=np.uint8)
         return codes, scales
 
-    def fill(self, spec: EngramTableSpec, weight: memoryview, scale: memoryview, progress: Callable[[int], None]):
+    def fill(self, spec: EngramTableSpec, records: memoryview, progress: Callable[[int], None]):
         import numpy as np
 
-        weight_rows = np.frombuffer(weight, dtype=np.uint8).reshape(spec.rows, spec.row_bytes)
-        scale_rows = np.frombuffer(scale, dtype=np.uint8).reshape(spec.rows, spec.scale_columns)
+        table = np.frombuffer(records, dtype=np.uint8).reshape(spec.rows, spec.record_bytes)
+        weight_rows, scale_rows = table[:, : spec.row_bytes], table[:, spec.row_bytes :]
         tile = self._block(spec.layer_id, 0, self._chunk_rows) if self.tile_rows else None
         for block, start in enumerate(range(0, spec.rows, self._chunk_rows)):
             stop = min(start + self._chunk_rows, spec.rows)
             codes, scales = tile if tile is not None else self._block(spec.layer_id, block, self._chunk_rows)
             weight_rows[start:stop] = codes[: stop - start]
             scale_rows[start:stop] = scales[: stop - start]
-            progress((stop - start) * (spec.row_bytes + spec.scale_columns))
-        del weight_rows, scale_rows
+            progress((stop - start) * spec.record_bytes)
+        del table, weight_rows, scale_rows
 
     def expected(self, layer: int):
         """``(codes [rows, 256], scales [rows, 8])`` uint8 numpy arrays of one table."""
         import numpy as np
 
         spec = next(s for s in self.table_specs() if s.layer_id == layer)
-        codes = np.empty((spec.rows, spec.row_bytes), dtype=np.uint8)
-        scales = np.empty((spec.rows, spec.scale_columns), dtype=np.uint8)
-        self.fill(spec, memoryview(codes).cast("B"), memoryview(scales).cast("B"), lambda n: None)
-        return codes, scales
+        records = np.empty((spec.rows, spec.record_bytes), dtype=np.uint8)
+        self.fill(spec, memoryview(records).cast("B"), lambda n: None)
+        return records[:, : spec.row_bytes].copy(), records[:, spec.row_bytes :].copy()
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -673,10 +693,15 @@ class _Header:
         raw_error = bytes(buffer[_ERROR_OFFSET : _ERROR_OFFSET + _ERROR_BYTES]).split(b"\0", 1)[0]
         tables = []
         for index in range(fields[6]):
-            layer, rows, row_bytes, scale_columns, weight_offset, scale_offset = _TABLE.unpack_from(
+            layer, rows, row_bytes, scale_columns, offset, record_bytes = _TABLE.unpack_from(
                 buffer, _TABLES_OFFSET + index * _TABLE.size
             )
-            tables.append(EngramTableLayout(layer, rows, row_bytes, scale_columns, weight_offset, scale_offset))
+            table = EngramTableLayout(layer, rows, row_bytes, scale_columns, offset)
+            if record_bytes != table.record_bytes:
+                raise EngramStoreError(
+                    f"Engram segment table {layer}: records of {record_bytes} bytes, expected {table.record_bytes}"
+                )
+            tables.append(table)
         return cls(*fields[2:], raw_error.decode("utf-8", "replace"), tables)
 
     def write(self, buffer: Any) -> None:
@@ -689,8 +714,8 @@ class _Header:
                 table.rows,
                 table.row_bytes,
                 table.scale_columns,
-                table.weight_offset,
-                table.scale_offset,
+                table.offset,
+                table.record_bytes,
             )
         _HEADER.pack_into(
             buffer,
@@ -856,7 +881,7 @@ class EngramStore:
                     raise
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mapping = mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            data_bytes = sum(spec.weight_bytes + spec.scale_bytes for spec in specs)
+            data_bytes = sum(spec.table_bytes for spec in specs)
             header = _Header(
                 _STATE_LOADING,
                 os.getpid(),
@@ -961,13 +986,11 @@ class EngramStore:
         view = memoryview(self._mapping)
         try:
             for table in self.tables.values():
-                weight = view[table.weight_offset : table.weight_offset + table.weight_bytes]
-                scale = view[table.scale_offset : table.scale_offset + table.scale_bytes]
+                records = view[table.offset : table.offset + table.table_bytes]
                 try:
-                    source.fill(table, weight, scale, progress)
+                    source.fill(table, records, progress)
                 finally:
-                    weight.release()
-                    scale.release()
+                    records.release()
         finally:
             view.release()
 
@@ -1091,24 +1114,22 @@ class EngramStore:
             if layer_id not in self.tables:
                 raise KeyError(f"no Engram table for layer {layer_id} (tables: {self.layer_ids})")
             table = self.tables[layer_id]
-            if kind == "weight":
-                offset, columns = table.weight_offset, table.row_bytes
-            else:
-                offset, columns = table.scale_offset, table.scale_columns
-            flat = self.base_tensor()[offset : offset + table.rows * columns]
-            self._tensors[key] = flat.view(table.rows, columns)
+            records = table_records(self.base_tensor(), table)
+            self._tensors[key] = {
+                "records": records,
+                "weight": records[:, : table.row_bytes],
+                "scale": records[:, table.row_bytes :],
+            }[kind]
         return self._tensors[key]
 
-    def region(self, layer_id: int, kind: str) -> memoryview:
-        """The raw bytes of ``layer_id``'s ``"weight"`` or ``"scale"`` table (no torch; release when done)."""
+    def region(self, layer_id: int) -> memoryview:
+        """The raw bytes of ``layer_id``'s records (no torch; release when done)."""
         if self._closed:
             raise EngramStoreError(f"Engram store {self.name} is closed")
-        if layer_id not in self.tables or kind not in ("weight", "scale"):
-            raise KeyError(f"no Engram {kind!r} table for layer {layer_id} (tables: {self.layer_ids})")
+        if layer_id not in self.tables:
+            raise KeyError(f"no Engram table for layer {layer_id} (tables: {self.layer_ids})")
         table = self.tables[layer_id]
-        if kind == "weight":
-            return memoryview(self._mapping)[table.weight_offset : table.weight_offset + table.weight_bytes]
-        return memoryview(self._mapping)[table.scale_offset : table.scale_offset + table.scale_bytes]
+        return memoryview(self._mapping)[table.offset : table.offset + table.table_bytes]
 
     def base_tensor(self) -> torch.Tensor:
         """The whole mapping as one uint8 CPU tensor (no copy)."""
@@ -1120,12 +1141,16 @@ class EngramStore:
             self._base = torch.frombuffer(memoryview(self._mapping), dtype=torch.uint8, count=self.nbytes)
         return self._base
 
+    def records(self, layer_id: int) -> torch.Tensor:
+        """``[rows, 264]`` uint8: ``layer_id``'s table as stored, each row's codes then its scales (shared memory)."""
+        return self._tensor(layer_id, "records")
+
     def weight(self, layer_id: int) -> torch.Tensor:
-        """``[rows, 256]`` uint8: the FP8 e4m3 codes of ``layer_id``'s table, viewing shared memory."""
+        """``[rows, 256]`` uint8 with a row stride of 264: the FP8 e4m3 codes of ``layer_id``'s table."""
         return self._tensor(layer_id, "weight")
 
     def scale(self, layer_id: int) -> torch.Tensor:
-        """``[rows, 8]`` uint8: the ue8m0 scale bytes of ``layer_id``'s table, viewing shared memory."""
+        """``[rows, 8]`` uint8 with a row stride of 264: the ue8m0 scale bytes of ``layer_id``'s table."""
         return self._tensor(layer_id, "scale")
 
     @property

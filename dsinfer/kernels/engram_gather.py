@@ -76,8 +76,11 @@ def _check_tables(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     row_bytes, scale_columns = weight.shape[1], scale.shape[1]
     if row_bytes % scale_columns:
         raise ValueError(f"row width {row_bytes} is not a multiple of the {scale_columns} scales per row")
-    if not (weight.is_contiguous() and scale.is_contiguous()):
-        raise ValueError("weight and scale tables must be contiguous")
+    if weight.stride(1) != 1 or scale.stride(1) != 1 or weight.stride(0) < row_bytes or scale.stride(0) < scale_columns:
+        raise ValueError(
+            "weight and scale tables must have contiguous rows (contiguous tables, or column slices of one "
+            f"record table), got strides {weight.stride()} and {scale.stride()}"
+        )
     return row_bytes, scale_columns
 
 
@@ -116,6 +119,8 @@ if triton is not None:
         out_ptr,
         ROW_BYTES: tl.constexpr,
         SCALE_COLUMNS: tl.constexpr,
+        WEIGHT_ROW_STRIDE: tl.constexpr,
+        SCALE_ROW_STRIDE: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         GATHER: tl.constexpr,
     ):
@@ -136,9 +141,11 @@ if triton is not None:
             else:  # the rows already sit in order: row i of the table is output row i
                 rows = slots.to(tl.int64)
             live3 = live[:, None, None]
-            codes = tl.load(weight_ptr + rows[:, None, None] * ROW_BYTES + columns[None, :, :], mask=live3, other=0)
+            codes = tl.load(
+                weight_ptr + rows[:, None, None] * WEIGHT_ROW_STRIDE + columns[None, :, :], mask=live3, other=0
+            )
             exponents = tl.load(
-                scale_ptr + rows[:, None, None] * SCALE_COLUMNS + scale_columns[None, :, :], mask=live3, other=127
+                scale_ptr + rows[:, None, None] * SCALE_ROW_STRIDE + scale_columns[None, :, :], mask=live3, other=127
             ).to(tl.int32)
             # ue8m0 byte e is 2**(e - 127): float32 bits e << 23, except e = 0 (2**-127, a subnormal) and 255 (NaN).
             bits = tl.where(exponents == 0, 0x00400000, exponents << 23)
@@ -232,6 +239,8 @@ def _launch(
         out,
         ROW_BYTES=row_bytes,
         SCALE_COLUMNS=scale_columns,
+        WEIGHT_ROW_STRIDE=weight.stride(0),
+        SCALE_ROW_STRIDE=scale.stride(0),
         BLOCK_ROWS=block_rows,
         GATHER=ids is not None,
         num_warps=num_warps,
