@@ -734,15 +734,14 @@ def staged_sweep(report, store, methods, args, device, label, state, text_ids, c
     # Where the time goes: the CPU gather alone, by numpy in threads (one slice each, as the lanes do it
     # but without chunks or copies), and by torch's index_select over its intra-op threads into pinned
     # buffers followed by one copy, unpipelined.
-    weight, scale = store.weight(1), store.scale(1)
+    records = store.records(1)
     ids = sets[counts[-1]][0].cpu()
     count = ids.numel()
     for threads in args.grid_threads:
         with fenced(report, f"{label}: numpy threads={threads}"), ThreadPoolExecutor(threads) as pool:
-            ms = wall_ms(lambda pool=pool, threads=threads: numpy_gather(pool, threads, weight, scale, ids))
+            ms = wall_ms(lambda pool=pool, threads=threads: numpy_gather(pool, threads, records, ids))
             record("numpy.take in threads (CPU only)", "cpu", count, count, ms, lanes=threads)
-    codes = torch.empty(count, ROW_BYTES, dtype=torch.uint8, pin_memory=True)
-    scales = torch.empty(count, SCALE_BYTES, dtype=torch.uint8, pin_memory=True)
+    staging = torch.empty(count, ROW_BYTES + SCALE_BYTES, dtype=torch.uint8, pin_memory=True)
     landing = torch.empty(count, ROW_BYTES + SCALE_BYTES, dtype=torch.uint8, device=device)
     torch_threads = torch.get_num_threads()
     for threads in args.grid_threads:
@@ -750,13 +749,11 @@ def staged_sweep(report, store, methods, args, device, label, state, text_ids, c
             torch.set_num_threads(threads)
 
             def cpu_gather():
-                torch.index_select(weight, 0, ids, out=codes)
-                torch.index_select(scale, 0, ids, out=scales)
+                torch.index_select(records, 0, ids, out=staging)
 
             def gather_and_copy():
                 cpu_gather()
-                landing[:, :ROW_BYTES].copy_(codes, non_blocking=True)
-                landing[:, ROW_BYTES:].copy_(scales, non_blocking=True)
+                landing.copy_(staging, non_blocking=True)
                 torch.cuda.synchronize(device)
 
             record("torch index_select only", "cpu", count, count, wall_ms(cpu_gather), lanes=threads)
@@ -764,17 +761,15 @@ def staged_sweep(report, store, methods, args, device, label, state, text_ids, c
     torch.set_num_threads(torch_threads)
 
 
-def numpy_gather(pool: ThreadPoolExecutor, threads: int, weight, scale, ids) -> None:
-    """Rows ``ids`` of the tables into fresh CPU memory, ``threads`` slices in parallel (numpy releases the GIL)."""
-    weight, scale, ids = weight.numpy(), scale.numpy(), ids.numpy()
-    codes = np.empty((ids.shape[0], weight.shape[1]), dtype=np.uint8)
-    scales = np.empty((ids.shape[0], scale.shape[1]), dtype=np.uint8)
+def numpy_gather(pool: ThreadPoolExecutor, threads: int, records, ids) -> None:
+    """Records ``ids`` of a table into fresh CPU memory, ``threads`` slices in parallel (numpy releases the GIL)."""
+    records, ids = records.numpy(), ids.numpy()
+    out = np.empty((ids.shape[0], records.shape[1]), dtype=np.uint8)
     bounds = np.linspace(0, ids.shape[0], threads + 1).astype(int)
 
     def part(i):
         a, b = bounds[i], bounds[i + 1]
-        np.take(weight, ids[a:b], axis=0, out=codes[a:b], mode="clip")
-        np.take(scale, ids[a:b], axis=0, out=scales[a:b], mode="clip")
+        np.take(records, ids[a:b], axis=0, out=out[a:b], mode="clip")
 
     list(pool.map(part, range(threads)))
 

@@ -9,13 +9,18 @@ For each way of giving the GPU a table of ``--table-gib`` in host memory (one at
   placement maps the shared-memory segment today);
 * ``hostalloc``: ``cuMemHostAlloc`` (the driver allocates and maps the pages itself);
 * ``vmm``: ``cuMemCreate`` on a host NUMA node at the recommended granularity
-  (:class:`dsinfer.engram.vmm_host_memory.VmmHostMemory`); ``vmm_min`` at the minimum granularity;
+  (:class:`vmm_host_memory.VmmHostMemory`); ``vmm_min`` at the minimum granularity;
 
 it measures the Triton zero-copy gather (sorted unique random rows, 65,536 to 524,288, with a few
 grid sizes), a footprint sweep (262,144 rows confined to the first W bytes), rows at a fixed
-stride read by the gather and by the copy engine (``cuMemcpy2DAsync``), and scattered rows by the
-copy engine (``cuMemcpyBatchAsync``), each as GB/s of row bytes against the pinned host-to-device
-copy measured in the same run. Rows gathered from every backing are checked against a CPU read.
+stride read by the gather and by the copy engine (``cuMemcpy2DAsync``), each as GB/s of row bytes
+against the pinned host-to-device copy measured in the same run. Rows gathered from every backing
+are checked against a CPU read.
+
+``--suite records`` reads the same host memory as two tables (codes, then scales) and as 264-byte
+records (each row's scales after its codes, the store's layout) with the zero-copy kernel and with
+CPU threads (``numpy.take``), and runs a split of the two (``--shares``); ``registered_2m`` takes
+2 MiB pages from ``--huge-pages`` reserved ones (root).
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ from engram_fetch import (
     Report,
     configure_huge_pages,
     fenced,
+    release_huge_pages,
     section,
     system_report,
     time_ms,
 )
+from vmm_host_memory import VmmHostMemory, cuda_driver
 
 from dsinfer.engram.fetch import HostRegistration, host_tensor
-from dsinfer.engram.vmm_host_memory import VmmHostMemory, cuda_driver
 from dsinfer.kernels.engram_gather import gather_dequantize, gather_dequantize_reference
 
 ROWS_PER_STEP = (65_536, 262_144, 524_288)
@@ -71,19 +77,6 @@ class _Memcpy2D(ctypes.Structure):
     ]
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _Location),
-        ("dstLocHint", _Location),
-        ("flags", ctypes.c_uint),
-    ]
-
-
 _UNIFIED = 4
 _MAP_HUGETLB = 0x40000  # Linux; 2 MiB pages from the reserved pool
 
@@ -105,28 +98,6 @@ def copy_engine_strided(src: int, pitch: int, dst: torch.Tensor, rows: int) -> N
 
 def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
-
-
-class BatchCopy:
-    """Scattered rows by the copy engine: one ``cuMemcpyBatchAsync`` descriptor per row."""
-
-    def __init__(self, base: int, ids: np.ndarray, dst: torch.Tensor):
-        count = len(ids)
-        self.count = count
-        self.srcs = (base + ids.astype(np.uint64) * ROW_BYTES).astype(np.uint64)
-        self.dsts = (dst.data_ptr() + np.arange(count, dtype=np.uint64) * ROW_BYTES).astype(np.uint64)
-        self.sizes = np.full(count, ROW_BYTES, dtype=np.uint64)
-        self.attrs = _MemcpyAttributes(1, _Location(2, 0), _Location(1, 0), 0)  # stream order; host -> device 0
-        self.attr_index = (ctypes.c_size_t * 1)(0)
-        self.function = cuda_driver().lib.cuMemcpyBatchAsync_v2
-
-    def __call__(self, _rep=None) -> None:
-        p = ctypes.c_void_p
-        code = self.function(
-            p(self.dsts.ctypes.data), p(self.srcs.ctypes.data), p(self.sizes.ctypes.data), ctypes.c_size_t(self.count),
-            ctypes.byref(self.attrs), self.attr_index, ctypes.c_size_t(1), p(_stream()),
-        )  # fmt: skip
-        _check("cuMemcpyBatchAsync_v2", code)
 
 
 # ------------------------------------------------------------------------------------------ backings
@@ -240,22 +211,6 @@ def probe_backing(report: Report, args, kind: str, device: torch.device, copy_gb
                         "gather", backing=label, rows=count, programs=programs, ms=ms, gbps=gbps,
                         pct_copy=100 * gbps / copy_gbps,
                     )  # fmt: skip
-            with fenced(report, f"{label} batch copy {count}"):
-                batch = BatchCopy(backing.address, ids.cpu().numpy(), raw)
-                started = time.monotonic()
-                batch()
-                torch.cuda.synchronize()
-                first_s = time.monotonic() - started
-                ms = time_ms(batch, max_reps=5)
-                gbps = count * ROW_BYTES / ms / 1e6
-                report.add(
-                    "copy_engine_scattered", backing=label, rows=count, ms=ms, gbps=gbps,
-                    pct_copy=100 * gbps / copy_gbps, first_call_s=first_s,
-                )  # fmt: skip
-                if count == ROWS_PER_STEP[0]:
-                    want = weight.index_select(0, ids)
-                    equal = bool(torch.equal(raw[:count], want))
-                    report.add("check", backing=f"{label} batch copy", rows=count, equal=equal)
 
         count = 262_144
         for footprint_mib in FOOTPRINTS_MIB:
@@ -430,6 +385,8 @@ def main() -> None:
         with section(report, kind):
             probe = probe_records if args.suite == "records" else probe_backing
             probe(report, args, kind, device, copy_gbps)
+        if kind == "registered_2m":
+            release_huge_pages()  # the pool would otherwise hold the memory the next backing needs
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Gather Engram rows on the CPU and hand them to the GPU as a few large copies (the ``staged`` host fetch).
 
 Why: when the GPU reads scattered rows of host memory itself (zero-copy, :mod:`dsinfer.kernels.engram_gather`),
-every row costs an address translation on the device side (the host IOMMU's view of guest memory, or the driver's
-small-page mapping of system memory): on an H200 in a VM, sorted rows of a 16 GiB table arrive at 17-22 GB/s,
+every row costs an address translation outside the GPU (the host IOMMU's 4 KiB view of guest memory, whatever
+page size or CUDA allocation backs the table): on an H200 in a VM, sorted rows of a 16 GiB table arrive at 17-22 GB/s,
 random ones at 5.5 GB/s, of the 50-55 GB/s a pinned copy reaches. The CPU's own TLBs and page walkers handle
 scattered reads without that cost, so here CPU threads collect the rows into pinned staging memory and the GPU
 receives them through plain host-to-device copies. What bounds this method instead is the host's memory system:
@@ -235,6 +235,11 @@ class StagedGather:
         with context:
             records = torch.empty(rows, self.row_bytes + self.scale_columns, dtype=torch.uint8, device=self.device)
             table = _records_of(weight, scale)
+            if table is None and not (weight.is_contiguous() and scale.is_contiguous()):
+                raise ValueError(  # numpy.take would first copy the whole table
+                    "staged gathers read one table of records or two contiguous tables, got strides "
+                    f"{weight.stride()} and {scale.stride()}"
+                )
             if table is not None:
                 table_array, weight_array, scale_array = table.numpy(), None, None
             else:

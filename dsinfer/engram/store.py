@@ -13,7 +13,8 @@ followed by each table as one region of *records*, each region aligned to 2 MiB:
 256 FP8 codes followed by its 8 scale bytes (264 bytes), so reading a row touches one stretch of
 memory. The GPU reads rows of host memory at a rate set by address translations (one per page a read
 touches, ``benchmarks/engram_translation_probe.py``): with the scales in a table of their own every
-row cost two, and 65,536 sorted rows of a 64 GiB table came at 9.0 GB/s; as records, at 16.7 GB/s.
+row cost two, and the gather kernel read 65,536 sorted rows of a 64 GiB table at 9.0 GB/s; as records,
+at 16.7 GB/s (docs/perf.md).
 :meth:`EngramStore.weight` and :meth:`EngramStore.scale` are the two column ranges of the records.
 On Linux ``shm_open(3)`` is an ``open(2)`` under ``/dev/shm``; opening the path directly lets the
 same code serve hugetlbfs, and keeps Python's ``resource_tracker`` (which unlinks segments that
@@ -55,8 +56,9 @@ logs why and falls back to 4 KiB pages in ``/dev/shm`` (:attr:`EngramStore.huge_
 holds the reason). Huge pages cut the host page-table entries behind a 200 GB table 512-fold and
 make loading faster (3.3 against 1.5 GB/s for a 16 GiB table); on the H200 VM of
 ``benchmarks/engram_fetch.py`` they did not speed up the GPU's scattered reads, whose translation
-happens outside the guest (host IOMMU or the GPU's own mapping of system memory). Not measured on
-bare metal.
+happens outside the guest (the host IOMMU; memory from ``cuMemCreate`` at 2 MiB granularity reads
+alike). Not measured on bare metal. The CPU's own scattered reads (the ``staged`` host method) gain
+from them (17.9 against 15.8 GB/s at 523,823 rows of a 64 GiB table).
 
 This module imports only the standard library at import time (torch only inside the methods that
 hand out tensors), so helper processes start in milliseconds.

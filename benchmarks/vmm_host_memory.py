@@ -1,14 +1,10 @@
-"""Host memory allocated and mapped through the CUDA driver's virtual memory management (ctypes).
+"""Host memory allocated and mapped through the CUDA driver's virtual memory management (ctypes; benchmarks).
 
 ``cuMemCreate`` with a ``HOST_NUMA`` location gives page-locked host memory that the driver maps
 into one virtual range for both the CPU and the GPU, in chunks of its allocation granularity
 (2 MiB where huge pages back it). Memory registered with ``cudaHostRegister`` instead is mapped for
 the GPU page by page; which of the two the GPU translates faster for scattered reads is what
 ``benchmarks/engram_translation_probe.py`` measures.
-
-The allocation can be exported as a POSIX file descriptor and imported by other processes of the
-host (``requested_handle=True``); the driver frees it once every process has released it, so a
-killed process leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from functools import cache
 __all__ = ["CudaDriverError", "VmmHostMemory", "cuda_driver"]
 
 _PINNED = 1
-_HANDLE_NONE, _HANDLE_POSIX_FD = 0, 1
+_HANDLE_NONE = 0
 _LOCATION_DEVICE, _LOCATION_HOST, _LOCATION_HOST_NUMA = 1, 2, 3
 _PROT_READWRITE = 3
 _GRANULARITY_MINIMUM, _GRANULARITY_RECOMMENDED = 0, 1
@@ -76,8 +72,6 @@ class _Driver:
         self._sig("cuMemUnmap", [u64, size_t])
         self._sig("cuMemAddressFree", [u64, size_t])
         self._sig("cuMemRelease", [u64])
-        self._sig("cuMemExportToShareableHandle", [ctypes.c_void_p, u64, ctypes.c_int, ctypes.c_ulonglong])
-        self._sig("cuMemImportFromShareableHandle", [p(u64), ctypes.c_void_p, ctypes.c_int])
 
     def _sig(self, name: str, argtypes: list) -> None:
         function = getattr(self.lib, name)
@@ -103,7 +97,7 @@ class VmmHostMemory:
     ``address`` is valid in this process on the CPU and, through unified addressing, on ``device``
     (wrap it with :func:`dsinfer.engram.fetch.host_tensor`). A CUDA context must be current on the
     calling thread (initialise torch on the device first). ``numa_node`` picks the host NUMA node;
-    ``location="host"`` asks for no particular node (not exportable).
+    ``location="host"`` asks for no particular node.
     """
 
     def __init__(
@@ -113,30 +107,20 @@ class VmmHostMemory:
         *,
         numa_node: int = 0,
         location: str = "host_numa",
-        exportable: bool = False,
         granularity: str = "recommended",
-        _imported_fd: int | None = None,
     ):
         if location not in ("host_numa", "host"):
             raise ValueError(f"location must be 'host_numa' or 'host', got {location!r}")
         driver = cuda_driver()
         self.device = device
-        prop = self._prop(location, numa_node, exportable)
+        prop = self._prop(location, numa_node)
         self.granularity = self.query_granularity(location, numa_node, granularity)
         self.nbytes = -(-nbytes // self.granularity) * self.granularity
         self._handle = ctypes.c_uint64(0)
         self._address = ctypes.c_uint64(0)
         self._mapped = False
         try:
-            if _imported_fd is None:
-                driver("cuMemCreate", ctypes.byref(self._handle), self.nbytes, ctypes.byref(prop), 0)
-            else:
-                driver(
-                    "cuMemImportFromShareableHandle",
-                    ctypes.byref(self._handle),
-                    ctypes.c_void_p(_imported_fd),
-                    _HANDLE_POSIX_FD,
-                )
+            driver("cuMemCreate", ctypes.byref(self._handle), self.nbytes, ctypes.byref(prop), 0)
             driver("cuMemAddressReserve", ctypes.byref(self._address), self.nbytes, self.granularity, 0, 0)
             driver("cuMemMap", self._address, self.nbytes, 0, self._handle, 0)
             self._mapped = True
@@ -151,37 +135,26 @@ class VmmHostMemory:
             raise
 
     @staticmethod
-    def _prop(location: str, numa_node: int, exportable: bool) -> _AllocationProp:
+    def _prop(location: str, numa_node: int) -> _AllocationProp:
         prop = _AllocationProp()
         prop.type = _PINNED
-        prop.requestedHandleTypes = _HANDLE_POSIX_FD if exportable else _HANDLE_NONE
+        prop.requestedHandleTypes = _HANDLE_NONE
         prop.location = _Location(_LOCATION_HOST_NUMA if location == "host_numa" else _LOCATION_HOST, numa_node)
         return prop
 
     @classmethod
     def query_granularity(cls, location: str = "host_numa", numa_node: int = 0, which: str = "recommended") -> int:
         """The driver's allocation granularity in bytes for host memory of ``location``."""
-        prop = cls._prop(location, numa_node, False)
+        prop = cls._prop(location, numa_node)
         value = ctypes.c_size_t(0)
         flag = _GRANULARITY_RECOMMENDED if which == "recommended" else _GRANULARITY_MINIMUM
         cuda_driver()("cuMemGetAllocationGranularity", ctypes.byref(value), ctypes.byref(prop), flag)
         return value.value
 
-    @classmethod
-    def import_fd(cls, fd: int, nbytes: int, device: int, *, numa_node: int = 0) -> VmmHostMemory:
-        """Map an allocation another process exported with :meth:`export_fd` (``nbytes`` as it reported)."""
-        return cls(nbytes, device, numa_node=numa_node, _imported_fd=fd)
-
     @property
     def address(self) -> int:
         """Start of the mapping (CPU and GPU virtual address)."""
         return self._address.value
-
-    def export_fd(self) -> int:
-        """A POSIX file descriptor for the allocation (needs ``exportable=True``); send it to another process."""
-        fd = ctypes.c_int(-1)
-        cuda_driver()("cuMemExportToShareableHandle", ctypes.byref(fd), self._handle, _HANDLE_POSIX_FD, 0)
-        return fd.value
 
     def close(self) -> None:
         """Unmap, free the range and release this process's reference (idempotent)."""
