@@ -659,13 +659,15 @@ def staged_sweep(report, store, methods, args, device, label, state, text_ids, c
             **extra,
         )
 
-    def sorted_sets(count, sets=3):
+    # A fresh set for each of time_ms's calls (2 warm-ups, 1 estimate, at most 8 timed): rows read again
+    # would find their address translations cached, which flatters small fetches.
+    def sorted_sets(count, sets=11):
         return [torch.unique(random_ids(count, rows, generator, device)) for _ in range(sets)]
 
     def gather_ms(fetcher, sets):
         fetcher.dedup = fetcher.sort = False
         try:
-            return time_ms(lambda rep: fetcher.fetch(sets[rep % len(sets)], 1), min_reps=3, max_reps=15)
+            return time_ms(lambda rep: fetcher.fetch(sets[rep % len(sets)], 1), min_reps=3, max_reps=len(sets) - 3)
         finally:
             fetcher.dedup = fetcher.sort = True
 
@@ -696,7 +698,7 @@ def staged_sweep(report, store, methods, args, device, label, state, text_ids, c
 
     # Lanes x chunk rows, at the largest step sizes.
     counts = [count for count in args.rows if count >= 131_072][-2:] or [max(args.rows)]
-    sets = {count: sorted_sets(count, sets=2) for count in counts}
+    sets = {count: sorted_sets(count) for count in counts}
     for threads in args.grid_threads:
         for chunk in args.grid_chunks:
             with fenced(report, f"{label}: staged lanes={threads} chunk={chunk}"):

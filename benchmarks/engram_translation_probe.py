@@ -150,16 +150,29 @@ class Backing:
 
 
 # ------------------------------------------------------------------------------------------ measurements
+ID_SETS = 10
+"""Fresh ids for every timed repetition: reading the same rows again finds their translations cached."""
+MAX_REPS = ID_SETS - 4  # time_ms runs 2 warm-ups and 1 estimate first
+
+
 def sorted_unique(count: int, high: int, generator: torch.Generator, device) -> torch.Tensor:
     ids = torch.randint(0, high, (count + count // 8,), generator=generator, device=device).unique(sorted=True)
     return ids[torch.randperm(ids.numel(), generator=generator, device=device)[:count]].sort().values
 
 
-def gather_ms(weight, scale, ids: torch.Tensor, out: torch.Tensor, programs: int) -> float:
-    """Median ms of the Triton zero-copy gather of ``ids`` (64 rows x 8 warps per program)."""
-    out = out[: ids.numel()]
+def id_sets(count: int, high: int, generator: torch.Generator, device) -> list[torch.Tensor]:
+    """``ID_SETS`` independent sets of ``count`` sorted unique ids below ``high``."""
+    return [sorted_unique(count, high, generator, device) for _ in range(ID_SETS)]
+
+
+def gather_ms(weight, scale, sets: list[torch.Tensor], out: torch.Tensor, programs: int) -> float:
+    """Median ms of the Triton zero-copy gather (64 rows x 8 warps per program), a fresh id set each time."""
+    out = out[: sets[0].numel()]
     return time_ms(
-        lambda _r: gather_dequantize(weight, scale, ids, out=out, block_rows=64, num_warps=8, max_programs=programs)
+        lambda rep: gather_dequantize(
+            weight, scale, sets[rep % ID_SETS], out=out, block_rows=64, num_warps=8, max_programs=programs
+        ),
+        max_reps=MAX_REPS,
     )
 
 
@@ -202,10 +215,10 @@ def probe_backing(report: Report, args, kind: str, device: torch.device, copy_gb
         raw = torch.empty(max(ROWS_PER_STEP), ROW_BYTES, dtype=torch.uint8, device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         for count in ROWS_PER_STEP:
-            ids = sorted_unique(count, rows, generator, device)
+            sets = id_sets(count, rows, generator, device)
             for programs in (32, sms * 2, sms * 16):
                 with fenced(report, f"{label} gather {count} {programs}"):
-                    ms = gather_ms(weight, scale, ids, out, programs)
+                    ms = gather_ms(weight, scale, sets, out, programs)
                     gbps = count * (ROW_BYTES + SCALE_BYTES) / ms / 1e6
                     report.add(
                         "gather", backing=label, rows=count, programs=programs, ms=ms, gbps=gbps,
@@ -215,22 +228,29 @@ def probe_backing(report: Report, args, kind: str, device: torch.device, copy_gb
         count = 262_144
         for footprint_mib in FOOTPRINTS_MIB:
             high = rows if footprint_mib is None else min(rows, footprint_mib * 2**20 // ROW_BYTES)
-            ids = sorted_unique(min(count, high // 2), high, generator, device)
+            sets = id_sets(min(count, high // 2), high, generator, device)
             with fenced(report, f"{label} footprint {footprint_mib}"):
-                ms = gather_ms(weight, scale, ids, out, 32)
-                gbps = ids.numel() * (ROW_BYTES + SCALE_BYTES) / ms / 1e6
+                ms = gather_ms(weight, scale, sets, out, 32)
+                gbps = sets[0].numel() * (ROW_BYTES + SCALE_BYTES) / ms / 1e6
                 report.add(
-                    "footprint", backing=label, footprint_mib=footprint_mib or nbytes >> 20, rows=ids.numel(),
+                    "footprint", backing=label, footprint_mib=footprint_mib or nbytes >> 20, rows=sets[0].numel(),
                     gbps=gbps, pct_copy=100 * gbps / copy_gbps,
                 )  # fmt: skip
 
-        stride = rows // count
-        strided = torch.arange(count, device=device) * stride
+        stride = rows // (count + 1)
+        shift = [stride * i // ID_SETS for i in range(ID_SETS)]  # a fresh set of pages each repetition
+        strided = [torch.arange(count, device=device) * stride + first for first in shift]
         with fenced(report, f"{label} strided"):
             ms_kernel = gather_ms(weight, scale, strided, out, 32)
-            ms_ce = time_ms(lambda _r: copy_engine_strided(backing.address, stride * ROW_BYTES, raw, count))
+            ms_ce = time_ms(
+                lambda rep: copy_engine_strided(
+                    backing.address + shift[rep % ID_SETS] * ROW_BYTES, stride * ROW_BYTES, raw, count
+                ),
+                max_reps=MAX_REPS,
+            )
+            copy_engine_strided(backing.address + shift[1] * ROW_BYTES, stride * ROW_BYTES, raw, count)
             torch.cuda.synchronize()
-            equal = bool(torch.equal(raw[:count], weight.index_select(0, strided)))
+            equal = bool(torch.equal(raw[:count], weight.index_select(0, strided[1])))
             report.add(
                 "strided", backing=label, rows=count, stride_bytes=stride * ROW_BYTES,
                 kernel_gbps=count * (ROW_BYTES + SCALE_BYTES) / ms_kernel / 1e6,
@@ -297,13 +317,13 @@ def probe_records(report: Report, args, kind: str, device: torch.device, copy_gb
         staging = torch.empty(max(ROWS_PER_STEP), record, dtype=torch.uint8, pin_memory=True)
         raw = torch.empty(max(ROWS_PER_STEP), record, dtype=torch.uint8, device=device)
         for count in ROWS_PER_STEP:
-            ids = sorted_unique(count, rows, generator, device)
-            ids_cpu = ids.cpu().numpy()
+            sets = id_sets(count, rows, generator, device)
+            cpu_sets = [ids.cpu().numpy() for ids in sets]
             payload = count * record
             for layout, (weight, scale) in layouts.items():
                 for programs in (32, 64) if layout == "records" else (32,):
                     with fenced(report, f"{label} {layout} gather {count}"):
-                        ms = gather_ms(weight, scale, ids, out, programs)
+                        ms = gather_ms(weight, scale, sets, out, programs)
                         report.add(
                             "layout_gather", backing=label, layout=layout, rows=count, programs=programs, ms=ms,
                             gbps=payload / ms / 1e6, pct_copy=100 * payload / ms / 1e6 / copy_gbps,
@@ -312,7 +332,7 @@ def probe_records(report: Report, args, kind: str, device: torch.device, copy_gb
                     table = cpu_tables[layout]
                     width = table.shape[1]
                     target = staging.numpy()[:count, :width]
-                    times = [cpu_gather_ms(pool, table, ids_cpu, target, lanes) for _ in range(4)]
+                    times = [cpu_gather_ms(pool, table, ids, target, lanes) for ids in cpu_sets[:5]]
                     ms = statistics.median(times[1:])
                     report.add(
                         "cpu_gather", backing=label, layout=layout, rows=count, lanes=lanes, ms=ms,
@@ -323,9 +343,9 @@ def probe_records(report: Report, args, kind: str, device: torch.device, copy_gb
                     cut = int(count * share)
                     weight, scale = layouts["records"]
                     table = cpu_tables["records"]
-                    rest = ids_cpu[cut:]
                     times = []
-                    for _ in range(4):
+                    for ids, ids_cpu in zip(sets[5:], cpu_sets[5:], strict=True):
+                        rest = ids_cpu[cut:]
                         torch.cuda.synchronize()
                         started = time.perf_counter()
                         gather_dequantize(
