@@ -57,8 +57,8 @@ holds the reason). Huge pages cut the host page-table entries behind a 200 GB ta
 make loading faster (3.3 against 1.5 GB/s for a 16 GiB table); on the H200 VM of
 ``benchmarks/engram_fetch.py`` they did not speed up the GPU's scattered reads, whose translation
 happens outside the guest (the host IOMMU; memory from ``cuMemCreate`` at 2 MiB granularity reads
-alike). Not measured on bare metal. The CPU's own scattered reads (the ``staged`` host method) gain
-from them (17.9 against 15.8 GB/s at 523,823 rows of a 64 GiB table).
+alike). Not measured on bare metal. The CPU's own scattered reads (the ``staged`` host method) ran
+at 13-18 GB/s with either page size (docs/perf.md).
 
 This module imports only the standard library at import time (torch only inside the methods that
 hand out tensors), so helper processes start in milliseconds.
