@@ -28,7 +28,7 @@ an H200 in a Firecracker VM, PCIe 5 x16, 55 GB/s pinned copy (``benchmarks/engra
   scales; ``weight`` and ``scale`` are the two column ranges, row stride 264), so a row is one stretch
   of host memory and usually one page: 65,536 sorted rows of a 64 GiB table came at 9.4 GB/s, against
   7.1 GB/s from separate code and scale tables (1.09x at 524,288 rows). The row strides are
-  compile-time constants (8-byte loads for records, 16-byte loads for contiguous tables).
+  compile-time constants, so Triton knows how every row is aligned.
 * **Count read on the device.** The number of valid rows comes from a device tensor, so a
   de-duplicated id list whose length is only known on the GPU needs no host synchronisation.
 
