@@ -87,8 +87,8 @@ STAGED_TABLES = ("16:4k", "64:4k", "64:2m")
 class Report:
     """Rows of results, written to JSON and Markdown after every section."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, name: str = "engram_fetch"):
+        self.out, self.name = out, name
         self.out.mkdir(parents=True, exist_ok=True)
         self.sections: dict[str, list[dict]] = {}
         self.notes: list[str] = []
@@ -103,8 +103,8 @@ class Report:
         print(f"[note] {text}", flush=True)
 
     def write(self) -> None:
-        (self.out / "engram_fetch.json").write_text(json.dumps({"notes": self.notes, **self.sections}, indent=1))
-        (self.out / "engram_fetch.md").write_text(self.markdown())
+        (self.out / f"{self.name}.json").write_text(json.dumps({"notes": self.notes, **self.sections}, indent=1))
+        (self.out / f"{self.name}.md").write_text(self.markdown())
 
     def markdown(self) -> str:
         lines = []

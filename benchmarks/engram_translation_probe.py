@@ -1,7 +1,10 @@
 """Why scattered GPU reads of host memory are slow, and which host memory the GPU reads fastest.
 
     PYTHONPATH=$PWD python benchmarks/engram_translation_probe.py --out results/ [--table-gib 64]
-        [--backings registered vmm hostalloc vmm_min] [--deadline-s 500]
+        [--suite backings|records] [--backings registered vmm hostalloc vmm_min registered_2m]
+        [--huge-pages 33000] [--cpu-lanes 16] [--shares 0.4 0.5 0.6] [--deadline-s 500]
+
+Results go to ``--out`` as ``engram_translation_probe.json`` and ``.md``.
 
 For each way of giving the GPU a table of ``--table-gib`` in host memory (one at a time):
 
@@ -381,7 +384,7 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.4, 0.5, 0.6])
     parser.add_argument("--huge-pages", type=int, default=0, help="2 MiB pages to reserve first (root)")
     args = parser.parse_args()
-    report = Report(Path(args.out))
+    report = Report(Path(args.out), name="engram_translation_probe")
     device = torch.device("cuda:0")
     torch.zeros(1, device=device)
     started = time.monotonic()
