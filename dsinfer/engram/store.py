@@ -76,6 +76,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -979,11 +980,13 @@ class EngramStore:
 
     def _load(self, source: EngramSource, fd: int) -> None:
         loaded = 0
+        lock = threading.Lock()  # sources report from their reader threads
 
         def progress(n: int) -> None:
             nonlocal loaded
-            loaded += n
-            struct.pack_into("<Q", self._mapping, _LOADED_AT, loaded)
+            with lock:
+                loaded += n
+                struct.pack_into("<Q", self._mapping, _LOADED_AT, loaded)
 
         view = memoryview(self._mapping)
         try:
