@@ -1,0 +1,1 @@
+"""Ops the models call, each a torch reference plus optional faster backends (see :mod:`dsinfer.ops.registry`)."""

@@ -1,0 +1,3 @@
+"""Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
+
+# Each import registers the op's reference and any faster backends beside it.

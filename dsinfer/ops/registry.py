@@ -1,0 +1,148 @@
+"""The ops seam: every op the models need is one name with a torch reference and optional faster backends.
+
+A backend registers beside its op's reference with the devices and dtypes it serves and a check of whether it
+can run here (Triton installed, a CUDA capability, a torch built-in present). :func:`resolve` picks, once per
+model load, the highest-priority backend that serves the model's device and dtype, logs the choice, and returns
+plain functions: the forward never asks the registry anything. The reference (priority 0) serves every device
+and is the truth every other backend is tested against (``tests/ops``).
+
+``DSINFER_OPS`` forces choices, e.g. ``DSINFER_OPS="routed_moe=reference,attention=reference"``; a name that
+is not registered, or a backend that cannot serve the device, is an error rather than a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Backend:
+    op: str
+    name: str
+    fn: Callable
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...] | None
+    available: Callable[[], bool]
+    priority: int
+
+    def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type not in self.devices:
+            return False
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return False
+        return bool(self.available())
+
+
+_REGISTRY: dict[str, dict[str, Backend]] = {}
+
+
+def register(
+    op: str,
+    name: str,
+    *,
+    devices: tuple[str, ...] = ("cpu", "cuda"),
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    available: Callable[[], bool] | None = None,
+    priority: int | None = None,
+) -> Callable[[Callable], Callable]:
+    """Decorator: make ``fn`` backend ``name`` of ``op``. The reference must serve every device."""
+
+    def decorate(fn: Callable) -> Callable:
+        backends = _REGISTRY.setdefault(op, {})
+        if name in backends and backends[name].fn is not fn:
+            raise ValueError(f"op {op!r} already has a backend named {name!r}")
+        rank = priority if priority is not None else (0 if name == REFERENCE else 10)
+        backends[name] = Backend(op, name, fn, tuple(devices), dtypes, available or (lambda: True), rank)
+        return fn
+
+    return decorate
+
+
+def backends(op: str) -> list[Backend]:
+    """Every backend registered for ``op``, best first."""
+    _load_backends()
+    if op not in _REGISTRY:
+        raise KeyError(f"no op named {op!r}; registered: {sorted(_REGISTRY)}")
+    return sorted(_REGISTRY[op].values(), key=lambda b: -b.priority)
+
+
+def _forced() -> dict[str, str]:
+    spec = os.environ.get("DSINFER_OPS", "").strip()
+    forced = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        op, sep, name = item.partition("=")
+        if not sep or not op or not name:
+            raise ValueError(f"DSINFER_OPS entry {item!r} is not op=backend")
+        forced[op.strip()] = name.strip()
+    return forced
+
+
+def choose(op: str, device: torch.device | str, dtype: torch.dtype, forced: str | None = None) -> Backend:
+    """The backend ``op`` runs with on ``device`` / ``dtype``: the forced one, else the best that serves."""
+    device = torch.device(device)
+    candidates = backends(op)
+    if forced is not None:
+        match = [b for b in candidates if b.name == forced]
+        if not match:
+            raise ValueError(f"DSINFER_OPS asks {op}={forced}, but {op} has only {[b.name for b in candidates]}")
+        if not match[0].serves(device, dtype):
+            raise ValueError(f"DSINFER_OPS asks {op}={forced}, which cannot run on {device.type} / {dtype} here")
+        return match[0]
+    for backend in candidates:
+        if backend.serves(device, dtype):
+            return backend
+    raise RuntimeError(f"op {op!r} has no backend for {device.type} / {dtype}")
+
+
+@dataclass
+class OpTable:
+    """The functions one model calls, chosen once at load time (``ops.routed_moe(...)``)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    chosen: dict[str, Backend] = field(default_factory=dict)
+
+    def __getattr__(self, op: str) -> Callable:
+        chosen = self.__dict__.get("chosen", {})
+        if op in chosen:
+            return chosen[op].fn
+        raise AttributeError(f"op table has no op {op!r}")
+
+    def describe(self) -> str:
+        return ", ".join(f"{op}={backend.name}" for op, backend in sorted(self.chosen.items()))
+
+
+def resolve(device: torch.device | str, dtype: torch.dtype) -> OpTable:
+    """Choose every registered op's backend for one model and log the choices."""
+    _load_backends()
+    device = torch.device(device)
+    forced = _forced()
+    unknown = set(forced) - set(_REGISTRY)
+    if unknown:
+        raise ValueError(f"DSINFER_OPS names unknown ops {sorted(unknown)}; registered: {sorted(_REGISTRY)}")
+    table = OpTable(device, dtype)
+    for op in sorted(_REGISTRY):
+        table.chosen[op] = choose(op, device, dtype, forced.get(op))
+    logger.info("ops on %s / %s: %s", device.type, dtype, table.describe())
+    return table
+
+
+_loaded = False
+
+
+def _load_backends() -> None:
+    """Import every op module once so their ``register`` calls have run."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import dsinfer.ops.catalog  # noqa: F401
