@@ -173,6 +173,7 @@ class ModelConfig:
                     break
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raise ConfigError("field 'text_config': multimodal wrapper configs are not supported yet")
+        _reject_unimplemented(raw)
 
         num_layers = _as_int(values, "num_hidden_layers", 43)
         csa_ratio, hca_ratio = _compress_rates(raw)
@@ -210,6 +211,28 @@ class ModelConfig:
                 raise ConfigError(f"field {f_name!r}: expected a string, got {value!r}")
             kwargs[f_name] = value
         return cls(**kwargs)
+
+
+def _reject_unimplemented(raw: dict[str, Any]) -> None:
+    """Fields of a Hugging Face V4 config that would change the math in ways this engine does not compute.
+
+    Each is refused by name rather than silently ignored: a model computed with other math than its config says
+    would give wrong logits with no error anywhere.
+    """
+    if raw.get("norm_topk_prob") is False:
+        # Hugging Face's V4 renormalises the picked experts' weights whatever this flag says; the released
+        # checkpoints set it true. Honouring false would disagree with the reference, ignoring it would lie.
+        raise ConfigError("field 'norm_topk_prob': only true is supported (DeepSeek-V4 normalises routing weights)")
+    act = raw.get("hidden_act")
+    if act is not None and act != "silu":
+        raise ConfigError(f"field 'hidden_act': DeepSeek-V4 experts are SwiGLU ('silu'), got {act!r}")
+    main = (raw.get("rope_parameters") or {}).get("main") if isinstance(raw.get("rope_parameters"), dict) else None
+    if isinstance(main, dict):
+        kind = main.get("rope_type", main.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ConfigError(
+                f"field 'rope_parameters.main.rope_type': window-only layers use plain RoPE, got {kind!r}"
+            )
 
 
 def is_v41_config(raw: dict[str, Any]) -> bool:

@@ -185,3 +185,25 @@ def test_config_file_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**HUB_CONFIG, "hidden_size": 0}))
     with pytest.raises(ConfigError, match=r"config\.json: field 'hidden_size'"):
         ModelConfig.from_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        (
+            {"rope_parameters": {"main": {"rope_type": "yarn", "factor": 4.0}, "compress": {"rope_type": "default"}}},
+            "rope_parameters.main",
+        ),
+    ],
+)
+def test_math_changing_fields_we_do_not_compute_are_refused(fields, named):
+    """A Hugging Face V4 config whose math we would not follow is one clear error naming the field."""
+    hf = DeepseekV4Config(**fields).to_dict()
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        ModelConfig.from_dict(hf)
+
+
+def test_hugging_face_defaults_for_those_fields_are_accepted():
+    ModelConfig.from_dict(DeepseekV4Config(norm_topk_prob=True, hidden_act="silu").to_dict())

@@ -35,6 +35,7 @@ from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.ops.topk import topk_indices
 
 
 def select_candidate_blocks(
@@ -55,8 +56,9 @@ def select_candidate_blocks(
     newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
     block_ids = torch.arange(num_blocks, device=scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest[:, None], float("inf"))
-    top = block_scores.topk(min(topk_blocks, num_blocks), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    chosen = topk_indices(block_scores, min(topk_blocks, num_blocks))
+    finite = block_scores.gather(-1, chosen) > float("-inf")
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, chosen, finite)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
@@ -66,8 +68,8 @@ def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
     selected = torch.zeros_like(scores, dtype=torch.bool)
     if width == 0:
         return selected
-    top = scores.topk(min(k, width), dim=-1)
-    return selected.scatter_(-1, top.indices, top.values > float("-inf"))
+    chosen = topk_indices(scores, min(k, width))
+    return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
 
 
 class SourceCompressor(nn.Module):

@@ -16,6 +16,7 @@ from dsinfer.engine.kv_cache import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.models.batch import SequenceSpan
+from dsinfer.ops.topk import topk_indices
 
 
 class Indexer(nn.Module):
@@ -52,6 +53,6 @@ class Indexer(nn.Module):
         scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
         visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = scores.topk(min(self.topk, n_entries), dim=-1).indices
+        chosen = topk_indices(scores, min(self.topk, n_entries))
         selected = torch.zeros_like(visible).scatter_(1, chosen, True)
         return selected & visible

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.ops.topk import topk_indices
 
 
 class Expert(nn.Module):
@@ -53,7 +54,7 @@ class Router(nn.Module):
         if self.hash_routed:
             experts = self.tid2eid[input_ids].long()
         else:
-            experts = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+            experts = topk_indices(scores + self.bias.float(), self.top_k)
         weights = scores.gather(1, experts)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -123,9 +124,9 @@ class RouterV41(nn.Module):
         """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
         scores = F.softplus(F.linear(x.float(), self.weight.float()) / self.gate_temp).sqrt()
         bias = self.bias.float().expand_as(scores)
-        if image_mask is not None and bool(image_mask.any()):
+        if image_mask is not None:  # chosen per token on the device: no host read of the mask
             bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
-        experts = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
+        experts = topk_indices(scores + bias, self.top_k)
         weights = scores.gather(1, experts)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
