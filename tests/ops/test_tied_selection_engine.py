@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_harness import random_prompts, run_all
 
 from dsinfer.config import EngineConfig

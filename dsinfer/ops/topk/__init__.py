@@ -6,8 +6,8 @@ ReLU scores tie at exactly 0 often, expert scores can tie, candidate blocks tie;
 goes through :func:`topk_indices` so the choice depends on the values alone.
 """
 
-from dsinfer.ops.topk.reference import topk_indices_reference
 from dsinfer.ops.topk.packed_key import topk_indices_packed_key
+from dsinfer.ops.topk.reference import topk_indices_reference
 
 __all__ = ["topk_indices", "topk_indices_packed_key", "topk_indices_reference"]
 
