@@ -33,9 +33,9 @@ import torch
 
 from dsinfer.config import QuantizationConfig
 from dsinfer.config_v41 import ModelConfigV41
-from dsinfer.engine.kv_cache_v41 import KVCacheV41
 from dsinfer.engram.hashing import EngramHasher
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.tiny import build_random_model, tiny_config_v41
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -20,7 +20,7 @@ import time
 import torch
 
 from dsinfer.bench.shapes import flash_slice_config
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import build_random_model, make_tiny_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsinfer.cli import main
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.tokenizer import Tokenizer
 

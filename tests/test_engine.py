@@ -8,7 +8,7 @@ from engine_harness import random_prompts, run_all
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer

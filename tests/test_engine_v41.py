@@ -19,10 +19,10 @@ from server_harness import running_server
 from dsinfer.cli import main
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.kv_cache_v41 import KVCacheV41
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engram.hashing import EngramContext
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
+from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.loader import load_model
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.chat_format import encode_chat

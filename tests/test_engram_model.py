@@ -22,8 +22,8 @@ from dsinfer.engram.fetch import PLACEMENT_ENV, HostEngramFetcher, ShardedEngram
 from dsinfer.engram.module import EngramTableFetcher
 from dsinfer.engram.placement import PlacedEngramTables
 from dsinfer.engram.store import SHM_DIR, EngramStoreError, default_segment_name
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.llm import LLM
-from dsinfer.models.batch import PackedBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.hf_names import official_to_hf_state_dict
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import quantize_like_checkpoint, write_checkpoint

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dsinfer.engine.kv_cache import KVCache, attention_layer_ratios, block_tokens_for
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
 from dsinfer.models.loader import load_model
 
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from dsinfer.config_v41 import ModelConfigV41
-from dsinfer.engine.kv_cache_v41 import KVCacheV41, block_tokens_for_v41
-from dsinfer.layers.cache_codec import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT
-from dsinfer.layers.fake_quant import fake_quant_compressed_kv, fake_quant_index, fake_quant_window_kv
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
+from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import tiny_config_v41
+from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_index, fake_quant_window_kv
 
 FORMATS = {
     "window": (WINDOW_KV_FORMAT, fake_quant_window_kv),

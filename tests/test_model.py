@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import INDEX_FILE, CheckpointError, load_model
 
 

@@ -1,4 +1,4 @@
-"""Tests for the checkpoint quantisation formats in dsinfer.layers.quant."""
+"""Tests for the checkpoint quantisation formats in dsinfer.ops.quant."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dsinfer.layers.quant import (
+from dsinfer.ops.quant import (
     E2M1_VALUES,
     FP4_MAX,
     FP8_MAX,

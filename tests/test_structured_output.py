@@ -17,7 +17,7 @@ from dsinfer.engine.structured_output import (
     StructuredOutputCompiler,
     apply_token_bitmask,
 )
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.sampling_params import SamplingParams, StructuredOutput

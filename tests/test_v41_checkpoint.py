@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from dsinfer.cli import main
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
-from dsinfer.models.batch import PackedBatch
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import INDEX_FILE, CheckpointError, load_model
 from dsinfer.tokenizer import Tokenizer
@@ -164,7 +164,7 @@ def test_tokenizer_that_does_not_belong_to_the_checkpoint(checkpoint):
 
 
 def test_cache_accounting(tiny_v41_checkpoint):
-    from dsinfer.engine.kv_cache_v41 import KVCacheV41
+    from dsinfer.kv.cache_v41 import KVCacheV41
 
     model = load_model(tiny_v41_checkpoint, progress=False)
     cfg = model.config

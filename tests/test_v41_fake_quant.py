@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsinfer.layers.csa2 import select_candidate_blocks, top_k_visible
-from dsinfer.layers.fake_quant import (
+from dsinfer.ops.fake_quant import (
     fake_quant_compressed_kv,
     fake_quant_fp4,
     fake_quant_fp8,

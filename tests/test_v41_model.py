@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer.engine.kv_cache_v41 import KVCacheV41
-from dsinfer.layers.fake_quant import ActivationQuantizer
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model
+from dsinfer.ops.fake_quant import ActivationQuantizer
 
 BLOCK_TOKENS = 8  # small blocks so a sequence crosses many, through a scattered block table
 BLOCK_TABLE = [20, 3, 7, 11, 0, 5, 9, 14, 2, 17, 22, 1, 13, 6, 19, 4]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from dsinfer.config import EngineConfig
-from dsinfer.engine.kv_cache import KVCache, attention_layer_ratios, block_tokens_for
-from dsinfer.engine.kv_cache_v41 import KVCacheV41, block_tokens_for_v41
+from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
+from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
 

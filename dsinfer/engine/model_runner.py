@@ -21,10 +21,10 @@ from dsinfer.engine.cache_plan import (
     cache_blocks_for_budget,
     check_served_model,
 )
-from dsinfer.engine.kv_cache_v41 import KVCacheV41
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engram.hashing import EngramContext
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41
 
 
 @dataclass

@@ -35,7 +35,7 @@ an H200 in a Firecracker VM, PCIe 5 x16, 55 GB/s pinned copy (``benchmarks/engra
 :func:`dequantize_rows` runs the same kernel without the gather, on rows that already sit contiguously in
 device memory: the staged host fetch (:mod:`dsinfer.engram.staged_gather`) copies the raw rows over first.
 
-The reference (:func:`gather_dequantize_reference`) is ``dsinfer.layers.quant.dequantize_fp8_blockwise``
+The reference (:func:`gather_dequantize_reference`) is ``dsinfer.ops.quant.dequantize_fp8_blockwise``
 with 1x32 blocks; the kernel matches it bit for bit (an e4m3 value times a power of two is exact in
 float32, and both round the same float32 to the output dtype).
 """
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.layers.quant import dequantize_fp8_blockwise
+from dsinfer.ops.quant import dequantize_fp8_blockwise
 
 try:  # Triton is optional: CPU-only installs use the reference.
     import triton

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.engine.kv_cache import LayerCache
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.batch import PackedBatch, SequenceSpan
 
 
 class Attention(nn.Module):

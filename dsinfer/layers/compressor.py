@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsinfer.engine.kv_cache import CompressorCache
+from dsinfer.kv.batch import SequenceSpan
+from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.batch import SequenceSpan
 
 
 class Compressor(nn.Module):

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config_v41 import ModelConfigV41
-from dsinfer.engine.kv_cache_v41 import KVCacheV41, SourceCache
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41, SourceCache
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import visible_entries
-from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.batch import PackedBatch, SequenceSpan
+from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.topk import topk_indices
 
 

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.engine.kv_cache import CompressorCache
+from dsinfer.kv.batch import SequenceSpan
+from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.batch import SequenceSpan
 from dsinfer.ops.topk import topk_indices
 
 

@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.batch import PackedBatch
 
 
 def hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:

@@ -33,15 +33,15 @@ from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import EngramContext, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.layers.csa2 import AttentionV41
-from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.batch import PackedBatch, SequenceSpan
 from dsinfer.models.block import hc_parameters
 from dsinfer.models.deepseek_v4 import RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
+from dsinfer.ops.fake_quant import ActivationQuantizer
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back

@@ -29,12 +29,12 @@ from torch import nn
 
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.layers.attention import Attention
-from dsinfer.layers.fake_quant import ActivationQuantizer
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.models.block import hc_parameters
+from dsinfer.ops.fake_quant import ActivationQuantizer
 
 if TYPE_CHECKING:
     from dsinfer.models.deepseek_v41 import DeepseekV41

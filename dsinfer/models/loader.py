@@ -27,10 +27,10 @@ from dsinfer.config import ConfigError, ModelConfig
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choose_placement, open_engram_tables
-from dsinfer.layers.quant import dequantize_fp4, dequantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name, v41_name
+from dsinfer.ops.quant import dequantize_fp4, dequantize_fp8_blockwise
 from dsinfer.tokenizer import Tokenizer, TokenizerLoadError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.layers.mhc import hyper_head
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.batch import PackedBatch
 from dsinfer.models.block import Block
 
 

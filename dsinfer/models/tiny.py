@@ -22,11 +22,11 @@ from safetensors.torch import save_file
 from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
-from dsinfer.layers.quant import quantize_fp4, quantize_fp8_blockwise
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import INDEX_FILE, parameter_dtype
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
+from dsinfer.ops.quant import quantize_fp4, quantize_fp8_blockwise
 from dsinfer.tokenizer import Tokenizer
 
 TINY_VOCAB_SIZE = 512

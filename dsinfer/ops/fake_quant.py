@@ -17,14 +17,14 @@ nearest with ties to the even code, and a last axis that is not a whole number o
 unchanged, as in the reference. Every ``fake_quant_*`` function returns a new tensor in the input dtype.
 
 The rounding is also available in halves, codes and scales (:func:`fp8_block_codes`, :func:`fp4_block_scale`,
-:func:`fp4_block_codes`), which the cache's storage formats (:mod:`dsinfer.layers.cache_codec`) share.
+:func:`fp4_block_codes`), which the cache's storage formats (:mod:`dsinfer.kv.codecs`) share.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsinfer.layers.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, round_to_e2m1_codes
+from dsinfer.ops.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, round_to_e2m1_codes
 
 WINDOW_KV_BLOCK = 32
 COMPRESSED_KV_BLOCK = 16

@@ -13,7 +13,7 @@ V4.1 shares compressed KV across layers (CSA2), so only KV-source layers own com
 
 **Storage.** By default windows, entries and index keys are kept in the model dtype. With
 ``quantized_storage=True`` they are kept as what the trained-in rounding made them
-(:mod:`dsinfer.layers.cache_codec`): window KV as FP8 e4m3 codes with a ue8m0 exponent per 32 channels,
+(:mod:`dsinfer.kv.codecs`): window KV as FP8 e4m3 codes with a ue8m0 exponent per 32 channels,
 compressed entries as packed FP4 e2m1 with an e4m3 scale per 16, index keys as packed FP4 with a ue8m0
 exponent per 32; decoding gives back the rounded values bit for bit, so the logits do not change. That
 needs the model's fake quantization on (:meth:`KVCacheV41.check_fake_quantization`). Unfinished groups
@@ -31,7 +31,7 @@ import torch
 
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
-from dsinfer.layers.cache_codec import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
 
 DEFAULT_BLOCK_TOKENS = 64
 

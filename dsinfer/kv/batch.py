@@ -2,7 +2,7 @@
 
 Each sequence contributes the tokens it has not run yet (a whole prompt, a prefill chunk, or one decode
 token) and a :class:`SequenceSpan` saying where they start, which state slot and blocks of the
-:class:`~dsinfer.engine.kv_cache.KVCache` hold its earlier tokens. A whole prompt with no engine around is
+:class:`~dsinfer.kv.cache_v4.KVCache` hold its earlier tokens. A whole prompt with no engine around is
 the special case of a fresh scratch cache and spans that start at 0.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 from dsinfer.config import ModelConfig
 from dsinfer.config_v41 import ModelConfigV41
-from dsinfer.engine.kv_cache import KVCache
-from dsinfer.engine.kv_cache_v41 import KVCacheV41
+from dsinfer.kv.cache_v4 import KVCache
+from dsinfer.kv.cache_v41 import KVCacheV41
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Block-scaled storage of V4.1's rounded activations: codes plus one scale per block, lossless.
 
-V4.1's fake quantizers (:mod:`dsinfer.layers.fake_quant`) leave every window KV vector, compressed KV entry
+V4.1's fake quantizers (:mod:`dsinfer.ops.fake_quant`) leave every window KV vector, compressed KV entry
 and index key on a block-scaled FP8 / FP4 grid, but in the model dtype. A :class:`CacheFormat` stores such
 rows as what they are, one byte per code or per scale:
 
@@ -13,7 +13,7 @@ index keys         ``uint8``, two e2m1 per byte         ``uint8`` ue8m0 exponent
 =================  ===================================  =====================================
 
 A ue8m0 byte ``b`` is the scale ``2**(b - 127)`` (torch's ``float8_e8m0fnu`` bits); packed e2m1 codes put
-channel ``2j`` in the low nibble of byte ``j`` (:func:`~dsinfer.layers.quant.pack_e2m1_codes`).
+channel ``2j`` in the low nibble of byte ``j`` (:func:`~dsinfer.ops.quant.pack_e2m1_codes`).
 
 **Why decoding gives back the rounded values bit for bit** (fp32 and bf16; the grid values and their
 products with the scales are exact in both). The encoder does not know the scale the fake quantizer used,
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.layers.fake_quant import (
+from dsinfer.ops.fake_quant import (
     COMPRESSED_KV_BLOCK,
     INDEX_BLOCK,
     WINDOW_KV_BLOCK,
@@ -48,7 +48,7 @@ from dsinfer.layers.fake_quant import (
     fp4_block_scale,
     fp8_block_codes,
 )
-from dsinfer.layers.quant import dequantize_fp4, pack_e2m1_codes
+from dsinfer.ops.quant import dequantize_fp4, pack_e2m1_codes
 
 ELEMENTS = ("e4m3", "e2m1")
 SCALES = ("ue8m0", "e4m3")
