@@ -73,4 +73,4 @@ def cache_blocks_for_budget(model: ServedModel, engine: EngineConfig, num_slots:
     available = budget - num_slots * probe.slot_bytes()
     if available <= 0:
         return 0
-    return available // max(probe.block_bytes(), 1)
+    return max(0, available // max(probe.block_bytes(), 1) - probe.spare_blocks)

@@ -29,6 +29,34 @@ class SequenceSpan:
     window_from: int = 0  # oldest position whose window KV is in the ring (later than 0 after a prefix hit)
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a device tensor without a host synchronisation (pinned memory, asynchronous copy).
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the stream; metadata built
+    every step must not make the host wait for the GPU, or the scheduler could never run ahead of it.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class DeviceSpans:
+    """Every span of a batch as device tensors, built once per step and read by every layer."""
+
+    slots: torch.Tensor  # [B] state slot of each sequence
+    starts: torch.Tensor  # [B] position of each sequence's first new token
+    window_from: torch.Tensor  # [B] oldest position whose window KV is in the ring
+    block_tables: torch.Tensor  # [B, max_blocks], padded with the cache's trash block
+    token_rows: torch.Tensor  # [B] row of each sequence's last new token in the packed tensors
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.block_tables.shape[1])
+
+
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -36,6 +64,7 @@ class PackedBatch:
     spans: list[SequenceSpan]
     cache: KVCache | KVCacheV41 | None
     _slices: list[slice] = field(default_factory=list, repr=False)
+    _device_spans: DeviceSpans | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         offset = 0
@@ -69,6 +98,29 @@ class PackedBatch:
             blocks = math.ceil(span.length / self.cache.block_tokens)
             span.block_table = list(range(next_block, next_block + blocks))
             next_block += blocks
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence runs exactly one new token (a pure decode step: the batched, sync-free path)."""
+        return all(span.length == 1 for span in self.spans)
+
+    @property
+    def device_spans(self) -> DeviceSpans:
+        """The spans as device tensors (built on first use, once per step)."""
+        if self._device_spans is None:
+            device = self.input_ids.device
+            trash = self.cache.trash_block
+            width = max(1, max(len(span.block_table) for span in self.spans))
+            tables = [span.block_table + [trash] * (width - len(span.block_table)) for span in self.spans]
+            rows = [piece.stop - 1 for piece in self._slices]
+            self._device_spans = DeviceSpans(
+                slots=host_to_device([span.slot for span in self.spans], torch.long, device),
+                starts=host_to_device([span.start for span in self.spans], torch.long, device),
+                window_from=host_to_device([span.window_from for span in self.spans], torch.long, device),
+                block_tables=host_to_device(tables, torch.long, device),
+                token_rows=host_to_device(rows, torch.long, device),
+            )
+        return self._device_spans
 
     @property
     def num_tokens(self) -> int:

@@ -118,6 +118,13 @@ class KVCache:
         self.layout = CacheLayout(config, tuple(ratios), block_tokens, torch.finfo(dtype).bits // 8)
         self.layers = [self._layer(ratio, num_slots, num_blocks, dtype, device) for ratio in ratios]
 
+    spare_blocks = 1  # the trash block, allocated beside the pool
+
+    @property
+    def trash_block(self) -> int:
+        """Block id past the pool that absorbs writes a step makes but does not keep; never in a block table."""
+        return self.num_blocks
+
     def slot_bytes(self) -> int:
         """Bytes one state slot costs (the same accounting ``KVCacheV41`` offers, so the engine sizes both alike)."""
         return self.layout.slot_bytes()
@@ -150,7 +157,9 @@ class KVCache:
             pending_gates=state(),
             previous_values=state() if overlap else None,
             previous_gates=state() if overlap else None,
-            entries=torch.zeros(blocks, self.block_tokens // ratio, dim, dtype=dtype, device=device),
+            # One block more than the pool: the trash block, where batched writes of entries that are not
+            # complete yet go (a device-side choice of destination, so no host read decides whether to write).
+            entries=torch.zeros(blocks + 1, self.block_tokens // ratio, dim, dtype=dtype, device=device),
         )
 
     @classmethod

@@ -31,6 +31,7 @@ import torch
 
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
+from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -142,6 +143,13 @@ class KVCacheV41:
         source = SourceCache(ratio, pending(), pending(), entries, index_keys, entry_scales, index_key_scales)
         return LayerCacheV41(window, source, window_scales)
 
+    spare_blocks = 0  # V4.1's layers read and write block tables one sequence at a time: no trash block yet
+
+    @property
+    def trash_block(self) -> int:
+        """Block id past the pool, used only to pad the step's device block tables (never read or written here)."""
+        return self.num_blocks
+
     # ---- what the layers call ----------------------------------------------------------------------
     def check_fake_quantization(self, enabled: bool) -> None:
         """Refuse quantized storage under a model whose trained-in rounding is off (its values have no codes)."""
@@ -167,7 +175,7 @@ class KVCacheV41:
     def write_entries(
         self,
         layer_id: int,
-        block_table: list[int],
+        block_table: list[int] | torch.Tensor,
         entry_ids: torch.Tensor,
         entries: torch.Tensor,
         keys: torch.Tensor,
@@ -180,7 +188,7 @@ class KVCacheV41:
         self._write(source.entries, source.entry_scales, self.entry_format, index, entries)
         self._write(source.index_keys, source.index_key_scales, self.index_key_format, index, keys)
 
-    def read_entries(self, layer_id: int, block_table: list[int], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_entries(self, layer_id: int, block_table: list[int] | torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first ``count`` entries ``[count, head_dim]`` and index keys (cache dtype) of a KV source."""
         source = self._source(layer_id)
         device = source.entries.device
@@ -195,11 +203,11 @@ class KVCacheV41:
         return source
 
     def _entry_location(
-        self, source: SourceCache, block_table: list[int], entry_ids: torch.Tensor
+        self, source: SourceCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of each entry: entries fill a sequence's blocks in order, ``block_tokens / ratio`` each."""
         per_block = self.block_tokens // source.ratio
-        table = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
+        table = block_table_tensor(block_table, entry_ids.device)
         return table[entry_ids // per_block], entry_ids % per_block
 
     def _write(

@@ -18,7 +18,7 @@ from torch import nn
 from dsinfer.config import ModelConfig
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import LayerCache
-from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
@@ -64,16 +64,62 @@ class Attention(nn.Module):
         q = apply_rope(rms_normalize(q, self.config.rms_norm_eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
 
-        outputs = []
-        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
-            positions = batch.positions[tokens]
-            compressed, visible = self._compressed_entries(
-                x[tokens], q_latent[tokens], positions, span, layer_cache, inv_freq
-            )
-            window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
-            outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
-        out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
+        if batch.is_decode:
+            out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq)
+        else:
+            outputs = []
+            tables = batch.device_spans.block_tables
+            for index, (span, tokens) in enumerate(zip(batch.spans, batch.sequence_slices(), strict=True)):
+                positions = batch.positions[tokens]
+                compressed, visible = self._compressed_entries(
+                    x[tokens], q_latent[tokens], positions, span, layer_cache, inv_freq, tables[index]
+                )
+                window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
+                outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
+            out = torch.cat(outputs)
+        out = apply_rope(out, cos, sin, inverse=True)
         return self._project_out(out)
+
+    def _attend_decode(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        q_latent: torch.Tensor,
+        kv: torch.Tensor,
+        batch: PackedBatch,
+        layer_cache: LayerCache,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per sequence, every sequence at once, driven by the step's device tensors (no host reads).
+
+        Keys are the window (``window`` ring rows, oldest first) and then the compressed entries: the indexer's
+        choice in CSA layers, every visible entry in HCA layers; what a sequence may not see is masked.
+        """
+        spans, positions = batch.device_spans, batch.positions
+        trash = batch.cache.trash_block
+        ring = layer_cache.window
+        ring[spans.slots, positions % self.window] = kv.to(ring.dtype)
+        key_positions = positions[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
+        keys = ring[spans.slots[:, None], key_positions.remainder(self.window)].to(kv.dtype)  # [B, window, D]
+        visible = (key_positions >= 0) & (key_positions >= spans.window_from[:, None])
+        if self.compressor is not None:
+            self.compressor.update_decode(x, positions, spans, layer_cache.compressor, inv_freq, trash)
+            entries = gather_entries(layer_cache.compressor, spans)  # [B, E, D]
+            if self.indexer is not None:
+                chosen, real = self.indexer.select_decode(
+                    x, q_latent, positions, spans, layer_cache.indexer, inv_freq, trash
+                )
+                entries = entries.gather(1, chosen[..., None].expand(-1, -1, entries.shape[-1]))
+            else:
+                count = visible_entries(positions, self.compress_ratio)
+                real = torch.arange(entries.shape[1], device=x.device) < count[:, None]
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            visible = torch.cat([visible, real], dim=1)
+        logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * self.softmax_scale
+        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
 
     def _window(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, ring: torch.Tensor
@@ -95,15 +141,18 @@ class Attention(nn.Module):
         span: SequenceSpan,
         layer_cache: LayerCache,
         inv_freq: torch.Tensor,
+        block_table: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """All compressed entries of one sequence (after adding the new tokens) and the [n, W] visibility mask."""
         if self.compressor is None:
             return None, None
-        self.compressor.update(x, positions, span, layer_cache.compressor, inv_freq)
+        self.compressor.update(x, positions, span, layer_cache.compressor, inv_freq, block_table)
         count = (span.start + span.length) // self.compress_ratio
-        compressed = read_entries(layer_cache.compressor, span.block_table, count)
+        compressed = read_entries(layer_cache.compressor, block_table, count)
         if self.indexer is not None:
-            return compressed, self.indexer(x, q_latent, positions, span, layer_cache.indexer, inv_freq)
+            return compressed, self.indexer(
+                x, q_latent, positions, span, layer_cache.indexer, inv_freq, block_table
+            )
         entry = torch.arange(count, device=x.device)
         return compressed, entry < visible_entries(positions, self.compress_ratio)[:, None]
 

@@ -13,8 +13,9 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.kv.batch import SequenceSpan
+from dsinfer.kv.batch import DeviceSpans
 from dsinfer.kv.cache_v4 import CompressorCache
-from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.topk import topk_indices
 
@@ -38,21 +39,56 @@ class Indexer(nn.Module):
         span: SequenceSpan,
         cache: CompressorCache,
         inv_freq: torch.Tensor,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Boolean [n, W] mask of the compressed entries each new query of one sequence attends to."""
-        self.compressor.update(x, positions, span, cache, inv_freq)
+        self.compressor.update(x, positions, span, cache, inv_freq, block_table)
         n_entries = (span.start + span.length) // self.ratio
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
-        keys = read_entries(cache, span.block_table, n_entries).float()
-        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(q, cos, sin).float()
-        per_head = F.relu(torch.einsum("shd,wd->shw", q, keys)) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
+        table = span.block_table if block_table is None else block_table
+        keys = read_entries(cache, table, n_entries).float()
+        scores = self._scores(x, q_latent, positions, keys, inv_freq)
         visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = topk_indices(scores, min(self.topk, n_entries))
         selected = torch.zeros_like(visible).scatter_(1, chosen, True)
         return selected & visible
+
+    def _scores(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, inv_freq
+    ) -> torch.Tensor:
+        """score [n, W] = sum_h weight_h(x) * ReLU(q_h . k_w) / sqrt(d): keys [W, d] shared, or [n, W, d] per query."""
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(q, cos, sin).float()
+        spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
+        per_head = F.relu(torch.einsum(spec, q, keys.float())) * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return (per_head * head_weights.unsqueeze(-1)).sum(dim=1)
+
+    def select_decode(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        spans: DeviceSpans,
+        cache: CompressorCache,
+        inv_freq: torch.Tensor,
+        trash: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per sequence: the chosen entries [B, k] (ascending) and which of them are real [B, k].
+
+        The keys of every block-table slot are scored and the invisible ones masked, so shapes depend only on
+        the block tables' width, never on a value read from the device.
+        """
+        self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
+        keys = gather_entries(cache, spans)
+        scores = self._scores(x, q_latent, positions, keys, inv_freq)
+        visible = torch.arange(keys.shape[1], device=x.device) < visible_entries(positions, self.ratio)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = topk_indices(scores, min(self.topk, keys.shape[1]))
+        real = scores.gather(1, chosen) > float("-inf")
+        # Position order, as the per-sequence path reads them (the same sums in the same order).
+        order = torch.sort(torch.where(real, chosen, chosen + keys.shape[1]), dim=1).indices
+        return chosen.gather(1, order), real.gather(1, order)
