@@ -67,15 +67,8 @@ from dsinfer.arg_types import positive_int
 from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.staged_gather import DEFAULT_CHUNK_ROWS
-from dsinfer.engram.store import (
-    HUGE_PAGE_BYTES,
-    EngramMemoryError,
-    EngramStore,
-    RandomEngramSource,
-    _hugetlbfs_mount,
-    _meminfo,
-    segment_bytes,
-)
+from dsinfer.engram.store import HUGE_PAGE_BYTES, EngramMemoryError, EngramStore, RandomEngramSource, segment_bytes
+from dsinfer.engram.store.store import _hugetlbfs_mount, _meminfo
 from dsinfer.kernels.engram_gather import dequantize_rows, gather_dequantize, gather_dequantize_reference
 
 ROW_BYTES, SCALE_BYTES = 256, 8

@@ -157,7 +157,7 @@ def test_plan_sorts_and_deduplicates():
 
 
 def test_small_fetches_skip_the_plan(store, monkeypatch):
-    import dsinfer.engram.fetch as fetch_module
+    import dsinfer.engram.fetch.host as fetch_module
 
     ids = _step_ids(1)[1]  # 53 x 24 ids
     expected = HostEngramFetcher.from_store(store, "cpu").fetch(ids, 1)

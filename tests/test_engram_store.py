@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import dsinfer.engram.store as store_module
+import dsinfer.engram.store.store as store_module
 from dsinfer.engram.store import (
     SHM_DIR,
     EngramMemoryError,

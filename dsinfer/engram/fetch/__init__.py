@@ -1,0 +1,43 @@
+"""Fetch Engram rows for a step (:mod:`dsinfer.engram.fetch.host`)."""
+
+from dsinfer.engram.fetch.host import (
+    DEFAULT_SPLIT_MIN_IDS,
+    DEVICE_BUDGET_ENV,
+    HOST_METHOD_ENV,
+    HOST_METHODS,
+    PLACEMENT_ENV,
+    PLACEMENTS,
+    DeviceEngramFetcher,
+    EngramFetcher,
+    FetchPlan,
+    HostEngramFetcher,
+    HostRegistration,
+    ShardedEngramFetcher,
+    host_tensor,
+    make_engram_fetcher,
+    plan_fetch,
+    resolve_host_method,
+    resolve_placement,
+    shard_bounds,
+)
+
+__all__ = [
+    "DEFAULT_SPLIT_MIN_IDS",
+    "DEVICE_BUDGET_ENV",
+    "DeviceEngramFetcher",
+    "EngramFetcher",
+    "FetchPlan",
+    "HOST_METHODS",
+    "HOST_METHOD_ENV",
+    "HostEngramFetcher",
+    "HostRegistration",
+    "PLACEMENTS",
+    "PLACEMENT_ENV",
+    "ShardedEngramFetcher",
+    "host_tensor",
+    "make_engram_fetcher",
+    "plan_fetch",
+    "resolve_host_method",
+    "resolve_placement",
+    "shard_bounds",
+]

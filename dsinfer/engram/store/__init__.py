@@ -1,0 +1,43 @@
+"""Engram tables in one POSIX shared-memory segment per host (:mod:`dsinfer.engram.store.store`)."""
+
+from dsinfer.engram.store.store import (
+    ENGRAM_ROW_BYTES,
+    ENGRAM_SCALE_BLOCK,
+    HUGE_PAGE_BYTES,
+    HUGETLBFS_ENV,
+    SHM_DIR,
+    EngramMemoryError,
+    EngramSource,
+    EngramStore,
+    EngramStoreError,
+    EngramTableLayout,
+    EngramTableSpec,
+    RandomEngramSource,
+    SafetensorsEngramSource,
+    available_shared_memory,
+    default_segment_name,
+    remove_stale_segments,
+    segment_bytes,
+    table_records,
+)
+
+__all__ = [
+    "ENGRAM_ROW_BYTES",
+    "ENGRAM_SCALE_BLOCK",
+    "HUGETLBFS_ENV",
+    "HUGE_PAGE_BYTES",
+    "SHM_DIR",
+    "EngramMemoryError",
+    "EngramSource",
+    "EngramStore",
+    "EngramStoreError",
+    "EngramTableLayout",
+    "EngramTableSpec",
+    "RandomEngramSource",
+    "SafetensorsEngramSource",
+    "available_shared_memory",
+    "default_segment_name",
+    "remove_stale_segments",
+    "segment_bytes",
+    "table_records",
+]
