@@ -10,6 +10,8 @@ stream. The placements (:mod:`~dsinfer.engram.fetch.device`, :mod:`~dsinfer.engr
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -91,8 +93,7 @@ class EngramFetcher:
             layer_id = next(iter(self.tables))
         self._table(layer_id)
         row_ids = self._check_ids(row_ids, layer_id)
-        planned = row_ids.numel() >= self.dedup_min_ids
-        plan = plan_fetch(row_ids.reshape(-1), dedup=self.dedup and planned, sort=self.sort and planned)
+        plan = self._plan(row_ids)
         rows = self._gather(layer_id, plan, programs or self.max_programs)
         if plan.inverse is not None:
             rows = rows.index_select(0, plan.inverse)
@@ -106,20 +107,14 @@ class EngramFetcher:
         """
         for layer_id in row_ids_per_layer:
             self._table(layer_id)
-        if self._stream is None:
-            for layer_id in sorted(row_ids_per_layer):
-                self._pending[layer_id] = (self.fetch(row_ids_per_layer[layer_id], layer_id), None)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_side_stream():
             for layer_id in sorted(row_ids_per_layer):
                 row_ids = row_ids_per_layer[layer_id]
-                if row_ids.device == self.device:
+                if self._stream is not None and row_ids.device == self.device:
                     row_ids.record_stream(self._stream)
-                rows = self.fetch(row_ids, layer_id, programs=self.prefetch_programs)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-                self._pending[layer_id] = (rows, done)
+                self._pending[layer_id] = self._start_layer(layer_id, row_ids)
 
     def wait(self, layer_id: int) -> torch.Tensor:
         """The rows :meth:`start` issued for ``layer_id``; the current stream waits for them (no host sync)."""
@@ -137,6 +132,27 @@ class EngramFetcher:
         self._pending.clear()
 
     # ------------------------------------------------------------------ internals
+    def _start_layer(self, layer_id: int, row_ids: torch.Tensor) -> Any:
+        """One layer of :meth:`start` (on the side stream): what :meth:`wait` collects, here ``(rows, done)``."""
+        return self.fetch(row_ids, layer_id, programs=self.prefetch_programs), self._side_event()
+
+    def _on_side_stream(self) -> AbstractContextManager[Any]:
+        """Make the side stream current (CUDA); nothing on CPU, where every call runs synchronously."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _side_event(self) -> torch.cuda.Event | None:
+        """An event recorded on the side stream behind the work issued so far (None on CPU)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _plan(self, row_ids: torch.Tensor) -> FetchPlan:
+        """Sorted and de-duplicated from ``dedup_min_ids`` ids on; below that, the ids in request order."""
+        planned = row_ids.numel() >= self.dedup_min_ids
+        return plan_fetch(row_ids.reshape(-1), dedup=self.dedup and planned, sort=self.sort and planned)
+
     def _table(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_id not in self.tables:
             raise KeyError(f"no Engram table for layer {layer_id} (tables: {self.layer_ids})")
@@ -164,14 +180,27 @@ class EngramFetcher:
         self, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, programs: int | None
     ) -> torch.Tensor:
         if self.use_kernel:
-            return gather_dequantize(
-                weight,
-                scale,
-                ids,
-                count=count,
-                out_dtype=self.out_dtype,
-                block_rows=self.block_rows,
-                num_warps=self.num_warps,
-                max_programs=programs,
-            )
+            return self._kernel_gather(weight, scale, ids, count, programs)
         return gather_dequantize_reference(weight, scale, ids[: int(count)], self.out_dtype)
+
+    def _kernel_gather(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        ids: torch.Tensor,
+        count: torch.Tensor,
+        programs: int | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The Triton gather of ``ids[:count]`` in this fetcher's output dtype and kernel shape."""
+        return gather_dequantize(
+            weight,
+            scale,
+            ids,
+            count=count,
+            out=out,
+            out_dtype=self.out_dtype,
+            block_rows=self.block_rows,
+            num_warps=self.num_warps,
+            max_programs=programs,
+        )

@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext as _no_stream
 from typing import Any
 
 import torch
 
 from dsinfer.engram.fetch.base import EngramFetcher
 from dsinfer.engram.fetch.host_memory import HostRegistration, host_tensor
-from dsinfer.engram.fetch.plan import FetchPlan, plan_fetch
+from dsinfer.engram.fetch.plan import FetchPlan
 from dsinfer.engram.staged_gather import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_STAGING_BUFFERS,
@@ -36,7 +35,6 @@ from dsinfer.engram.store import EngramStore, table_records
 from dsinfer.kernels.engram_gather import (
     dequantize_reference,
     dequantize_rows,
-    gather_dequantize,
     gather_dequantize_reference,
 )
 
@@ -204,42 +202,6 @@ class HostEngramFetcher(EngramFetcher):
             registration.close()
             raise
 
-    def start(self, row_ids_per_layer: Mapping[int, torch.Tensor]) -> None:
-        if self.method == "zero_copy":
-            return super().start(row_ids_per_layer)
-        for layer_id in row_ids_per_layer:
-            self._table(layer_id)
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self._stream is not None else _no_stream():
-            for layer_id in sorted(row_ids_per_layer):
-                row_ids = row_ids_per_layer[layer_id]
-                if self._stream is not None and row_ids.device == self.device:
-                    row_ids.record_stream(self._stream)
-                if self._reads_zero_copy(row_ids.numel()):
-                    rows = self.fetch(row_ids, layer_id, programs=self.prefetch_programs)
-                    done = None
-                    if self._stream is not None:
-                        done = torch.cuda.Event()
-                        done.record(self._stream)
-                    self._pending[layer_id] = (rows, done)
-                    continue
-                row_ids = self._check_ids(row_ids, layer_id)
-                plan = self._plan(row_ids)
-                share = self._begin_zero_copy_share(layer_id, plan, self.prefetch_programs)
-                ids, count, ready = plan.ids, plan.count, None
-                if self._stream is not None:  # the ids go to the host on the side stream; the worker waits for them
-                    ids = torch.empty(plan.ids.shape, dtype=torch.int64, pin_memory=True)
-                    count = torch.empty(1, dtype=torch.int64, pin_memory=True)
-                    ids.copy_(plan.ids, non_blocking=True)
-                    count.copy_(plan.count, non_blocking=True)
-                    ready = torch.cuda.Event()
-                    ready.record(self._stream)
-                shape = tuple(row_ids.shape)
-                self._pending[layer_id] = self._worker.submit(
-                    self._prefetch, layer_id, plan, share, ids, count, ready, shape
-                )
-
     def wait(self, layer_id: int) -> torch.Tensor:
         pending = self._pending.get(layer_id)
         if isinstance(pending, Future):
@@ -282,9 +244,21 @@ class HostEngramFetcher(EngramFetcher):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _plan(self, row_ids: torch.Tensor) -> FetchPlan:
-        planned = row_ids.numel() >= self.dedup_min_ids
-        return plan_fetch(row_ids.reshape(-1), dedup=self.dedup and planned, sort=self.sort and planned)
+    def _start_layer(self, layer_id: int, row_ids: torch.Tensor) -> Any:
+        """Plan on the side stream and hand the rest to the worker thread (a future of ``(rows, done)``)."""
+        if self._reads_zero_copy(row_ids.numel()):
+            return super()._start_layer(layer_id, row_ids)
+        row_ids = self._check_ids(row_ids, layer_id)
+        plan = self._plan(row_ids)
+        share = self._begin_zero_copy_share(layer_id, plan, self.prefetch_programs)
+        ids, count, ready = plan.ids, plan.count, None
+        if self._stream is not None:  # the ids go to the host on the side stream; the worker waits for them
+            ids = torch.empty(plan.ids.shape, dtype=torch.int64, pin_memory=True)
+            count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            ids.copy_(plan.ids, non_blocking=True)
+            count.copy_(plan.count, non_blocking=True)
+            ready = self._side_event()
+        return self._worker.submit(self._prefetch, layer_id, plan, share, ids, count, ready, tuple(row_ids.shape))
 
     def _reads_zero_copy(self, ids: int) -> bool:
         """Whether a fetch of ``ids`` ids takes the zero-copy path alone (a small ``split`` fetch)."""
@@ -315,17 +289,7 @@ class HostEngramFetcher(EngramFetcher):
         shared = (plan.count * self._share_parts) >> SHARE_BITS
         self._split_stream.wait_stream(stream)
         with torch.cuda.stream(self._split_stream):
-            gather_dequantize(
-                weight,
-                scale,
-                plan.ids,
-                count=shared,
-                out=rows,
-                out_dtype=self.out_dtype,
-                block_rows=self.block_rows,
-                num_warps=self.num_warps,
-                max_programs=programs,
-            )
+            self._kernel_gather(weight, scale, plan.ids, shared, programs, out=rows)
             done = torch.cuda.Event()
             done.record(self._split_stream)
         for tensor in (rows, plan.ids, shared):
@@ -375,15 +339,10 @@ class HostEngramFetcher(EngramFetcher):
         shape: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """One layer of :meth:`start`, on the worker thread: the rest of the fetch of ``plan`` (GPU: side stream)."""
-        with torch.cuda.stream(self._stream) if self._stream is not None else _no_stream():
+        with self._on_side_stream():
             if ready is not None:
                 ready.synchronize()  # the plan's ids and count are on the host
             count = int(count)
             rows = self._finish(layer_id, ids, count, share, self._stream)
             rows = rows.index_select(0, plan.inverse) if plan.inverse is not None else rows[:count]
-            rows = rows.view(*shape, rows.shape[-1])
-            done = None
-            if self._stream is not None:
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            return rows, done
+            return rows.view(*shape, rows.shape[-1]), self._side_event()
