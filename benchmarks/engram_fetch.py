@@ -67,15 +67,8 @@ from dsinfer.arg_types import positive_int
 from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.staged_gather import DEFAULT_CHUNK_ROWS
-from dsinfer.engram.store import (
-    HUGE_PAGE_BYTES,
-    EngramMemoryError,
-    EngramStore,
-    RandomEngramSource,
-    _hugetlbfs_mount,
-    _meminfo,
-    segment_bytes,
-)
+from dsinfer.engram.store import HUGE_PAGE_BYTES, EngramMemoryError, EngramStore, RandomEngramSource, segment_bytes
+from dsinfer.engram.store.memory import hugetlbfs_mount, meminfo
 from dsinfer.kernels.engram_gather import dequantize_rows, gather_dequantize, gather_dequantize_reference
 
 ROW_BYTES, SCALE_BYTES = 256, 8
@@ -247,7 +240,7 @@ def random_ids(count: int, high: int, generator: torch.Generator, device: torch.
 # ------------------------------------------------------------------------------------------ system
 def system_report(report: Report) -> None:
     props = torch.cuda.get_device_properties(0)
-    info = _meminfo()
+    info = meminfo()
     report.add(
         "system",
         gpu=props.name,
@@ -273,13 +266,13 @@ def system_report(report: Report) -> None:
 
 def configure_huge_pages(pages: int, report: Report) -> None:
     """Reserve ``pages`` 2 MiB pages (root; for this throwaway machine) and mount hugetlbfs if needed."""
-    if _hugetlbfs_mount() is None:
+    if hugetlbfs_mount() is None:
         os.makedirs("/dev/hugepages", exist_ok=True)
         report.note(f"mount hugetlbfs: {shell('mount -t hugetlbfs -o pagesize=2M none /dev/hugepages 2>&1') or 'ok'}")
     shell("sync; echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory")
     started = time.monotonic()
     Path("/proc/sys/vm/nr_hugepages").write_text(str(pages))
-    info = _meminfo()
+    info = meminfo()
     report.note(
         f"nr_hugepages <- {pages}: got {info.get('HugePages_Total', 0)} total, {info.get('HugePages_Free', 0)} free "
         f"in {time.monotonic() - started:.1f} s"
@@ -566,7 +559,7 @@ def _run_table(report, args, device, table_gib, page, text_ids, state) -> None:
         store = EngramStore.create(name, source, huge_pages=huge)
     except EngramMemoryError as exc:
         report.note(f"{label}: {exc}")
-        if _meminfo().get("MemTotal", 0) < needed * 1.15:
+        if meminfo().get("MemTotal", 0) < needed * 1.15:
             return
         report.note(f"{label}: MemTotal is large enough; retrying without the memory check")
         store = EngramStore.create(name, source, huge_pages=huge, check_memory=False)

@@ -157,7 +157,7 @@ def test_plan_sorts_and_deduplicates():
 
 
 def test_small_fetches_skip_the_plan(store, monkeypatch):
-    import dsinfer.engram.fetch as fetch_module
+    import dsinfer.engram.fetch.base as fetch_base
 
     ids = _step_ids(1)[1]  # 53 x 24 ids
     expected = HostEngramFetcher.from_store(store, "cpu").fetch(ids, 1)
@@ -167,7 +167,7 @@ def test_small_fetches_skip_the_plan(store, monkeypatch):
         seen.append((flat_ids.numel(), dedup, sort))
         return plan_fetch(flat_ids, dedup=dedup, sort=sort)
 
-    monkeypatch.setattr(fetch_module, "plan_fetch", spy)
+    monkeypatch.setattr(fetch_base, "plan_fetch", spy)
     fetcher = HostEngramFetcher.from_store(store, "cpu", dedup_min_ids=100)
     assert torch.equal(fetcher.fetch(ids[:4], 1), expected[:4])  # 96 ids: request order
     assert torch.equal(fetcher.fetch(ids, 1), expected)  # 1272 ids: sorted and de-duplicated

@@ -1,7 +1,8 @@
 """Engram shared-memory store: loading, attaching from another process, and no leaked segments.
 
-Helper processes load ``dsinfer/engram/store.py`` by path (it imports only the standard library and
-numpy), so each starts in well under a second instead of paying for a torch import.
+Helper processes import ``dsinfer.engram.store`` under stand-in ``dsinfer`` / ``dsinfer.engram`` packages
+(the store imports only the standard library and numpy; ``dsinfer.engram`` itself imports torch), so each
+starts in well under a second instead of paying for a torch import.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import dsinfer.engram.store as store_module
+import dsinfer.engram.store
 from dsinfer.engram.store import (
+    HUGETLBFS_ENV,
     SHM_DIR,
     EngramMemoryError,
     EngramStore,
@@ -33,19 +35,23 @@ from dsinfer.engram.store import (
     RandomEngramSource,
     SafetensorsEngramSource,
     remove_stale_segments,
+    segment_bytes,
 )
+from dsinfer.engram.store import memory as store_memory
+from dsinfer.engram.store.segment import SegmentHeader
 
-STORE_FILE = Path(store_module.__file__)
+ENGRAM_DIR = Path(dsinfer.engram.store.__file__).parents[1]
 ROWS = {1: 3000, 14: 5000}
 
-# A helper process: `python -c CHILD <store.py> <role> <name> [rows json] [attachers]`. It prints one JSON
-# line when it is set up, then obeys commands read from stdin: "exit", "raise" (uncaught exception), "hang".
+# A helper process: `python -c CHILD <dsinfer/engram> <role> <name> [rows json] [attachers]`. It prints one
+# JSON line when it is set up, then obeys commands read from stdin: "exit", "raise" (uncaught exception), "hang".
 CHILD = r"""
-import hashlib, importlib.util, json, sys, time
-spec = importlib.util.spec_from_file_location("engram_store", sys.argv[1])
-store = importlib.util.module_from_spec(spec)
-sys.modules["engram_store"] = store
-spec.loader.exec_module(store)
+import hashlib, json, os, sys, time, types
+for package, path in (("dsinfer", os.path.dirname(sys.argv[1])), ("dsinfer.engram", sys.argv[1])):
+    sys.modules[package] = types.ModuleType(package)
+    sys.modules[package].__path__ = [path]
+import dsinfer.engram.store as store
+assert "torch" not in sys.modules
 role, name = sys.argv[2], sys.argv[3]
 
 class BlockingSource(store.RandomEngramSource):
@@ -86,7 +92,7 @@ s.close()
 
 def _start(role: str, name: str, *args: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(STORE_FILE), role, name, *map(str, args)],
+        [sys.executable, "-c", CHILD, str(ENGRAM_DIR), role, name, *map(str, args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -227,17 +233,17 @@ def test_safetensors_problems_name_the_file_and_tensor(tmp_path):
 
 
 def test_memory_check_names_bytes_needed_and_available(monkeypatch, name):
-    monkeypatch.setattr(store_module, "available_shared_memory", lambda directory, huge: (123_456, "test limit"))
+    monkeypatch.setattr(store_memory, "available_shared_memory", lambda directory, huge: (123_456, "test limit"))
     with pytest.raises(EngramMemoryError) as error:
         EngramStore.create(name, RandomEngramSource(ROWS))
     message = str(error.value)
-    needed = store_module.segment_bytes(RandomEngramSource(ROWS).table_specs())
+    needed = segment_bytes(RandomEngramSource(ROWS).table_specs())
     assert f"need {needed:,} bytes" in message and "only 123,456 bytes" in message and "test limit" in message
     assert not _segment_exists(name)
 
 
 def test_huge_pages_fall_back_with_a_reason(monkeypatch, tmp_path, caplog, name):
-    monkeypatch.setenv(store_module.HUGETLBFS_ENV, str(tmp_path))  # a directory, but no hugetlbfs
+    monkeypatch.setenv(HUGETLBFS_ENV, str(tmp_path))  # a directory, but no hugetlbfs
     with caplog.at_level(logging.WARNING, logger="dsinfer.engram.store"):
         store = EngramStore.create(name, RandomEngramSource({1: 100}), huge_pages=True)
     with store:
@@ -334,7 +340,7 @@ def test_sigkilled_attacher_then_loader_exit_leaves_nothing(name):
 def test_stale_segment_of_a_dead_loader_is_replaced_and_removable(name, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    header = store_module._Header(0, dead.pid, 1, 0, 0, 0, 4096, 4096, 0, 0, 0, "", [])
+    header = SegmentHeader(0, dead.pid, 1, 0, 0, 0, 4096, 4096, 0, 0, 0, "", [])
     with open(SHM_DIR / name, "wb") as handle:
         handle.truncate(4096)
     with open(SHM_DIR / name, "r+b") as handle:

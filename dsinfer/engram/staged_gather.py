@@ -9,7 +9,7 @@ receives them through plain host-to-device copies. What bounds this method inste
 every byte is read from the table, written to staging and read again by the copy engine. Measured there
 (``benchmarks/engram_fetch.py --suite staged``): 16 threads gather random rows at 8.6-27 GB/s depending on the
 machine (consecutive rows at 33-37), the pipeline below delivers 80-90% of that, and the defaults (16 lanes,
-16,384-row chunks) were the best of 4-16 lanes x 4k-32k-row chunks. :mod:`dsinfer.engram.fetch`'s ``split``
+16,384-row chunks) were the best of 4-16 lanes x 4k-32k-row chunks. :mod:`dsinfer.engram.fetch.host`'s ``split``
 method runs this next to the zero-copy kernel, since the two are bound by different things.
 
 How a gather runs (:meth:`StagedGather.gather`):

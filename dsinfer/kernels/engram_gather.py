@@ -17,7 +17,7 @@ an H200 in a Firecracker VM, PCIe 5 x16, 55 GB/s pinned copy (``benchmarks/engra
   Ordering the reads by address is what helps: sorted ids make consecutive reads share
   translations (17.7 GB/s at 524,288 sorted rows from 16 GiB, against 5.6 random).
 * **A narrow window in flight.** Hence a *small* persistent grid (``max_programs``, default 32
-  programs of 64 rows for host memory in :mod:`dsinfer.engram.fetch`): the rows in flight then sit
+  programs of 64 rows for host memory in :mod:`dsinfer.engram.fetch.host`): the rows in flight then sit
   in a short stretch of the sorted order. Thousands of programs spread the in-flight reads over
   the whole table and run slower (12.3 against 15.4 GB/s on sorted ids); a few programs also leave
   the SMs to the matrix multiplications a prefetch overlaps with.
