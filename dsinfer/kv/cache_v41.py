@@ -188,7 +188,9 @@ class KVCacheV41:
         self._write(source.entries, source.entry_scales, self.entry_format, index, entries)
         self._write(source.index_keys, source.index_key_scales, self.index_key_format, index, keys)
 
-    def read_entries(self, layer_id: int, block_table: list[int] | torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_entries(
+        self, layer_id: int, block_table: list[int] | torch.Tensor, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first ``count`` entries ``[count, head_dim]`` and index keys (cache dtype) of a KV source."""
         source = self._source(layer_id)
         device = source.entries.device

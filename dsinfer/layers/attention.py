@@ -150,9 +150,7 @@ class Attention(nn.Module):
         count = (span.start + span.length) // self.compress_ratio
         compressed = read_entries(layer_cache.compressor, block_table, count)
         if self.indexer is not None:
-            return compressed, self.indexer(
-                x, q_latent, positions, span, layer_cache.indexer, inv_freq, block_table
-            )
+            return compressed, self.indexer(x, q_latent, positions, span, layer_cache.indexer, inv_freq, block_table)
         entry = torch.arange(count, device=x.device)
         return compressed, entry < visible_entries(positions, self.compress_ratio)[:, None]
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsinfer.kv.batch import SequenceSpan
-from dsinfer.kv.batch import DeviceSpans
+from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
@@ -156,7 +155,9 @@ def _entry_location(cache: CompressorCache, block_table: list[int] | torch.Tenso
     return table[entry_ids // per_block], entry_ids % per_block
 
 
-def write_entries(cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor):
+def write_entries(
+    cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor
+):
     """Store entries (by their index in the sequence) into the sequence's blocks."""
     if entry_ids.numel():
         blocks, offsets = _entry_location(cache, block_table, entry_ids)

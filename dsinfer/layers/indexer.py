@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.kv.batch import SequenceSpan
-from dsinfer.kv.batch import DeviceSpans
+from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
