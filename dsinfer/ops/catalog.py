@@ -1,3 +1,5 @@
 """Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
 
 # Each import registers the op's reference and any faster backends beside it.
+
+import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
