@@ -1,0 +1,174 @@
+"""Routed-experts op on one GPU: the Triton FP4 kernels against the reference and torch's bf16 grouped GEMM.
+
+    python benchmarks/moe_kernel.py                       # V4-Flash widths, T = 1 32 1024 4096
+    python benchmarks/moe_kernel.py --tokens 1 32 --backends triton triton-graph
+
+Random experts at V4-Flash widths (hidden 4096, intermediate 2048, 256 experts, top-6), FP4 packed with ue8m0
+scales as the checkpoint stores them; the dense bf16 experts are their exact dequantisation, so every backend
+computes the same function. Routing is a random top-k (distinct experts per token, roughly uniform load).
+
+Backends:
+
+* ``triton``: ``dsinfer.ops.moe.triton`` on the packed FP4 experts;
+* ``triton-graph``: the same, captured once in a CUDA graph and replayed (it fails if the op synchronises);
+* ``triton-dense``: the same kernels on the dense bf16 experts;
+* ``reference``: the torch reference (dequantise each used expert, then per-expert ``F.linear``; it reads the
+  expert counts on the host);
+* ``grouped_mm``: ``torch._grouped_mm`` on the dense bf16 experts.
+
+For each token count: the median over ``--iters`` timed calls (CUDA events) after ``--warmup`` calls, the weight
+bytes of the experts the step touches in the form the backend reads (FP4 + scales, or bf16), the effective
+GB/s that gives, and the largest deviation from the reference in bf16 relative to the reference's largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+
+import torch
+
+BACKENDS = ("triton", "triton-graph", "triton-dense", "reference", "grouped_mm")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 1024, 4096], help="tokens per step (T)")
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size H (multiple of 32)")
+    parser.add_argument("--inter", type=int, default=2048, help="expert intermediate size I (multiple of 32)")
+    parser.add_argument("--experts", type=int, default=256, help="routed experts E")
+    parser.add_argument("--top-k", type=int, default=6, help="experts per token k")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--reference-iters", type=int, default=3, help="timed calls of the (slow) reference")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.hidden % 32 or args.inter % 32:
+        parser.error("--hidden and --inter must be multiples of 32 (one FP4 scale per 32 inputs)")
+    if not 1 <= args.top_k <= args.experts:
+        parser.error("--top-k must lie in 1 .. --experts")
+    if min(args.tokens) < 1 or args.warmup < 0 or args.iters < 1 or args.reference_iters < 1:
+        parser.error("--tokens and --iters must be positive, --warmup non-negative")
+    return args
+
+
+def random_fp4_experts(experts: int, hidden: int, inter: int, device: torch.device, gen: torch.Generator):
+    """Packed e2m1 bytes and ue8m0 scales near 2**-6 (so the products stay in bf16's comfortable range)."""
+    from dsinfer.ops.moe import ExpertWeights
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
+
+    def scales(*shape):
+        return torch.randint(119, 124, shape, dtype=torch.uint8, device=device, generator=gen)
+
+    return ExpertWeights(
+        codes(experts, 2 * inter, hidden // 2),
+        scales(experts, 2 * inter, hidden // 32),
+        codes(experts, hidden, inter // 2),
+        scales(experts, hidden, inter // 32),
+        inter,
+        True,
+    )
+
+
+def dense_copy(weights, dtype: torch.dtype):
+    """The exact dequantisation of every expert, stacked in the dense layout."""
+    from dsinfer.ops.moe import ExpertWeights, dequantize_expert
+
+    pairs = [dequantize_expert(weights, e, dtype) for e in range(weights.num_experts)]
+    return ExpertWeights(
+        torch.stack([w13 for w13, _ in pairs]), None, torch.stack([w2 for _, w2 in pairs]), None,
+        weights.intermediate_size, False,
+    )  # fmt: skip
+
+
+def time_calls(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each timed with its own CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn, warmup: int):
+    """``fn`` captured in a CUDA graph after ``warmup`` eager calls (Triton compiles outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_kernel.py needs a CUDA device", file=sys.stderr)
+        return 2
+    from dsinfer.ops.moe.grouped_mm import routed_moe_grouped_mm
+    from dsinfer.ops.moe.reference import routed_moe_reference
+    from dsinfer.ops.moe.triton import routed_moe_triton
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    fp4 = random_fp4_experts(args.experts, args.hidden, args.inter, device, gen)
+    dense = dense_copy(fp4, torch.bfloat16)
+    limit = 10.0
+    fp4_per_expert, dense_per_expert = fp4.nbytes / args.experts, dense.nbytes / args.experts
+    sizes = f"FP4 experts {fp4.nbytes / 2**30:.2f} GiB, bf16 {dense.nbytes / 2**30:.2f} GiB"
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; H={args.hidden} I={args.inter} "
+          f"E={args.experts} k={args.top_k}; {sizes}")  # fmt: skip
+    print("| T | backend | median ms | experts touched | weight GB read | GB/s | max dev / max ref |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for tokens in args.tokens:
+        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
+        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
+        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
+        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        touched = int(torch.unique(expert_ids).numel())
+        reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
+        ref_max = float(reference.abs().max())
+        step = (expert_ids, expert_weights, limit)
+        runs = {
+            "triton": (partial(routed_moe_triton, x, fp4, *step), fp4_per_expert),
+            "triton-dense": (partial(routed_moe_triton, x, dense, *step), dense_per_expert),
+            "reference": (partial(routed_moe_reference, x, fp4, *step), fp4_per_expert),
+            "grouped_mm": (partial(routed_moe_grouped_mm, x, dense, *step), dense_per_expert),
+        }
+        for name in args.backends:
+            if name == "triton-graph":
+                torch.cuda.set_sync_debug_mode("error")  # a host synchronisation in the op fails here
+                try:
+                    graph, out = graphed(runs["triton"][0], args.warmup)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                fn, per_expert = graph.replay, fp4_per_expert
+            else:
+                fn, per_expert = runs[name]
+                out = fn()
+            iters = args.reference_iters if name == "reference" else args.iters
+            ms = time_calls(fn, args.warmup, iters)
+            deviation = float((out.float() - reference).abs().max()) / max(ref_max, 1e-30)
+            gigabytes = touched * per_expert / 1e9
+            print(f"| {tokens} | {name} | {ms:.3f} | {touched} | {gigabytes:.3f} | {gigabytes / (ms / 1e3):.0f} "
+                  f"| {deviation:.2e} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

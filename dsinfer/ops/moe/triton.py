@@ -1,0 +1,335 @@
+"""The routed-experts op as two Triton grouped GEMMs over the stacked experts, FP4 dequantised inside the kernel.
+
+Why this shape:
+
+* **Packed weights read once per block.** Decode is bound by the weight bytes: a step at 32 requests touches
+  ~136 of 256 experts. Reading FP4 (0.53 bytes a weight with scales) instead of bf16 cuts those bytes ~3.8x, so
+  the kernel loads the packed bytes and ue8m0 scales and expands them in registers (nibble unpack, e2m1 from
+  bit arithmetic, scale ``2**(byte - 127)`` built as float32 bits), then runs bf16 ``tl.dot`` with fp32
+  accumulation. The same kernels take dense weights (``FP4=False``), casting them to the activation dtype.
+* **Block-M over the aligned layout.** :func:`dsinfer.ops.moe.routing.align_slots` pads every expert's slots to
+  whole ``BLOCK_M`` blocks, so a program multiplies one expert's weight tile with up to ``BLOCK_M`` gathered
+  rows. The grid is sized from ``T``, ``k``, ``E`` and ``BLOCK_M`` on the host (the most blocks the layout can
+  need); programs past the live block count (a device tensor) return at once. No host synchronisation, so
+  the op can be captured in a CUDA graph.
+* **Nibbles without interleaving.** Byte ``j`` holds inputs ``2j`` (low nibble) and ``2j+1`` (high nibble), so
+  the K loop does two half-width dots: even input columns of the activations times the low nibbles, odd
+  columns times the high nibbles. Dense weights use the same two-dot loop over the two halves of the K tile.
+* **SwiGLU in the first kernel's epilogue.** Each program accumulates a gate tile (``w13`` rows ``n``) and the
+  matching up tile (rows ``I + n``), applies DeepSeek's clamps and ``silu(gate) * up`` in fp32, and stores the
+  intermediate ``[T*k, I]`` by slot. The second kernel multiplies by ``w2``, scales by the routing weight and
+  stores ``[T*k, H]`` by slot; the combine is ``view(T, k, H).sum(1)`` in torch: no atomics, and each slot is
+  written by exactly one program, so the result does not depend on scheduling.
+
+Numerics against the reference: fp32 accumulation in a different order, SwiGLU in fp32 before one rounding to
+the activation dtype, and the k outputs of a token summed in fp32 once (the reference rounds after each add in
+bf16). fp32 activations use ``input_precision="ieee"`` dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.moe.reference import check_inputs
+from dsinfer.ops.moe.routing import align_slots, sort_slots
+from dsinfer.ops.moe.weights import ExpertWeights
+from dsinfer.ops.registry import register
+
+try:  # Triton is optional: CPU-only installs use the reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["KernelConfig", "choose_config", "routed_moe_triton", "triton_available"]
+
+JIT_FUNCTIONS = ("_e2m1_values", "_ue8m0_scales", "_load_a", "_load_w", "_gate_up_kernel", "_down_kernel")
+"""Every ``triton.jit`` function here (the interpreter tests wrap each one)."""
+
+
+def triton_available() -> bool:
+    """Whether the kernels can run for real: Triton installed and a CUDA device present."""
+    return triton is not None and torch.cuda.is_available()
+
+
+class KernelConfig(tuple):
+    """``(block_m, block_n, block_k, num_warps, num_stages)``; ``block_k >= 32`` so each half-dot has K >= 16."""
+
+    def __new__(cls, block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3):
+        for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if block_k < 32:
+            raise ValueError(f"block_k must be >= 32, got {block_k}")
+        return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages))
+
+
+def choose_config(num_slots: int, num_experts: int) -> KernelConfig:
+    """Block sizes from host-known sizes only: ``BLOCK_M`` near the average slots per expert, so decode
+    (a few rows per expert) wastes little of each block, while prefill gets reuse of each weight tile."""
+    average = num_slots / max(num_experts, 1)
+    if average <= 16:
+        return KernelConfig(16, 64, 128, 4, 4)
+    if average <= 32:
+        return KernelConfig(32, 64, 128, 4, 4)
+    return KernelConfig(64, 128, 64, 8, 3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_values(codes):
+        """int32 e2m1 codes (0..15) -> float32: bit 3 the sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
+        magnitude = codes & 7
+        # m >= 2 is 2**((m >> 1) - 1) * (1 + (m & 1) / 2): exponent bits (m >> 1) + 126, mantissa top bit m & 1.
+        normal = (((magnitude >> 1) + 126) << 23) | ((magnitude & 1) << 22)
+        bits = tl.where(magnitude >= 2, normal, tl.where(magnitude == 1, 0x3F000000, 0))
+        bits = bits | ((codes & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _ue8m0_scales(exponents):
+        """int32 ue8m0 bytes -> float32 ``2**(byte - 127)``: bits ``byte << 23``, but 0 is the subnormal
+        2**-127 and 255 is NaN."""
+        bits = tl.where(exponents == 0, 0x00400000, exponents << 23)
+        bits = tl.where(exponents == 255, 0x7FC00000, bits)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load_a(a_rows, a_ok, k0, K, FP4: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The activation half-tiles ``(a_lo, a_hi)`` ``[M, BK/2]`` of one K step.
+
+        FP4: ``lo`` are the even inputs ``2j`` of the tile (they meet the low nibbles), ``hi`` the odd ones.
+        Dense: ``lo`` are inputs ``k0 .. k0+BK/2-1``, ``hi`` the next half."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        half = tl.arange(0, HALF)
+        if FP4:
+            lo_columns = k0 + 2 * half
+            hi_columns = lo_columns + 1
+        else:
+            lo_columns = k0 + half
+            hi_columns = lo_columns + HALF
+        a_lo = tl.load(a_rows + lo_columns[None, :], mask=a_ok[:, None] & (lo_columns < K)[None, :], other=0.0)
+        a_hi = tl.load(a_rows + hi_columns[None, :], mask=a_ok[:, None] & (hi_columns < K)[None, :], other=0.0)
+        return a_lo, a_hi
+
+    @triton.jit
+    def _load_w(
+        w_base,
+        s_base,
+        w_rows,
+        w_ok,
+        w_row_stride,
+        s_row_stride,
+        k0,
+        K,
+        dtype: tl.constexpr,
+        FP4: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The weight half-tiles ``(w_lo, w_hi)`` ``[BK/2, N]`` of one K step, transposed for ``a @ w``, in ``dtype``.
+
+        FP4: byte column ``j`` of the tile gives ``w_lo`` (low nibble, input ``2j``) and ``w_hi`` (high nibble,
+        input ``2j+1``), each times its group's scale. Dense: the two halves of the K tile."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        half = tl.arange(0, HALF)
+        if FP4:
+            byte_columns = k0 // 2 + half
+            tile_ok = (byte_columns < K // 2)[:, None] & w_ok[None, :]
+            packed = tl.load(w_base + w_rows[None, :] * w_row_stride + byte_columns[:, None], mask=tile_ok, other=0).to(
+                tl.int32
+            )
+            exponents = tl.load(
+                s_base + w_rows[None, :] * s_row_stride + (byte_columns // 16)[:, None], mask=tile_ok, other=127
+            ).to(tl.int32)
+            scales = _ue8m0_scales(exponents)
+            w_lo = (_e2m1_values(packed & 15) * scales).to(dtype)
+            w_hi = (_e2m1_values(packed >> 4) * scales).to(dtype)
+        else:
+            lo_columns = k0 + half
+            hi_columns = lo_columns + HALF
+            row_offsets = w_base + w_rows[None, :] * w_row_stride
+            w_lo = tl.load(row_offsets + lo_columns[:, None], mask=(lo_columns < K)[:, None] & w_ok[None, :], other=0.0)
+            w_hi = tl.load(row_offsets + hi_columns[:, None], mask=(hi_columns < K)[:, None] & w_ok[None, :], other=0.0)
+            w_lo = w_lo.to(dtype)
+            w_hi = w_hi.to(dtype)
+        return w_lo, w_hi
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        slot_ids_ptr,
+        block_expert_ptr,
+        num_blocks_ptr,
+        h_ptr,
+        num_slots,
+        top_k,
+        hidden,
+        inter,
+        limit,
+        x_row_stride,
+        w_expert_stride,
+        w_row_stride,
+        s_expert_stride,
+        s_row_stride,
+        FP4: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one block of one expert."""
+        block = tl.program_id(0)
+        if block >= tl.load(num_blocks_ptr):
+            return
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot_ok = slots < num_slots
+        tokens = tl.where(slot_ok, slots // top_k, 0)
+        a_rows = x_ptr + tokens[:, None] * x_row_stride
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < inter
+        w_base = w_ptr + expert * w_expert_stride
+        s_base = s_ptr + expert * s_expert_stride
+        gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a_lo, a_hi = _load_a(a_rows, slot_ok, k0, hidden, FP4, BLOCK_K)
+            dtype = a_lo.dtype
+            w_lo, w_hi = _load_w(
+                w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4, BLOCK_K
+            )
+            u_lo, u_hi = _load_w(
+                w_base, s_base, columns + inter, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4, BLOCK_K
+            )
+            if IEEE:
+                gate = tl.dot(a_lo, w_lo, gate, input_precision="ieee")
+                gate = tl.dot(a_hi, w_hi, gate, input_precision="ieee")
+                up = tl.dot(a_lo, u_lo, up, input_precision="ieee")
+                up = tl.dot(a_hi, u_hi, up, input_precision="ieee")
+            else:
+                gate = tl.dot(a_lo, w_lo, gate)
+                gate = tl.dot(a_hi, w_hi, gate)
+                up = tl.dot(a_lo, u_lo, up)
+                up = tl.dot(a_hi, u_hi, up)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        hidden_act = gate / (1.0 + tl.exp(-gate)) * up
+        out = h_ptr + slots.to(tl.int64)[:, None] * inter + columns[None, :]
+        tl.store(out, hidden_act.to(h_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr,
+        w_ptr,
+        s_ptr,
+        slot_ids_ptr,
+        block_expert_ptr,
+        num_blocks_ptr,
+        route_weight_ptr,
+        out_ptr,
+        num_slots,
+        hidden,
+        inter,
+        w_expert_stride,
+        w_row_stride,
+        s_expert_stride,
+        s_row_stride,
+        FP4: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``out[slot, n] = route_weight[slot] * (h[slot] w2^T)[n]`` for one block of one expert."""
+        block = tl.program_id(0)
+        if block >= tl.load(num_blocks_ptr):
+            return
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot_ok = slots < num_slots
+        safe_slots = tl.where(slot_ok, slots, 0).to(tl.int64)
+        a_rows = h_ptr + safe_slots[:, None] * inter
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < hidden
+        w_base = w_ptr + expert * w_expert_stride
+        s_base = s_ptr + expert * s_expert_stride
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            a_lo, a_hi = _load_a(a_rows, slot_ok, k0, inter, FP4, BLOCK_K)
+            w_lo, w_hi = _load_w(
+                w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, a_lo.dtype, FP4, BLOCK_K
+            )
+            if IEEE:
+                acc = tl.dot(a_lo, w_lo, acc, input_precision="ieee")
+                acc = tl.dot(a_hi, w_hi, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_lo, w_lo, acc)
+                acc = tl.dot(a_hi, w_hi, acc)
+        route_weight = tl.load(route_weight_ptr + safe_slots, mask=slot_ok, other=0.0)
+        acc = acc * route_weight[:, None]
+        out = out_ptr + safe_slots[:, None] * hidden + columns[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+
+
+@register(
+    "routed_moe",
+    "triton",
+    devices=("cuda",),
+    dtypes=(torch.bfloat16, torch.float32),
+    available=triton_available,
+    priority=20,
+)
+def routed_moe_triton(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` in ``x.dtype`` (bf16 or fp32 activations; FP4 or dense weights).
+
+    ``config`` overrides the block sizes (tests use small ones); by default :func:`choose_config` picks them
+    from host-known sizes. Allocates ``[T*k, I]`` and ``[T*k, H]`` scratch in ``x.dtype``.
+    """
+    if triton is None:
+        raise RuntimeError("the triton routed_moe backend needs Triton installed")
+    check_inputs(x, weights, expert_ids, expert_weights)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the triton routed_moe backend takes bf16 or fp32 activations, got {x.dtype}")
+    tokens, top_k = expert_ids.shape
+    num_slots = tokens * top_k
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    if num_slots == 0:
+        return torch.zeros_like(x)
+    block_m, block_n, block_k, num_warps, num_stages = config or choose_config(num_slots, weights.num_experts)
+    aligned = align_slots(sort_slots(expert_ids, weights.num_experts), block_m)
+    x = x.contiguous()
+    route_weight = expert_weights.reshape(-1).contiguous()
+    h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    # Dense weights have no scales; any tensor stands in for the pointer (FP4=False never reads it).
+    w13_scale = weights.w13_scale if weights.is_fp4 else weights.w13
+    w2_scale = weights.w2_scale if weights.is_fp4 else weights.w2
+    common = dict(FP4=weights.is_fp4, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    launch = dict(num_warps=num_warps, num_stages=num_stages)
+    _gate_up_kernel[(aligned.max_blocks, triton.cdiv(inter, block_n))](
+        x, weights.w13, w13_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, h,
+        num_slots, top_k, hidden, inter, float(swiglu_limit), x.stride(0),
+        weights.w13.stride(0), weights.w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        **common, **launch,
+    )  # fmt: skip
+    _down_kernel[(aligned.max_blocks, triton.cdiv(hidden, block_n))](
+        h, weights.w2, w2_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, route_weight, out,
+        num_slots, hidden, inter,
+        weights.w2.stride(0), weights.w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        **common, **launch,
+    )  # fmt: skip
+    if top_k == 1:
+        return out
+    return out.view(tokens, top_k, hidden).sum(dim=1)

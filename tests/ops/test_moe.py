@@ -1,0 +1,245 @@
+"""routed_moe: the reference against the model's current MoE math, every backend against the reference."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import dsinfer.ops.moe.triton as moe_triton
+from dsinfer.layers.moe import Expert, MoE
+from dsinfer.ops.quant import dequantize_fp4, quantize_fp4
+from dsinfer.ops import registry
+from dsinfer.ops.moe import (
+    ExpertWeights,
+    align_slots,
+    dequantize_expert,
+    max_aligned_blocks,
+    routed_moe_reference,
+    sort_slots,
+    stack_experts,
+)
+from dsinfer.ops.moe.grouped_mm import routed_moe_grouped_mm
+
+LIMIT = 1.5  # small enough that the clamps bite on these random weights
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _fp4_weights(experts: int, hidden: int, inter: int, seed: int) -> ExpertWeights:
+    """Random experts quantised the checkpoint's way (scales vary across groups, so dequantisation matters)."""
+    gen = _generator(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * torch.rand(experts, 2 * inter, 1, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.3
+    w13_codes, w13_scale = quantize_fp4(w13 * 0.3)
+    w2_codes, w2_scale = quantize_fp4(w2)
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731
+    return ExpertWeights(as_bytes(w13_codes), as_bytes(w13_scale), as_bytes(w2_codes), as_bytes(w2_scale), inter, True)
+
+
+def _dense_weights(experts: int, hidden: int, inter: int, seed: int, dtype=torch.float32) -> ExpertWeights:
+    gen = _generator(seed)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
+    return ExpertWeights(w13, None, w2, None, inter, False)
+
+
+def _routing(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token (like top-k), expert 1 never picked (a zero-token expert in every case)."""
+    gen = _generator(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    scores[:, 1] = -1.0
+    ids = torch.topk(scores, top_k, dim=-1, sorted=False).indices
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return ids, weights
+
+
+def _current_moe(x, weights: ExpertWeights, ids, mix) -> torch.Tensor:
+    """``MoE._dispatch`` itself, over a ModuleList of ``Expert`` holding the dequantised weights."""
+    inter = weights.intermediate_size
+    experts = nn.ModuleList()
+    for e in range(weights.num_experts):
+        w13, w2 = dequantize_expert(weights, e, x.dtype)
+        expert = Expert(weights.hidden_size, inter, LIMIT).to(x.dtype)
+        with torch.no_grad():
+            expert.w1.weight.copy_(w13[:inter])
+            expert.w3.weight.copy_(w13[inter:])
+            expert.w2.weight.copy_(w2)
+        experts.append(expert)
+    layer = SimpleNamespace(n_experts=weights.num_experts, experts=experts, shared_experts=None)
+    with torch.no_grad():
+        return MoE._dispatch(layer, x, ids, mix)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (5, 2, 8), (37, 6, 8)])
+def test_reference_is_the_current_moe_math_bit_for_bit(tokens, top_k, experts):
+    weights = _fp4_weights(experts, 64, 32, seed=tokens)
+    ids, mix = _routing(tokens, top_k, experts, seed=tokens + 1)
+    x = torch.randn(tokens, 64, generator=_generator(tokens + 2))
+    out = routed_moe_reference(x, weights, ids, mix, LIMIT)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert torch.equal(out, _current_moe(x, weights, ids, mix))
+    # The dequantiser it uses is the checkpoint's: w13 rows are w1 then w3, nibble order low-first.
+    w13, _ = dequantize_expert(weights, 2, torch.float32)
+    e8m0 = torch.float8_e8m0fnu
+    assert torch.equal(w13, dequantize_fp4(weights.w13[2], weights.w13_scale[2].view(e8m0)))
+
+
+def test_routing_layouts_cover_every_slot_once():
+    for tokens, top_k, experts, block_m in [
+        (1, 1, 4, 16),
+        (5, 2, 8, 16),
+        (37, 6, 8, 16),
+        (37, 6, 8, 64),
+        (0, 2, 4, 16),
+    ]:
+        ids, _ = _routing(tokens, top_k, experts, seed=3)
+        grouped = sort_slots(ids, experts)
+        num_slots = tokens * top_k
+        assert torch.equal(grouped.slots.sort().values, torch.arange(num_slots))
+        assert torch.equal(grouped.experts, ids.reshape(-1)[grouped.slots])
+        assert torch.equal(grouped.counts, torch.bincount(ids.reshape(-1), minlength=experts))
+        assert grouped.counts[1] == 0 and grouped.offsets[-1] == num_slots
+        aligned = align_slots(grouped, block_m)
+        assert aligned.max_blocks == max_aligned_blocks(num_slots, experts, block_m)
+        live = aligned.slot_ids[aligned.slot_ids < num_slots]
+        assert torch.equal(live.sort().values, torch.arange(num_slots))  # every slot exactly once
+        assert bool((aligned.slot_ids <= num_slots).all())  # the rest is the pad marker
+        need = int(((grouped.counts + block_m - 1) // block_m).sum())
+        assert int(aligned.num_blocks) == need <= aligned.max_blocks
+        blocks = aligned.slot_ids.view(-1, block_m)
+        for b in range(aligned.max_blocks):
+            row = blocks[b]
+            if b >= need:
+                assert aligned.block_expert[b] == -1 and bool((row == num_slots).all())
+                continue
+            real = row[row < num_slots]
+            assert real.numel() > 0  # a live block holds at least one slot, all of its own expert
+            assert bool((ids.reshape(-1)[real] == aligned.block_expert[b]).all())
+            assert torch.equal(real, real.sort().values)  # stable: token order inside an expert
+            assert bool((row[real.numel() :] == num_slots).all())  # padding only at the block's end
+    assert max_aligned_blocks(6, 256, 16) == 6 and max_aligned_blocks(24576, 256, 64) == (24576 + 256 * 63) // 64
+
+
+def _interpret(monkeypatch) -> None:
+    """Run the module's kernels in Triton's interpreter, with its bf16 arithmetic made the hardware's.
+
+    Triton 3.9's interpreter keeps bf16 values as their raw uint16 bits and (1) multiplies those bits as
+    integers in ``tl.dot``, (2) converts float32 to bf16 by truncation. Here bf16 dot operands are widened to
+    the float32 values they stand for (bf16 x bf16 products are exact in the fp32 accumulator, as on the GPU)
+    and float32 -> bf16 rounds to nearest even, as the compiled ``.to(tl.bfloat16)`` does."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    import numpy as np
+    import triton.language as tl
+
+    for name in moe_triton.JIT_FUNCTIONS:
+        monkeypatch.setattr(moe_triton, name, interpreter.InterpretedFunction(getattr(moe_triton, name).fn))
+    builder = interpreter.interpreter_builder
+    create_dot = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def bf16_dot(a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "create_dot", bf16_dot)
+    cast_impl = builder.cast_impl
+
+    def rounding_cast(src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast_impl(src, dst_type)
+
+    monkeypatch.setattr(builder, "cast_impl", rounding_cast)
+
+
+SMALL = moe_triton.KernelConfig(16, 32, 64, 4, 1)  # BLOCK_K 64 < H = 96: a K tail; N tails on both GEMMs
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (5, 2, 8), (37, 6, 8)])
+@pytest.mark.parametrize("form", ["fp4", "dense"])
+def test_triton_kernel_matches_reference_in_the_interpreter(monkeypatch, tokens, top_k, experts, form):
+    """The Triton kernels in Triton's CPU interpreter against the reference (CUDA runs them compiled).
+
+    fp32: dots in IEEE fp32, only the summation order differs: |err| <= 1e-5 * max|ref| + 1e-6.
+    bf16: the kernel's error against the fp32 truth is at most 1.5x the bf16 reference's own error
+    (plus 2**-8 * max|ref|), i.e. the kernel rounds no worse than the reference does."""
+    _interpret(monkeypatch)
+    hidden, inter = 96, 32
+    make = _fp4_weights if form == "fp4" else _dense_weights
+    weights = make(experts, hidden, inter, seed=7 * tokens)
+    ids, mix = _routing(tokens, top_k, experts, seed=tokens + 11)
+    x = torch.randn(tokens, hidden, generator=_generator(tokens + 13))
+    truth = routed_moe_reference(x, weights, ids, mix, LIMIT)
+    scale = float(truth.abs().max())
+    out = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=SMALL)
+    assert out.dtype == torch.float32
+    assert float((out - truth).abs().max()) <= 1e-5 * scale + 1e-6
+
+    xb = x.bfloat16()
+    out_bf16 = moe_triton.routed_moe_triton(xb, weights, ids, mix, LIMIT, config=SMALL)
+    ref_bf16 = routed_moe_reference(xb, weights, ids, mix, LIMIT)
+    truth_bf16_input = routed_moe_reference(xb.float(), weights, ids, mix, LIMIT)
+    kernel_error = float((out_bf16.float() - truth_bf16_input).abs().max())
+    reference_error = float((ref_bf16.float() - truth_bf16_input).abs().max())
+    assert out_bf16.dtype == torch.bfloat16
+    assert kernel_error <= 1.5 * reference_error + 2**-8 * scale
+
+
+def test_triton_block_sizes_and_empty_batch(monkeypatch):
+    """Bigger blocks than there are rows, and no tokens at all (no launch, zeros)."""
+    _interpret(monkeypatch)
+    weights = _fp4_weights(4, 64, 32, seed=5)
+    ids, mix = _routing(3, 2, 4, seed=6)
+    x = torch.randn(3, 64, generator=_generator(7))
+    out = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=moe_triton.KernelConfig(64, 64, 128, 4, 1))
+    truth = routed_moe_reference(x, weights, ids, mix, LIMIT)
+    assert float((out - truth).abs().max()) <= 1e-5 * float(truth.abs().max()) + 1e-6
+    empty = moe_triton.routed_moe_triton(x[:0], weights, ids[:0], mix[:0], LIMIT)
+    assert empty.shape == (0, 64)
+    assert moe_triton.choose_config(6, 256)[0] == 16 and moe_triton.choose_config(24576, 256)[0] == 64
+
+
+def test_grouped_mm_backend_matches_reference():
+    """torch's grouped GEMM (its CPU fallback here) over the padded layout; bf16 activations and weights."""
+    weights = _dense_weights(8, 64, 32, seed=3, dtype=torch.bfloat16)
+    ids, mix = _routing(37, 6, 8, seed=4)
+    x = torch.randn(37, 64, generator=_generator(5)).bfloat16()
+    out = routed_moe_grouped_mm(x, weights, ids, mix, LIMIT)
+    truth = routed_moe_reference(x.float(), _dense_weights(8, 64, 32, seed=3, dtype=torch.bfloat16), ids, mix, LIMIT)
+    reference_error = float((routed_moe_reference(x, weights, ids, mix, LIMIT).float() - truth).abs().max())
+    assert float((out.float() - truth).abs().max()) <= 1.5 * reference_error + 2**-8 * float(truth.abs().max())
+    with pytest.raises(ValueError, match="dense bf16 experts"):
+        routed_moe_grouped_mm(x, _fp4_weights(8, 64, 32, seed=3), ids, mix, LIMIT)
+
+
+def test_registry_and_weight_layout():
+    names = [b.name for b in registry.backends("routed_moe")]
+    assert names == ["triton", "reference", "grouped_mm"]
+    assert registry.choose("routed_moe", "cpu", torch.bfloat16).name == "reference"
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        registry.choose("routed_moe", "cpu", torch.bfloat16, forced="triton")
+
+    # stack_experts from per-expert checkpoint tensors (int8 codes, e8m0 scales) gives the documented layout.
+    w1, s1 = quantize_fp4(torch.randn(2, 32, 64, generator=_generator(1)))
+    w3, s3 = quantize_fp4(torch.randn(2, 32, 64, generator=_generator(2)))
+    w2, s2 = quantize_fp4(torch.randn(2, 64, 32, generator=_generator(3)))
+    stacked = stack_experts(list(w1), list(w3), list(w2), list(s1), list(s3), list(s2))
+    assert stacked.is_fp4 and stacked.w13.shape == (2, 64, 32) and stacked.w13_scale.shape == (2, 64, 2)
+    assert torch.equal(stacked.w13[1, 32:], w3[1].view(torch.uint8))
+    assert stacked.nbytes == 2 * (64 * 32 + 64 * 2 + 64 * 16 + 64 * 1)
+    dense = stack_experts([torch.ones(32, 64)] * 2, [torch.zeros(32, 64)] * 2, [torch.ones(64, 32)] * 2)
+    assert not dense.is_fp4 and dense.w13.shape == (2, 64, 64) and dense.nbytes == 2 * (64 * 64 + 64 * 32) * 4
+    with pytest.raises(ValueError, match="w13_scale must have shape"):
+        ExpertWeights(stacked.w13, stacked.w13_scale[:, :, :1].contiguous(), stacked.w2, stacked.w2_scale, 32, True)
+    with pytest.raises(ValueError, match="dense w13 must be"):
+        ExpertWeights(dense.w13, None, dense.w2, None, 16, False)
