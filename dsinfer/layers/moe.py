@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.ops.moe import ExpertWeights, stack_experts
+from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
 
 
@@ -62,44 +64,75 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and the shared expert of one layer.
+
+    The routed experts come in one of two forms. A model built in memory (random weights, training) holds them
+    as ``experts``, one :class:`Expert` each under the official names. A loaded model holds them stacked in
+    checkpoint precision (:class:`~dsinfer.ops.moe.ExpertWeights`: packed FP4 codes and ue8m0 scales, or dense
+    floats when the checkpoint stores floats) as the buffers ``routed_w13``, ``routed_w13_scale``,
+    ``routed_w2`` and ``routed_w2_scale``; :meth:`pack` turns the one into the other. Either way the routed part
+    runs through the ``routed_moe`` op, whose backend was chosen once for the model's device and dtype.
+    """
+
     def __init__(self, config: ModelConfig, hash_routed: bool) -> None:
         super().__init__()
-        self.n_experts = config.n_routed_experts
         self.gate = Router(config, hash_routed)
-        self.experts = nn.ModuleList(
-            Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
-            for _ in range(config.n_routed_experts)
+        self._build_experts(config, config.n_routed_experts)
+
+    def _build_experts(self, config, n_experts: int) -> None:
+        self.n_experts = n_experts
+        self.swiglu_limit = config.swiglu_limit
+        self.ops: OpTable | None = None
+        self.experts: nn.ModuleList | None = nn.ModuleList(
+            Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit) for _ in range(n_experts)
         )
         self.shared_experts = (
-            Expert(
-                config.hidden_size,
-                config.moe_intermediate_size * config.n_shared_experts,
-                config.swiglu_limit,
-            )
+            Expert(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
             if config.n_shared_experts
             else None
         )
+        self._routed_form: tuple[int, bool] | None = None  # (intermediate size, is_fp4) once packed
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
         return self._dispatch(x, experts, weights)
 
+    # ---- the routed experts' two forms --------------------------------------------------------------
+    def pack(self, weights: ExpertWeights) -> None:
+        """Serve the routed experts from stacked checkpoint-precision weights; the per-expert modules go."""
+        if weights.num_experts != self.n_experts:
+            raise ValueError(f"{weights.num_experts} stacked experts for a layer of {self.n_experts}")
+        self.experts = None
+        self.register_buffer("routed_w13", weights.w13)
+        self.register_buffer("routed_w13_scale", weights.w13_scale)
+        self.register_buffer("routed_w2", weights.w2)
+        self.register_buffer("routed_w2_scale", weights.w2_scale)
+        self._routed_form = (weights.intermediate_size, weights.is_fp4)
+
+    @property
+    def is_packed(self) -> bool:
+        return self._routed_form is not None
+
+    def routed_weights(self) -> ExpertWeights:
+        """The routed experts in the op's layout (stacked from the modules when the model was built in memory)."""
+        if self._routed_form is not None:
+            intermediate, fp4 = self._routed_form
+            return ExpertWeights(
+                self.routed_w13, self.routed_w13_scale, self.routed_w2, self.routed_w2_scale, intermediate, fp4
+            )
+        experts = self.experts
+        return stack_experts(
+            [e.w1.weight for e in experts], [e.w3.weight for e in experts], [e.w2.weight for e in experts]
+        )
+
+    def use_ops(self, ops: OpTable) -> None:
+        self.ops = ops
+
     def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Run each picked expert on its tokens, mix by ``weights``, add the shared expert."""
-        routed = torch.zeros_like(x)
-        flat_experts = experts.flatten()
-        order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
-        token_of_slot = order // experts.shape[1]
-        start = 0
-        for expert_id, count in enumerate(counts):
-            if count == 0:
-                continue
-            slots = order[start : start + count]
-            tokens = token_of_slot[start : start + count]
-            start += count
-            out = self.experts[expert_id](x[tokens]) * weights.flatten()[slots, None].to(x.dtype)
-            routed.index_add_(0, tokens, out)
+        if self.ops is None:  # a model built in memory: choose once, on first use
+            self.ops = resolve(x.device, x.dtype)
+        routed = self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed
@@ -138,16 +171,8 @@ class MoEV41(MoE):
 
     def __init__(self, config, n_experts: int, top_k: int) -> None:
         nn.Module.__init__(self)
-        self.n_experts = n_experts
         self.gate = RouterV41(config.hidden_size, n_experts, top_k, config)
-        self.experts = nn.ModuleList(
-            Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit) for _ in range(n_experts)
-        )
-        self.shared_experts = (
-            Expert(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
-            if config.n_shared_experts
-            else None
-        )
+        self._build_experts(config, n_experts)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         experts, weights = self.gate(x, image_mask)

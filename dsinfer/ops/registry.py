@@ -121,10 +121,20 @@ class OpTable:
         return ", ".join(f"{op}={backend.name}" for op, backend in sorted(self.chosen.items()))
 
 
+_resolved: dict[tuple, OpTable] = {}
+
+
 def resolve(device: torch.device | str, dtype: torch.dtype) -> OpTable:
-    """Choose every registered op's backend for one model and log the choices."""
+    """Choose every registered op's backend for one device and dtype and log the choices (once per setting)."""
     _load_backends()
     device = torch.device(device)
+    key = (device, dtype, os.environ.get("DSINFER_OPS", ""))
+    if key not in _resolved:
+        _resolved[key] = _choose_all(device, dtype)
+    return _resolved[key]
+
+
+def _choose_all(device: torch.device, dtype: torch.dtype) -> OpTable:
     forced = _forced()
     unknown = set(forced) - set(_REGISTRY)
     if unknown:

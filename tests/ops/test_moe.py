@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
 
 import dsinfer.ops.moe.triton as moe_triton
-from dsinfer.layers.moe import Expert, MoE
-from dsinfer.ops.quant import dequantize_fp4, quantize_fp4
+from dsinfer.layers.moe import Expert
 from dsinfer.ops import registry
 from dsinfer.ops.moe import (
     ExpertWeights,
@@ -22,6 +19,7 @@ from dsinfer.ops.moe import (
     stack_experts,
 )
 from dsinfer.ops.moe.grouped_mm import routed_moe_grouped_mm
+from dsinfer.ops.quant import dequantize_fp4, quantize_fp4
 
 LIMIT = 1.5  # small enough that the clamps bite on these random weights
 
@@ -59,7 +57,7 @@ def _routing(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Te
 
 
 def _current_moe(x, weights: ExpertWeights, ids, mix) -> torch.Tensor:
-    """``MoE._dispatch`` itself, over a ModuleList of ``Expert`` holding the dequantised weights."""
+    """The model's MoE math before the op, over a ModuleList of ``Expert`` holding the dequantised weights."""
     inter = weights.intermediate_size
     experts = nn.ModuleList()
     for e in range(weights.num_experts):
@@ -70,9 +68,23 @@ def _current_moe(x, weights: ExpertWeights, ids, mix) -> torch.Tensor:
             expert.w3.weight.copy_(w13[inter:])
             expert.w2.weight.copy_(w2)
         experts.append(expert)
-    layer = SimpleNamespace(n_experts=weights.num_experts, experts=experts, shared_experts=None)
+    # The per-expert loop the model ran before routed_moe existed, kept literally as the oracle.
     with torch.no_grad():
-        return MoE._dispatch(layer, x, ids, mix)
+        routed = torch.zeros_like(x)
+        flat_experts = ids.flatten()
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=weights.num_experts).tolist()
+        token_of_slot = order // ids.shape[1]
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            tokens = token_of_slot[start : start + count]
+            start += count
+            out = experts[expert_id](x[tokens]) * mix.flatten()[slots, None].to(x.dtype)
+            routed.index_add_(0, tokens, out)
+        return routed
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (5, 2, 8), (37, 6, 8)])
