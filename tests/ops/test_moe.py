@@ -255,3 +255,36 @@ def test_registry_and_weight_layout():
         ExpertWeights(stacked.w13, stacked.w13_scale[:, :, :1].contiguous(), stacked.w2, stacked.w2_scale, 32, True)
     with pytest.raises(ValueError, match="dense w13 must be"):
         ExpertWeights(dense.w13, None, dense.w2, None, 16, False)
+
+
+def _signature(kernel, activation: str, weight: str) -> dict[str, str]:
+    """Triton types of a kernel's runtime arguments, by the naming convention of dsinfer.ops.moe.triton."""
+    pointers = {"x_ptr": activation, "h_ptr": activation, "out_ptr": activation, "w_ptr": weight,
+                "s_ptr": "u8", "route_weight_ptr": "fp32"}  # fmt: skip
+    types = {}
+    for name in kernel.arg_names:
+        if name.isupper():
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = "*" + pointers.get(name, "i64")
+        else:
+            types[name] = "fp32" if name == "limit" else "i32"
+    return types
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_triton_kernels_compile_for_hopper():
+    """The interpreter never compiles; this builds both kernels to sm_90 cubins with Triton's bundled ptxas (no
+    GPU needed): the FP4 decode configuration and a dense prefill one, which must use Hopper's wgmma."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for fp4, tokens in ((True, 6), (False, 24576)):
+        block_m, block_n, block_k, num_warps, num_stages = moe_triton.choose_config(tokens, 256)
+        constants = dict(FP4=fp4, IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        for kernel in (moe_triton._gate_up_kernel, moe_triton._down_kernel):
+            source = ASTSource(kernel, _signature(kernel, "bf16", "u8" if fp4 else "bf16"), constexprs=constants)
+            options = dict(num_warps=num_warps, num_stages=num_stages)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            assert compiled.asm["cubin"] and ("wgmma" in compiled.asm["ptx"]) == (block_m == 64)
