@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from dsinfer.kv.batch import PackedBatch
+from dsinfer.models.expert_packing import dequantized_state_dict
 from dsinfer.models.hf_names import official_to_hf_state_dict
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import quantize_like_checkpoint, write_checkpoint
@@ -159,11 +160,11 @@ def test_fp8_fp4_checkpoint_matches_reference_on_dequantized_weights(tmp_path, h
     assert stored["layers.2.ffn.experts.3.w1.weight"].dtype == torch.int8
     write_checkpoint(stored, config, tmp_path, num_shards=2)
     quantized = load_model(tmp_path, progress=False)
-    original = ours.state_dict()["layers.2.ffn.experts.3.w1.weight"]
-    assert not torch.equal(quantized.state_dict()["layers.2.ffn.experts.3.w1.weight"], original)
+    original = dequantized_state_dict(ours)["layers.2.ffn.experts.3.w1.weight"]
+    assert not torch.equal(dequantized_state_dict(quantized)["layers.2.ffn.experts.3.w1.weight"], original)
 
     reference = DeepseekV4ForCausalLM(hf.config).eval()
-    reference.load_state_dict(official_to_hf_state_dict(quantized.state_dict()), strict=True)
+    reference.load_state_dict(official_to_hf_state_dict(dequantized_state_dict(quantized)), strict=True)
     for length in (5, 64, 97):
         ids = torch.randint(0, 96, (length,), generator=torch.Generator().manual_seed(length))
         with torch.no_grad():

@@ -17,6 +17,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import rope_inverse_frequencies
 from dsinfer.models.block import Block
 from dsinfer.models.mtp import MTPLayer
+from dsinfer.ops.registry import OpTable, bind_ops
 
 
 class RopeTables(nn.Module):
@@ -56,6 +57,10 @@ class DeepseekV4(nn.Module):
             MTPLayer(config, config.num_hidden_layers + i)
             for i in range(config.num_nextn_predict_layers if with_mtp else 0)
         )
+
+    def use_ops(self, ops: OpTable) -> None:
+        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
+        bind_ops(self, ops)
 
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""

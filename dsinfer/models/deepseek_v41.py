@@ -42,6 +42,7 @@ from dsinfer.models.block import hc_parameters
 from dsinfer.models.deepseek_v4 import RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.registry import OpTable, bind_ops
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
@@ -220,6 +221,10 @@ class DeepseekV41(nn.Module):
                     f"the Engram fetcher's table of layer {layer_id} has {fetcher.rows(layer_id)} rows, "
                     f"the model addresses {rows}"
                 )
+
+    def use_ops(self, ops: OpTable) -> None:
+        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
+        bind_ops(self, ops)
 
     def drop_engram_tables(self) -> DeepseekV41:
         """Remove the layers' own Engram tables (they live outside the model); a fetcher must then be attached."""

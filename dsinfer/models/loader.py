@@ -29,8 +29,10 @@ from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choose_placement, open_engram_tables
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.expert_packing import ExpertCollector, ExpertPackingError
 from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name, v41_name
 from dsinfer.ops.quant import dequantize_fp4, dequantize_fp8_blockwise
+from dsinfer.ops.registry import resolve
 from dsinfer.tokenizer import Tokenizer, TokenizerLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -199,24 +201,42 @@ def _materialise(
         if scale_key is None:
             raise CheckpointError(f"tensor {key!r}: packed FP4 weight without a .scale tensor")
         scale = reader.get(stored[scale_key])
+        _check_fp4_shapes(key, raw, scale, want, config)
         group = config.quantization.fp4_group_size if config.quantization else 32
-        if (
-            len(want) != 2
-            or tuple(raw.shape) != (want[0], want[1] // 2)
-            or tuple(scale.shape)
-            != (
-                want[0],
-                want[1] // group,
-            )
-        ):
-            raise CheckpointError(
-                f"tensor {key!r}: FP4 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
-                f"expected {(want[0], want[1] // 2)} with scale {(want[0], want[1] // group)}"
-            )
         return dequantize_fp4(raw, scale, group, dtype=torch.float32)
     if tuple(raw.shape) != want:
         raise CheckpointError(f"tensor {key!r}: shape {tuple(raw.shape)}, expected {want}")
     return raw
+
+
+def _read_expert(
+    key: str,
+    target: torch.Tensor,
+    stored: dict[str, _Stored],
+    reader: _ShardReader,
+    config: ModelConfig | ModelConfigV41,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One routed expert weight as it will be served: packed FP4 bytes with their scale, else floats in ``dtype``."""
+    raw = reader.get(stored[key])
+    scale_key = _scale_key(key, stored)
+    if raw.dtype in FP4_DTYPES and scale_key is not None:
+        scale = reader.get(stored[scale_key])
+        _check_fp4_shapes(key, raw, scale, tuple(target.shape), config)
+        return raw, scale
+    return _materialise(key, target, stored, reader, config).to(dtype), None
+
+
+def _check_fp4_shapes(key: str, raw: torch.Tensor, scale: torch.Tensor, want: tuple[int, ...], config) -> None:
+    group = config.quantization.fp4_group_size if config.quantization else 32
+    if len(want) != 2:
+        raise CheckpointError(f"tensor {key!r}: a packed FP4 weight must be 2-D, the model expects {want}")
+    expected, expected_scale = (want[0], want[1] // 2), (want[0], want[1] // group)
+    if tuple(raw.shape) != expected or tuple(scale.shape) != expected_scale:
+        raise CheckpointError(
+            f"tensor {key!r}: FP4 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
+            f"expected {expected} with scale {expected_scale}"
+        )
 
 
 def _fused_expert_tensors(
@@ -271,6 +291,7 @@ def load_model(
     values: dict[str, torch.Tensor] = {}
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
+    experts = ExpertCollector()  # routed experts stay in checkpoint precision, stacked per layer
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
@@ -280,28 +301,38 @@ def load_model(
                     raise CheckpointError(
                         f"tensor {keys[0]!r}: shape {tuple(fused.shape)} does not match the config's experts"
                     )
-                values[expert_name] = tensor
+                experts.take(expert_name, tensor.to(dtype), None)
         else:
             if len(keys) > 1:
                 raise CheckpointError(f"tensor {name!r} is stored twice: {keys}")
-            values[name] = _materialise(keys[0], targets[name], stored, reader, config)
+            if experts.is_routed_expert(name):
+                experts.take(name, *_read_expert(keys[0], targets[name], stored, reader, config, dtype))
+            else:
+                values[name] = _materialise(keys[0], targets[name], stored, reader, config)
         bar.update(1)
     bar.close()
     for name in targets:
         if name not in values and _OPTIONAL_ZEROS.search(name):
             values[name] = torch.zeros(targets[name].shape, dtype=torch.float32)
-    missing = [name for name in targets if name not in values]
+    collected = experts.collected_names()
+    missing = [name for name in targets if name not in values and name not in collected]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
+    experts.drop_modules(model)  # before the model gets memory: no dequantised copy of the experts, ever
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             value = values[name]
             kept = _KEEP_STORED.search(name) and value.dtype in FP8_DTYPES
             param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
+    try:
+        experts.pack_into(model, device)
+    except ExpertPackingError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from None
     model.rope = RopeTables(config).to(device)
+    model.use_ops(resolve(device, dtype))
     if has_engram:
         model.attach_engram_hasher(engram_hasher_for(directory, config))
         if placement in TABLES_OUTSIDE_MODEL:

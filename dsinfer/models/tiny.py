@@ -24,6 +24,7 @@ from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.expert_packing import dequantized_state_dict
 from dsinfer.models.loader import INDEX_FILE, parameter_dtype
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.ops.quant import quantize_fp4, quantize_fp8_blockwise
@@ -143,7 +144,7 @@ def quantize_like_checkpoint(model: DeepseekV4) -> dict[str, torch.Tensor]:
     """The model's weights in official storage: FP8 + ``.scale``, FP4 + ``.scale``, bf16, fp32, int32."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in dequantized_state_dict(model).items():
         kind = storage_format(name, cfg)
         base = name[: -len(".weight")]
         if kind == "fp8":
@@ -281,7 +282,7 @@ def quantize_like_checkpoint_v41(model: DeepseekV41) -> dict[str, torch.Tensor]:
     """The V4.1 model's weights in release storage: FP8 32x32 + ``.scale``, FP4 experts, FP8 Engram rows."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    state = model.state_dict()
+    state = dequantized_state_dict(model)
     for name, tensor in state.items():
         if _ENGRAM_TABLE.search(name):
             if name.endswith(".weight"):

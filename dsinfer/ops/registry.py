@@ -156,3 +156,10 @@ def _load_backends() -> None:
         return
     _loaded = True
     import dsinfer.ops.catalog  # noqa: F401
+
+
+def bind_ops(model: torch.nn.Module, table: OpTable) -> None:
+    """Give every module of ``model`` that calls ops (it has an ``ops`` attribute) the chosen table."""
+    for module in model.modules():
+        if "ops" in vars(module):
+            module.ops = table
