@@ -6,8 +6,8 @@ checkpoints, fused or not) keep their values in the compute dtype, FP8 experts a
 other weights are in place :meth:`ExpertCollector.pack_into` stacks each layer's experts
 (:func:`~dsinfer.ops.moe.stack_experts`) onto the device and gives them to the layer's MoE.
 
-:func:`dequantized_state_dict` goes the other way: the official per-expert names with float values, for
-exporting and for comparing against a reference implementation.
+:func:`dequantized_state_dict` goes the other way: the official names (per expert, ``.weight`` for kept FP8
+linears) with float values, for exporting and for comparing against a reference implementation.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.layers.moe import MoE
 from dsinfer.ops.moe import ExpertWeights, dequantize_expert, stack_experts
+from dsinfer.ops.quant import dequantize_fp8_blockwise
 
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.experts\.(?P<expert>\d+)\.(?P<which>w[123])\.weight$")
 
@@ -113,10 +115,14 @@ def _to_device(weights: ExpertWeights, device: torch.device | str) -> ExpertWeig
 
 
 def dequantized_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The model's state dict under the official names, routed experts per expert and dequantised to ``dtype``."""
+    """The model's state dict under the official names with float values: routed experts per expert and FP8
+    linears dequantised to ``dtype``."""
     state = {}
     packed_prefixes = []
     for path, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            packed_prefixes += [f"{path}.codes", f"{path}.scale"]
+            state[f"{path}.weight"] = dequantize_fp8_blockwise(module.codes, module.scale, module.block, dtype=dtype)
         if isinstance(module, MoE) and module.is_packed:
             packed_prefixes.append(f"{path}.routed_")
             weights = module.routed_weights()

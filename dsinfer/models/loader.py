@@ -30,6 +30,7 @@ from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choo
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.expert_packing import ExpertCollector, ExpertPackingError
+from dsinfer.models.fp8_linears import Fp8LinearCollector, resolve_fp8_linears
 from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name, v41_name
 from dsinfer.ops.quant import dequantize_fp4, dequantize_fp8_blockwise
 from dsinfer.ops.registry import resolve
@@ -188,14 +189,9 @@ def _materialise(
     if raw.dtype in FP8_DTYPES:
         if scale_key is None:
             raise CheckpointError(f"tensor {key!r}: FP8 weight without a .scale tensor")
-        block = config.quantization.weight_block_size if config.quantization else (128, 128)
+        block = _fp8_block(config)
         scale = reader.get(stored[scale_key])
-        expected_scale = (math.ceil(want[0] / block[0]), math.ceil(want[1] / block[1]))
-        if tuple(raw.shape) != want or tuple(scale.shape) != expected_scale:
-            raise CheckpointError(
-                f"tensor {key!r}: FP8 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
-                f"expected {want} with scale {expected_scale}"
-            )
+        _check_fp8_shapes(key, raw, scale, want, block)
         return dequantize_fp8_blockwise(raw, scale, block, dtype=torch.float32)
     if raw.dtype in FP4_DTYPES and target.is_floating_point():
         if scale_key is None:
@@ -207,6 +203,19 @@ def _materialise(
     if tuple(raw.shape) != want:
         raise CheckpointError(f"tensor {key!r}: shape {tuple(raw.shape)}, expected {want}")
     return raw
+
+
+def _fp8_block(config: ModelConfig | ModelConfigV41) -> tuple[int, int]:
+    return tuple(config.quantization.weight_block_size) if config.quantization else (128, 128)
+
+
+def _check_fp8_shapes(key: str, raw: torch.Tensor, scale: torch.Tensor, want: tuple, block: tuple[int, int]) -> None:
+    expected_scale = (math.ceil(want[0] / block[0]), math.ceil(want[1] / block[1]))
+    if tuple(raw.shape) != want or tuple(scale.shape) != expected_scale:
+        raise CheckpointError(
+            f"tensor {key!r}: FP8 weight {tuple(raw.shape)} with scale {tuple(scale.shape)}, "
+            f"expected {want} with scale {expected_scale}"
+        )
 
 
 def _read_expert(
@@ -261,13 +270,18 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     engram_placement: str | None = None,
+    fp8_linears: str | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards.
 
     ``engram_placement`` (``device``, ``host``, ``sharded``; None: ``$DSINFER_ENGRAM_PLACEMENT``, else the
     default of :func:`dsinfer.engram.fetch.resolve_placement`) says where V4.1's Engram tables live. A
-    model without Engram layers (every V4 checkpoint) ignores it. With ``host`` or ``sharded`` the
-    returned model owns a shared-memory segment or a table shard: call its ``close()`` when done.
+    model without Engram layers (every V4 checkpoint) ignores it. With ``host`` or ``sharded`` the returned
+    model owns a shared-memory segment or a table shard: call its ``close()`` when done.
+
+    ``fp8_linears`` (``keep``, ``dequantize``; None: ``$DSINFER_FP8_LINEARS``, else
+    :data:`~dsinfer.models.fp8_linears.DEFAULT_FP8_LINEARS`) says whether the block-scaled FP8 linears stay FP8
+    or become the compute dtype; routed experts always stay as stored.
     """
     directory = Path(path)
     try:
@@ -292,6 +306,7 @@ def load_model(
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
     experts = ExpertCollector()  # routed experts stay in checkpoint precision, stacked per layer
+    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears), _fp8_block(config), dtype, stored)
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
@@ -307,6 +322,10 @@ def load_model(
                 raise CheckpointError(f"tensor {name!r} is stored twice: {keys}")
             if experts.is_routed_expert(name):
                 experts.take(name, *_read_expert(keys[0], targets[name], stored, reader, config, dtype))
+            elif fp8.wants(name, stored[keys[0]], targets[name]):
+                codes, scale = reader.get(stored[keys[0]]), reader.get(stored[_scale_key(keys[0], stored)])
+                _check_fp8_shapes(keys[0], codes, scale, tuple(targets[name].shape), _fp8_block(config))
+                fp8.take(name, codes, scale)
             else:
                 values[name] = _materialise(keys[0], targets[name], stored, reader, config)
         bar.update(1)
@@ -314,19 +333,21 @@ def load_model(
     for name in targets:
         if name not in values and _OPTIONAL_ZEROS.search(name):
             values[name] = torch.zeros(targets[name].shape, dtype=torch.float32)
-    collected = experts.collected_names()
+    collected = experts.collected_names() | fp8.collected_names()
     missing = [name for name in targets if name not in values and name not in collected]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
     experts.drop_modules(model)  # before the model gets memory: no dequantised copy of the experts, ever
+    fp8.drop_modules(model)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             value = values[name]
             kept = _KEEP_STORED.search(name) and value.dtype in FP8_DTYPES
             param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
+    fp8.install(model, device)
     try:
         experts.pack_into(model, device)
     except ExpertPackingError as exc:

@@ -1,0 +1,70 @@
+"""Block-scaled FP8 linears of a checkpoint: kept as stored (:class:`~dsinfer.layers.fp8_linear.Fp8Linear`) or
+dequantised to the compute dtype on load, by policy.
+
+``keep`` holds half the bytes of bf16; ``dequantize`` is what Hopper servers do when no fused FP8 kernel beats a
+bf16 GEMM at the shapes served. docs/perf.md records the measurement behind the default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from torch import nn
+
+from dsinfer.layers.fp8_linear import Fp8Linear
+
+FP8_LINEAR_POLICIES = ("keep", "dequantize")
+DEFAULT_FP8_LINEARS = "keep"
+# Weights that are FP8 in a checkpoint but are not linear layers (the Engram tables are kept their own way).
+_NOT_A_LINEAR = re.compile(r"engram\.embed\.weight$")
+
+
+def resolve_fp8_linears(policy: str | None) -> str:
+    """The policy asked for, else ``$DSINFER_FP8_LINEARS``, else the default; anything else is an error."""
+    chosen = policy or os.environ.get("DSINFER_FP8_LINEARS") or DEFAULT_FP8_LINEARS
+    if chosen not in FP8_LINEAR_POLICIES:
+        raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {chosen!r}")
+    return chosen
+
+
+class Fp8LinearCollector:
+    """FP8 linear weights as the loader reads them, installed as :class:`Fp8Linear` once the model has memory."""
+
+    def __init__(self, policy: str, block: tuple[int, int], dtype: torch.dtype, stored: dict) -> None:
+        self.policy, self.block, self.dtype, self.stored = policy, block, dtype, stored
+        self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def wants(self, name: str, item, target: torch.Tensor) -> bool:
+        """Keep this tensor as FP8: the policy says so, it is a 2-D FP8 ``.weight`` with a scale."""
+        if self.policy != "keep" or not name.endswith(".weight") or _NOT_A_LINEAR.search(name):
+            return False
+        if item.dtype != "F8_E4M3" or target.dim() != 2:
+            return False
+        base = item.key[: -len(".weight")]
+        return any(base + suffix in self.stored for suffix in (".scale", ".weight_scale_inv"))
+
+    def take(self, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self._kept[name] = (codes, scale)
+
+    def collected_names(self) -> set[str]:
+        return set(self._kept)
+
+    def drop_modules(self, model: nn.Module) -> None:
+        """Replace each kept linear by a placeholder so the model never allocates its dequantised weight."""
+        for name in self._kept:
+            parent, child = _parent(model, name)
+            setattr(parent, child, nn.Identity())
+
+    def install(self, model: nn.Module, device: torch.device | str) -> None:
+        for name, (codes, scale) in self._kept.items():
+            parent, child = _parent(model, name)
+            setattr(parent, child, Fp8Linear(codes.to(device), scale.to(device), self.block, self.dtype))
+        self._kept.clear()
+
+
+def _parent(model: nn.Module, weight_name: str) -> tuple[nn.Module, str]:
+    path = weight_name[: -len(".weight")]
+    parent_path, _, child = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), child

@@ -1,0 +1,82 @@
+"""Random models built straight on the device in the release formats: routed experts as packed FP4 with ue8m0
+scales, everything else in the compute dtype (the FP8 linears as their bf16 dequantisation, as served on
+Hopper). No checkpoint is written and no dequantised copy of an expert ever exists, so a model of release depth
+can be measured on one GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsinfer.config import ModelConfig
+from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.layers.moe import MoE
+from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
+from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.loader import parameter_dtype
+from dsinfer.models.tiny import randomize_, randomize_v41_
+from dsinfer.ops.moe import ExpertWeights
+from dsinfer.ops.quant import E2M1_VALUES, FP4_GROUP
+from dsinfer.ops.registry import resolve
+
+# Root mean square of a uniformly random e2m1 code (16 codes, both signs).
+_E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))
+
+
+def fp4_scale_byte(fan_in: int) -> int:
+    """The ue8m0 byte whose power of two makes random codes have standard deviation about ``fan_in ** -0.5``."""
+    return 127 + round(math.log2(fan_in**-0.5 / _E2M1_RMS))
+
+
+def random_fp4_experts(
+    n_experts: int, hidden: int, intermediate: int, device: torch.device | str, generator: torch.Generator
+) -> ExpertWeights:
+    """Stacked random routed experts in the checkpoint's FP4 layout (uniform codes, one scale per tensor kind)."""
+
+    def codes(rows: int, inputs: int) -> torch.Tensor:
+        shape = (n_experts, rows, inputs // 2)
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator)
+
+    def scales(rows: int, inputs: int) -> torch.Tensor:
+        shape = (n_experts, rows, inputs // FP4_GROUP)
+        return torch.full(shape, fp4_scale_byte(inputs), dtype=torch.uint8, device=device)
+
+    return ExpertWeights(
+        codes(2 * intermediate, hidden), scales(2 * intermediate, hidden),
+        codes(hidden, intermediate), scales(hidden, intermediate), intermediate, True,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def build_native_model(
+    config: ModelConfig | ModelConfigV41,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+    seed: int = 0,
+) -> DeepseekV4 | DeepseekV41:
+    """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert."""
+    v41 = isinstance(config, ModelConfigV41)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=False)
+    finally:
+        torch.set_default_dtype(previous)
+    moes = [module for module in model.modules() if isinstance(module, MoE)]
+    for moe in moes:
+        moe.experts = None
+    model.to_empty(device=device)
+    for name, param in model.state_dict(keep_vars=True).items():
+        param.data = param.data.to(parameter_dtype(name, param, dtype))
+    randomize_v41_(model, seed) if v41 else randomize_(model, seed)
+    generator = torch.Generator(device=device).manual_seed(seed + 7)
+    for moe in moes:
+        shared = moe.shared_experts
+        hidden = shared.w1.weight.shape[1] if shared is not None else config.hidden_size
+        moe.pack(random_fp4_experts(moe.n_experts, hidden, config.moe_intermediate_size, device, generator))
+    model.rope = RopeTables(config).to(device)
+    model.use_ops(resolve(device, dtype))
+    return model.requires_grad_(False).eval()
