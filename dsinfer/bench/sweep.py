@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     source.add_argument("--config", help="config.json (or its directory): random weights of that shape")
     source.add_argument("--flash-layers", type=int, help="random weights, every V4-Flash width, N layers")
+    parser.add_argument(
+        "--weight-format",
+        choices=["native", "bf16"],
+        default="native",
+        help="random weights (--flash-layers, --config): routed experts packed FP4 as released, or bf16",
+    )
     parser.add_argument("--tag", help="name of the output folder (default: MODE-ctxCONTEXT)")
     parser.add_argument("--context", type=int, help=f"prompt tokens (default {OFFICIAL_CONTEXT}; tiny: {TINY_CONTEXT})")
     parser.add_argument("--nextn", type=int, default=0, help="speculative drafts per step, for the assumed accounting")
@@ -257,6 +263,7 @@ def _int_env(names: tuple[str, ...], default: int) -> int:
 def build_bench(args: argparse.Namespace) -> Bench:
     """Load the checkpoint, or build random weights from a config; the model is shared by every point."""
     from dsinfer.models.loader import load_model
+    from dsinfer.models.native_random import build_native_model
     from dsinfer.models.tiny import build_random_model, default_model_dir
     from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 
@@ -269,7 +276,10 @@ def build_bench(args: argparse.Namespace) -> Bench:
         config = ModelConfig.from_file(args.config)
         label, source = f"{Path(args.config).name} shape", str(Path(args.config).resolve())
     if config is not None:
-        model = build_random_model(config, dtype, args.device, seed=args.seed)
+        if args.weight_format == "native":
+            model = build_native_model(config, dtype, args.device, seed=args.seed)
+        else:
+            model = build_random_model(config, dtype, args.device, seed=args.seed)
         with tempfile.TemporaryDirectory() as directory:  # a tokenizer only for ids; the prompts are random
             build_tiny_tokenizer(Path(directory), vocab_size=config.vocab_size)
             tokenizer = Tokenizer.from_dir(directory)
@@ -284,7 +294,7 @@ def build_bench(args: argparse.Namespace) -> Bench:
     info = {
         "model": label,
         "model_source": source,
-        "weights": weights,
+        "weights": weights if weights == "checkpoint" else f"{weights} ({args.weight_format})",
         "num_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "n_routed_experts": cfg.n_routed_experts,

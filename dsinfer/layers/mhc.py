@@ -12,15 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.layers.norm import rms_normalize
-
-
-def sinkhorn(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
-    """Alternate column and row normalisation of the last two axes (column first, as the reference)."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iterations - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+from dsinfer.ops.registry import OpTable
+from dsinfer.ops.sinkhorn import sinkhorn_reference
 
 
 def hyper_connection_weights(
@@ -31,8 +24,11 @@ def hyper_connection_weights(
     sinkhorn_iterations: int,
     hc_eps: float,
     norm_eps: float,
+    ops: OpTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From streams [T, n, D] compute ``pre`` [T, n], ``post`` [T, n] and ``comb`` [T, n, n], in fp32."""
+    """From streams [T, n, D] compute ``pre`` [T, n], ``post`` [T, n] and ``comb`` [T, n, n], in fp32.
+
+    ``ops`` is the model's op table (its ``sinkhorn`` backend); without one the torch reference runs."""
     n = streams.shape[-2]
     flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
     mixes = F.linear(flat, fn.float())
@@ -42,7 +38,8 @@ def hyper_connection_weights(
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
-    comb = sinkhorn(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iterations, hc_eps)
+    project = ops.sinkhorn if ops is not None else sinkhorn_reference
+    comb = project(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iterations, hc_eps)
     return pre, post, comb
 
 

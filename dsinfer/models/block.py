@@ -11,6 +11,7 @@ from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.ops.registry import OpTable
 
 
 def hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -37,6 +38,7 @@ class Block(nn.Module):
         self.ffn = MoE(config, hash_routed)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
     def forward(
         self, streams: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, input_ids: torch.Tensor
@@ -44,13 +46,13 @@ class Block(nn.Module):
         cfg = self.config
         pre, post, comb = hyper_connection_weights(
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops,
         )  # fmt: skip
         attn_out = self.attn(self.attn_norm(collapse_streams(streams, pre)), batch, inv_freq, self.layer_id)
         streams = expand_streams(attn_out, streams, post, comb)
         pre, post, comb = hyper_connection_weights(
             streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops,
         )  # fmt: skip
         ffn_out = self.ffn(self.ffn_norm(collapse_streams(streams, pre)), input_ids)
         return expand_streams(ffn_out, streams, post, comb)

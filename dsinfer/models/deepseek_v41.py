@@ -121,6 +121,7 @@ class BlockV41(nn.Module):
         self.ffn = MoEV41(config, config.n_routed_experts, config.num_experts_per_tok)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
     def with_engram(self, streams: torch.Tensor, ctx: ForwardContext, keep_rows: bool = False) -> torch.Tensor:
         """The streams after this layer's Engram (if it has one); ``keep_rows`` when the layer runs again."""
@@ -131,7 +132,8 @@ class BlockV41(nn.Module):
     def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-        return hyper_connection_weights(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        iters, eps, norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        return hyper_connection_weights(streams, fn, base, scale, iters, eps, norm_eps, self.ops)
 
     def forward(
         self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext

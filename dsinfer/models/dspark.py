@@ -35,6 +35,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.models.block import hc_parameters
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.registry import OpTable
 
 if TYPE_CHECKING:
     from dsinfer.models.deepseek_v41 import DeepseekV41
@@ -107,6 +108,7 @@ class DSparkStage(nn.Module):
         self.ffn = MoEV41(config, config.dspark_n_routed_experts, config.dspark_num_experts_per_tok)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
         if stage == 0:
             self.main_proj = nn.Linear(dim * len(config.dspark_target_layer_ids), dim, bias=False)
             self.main_norm = RMSNorm(dim, config.rms_norm_eps)
@@ -129,7 +131,7 @@ class DSparkStage(nn.Module):
         def weights(site: str):
             fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
             return hyper_connection_weights(
-                streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+                streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops
             )
 
         attn_pre, attn_post, attn_comb = weights("attn")

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
+from dsinfer.layers.moe import MoE
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.expert_packing import dequantized_state_dict
@@ -121,8 +122,12 @@ def build_random_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    pack_experts: bool = True,
 ) -> DeepseekV4 | DeepseekV41:
     """A random-weight model (V4 or V4.1) straight from a config, on any device: for measuring without weights.
+
+    The routed experts are stacked as a loaded checkpoint's would be (dense, in ``dtype``) unless
+    ``pack_experts`` is off (training keeps them as modules).
 
     A V4.1 model comes without an Engram hasher (that needs a tokenizer): attach one before running it.
     """
@@ -137,6 +142,10 @@ def build_random_model(
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             param.data = param.data.to(parameter_dtype(name, param, dtype))
+        if pack_experts:
+            for module in model.modules():
+                if isinstance(module, MoE):  # one layer at a time: at most one layer's copy in flight
+                    module.pack(module.routed_weights())
     return model.requires_grad_(False).eval()
 
 

@@ -3,5 +3,6 @@
 # Each import registers the op's reference and any faster backends beside it.
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
+import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.topk.packed_key  # noqa: F401
 import dsinfer.ops.topk.reference  # noqa: F401

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.moe.reference import check_inputs
-from dsinfer.ops.moe.routing import align_slots, sort_slots
+from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.registry import register
 
@@ -42,9 +42,20 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["KernelConfig", "choose_config", "routed_moe_triton", "triton_available"]
+__all__ = ["KernelConfig", "align_slots_fused", "choose_config", "routed_moe_triton", "triton_available"]
 
-JIT_FUNCTIONS = ("_e2m1_values", "_ue8m0_scales", "_load_a", "_load_w", "_gate_up_kernel", "_down_kernel")
+JIT_FUNCTIONS = (
+    "_e2m1_values",
+    "_ue8m0_scales",
+    "_load_a",
+    "_load_w",
+    "_fp4_dot",
+    "_half_dots",
+    "_load_block",
+    "_gate_up_kernel",
+    "_down_kernel",
+    "_align_kernel",
+)
 """Every ``triton.jit`` function here (the interpreter tests wrap each one)."""
 
 
@@ -54,29 +65,44 @@ def triton_available() -> bool:
 
 
 class KernelConfig(tuple):
-    """``(block_m, block_n, block_k, num_warps, num_stages)``; ``block_k >= 32`` so each half-dot has K >= 16."""
+    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab)``; ``block_k >= 32`` (one FP4 scale group, and
+    each half-dot of the dense/fp32 path has K >= 16).
 
-    def __new__(cls, block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3):
+    ``swap_ab`` (FP4 weights with bf16 activations only) computes ``(W x^T)^T``: the weight tile is the MMA's
+    left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N, so a
+    block of one or two real tokens does not waste an M of 16 or 64 on padding."""
+
+    def __new__(
+        cls,
+        block_m: int,
+        block_n: int,
+        block_k: int,
+        num_warps: int = 4,
+        num_stages: int = 3,
+        swap_ab: bool = False,
+    ):
         for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if block_k < 32:
             raise ValueError(f"block_k must be >= 32, got {block_k}")
-        return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages))
+        return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages, bool(swap_ab)))
 
 
 def choose_config(num_slots: int, num_experts: int) -> KernelConfig:
-    """Block sizes from host-known sizes only: ``BLOCK_M`` near the average slots per expert, so decode
-    (a few rows per expert) wastes little of each block, while prefill gets reuse of each weight tile.
+    """Block sizes from host-known sizes only (so the choice is the same in a captured graph and eagerly).
 
-    The three configurations compile for sm_90 without register spills (ptxas resource usage, bf16 with FP4
-    weights); wider ``BLOCK_N`` or four warps spill. They are not tuned by measurement yet."""
+    ``BLOCK_M`` follows the average slots per expert, so a block is mostly real rows and each expert's weight
+    tile is dequantised about once per step; the rest was measured on the H200 (``benchmarks/moe_kernel.py
+    --sweep``, bf16 activations, FP4 experts at V4-Flash widths)."""
     average = num_slots / max(num_experts, 1)
+    if average <= 4:
+        return KernelConfig(16, 64, 128, 4, 4, True)
     if average <= 16:
-        return KernelConfig(16, 64, 128, 8, 4)
-    if average <= 32:
-        return KernelConfig(32, 64, 128, 8, 3)
-    return KernelConfig(64, 64, 64, 8, 3)
+        return KernelConfig(16, 64, 128, 4, 4, True)
+    if average <= 48:
+        return KernelConfig(32, 64, 128, 4, 3, False)
+    return KernelConfig(128, 64, 128, 8, 3, False)
 
 
 if triton is not None:
@@ -160,6 +186,53 @@ if triton is not None:
         return w_lo, w_hi
 
     @triton.jit
+    def _fp4_dot(acc, a, w_base, s_base, w_rows, w_ok, w_row_stride, s_row_stride, k0, K, SWAP: tl.constexpr):
+        """``acc + a @ W[w_rows, k0 : k0 + BK]^T`` through ``tl.dot_scaled`` (bf16 ``a`` ``[M, BK]``, FP4 ``W``).
+
+        The packed bytes and one ue8m0 byte per 32 inputs go to the compiler's own e2m1 upcast, which is the
+        cheapest dequantisation Triton offers (the hand-written bit arithmetic of :func:`_load_w` costs several
+        integer operations per weight, and decode is bound by exactly that). ``SWAP`` keeps ``acc`` transposed,
+        ``[N, M]``, with the weight tile as the left operand. Scale byte 255 (NaN) is not propagated
+        (``fast_math``): checkpoints never hold it."""
+        BLOCK_K: tl.constexpr = a.shape[1]
+        byte_columns = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte_ok = byte_columns < K // 2
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale_mask = w_ok[:, None] & (groups < K // 32)[None, :]
+        scale = tl.load(s_base + w_rows[:, None] * s_row_stride + groups[None, :], mask=scale_mask, other=127)
+        if SWAP:
+            packed = tl.load(
+                w_base + w_rows[:, None] * w_row_stride + byte_columns[None, :],
+                mask=w_ok[:, None] & byte_ok[None, :],
+                other=0,
+            )
+            return tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
+        packed = tl.load(
+            w_base + w_rows[None, :] * w_row_stride + byte_columns[:, None],
+            mask=byte_ok[:, None] & w_ok[None, :],
+            other=0,
+        )
+        return tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc, fast_math=True)
+
+    @triton.jit
+    def _half_dots(acc, a_lo, a_hi, w_lo, w_hi, IEEE: tl.constexpr):
+        """``acc + a_lo @ w_lo + a_hi @ w_hi`` (fp32 activations: IEEE fp32 dots, no TF32)."""
+        if IEEE:
+            acc = tl.dot(a_lo, w_lo, acc, input_precision="ieee")
+            return tl.dot(a_hi, w_hi, acc, input_precision="ieee")
+        acc = tl.dot(a_lo, w_lo, acc)
+        return tl.dot(a_hi, w_hi, acc)
+
+    @triton.jit
+    def _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M: tl.constexpr):
+        """``(live, expert, slots, slot_ok)`` of this program's block; ``live`` is False past the live blocks."""
+        block = tl.program_id(0)
+        live = block < tl.load(num_blocks_ptr)
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        return live, expert, slots, slots < num_slots
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr,
         w_ptr,
@@ -179,45 +252,55 @@ if triton is not None:
         s_expert_stride,
         s_row_stride,
         FP4: tl.constexpr,
+        FP4_DOT: tl.constexpr,
+        SWAP: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one block of one expert."""
-        block = tl.program_id(0)
-        if block >= tl.load(num_blocks_ptr):
+        live, expert, slots, slot_ok = _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M)
+        if not live:
             return
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_ok = slots < num_slots
         tokens = tl.where(slot_ok, slots // top_k, 0)
         a_rows = x_ptr + tokens[:, None] * x_row_stride
         columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         column_ok = columns < inter
         w_base = w_ptr + expert * w_expert_stride
         s_base = s_ptr + expert * s_expert_stride
-        gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            a_lo, a_hi = _load_a(a_rows, slot_ok, k0, hidden, FP4, BLOCK_K)
-            dtype = a_lo.dtype
-            w_lo, w_hi = _load_w(
-                w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4, BLOCK_K
-            )
-            u_lo, u_hi = _load_w(
-                w_base, s_base, columns + inter, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4, BLOCK_K
-            )
-            if IEEE:
-                gate = tl.dot(a_lo, w_lo, gate, input_precision="ieee")
-                gate = tl.dot(a_hi, w_hi, gate, input_precision="ieee")
-                up = tl.dot(a_lo, u_lo, up, input_precision="ieee")
-                up = tl.dot(a_hi, u_hi, up, input_precision="ieee")
+        if FP4_DOT:
+            if SWAP:
+                gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             else:
-                gate = tl.dot(a_lo, w_lo, gate)
-                gate = tl.dot(a_hi, w_hi, gate)
-                up = tl.dot(a_lo, u_lo, up)
-                up = tl.dot(a_hi, u_hi, up)
+                gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & (k < hidden)[None, :], other=0.0)
+                gate = _fp4_dot(gate, a, w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, hidden, SWAP)
+                up = _fp4_dot(
+                    up, a, w_base, s_base, columns + inter, column_ok, w_row_stride, s_row_stride, k0, hidden, SWAP
+                )
+            if SWAP:
+                gate = tl.trans(gate)
+                up = tl.trans(up)
+        else:
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                a_lo, a_hi = _load_a(a_rows, slot_ok, k0, hidden, FP4, BLOCK_K)
+                dtype = a_lo.dtype
+                w_lo, w_hi = _load_w(
+                    w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4, BLOCK_K
+                )
+                u_lo, u_hi = _load_w(
+                    w_base, s_base, columns + inter, column_ok, w_row_stride, s_row_stride, k0, hidden, dtype, FP4,
+                    BLOCK_K,
+                )  # fmt: skip
+                gate = _half_dots(gate, a_lo, a_hi, w_lo, w_hi, IEEE)
+                up = _half_dots(up, a_lo, a_hi, u_lo, u_hi, IEEE)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         hidden_act = gate / (1.0 + tl.exp(-gate)) * up
@@ -242,40 +325,120 @@ if triton is not None:
         s_expert_stride,
         s_row_stride,
         FP4: tl.constexpr,
+        FP4_DOT: tl.constexpr,
+        SWAP: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``out[slot, n] = route_weight[slot] * (h[slot] w2^T)[n]`` for one block of one expert."""
-        block = tl.program_id(0)
-        if block >= tl.load(num_blocks_ptr):
+        live, expert, slots, slot_ok = _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M)
+        if not live:
             return
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_ok = slots < num_slots
         safe_slots = tl.where(slot_ok, slots, 0).to(tl.int64)
         a_rows = h_ptr + safe_slots[:, None] * inter
         columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         column_ok = columns < hidden
         w_base = w_ptr + expert * w_expert_stride
         s_base = s_ptr + expert * s_expert_stride
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            a_lo, a_hi = _load_a(a_rows, slot_ok, k0, inter, FP4, BLOCK_K)
-            w_lo, w_hi = _load_w(
-                w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, a_lo.dtype, FP4, BLOCK_K
-            )
-            if IEEE:
-                acc = tl.dot(a_lo, w_lo, acc, input_precision="ieee")
-                acc = tl.dot(a_hi, w_hi, acc, input_precision="ieee")
+        if FP4_DOT:
+            if SWAP:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             else:
-                acc = tl.dot(a_lo, w_lo, acc)
-                acc = tl.dot(a_hi, w_hi, acc)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & (k < inter)[None, :], other=0.0)
+                acc = _fp4_dot(acc, a, w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, SWAP)
+            if SWAP:
+                acc = tl.trans(acc)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                a_lo, a_hi = _load_a(a_rows, slot_ok, k0, inter, FP4, BLOCK_K)
+                w_lo, w_hi = _load_w(
+                    w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, a_lo.dtype, FP4, BLOCK_K
+                )
+                acc = _half_dots(acc, a_lo, a_hi, w_lo, w_hi, IEEE)
         route_weight = tl.load(route_weight_ptr + safe_slots, mask=slot_ok, other=0.0)
         acc = acc * route_weight[:, None]
         out = out_ptr + safe_slots[:, None] * hidden + columns[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+
+    @triton.jit
+    def _align_kernel(
+        ids_ptr,
+        slot_ids_ptr,
+        block_expert_ptr,
+        num_blocks_ptr,
+        block_ends_ptr,
+        num_slots,
+        num_experts,
+        max_blocks,
+        BLOCK_M: tl.constexpr,
+        SLOTS: tl.constexpr,
+        BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        """:func:`dsinfer.ops.moe.routing.align_slots` of ``sort_slots(ids)`` in one program (``SLOTS >= num_slots``).
+
+        Why: the torch version is ~25 tiny launches, which at decode cost more than the expert GEMMs. Counts are
+        a histogram (bin ``num_experts`` takes the padding), an entry's place inside its expert is the number of
+        earlier entries with the same expert (stable, like the reference's sort), and its expert's first block is
+        read back from ``block_ends`` after a barrier."""
+        entries = tl.arange(0, SLOTS)
+        ids = tl.load(ids_ptr + entries, mask=entries < num_slots, other=num_experts).to(tl.int32)
+        bins = tl.arange(0, BINS)
+        real_bin = bins < num_experts
+        blocks = tl.where(real_bin, (tl.histogram(ids, BINS) + BLOCK_M - 1) // BLOCK_M, 0)
+        ends = tl.cumsum(blocks, axis=0)
+        total = tl.sum(blocks, axis=0)
+        tl.store(block_ends_ptr + bins, ends.to(tl.int64), mask=real_bin)
+        tl.store(num_blocks_ptr, total.to(tl.int64))
+        for start in range(0, max_blocks, CHUNK):
+            block = start + tl.arange(0, CHUNK)
+            owner = tl.sum(((ends[None, :] <= block[:, None]) & real_bin[None, :]).to(tl.int32), axis=1)
+            owner = tl.where(block < total, owner, -1)
+            tl.store(block_expert_ptr + block, owner.to(tl.int64), mask=block < max_blocks)
+        for start in range(0, max_blocks * BLOCK_M, CHUNK * BLOCK_M):
+            position = start + tl.arange(0, CHUNK * BLOCK_M)
+            pad = tl.zeros((CHUNK * BLOCK_M,), tl.int64) + num_slots
+            tl.store(slot_ids_ptr + position, pad, mask=position < max_blocks * BLOCK_M)
+        tl.debug_barrier()  # block_ends and the padding are written; the scatter below reads and overwrites them
+        for start in range(0, num_slots, CHUNK):
+            entry = start + tl.arange(0, CHUNK)
+            entry_ok = entry < num_slots
+            expert = tl.load(ids_ptr + entry, mask=entry_ok, other=num_experts).to(tl.int32)
+            earlier = (ids[None, :] == expert[:, None]) & (entries[None, :] < entry[:, None])
+            rank = tl.sum(earlier.to(tl.int32), axis=1)
+            first_block = tl.load(block_ends_ptr + expert - 1, mask=entry_ok & (expert > 0), other=0, volatile=True)
+            tl.store(slot_ids_ptr + first_block * BLOCK_M + rank, entry.to(tl.int64), mask=entry_ok)
+
+
+FUSED_ROUTING_SLOTS = 1024
+"""Up to this many slots (decode and small prefill) the routing layout is one :func:`_align_kernel` launch."""
+
+
+def align_slots_fused(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedSlots:
+    """The same :class:`AlignedSlots` as ``align_slots(sort_slots(expert_ids, E), block_m)``, in one launch.
+
+    Only for ``T*k <= FUSED_ROUTING_SLOTS`` (one program holds every slot); the tests compare the two exactly."""
+    num_slots = expert_ids.numel()
+    if not 0 < num_slots <= FUSED_ROUTING_SLOTS:
+        raise ValueError(f"align_slots_fused takes 1 .. {FUSED_ROUTING_SLOTS} slots, got {num_slots}")
+    device = expert_ids.device
+    max_blocks = max_aligned_blocks(num_slots, num_experts, block_m)
+    slot_ids = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int64, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int64, device=device)
+    block_ends = torch.empty(num_experts, dtype=torch.int64, device=device)
+    _align_kernel[(1,)](
+        expert_ids.reshape(-1), slot_ids, block_expert, num_blocks, block_ends, num_slots, num_experts, max_blocks,
+        BLOCK_M=block_m, SLOTS=triton.next_power_of_2(num_slots), BINS=triton.next_power_of_2(num_experts + 1),
+        CHUNK=32, num_warps=8,
+    )  # fmt: skip
+    return AlignedSlots(slot_ids, block_expert, num_blocks, block_ends, num_slots, block_m)
 
 
 @register(

@@ -16,7 +16,7 @@ from dsinfer.ops.registry import register
 def _ordered_int32(scores: torch.Tensor) -> torch.Tensor:
     bits = scores.float().contiguous().view(torch.int32)
     # Negative floats order backwards by their bits: flip everything but the sign.
-    flipped = torch.where(bits < 0, bits ^ torch.tensor(0x7FFFFFFF, dtype=torch.int32, device=bits.device), bits)
+    flipped = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a Python int: no host-to-device copy
     # -0.0 and +0.0 are equal scores: one key for both.
     return torch.where(scores.float() == 0, torch.zeros_like(flipped), flipped)
 
