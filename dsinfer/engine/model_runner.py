@@ -23,7 +23,7 @@ from dsinfer.engine.cache_plan import (
 )
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engram.hashing import EngramContext
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
 
 
@@ -82,10 +82,10 @@ class ModelRunner:
             if item.completes_sequence:
                 sample_rows.append(offset - 1)
         return StepInput(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            host_to_device(ids, torch.long, self.device),
+            host_to_device(list(positions), torch.long, self.device),
             spans,
-            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            host_to_device(sample_rows, torch.long, self.device),
             self._engram_resume(scheduled),
         )
 
