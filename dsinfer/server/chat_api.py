@@ -29,9 +29,9 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
-        prepared = chat_format.prepare("chat", await request.json())
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, logprobs, settings)
+        params = _params(body, body.max_completion_tokens or body.max_tokens, logprobs, settings)  # checks fields
+        prepared = chat_format.prepare("chat", await request.json())
         # Stop sequences end the answer, not the reasoning: the stream processor applies them.
         params = replace(params, stop=[], structured_output=prepared.structured_output)
         prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
