@@ -31,6 +31,8 @@ class MessagesFields(Lenient):
     stream: bool = False
     temperature: float | None = None
     top_k: int | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
 
 
 def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

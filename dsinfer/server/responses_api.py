@@ -27,6 +27,9 @@ class ResponsesFields(Lenient):
     stream: bool = False
     temperature: float | None = None
     top_k: int | None = None
+    max_output_tokens: int | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
 
 
 def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
