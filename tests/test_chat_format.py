@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+
 import deepseek_recipe as recipe
 import pytest
 

@@ -77,8 +77,9 @@ def test_messages_create_non_stream_and_stream_agree(claude):
 
 
 def test_messages_thinking_blocks(claude):
-    full = claude.messages.create(model="tiny", max_tokens=6, extra_body={"temperature": 0}, thinking={"type": "enabled",
-                                  "budget_tokens": 1024}, messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    full = claude.messages.create(model="tiny", max_tokens=6, extra_body={"temperature": 0}, thinking=thinking,
+                                  messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
     # The random model never closes </think>: everything is thinking.
     assert [block.type for block in full.content] == ["thinking"] and full.content[0].thinking
 
