@@ -349,4 +349,5 @@ def test_control_tokens_never_reach_content_or_reasoning(thinking, formats, toke
     assert shown == "abbbbbcd"
     for control in controls:
         assert control not in shown
-    assert document["usage"]["completion_tokens"] == len(token_ids)  # hidden tokens are still counted
+    assert stream.hidden_tokens == 2 * len(controls) + 1  # counted for usage, never decoded
+    assert document["usage"]["completion_tokens"] + stream.hidden_tokens == len(token_ids)

@@ -68,7 +68,7 @@ def _merged(responses: list[recipe.ChatCompletionResponse], run: Run) -> dict[st
             _with_reasoning_alias(choice.get("message") or {})
             choices.append(choice)
     merged = {**documents[0], "choices": choices}
-    merged["usage"] = {**(merged.get("usage") or {}), **run.usage()}
+    merged["usage"] = run.usage()
     return merged
 
 

@@ -21,7 +21,15 @@ from pydantic import ValidationError
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.server.protocol import Lenient, now
-from dsinfer.server.response_stream import ChoiceStream, ClientDisconnected, Run, collect, sse_frame
+from dsinfer.server.response_stream import (
+    ChoiceStream,
+    ClientDisconnected,
+    Run,
+    collect,
+    event_json,
+    sse_frame,
+    usage_with_hidden,
+)
 
 
 class MessagesFields(Lenient):
@@ -90,13 +98,15 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         for _, events in await collect(run, request):
             for event in events:
                 response.accumulate(event)
-        return Response(response.to_json(), media_type="application/json")
+        document = usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+        return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
 
 
 async def _events(run: Run):
     try:
         async for _, events in run:
             for event in events:
-                yield sse_frame(recipe.MessagesResponse.sse_event_name(event), event.to_json())
+                name = recipe.MessagesResponse.sse_event_name(event)
+                yield sse_frame(name, usage_with_hidden(event_json(event), run.choices[0].hidden_tokens))
     except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
         yield sse_frame("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})

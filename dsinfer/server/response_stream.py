@@ -22,7 +22,7 @@ from starlette.requests import Request
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.server.chat_format import ChatFormat, PreparedRequest
 
-__all__ = ["ChoiceStream", "ClientDisconnected", "Run", "collect", "sse_frame"]
+__all__ = ["ChoiceStream", "ClientDisconnected", "Run", "collect", "event_json", "sse_frame", "usage_with_hidden"]
 
 _FINISH_REASONS = {"stop": recipe.InferenceFinishReason.Stop, "length": recipe.InferenceFinishReason.Length}
 
@@ -43,6 +43,7 @@ class ChoiceStream:
         self._prompt_tokens = len(prepared.prompt_ids)
         self._started = False
         self._sent = 0  # tokens of the completion already pushed
+        self.hidden_tokens = 0  # control tokens kept from the parser: usage adds them (see usage_with_hidden)
 
     @property
     def done(self) -> bool:
@@ -63,18 +64,21 @@ class ChoiceStream:
         run_logprobs: list = []
 
         def flush() -> None:
-            if run and not self.done:
-                logprobs = run_logprobs if completion.logprobs is not None else None
-                events.extend(self._processor.push(recipe.InferenceChunk.tokens(list(run), logprobs)))
+            # One token per chunk, whatever the engine step delivered: the library holds back a chunk whose
+            # text ends inside a UTF-8 character as a whole, so batching would change what a stream shows.
+            for offset, token in enumerate(run):
+                if self.done:
+                    break
+                logprobs = [run_logprobs[offset]] if completion.logprobs is not None else None
+                events.extend(self._processor.push(recipe.InferenceChunk.tokens([token], logprobs)))
             run.clear()
             run_logprobs.clear()
 
         for position in range(start, len(completion.token_ids)):
             token = completion.token_ids[position]
             if token in self._hidden:
-                flush()
-                if not self.done:
-                    events += self._processor.push(recipe.InferenceChunk.text("", 1))  # counted, never shown
+                # Not pushed at all: an empty text chunk would make the library drop the bytes it holds back.
+                self.hidden_tokens += 1
                 continue
             run.append(token)
             if completion.logprobs is not None:
@@ -144,6 +148,24 @@ async def collect(run: Run, request: Request | None) -> list[tuple[int, list]]:
 
 def event_json(event) -> dict[str, Any]:
     return json.loads(event.to_json())
+
+
+def usage_with_hidden(document: Any, hidden_tokens: int) -> Any:
+    """Add the control tokens the parser never saw to every output-token count in a Responses / Messages
+    document, so usage counts what the engine generated."""
+    if isinstance(document, dict):
+        usage = document.get("usage")
+        if isinstance(usage, dict) and hidden_tokens:
+            for key in ("output_tokens", "total_tokens"):
+                if isinstance(usage.get(key), int):
+                    usage[key] += hidden_tokens
+        for key, value in document.items():
+            if key != "usage":
+                usage_with_hidden(value, hidden_tokens)
+    elif isinstance(document, list):
+        for item in document:
+            usage_with_hidden(item, hidden_tokens)
+    return document
 
 
 def sse_frame(name: str | None, data: dict[str, Any] | str) -> str:
