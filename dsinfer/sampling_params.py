@@ -19,15 +19,17 @@ MAX_LOGPROBS = 20
 # OpenAI's documented range for presence_penalty and frequency_penalty.
 OPENAI_PENALTY_RANGE = (-2.0, 2.0)
 
-StructuredOutputKind = Literal["json_schema", "json_object", "regex", "grammar"]
+StructuredOutputKind = Literal["json_schema", "json_object", "regex", "grammar", "structural_tag"]
 
 
 @dataclass
 class StructuredOutput:
-    """A constraint on the text of a completion: a JSON schema, any JSON object, a regex or an EBNF grammar.
+    """A constraint on the text of a completion: a JSON schema, any JSON object, a regex, an EBNF grammar or an
+    xgrammar structural tag (forced DSML tool calls).
 
     ``spec`` is the JSON schema (a dict, or its JSON text) for ``json_schema``, the pattern for ``regex``, the
-    EBNF text (GBNF dialect, root rule ``root``) for ``grammar``, and None for ``json_object``. The spec is
+    EBNF text (GBNF dialect, root rule ``root``) for ``grammar``, the structural tag's JSON text for
+    ``structural_tag``, and None for ``json_object``. The spec is
     parsed by xgrammar when the object is built, so a bad one is a ``ValueError`` naming the problem at the
     edge (the server's 400), never a failure inside an engine step.
     """

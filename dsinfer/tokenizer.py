@@ -334,6 +334,10 @@ class Tokenizer:
         tok = self._tok if allow_special else self._plain
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (for libraries that load their own copy)."""
+        return self._tok.to_str()
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text for ``ids``.  ``skip_special_tokens`` drops tokens flagged special
         (bos/eos/pad, reserved slots...); DeepSeek's chat tokens such as

@@ -36,7 +36,10 @@ DEFAULT_CACHE_SIZE = 128  # compiled grammars kept; one is a few MB at DeepSeek'
 
 # xgrammar's errors start with "[12:34:56] /project/cpp/file.cc:123: " and sometimes a failed-check preamble.
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
-_SPEC_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
+_SPEC_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar",
+               "structural_tag": "structural tag"}  # fmt: skip
+# The DSML marker of DeepSeek's tool-call tags: the one control token a forced tool call's grammar may emit.
+DSML_TOKEN = "\uff5cDSML\uff5c"
 
 
 class GrammarViolation(ValueError):
@@ -58,19 +61,26 @@ def build_grammar(kind: str, spec_text: str) -> xgr.Grammar:
             return xgr.Grammar.from_regex(spec_text)
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec_text)
-    except RuntimeError as exc:
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec_text)
+    except (RuntimeError, ValueError) as exc:
         message = _XGRAMMAR_ERROR_PREFIX.sub("", str(exc)).strip()
         raise ValueError(f"structured_output: invalid {_SPEC_NAMES[kind]}: {message}") from None
     raise ValueError(f"structured_output.kind {kind!r} is not supported")
 
 
-def tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) -> xgr.TokenizerInfo:
+def tokenizer_info(
+    tokenizer: Tokenizer, vocab_size: int | None = None, keep_added: tuple[str, ...] = ()
+) -> xgr.TokenizerInfo:
     """Describe our byte-level BPE vocabulary to xgrammar, with every added token except eos left out.
 
     The raw token strings are in GPT-2's byte-to-unicode spelling ("Ġ" for a space), which is what
     ``VocabType.BYTE_LEVEL`` decodes; DeepSeek's tokenizer prepends no space. An empty string marks a token
     that no grammar may produce. ``vocab_size`` is the model's (the logits' width): ids past the tokenizer's
-    vocabulary are padding and are never allowed.
+    vocabulary are padding and are never allowed. ``keep_added`` names added tokens a grammar may produce
+    after all (the DSML marker of tool-call tags, which the model was trained to write as one token); they
+    are spelled in the byte-level alphabet so that xgrammar reads their text, and no other token may write
+    their first byte (so the marker's text can only be the marker token).
     """
     if tokenizer.eos_id is None:
         raise ValueError("structured output needs a tokenizer with an eos token: it is how a grammar ends")
@@ -79,9 +89,14 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) -> xgr.T
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     known = min(vocab_size, tokenizer.vocab_size)
     encoded_vocab = tokenizer.convert_ids_to_tokens(range(known)) + [""] * (vocab_size - known)
-    for token_id in tokenizer.special_tokens.values():
+    if keep_added:
+        # A kept marker must come out as its one token: the stream parser does not take the same text
+        # spelled by ordinary tokens. Its lead byte (0xEF, U+F000..U+FFFF) is taken from every other token.
+        lead_bytes = {_byte_level(content)[0] for content in keep_added}
+        encoded_vocab = ["" if any(c in lead_bytes for c in token) else token for token in encoded_vocab]
+    for content, token_id in tokenizer.special_tokens.items():
         if token_id < known:
-            encoded_vocab[token_id] = ""
+            encoded_vocab[token_id] = _byte_level(content) if content in keep_added else ""
     return xgr.TokenizerInfo(
         encoded_vocab,
         xgr.VocabType.BYTE_LEVEL,
@@ -89,6 +104,93 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) -> xgr.T
         stop_token_ids=[tokenizer.eos_id],
         add_prefix_space=False,
     )
+
+
+def _byte_level(text: str) -> str:
+    """``text`` in GPT-2's byte-to-unicode alphabet (how byte-level BPE vocabularies spell their tokens)."""
+    alphabet = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in alphabet:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def forced_tool_call_tag(
+    tools: list[dict], variant: str, *, block_opened: bool, parallel_tool_calls: bool = True
+) -> str:
+    """The xgrammar structural tag (JSON text) of a forced DSML tool call: ``invoke`` blocks, then the close.
+
+    ``tools`` are ``{"name", "parameters"}`` (JSON schemas). The layout is exactly the one deepseek-recipe
+    renders and parses (one parameter per line, ``string="true"`` raw text for plain strings, JSON checked
+    against the property's schema for everything else), with the schema's properties in their declared
+    order, required ones always present. ``block_opened``: the prompt already ends with the opening
+    ``<｜DSML｜tool_calls>`` line (chat mode, as the recipe renders a required tool choice); otherwise the
+    grammar writes it (thinking mode, where the constraint starts after ``</think>``). V4.1 spells the tags
+    with a leading space.
+    """
+    from xgrammar import structural_tag as st
+
+    if not tools:
+        raise ValueError("a forced tool call needs at least one tool")
+    space = " " if variant == "v41" else ""
+    calls = " calls" if variant == "v41" else "tool_calls"
+    tags = [
+        st.TagFormat(
+            begin=f'<{DSML_TOKEN}{space}invoke name="{tool["name"]}">\n',
+            content=_parameters_format(st, _object_schema(tool.get("parameters")), space),
+            end=f"</{DSML_TOKEN}{space}invoke>\n",
+        )
+        for tool in tools
+    ]
+    elements: list = [] if block_opened else [st.ConstStringFormat(value=f"\n\n<{DSML_TOKEN}{calls}>\n")]
+    elements.append(st.TagsWithSeparatorFormat(tags=tags, separator="", at_least_one=True,
+                                               stop_after_first=not parallel_tool_calls))  # fmt: skip
+    elements.append(st.ConstStringFormat(value=f"</{DSML_TOKEN}{calls}>"))
+    return st.StructuralTag(format=st.SequenceFormat(elements=elements)).model_dump_json()
+
+
+def _parameters_format(st, schema: dict, space: str):
+    """One line per property, in declared order; optional properties may be left out."""
+    required = set(schema.get("required") or [])
+    elements = []
+    for name, subschema in (schema.get("properties") or {}).items():
+        subschema = subschema if isinstance(subschema, dict) else {}
+        raw = _is_plain_string(subschema)
+        begin = f'<{DSML_TOKEN}{space}parameter name="{name}" string="{"true" if raw else "false"}">'
+        if raw:
+            content = st.AnyTextFormat()
+        elif _is_string_enum(subschema):
+            begin = begin.replace('string="false"', 'string="true"')
+            content = st.OrFormat(elements=[st.ConstStringFormat(value=v) for v in subschema["enum"]])
+        else:
+            content = st.JSONSchemaFormat(json_schema=subschema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        element = st.TagFormat(begin=begin, content=content, end=f"</{DSML_TOKEN}{space}parameter>\n")
+        elements.append(element if name in required else st.OptionalFormat(content=element))
+    if not elements:
+        return st.ConstStringFormat(value="")
+    return elements[0] if len(elements) == 1 else st.SequenceFormat(elements=elements)
+
+
+def _is_plain_string(schema: dict) -> bool:
+    """A string the model writes raw (``string="true"``): no constraint a raw text could break."""
+    constrained = ("enum", "const", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf")
+    return schema.get("type") == "string" and not any(key in schema for key in constrained)
+
+
+def _is_string_enum(schema: dict) -> bool:
+    values = schema.get("enum")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) and v for v in values)
+
+
+def _object_schema(parameters) -> dict:
+    """A tool's parameters schema; tools without one take an empty object (no arguments)."""
+    if not parameters:
+        return {"type": "object", "properties": {}}
+    return parameters
 
 
 class StructuredOutputCompiler:
@@ -113,6 +215,10 @@ class StructuredOutputCompiler:
         self.eos_token_id: int = tokenizer.eos_id  # type: ignore[assignment]  # checked by tokenizer_info
         # xgrammar's own cache never evicts; ours below is bounded.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        self._vocab_size_asked = vocab_size
+        self._tokenizer = tokenizer
+        self._tool_compiler: xgr.GrammarCompiler | None = None  # built on the first forced tool call
+        self._compile_threads = compile_threads
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -126,13 +232,23 @@ class StructuredOutputCompiler:
                 self._cache.move_to_end(key)
                 return compiled
         # Compile outside the lock: other specs need not wait. Two racing compiles of one key are harmless.
-        compiled = self._compiler.compile_grammar(build_grammar(*key))
+        compiled = self._compiler_for(key[0]).compile_grammar(build_grammar(*key))
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _compiler_for(self, kind: str) -> xgr.GrammarCompiler:
+        """Structural tags (forced tool calls) may emit the DSML token; every other grammar stays plain text."""
+        if kind != "structural_tag":
+            return self._compiler
+        with self._lock:
+            if self._tool_compiler is None:
+                info = tokenizer_info(self._tokenizer, self._vocab_size_asked, keep_added=(DSML_TOKEN,))
+                self._tool_compiler = xgr.GrammarCompiler(info, max_threads=self._compile_threads, cache_enabled=False)
+            return self._tool_compiler
 
     def cached_keys(self) -> list[tuple[str, str]]:
         """The (kind, spec) keys in the LRU, least recently used first."""

@@ -7,6 +7,7 @@ a result with ``error`` set, never an exception: one bad request must not stop a
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -178,8 +179,11 @@ class OfflineBackend:
             options["max_model_len"] = max_model_len
         self.model_dir = Path(model_dir).resolve()
         self.llm = LLM(self.model_dir, **options)
+        from dsinfer.server.chat_format import ChatFormat
+
         model_type = str(getattr(self.llm.engine.model.config, "model_type", ""))
         self.chat_variant = "v41" if model_type.startswith("deepseek_v41") else "v4"
+        self.chat_format = ChatFormat(self.llm.tokenizer, self.chat_variant, "eval")
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "offline", "base_url": None, "model": str(self.model_dir)}
@@ -187,6 +191,8 @@ class OfflineBackend:
     def run(
         self, requests: list[SampleRequest], options: GenerationOptions, concurrency: int, on_result: ResultCallback
     ) -> None:
+        import deepseek_recipe as recipe
+
         from dsinfer.sampling_params import SamplingParams
 
         engine = self.llm.engine
@@ -198,48 +204,56 @@ class OfflineBackend:
                     request = pending.popleft()
                     started_at, start = time.time(), time.perf_counter()
                     try:
-                        prompt_ids = self._prompt_ids(request, options)
+                        prepared = self._prepared(request, options)
+                        prompt_ids = prepared.prompt_ids
                         params = SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature,
                                                 top_p=options.top_p, seed=request.seed)  # fmt: skip
                         request_id = engine.add_request(prompt_ids, params)
-                    except ValueError as exc:
-                        result = empty_result(f"ValueError: {exc}")
+                    except (ValueError, recipe.ConversionError) as exc:
+                        result = empty_result(f"{type(exc).__name__}: {exc}")
                         result["timing"] = _timing(started_at, start)
                         on_result(request, result)
                         continue
-                    running[request_id] = (request, started_at, start, len(prompt_ids))
+                    running[request_id] = (request, started_at, start, prepared)
                 if not running:
                     continue
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine has no work left but requests are still running")
                 for output in engine.step():
                     if output.finished and output.request_id in running:
-                        request, started_at, start, prompt_tokens = running.pop(output.request_id)
-                        result = self._result(output, options, prompt_tokens, self.chat_variant)
+                        request, started_at, start, prepared = running.pop(output.request_id)
+                        result = self._result(output, options, prepared, self.chat_format)
                         result["timing"] = _timing(started_at, start)
                         on_result(request, result)
         finally:
             for request_id in running:
                 engine.abort(request_id)
 
-    def _prompt_ids(self, request: SampleRequest, options: GenerationOptions) -> list[int]:
+    def _prepared(self, request: SampleRequest, options: GenerationOptions):
         """The prompt exactly as ``dsinfer serve`` renders this chat (thinking on / off, effort line)."""
-        from dsinfer.server.chat_format import encode_chat
-
-        effort = options.reasoning_effort if options.thinking else None
-        return encode_chat(self.llm.tokenizer, request.messages, variant=self.chat_variant, thinking=options.thinking,
-                           reasoning_effort=effort)  # fmt: skip
+        body: dict[str, Any] = {"messages": request.messages,
+                                "thinking": {"type": "enabled" if options.thinking else "disabled"}}  # fmt: skip
+        if options.thinking and options.reasoning_effort:
+            body["reasoning_effort"] = options.reasoning_effort
+        return self.chat_format.prepare("chat", body)
 
     @staticmethod
-    def _result(output, options: GenerationOptions, prompt_tokens: int, variant: str) -> dict[str, Any]:
-        from dsinfer.server.response_parser import parse_complete
+    def _result(output, options: GenerationOptions, prepared, chat_format) -> dict[str, Any]:
+        import deepseek_recipe as recipe
+
+        from dsinfer.server.response_stream import ChoiceStream
 
         completion = output.outputs[0]
-        parsed = parse_complete(completion.text, variant, options.thinking, tools_enabled=False)
-        generated = len(completion.token_ids)
+        generator = recipe.ChatCompletionRequest.chunk_generator(prepared.request, "eval", "eval")
+        response = recipe.ChatCompletionResponse("eval", "eval", 0, len(prepared.prompt_ids), 0)
+        for event in ChoiceStream(chat_format, prepared, generator).push(completion):
+            response.accumulate(event)
+        message = json.loads(response.to_json())["choices"][0]["message"]
+        prompt_tokens, generated = len(prepared.prompt_ids), len(completion.token_ids)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                  "total_tokens": prompt_tokens + generated}  # fmt: skip
-        return {"response": parsed.content or "", "reasoning": parsed.reasoning if options.thinking else None,
+        reasoning = (message.get("reasoning_content") or "") if options.thinking else None
+        return {"response": message.get("content") or "", "reasoning": reasoning,
                 "finish_reason": completion.finish_reason, "usage": usage, "error": None}  # fmt: skip
 
 

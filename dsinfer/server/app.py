@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health, metrics, tokenize.
+"""The HTTP API (FastAPI): chat and text completions, Responses, Messages, models, health, metrics, tokenize.
 
 Handlers validate, encode the prompt, hand the request to the engine thread (:class:`AsyncEngine`) and turn
-its outputs into OpenAI JSON or server-sent events. Every error is OpenAI-style JSON with a 4xx status; the
-engine keeps serving.
+its outputs into JSON or server-sent events. Chat Completions, Responses and Anthropic Messages go through
+deepseek-recipe (``chat_format`` converts and encodes, ``response_stream`` parses) and live in their own
+modules. Every error is OpenAI-style JSON (Anthropic-style on ``/v1/messages``) with a 4xx status; the engine
+keeps serving.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
+import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,10 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
-from dsinfer.server.chat_format import Variant
-from dsinfer.server.chat_options import ChatOptions, chat_options
+from dsinfer.server.chat_format import ChatFormat, Variant
 from dsinfer.server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -35,7 +35,7 @@ from dsinfer.server.protocol import (
     error_body,
     now,
 )
-from dsinfer.server.response_parser import ResponseParser
+from dsinfer.server.response_stream import ClientDisconnected
 from dsinfer.tokenizer import Tokenizer
 
 
@@ -57,6 +57,8 @@ class APIError(Exception):
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="dsinfer", version="0.1.0")
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
+    chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name)
+    app.state.chat_format = chat_format
     _install_error_handlers(app)
 
     @app.middleware("http")
@@ -84,15 +86,18 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         _check_model(body.model, settings)
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, allow_special=False)
             if body.add_special_tokens and tokenizer.bos_id is not None:
                 ids = [tokenizer.bos_id, *ids]
-        else:
-            request = ChatCompletionRequest(messages=body.messages)
-            ids = chat_options(request, tokenizer, settings.chat_variant).prompt_ids
+        else:  # a chat: exactly the prompt /v1/chat/completions would run
+            chat = {k: v for k, v in (await request.json()).items()
+                    if k not in ("prompt", "add_special_tokens", "add_generation_prompt", "stream")}  # fmt: skip
+            ids = chat_format.prepare("chat", chat).prompt_ids
+            if not body.add_generation_prompt:
+                ids = chat_format.without_generation_prompt(ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
 
     @app.post("/detokenize")
@@ -117,21 +122,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         final = await _last_output(stream, request)
         return _completion_response(final, body, settings, tokenizer)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, settings)
-        options = chat_options(body, tokenizer, settings.chat_variant)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, logprobs, settings)
-        if options.structured_output is not None:
-            params = replace(params, structured_output=options.structured_output)
-        prompt_ids = _checked_prompt(options.prompt_ids, settings)
-        stream = engine.generate(prompt_ids, params)
-        if body.stream:
-            return _sse(_chat_chunks(stream, body, options, settings, tokenizer))
-        final = await _last_output(stream, request)
-        return _chat_response(final, body, options, settings, tokenizer)
+    from dsinfer.server.chat_api import register_chat_routes
+    from dsinfer.server.messages_api import register_messages_routes
+    from dsinfer.server.responses_api import register_responses_routes
 
+    register_chat_routes(app, engine, chat_format, settings)
+    register_responses_routes(app, engine, chat_format, settings)
+    register_messages_routes(app, engine, chat_format, settings)
     return app
 
 
@@ -150,6 +147,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         param = ".".join(location) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(recipe.ConversionError)
+    async def conversion_error(_request, exc: recipe.ConversionError):
+        return JSONResponse(json.loads(exc.body), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_request, exc: ClientDisconnected):
+        return JSONResponse(error_body(str(exc)), status_code=499)
 
     @app.exception_handler(ValueError)
     async def value_error(_request, exc: ValueError):
@@ -311,93 +316,4 @@ async def _completion_chunks(stream, body: CompletionRequest, params: SamplingPa
                    "model": settings.served_model_name, "choices": [choice]}  # fmt: skip
     if body.stream_options and body.stream_options.include_usage and final is not None:
         yield {"id": request_id, "object": "text_completion", "created": created, "model": settings.served_model_name,
-               "choices": [], "usage": _usage(final)}  # fmt: skip
-
-
-# ---- chat completions --------------------------------------------------------------------------
-def _finish_reason(reason: str | None, tool_calls: list) -> str | None:
-    if reason == "stop" and tool_calls:
-        return "tool_calls"
-    return reason
-
-
-def _tool_call_json(call) -> dict:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _chat_response(final: RequestOutput, body, options: ChatOptions, settings, tokenizer) -> dict:
-    choices = []
-    for c in final.outputs:
-        parser = options.parser()
-        parsed = parser.feed(c.text)
-        tail = parser.finish()
-        reasoning = parsed.reasoning + tail.reasoning
-        content = parsed.content + tail.content
-        calls = parsed.tool_calls + tail.tool_calls
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if options.thinking:
-            message["reasoning_content"] = reasoning
-            message["reasoning"] = reasoning
-        if calls:
-            message["tool_calls"] = [_tool_call_json(call) for call in calls]
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = {"content": _token_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs)}
-        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": _finish_reason(c.finish_reason, calls)})  # fmt: skip
-    return {"id": completion_id("chatcmpl"), "object": "chat.completion", "created": now(),
-            "model": settings.served_model_name, "choices": choices, "usage": _usage(final)}  # fmt: skip
-
-
-async def _chat_chunks(stream, body: ChatCompletionRequest, options: ChatOptions, settings, tokenizer):
-    request_id, created, model = completion_id("chatcmpl"), now(), settings.served_model_name
-    parsers: dict[int, ResponseParser] = {}
-    sent_text: dict[int, str] = {}
-    sent_tokens: dict[int, int] = {}
-    made_calls: dict[int, bool] = {}
-    hold = _hold_back(SamplingParams(stop=body.stop or []))
-
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}  # fmt: skip
-
-    for index in range(body.n):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    final = None
-    async for output in stream:
-        final = output
-        for c in output.outputs:
-            parser = parsers.setdefault(c.index, options.parser())
-            done = c.finish_reason is not None
-            visible = _visible_text(c.text, done, hold)
-            new_text = visible[len(sent_text.get(c.index, "")) :]
-            sent_text[c.index] = visible
-            parsed = parser.feed(new_text)
-            if done:
-                tail = parser.finish()
-                parsed.reasoning += tail.reasoning
-                parsed.content += tail.content
-                parsed.tool_calls += tail.tool_calls
-            logprobs = None
-            if c.logprobs is not None:
-                start = sent_tokens.get(c.index, 0)
-                sent_tokens[c.index] = len(c.token_ids)
-                logprobs = {"content": _token_logprobs(tokenizer, c.token_ids[start:], c.logprobs[start:],
-                                                       (c.top_logprobs or [])[start:] or None)}  # fmt: skip
-            delta: dict[str, Any] = {}
-            if parsed.reasoning:
-                delta["reasoning_content"] = parsed.reasoning
-                delta["reasoning"] = parsed.reasoning
-            if parsed.content:
-                delta["content"] = parsed.content
-            if parsed.tool_calls:
-                made_calls[c.index] = True
-                delta["tool_calls"] = [{"index": call.index, **_tool_call_json(call)} for call in parsed.tool_calls]
-            if delta or logprobs:
-                yield chunk(c.index, delta, None, logprobs)
-            if done:
-                yield chunk(c.index, {}, _finish_reason(c.finish_reason, [True] if made_calls.get(c.index) else []))
-    if body.stream_options and body.stream_options.include_usage and final is not None:
-        yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                "choices": [], "usage": _usage(final)}  # fmt: skip

@@ -1,4 +1,8 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic). Unknown request fields are ignored."""
+"""Request and response bodies of the OpenAI-compatible API (pydantic). Unknown request fields are ignored.
+
+Chat bodies are also handed whole to deepseek-recipe, which converts them; the models here check the fields
+first so that a wrong type is answered with a message naming the field.
+"""
 
 from __future__ import annotations
 
@@ -81,6 +85,10 @@ class ResponseFormat(Lenient):
         return self
 
 
+#: The efforts deepseek-recipe accepts ("none" turns thinking off; minimal -> low, medium -> high).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class SamplingFields(Lenient):
     """Fields shared by chat and text completions that map onto :class:`SamplingParams`."""
 
@@ -132,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
@@ -141,14 +149,6 @@ class ChatCompletionRequest(SamplingFields):
         if not value:
             raise ValueError("messages must contain at least one message")
         return value
-
-    def thinking(self) -> bool:
-        """Thinking mode: asked for in chat_template_kwargs (thinking / enable_thinking) or by reasoning_effort."""
-        kwargs = self.chat_template_kwargs or {}
-        for key in ("thinking", "enable_thinking"):
-            if key in kwargs:
-                return bool(kwargs[key])
-        return self.reasoning_effort is not None
 
 
 class CompletionRequest(SamplingFields):
@@ -165,10 +165,20 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Lenient):
+    """vLLM's /tokenize: a text prompt, or a chat with the fields that shape its prompt."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

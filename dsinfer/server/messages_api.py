@@ -1,0 +1,112 @@
+"""``/v1/messages``: the Anthropic Messages API through deepseek-recipe, JSON and streaming events.
+
+The library converts the body (system, messages with text / tool_use / tool_result blocks, tools,
+tool_choice, thinking) and its Messages chunk generator produces the event stream (``message_start``,
+``content_block_*``, ``message_delta``, ``message_stop``) and, accumulated, the message object. Same engine,
+sampling, limits, cancellation and metrics as Chat Completions. Errors are Anthropic-shaped
+(``{"type": "error", "error": {"type", "message"}}``), so the route reads its body itself rather than
+through FastAPI's validation, whose errors are OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import deepseek_recipe as recipe
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from dsinfer.server.chat_format import ChatFormat
+from dsinfer.server.protocol import Lenient, now
+from dsinfer.server.response_stream import (
+    ChoiceStream,
+    ClientDisconnected,
+    Run,
+    collect,
+    event_json,
+    sse_frame,
+    usage_with_hidden,
+)
+
+
+class MessagesFields(Lenient):
+    """The fields we read ourselves (the library reads the whole body); typed so a wrong type names the field."""
+
+    model: str | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+
+
+def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+
+
+def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
+    from dsinfer.server.app import APIError, _check_model, _checked_prompt
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            return await _answer(request)
+        except json.JSONDecodeError as exc:
+            return anthropic_error(400, f"malformed JSON body: {exc}")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first.get("loc", ()))
+            return anthropic_error(400, f"{field}: {first.get('msg')}")
+        except recipe.ConversionError as exc:
+            message = json.loads(exc.body).get("error", {}).get("message", str(exc))
+            return anthropic_error(exc.status_code, message)
+        except APIError as exc:
+            kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            return anthropic_error(exc.status, exc.message, kind)
+        except QueueFullError as exc:
+            return anthropic_error(429, str(exc), "rate_limit_error")
+        except RequestTimeoutError as exc:
+            return anthropic_error(408, str(exc), "timeout_error")
+        except EngineDeadError as exc:
+            return anthropic_error(503, str(exc), "api_error")
+        except ClientDisconnected as exc:
+            return anthropic_error(499, str(exc))
+        except ValueError as exc:
+            return anthropic_error(400, str(exc))
+
+    async def _answer(request: Request):
+        body = json.loads(await request.body())
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        fields = MessagesFields.model_validate(body)
+        _check_model(fields.model, settings)
+        prepared = chat_format.prepare("messages", body)
+        params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
+                                          top_k=fields.top_k)  # fmt: skip
+        prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
+        message_id, model = "msg_" + secrets.token_hex(12), settings.served_model_name
+        generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
+        run = Run(engine.generate(prompt_ids, params), [ChoiceStream(chat_format, prepared, generator)])
+        if fields.stream:
+            return StreamingResponse(
+                _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        response = recipe.MessagesResponse(message_id, model, now(), len(prompt_ids), 0)
+        for _, events in await collect(run, request):
+            for event in events:
+                response.accumulate(event)
+        document = usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+        return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
+
+
+async def _events(run: Run):
+    try:
+        async for _, events in run:
+            for event in events:
+                name = recipe.MessagesResponse.sse_event_name(event)
+                yield sse_frame(name, usage_with_hidden(event_json(event), run.choices[0].hidden_tokens))
+    except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
+        yield sse_frame("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})

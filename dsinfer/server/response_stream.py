@@ -1,0 +1,174 @@
+"""Engine outputs through deepseek-recipe's stream processor: the chunks and events of each API.
+
+The library's ``StreamProcessor`` turns generated tokens into Chat Completions chunks, Responses events or
+Messages events: reasoning until ``</think>``, DSML tool calls, stop sequences (answer text only), finish
+reasons and usage. The glue here feeds it the engine's tokens, one processor per choice, and keeps control
+tokens away from it: an added token other than ``</think>`` (and the DSML marker, when the request has
+tools) is counted but never decoded, so ``<｜User｜>``, ``<think>`` or bos can never reach ``content`` or
+``reasoning_content``. When every processor has finished (a stop sequence, say) the engine request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepseek_recipe as recipe
+from starlette.requests import Request
+
+from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+from dsinfer.server.chat_format import ChatFormat, PreparedRequest
+
+__all__ = ["ChoiceStream", "ClientDisconnected", "Run", "collect", "event_json", "sse_frame", "usage_with_hidden"]
+
+_FINISH_REASONS = {"stop": recipe.InferenceFinishReason.Stop, "length": recipe.InferenceFinishReason.Length}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready."""
+
+
+class ChoiceStream:
+    """One choice's tokens through one library stream processor."""
+
+    def __init__(self, chat_format: ChatFormat, prepared: PreparedRequest, generator) -> None:
+        self._processor = recipe.StreamProcessor(generator, prepared.parsing_options, chat_format.recipe_tokenizer)
+        meaningful = {chat_format.think_end_id}
+        if prepared.parses_tool_calls:
+            meaningful.add(chat_format.dsml_id)
+        self._hidden = chat_format.control_ids - meaningful
+        self._prompt_tokens = len(prepared.prompt_ids)
+        self._started = False
+        self._sent = 0  # tokens of the completion already pushed
+        self.hidden_tokens = 0  # control tokens kept from the parser: usage adds them (see usage_with_hidden)
+
+    @property
+    def done(self) -> bool:
+        return self._processor.finished
+
+    def push(self, completion: CompletionOutput) -> list:
+        """The library's chunks for what ``completion`` (cumulative, as the engine reports it) added."""
+        if self.done:
+            return []
+        events: list = []
+        if not self._started:
+            self._started = True
+            events += self._processor.push(
+                recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=self._prompt_tokens))
+            )
+        start, self._sent = self._sent, len(completion.token_ids)
+        run: list[int] = []
+        run_logprobs: list = []
+
+        def flush() -> None:
+            # One token per chunk, whatever the engine step delivered: the library holds back a chunk whose
+            # text ends inside a UTF-8 character as a whole, so batching would change what a stream shows.
+            for offset, token in enumerate(run):
+                if self.done:
+                    break
+                logprobs = [run_logprobs[offset]] if completion.logprobs is not None else None
+                events.extend(self._processor.push(recipe.InferenceChunk.tokens([token], logprobs)))
+            run.clear()
+            run_logprobs.clear()
+
+        for position in range(start, len(completion.token_ids)):
+            token = completion.token_ids[position]
+            if token in self._hidden:
+                # Not pushed at all: an empty text chunk would make the library drop the bytes it holds back.
+                self.hidden_tokens += 1
+                continue
+            run.append(token)
+            if completion.logprobs is not None:
+                tops = completion.top_logprobs[position] if completion.top_logprobs else []
+                run_logprobs.append((completion.logprobs[position], list(tops)))
+        flush()
+        if completion.finish_reason is not None and not self.done:
+            reason = _FINISH_REASONS.get(completion.finish_reason)
+            if reason is not None:
+                events += self._processor.push(recipe.InferenceChunk.finish(reason))
+            events += self._processor.finish()
+        return events
+
+    def close(self) -> None:
+        if not self.done:
+            self._processor.close()
+
+
+@dataclass
+class Run:
+    """A request's engine stream and its choice processors; iterate to get ``(choice index, chunks)``."""
+
+    stream: AsyncIterator[RequestOutput]
+    choices: list[ChoiceStream]
+    final: RequestOutput | None = field(default=None)
+
+    async def __aiter__(self):
+        try:
+            async for output in self.stream:
+                self.final = output
+                for completion in output.outputs:
+                    events = self.choices[completion.index].push(completion)
+                    if events:
+                        yield completion.index, events
+                if all(choice.done for choice in self.choices):
+                    break  # e.g. a stop sequence: the engine request ends with the stream
+        finally:
+            await self.stream.aclose()
+            for choice in self.choices:
+                choice.close()
+
+    def usage(self) -> dict[str, int]:
+        """Token counts as the engine ran them (every choice's tokens, control tokens included)."""
+        prompt = len(self.final.prompt_token_ids) if self.final else 0
+        completion = sum(len(c.token_ids) for c in self.final.outputs) if self.final else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def collect(run: Run, request: Request | None) -> list[tuple[int, list]]:
+    """Drain a non-streaming request; a client that disconnects meanwhile aborts it."""
+
+    async def drain() -> list[tuple[int, list]]:
+        return [item async for item in run]
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.1)
+            if not task.done() and request is not None and await request.is_disconnected():
+                task.cancel()
+                raise ClientDisconnected("client disconnected")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def event_json(event) -> dict[str, Any]:
+    return json.loads(event.to_json())
+
+
+def usage_with_hidden(document: Any, hidden_tokens: int) -> Any:
+    """Add the control tokens the parser never saw to every output-token count in a Responses / Messages
+    document, so usage counts what the engine generated."""
+    if isinstance(document, dict):
+        usage = document.get("usage")
+        if isinstance(usage, dict) and hidden_tokens:
+            for key in ("output_tokens", "total_tokens"):
+                if isinstance(usage.get(key), int):
+                    usage[key] += hidden_tokens
+        for key, value in document.items():
+            if key != "usage":
+                usage_with_hidden(value, hidden_tokens)
+    elif isinstance(document, list):
+        for item in document:
+            usage_with_hidden(item, hidden_tokens)
+    return document
+
+
+def sse_frame(name: str | None, data: dict[str, Any] | str) -> str:
+    """One server-sent event: ``event:`` line when the protocol names its events, then the data line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {name}\n" if name else "") + f"data: {text}\n\n"

@@ -1,0 +1,70 @@
+"""``/v1/responses``: the OpenAI Responses API through deepseek-recipe, JSON and server-sent events.
+
+The library converts the body (input items, instructions, tools, reasoning effort, text format), and its
+Responses chunk generator turns the output into the API's events (``response.created`` ...
+``response.completed``) and, accumulated, into the response object. The request runs on the same engine,
+sampling, limits, cancellation and metrics as Chat Completions.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import deepseek_recipe as recipe
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
+from dsinfer.server.chat_format import ChatFormat
+from dsinfer.server.protocol import Lenient, now
+from dsinfer.server.response_stream import ChoiceStream, Run, collect, event_json, sse_frame, usage_with_hidden
+
+
+class ResponsesFields(Lenient):
+    """The fields we read ourselves (the library reads the whole body); typed so a wrong type names the field."""
+
+    model: str | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    max_output_tokens: int | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+
+
+def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
+    from dsinfer.server.app import _check_model, _checked_prompt
+
+    @app.post("/v1/responses")
+    async def responses(fields: ResponsesFields, request: Request):
+        _check_model(fields.model, settings)
+        prepared = chat_format.prepare("responses", await request.json())
+        params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
+                                          top_k=fields.top_k)  # fmt: skip
+        prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
+        response_id, model = "resp_" + secrets.token_hex(12), settings.served_model_name
+        generator = recipe.ResponsesRequest.chunk_generator(prepared.request, response_id, model)
+        if prepared.echo is not None:
+            generator = generator.with_echo(prepared.echo)
+        run = Run(engine.generate(prompt_ids, params), [ChoiceStream(chat_format, prepared, generator)])
+        if fields.stream:
+            return StreamingResponse(
+                _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        response = recipe.ResponsesResponse(response_id, model, now(), len(prompt_ids), 0)
+        for _, events in await collect(run, request):
+            for event in events:
+                response.accumulate(event)
+        document = usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+        return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
+
+
+async def _events(run: Run):
+    try:
+        async for _, events in run:
+            for event in events:
+                name = recipe.ResponsesResponse.sse_event_name(event)
+                yield sse_frame(name, usage_with_hidden(event_json(event), run.choices[0].hidden_tokens))
+    except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
+        yield sse_frame("error", {"type": "error", "code": type(exc).__name__, "message": str(exc), "param": None})
