@@ -58,7 +58,9 @@ class Compressor(nn.Module):
                 previous = (cache.previous_values[slot], cache.previous_gates[slot])
             entry_ids = torch.arange(complete, device=x.device) + first // ratio
             pooled = self._pool(window_values, window_gates, previous, entry_ids * ratio, inv_freq)
-            keep = (entry_ids + 1) * ratio > span.reuse_below  # prefix-cache hits already hold older entries
+            # Prefix-cache hits already hold the entries of windows ending at or before reuse_below: a host-known
+            # slice (a boolean mask would make the device report how many entries survive).
+            keep = slice(max(0, span.reuse_below // ratio - first // ratio), None)
             table = span.block_table if block_table is None else block_table
             write_entries(cache, table, entry_ids[keep], pooled[keep])
             if self.overlap:
