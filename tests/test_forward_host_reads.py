@@ -1,0 +1,109 @@
+"""The V4 forward reads no device value on the host: every op that would make the host wait is refused.
+
+On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` proves it (``benchmarks/fast_path_checks.py``). Here a
+dispatch mode refuses the aten ops that need a device value on the host (``item``, ``nonzero``, boolean-mask
+indexing, data-dependent repeats and uniques) while a V4 decode step runs. The routed experts run through a
+sync-free stand-in (each slot's expert weights gathered), because the op's CPU reference is allowed to loop over
+experts; the Triton backend's own sync-freedom is checked on the GPU, where it is captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsinfer.layers.moe import MoE
+from dsinfer.models.tiny import build_random_model, tiny_config
+from dsinfer.ops.moe import ExpertWeights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import fast_path_checks  # noqa: E402
+
+aten = torch.ops.aten
+HOST_READS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.repeat_interleave.Tensor,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.bincount.default,
+}
+
+
+class RefuseHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise AssertionError(f"{func} reads a device value on the host")
+        if func is aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
+        ):
+            raise AssertionError("boolean-mask indexing reads how many entries survive on the host")
+        return func(*args, **kwargs)
+
+
+def _gathered_moe(x, weights: ExpertWeights, expert_ids, expert_weights, swiglu_limit):
+    inter = weights.intermediate_size
+    w13, w2 = weights.w13[expert_ids], weights.w2[expert_ids]  # [T, k, 2I, H], [T, k, H, I]
+    hidden = torch.einsum("th,tkoh->tko", x, w13.to(x.dtype))
+    gate = hidden[..., :inter].clamp(max=swiglu_limit)
+    up = hidden[..., inter:].clamp(min=-swiglu_limit, max=swiglu_limit)
+    out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2.to(x.dtype))
+    return (out * expert_weights[..., None].to(x.dtype)).sum(dim=1)
+
+
+def _use_gathered_moe(model) -> None:
+    stand_in = type("GatheredMoE", (), {"routed_moe": staticmethod(_gathered_moe)})()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ops = stand_in
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_a_v4_decode_step_reads_nothing_on_the_host(sequences):
+    from dataclasses import replace
+
+    config = replace(tiny_config(), num_nextn_predict_layers=0)
+    model = build_random_model(config, torch.float32, "cpu", seed=1)
+    cache = fast_path_checks.fresh_cache(config, sequences, 40, "cpu")
+    batch = fast_path_checks.prefill_and_decode_batch(model, cache, sequences, 40, "cpu")
+    expected = model(batch)
+    _use_gathered_moe(model)
+    assert batch.is_decode
+    with RefuseHostReads():
+        got = model(batch)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_check_would_catch_a_host_read():
+    with pytest.raises(AssertionError, match="reads"), RefuseHostReads():
+        torch.ones(3).nonzero()
+
+
+def test_a_v4_prefill_chunk_reads_nothing_on_the_host():
+    """Prefill takes the per-sequence path, still without host reads (host-known lengths decide the shapes)."""
+    from dataclasses import replace
+
+    from dsinfer.kv.batch import PackedBatch, SequenceSpan
+
+    config = replace(tiny_config(), num_nextn_predict_layers=0)
+    model = build_random_model(config, torch.float32, "cpu", seed=2)
+    _use_gathered_moe(model)
+    cache = fast_path_checks.fresh_cache(config, 2, 90, "cpu")
+    first = PackedBatch(torch.arange(3, 40), torch.arange(37), [SequenceSpan(0, 37, 0, [0, 1, 2])], cache)
+    model(first)
+    spans = [SequenceSpan(37, 29, 0, [0, 1, 2]), SequenceSpan(0, 50, 1, [3, 4, 5])]
+    ids = torch.arange(100, 179)
+    positions = torch.cat([torch.arange(37, 66), torch.arange(50)])
+    chunk = PackedBatch(ids, positions, spans, cache)
+    _ = chunk.device_spans
+    with RefuseHostReads():
+        logits = model(chunk)
+    assert torch.isfinite(logits).all()
