@@ -54,3 +54,15 @@ def test_decode_steps_equal_the_per_sequence_path(model, monkeypatch):
             for mine, ref in ((ours.compressor, theirs.compressor), (ours.indexer, theirs.indexer)):
                 if mine is not None:  # the pool's blocks; the trash block may differ
                     assert torch.allclose(mine.entries[: cache.num_blocks], ref.entries[: cache.num_blocks], atol=1e-6)
+
+
+def test_prefill_in_query_blocks_equals_one_block(model, monkeypatch):
+    """Long prompts attend in blocks of queries, each to the window keys it can see: the same logits."""
+    import dsinfer.layers.attention as attention
+
+    tokens = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 10_000)
+    whole = model(PackedBatch.from_sequences([tokens]))
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 37)  # blocks that start mid-window and mid-compressor-span
+    blocked = model(PackedBatch.from_sequences([tokens]))
+    assert torch.allclose(blocked, whole, rtol=1e-5, atol=1e-5), (blocked - whole).abs().max()

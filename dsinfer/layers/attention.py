@@ -23,6 +23,8 @@ from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
 
+QUERY_CHUNK = 256  # prefill queries per attention block (window keys per block: QUERY_CHUNK + window - 1)
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, compress_ratio: int) -> None:
@@ -75,7 +77,12 @@ class Attention(nn.Module):
                     x[tokens], q_latent[tokens], positions, span, layer_cache, inv_freq, tables[index]
                 )
                 window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
-                outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
+                first_key = max(span.window_from, span.start - self.window + 1)
+                outputs.append(
+                    self._attend_chunked(
+                        q[tokens], positions, window_kv, window_positions, compressed, visible, span.start, first_key
+                    )
+                )
             out = torch.cat(outputs)
         out = apply_rope(out, cos, sin, inverse=True)
         return self._project_out(out)
@@ -153,6 +160,44 @@ class Attention(nn.Module):
             return compressed, self.indexer(x, q_latent, positions, span, layer_cache.indexer, inv_freq, block_table)
         entry = torch.arange(count, device=x.device)
         return compressed, entry < visible_entries(positions, self.compress_ratio)[:, None]
+
+    def _attend_chunked(
+        self,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        window_kv: torch.Tensor,
+        window_positions: torch.Tensor,
+        compressed: torch.Tensor | None,
+        compressed_visible: torch.Tensor | None,
+        query_start: int,
+        first_key: int,
+    ) -> torch.Tensor:
+        """:meth:`_attend` over blocks of ``QUERY_CHUNK`` queries, each against only the window keys it can see.
+
+        A long prompt's queries see 128 window keys each; attending every query to every new key costs
+        n^2 memory and time. Queries and window keys are consecutive positions (``query_start`` and
+        ``first_key``, host-known), so each block's keys are one slice.
+        """
+        n = q.shape[0]
+        if n <= QUERY_CHUNK:
+            return self._attend(q, positions, window_kv, window_positions, compressed, compressed_visible)
+        out = []
+        for lo in range(0, n, QUERY_CHUNK):
+            hi = min(n, lo + QUERY_CHUNK)
+            keys_lo = max(first_key, query_start + lo - self.window + 1) - first_key
+            keys_hi = query_start + hi - first_key
+            visible = None if compressed_visible is None else compressed_visible[lo:hi]
+            out.append(
+                self._attend(
+                    q[lo:hi],
+                    positions[lo:hi],
+                    window_kv[keys_lo:keys_hi],
+                    window_positions[keys_lo:keys_hi],
+                    compressed,
+                    visible,
+                )  # fmt: skip
+            )
+        return torch.cat(out)
 
     def _attend(
         self,
