@@ -18,6 +18,7 @@ import uvicorn
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.llm import LLM
+from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
@@ -63,7 +64,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     """
     check_parallelism(options)
     llm = LLM(options.model, engine_config)
-    name = options.served_model_name or (Path(options.model).name if options.model else "dsinfer-tiny-v4")
+    name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
