@@ -57,6 +57,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     chat_variant: Variant = "v4"  # the prompt spelling the checkpoint was trained on ("v41" for DeepSeek-V4.1)
     max_n: int = DEFAULT_MAX_N  # completions per request (n, times the prompts of a batched completion)
+    vocab_size: int = 2**31  # token ids a prompt may hold: [0, vocab_size)
 
 
 class APIError(Exception):
@@ -73,7 +74,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     _install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    install_openapi(app, settings)
+    install_openapi(app, settings, tokenizer.vocab_size)
 
     @app.get("/health")
     async def health():
@@ -121,7 +122,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
-        prompts = _completion_prompts(body.prompt, tokenizer, engine.engine.model.config.vocab_size)
+        prompts = _completion_prompts(body.prompt, tokenizer, settings.vocab_size)
         check_n(body.n, len(prompts), settings.max_n)
         params = [_params(body, p, "prompt", "max_tokens", body.max_tokens, body.logprobs, settings) for p in prompts]
         streams = [engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -196,7 +197,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
 
 def _check_model(name: str | None, settings: ServerSettings) -> None:

@@ -69,8 +69,9 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
     settings = ServerSettings(
-        name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n
-    )
+        name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
+        vocab_size=llm.engine.model.config.vocab_size,
+    )  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm
     return app, engine

@@ -35,6 +35,24 @@ ERROR_SCHEMA = {
         }
     },
 }
+COMPLETION_FIELDS = {
+    "id": {"type": "string"},
+    "object": {"type": "string"},
+    "created": {"type": "integer"},
+    "model": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"]}},
+}
+COMPLETION_SCHEMA = {"type": "object", "required": [*COMPLETION_FIELDS, "usage"],
+                     "properties": {**COMPLETION_FIELDS, "usage": {"type": "object"}}}  # fmt: skip
+# Each server-sent event: its data is a JSON chunk, an error that ends the stream, or the final [DONE].
+STREAM_EVENT_SCHEMA = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    {"type": "string", "enum": ["[DONE]"]},
+    {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"type": "object", "required": list(COMPLETION_FIELDS), "properties": {**COMPLETION_FIELDS,
+            "choices": {"type": "array", "items": {"type": "object", "required": ["index"]}}}},
+        {"$ref": "#/components/schemas/ErrorResponse"},
+    ]}},
+]}}}  # fmt: skip
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 ERROR_MEANINGS = {
     "400": "Invalid request: the message and param name the field",
@@ -46,19 +64,19 @@ ERROR_MEANINGS = {
 }
 
 
-def install_openapi(app: FastAPI, settings: ServerSettings) -> None:
+def install_openapi(app: FastAPI, settings: ServerSettings, tokenizer_vocab_size: int) -> None:
     """Serve the corrected schema (built on first request, then cached like FastAPI's own)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = describe_server(schema, settings)
+            app.openapi_schema = describe_server(schema, settings, tokenizer_vocab_size)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def describe_server(schema: dict[str, Any], settings: ServerSettings) -> dict[str, Any]:
+def describe_server(schema: dict[str, Any], settings: ServerSettings, tokenizer_vocab_size: int) -> dict[str, Any]:
     schema = copy.deepcopy(schema)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.pop("HTTPValidationError", None)
@@ -67,6 +85,16 @@ def describe_server(schema: dict[str, Any], settings: ServerSettings) -> dict[st
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         if name in components:
             _bound_request(components[name], settings)
+    if "CompletionRequest" in components:
+        _bound_token_ids(components["CompletionRequest"]["properties"]["prompt"], settings.vocab_size, non_empty=True)
+    if "DetokenizeRequest" in components:
+        _bound_token_ids(components["DetokenizeRequest"]["properties"]["tokens"], tokenizer_vocab_size, non_empty=False)
+    if "TokenizeRequest" in components:
+        # Exactly one of the two, as the server checks.
+        components["TokenizeRequest"]["oneOf"] = [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        ]
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             _describe_responses(path, operation, settings)
@@ -90,6 +118,22 @@ def _bound_request(body: dict[str, Any], settings: ServerSettings) -> None:
             for option in properties[name].get("anyOf", []):
                 if option.get("type") == "integer":
                     option["maximum"] = settings.max_model_len - 1
+    ids = properties.get("stop_token_ids", {})
+    for option in ids.get("anyOf", []):
+        if option.get("type") == "array":
+            option["items"]["minimum"] = 0
+
+
+def _bound_token_ids(schema: dict[str, Any], vocab_size: int, non_empty: bool) -> None:
+    """Token ids lie in [0, vocab_size); with ``non_empty`` lists are never empty (walks anyOf / items)."""
+    for option in schema.get("anyOf", []):
+        _bound_token_ids(option, vocab_size, non_empty)
+    if schema.get("type") == "array":
+        if non_empty:
+            schema["minItems"] = 1
+        _bound_token_ids(schema["items"], vocab_size, non_empty)
+    elif schema.get("type") == "integer":
+        schema["minimum"], schema["maximum"] = 0, vocab_size - 1
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -118,6 +162,7 @@ def _describe_responses(path: str, operation: dict[str, Any], settings: ServerSe
         return
     if path in GENERATION_ROUTES:
         ok["description"] = "The completion as JSON, or with stream: true server-sent events ending in [DONE]"
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"] = {"application/json": {"schema": COMPLETION_SCHEMA},
+                         "text/event-stream": {"schema": STREAM_EVENT_SCHEMA}}  # fmt: skip
     elif path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}

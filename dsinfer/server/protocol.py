@@ -8,15 +8,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dsinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 2.0 is the integer 2 (a float with a fraction, a string or a boolean is not)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
+def integer(**bounds: int) -> Any:
+    """An :data:`Integer` with bounds (``ge``, ``le``) that also show in the OpenAPI schema when optional."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]  # this order: bounds before the validator
+
+
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored; known ones are typed strictly, as the OpenAPI schema says (a JSON string or
+    boolean is not a number here: ``"n": true`` is a client bug, not n = 1)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(Lenient):
@@ -88,26 +104,23 @@ class ResponseFormat(Lenient):
 class SamplingFields(Lenient):
     """Fields shared by chat and text completions that map onto :class:`SamplingParams`."""
 
-    # Strict: a JSON string or boolean is not a number here (``"n": true`` is a client bug, not n = 1).
-    model_config = ConfigDict(extra="ignore", strict=True)
-
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: Integer = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Integer] | None = None
+    seed: Integer | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Integer = Field(default=0, ge=0)
     skip_special_tokens: bool = True
 
     @field_validator("stop")
@@ -146,9 +159,9 @@ class SamplingFields(Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -173,8 +186,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[Integer] | list[str] | list[list[Integer]]
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
 
     @field_validator("prompt")
@@ -194,7 +207,7 @@ def _ids(item) -> list:
 class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -206,7 +219,7 @@ class TokenizeRequest(Lenient):
 
 class DetokenizeRequest(Lenient):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Integer]
 
 
 class Usage(BaseModel):
