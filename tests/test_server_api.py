@@ -173,3 +173,25 @@ def test_bad_prompts_in_a_batch_are_refused(base):
     for prompt, needle in [([[1, 2], []], "empty"), ([[1, 10**9]], "token ids"), ([[-1]], "token ids")]:
         error = error_of(httpx.post(f"{base}/v1/completions", json={"prompt": prompt}))
         assert error["param"] == "prompt" and needle in error["message"], error
+
+
+def test_streams_with_n_end_each_choice_once(base):
+    """Choices finish at different steps (random lengths): each gets one finish chunk, and the text matches."""
+    body = {"messages": CHAT, "n": 6, "max_tokens": 40, "temperature": 1.0, "seed": 3, "stop": ["e", "a"]}
+    full = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+    lengths = {c["message"]["content"] for c in full["choices"]}
+    assert len(lengths) > 1  # the choices did not all end together
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    finishes = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == list(range(6))
+    text = {i: "" for i in range(6)}
+    for event in events:
+        for choice in event["choices"]:
+            text[choice["index"]] += choice["delta"].get("content") or ""
+    assert [text[i] for i in range(6)] == [c["message"]["content"] for c in full["choices"]]
+    completion = {"prompt": "Hello", "n": 6, "max_tokens": 40, "seed": 3, "stop": ["e", "a"], "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=completion, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    finishes = [e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == list(range(6))

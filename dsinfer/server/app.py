@@ -321,6 +321,7 @@ async def _completion_chunks(streams, body: CompletionRequest, params: SamplingP
     sent_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
+    finished: set[int] = set()  # every output repeats the request's finished choices; each ends once
     hold = _hold_back(params)
 
     def chunk(index: int, text: str, logprobs=None, finish: str | None = None) -> dict:
@@ -332,11 +333,15 @@ async def _completion_chunks(streams, body: CompletionRequest, params: SamplingP
         finals[prompt_index] = output
         for c in output.outputs:
             index = prompt_index * body.n + c.index
+            if index in finished:
+                continue
             if index not in sent_text and body.echo:
                 echo = tokenizer.decode(output.prompt_token_ids)
                 offsets[index] = len(echo)
                 yield chunk(index, echo)
             done = c.finish_reason is not None
+            if done:
+                finished.add(index)
             visible = _visible_text(c.text, done, hold)
             delta = visible[len(sent_text.get(index, "")) :]
             sent_text[index] = visible
@@ -395,6 +400,7 @@ async def _chat_chunks(stream, body: ChatCompletionRequest, options: ChatOptions
     sent_text: dict[int, str] = {}
     sent_tokens: dict[int, int] = {}
     made_calls: dict[int, bool] = {}
+    finished: set[int] = set()  # every output repeats the request's finished choices; each ends once
     hold = _hold_back(SamplingParams(stop=body.stop or []))
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
@@ -408,8 +414,12 @@ async def _chat_chunks(stream, body: ChatCompletionRequest, options: ChatOptions
     async for output in stream:
         final = output
         for c in output.outputs:
+            if c.index in finished:
+                continue
             parser = parsers.setdefault(c.index, options.parser())
             done = c.finish_reason is not None
+            if done:
+                finished.add(c.index)
             visible = _visible_text(c.text, done, hold)
             new_text = visible[len(sent_text.get(c.index, "")) :]
             sent_text[c.index] = visible
