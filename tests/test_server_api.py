@@ -195,3 +195,16 @@ def test_streams_with_n_end_each_choice_once(base):
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     finishes = [e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"]]
     assert sorted(finishes) == list(range(6))
+
+
+def test_errors_name_the_field_without_pydantic_internals(base):
+    error = error_of(httpx.post(f"{base}/v1/completions", json={"prompt": 5}))
+    assert error["param"] == "prompt" and "[" not in error["message"].split(":")[0]
+    error = error_of(httpx.post(f"{base}/v1/completions", json={"prompt": [[1, 1.5]]}))
+    assert error["param"] == "prompt.0.1", error
+    error = error_of(httpx.post(f"{base}/v1/chat/completions", json={"messages": CHAT, "tool_choice": "x"}))
+    assert error["param"] == "tool_choice"
+    error = error_of(
+        httpx.post(f"{base}/v1/chat/completions", json={"messages": CHAT, "min_tokens": 9, "max_tokens": 3})
+    )
+    assert error["param"] == "min_tokens" and "max_tokens" in error["message"]

@@ -8,6 +8,7 @@ engine keeps serving.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -171,8 +172,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # Of a union's errors, the member that matched deepest explains best ([[1, 1.5]]: prompt.0.1, not "str").
+        errors = exc.errors() or [{"msg": "invalid request", "loc": ()}]
+        first = max(errors, key=lambda error: len(error.get("loc", ())))
+        location = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}"), status_code=400)
         param = ".".join(location) or None
@@ -181,7 +184,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(_request, exc: ValueError):
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        named = _FIELD_FIRST.match(str(exc))  # SamplingParams' messages start with the field they reject
+        return JSONResponse(error_body(str(exc), param=named.group(1) if named else None), status_code=400)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_request, exc: QueueFullError):
@@ -198,6 +202,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+
+_FIELD_FIRST = re.compile(r"^([a-z_]+) must ")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member an error came from (``str``, ``list[int]``, a model class) in its loc."""
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part or part[:1].isupper())
 
 
 def _check_model(name: str | None, settings: ServerSettings) -> None:
