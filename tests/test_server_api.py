@@ -208,3 +208,16 @@ def test_errors_name_the_field_without_pydantic_internals(base):
         httpx.post(f"{base}/v1/chat/completions", json={"messages": CHAT, "min_tokens": 9, "max_tokens": 3})
     )
     assert error["param"] == "min_tokens" and "max_tokens" in error["message"]
+
+
+def test_openapi_documents_400_and_the_servers_limits(base):
+    schema = httpx.get(f"{base}/openapi.json").json()
+    assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "404", "408", "429", "503"} <= set(chat)
+    assert chat["400"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorResponse"
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert request["n"]["maximum"] == 6 and request["temperature"]["anyOf"][0]["maximum"] == 2
+    assert request["model"]["anyOf"][0]["enum"] == ["tiny"]
+    assert "/v1/models/{model_id}" in schema["paths"]
