@@ -46,9 +46,16 @@ def assert_aborted(base: str, engine) -> None:
     assert generated < 8 * 1500 / 4  # stopped long before the end
 
 
+def aborts(base: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dsinfer:request_success_total{") and 'finished_reason="abort"' in line)  # fmt: skip
+
+
 def test_non_streaming_request_is_aborted_when_the_client_leaves(server):
     base, engine = server
     before = metric_value(base, "dsinfer:generation_tokens_total")
+    aborted_before = aborts(base)
     errors = []
 
     def send():
@@ -66,6 +73,7 @@ def test_non_streaming_request_is_aborted_when_the_client_leaves(server):
     assert_aborted(base, engine)
     assert time.monotonic() - left_at < 2
     assert metric_value(base, "dsinfer:generation_tokens_total") > before  # it really had been running
+    assert aborts(base) == aborted_before + 8  # each completion: request_success_total{finished_reason="abort"}
 
 
 def test_streaming_request_is_aborted_when_the_client_leaves(server):

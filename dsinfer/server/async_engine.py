@@ -166,6 +166,9 @@ class AsyncEngine:
                 except ValueError as exc:
                     self._send(channel, exc)
             elif kind == "abort":
+                # The client left before the end: count each unfinished completion, as finished ones are counted.
+                unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
+                self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(len(unfinished))
                 self.engine.abort(request_id)
 
     def _cut_all(self, message: str) -> None:
