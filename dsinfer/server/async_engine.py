@@ -165,19 +165,21 @@ class AsyncEngine:
                     self.engine.add_request(command[2], command[3], request_id=request_id)
                 except ValueError as exc:
                     self._send(channel, exc)
-            elif kind == "abort":
-                # The client left before the end: count each unfinished completion, as finished ones are counted.
-                unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
-                self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(len(unfinished))
-                self.engine.abort(request_id)
+            elif kind == "abort":  # the client left before the end
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request, counting each unfinished completion as finished ones are counted."""
+        unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
+        self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(len(unfinished))
+        self.engine.abort(request_id)
 
     def _cut_all(self, message: str) -> None:
         self._shutdown_message = message
         for request_id, channel in list(self._channels.items()):
             if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+                self._abort(request_id)
                 self._send(channel, ServerShuttingDownError(message))
-                self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
