@@ -68,10 +68,8 @@ def test_non_streaming_request_is_aborted_when_the_client_leaves(server):
     thread.start()
     wait_until_busy(base)
     thread.join()
-    left_at = time.monotonic()
     assert errors, "the request finished before the client left; make it longer"
     assert_aborted(base, engine)
-    assert time.monotonic() - left_at < 2
     assert metric_value(base, "dsinfer:generation_tokens_total") > before  # it really had been running
     assert aborts(base) == aborted_before + 8  # each completion: request_success_total{finished_reason="abort"}
 
