@@ -17,44 +17,68 @@ from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
+from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.tokenizer import TokenizerLoadError
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless there is none or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description="DeepSeek-V4 inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with_defaults = {"formatter_class": DefaultsHelpFormatter}
 
-    generate = commands.add_parser("generate", help="complete prompts offline through the engine")
+    generate = commands.add_parser("generate", help="complete prompts offline through the engine", **with_defaults)
     generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     generate.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--max-num-seqs", type=positive_int, default=16)
-    generate.add_argument("--max-model-len", type=positive_int, default=None)
-    generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    generate.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
+    generate.add_argument("--seed", type=int, default=None, help="per-request seed (default: a fresh random one)")
+    add_engine_sizes(generate)
+    generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
+    generate.add_argument("--device", default=device, help="torch device")
     add_engram_placement(generate)
     add_async_scheduling(generate)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--max-num-seqs", type=positive_int, default=16)
-    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
-    serve.add_argument("--max-model-len", type=positive_int, default=None)
-    serve.add_argument("--data-parallel-size", type=int, default=1)
-    serve.add_argument("--expert-parallel-size", type=int, default=1)
-    serve.add_argument("--context-parallel-size", type=int, default=1)
-    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
-    serve.add_argument("--max-queue", type=positive_int, default=None, help="waiting requests before 429")
-    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the checkpoint "
+        f"directory's name; {DEFAULT_SERVED_MODEL_NAME!r} for the embedded tiny model)",
+    )  # fmt: skip
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
+                       "on every route but /health (default: no key needed)")  # fmt: skip
+    add_engine_sizes(serve)
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per engine step")
+    serve.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
+    serve.add_argument("--expert-parallel-size", type=int, default=1, help="MoE expert-parallel ranks (= DP x CP)")
+    serve.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds before a request is ended (408; default: no limit)")  # fmt: skip
+    serve.add_argument("--max-queue", type=positive_int, default=None,
+                       help="waiting requests before 429 (default: no limit)")  # fmt: skip
+    serve.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
+                       help="completions one request may ask for (n, times the prompts of a batch); "
+                       "more is a 400")  # fmt: skip
+    serve.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM; then streams end with an "
+                       "error event and [DONE]")  # fmt: skip
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
+    serve.add_argument("--device", default=device, help="torch device")
     add_engram_placement(serve)
     add_async_scheduling(serve)
 
@@ -65,13 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("mode", choices=["run", "grade"])
     evaluate.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen step (see --help there)")
 
-    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 or V4.1 checkpoint directory")
+    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 or V4.1 checkpoint directory", **with_defaults)
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--arch", choices=["v4", "v41"], default="v4", help="v41: DeepSeek-V4.1 with Engram and DSpark")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--shards", type=positive_int, default=3)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.add_argument("--shards", type=positive_int, default=3, help="safetensors files to split the weights into")
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
     return parser
+
+
+def add_engine_sizes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences in the running batch")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="context length: prompt plus completion (default: the model's)")  # fmt: skip
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (seconds); anything else is an argparse error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def add_engram_placement(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, data_parallel_size=args.data_parallel_size,
         expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
-        request_timeout=args.request_timeout, max_queue=args.max_queue,
+        request_timeout=args.request_timeout, max_queue=args.max_queue, max_n=args.max_n,
+        drain_timeout=args.drain_timeout,
     )  # fmt: skip
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -474,6 +474,10 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"field 'rope_scaling.factor': must be >= 1, got {cfg.yarn.factor}")
 
 
+ENGRAM_PLACEMENTS = ("device", "host", "sharded")
+"""Where V4.1's Engram tables can live (``dsinfer.engram.fetch`` implements each)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: batch limits, cache budget, device. Validated on construction."""
@@ -512,11 +516,9 @@ class EngineConfig:
             raise ConfigError(
                 f"engine option 'gpu_memory_utilization': must lie in (0, 1], got {self.gpu_memory_utilization}"
             )
-        from dsinfer.engram.fetch import PLACEMENTS  # here: the fetch module imports torch and the kernels
-
-        if self.engram_placement is not None and self.engram_placement not in PLACEMENTS:
+        if self.engram_placement is not None and self.engram_placement not in ENGRAM_PLACEMENTS:
             raise ConfigError(
-                f"engine option 'engram_placement': expected one of {', '.join(PLACEMENTS)} (or None), "
+                f"engine option 'engram_placement': expected one of {', '.join(ENGRAM_PLACEMENTS)} (or None), "
                 f"got {self.engram_placement!r}"
             )
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

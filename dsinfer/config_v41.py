@@ -30,7 +30,6 @@ from dsinfer.config import (
     check_attention_and_router,
     check_ranges,
 )
-from dsinfer.engram.hashing import engram_primes
 
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 # Keys only a V4.1 config has: lets a config without ``model_type`` (inference spelling) be recognised.
@@ -465,3 +464,51 @@ def _validate_engram(cfg: ModelConfigV41) -> None:
         raise ConfigError(
             f"field 'engram_num_embeddings': {len(given)} entries for {len(ids)} Engram layers (engram_layer_ids)"
         )
+
+
+# ---- Engram table sizes (the hashing in dsinfer.engram uses the same primes) ----------------------------
+# Deterministic Miller-Rabin witnesses: exact for every n below 3.3e24.
+_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def is_prime(n: int) -> bool:
+    """Exact primality test for the table-size primes (any n below 3.3e24)."""
+    if n < 2:
+        return False
+    for p in _WITNESSES:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in _WITNESSES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_primes(num_layers: int, engram_vocab_size: int, max_ngram_size: int, n_heads: int) -> list[list[list[int]]]:
+    """The bucket primes, ``[layer][n - 2][head]``: consecutive primes >= ``engram_vocab_size``.
+
+    The reference searches each n-gram's first prime again from ``engram_vocab_size - 1``
+    but skips primes already taken, which lands on the same consecutive sequence.
+    """
+    needed = num_layers * (max_ngram_size - 1) * n_heads
+    primes: list[int] = []
+    candidate = engram_vocab_size
+    while len(primes) < needed:
+        if is_prime(candidate):
+            primes.append(candidate)
+        candidate += 1
+    per_layer = (max_ngram_size - 1) * n_heads
+    return [
+        [primes[i * per_layer + n * n_heads : i * per_layer + (n + 1) * n_heads] for n in range(max_ngram_size - 1)]
+        for i in range(num_layers)
+    ]

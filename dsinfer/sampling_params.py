@@ -67,7 +67,7 @@ class StructuredOutput:
         elif not isinstance(self.spec, str) or not self.spec:
             raise ValueError(f"structured_output.spec must be a non-empty string for kind {self.kind!r}")
         # xgrammar costs seconds to import; only requests that ask for structured output pay for it.
-        from dsinfer.engine.structured_output import build_grammar
+        from dsinfer.grammar import build_grammar
 
         build_grammar(self.kind, self.spec_text)
 

@@ -22,9 +22,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(model_dir, engine_config: EngineConfig | None = None, **options):
-    """Yield the base URL of a live server; shut it down (and its engine thread) afterwards."""
+    """Yield the base URL of a live server; shut it down (and its engine thread) afterwards.
+
+    ``model_dir`` None serves the embedded default model, as ``dsinfer serve`` without a path does.
+    """
     port = free_port()
-    serve_options = ServeOptions(model=str(model_dir), port=port, served_model_name="tiny", **options)
+    options.setdefault("served_model_name", "tiny")  # None: the name ``dsinfer serve`` would choose
+    serve_options = ServeOptions(model=None if model_dir is None else str(model_dir), port=port, **options)
     config = engine_config or EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
     app, engine = build_server(serve_options, config)
     engine.start()

@@ -42,3 +42,28 @@ def test_generate_reports_a_bad_model_directory(tmp_path, capsys):
 def test_generate_rejects_cuda_without_a_gpu(tiny_checkpoint, capsys):
     assert main(["generate", str(tiny_checkpoint), "--device", "cuda"]) == 2
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--port PORT port to listen on (default: 8000)", "(default: 127.0.0.1)", "(default: 16)",
+                  "--max-n MAX_N", "(default: 128)", "(default: 30.0)", "(default: float32)"):  # fmt: skip
+        assert shown in text, shown
+    assert "(default: None)" not in text  # options without a default say what happens instead
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: 32)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_top_level_imports_follow_vllm():
+    from dsinfer import LLM, SamplingParams
+    from dsinfer.llm import LLM as EngineLLM
+    from dsinfer.sampling_params import SamplingParams as Params
+
+    assert LLM is EngineLLM and SamplingParams is Params
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        import dsinfer
+
+        dsinfer.nope  # noqa: B018

@@ -9,9 +9,8 @@ keeps serving.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import secrets
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,11 +20,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from dsinfer.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServerShuttingDownError,
+)
+from dsinfer.server.auth import APIKeyMiddleware
 from dsinfer.server.chat_format import ChatFormat, Variant
+from dsinfer.server.disconnect import unless_disconnected
+from dsinfer.server.limits import DEFAULT_MAX_N, LimitError, check_n, completion_budget
+from dsinfer.server.openapi import install_openapi
 from dsinfer.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
@@ -36,6 +46,7 @@ from dsinfer.server.protocol import (
     now,
 )
 from dsinfer.server.response_stream import ClientDisconnected
+from dsinfer.server.streams import last_items, merged
 from dsinfer.tokenizer import Tokenizer
 
 
@@ -46,12 +57,16 @@ class ServerSettings:
     max_model_len: int = 4096
     default_max_tokens: int = 256
     chat_variant: Variant = "v4"  # the prompt spelling the checkpoint was trained on ("v41" for DeepSeek-V4.1)
+    max_n: int = DEFAULT_MAX_N  # completions per request (n, times the prompts of a batched completion)
+    vocab_size: int = 2**31  # token ids a prompt may hold: [0, vocab_size)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code=None
+    ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
@@ -60,14 +75,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name)
     app.state.chat_format = chat_format
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1"):
-            supplied = request.headers.get("authorization", "")
-            if not secrets.compare_digest(supplied.encode(), f"Bearer {settings.api_key}".encode()):
-                return JSONResponse(error_body("invalid or missing API key", "authentication_error"), status_code=401)
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    install_openapi(app, settings, tokenizer.vocab_size)
 
     @app.get("/health")
     async def health():
@@ -79,11 +89,18 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": settings.served_model_name, "object": "model", "created": now(), "owned_by": "dsinfer",
+                "max_model_len": settings.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": settings.served_model_name, "object": "model", "created": now(), "owned_by": "dsinfer",
-                "max_model_len": settings.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(model_id, settings)
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -111,16 +128,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
-        prompts = _completion_prompts(body.prompt, tokenizer)
-        if len(prompts) != 1:
-            raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-        params = _params(body, body.max_tokens, body.logprobs, settings)
-        prompt_ids = _checked_prompt(prompts[0], settings)
-        stream = engine.generate(prompt_ids, params)
+        prompts = _completion_prompts(body.prompt, tokenizer, settings.vocab_size)
+        check_n(body.n, len(prompts), settings.max_n)
+        params = [_params(body, p, "prompt", "max_tokens", body.max_tokens, body.logprobs, settings) for p in prompts]
+        streams = [engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
         if body.stream:
-            return _sse(_completion_chunks(stream, body, params, settings, tokenizer))
-        final = await _last_output(stream, request)
-        return _completion_response(final, body, settings, tokenizer)
+            return _sse(_completion_chunks(merged(streams), body, params[0], settings, tokenizer))
+        finals = await unless_disconnected(last_items(streams), request)
+        return _completion_response(finals, body, settings, tokenizer)
 
     from dsinfer.server.chat_api import register_chat_routes
     from dsinfer.server.messages_api import register_messages_routes
@@ -136,12 +151,26 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(LimitError)
+    async def limit_error(_request, exc: LimitError):
+        return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request, _exc: ClientDisconnect):
+        return Response(status_code=499)  # nobody reads it; the request was aborted
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def shutting_down(_request, exc: ServerShuttingDownError):
+        return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # Of a union's errors, the member that matched deepest explains best ([[1, 1.5]]: prompt.0.1, not "str").
+        errors = exc.errors() or [{"msg": "invalid request", "loc": ()}]
+        first = max(errors, key=lambda error: len(error.get("loc", ())))
+        location = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}"), status_code=400)
         param = ".".join(location) or None
@@ -153,12 +182,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(json.loads(exc.body), status_code=exc.status_code)
 
     @app.exception_handler(ClientDisconnected)
-    async def client_gone(_request, exc: ClientDisconnected):
+    async def client_left(_request, exc: ClientDisconnected):
         return JSONResponse(error_body(str(exc)), status_code=499)
 
     @app.exception_handler(ValueError)
     async def value_error(_request, exc: ValueError):
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        named = _FIELD_FIRST.match(str(exc))  # SamplingParams' messages start with the field they reject
+        return JSONResponse(error_body(str(exc), param=named.group(1) if named else None), status_code=400)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_request, exc: QueueFullError):
@@ -174,38 +204,54 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+
+_FIELD_FIRST = re.compile(r"^([a-z_]+) must ")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member an error came from (``str``, ``list[int]``, a model class) in its loc."""
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part or part[:1].isupper())
 
 
 def _check_model(name: str | None, settings: ServerSettings) -> None:
     if name is not None and name != settings.served_model_name:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.served_model_name!r}",
-                       "not_found_error", "model")  # fmt: skip
+                       "invalid_request_error", "model", "model_not_found")  # fmt: skip
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None, settings: ServerSettings) -> SamplingParams:
+def _params(body, prompt_ids: list[int], prompt_field: str, length_field: str, max_tokens: int | None,
+            logprobs: int | None, settings: ServerSettings) -> SamplingParams:  # fmt: skip
+    """SamplingParams for one prompt, its completion length checked against the context (400 naming the field)."""
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    return body.sampling_params(max_tokens, logprobs, settings.default_max_tokens)
+        raise APIError(400, f"{length_field} must be at least 1, got {max_tokens}", param=length_field)
+    budget = completion_budget(len(prompt_ids), max_tokens, settings.max_model_len, settings.default_max_tokens,
+                               prompt_field, length_field)  # fmt: skip
+    return body.sampling_params(budget, logprobs, settings.default_max_tokens)
 
 
 def _checked_prompt(prompt_ids: list[int], settings: ServerSettings) -> list[int]:
-    if len(prompt_ids) >= settings.max_model_len:
-        raise APIError(
-            400,
-            f"the prompt has {len(prompt_ids)} tokens; this model's maximum context length is "
-            f"{settings.max_model_len} tokens, including the completion",
-            param="messages",
-        )
+    """A chat prompt that leaves room for a completion (Responses and Messages size their own completions)."""
+    completion_budget(len(prompt_ids), None, settings.max_model_len, settings.default_max_tokens, "messages",
+                      "max_tokens")  # fmt: skip
     return prompt_ids
 
 
-def _completion_prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+def _completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """The prompt ids of every prompt: one text, one token list, a list of texts or a list of token lists."""
     if isinstance(prompt, str):
         return [_text_prompt(prompt, tokenizer)]
     if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [_text_prompt(p, tokenizer) if isinstance(p, str) else list(p) for p in prompt]
+        prompts = [list(prompt)]
+    else:
+        prompts = [_text_prompt(p, tokenizer) if isinstance(p, str) else list(p) for p in prompt]
+    for ids in prompts:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt")
+    return prompts
 
 
 def _text_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
@@ -214,44 +260,27 @@ def _text_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
 
 
 # ---- running requests --------------------------------------------------------------------------
-async def _last_output(stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
-    """Drain a non-streaming request; a client that disconnects meanwhile aborts it."""
-
-    async def drain() -> RequestOutput:
-        final = None
-        async for output in stream:
-            final = output
-        return final
-
-    task = asyncio.ensure_future(drain())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.1)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await stream.aclose()
-                raise APIError(499, "client disconnected")
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
-            yield f"data: {json.dumps(error_body(str(exc)))}\n\n"
+        except (ValueError, RequestTimeoutError, EngineDeadError, ServerShuttingDownError) as exc:
+            yield f"data: {json.dumps(error_body(str(exc), _stream_error_kind(exc)))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _usage(output: RequestOutput) -> dict:
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    prompt_tokens = len(output.prompt_token_ids)
+def _stream_error_kind(exc: Exception) -> str:
+    if isinstance(exc, EngineDeadError | ServerShuttingDownError):
+        return "server_error"
+    return "timeout_error" if isinstance(exc, RequestTimeoutError) else "invalid_request_error"
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens).model_dump()  # fmt: skip
 
@@ -282,38 +311,72 @@ def _token_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs, tops) -> lis
 
 
 # ---- text completions --------------------------------------------------------------------------
-def _completion_response(final: RequestOutput, body: CompletionRequest, settings, tokenizer) -> dict:
+def _completion_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs, tops, offset: int) -> dict:
+    """Legacy completions logprobs; ``text_offset`` counts characters from the start of the choice's text."""
+    tokens = [tokenizer.decode([t]) for t in ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "text_offset": offsets,
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for top in (tops or [])] or None}  # fmt: skip
+
+
+def _completion_response(finals: list[RequestOutput], body: CompletionRequest, settings, tokenizer) -> dict:
+    """One choice per (prompt, sample): index ``prompt_index * n + sample``, as OpenAI numbers a batch."""
     choices = []
-    for c in final.outputs:
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = {
-                "tokens": [tokenizer.decode([t]) for t in c.token_ids],
-                "token_logprobs": c.logprobs,
-                "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for top in (c.top_logprobs or [])],
-            }
-        text = (tokenizer.decode(final.prompt_token_ids) if body.echo else "") + c.text
-        choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    for prompt_index, final in enumerate(finals):
+        echo = tokenizer.decode(final.prompt_token_ids) if body.echo else ""
+        for c in final.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = _completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+            choices.append({"index": prompt_index * body.n + c.index, "text": echo + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})  # fmt: skip
     return {"id": completion_id("cmpl"), "object": "text_completion", "created": now(),
-            "model": settings.served_model_name, "choices": choices, "usage": _usage(final)}  # fmt: skip
+            "model": settings.served_model_name, "choices": choices, "usage": _usage(finals)}  # fmt: skip
 
 
-async def _completion_chunks(stream, body: CompletionRequest, params: SamplingParams, settings, tokenizer):
-    request_id, created, sent = completion_id("cmpl"), now(), {}
+async def _completion_chunks(streams, body: CompletionRequest, params: SamplingParams, settings, tokenizer):
+    """Chunks of every prompt's choices as they come (``streams`` yields ``(prompt index, output)``)."""
+    request_id, created, model = completion_id("cmpl"), now(), settings.served_model_name
+    sent_text: dict[int, str] = {}
+    sent_tokens: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    finished: set[int] = set()  # every output repeats the request's finished choices; each ends once
     hold = _hold_back(params)
-    final = None
-    async for output in stream:
-        final = output
+
+    def chunk(index: int, text: str, logprobs=None, finish: str | None = None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": [choice]}  # fmt: skip
+
+    async for prompt_index, output in streams:
+        finals[prompt_index] = output
         for c in output.outputs:
-            done = c.finish_reason is not None
-            visible = _visible_text(c.text, done, hold)
-            delta = visible[len(sent.get(c.index, "")) :]
-            if not delta and not done:
+            index = prompt_index * body.n + c.index
+            if index in finished:
                 continue
-            sent[c.index] = visible
-            choice = {"index": c.index, "text": delta, "logprobs": None, "finish_reason": c.finish_reason}
-            yield {"id": request_id, "object": "text_completion", "created": created,
-                   "model": settings.served_model_name, "choices": [choice]}  # fmt: skip
-    if body.stream_options and body.stream_options.include_usage and final is not None:
-        yield {"id": request_id, "object": "text_completion", "created": created, "model": settings.served_model_name,
-               "choices": [], "usage": _usage(final)}  # fmt: skip
+            if index not in sent_text and body.echo:
+                echo = tokenizer.decode(output.prompt_token_ids)
+                offsets[index] = len(echo)
+                yield chunk(index, echo)
+            done = c.finish_reason is not None
+            if done:
+                finished.add(index)
+            visible = _visible_text(c.text, done, hold)
+            delta = visible[len(sent_text.get(index, "")) :]
+            sent_text[index] = visible
+            logprobs = None
+            start = sent_tokens.get(index, 0)
+            if c.logprobs is not None and len(c.token_ids) > start:
+                sent_tokens[index] = len(c.token_ids)
+                logprobs = _completion_logprobs(tokenizer, c.token_ids[start:], c.logprobs[start:],
+                                                (c.top_logprobs or [])[start:], offsets.get(index, 0))  # fmt: skip
+                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if delta or done or logprobs:
+                yield chunk(index, delta, logprobs, c.finish_reason)
+    if body.stream_options and body.stream_options.include_usage and finals:
+        yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
+               "choices": [], "usage": _usage(list(finals.values()))}  # fmt: skip

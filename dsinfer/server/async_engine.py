@@ -37,6 +37,10 @@ class RequestTimeoutError(RuntimeError):
     """The request ran longer than ``--request-timeout``."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down and ``--drain-timeout`` has passed: in-flight requests are ended."""
+
+
 @dataclass
 class _Channel:
     loop: asyncio.AbstractEventLoop
@@ -62,6 +66,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._pending_adds = 0
+        self._shutdown_message: str | None = None  # set once in-flight requests have been cut for shutdown
         self._exported_prefix = (0, 0)  # prefix-cache counters already added to the metrics
         self.alive = False
         self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
@@ -112,6 +117,10 @@ class AsyncEngine:
                 self._post(("abort", request_id))
             self._channels.pop(request_id, None)
 
+    def cut_all(self, message: str) -> None:
+        """End every request now (the drain deadline passed): each stream gets ``ServerShuttingDownError``."""
+        self._post(("cut", message))
+
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -142,17 +151,35 @@ class AsyncEngine:
             except queue.Empty:
                 return
             kind, request_id = command[0], command[1]
-            if kind == "add":
+            if kind == "cut":
+                self._cut_all(command[1])
+            elif kind == "add":
                 self._pending_adds -= 1
                 channel = self._channels.get(request_id)
                 if channel is None:
                     continue  # the client left before the request started
+                if self._shutdown_message is not None:
+                    self._send(channel, ServerShuttingDownError(self._shutdown_message))
+                    continue
                 try:
                     self.engine.add_request(command[2], command[3], request_id=request_id)
                 except ValueError as exc:
                     self._send(channel, exc)
-            elif kind == "abort":
-                self.engine.abort(request_id)
+            elif kind == "abort":  # the client left before the end
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request, counting each unfinished completion as finished ones are counted."""
+        unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
+        self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(len(unfinished))
+        self.engine.abort(request_id)
+
+    def _cut_all(self, message: str) -> None:
+        self._shutdown_message = message
+        for request_id, channel in list(self._channels.items()):
+            if request_id in self.engine.requests:
+                self._abort(request_id)
+                self._send(channel, ServerShuttingDownError(message))
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()

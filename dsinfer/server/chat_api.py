@@ -19,22 +19,26 @@ from fastapi.responses import Response
 
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.chat_format import ChatFormat
+from dsinfer.server.limits import check_n
 from dsinfer.server.protocol import ChatCompletionRequest, completion_id, now
 from dsinfer.server.response_stream import ChoiceStream, Run, collect, event_json
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _checked_prompt, _params, _sse
+    from dsinfer.server.app import _check_model, _params, _sse
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
+        check_n(body.n, 1, settings.max_n)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, logprobs, settings)  # checks fields
+        length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = chat_format.prepare("chat", await request.json())
+        prompt_ids = prepared.prompt_ids
+        params = _params(body, prompt_ids, "messages", length_field, max_tokens, logprobs, settings)
         # Stop sequences end the answer, not the reasoning: the stream processor applies them.
         params = replace(params, stop=[], structured_output=prepared.structured_output)
-        prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
         request_id, model, created = completion_id("chatcmpl"), settings.served_model_name, now()
         choices = [
             ChoiceStream(chat_format, prepared, recipe.ChatCompletionRequest.chunk_generator(

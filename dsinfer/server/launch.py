@@ -1,7 +1,8 @@
 """``dsinfer serve``: load the model, start the engine thread, run the HTTP server until SIGTERM / Ctrl-C.
 
-On SIGTERM uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish
-(up to ``drain_timeout`` seconds); then the engine thread stops, the model releases what it holds outside
+On SIGTERM uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish;
+after ``drain_timeout`` seconds the engine ends the rest (a stream gets an error event and ``[DONE]``,
+see :mod:`dsinfer.server.drain`); then the engine thread stops, the model releases what it holds outside
 itself (V4.1 Engram tables in shared memory, ``--engram-placement host``) and the process exits.
 """
 
@@ -17,8 +18,11 @@ import uvicorn
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.llm import LLM
+from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
+from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.metrics import ServerMetrics
 
 
@@ -34,6 +38,7 @@ class ServeOptions:
     context_parallel_size: int = 1
     request_timeout: float | None = None
     max_queue: int | None = None
+    max_n: int = DEFAULT_MAX_N
     drain_timeout: float = 30.0
     log_level: str = "info"
 
@@ -59,11 +64,14 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     """
     check_parallelism(options)
     llm = LLM(options.model, engine_config)
-    name = options.served_model_name or (Path(options.model).name if options.model else "dsinfer-tiny-v4")
+    name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
-    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len, chat_variant=variant)
+    settings = ServerSettings(
+        name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
+        vocab_size=llm.engine.model.config.vocab_size,
+    )  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm
     return app, engine
@@ -75,21 +83,29 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
     engine.start()
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level,
-        timeout_graceful_shutdown=options.drain_timeout,
+        timeout_graceful_shutdown=options.drain_timeout + BACKSTOP_SECONDS,
     )  # fmt: skip
+    drain = Drain(engine, options.drain_timeout)
     try:
-        _DrainingServer(config).run()
+        _DrainingServer(config, drain).run()
     finally:
+        drain.cancel()
         engine.stop()
         if not engine.thread.is_alive():  # a step stuck past the timeout keeps its tables until the process exits
             app.state.llm.close()
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown; a drained server should exit with status 0."""
+    """Starts the drain clock on SIGTERM / SIGINT; exits with status 0 once drained (uvicorn would re-raise
+    SIGTERM after its graceful shutdown)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
 
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)
+        self.drain.begin()
         captured = getattr(self, "_captured_signals", None)
         if sig == signal.SIGTERM and captured and captured[-1] == sig:
             captured.pop()

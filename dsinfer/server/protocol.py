@@ -1,22 +1,40 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic). Unknown request fields are ignored.
 
 Chat bodies are also handed whole to deepseek-recipe, which converts them; the models here check the fields
-first so that a wrong type is answered with a message naming the field.
+first so that a wrong type is answered with a message naming the field. Ranges are OpenAI's documented ones
+(temperature 0..2, top_p 0..1, penalties -2..2, top_logprobs 0..20), so a value OpenAI refuses is a 400 here
+too, and the OpenAPI schema generated from these models says so.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from dsinfer.sampling_params import SamplingParams
+from dsinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 2.0 is the integer 2 (a float with a fraction, a string or a boolean is not)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
+def integer(**bounds: int) -> Any:
+    """An :data:`Integer` with bounds (``ge``, ``le``) that also show in the OpenAPI schema when optional."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]  # this order: bounds before the validator
 
 
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored; known ones are typed strictly, as the OpenAPI schema says (a JSON string or
+    boolean is not a number here: ``"n": true`` is a client bug, not n = 1)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(Lenient):
@@ -93,23 +111,37 @@ class SamplingFields(Lenient):
     """Fields shared by chat and text completions that map onto :class:`SamplingParams`."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
+    max_tokens: integer(ge=1) | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: integer(ge=-1) | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: Integer = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Integer] | None = None
+    seed: Integer | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Integer = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value):
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_not_negative(cls, value):
+        if value and min(value) < 0:
+            raise ValueError("token ids must be >= 0")
+        return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         """Build validated SamplingParams (``ValueError`` names the field on bad values)."""
@@ -132,10 +164,10 @@ class SamplingFields(Lenient):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -143,25 +175,31 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("messages")
+    @field_validator("top_logprobs")
     @classmethod
-    def _not_empty(cls, value):
-        if not value:
-            raise ValueError("messages must contain at least one message")
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[Integer] | list[str] | list[list[Integer]]
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("prompt must not be empty (nor any prompt of a batch)")
+        if isinstance(value, list) and any(isinstance(t, int) and t < 0 for p in value for t in _ids(p)):
+            raise ValueError("token ids must be >= 0")
         return value
+
+
+def _ids(item) -> list:
+    return item if isinstance(item, list) else [item]
 
 
 class TokenizeRequest(Lenient):
@@ -169,7 +207,7 @@ class TokenizeRequest(Lenient):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
@@ -189,7 +227,7 @@ class TokenizeRequest(Lenient):
 
 class DetokenizeRequest(Lenient):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Integer]
 
 
 class Usage(BaseModel):

@@ -10,7 +10,6 @@ tools) is counted but never decoded, so ``<｜User｜>``, ``<think>`` or bos can
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from starlette.requests import Request
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.server.chat_format import ChatFormat, PreparedRequest
+from dsinfer.server.disconnect import unless_disconnected
 
 __all__ = ["ChoiceStream", "ClientDisconnected", "Run", "collect", "event_json", "sse_frame", "usage_with_hidden"]
 
@@ -128,22 +128,14 @@ class Run:
 
 
 async def collect(run: Run, request: Request | None) -> list[tuple[int, list]]:
-    """Drain a non-streaming request; a client that disconnects meanwhile aborts it."""
+    """Drain a non-streaming request; a client that disconnects meanwhile aborts it (every choice)."""
 
     async def drain() -> list[tuple[int, list]]:
         return [item async for item in run]
 
-    task = asyncio.ensure_future(drain())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.1)
-            if not task.done() and request is not None and await request.is_disconnected():
-                task.cancel()
-                raise ClientDisconnected("client disconnected")
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
+    if request is None:
+        return await drain()
+    return await unless_disconnected(drain(), request)
 
 
 def event_json(event) -> dict[str, Any]:

@@ -141,9 +141,10 @@ def _interpret(monkeypatch) -> None:
     """Run the module's kernels in Triton's interpreter, with its bf16 arithmetic made the hardware's.
 
     Triton 3.9's interpreter keeps bf16 values as their raw uint16 bits and (1) multiplies those bits as
-    integers in ``tl.dot``, (2) converts float32 to bf16 by truncation. Here bf16 dot operands are widened to
-    the float32 values they stand for (bf16 x bf16 products are exact in the fp32 accumulator, as on the GPU)
-    and float32 -> bf16 rounds to nearest even, as the compiled ``.to(tl.bfloat16)`` does."""
+    integers in ``tl.dot``, (2) converts float32 to bf16 by truncation, (3) passes bf16 operands of
+    ``tl.dot_scaled`` through fp16. Here bf16 dot operands are widened to the float32 values they stand for
+    (bf16 x bf16 products are exact in the fp32 accumulator, as on the GPU; e2m1 times a power-of-two scale is
+    exact in bf16) and float32 -> bf16 rounds to nearest even, as the compiled ``.to(tl.bfloat16)`` does."""
     interpreter = pytest.importorskip("triton.runtime.interpreter")
     import numpy as np
     import triton.language as tl
@@ -163,6 +164,19 @@ def _interpret(monkeypatch) -> None:
         return create_dot(widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(builder, "create_dot", bf16_dot)
+
+    def bf16_dot_scaled(lhs, lhs_scale, lhs_format, rhs, rhs_scale, rhs_format, fast_math, lhs_k_pack, rhs_k_pack, acc):
+        # The interpreter reads bf16 operands of tl.dot_scaled through fp16 (losing range); the GPU does not.
+        def operand(value, scale, fmt, k_pack, is_rhs):
+            if value.dtype.scalar == tl.bfloat16:
+                return widen(value).data
+            return interpreter._prepare_dot_scaled_operand(value, scale, fmt, k_pack, tl.bfloat16, is_rhs)
+
+        product = np.matmul(operand(lhs, lhs_scale, lhs_format, lhs_k_pack, False),
+                            operand(rhs, rhs_scale, rhs_format, rhs_k_pack, True))  # fmt: skip
+        return interpreter.TensorHandle((product + acc.data).astype(np.float32), tl.float32)
+
+    monkeypatch.setattr(builder, "create_dot_scaled", bf16_dot_scaled)
     cast_impl = builder.cast_impl
 
     def rounding_cast(src, dst_type):
@@ -175,6 +189,7 @@ def _interpret(monkeypatch) -> None:
 
 
 SMALL = moe_triton.KernelConfig(16, 32, 64, 4, 1)  # BLOCK_K 64 < H = 96: a K tail; N tails on both GEMMs
+SMALL_SWAPPED = moe_triton.KernelConfig(16, 32, 64, 4, 1, swap_ab=True)
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (5, 2, 8), (37, 6, 8)])
@@ -218,7 +233,37 @@ def test_triton_block_sizes_and_empty_batch(monkeypatch):
     assert float((out - truth).abs().max()) <= 1e-5 * float(truth.abs().max()) + 1e-6
     empty = moe_triton.routed_moe_triton(x[:0], weights, ids[:0], mix[:0], LIMIT)
     assert empty.shape == (0, 64)
-    assert moe_triton.choose_config(6, 256)[0] == 16 and moe_triton.choose_config(24576, 256)[0] == 64
+    assert moe_triton.choose_config(6, 256)[0] == 16 and moe_triton.choose_config(24576, 256)[0] == 128
+    assert moe_triton.choose_config(24576, 256, fp4_dot=False)[0] == 64
+
+
+def test_triton_swapped_operands_match_reference(monkeypatch):
+    """``swap_ab`` (weights as the left operand of tl.dot_scaled) computes the same function; FP4, bf16 only."""
+    _interpret(monkeypatch)
+    weights = _fp4_weights(8, 96, 32, seed=21)
+    ids, mix = _routing(37, 6, 8, seed=22)
+    x = torch.randn(37, 96, generator=_generator(23)).bfloat16()
+    truth = routed_moe_reference(x.float(), weights, ids, mix, LIMIT)
+    reference_error = float((routed_moe_reference(x, weights, ids, mix, LIMIT).float() - truth).abs().max())
+    out = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=SMALL_SWAPPED)
+    assert float((out.float() - truth).abs().max()) <= 1.5 * reference_error + 2**-8 * float(truth.abs().max())
+    plain = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=SMALL)
+    assert float((out.float() - plain.float()).abs().max()) <= 2**-7 * float(truth.abs().max())
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 1, 4, 16), (1, 6, 256, 16), (37, 6, 8, 16),
+                                                                     (12, 6, 256, 16), (40, 6, 8, 64)])  # fmt: skip
+def test_fused_routing_layout_is_the_torch_layout(monkeypatch, tokens, top_k, experts, block_m):
+    """The one-launch routing kernel writes exactly what align_slots(sort_slots(...)) computes."""
+    _interpret(monkeypatch)
+    ids, _ = _routing(tokens, top_k, experts, seed=tokens)
+    fused = moe_triton.align_slots_fused(ids, experts, block_m)
+    expected = align_slots(sort_slots(ids, experts), block_m)
+    for name in ("slot_ids", "block_expert", "num_blocks", "expert_block_ends"):
+        assert torch.equal(getattr(fused, name), getattr(expected, name)), name
+    assert (fused.pad_slot, fused.block_m) == (expected.pad_slot, expected.block_m)
+    with pytest.raises(ValueError, match="slots"):
+        moe_triton.align_slots_fused(torch.zeros(1, moe_triton.FUSED_ROUTING_SLOTS + 1, dtype=torch.int64), 4, 16)
 
 
 def test_grouped_mm_backend_matches_reference():
@@ -275,16 +320,20 @@ def _signature(kernel, activation: str, weight: str) -> dict[str, str]:
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_triton_kernels_compile_for_hopper():
     """The interpreter never compiles; this builds both kernels to sm_90 cubins with Triton's bundled ptxas (no
-    GPU needed): the FP4 decode configuration and a dense prefill one, which must use Hopper's wgmma."""
+    GPU needed) in the configurations choose_config picks: FP4 through tl.dot_scaled for decode and prefill, and
+    the dense path for prefill. All must use Hopper's wgmma and none may spill registers to local memory."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for fp4, tokens in ((True, 6), (False, 24576)):
-        block_m, block_n, block_k, num_warps, num_stages = moe_triton.choose_config(tokens, 256)
-        constants = dict(FP4=fp4, IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    for fp4, tokens in ((True, 6), (True, 24576), (False, 24576)):
+        config = moe_triton.choose_config(tokens, 256, fp4_dot=fp4)
+        block_m, block_n, block_k, num_warps, num_stages, swap_ab = config
+        constants = dict(FP4=fp4, FP4_DOT=fp4, SWAP=swap_ab, IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k)  # fmt: skip
         for kernel in (moe_triton._gate_up_kernel, moe_triton._down_kernel):
             source = ASTSource(kernel, _signature(kernel, "bf16", "u8" if fp4 else "bf16"), constexprs=constants)
             options = dict(num_warps=num_warps, num_stages=num_stages)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            assert compiled.asm["cubin"] and ("wgmma" in compiled.asm["ptx"]) == (block_m == 64)
+            assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"], (fp4, tokens, kernel.fn.__name__)
+            assert "ld.local" not in compiled.asm["ptx"], (fp4, tokens, kernel.fn.__name__)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsinfer.config import ENGRAM_PLACEMENTS as PLACEMENTS
 from dsinfer.engram.fetch.base import EngramFetcher
 from dsinfer.engram.fetch.device import DeviceEngramFetcher
 from dsinfer.engram.fetch.host import HOST_ONLY_OPTIONS, HostEngramFetcher
@@ -21,7 +22,6 @@ from dsinfer.engram.store import EngramStore
 
 __all__ = ["DEVICE_BUDGET_ENV", "PLACEMENTS", "PLACEMENT_ENV", "make_engram_fetcher", "resolve_placement"]
 
-PLACEMENTS = ("device", "host", "sharded")
 PLACEMENT_ENV = "DSINFER_ENGRAM_PLACEMENT"
 DEVICE_BUDGET_ENV = "DSINFER_ENGRAM_DEVICE_BUDGET_GIB"
 DEFAULT_DEVICE_BUDGET_FRACTION = 0.25
