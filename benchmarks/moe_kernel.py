@@ -2,6 +2,7 @@
 
     python benchmarks/moe_kernel.py                       # V4-Flash widths, T = 1 32 1024 4096
     python benchmarks/moe_kernel.py --tokens 1 32 --backends triton triton-graph
+    python benchmarks/moe_kernel.py --sweep                # time candidate block configurations (graph replay)
 
 Random experts at V4-Flash widths (hidden 4096, intermediate 2048, 256 experts, top-6), FP4 packed with ue8m0
 scales as the checkpoint stores them; the dense bf16 experts are their exact dequantisation, so every backend
@@ -15,6 +16,10 @@ Backends:
 * ``reference``: the torch reference (dequantise each used expert, then per-expert ``F.linear``; it reads the
   expert counts on the host);
 * ``grouped_mm``: ``torch._grouped_mm`` on the dense bf16 experts.
+
+``--sweep`` instead times every candidate ``KernelConfig`` of ``SWEEP_CONFIGS`` for the FP4 path, captured in a
+CUDA graph, and the routing layout alone (one fused launch against the torch ops); the winners are what
+``dsinfer.ops.moe.triton.choose_config`` hard-codes by slots per expert.
 
 For each token count: the median over ``--iters`` timed calls (CUDA events) after ``--warmup`` calls, the weight
 bytes of the experts the step touches in the form the backend reads (FP4 + scales, or bf16), the effective
@@ -32,6 +37,28 @@ import torch
 
 BACKENDS = ("triton", "triton-graph", "triton-dense", "reference", "grouped_mm")
 
+SWEEP_CONFIGS = {
+    "decode": [  # a few slots per expert: (block_m, block_n, block_k, num_warps, num_stages, swap_ab)
+        (16, 64, 128, 4, 4, False),
+        (16, 32, 128, 4, 4, False),
+        (16, 64, 64, 4, 4, False),
+        (16, 128, 64, 4, 4, False),
+        (16, 64, 128, 8, 4, False),
+        (16, 64, 128, 2, 4, False),
+        (16, 32, 256, 4, 3, False),
+        (16, 32, 128, 4, 4, True),
+    ],
+    "prefill": [  # tens of slots per expert and more
+        (32, 64, 128, 4, 3, False),
+        (64, 64, 128, 4, 3, False),
+        (32, 64, 128, 4, 3, True),
+        (128, 64, 128, 8, 3, False),
+        (64, 128, 128, 8, 3, False),
+        (128, 128, 64, 8, 3, False),
+    ],
+}
+"""Candidates per regime: ``decode`` for under 4 slots per expert, ``prefill`` above."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reference-iters", type=int, default=3, help="timed calls of the (slow) reference")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true", help="time SWEEP_CONFIGS instead of the backends")
     args = parser.parse_args(argv)
     if args.hidden % 32 or args.inter % 32:
         parser.error("--hidden and --inter must be multiples of 32 (one FP4 scale per 32 inputs)")
@@ -115,6 +143,53 @@ def graphed(fn, warmup: int):
     return graph, out
 
 
+def sweep(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> None:
+    """Graph-replayed median of every candidate configuration per token count, then the routing layout alone."""
+    from dsinfer.ops.moe import align_slots, sort_slots
+    from dsinfer.ops.moe.reference import routed_moe_reference
+    from dsinfer.ops.moe.triton import KernelConfig, align_slots_fused, choose_config, routed_moe_triton
+
+    device = fp4.w13.device
+    print("| T | config | graph ms | max dev / max ref |")
+    print("| ---: | --- | ---: | ---: |")
+    for tokens in args.tokens:
+        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
+        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
+        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
+        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
+        ref_max = float(reference.abs().max())
+        slots = tokens * args.top_k
+        regime = "decode" if slots / args.experts < 4 else "prefill"
+        chosen = choose_config(slots, args.experts)
+        results = []
+        for candidate in SWEEP_CONFIGS[regime]:
+            config = KernelConfig(*candidate)
+            try:
+                fn = partial(routed_moe_triton, x, fp4, expert_ids, expert_weights, limit, config=config)
+                graph, out = graphed(fn, args.warmup)
+                ms = time_calls(graph.replay, args.warmup, args.iters)
+            except Exception as error:  # a configuration that does not compile or fit is a row, not the end
+                print(f"| {tokens} | {tuple(config)} | failed: {type(error).__name__}: {str(error)[:80]} | |")
+                continue
+            deviation = float((out.float() - reference).abs().max()) / max(ref_max, 1e-30)
+            results.append((ms, tuple(config)))
+            mark = " (chosen)" if config == chosen else ""
+            print(f"| {tokens} | {tuple(config)}{mark} | {ms:.3f} | {deviation:.2e} |", flush=True)
+            del graph, out
+        if results:
+            print(f"| {tokens} | best {min(results)[1]} | {min(results)[0]:.3f} | |", flush=True)
+        if slots <= 1024:
+            block_m = chosen[0]
+            layouts = {
+                "fused": partial(align_slots_fused, expert_ids, args.experts, block_m),
+                "torch": lambda ids=expert_ids, m=block_m: align_slots(sort_slots(ids, args.experts), m),
+            }
+            for name, fn in layouts.items():
+                graph, _ = graphed(fn, args.warmup)
+                print(f"| {tokens} | routing {name} | {time_calls(graph.replay, args.warmup, args.iters):.4f} | |")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = f"FP4 experts {fp4.nbytes / 2**30:.2f} GiB, bf16 {dense.nbytes / 2**30:.2f} GiB"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; H={args.hidden} I={args.inter} "
           f"E={args.experts} k={args.top_k}; {sizes}")  # fmt: skip
+    if args.sweep:
+        sweep(args, fp4, gen, limit)
+        return 0
     print("| T | backend | median ms | experts touched | weight GB read | GB/s | max dev / max ref |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for tokens in args.tokens:

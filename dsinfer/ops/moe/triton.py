@@ -3,18 +3,22 @@
 Why this shape:
 
 * **Packed weights read once per block.** Decode is bound by the weight bytes: a step at 32 requests touches
-  ~136 of 256 experts. Reading FP4 (0.53 bytes a weight with scales) instead of bf16 cuts those bytes ~3.8x, so
-  the kernel loads the packed bytes and ue8m0 scales and expands them in registers (nibble unpack, e2m1 from
-  bit arithmetic, scale ``2**(byte - 127)`` built as float32 bits), then runs bf16 ``tl.dot`` with fp32
-  accumulation. The same kernels take dense weights (``FP4=False``), casting them to the activation dtype.
+  ~136 of 256 experts. Reading FP4 (0.53 bytes a weight with scales) instead of bf16 cuts those bytes ~3.8x.
+  With bf16 activations (the model's path) each K step hands the packed bytes and one ue8m0 byte per 32 inputs
+  to ``tl.dot_scaled``, whose Hopper lowering upcasts e2m1 with a few byte permutes and feeds wgmma: on the
+  H200 that took T=1 from 0.28 to 0.10 ms and T=1024 from 17 to 3.1 ms against the hand-written bit arithmetic
+  (which the fp32-activation path still uses, since ``tl.dot_scaled`` takes no fp32 operand).
 * **Block-M over the aligned layout.** :func:`dsinfer.ops.moe.routing.align_slots` pads every expert's slots to
   whole ``BLOCK_M`` blocks, so a program multiplies one expert's weight tile with up to ``BLOCK_M`` gathered
-  rows. The grid is sized from ``T``, ``k``, ``E`` and ``BLOCK_M`` on the host (the most blocks the layout can
-  need); programs past the live block count (a device tensor) return at once. No host synchronisation, so
-  the op can be captured in a CUDA graph.
-* **Nibbles without interleaving.** Byte ``j`` holds inputs ``2j`` (low nibble) and ``2j+1`` (high nibble), so
-  the K loop does two half-width dots: even input columns of the activations times the low nibbles, odd
-  columns times the high nibbles. Dense weights use the same two-dot loop over the two halves of the K tile.
+  rows, and with ``BLOCK_M`` near the slots per expert (:func:`choose_config`) each tile is dequantised about
+  once per step. The grid is sized from ``T``, ``k``, ``E`` and ``BLOCK_M`` on the host (the most blocks the
+  layout can need); programs past the live block count (a device tensor) return at once. No host
+  synchronisation, so the op can be captured in a CUDA graph. Up to ``FUSED_ROUTING_SLOTS`` slots the layout is
+  one :func:`_align_kernel` launch instead of ~25 torch launches (20 against 55 us at T=1 in a graph).
+* **Nibbles without interleaving (dense and fp32 path).** Byte ``j`` holds inputs ``2j`` (low nibble) and
+  ``2j+1`` (high nibble), so the K loop does two half-width dots: even input columns of the activations times
+  the low nibbles, odd columns times the high nibbles. Dense weights use the same two-dot loop over the two
+  halves of the K tile.
 * **SwiGLU in the first kernel's epilogue.** Each program accumulates a gate tile (``w13`` rows ``n``) and the
   matching up tile (rows ``I + n``), applies DeepSeek's clamps and ``silu(gate) * up`` in fp32, and stores the
   intermediate ``[T*k, I]`` by slot. The second kernel multiplies by ``w2``, scales by the routing weight and
@@ -49,11 +53,14 @@ JIT_FUNCTIONS = (
     "_ue8m0_scales",
     "_load_a",
     "_load_w",
+    "_fp4_tiles",
     "_fp4_dot",
+    "_load_a_tile",
     "_half_dots",
     "_load_block",
     "_gate_up_kernel",
     "_down_kernel",
+    "_add",
     "_align_kernel",
 )
 """Every ``triton.jit`` function here (the interpreter tests wrap each one)."""
@@ -69,8 +76,9 @@ class KernelConfig(tuple):
     each half-dot of the dense/fp32 path has K >= 16).
 
     ``swap_ab`` (FP4 weights with bf16 activations only) computes ``(W x^T)^T``: the weight tile is the MMA's
-    left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N, so a
-    block of one or two real tokens does not waste an M of 16 or 64 on padding."""
+    left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N. It was
+    meant for decode but measured slower on the H200 at every T (Triton 3.6); kept as a tested option for
+    other chips and compilers, unused by :func:`choose_config`."""
 
     def __new__(
         cls,
@@ -89,20 +97,26 @@ class KernelConfig(tuple):
         return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages, bool(swap_ab)))
 
 
-def choose_config(num_slots: int, num_experts: int) -> KernelConfig:
+def choose_config(num_slots: int, num_experts: int, fp4_dot: bool = True) -> KernelConfig:
     """Block sizes from host-known sizes only (so the choice is the same in a captured graph and eagerly).
 
     ``BLOCK_M`` follows the average slots per expert, so a block is mostly real rows and each expert's weight
-    tile is dequantised about once per step; the rest was measured on the H200 (``benchmarks/moe_kernel.py
-    --sweep``, bf16 activations, FP4 experts at V4-Flash widths)."""
+    tile is dequantised about once per step. ``fp4_dot`` (FP4 weights, bf16 activations: the
+    ``tl.dot_scaled`` path) takes the configurations measured fastest on the H200 (``benchmarks/moe_kernel.py
+    --sweep``, V4-Flash widths); the dense and fp32 paths keep configurations chosen only to compile for sm_90
+    without register spills or too much shared memory."""
     average = num_slots / max(num_experts, 1)
-    if average <= 4:
-        return KernelConfig(16, 64, 128, 4, 4, True)
-    if average <= 16:
-        return KernelConfig(16, 64, 128, 4, 4, True)
-    if average <= 48:
-        return KernelConfig(32, 64, 128, 4, 3, False)
-    return KernelConfig(128, 64, 128, 8, 3, False)
+    if not fp4_dot:
+        if average <= 16:
+            return KernelConfig(16, 64, 128, 8, 4)
+        if average <= 32:
+            return KernelConfig(32, 64, 128, 8, 3)
+        return KernelConfig(64, 64, 64, 8, 3)
+    if average <= 8:  # decode: measured at 0.02 and 0.75 slots per expert (T = 1 and 32 at top-6 of 256)
+        return KernelConfig(16, 64, 128, 4, 4)
+    if average <= 48:  # measured at 24 (T = 1024)
+        return KernelConfig(32, 64, 128, 4, 3)
+    return KernelConfig(128, 128, 64, 8, 3)  # measured at 96 (T = 4096)
 
 
 if triton is not None:
@@ -186,15 +200,9 @@ if triton is not None:
         return w_lo, w_hi
 
     @triton.jit
-    def _fp4_dot(acc, a, w_base, s_base, w_rows, w_ok, w_row_stride, s_row_stride, k0, K, SWAP: tl.constexpr):
-        """``acc + a @ W[w_rows, k0 : k0 + BK]^T`` through ``tl.dot_scaled`` (bf16 ``a`` ``[M, BK]``, FP4 ``W``).
-
-        The packed bytes and one ue8m0 byte per 32 inputs go to the compiler's own e2m1 upcast, which is the
-        cheapest dequantisation Triton offers (the hand-written bit arithmetic of :func:`_load_w` costs several
-        integer operations per weight, and decode is bound by exactly that). ``SWAP`` keeps ``acc`` transposed,
-        ``[N, M]``, with the weight tile as the left operand. Scale byte 255 (NaN) is not propagated
-        (``fast_math``): checkpoints never hold it."""
-        BLOCK_K: tl.constexpr = a.shape[1]
+    def _fp4_tiles(w_base, s_base, w_rows, w_ok, w_row_stride, s_row_stride, k0, K, SWAP: tl.constexpr, BLOCK_K):
+        """The packed FP4 bytes and ue8m0 bytes of ``W[w_rows, k0 : k0 + BLOCK_K]`` as :func:`_fp4_dot` takes them
+        (``SWAP``: ``[N, BK/2]``, else ``[BK/2, N]``; scales ``[N, BK/32]``)."""
         byte_columns = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         byte_ok = byte_columns < K // 2
         groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -206,13 +214,33 @@ if triton is not None:
                 mask=w_ok[:, None] & byte_ok[None, :],
                 other=0,
             )
-            return tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
-        packed = tl.load(
-            w_base + w_rows[None, :] * w_row_stride + byte_columns[:, None],
-            mask=byte_ok[:, None] & w_ok[None, :],
-            other=0,
-        )
-        return tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc, fast_math=True)
+        else:
+            packed = tl.load(
+                w_base + w_rows[None, :] * w_row_stride + byte_columns[:, None],
+                mask=byte_ok[:, None] & w_ok[None, :],
+                other=0,
+            )
+        return packed, scale
+
+    @triton.jit
+    def _fp4_dot(acc, a, packed, scale, SWAP: tl.constexpr):
+        """``acc + a @ W^T`` through ``tl.dot_scaled`` (bf16 ``a`` ``[M, BK]``, the FP4 tile of :func:`_fp4_tiles`).
+
+        The packed bytes and one ue8m0 byte per 32 inputs go to the compiler's own e2m1 upcast, the cheapest
+        dequantisation Triton offers (the bit arithmetic of :func:`_load_w` costs several integer operations per
+        weight). ``SWAP`` keeps ``acc`` transposed, ``[N, M]``, with the weight tile as the left operand. Scale
+        byte 255 (NaN) is not propagated (``fast_math``): checkpoints never hold it."""
+        if SWAP:
+            acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
+        else:
+            acc = tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc, fast_math=True)
+        return acc
+
+    @triton.jit
+    def _load_a_tile(a_rows, a_ok, k0, K, BLOCK_K: tl.constexpr):
+        """Activation tile ``[M, BLOCK_K]`` at inputs ``k0 ..`` (zeros past ``K`` and for padding rows)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(a_rows + k[None, :], mask=a_ok[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
     def _half_dots(acc, a_lo, a_hi, w_lo, w_hi, IEEE: tl.constexpr):
@@ -271,24 +299,25 @@ if triton is not None:
         s_base = s_ptr + expert * s_expert_stride
         if FP4_DOT:
             if SWAP:
-                gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                gate = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+                up = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
             else:
-                gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+                up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            # No prefetching of step k0 + BLOCK_K into registers: measured slower on the H200 at every T.
+            strides = (w_row_stride, s_row_stride)
             for k0 in range(0, hidden, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & (k < hidden)[None, :], other=0.0)
-                gate = _fp4_dot(gate, a, w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, hidden, SWAP)
-                up = _fp4_dot(
-                    up, a, w_base, s_base, columns + inter, column_ok, w_row_stride, s_row_stride, k0, hidden, SWAP
-                )
+                a = _load_a_tile(a_rows, slot_ok, k0, hidden, BLOCK_K)
+                g_w, g_s = _fp4_tiles(w_base, s_base, columns, column_ok, *strides, k0, hidden, SWAP, BLOCK_K)
+                gate = _fp4_dot(gate, a, g_w, g_s, SWAP)
+                u_w, u_s = _fp4_tiles(w_base, s_base, columns + inter, column_ok, *strides, k0, hidden, SWAP, BLOCK_K)
+                up = _fp4_dot(up, a, u_w, u_s, SWAP)
             if SWAP:
                 gate = tl.trans(gate)
                 up = tl.trans(up)
         else:
-            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 a_lo, a_hi = _load_a(a_rows, slot_ok, k0, hidden, FP4, BLOCK_K)
                 dtype = a_lo.dtype
@@ -344,17 +373,18 @@ if triton is not None:
         s_base = s_ptr + expert * s_expert_stride
         if FP4_DOT:
             if SWAP:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
             else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            strides = (w_row_stride, s_row_stride)
             for k0 in range(0, inter, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & (k < inter)[None, :], other=0.0)
-                acc = _fp4_dot(acc, a, w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, SWAP)
+                a = _load_a_tile(a_rows, slot_ok, k0, inter, BLOCK_K)
+                w, w_s = _fp4_tiles(w_base, s_base, columns, column_ok, *strides, k0, inter, SWAP, BLOCK_K)
+                acc = _fp4_dot(acc, a, w, w_s, SWAP)
             if SWAP:
                 acc = tl.trans(acc)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 a_lo, a_hi = _load_a(a_rows, slot_ok, k0, inter, FP4, BLOCK_K)
                 w_lo, w_hi = _load_w(
@@ -365,6 +395,12 @@ if triton is not None:
         acc = acc * route_weight[:, None]
         out = out_ptr + safe_slots[:, None] * hidden + columns[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+
+    @triton.jit
+    def _add(a, b):
+        """The combine of the sums below (``tl.reduce``/``tl.associative_scan`` are builtins the interpreter
+        runs; ``tl.sum``/``tl.cumsum`` are library jit functions it does not wrap)."""
+        return a + b
 
     @triton.jit
     def _align_kernel(
@@ -392,18 +428,18 @@ if triton is not None:
         bins = tl.arange(0, BINS)
         real_bin = bins < num_experts
         blocks = tl.where(real_bin, (tl.histogram(ids, BINS) + BLOCK_M - 1) // BLOCK_M, 0)
-        ends = tl.cumsum(blocks, axis=0)
-        total = tl.sum(blocks, axis=0)
+        ends = tl.associative_scan(blocks, 0, _add)
+        total = tl.reduce(blocks, 0, _add)
         tl.store(block_ends_ptr + bins, ends.to(tl.int64), mask=real_bin)
         tl.store(num_blocks_ptr, total.to(tl.int64))
         for start in range(0, max_blocks, CHUNK):
             block = start + tl.arange(0, CHUNK)
-            owner = tl.sum(((ends[None, :] <= block[:, None]) & real_bin[None, :]).to(tl.int32), axis=1)
+            owner = tl.reduce(((ends[None, :] <= block[:, None]) & real_bin[None, :]).to(tl.int32), 1, _add)
             owner = tl.where(block < total, owner, -1)
             tl.store(block_expert_ptr + block, owner.to(tl.int64), mask=block < max_blocks)
         for start in range(0, max_blocks * BLOCK_M, CHUNK * BLOCK_M):
             position = start + tl.arange(0, CHUNK * BLOCK_M)
-            pad = tl.zeros((CHUNK * BLOCK_M,), tl.int64) + num_slots
+            pad = tl.full((CHUNK * BLOCK_M,), 0, tl.int64) + num_slots
             tl.store(slot_ids_ptr + position, pad, mask=position < max_blocks * BLOCK_M)
         tl.debug_barrier()  # block_ends and the padding are written; the scatter below reads and overwrites them
         for start in range(0, num_slots, CHUNK):
@@ -411,7 +447,7 @@ if triton is not None:
             entry_ok = entry < num_slots
             expert = tl.load(ids_ptr + entry, mask=entry_ok, other=num_experts).to(tl.int32)
             earlier = (ids[None, :] == expert[:, None]) & (entries[None, :] < entry[:, None])
-            rank = tl.sum(earlier.to(tl.int32), axis=1)
+            rank = tl.reduce(earlier.to(tl.int32), 1, _add)
             first_block = tl.load(block_ends_ptr + expert - 1, mask=entry_ok & (expert > 0), other=0, volatile=True)
             tl.store(slot_ids_ptr + first_block * BLOCK_M + rank, entry.to(tl.int64), mask=entry_ok)
 
@@ -473,8 +509,13 @@ def routed_moe_triton(
     hidden, inter = weights.hidden_size, weights.intermediate_size
     if num_slots == 0:
         return torch.zeros_like(x)
-    block_m, block_n, block_k, num_warps, num_stages = config or choose_config(num_slots, weights.num_experts)
-    aligned = align_slots(sort_slots(expert_ids, weights.num_experts), block_m)
+    fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16  # tl.dot_scaled takes bf16, not fp32, activations
+    config = config or choose_config(num_slots, weights.num_experts, fp4_dot)
+    block_m, block_n, block_k, num_warps, num_stages, swap_ab = config
+    if num_slots <= FUSED_ROUTING_SLOTS:
+        aligned = align_slots_fused(expert_ids, weights.num_experts, block_m)
+    else:
+        aligned = align_slots(sort_slots(expert_ids, weights.num_experts), block_m)
     x = x.contiguous()
     route_weight = expert_weights.reshape(-1).contiguous()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
@@ -482,7 +523,10 @@ def routed_moe_triton(
     # Dense weights have no scales; any tensor stands in for the pointer (FP4=False never reads it).
     w13_scale = weights.w13_scale if weights.is_fp4 else weights.w13
     w2_scale = weights.w2_scale if weights.is_fp4 else weights.w2
-    common = dict(FP4=weights.is_fp4, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    common = dict(
+        FP4=weights.is_fp4, FP4_DOT=fp4_dot, SWAP=swap_ab and fp4_dot, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
     launch = dict(num_warps=num_warps, num_stages=num_stages)
     _gate_up_kernel[(aligned.max_blocks, triton.cdiv(inter, block_n))](
         x, weights.w13, w13_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, h,
