@@ -31,8 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from dsinfer.config import QuantizationConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41, QuantizationConfig
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41

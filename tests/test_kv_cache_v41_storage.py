@@ -14,7 +14,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT

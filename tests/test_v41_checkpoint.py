@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsinfer.cli import main
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.deepseek_v41 import DeepseekV41

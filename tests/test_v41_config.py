@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from dsinfer.config import ConfigError, ModelConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41
 
 # The released layout (abridged): a composite object with the text fields under text_config.
 HUB_CONFIG = {

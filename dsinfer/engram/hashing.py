@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsinfer.config_v41 import engram_primes, is_prime
+from dsinfer.config import engram_primes, is_prime
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
 
 __all__ = [

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
+from dsinfer.config import FP8_SCALE_BLOCK, ModelConfigV41
 
 GATE_MAGNITUDE_FLOOR = 1e-6
 

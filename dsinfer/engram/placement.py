@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
+from dsinfer.config import FP8_SCALE_BLOCK, ModelConfigV41
 from dsinfer.engram.fetch import (
     PLACEMENTS,
     EngramFetcher,

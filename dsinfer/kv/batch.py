@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsinfer.config import ModelConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfig, ModelConfigV41
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.cache_v41 import KVCacheV41
 

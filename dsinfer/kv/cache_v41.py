@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat

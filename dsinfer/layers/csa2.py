@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41, SourceCache
 from dsinfer.layers.attention import Attention

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import EngramContext, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfigV41
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
 from dsinfer.layers.moe import MoEV41

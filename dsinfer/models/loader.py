@@ -23,8 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from dsinfer.config import ConfigError, ModelConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choose_placement, open_engram_tables
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables

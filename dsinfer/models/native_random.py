@@ -10,8 +10,7 @@ import math
 
 import torch
 
-from dsinfer.config import ModelConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ModelConfig, ModelConfigV41
 from dsinfer.layers.moe import MoE
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41

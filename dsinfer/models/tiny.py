@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dsinfer.config import ModelConfig, QuantizationConfig
-from dsinfer.config_v41 import FP8_SCALE_BLOCK, ModelConfigV41
+from dsinfer.config import FP8_SCALE_BLOCK, ModelConfig, ModelConfigV41, QuantizationConfig
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
 from dsinfer.layers.moe import MoE
 from dsinfer.models.deepseek_v4 import DeepseekV4

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dsinfer.config import ConfigError, EngineConfig
-from dsinfer.config_v41 import ModelConfigV41
+from dsinfer.config import ConfigError, EngineConfig, ModelConfigV41
 from dsinfer.llm import LLM
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsinfer.config import _ALIASES as V4_ALIASES
-from dsinfer.config import (
+from dsinfer.config.model import _ALIASES as V4_ALIASES
+from dsinfer.config.model import (
     ConfigError,
     QuantizationConfig,
     YarnScaling,

@@ -1,0 +1,88 @@
+"""How the engine runs a model: batch limits, cache budget, device, placements. Validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dsinfer.config.model import ConfigError
+
+if TYPE_CHECKING:
+    from dsinfer.config.model import ModelConfig
+
+ENGRAM_PLACEMENTS = ("device", "host", "sharded")
+"""Where V4.1's Engram tables can live (``dsinfer.engram.fetch`` implements each)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: batch limits, cache budget, device. Validated on construction."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # tokens per step across all sequences (the chunked-prefill budget)
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 16384)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_tokens: int | None = None  # None: the lcm of the compression ratios (128 for V4-Flash)
+    cache_memory_bytes: int | None = None  # cache budget; None: 512 MiB on CPU, gpu_memory_utilization on CUDA
+    num_cache_blocks: int | None = None  # exact number of compressed-cache blocks (overrides the byte budget)
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Schedule step N+1 while the device runs step N (dsinfer.engine.engine); None: on for CUDA, off on CPU,
+    # where the forward itself runs on the host cores that the scheduler would compete for.
+    async_scheduling: bool | None = None
+    # Where V4.1's Engram tables live: 'device', 'host' (one shared-memory copy per host, read over PCIe) or
+    # 'sharded' (split over the process group's ranks); None: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they
+    # exceed the GPU's budget, else 'device' (dsinfer.engram.placement). Ignored by models without Engram (V4).
+    engram_placement: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"engine option {name!r}: expected a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"engine option 'max_model_len': expected an integer >= 2, got {self.max_model_len!r}")
+        if self.num_cache_blocks is not None and self.num_cache_blocks <= 0:
+            raise ConfigError(f"engine option 'num_cache_blocks': must be positive, got {self.num_cache_blocks}")
+        if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
+            raise ConfigError(f"engine option 'cache_memory_bytes': must be positive, got {self.cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"engine option 'gpu_memory_utilization': must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.engram_placement is not None and self.engram_placement not in ENGRAM_PLACEMENTS:
+            raise ConfigError(
+                f"engine option 'engram_placement': expected one of {', '.join(ENGRAM_PLACEMENTS)} (or None), "
+                f"got {self.engram_placement!r}"
+            )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(
+                f"engine option 'async_scheduling': expected true, false or null, got {self.async_scheduling!r}"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ConfigError(
+                    "engine option 'max_num_batched_tokens': without chunked prefill it must be at least "
+                    f"max_model_len ({self.max_model_len}), got {self.max_num_batched_tokens}"
+                )
+
+    @property
+    def resolved_async_scheduling(self) -> bool:
+        """Overlap scheduling as configured, else on for a CUDA device and off on CPU."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(model.max_position_embeddings, 16384)
+        if self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"engine option 'max_model_len': {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({model.max_position_embeddings})"
+            )
+        return self.max_model_len
