@@ -151,11 +151,12 @@ def fit_layers(cache_gib: float, device, repeats: int, context: int) -> dict:
     """The deepest V4-Flash model (release ratios) whose weights fit beside a ``cache_gib`` cache."""
     full = ModelConfig()
     probe = build_native_model(replace(flash_slice_config(2), compress_ratios=(4, 128)), torch.bfloat16, device)
-    per_layer = weight_bytes(probe)["all"] / 2  # two layers, embedding and head counted once too: an upper bound
+    shared = sum(t.numel() * t.element_size() for t in (probe.embed.weight, probe.head.weight))
+    per_layer = (weight_bytes(probe)["all"] - shared) / 2  # a CSA and an HCA layer: the larger kinds
     del probe
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    budget = free - cache_gib * 2**30 - 6 * 2**30  # activations and allocator slack
+    budget = free - shared - cache_gib * 2**30 - 8 * 2**30  # embedding and head, activations, allocator slack
     layers = min(full.num_hidden_layers, int(budget // per_layer))
     config = replace(full, num_hidden_layers=layers, compress_ratios=full.compress_ratios[:layers],
                      num_nextn_predict_layers=0)  # fmt: skip
@@ -177,6 +178,15 @@ def fit_layers(cache_gib: float, device, repeats: int, context: int) -> dict:
     batch = prefill_and_decode_batch(model, cache, sequences, context, device)
     row["decode_requests"], row["decode_context"] = sequences, context
     row["decode_ms"] = statistics.median(cuda_ms(lambda: model(batch), repeats))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model(batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        model(batch)
+    row["decode_graph_ms"] = statistics.median(cuda_ms(graph.replay, repeats))
     row["gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row
 

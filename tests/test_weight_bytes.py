@@ -51,3 +51,21 @@ def test_native_random_model_has_packed_experts_of_checkpoint_size():
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size
     expected = config.num_hidden_layers * config.n_routed_experts * (per_expert // 2 + per_expert // 32)
     assert weight_bytes(model)["routed_experts"] == expected
+
+
+def test_fp8_linears_kept_or_dequantised_give_the_same_logits(tiny_checkpoint):
+    from dsinfer.kv.batch import PackedBatch
+    from dsinfer.layers.fp8_linear import Fp8Linear
+
+    kept = load_model(tiny_checkpoint, progress=False, fp8_linears="keep")
+    dense = load_model(tiny_checkpoint, progress=False, fp8_linears="dequantize")
+    assert any(isinstance(m, Fp8Linear) for m in kept.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in dense.modules())
+    assert weight_bytes(kept)["all"] < weight_bytes(dense)["all"]
+    batch = [list(range(3, 70))]
+    assert torch.equal(kept(PackedBatch.from_sequences(batch)), dense(PackedBatch.from_sequences(batch)))
+
+
+def test_an_unknown_fp8_policy_is_an_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match="fp8_linears"):
+        load_model(tiny_checkpoint, progress=False, fp8_linears="fp16")

@@ -16,14 +16,19 @@ from torch import nn
 from dsinfer.layers.fp8_linear import Fp8Linear
 
 FP8_LINEAR_POLICIES = ("keep", "dequantize")
-DEFAULT_FP8_LINEARS = "keep"
+# Measured on the H200 (docs/perf.md, benchmarks/fp8_linear_choice.py): with no fused FP8 kernel yet, keeping
+# the codes costs 5.4x the bf16 time per decode step's linears (1.16 against 0.22 ms a layer) for 102 MiB a
+# layer saved, so CUDA dequantises once on load, as Hopper servers do. Elsewhere memory is the scarcer resource.
+DEFAULT_FP8_LINEARS = {"cuda": "dequantize"}
+DEFAULT_FP8_LINEARS_ELSEWHERE = "keep"
 # Weights that are FP8 in a checkpoint but are not linear layers (the Engram tables are kept their own way).
 _NOT_A_LINEAR = re.compile(r"engram\.embed\.weight$")
 
 
-def resolve_fp8_linears(policy: str | None) -> str:
-    """The policy asked for, else ``$DSINFER_FP8_LINEARS``, else the default; anything else is an error."""
-    chosen = policy or os.environ.get("DSINFER_FP8_LINEARS") or DEFAULT_FP8_LINEARS
+def resolve_fp8_linears(policy: str | None, device: torch.device | str = "cpu") -> str:
+    """The policy asked for, else ``$DSINFER_FP8_LINEARS``, else the device's default; anything else is an error."""
+    default = DEFAULT_FP8_LINEARS.get(torch.device(device).type, DEFAULT_FP8_LINEARS_ELSEWHERE)
+    chosen = policy or os.environ.get("DSINFER_FP8_LINEARS") or default
     if chosen not in FP8_LINEAR_POLICIES:
         raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {chosen!r}")
     return chosen

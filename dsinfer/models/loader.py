@@ -278,9 +278,9 @@ def load_model(
     model without Engram layers (every V4 checkpoint) ignores it. With ``host`` or ``sharded`` the returned
     model owns a shared-memory segment or a table shard: call its ``close()`` when done.
 
-    ``fp8_linears`` (``keep``, ``dequantize``; None: ``$DSINFER_FP8_LINEARS``, else
-    :data:`~dsinfer.models.fp8_linears.DEFAULT_FP8_LINEARS`) says whether the block-scaled FP8 linears stay FP8
-    or become the compute dtype; routed experts always stay as stored.
+    ``fp8_linears`` (``keep``, ``dequantize``; None: ``$DSINFER_FP8_LINEARS``, else the device's default in
+    :mod:`dsinfer.models.fp8_linears`: dequantize on CUDA, keep elsewhere) says whether the block-scaled FP8
+    linears stay FP8 or become the compute dtype; routed experts always stay as stored.
     """
     directory = Path(path)
     try:
@@ -305,7 +305,7 @@ def load_model(
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
     experts = ExpertCollector()  # routed experts stay in checkpoint precision, stacked per layer
-    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears), _fp8_block(config), dtype, stored)
+    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
