@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default=device, help="torch device")
     add_engram_placement(generate)
     add_async_scheduling(generate)
+    add_cuda_graphs(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=device, help="torch device")
     add_engram_placement(serve)
     add_async_scheduling(serve)
+    add_cuda_graphs(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -135,6 +137,21 @@ def add_async_scheduling(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs (default: graphs on CUDA for V4 models)",
+    )
+    parser.add_argument(
+        "--cuda-graph-sizes",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="batch sizes to capture decode CUDA graphs for (default: powers of two up to --max-num-seqs)",
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for the prompts through the engine (continuous batching, paged caches)."""
     params = SamplingParams(
@@ -146,6 +163,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "engram_placement": args.engram_placement,
         "async_scheduling": args.async_scheduling,
+        "enforce_eager": args.enforce_eager,
+        "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
     }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
@@ -175,6 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         engram_placement=args.engram_placement, async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
     )  # fmt: skip
     serve(options, engine)
     return 0

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="decode: token budget of the untimed fill")
     parser.add_argument("--telemetry-interval", type=float, default=5.0, help="seconds between GPU samples; 0: off")
     parser.add_argument("--compare-published", action="store_true", help="plot DeepInfer's B200 points too")
+    parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -334,7 +335,8 @@ def make_engine(bench: Bench, **options) -> LLMEngine:
     args = bench.args
     release_memory(bench.device)
     cache_bytes = None if args.cache_gib is None else int(args.cache_gib * 2**30)
-    options = {"enable_prefix_caching": False, "cache_memory_bytes": cache_bytes, **options}
+    options = {"enable_prefix_caching": False, "cache_memory_bytes": cache_bytes,
+               "enforce_eager": args.enforce_eager, **options}  # fmt: skip
     config = EngineConfig(device=args.device, dtype=args.dtype, **options)
     try:
         return LLMEngine(bench.model, bench.tokenizer, config)

@@ -36,6 +36,11 @@ class EngineConfig:
     # 'sharded' (split over the process group's ranks); None: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they
     # exceed the GPU's budget, else 'device' (dsinfer.engram.placement). Ignored by models without Engram (V4).
     engram_placement: str | None = None
+    # Decode steps of V4 models replay CUDA graphs captured per batch size (vLLM's spelling). enforce_eager turns
+    # them off; cuda_graph_sizes are the buckets (None: powers of two up to max_num_seqs). On the CPU, giving
+    # sizes runs the same static-shape decode eagerly (for tests); nothing is captured there.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +66,17 @@ class EngineConfig:
             raise ConfigError(
                 f"engine option 'async_scheduling': expected true, false or null, got {self.async_scheduling!r}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"engine option 'enforce_eager': expected true or false, got {self.enforce_eager!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if isinstance(sizes, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+            ) or not sizes:  # fmt: skip
+                raise ConfigError(
+                    f"engine option 'cuda_graph_sizes': expected positive batch sizes, got {self.cuda_graph_sizes!r}"
+                )
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sizes))
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -8,6 +8,7 @@ the cache, so steps write it strictly in order however far ahead the scheduler p
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -21,10 +22,16 @@ from dsinfer.engine.cache_plan import (
     cache_blocks_for_budget,
     check_served_model,
 )
+from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engram.hashing import EngramContext
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.models.deepseek_v4 import DeepseekV4
+from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.ops.registry import REFERENCE, resolve
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +53,23 @@ class StepInput:
     engram_resume: EngramResume | None = None
 
 
+def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
+    """Decode graphs need V4's batched decode path and a routed-experts backend that never syncs.
+
+    On CUDA they are on unless ``enforce_eager``; on the CPU only an explicit ``cuda_graph_sizes`` asks for the
+    same static-shape path, run eagerly (how the tests check it)."""
+    if engine.enforce_eager or isinstance(model, DeepseekV41) or not isinstance(model, DeepseekV4):
+        return False
+    device = torch.device(engine.device)
+    if device.type != "cuda":
+        return engine.cuda_graph_sizes is not None
+    backend = resolve(device, model.embed.weight.dtype).chosen["routed_moe"].name
+    if backend == REFERENCE:
+        logger.info("decode CUDA graphs off: the routed-experts backend is the reference, which syncs")
+        return False
+    return True
+
+
 class ModelRunner:
     """Owns the model replica's cache (V4 or V4.1, sized from the engine's budget) and runs prepared steps."""
 
@@ -54,15 +78,23 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(engine.device)
         self.block_tokens = cache_block_tokens(model, engine.block_tokens)
-        num_blocks = cache_blocks_for_budget(model, engine, engine.max_num_seqs, self.block_tokens)
+        graphed = _wants_decode_graphs(model, engine)
+        num_slots = engine.max_num_seqs + (1 if graphed else 0)  # the spare slot padding rows decode in
+        num_blocks = cache_blocks_for_budget(model, engine, num_slots, self.block_tokens)
         needed = math.ceil(max_model_len / self.block_tokens)
         if num_blocks < needed:
             raise ValueError(
                 f"cache budget too small: {num_blocks} blocks of {self.block_tokens} tokens cannot hold one sequence "
                 f"of max_model_len {max_model_len} ({needed} blocks); raise the cache budget or lower max_model_len"
             )
-        self.cache = build_cache(model, engine.max_num_seqs, num_blocks, self.block_tokens, self.device)
+        self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device)
         self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphed:
+            sizes = engine.cuda_graph_sizes or default_graph_sizes(engine.max_num_seqs)
+            sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
+            self.decode_graphs = DecodeGraphs(model, self.cache, sizes, engine.max_num_seqs, max_model_len,
+                                              capture=self.device.type == "cuda")  # fmt: skip
 
     @property
     def num_blocks(self) -> int:
@@ -94,6 +126,9 @@ class ModelRunner:
         """Compute a prepared step over the cache; logits [k, vocab] for its sampled sequences."""
         if step.engram_resume is not None:
             self._restore_engram_history(step.engram_resume)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
+            return graphs.run(step.input_ids, step.positions, step.spans)
         batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
         return self.model(batch, logits_for=step.sample_rows)
 
