@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=positive_int, default=3)
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
+    tiny.add_argument("--vision", action="store_true", help="V4.1 only: add a tiny vision tower (image input)")
     return parser
 
 
@@ -156,7 +157,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_checkpoint(
-        args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant, arch=args.arch
+        args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant, arch=args.arch,
+        vision=args.vision,
     )
     print(f"wrote a tiny DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {path}")
     return 0
