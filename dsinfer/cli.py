@@ -157,7 +157,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_checkpoint(
-        args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant, arch=args.arch,
+        args.directory,
+        seed=args.seed,
+        num_shards=args.shards,
+        quantized=not args.no_quant,
+        arch=args.arch,
         vision=args.vision,
     )
     print(f"wrote a tiny DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {path}")

@@ -42,8 +42,12 @@ class VisionConfig:
             )
         if not isinstance(self.max_image_tokens, int) or self.max_image_tokens < 4:
             raise ConfigError(f"field 'vision_config.max_image_tokens': expected >= 4, got {self.max_image_tokens!r}")
-        if self.max_wh_ratio is not None and (not isinstance(self.max_wh_ratio, (int, float)) or self.max_wh_ratio <= 0):
-            raise ConfigError(f"field 'vision_config.max_wh_ratio': expected a positive number, got {self.max_wh_ratio!r}")
+        if self.max_wh_ratio is not None and (
+            not isinstance(self.max_wh_ratio, (int, float)) or self.max_wh_ratio <= 0
+        ):
+            raise ConfigError(
+                f"field 'vision_config.max_wh_ratio': expected a positive number, got {self.max_wh_ratio!r}"
+            )
 
     @property
     def head_dim(self) -> int:
