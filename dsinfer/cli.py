@@ -17,6 +17,7 @@ from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from dsinfer.tokenizer import TokenizerLoadError
 
 
@@ -54,6 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
     serve.add_argument("--max-queue", type=positive_int, default=None, help="waiting requests before 429")
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    serve.add_argument(
+        "--max-images-per-request",
+        type=positive_int,
+        default=DEFAULT_MAX_IMAGES,
+        help="V4.1 image input: images one request may carry",
+    )
+    serve.add_argument(
+        "--max-image-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="V4.1 image input: encoded bytes per image",
+    )
+    serve.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                       help="V4.1 image input: source pixels (width x height) per image")  # fmt: skip
     serve.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_engram_placement(serve)
     add_async_scheduling(serve)
@@ -129,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, data_parallel_size=args.data_parallel_size,
         expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
         request_timeout=args.request_timeout, max_queue=args.max_queue,
+        image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
     )  # fmt: skip
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -21,6 +21,7 @@ from dsinfer.engine.cache_plan import (
     cache_blocks_for_budget,
     check_served_model,
 )
+from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engram.hashing import EngramContext
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
@@ -44,6 +45,7 @@ class StepInput:
     spans: list[SequenceSpan]
     sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
     engram_resume: EngramResume | None = None
+    image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
 
 
 class ModelRunner:
@@ -63,6 +65,7 @@ class ModelRunner:
             )
         self.cache = build_cache(model, engine.max_num_seqs, num_blocks, self.block_tokens, self.device)
         self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
+        self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
 
     @property
     def num_blocks(self) -> int:
@@ -70,10 +73,12 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInput:
         """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step."""
-        ids, positions, spans, sample_rows = [], [], [], []
+        ids, positions, spans, sample_rows, pieces = [], [], [], [], []
         offset = 0
         for item in scheduled:
             seq, start, count = item.seq, item.seq.num_computed, item.num_new_tokens
+            if seq.images:
+                pieces += image_pieces(seq.images, start, count, offset)
             ids += seq.token_ids[start : start + count]
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
@@ -87,6 +92,7 @@ class ModelRunner:
             spans,
             host_to_device(sample_rows, torch.long, self.device),
             self._engram_resume(scheduled),
+            pieces or None,
         )
 
     @torch.inference_mode()
@@ -95,6 +101,8 @@ class ModelRunner:
         if step.engram_resume is not None:
             self._restore_engram_history(step.engram_resume)
         batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
+        if step.image_pieces:  # encoded here, in the step that first needs them (batched across requests)
+            batch.image_splice = self.image_embeddings.splice(step.image_pieces, self.device)
         return self.model(batch, logits_for=step.sample_rows)
 
     # ---- Engram history after a prefix-cache hit ----------------------------------------------------------

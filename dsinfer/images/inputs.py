@@ -36,38 +36,58 @@ class ImageInput:
         return self.offset + self.num_tokens
 
 
-def image_from_pixels(pixels: torch.Tensor, config: VisionConfig, content_hash: str) -> ImageInput:
-    """Patchify a [3, H, W] uint8 image already resized to its plan's box (H, W multiples of the patch)."""
+def image_from_pixels(pixels: torch.Tensor, plan: ImagePlan, config: VisionConfig, content_hash: str) -> ImageInput:
+    """Patchify a [3, H, W] uint8 image already fitted into its plan's box."""
     _, height, width = pixels.shape
-    patch = config.patch_size
-    plan = plan_image(width, height, config)
     if (plan.height, plan.width) != (height, width):
         raise ValueError(f"image of {width}x{height} pixels is not at its planned size {plan.width}x{plan.height}")
+    patch = config.patch_size
     values = (pixels.float() / 255.0 - 0.5) / 0.5
     grid = values.reshape(3, plan.vit_h, patch, plan.vit_w, patch).permute(1, 3, 0, 2, 4)
     return ImageInput(grid.reshape(plan.num_patches, config.patch_dim).contiguous(), plan, content_hash)
 
 
-def image_from_bytes(data: bytes, config: VisionConfig) -> ImageInput:
-    """Decode encoded image bytes (any format Pillow reads), fit them into the plan's box, patchify.
+def content_hash(data: bytes, plan: ImagePlan) -> str:
+    """The prefix cache's key for an image: its encoded bytes and the box it was planned into."""
+    return hashlib.sha256(data + f"|{plan.height}x{plan.width}".encode()).hexdigest()
 
-    The fit keeps the aspect ratio (bicubic) and pads the rest with gray 127, centred, as the reference's
-    ``ImageOps.pad``; images beyond ``max_wh_ratio`` are squeezed into the box instead.
-    """
+
+def decode_rgb(data: bytes):
+    """Encoded bytes -> an RGB Pillow image (``ValueError`` when Pillow cannot read them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"the image cannot be decoded ({exc})") from None
+
+
+def pixels_of(image) -> torch.Tensor:
+    """[3, H, W] uint8 of an RGB Pillow image."""
+    flat = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return flat.reshape(image.height, image.width, 3).permute(2, 0, 1)
+
+
+def fit_to_plan(image, plan: ImagePlan, config: VisionConfig):
+    """The reference's fit: keep the aspect ratio (bicubic), pad the rest with gray 127, centred, like
+    ``ImageOps.pad``; images wider than ``max_wh_ratio`` are squeezed into the box instead."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as opened:
-        image = opened.convert("RGB")
-    plan = plan_image(image.width, image.height, config)
     box = (plan.width, plan.height)
     ratio = config.max_wh_ratio
     if ratio is not None and image.width >= ratio * image.height:
-        image = image.resize(box, Image.BICUBIC)
-    elif image.size != box:
-        image = ImageOps.pad(image, box, method=Image.BICUBIC, color=(127, 127, 127))
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).reshape(plan.height, plan.width, 3)
-    digest = hashlib.sha256(data + f"|{plan}".encode()).hexdigest()
-    return image_from_pixels(pixels.permute(2, 0, 1), config, digest)
+        return image.resize(box, Image.BICUBIC)
+    if image.size == box:
+        return image
+    return ImageOps.pad(image, box, method=Image.BICUBIC, color=(127, 127, 127))
+
+
+def image_from_bytes(data: bytes, config: VisionConfig) -> ImageInput:
+    """Decode encoded image bytes (any format Pillow reads), fit them into the plan's box, patchify."""
+    image = decode_rgb(data)
+    plan = plan_image(image.width, image.height, config)
+    return image_from_pixels(pixels_of(fit_to_plan(image, plan, config)), plan, config, content_hash(data, plan))
 
 
 def expand_placeholders(

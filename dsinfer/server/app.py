@@ -22,10 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsinfer.config_vision import VisionConfig
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat, Variant
+from dsinfer.server.images import ImageLimits, ImageReader
 from dsinfer.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
@@ -46,6 +48,8 @@ class ServerSettings:
     max_model_len: int = 4096
     default_max_tokens: int = 256
     chat_variant: Variant = "v4"  # the prompt spelling the checkpoint was trained on ("v41" for DeepSeek-V4.1)
+    vision: VisionConfig | None = None  # the checkpoint's vision tower; None: image parts are refused
+    image_limits: ImageLimits | None = None
 
 
 class APIError(Exception):
@@ -57,7 +61,8 @@ class APIError(Exception):
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="dsinfer", version="0.1.0")
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
-    chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name)
+    reader = ImageReader(settings.vision, settings.image_limits) if settings.vision is not None else None
+    chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name, image_reader=reader)
     app.state.chat_format = chat_format
     _install_error_handlers(app)
 

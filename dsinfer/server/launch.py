@@ -19,6 +19,7 @@ from dsinfer.config_v41 import ModelConfigV41
 from dsinfer.llm import LLM
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.images import ImageLimits
 from dsinfer.server.metrics import ServerMetrics
 
 
@@ -36,6 +37,7 @@ class ServeOptions:
     max_queue: int | None = None
     drain_timeout: float = 30.0
     log_level: str = "info"
+    image_limits: ImageLimits | None = None  # V4.1 with a vision tower: images per request, bytes, pixels
 
 
 def check_parallelism(options: ServeOptions) -> None:
@@ -63,7 +65,9 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
-    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len, chat_variant=variant)
+    vision = getattr(llm.engine.model.config, "vision", None)
+    settings = ServerSettings(name, options.api_key, llm.engine.max_model_len, chat_variant=variant, vision=vision,
+                              image_limits=options.image_limits)  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm
     return app, engine
