@@ -116,14 +116,14 @@ class ChatFormat:
         self.served_model_name = served_model_name
         self.recipe_tokenizer = recipe.Tokenizer.from_str(tokenizer.to_json())
         encoding = recipe.DeepseekV41Encoding() if variant == "v41" else recipe.DeepseekV4Encoding()
+        options = recipe.ConversionOptions(default_thinking_mode=default_thinking)
         if variant == "v41":  # the released V4.1 checkpoints read images at <｜deepseek_image｜> (id 129264)
-            encoding = encoding.with_special_tokens(recipe.SpecialTokens(image=IMAGE_PLACEHOLDER))
+            special = recipe.SpecialTokens(image=IMAGE_PLACEHOLDER)
+            encoding, options = encoding.with_special_tokens(special), options.with_special_tokens(special)
         self.encoding = encoding.with_tokenizer(self.recipe_tokenizer)
         self.image_reader = image_reader
         self.image_token_id = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
-        self.options = recipe.ConversionOptions(default_thinking_mode=default_thinking).with_model_versions_by_name(
-            {served_model_name: MODEL_VERSIONS[variant]}
-        )
+        self.options = options.with_model_versions_by_name({served_model_name: MODEL_VERSIONS[variant]})
         self.think_end_id = tokenizer.token_to_id(THINK_END_TOKEN)
         self.dsml_id = tokenizer.token_to_id(DSML_TOKEN)
         self.assistant_id = tokenizer.token_to_id(ASSISTANT_TOKEN)

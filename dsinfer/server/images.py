@@ -155,5 +155,7 @@ def _header_size(data: bytes, where: str) -> tuple[int, int]:
             return image.size
     except Image.DecompressionBombError as exc:
         raise ImageRejected(f"{where}: the image has too many pixels ({exc})") from None
-    except (UnidentifiedImageError, OSError) as exc:
+    except UnidentifiedImageError:
+        raise ImageRejected(f"{where}: the image cannot be decoded (expected png, jpeg, webp or gif data)") from None
+    except OSError as exc:
         raise ImageRejected(f"{where}: the image cannot be decoded ({exc})") from None
