@@ -64,6 +64,7 @@ def test_hugging_face_spelling_loads_the_same_weights(tiny_v41_vision_checkpoint
     for name in vision:
         assert torch.equal(official[name], other[name]), name
     assert official["vision.norm.weight"].dtype == torch.float32  # norms stay float32
+    assert official["vision.blocks.1.norm2.weight"].dtype == torch.float32
 
 
 def test_vision_attention_is_an_op_with_a_reference():
