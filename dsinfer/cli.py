@@ -18,6 +18,7 @@ from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
+from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.tokenizer import TokenizerLoadError
 
@@ -78,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM; then streams end with an "
                        "error event and [DONE]")  # fmt: skip
+    serve.add_argument(
+        "--max-images-per-request",
+        type=positive_int,
+        default=DEFAULT_MAX_IMAGES,
+        help="V4.1 image input: images one request may carry",
+    )
+    serve.add_argument(
+        "--max-image-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="V4.1 image input: encoded bytes per image",
+    )
+    serve.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                       help="V4.1 image input: source pixels (width x height) per image")  # fmt: skip
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
     serve.add_argument("--device", default=device, help="torch device")
     add_engram_placement(serve)
@@ -97,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--shards", type=positive_int, default=3, help="safetensors files to split the weights into")
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
+    tiny.add_argument("--vision", action="store_true", help="V4.1 only: add a tiny vision tower (image input)")
     return parser
 
 
@@ -189,6 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
         expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
         request_timeout=args.request_timeout, max_queue=args.max_queue, max_n=args.max_n,
         drain_timeout=args.drain_timeout,
+        image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
     )  # fmt: skip
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -219,7 +236,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_checkpoint(
-        args.directory, seed=args.seed, num_shards=args.shards, quantized=not args.no_quant, arch=args.arch
+        args.directory,
+        seed=args.seed,
+        num_shards=args.shards,
+        quantized=not args.no_quant,
+        arch=args.arch,
+        vision=args.vision,
     )
     print(f"wrote a tiny DeepSeek-{'V4.1' if args.arch == 'v41' else 'V4'} checkpoint to {path}")
     return 0

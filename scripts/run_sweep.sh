@@ -4,9 +4,12 @@
 #   scripts/run_sweep.sh MODE TAG [CONTEXT] [NEXTN] [ACCEPT] [-- EXTRA FLAGS...]
 #   scripts/run_sweep.sh decode  ce-128k 131072 3 0.75    # requests per DP rank; nextn=3, 75% acceptance
 #   scripts/run_sweep.sh prefill pe-128k 131072           # batch tokens per step
+#   scripts/run_sweep.sh encoder ve-800 [IMAGE_SIZE]      # images per batch through the V4.1 image encoder
 #   FLASH_LAYERS=3 DEVICE=cuda POINTS=1,8,32 scripts/run_sweep.sh decode flash3-8k 8192
 #
-# MODE is decode or prefill (DeepInfer's "encoder" mode needs a vision encoder this engine lacks).
+# MODE is decode, prefill or encoder. The encoder mode's third positional is the square image side (default
+# 800); it reads VISION_WIDTH=flash|tiny (default: flash on CUDA) or CONFIG, DEVICE, DTYPE, POINTS (default
+# 1,2,4,...,64), OUT_ROOT, WARMUP_STEPS, MEASURE_STEPS and SEED, and builds random weights on the device.
 # Everything else comes from the environment; unset means the `dsinfer bench sweep` default:
 #   MODEL=DIR            checkpoint directory          CONFIG=config.json   random weights of that shape
 #   FLASH_LAYERS=N       random weights, V4-Flash widths, N layers (no model option: the tiny checkpoint)
@@ -33,7 +36,7 @@
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 decode|prefill TAG [CONTEXT] [NEXTN] [ACCEPT] [-- EXTRA FLAGS...]" >&2
+  echo "usage: $0 decode|prefill|encoder TAG [CONTEXT | IMAGE_SIZE] [NEXTN] [ACCEPT] [-- EXTRA FLAGS...]" >&2
   exit 2
 }
 [[ $# -ge 2 ]] || usage
@@ -45,7 +48,17 @@ while [[ $# -gt 0 && $1 != "--" && ${#POSITIONAL[@]} -lt 3 ]]; do POSITIONAL+=("
 CONTEXT=${POSITIONAL[0]:-} NEXTN=${POSITIONAL[1]:-} ACCEPT=${POSITIONAL[2]:-}
 case $MODE in
   decode | prefill) ;;
-  *) echo "$0: MODE must be decode or prefill, got '$MODE'" >&2; usage ;;
+  encoder)
+    export PROFILE=0
+    args=(bench sweep encoder --tag "$TAG" --image-size "${CONTEXT:-800}")
+    for pair in "--vision-width:${VISION_WIDTH:-}" "--config:${CONFIG:-}" "--device:${DEVICE:-}" \
+                "--dtype:${DTYPE:-}" "--points:${POINTS:-}" "--out-root:${OUT_ROOT:-}" \
+                "--warmup-steps:${WARMUP_STEPS:-}" "--measure-steps:${MEASURE_STEPS:-}" "--seed:${SEED:-}"; do
+      [[ -n ${pair#*:} ]] && args+=("${pair%%:*}" "${pair#*:}")
+    done
+    exec "${PYTHON:-$(command -v python || command -v python3)}" -m dsinfer.cli "${args[@]}" "$@"
+    ;;
+  *) echo "$0: MODE must be decode, prefill or encoder, got '$MODE'" >&2; usage ;;
 esac
 if [[ $MODE == prefill && -n $NEXTN && $NEXTN != 0 ]]; then
   echo "$0: NEXTN applies to decode sweeps only" >&2

@@ -24,3 +24,9 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_v41_checkpoint(tmp_path_factory):
     """A tiny V4.1 checkpoint with every layer role, Engram on, DSpark stages: FP8 32x32 / FP4, real tokenizer."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v41"), seed=0, arch="v41")
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_vision_checkpoint(tmp_path_factory):
+    """The tiny V4.1 checkpoint with a tiny vision tower (``vision.*``, ``aligner.*``, ``image_*`` tensors)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v41-vision"), seed=0, arch="v41", vision=True)

@@ -52,7 +52,10 @@ GOOD = {
         ("gpqa", {"id": "x", "question": "Q", "correct": "a", "incorrect": ["a", "c", "d"]}, "must be distinct"),
         ("gpqa", {"id": "x", "question": "Q", "incorrect": ["b", "c", "d"]}, "missing field 'correct'"),
         ("hle", {"id": "y", "question": "Q"}, "missing field 'answer'"),
-        ("hle", {"id": "y", "question": "Q", "answer": "A", "image": "data:..."}, "image questions"),
+        ("hle", {"id": "y", "question": "Q", "answer": "A", "image": "data:..."}, "not an image data URL"),
+        ("hle", {"id": "y", "question": "Q", "answer": "A", "image": "https://x/a.png"}, "never downloaded"),
+        ("hle", {"id": "y", "question": "Q", "answer": "A", "image": "absent.png"}, "cannot be read"),
+        ("hle", {"id": "y", "question": "Q", "answer": "A", "image": "a.bmp"}, "expected a .png"),
         ("hle", ["not", "an", "object"], "expected a JSON object"),
     ],
 )

@@ -3,10 +3,10 @@ requests (every check: no 5xx, documented statuses and content types, response b
 matching their schemas, invalid data refused with a 4xx, valid data accepted).
 
 Bounded for CI: ten examples per operation and phase, a fixed seed, a context of 48 tokens and n <= 2 so each
-generation is short. The chat, text-completion and tokenize routes may also answer a schema-valid body with
-400: there validity depends on what no JSON schema can say (the prompt's length in tokens, the order of the
-conversation's turns, whether a response_format schema compiles); those 400s are still checked to be
-OpenAI-style error JSON.
+generation is short. The chat, text-completion, Responses, Messages and tokenize routes may also answer a
+schema-valid body with 400: there validity depends on what no JSON schema can say (the prompt's length in
+tokens, the order of the conversation's turns, whether a response_format schema compiles, what the protocol
+library accepts); those 400s are still checked to be error JSON.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ max-examples = 10
 database = "none"
 
 [[operations]]
-include-path-regex = "^/(tokenize|v1/chat/completions|v1/completions)$"
+include-path-regex = "^/(tokenize|v1/chat/completions|v1/completions|v1/responses|v1/messages)$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404"]
 """
 
@@ -52,5 +52,5 @@ def test_schemathesis_finds_no_failures(base, tmp_path: Path):
     assert run.returncode == 0, report
     generated = re.search(r"(\d+) generated, (\d+) passed", report)
     assert generated and generated.group(1) == generated.group(2) and int(generated.group(1)) > 500, report
-    assert re.search(r"Tested: 8\b", report), report  # every operation: chat, completions, models (list and one),
-    # tokenize, detokenize, health, metrics
+    assert re.search(r"Tested: 10\b", report), report  # every operation: chat, completions, responses, messages,
+    # models (list and one), tokenize, detokenize, health, metrics

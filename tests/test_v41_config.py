@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41
+from dsinfer.config.vision import VisionConfig
 
 # The released layout (abridged): a composite object with the text fields under text_config.
 HUB_CONFIG = {
@@ -82,20 +84,23 @@ def test_defaults_are_the_released_model():
     assert ModelConfigV41().engram_layer_ids == ()
     cfg = ModelConfigV41(engram_layer_ids=(1, 14))
     hub = ModelConfig.from_dict({**HUB_CONFIG, "quantization_config": None})
-    assert cfg == hub
+    assert cfg == replace(hub, vision=None)
+    assert hub.vision == VisionConfig(hidden_size=1024, num_hidden_layers=32)  # the hub's vision_config, parsed
 
 
 def test_inference_spelling_parses_to_the_same_model():
     ours = ModelConfig.from_dict(INFERENCE_CONFIG)
     hub = ModelConfig.from_dict(HUB_CONFIG)
-    assert ours == hub
+    assert ours == replace(hub, vision=None)  # the inference spelling here carries no vision tower
 
 
 def test_round_trip_through_to_dict():
     cfg = ModelConfig.from_dict(HUB_CONFIG)
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     flat = {**cfg.to_dict()["text_config"], "image_token_id": cfg.image_token_id}
-    assert ModelConfigV41.from_dict(flat) == ModelConfigV41.from_dict({**cfg.to_dict(), "quantization_config": None})
+    composite = ModelConfigV41.from_dict({**cfg.to_dict(), "quantization_config": None})
+    assert ModelConfigV41.from_dict(flat) == replace(composite, vision=None)  # a flat text config has no tower
+    assert composite.vision == cfg.vision is not None
 
 
 def test_custom_schedule_without_sources_picks_the_first_layer_of_each_run():
@@ -157,3 +162,12 @@ def test_config_file_dispatches_on_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_text(o_groups=7)))
     with pytest.raises(ConfigError, match=r"config\.json: field 'o_groups'"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_bad_vision_config_names_the_field():
+    with pytest.raises(ConfigError, match="vision_config.num_attention_heads"):
+        ModelConfig.from_dict({**HUB_CONFIG, "vision_config": {"hidden_size": 1024, "num_attention_heads": 7}})
+    with pytest.raises(ConfigError, match="vision_config.patch_size"):
+        ModelConfig.from_dict({**HUB_CONFIG, "vision_config": {"patch_size": 0}})
+    with pytest.raises(ConfigError, match="field 'vision_config': expected an object"):
+        ModelConfig.from_dict({**HUB_CONFIG, "vision_config": [1]})

@@ -4,6 +4,7 @@
   requests-per-DP-rank, labelled with that number. With ``nextn > 0`` a second, dashed series shows the
   same steps under the *assumed* (official) speculative accounting, so the two are never confused.
 * prefill: x = ms/step, y = uncached input tokens/s/GPU; a point per batch size (tokens per step).
+* encoder: x = ms/step, y = images/s/GPU; a point per batch size (images per step).
 
 ``compare_published=True`` adds the points read off DeepInfer's README charts (B200, 131,072-token context;
 approximate: the charts print no values). They are another machine, model size and parallel layout, so
@@ -92,17 +93,24 @@ def draw_pareto(records: list[dict[str, Any]], out: str | Path, compare_publishe
         axes.set_xlabel("tokens/s/user")
         axes.set_ylabel("output tokens/s/GPU")
         point_name = "requests per DP rank"
+    elif mode == "encoder":
+        _plot_series(axes, _series(records, "ms_per_step", "images_per_s_per_gpu"),
+                     f"measured ({first['tokens_per_image']} span tokens per image)", "o-")  # fmt: skip
+        axes.set_xlabel("ms/step")
+        axes.set_ylabel("images/s/GPU")
+        point_name = f"images per batch, {first['image_size']} px"
     else:
         _plot_series(axes, _series(records, "ms_per_step", "tokens_per_s_per_gpu"), "measured", "o-")
         axes.set_xlabel("ms/step")
         axes.set_ylabel("uncached input tokens/s/GPU")
         point_name = "batch tokens per step"
-    if compare_published:
+    if compare_published and mode in PUBLISHED_B200:
         _plot_series(axes, [tuple(row) for row in PUBLISHED_B200[mode]],
                      "DeepInfer README, B200, 131,072 context (approx.)", "s:")  # fmt: skip
     axes.set_title(
         f"{mode} sweep '{first.get('tag', '')}': {first.get('model', '')} ({first.get('weights', '?')} weights)\n"
-        f"{first.get('gpu_name', '')}, {first.get('dtype', '')}, context {first['context']:,}; "
+        f"{first.get('gpu_name', '')}, {first.get('dtype', '')}, "
+        f"{'images' if mode == 'encoder' else 'context'} {first['context']:,}{' px' if mode == 'encoder' else ''}; "
         f"labels = {point_name}",
         fontsize=9,
     )

@@ -6,6 +6,7 @@
                                 [--out-root sweeps] [--cache-gib G] [--prefill-chunk 8192]
                                 [--telemetry-interval 5] [--compare-published] [--seed 0]
     dsinfer bench sweep prefill ... (same options; --nextn / --accept do not apply)
+    dsinfer bench sweep encoder ... (images per batch: :mod:`dsinfer.bench.encoder_sweep`)
     scripts/run_sweep.sh decode ce-128k 131072 3 0.75      # the positional form
     scripts/run_sweep.sh prefill pe-128k 131072
 
@@ -653,6 +654,10 @@ def _draw(records: list[dict[str, Any]], path: Path, compare_published: bool) ->
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["encoder"]:  # images per batch through the V4.1 image encoder: its own options
+        from dsinfer.bench.encoder_sweep import main as encoder_main
+
+        return encoder_main(argv[1:])
     try:
         args = parse_args(argv)
         return run_sweep(args, argv)

@@ -30,6 +30,7 @@ from dsinfer.config.model import (
     check_attention_and_router,
     check_ranges,
 )
+from dsinfer.config.vision import VisionConfig
 
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 # Keys only a V4.1 config has: lets a config without ``model_type`` (inference spelling) be recognised.
@@ -99,6 +100,7 @@ class ModelConfigV41:
     eos_token_id: int = 1
     image_token_id: int | None = 129264
     quantization: QuantizationConfig | None = None
+    vision: VisionConfig | None = None  # the checkpoint's ``vision_config``; None: text only
     model_type: str = "deepseek_v41"
 
     def __post_init__(self) -> None:
@@ -214,7 +216,7 @@ class ModelConfigV41:
     def to_dict(self) -> dict[str, Any]:
         """The released hub layout: a composite object with the text fields under ``text_config``."""
         text = asdict(self)
-        for name in ("quantization", "yarn", "model_type", "image_token_id"):
+        for name in ("quantization", "yarn", "model_type", "image_token_id", "vision"):
             text.pop(name)
         for name, value in list(text.items()):
             if isinstance(value, tuple):
@@ -228,6 +230,8 @@ class ModelConfigV41:
             "image_token_id": self.image_token_id,
             "text_config": text,
         }
+        if self.vision is not None:
+            out["vision_config"] = self.vision.to_dict()
         if self.quantization is not None:
             out["quantization_config"] = {
                 "quant_method": "fp8",
@@ -246,6 +250,7 @@ class ModelConfigV41:
         if top_type is not None and top_type not in V41_MODEL_TYPES:
             raise ConfigError(f"field 'model_type': expected one of {list(V41_MODEL_TYPES)}, got {top_type!r}")
         text = raw.pop("text_config", None)
+        vision = raw.get("vision_config")
         if text is not None:
             if not isinstance(text, dict):
                 raise ConfigError(f"field 'text_config': expected an object, got {text!r}")
@@ -269,6 +274,8 @@ class ModelConfigV41:
         if "candidate_source_layer_id" in values and values["candidate_source_layer_id"] < 0:
             values["candidate_source_layer_id"] = -1
         values["quantization"] = _quantization(raw, default_block=(32, 32))
+        if vision is not None:
+            values["vision"] = VisionConfig.from_dict(vision)
         kwargs: dict[str, Any] = {"model_type": "deepseek_v41"}
         for f_name, f_def in cls.__dataclass_fields__.items():
             if f_name not in values or f_name == "model_type":

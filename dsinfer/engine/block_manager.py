@@ -46,7 +46,7 @@ class BlockManager:
         tokens = seq.token_ids
         for index in range((len(tokens) - 1) // self.block_tokens):
             self.prefix_queries += 1
-            key = self._hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, index)
+            key = self._hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, index, seq)
             block = self.hash_to_block.get(key)
             if block is None:
                 break
@@ -75,7 +75,7 @@ class BlockManager:
             return
         tokens = seq.token_ids
         for index in range(len(seq.block_hashes), full):
-            key = self._hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, index)
+            key = self._hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, index, seq)
             block = seq.block_table[index]
             if block not in self.block_hash:
                 self.block_hash[block] = key
@@ -95,6 +95,12 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def _hash(self, parent: int | None, tokens: list[int], index: int) -> int:
+    def _hash(self, parent: int | None, tokens: list[int], index: int, seq: Sequence) -> int:
+        """The block's key: its tokens chained to the previous block's key, plus the content hash (and the
+        offset into the span) of every image overlapping it: image spans are one repeated id, so two
+        different pictures of one size would otherwise share blocks."""
         start = index * self.block_tokens
-        return hash((parent, tuple(tokens[start : start + self.block_tokens])))
+        stop = start + self.block_tokens
+        images = tuple((image.content_hash, start - image.offset) for image in seq.images
+                       if image.offset < stop and image.end > start)  # fmt: skip
+        return hash((parent, tuple(tokens[start:stop]), images))

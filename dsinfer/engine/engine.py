@@ -31,6 +31,7 @@ from dsinfer.engine.block_manager import BlockManager
 from dsinfer.engine.cache_plan import ServedModel
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.device_worker import DeviceWorker
+from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.sampler import Sampler, make_sampling_state
@@ -90,21 +91,31 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        images: list | None = None,
     ) -> str:
-        """Queue a request; validates it first (bad input raises ``ValueError`` and changes nothing)."""
+        """Queue a request; validates it first (bad input raises ``ValueError`` and changes nothing).
+
+        ``images`` (V4.1 with a vision tower): :class:`~dsinfer.images.inputs.ImageInput` placed on spans of
+        the prompt (:func:`~dsinfer.images.inputs.expand_placeholders`); encoded when prefill reaches them."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
+        images = tuple(images or ())
+        if images:
+            check_image_spans(prompt_ids, images, self.model.config)
         now = time.monotonic()
         sequences = []
         for i in range(params.n):
             state = make_sampling_state(
                 params, prompt_ids, self.tokenizer.eos_id, sample_index=i, constraint=self._constraint(params)
             )
-            sequences.append(Sequence(request_id, i, list(prompt_ids), state, now))
+            sequences.append(Sequence(request_id, i, list(prompt_ids), state, now, images=images))
         self.requests[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)

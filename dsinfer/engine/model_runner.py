@@ -23,6 +23,7 @@ from dsinfer.engine.cache_plan import (
     check_served_model,
 )
 from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
+from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engram.hashing import EngramContext
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
@@ -51,6 +52,7 @@ class StepInput:
     spans: list[SequenceSpan]
     sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
     engram_resume: EngramResume | None = None
+    image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
 
 
 def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
@@ -95,6 +97,7 @@ class ModelRunner:
             sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
             self.decode_graphs = DecodeGraphs(model, self.cache, sizes, engine.max_num_seqs, max_model_len,
                                               capture=self.device.type == "cuda")  # fmt: skip
+        self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
 
     @property
     def num_blocks(self) -> int:
@@ -102,10 +105,12 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInput:
         """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step."""
-        ids, positions, spans, sample_rows = [], [], [], []
+        ids, positions, spans, sample_rows, pieces = [], [], [], [], []
         offset = 0
         for item in scheduled:
             seq, start, count = item.seq, item.seq.num_computed, item.num_new_tokens
+            if seq.images:
+                pieces += image_pieces(seq.images, start, count, offset)
             ids += seq.token_ids[start : start + count]
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
@@ -119,6 +124,7 @@ class ModelRunner:
             spans,
             host_to_device(sample_rows, torch.long, self.device),
             self._engram_resume(scheduled),
+            pieces or None,
         )
 
     @torch.inference_mode()
@@ -130,6 +136,8 @@ class ModelRunner:
         if graphs is not None and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
             return graphs.run(step.input_ids, step.positions, step.spans)
         batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
+        if step.image_pieces:  # encoded here, in the step that first needs them (batched across requests)
+            batch.image_splice = self.image_embeddings.splice(step.image_pieces, self.device)
         return self.model(batch, logits_for=step.sample_rows)
 
     # ---- Engram history after a prefix-cache hit ----------------------------------------------------------

@@ -11,6 +11,7 @@ from dsinfer.engine.sampler import SamplingState
 
 if TYPE_CHECKING:
     from dsinfer.engine.detokenizer import IncrementalDetokenizer
+    from dsinfer.images.inputs import ImageInput
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +31,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    images: tuple[ImageInput, ...] = ()  # V4.1: image spans of the prompt, in order (each knows its offset)
     # Cache bookkeeping, owned by the scheduler and block manager.
     num_computed: int = 0  # positions whose KV is in the cache (the model has run them)
     slot: int | None = None

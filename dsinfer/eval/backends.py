@@ -183,7 +183,11 @@ class OfflineBackend:
 
         model_type = str(getattr(self.llm.engine.model.config, "model_type", ""))
         self.chat_variant = "v41" if model_type.startswith("deepseek_v41") else "v4"
-        self.chat_format = ChatFormat(self.llm.tokenizer, self.chat_variant, "eval")
+        from dsinfer.server.images import ImageReader
+
+        vision = getattr(self.llm.engine.model.config, "vision", None)
+        reader = ImageReader(vision) if vision is not None else None  # HLE image questions
+        self.chat_format = ChatFormat(self.llm.tokenizer, self.chat_variant, "eval", image_reader=reader)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "offline", "base_url": None, "model": str(self.model_dir)}
@@ -208,7 +212,7 @@ class OfflineBackend:
                         prompt_ids = prepared.prompt_ids
                         params = SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature,
                                                 top_p=options.top_p, seed=request.seed)  # fmt: skip
-                        request_id = engine.add_request(prompt_ids, params)
+                        request_id = engine.add_request(prompt_ids, params, images=prepared.images)
                     except (ValueError, recipe.ConversionError) as exc:
                         result = empty_result(f"{type(exc).__name__}: {exc}")
                         result["timing"] = _timing(started_at, start)

@@ -4,7 +4,9 @@ Each benchmark reads one JSON object per line:
 
 * AIME: ``{"id", "problem", "answer"}`` with an integer answer in 0-999 (an int or a string of digits);
 * GPQA: ``{"id", "question", "correct", "incorrect": [three strings]}``;
-* HLE: ``{"id", "question", "answer"}`` (text-only questions; a non-empty ``image`` field is refused).
+* HLE: ``{"id", "question", "answer"}`` and, for image questions, ``"image"``: a data URL
+  (``data:image/png;base64,...``, as HLE's own files hold it) or a path relative to the dataset file (png, jpeg,
+  webp, gif); empty or absent for text questions. Remote URLs are refused: nothing is downloaded.
 
 A bad line is an :class:`EvalError` naming the file, the line number and the field, so a user fixes the file
 instead of reading a traceback. Prompts are deterministic functions of (question, sample index, seed): a rerun
@@ -13,6 +15,7 @@ asks exactly the same thing, which is what makes resumed runs equal to uninterru
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import random
@@ -56,6 +59,7 @@ class Question:
     text: str
     answer: str
     incorrect: tuple[str, ...] = ()
+    image: str | None = None  # HLE: a data URL; None for a text question
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class SampleRequest:
 
     question_id: str
     sample: int
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # content: a string, or text and image_url parts (HLE image questions)
     seed: int
     reference: str
     extra: dict[str, Any] = field(default_factory=dict)  # GPQA: correct_letter and the presented options
@@ -102,7 +106,7 @@ def load_dataset(benchmark: str, path: str | Path) -> list[Question]:
             raise EvalError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(item, dict):
             raise EvalError(f"{where}: expected a JSON object, got {type(item).__name__}")
-        question = _parse_item(benchmark, item, where)
+        question = _parse_item(benchmark, item, where, path.parent)
         if question.id in seen:
             raise EvalError(f"{where}: duplicate id {question.id!r} (first on line {seen[question.id]})")
         seen[question.id] = number
@@ -112,7 +116,7 @@ def load_dataset(benchmark: str, path: str | Path) -> list[Question]:
     return questions
 
 
-def _parse_item(benchmark: str, item: dict, where: str) -> Question:
+def _parse_item(benchmark: str, item: dict, where: str, base_dir: Path) -> Question:
     qid = _field(item, "id", where)
     if isinstance(qid, bool) or not isinstance(qid, (str, int)) or str(qid).strip() == "":
         raise EvalError(f"{where}: field 'id' must be a non-empty string or an integer, got {qid!r}")
@@ -120,12 +124,10 @@ def _parse_item(benchmark: str, item: dict, where: str) -> Question:
     if benchmark == "aime":
         return Question(str(qid), texts["problem"], str(_aime_answer(item, where)))
     if benchmark == "hle":
-        if item.get("image"):
-            raise EvalError(f"{where}: field 'image' is set; image questions are not supported (text-only model)")
         answer = _field(item, "answer", where)
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
             raise EvalError(f"{where}: field 'answer' must be a non-empty string or a number, got {answer!r}")
-        return Question(str(qid), texts["question"], str(answer))
+        return Question(str(qid), texts["question"], str(answer), image=_image(item.get("image"), where, base_dir))
     incorrect = _field(item, "incorrect", where)
     if not isinstance(incorrect, list) or len(incorrect) != 3:
         raise EvalError(f"{where}: field 'incorrect' must be a list of exactly 3 strings, got {incorrect!r}")
@@ -136,6 +138,59 @@ def _parse_item(benchmark: str, item: dict, where: str) -> Question:
     if len(set(options)) != 4:
         raise EvalError(f"{where}: the four options (correct + incorrect) must be distinct")
     return Question(str(qid), texts["question"], texts["correct"], tuple(incorrect))
+
+
+_IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
+                ".gif": "image/gif"}  # fmt: skip
+
+
+def _image(value: Any, where: str, base_dir: Path) -> str | None:
+    """An HLE ``image`` field as a data URL: kept if it is one, read from a file beside the dataset otherwise."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise EvalError(f"{where}: field 'image' must be a data URL or a file path, got {type(value).__name__}")
+    if value.startswith("data:"):
+        if not value.startswith("data:image/") or "," not in value:
+            raise EvalError(f"{where}: field 'image' is not an image data URL (data:image/...;base64,...)")
+        return value
+    if value.startswith(("http://", "https://")):
+        raise EvalError(f"{where}: field 'image' is a remote URL; images are never downloaded: embed it as a data "
+                        f"URL or give a file path relative to the dataset")  # fmt: skip
+    file = base_dir / value
+    kind = _IMAGE_TYPES.get(file.suffix.lower())
+    if kind is None:
+        raise EvalError(f"{where}: field 'image' {value!r}: expected a .png, .jpg, .jpeg, .webp or .gif file")
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise EvalError(f"{where}: field 'image' {value!r} cannot be read ({exc.strerror or exc})") from None
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+def recorded_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompt as saved with a generation: image data URLs replaced by their sha256 (they can be megabytes)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [_recorded_part(part) for part in content]
+        out.append({**message, "content": content})
+    return out
+
+
+def _recorded_part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") != "image_url":
+        return part
+    url = part["image_url"]["url"]
+    return {"type": "image_url", "image_url": {"url": "sha256:" + hashlib.sha256(url.encode()).hexdigest()}}
+
+
+def message_text(content: Any) -> str:
+    """A message's text: the string, or the text parts joined (an image part reads as ``[image]``)."""
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(p.get("text", "") if p.get("type") == "text" else "[image]" for p in content or [])
 
 
 def _field(item: dict, name: str, where: str) -> Any:
@@ -194,10 +249,11 @@ def build_request(benchmark: str, question: Question, sample: int, seed: int) ->
         reference = letter
         extra = {"correct_letter": letter, "options": options}
     elif benchmark == "hle":
-        messages = [
-            {"role": "system", "content": HLE_SYSTEM_PROMPT},
-            {"role": "user", "content": question.text.strip()},
-        ]
+        content: Any = question.text.strip()
+        if question.image is not None:
+            content = [{"type": "text", "text": content}, {"type": "image_url", "image_url": {"url": question.image}}]
+            extra = {"has_image": True}
+        messages = [{"role": "system", "content": HLE_SYSTEM_PROMPT}, {"role": "user", "content": content}]
         reference = question.answer
     else:
         raise EvalError(f"unknown benchmark {benchmark!r}: expected one of {', '.join(BENCHMARKS)}")

@@ -28,6 +28,7 @@ from dsinfer.eval.datasets import (
     build_requests,
     file_sha256,
     load_dataset,
+    recorded_messages,
 )
 from dsinfer.eval.records import append_record, latest_by_key, open_for_append, read_records, record_key, write_json
 
@@ -103,6 +104,7 @@ def run_generation(
 
 def _generate(run: GenerationRun, backend, out_dir: Path, questions, progress: bool, on_record) -> GenerationReport:
     manifest = _manifest(run, backend, [q.id for q in questions])
+    manifest["image_question_ids"] = [q.id for q in questions if q.image is not None]  # HLE: counted in coverage
     _check_manifest(out_dir, manifest)
 
     existing, needs_rewrite = load_generations(out_dir)
@@ -159,7 +161,7 @@ def _record(run: GenerationRun, backend, request: SampleRequest, result: dict[st
         "benchmark": run.benchmark,
         "model": backend.describe()["model"],
         "seed": request.seed,
-        "prompt": request.messages,
+        "prompt": recorded_messages(request.messages),
         "reference": request.reference,
         **request.extra,
         "response": result["response"],

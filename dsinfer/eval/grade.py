@@ -161,6 +161,7 @@ def summarize(
             "errors": sum(bool(g.get("error") or g.get("judge_error")) for g in present),
         })  # fmt: skip
     present = [grades[key] for key in expected if key in grades]
+    image_ids = {str(qid) for qid in manifest.get("image_question_ids", [])}
     generation_errors = sum(bool(g.get("error")) for g in present)
     judge_errors = sum(bool(g.get("judge_error")) for g in present)
     missing = len(expected) - len(present)
@@ -185,6 +186,10 @@ def summarize(
         "errors": generation_errors + judge_errors,
         "missing": missing,
         "coverage_complete": missing == 0 and generation_errors == 0 and judge_errors == 0,
+        "image_questions": len(image_ids),
+        "image_questions_covered": sum(
+            q["id"] in image_ids and q["samples"] == samples and not q["errors"] for q in per_question
+        ),  # fmt: skip
         "settings": {name: manifest.get(name) for name in SETTINGS_IN_SUMMARY},
         "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "per_question": per_question,

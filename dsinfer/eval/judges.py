@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsinfer.eval.datasets import EvalError
+from dsinfer.eval.datasets import EvalError, message_text
 
 # ---- shared text helpers -----------------------------------------------------------------------
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -217,7 +217,7 @@ JUDGE_RESPONSE_CHARS = 20000
 
 def judge_question(record: dict[str, Any]) -> str:
     """The question as the model saw it: the last user message (GPQA: with its options in this sample's order)."""
-    users = [m["content"] for m in record.get("prompt", []) if m.get("role") == "user"]
+    users = [message_text(m["content"]) for m in record.get("prompt", []) if m.get("role") == "user"]
     return users[-1] if users else ""
 
 

@@ -57,11 +57,20 @@ class DeviceSpans:
 
 
 @dataclass
+class ImageSplice:
+    """Embeddings that replace the token embeddings at some rows of a batch (the image spans' part in it)."""
+
+    rows: torch.Tensor  # [R] int64 rows of the packed batch
+    values: torch.Tensor  # [R, hidden]
+
+
+@dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     spans: list[SequenceSpan]
     cache: KVCache | KVCacheV41 | None
+    image_splice: ImageSplice | None = None  # V4.1: image-span embeddings replacing the placeholder rows
     _slices: list[slice] = field(default_factory=list, repr=False)
     _device_spans: DeviceSpans | None = field(default=None, repr=False)
 

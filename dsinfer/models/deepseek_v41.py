@@ -41,6 +41,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.block import hc_parameters
 from dsinfer.models.deepseek_v4 import RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
+from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.registry import OpTable, bind_ops
 
@@ -171,6 +172,8 @@ class DeepseekV41(nn.Module):
         self.rope = RopeTables(config)
         stages = config.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
+        if config.vision is not None:  # vision.*, aligner.*, image_{start,newline,end}
+            add_image_encoder(self, config.vision, config.hidden_size)
         self.engram_hasher: EngramHasher | None = None
         self.engram_fetcher: EngramRowSource | None = None  # None: read the layers' own tables
         self.quantizer = ActivationQuantizer(enabled=True)
@@ -290,7 +293,7 @@ class DeepseekV41(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Embedding and every block: streams [T, hc, hidden], the final mix [T, hc], and the context."""
         ctx = self.context(batch, capture)
-        streams, pre_mix = self.embed_streams(batch.input_ids)
+        streams, pre_mix = self.embed_streams(batch.input_ids, batch.image_splice)
         streams, pre_mix = self.run_range(streams, pre_mix, ctx, 0, len(self.layers))
         return streams, pre_mix, ctx
 
@@ -298,9 +301,18 @@ class DeepseekV41(nn.Module):
         """Collapse with the last site's mix (no ``hc_head`` in V4.1), then the output norm."""
         return self.norm(collapse_streams(streams, pre_mix))
 
-    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streams [T, hc, hidden] (the embedding copied) and the first site's mix: one-hot on stream 0."""
+    def encode_images(self, images: list) -> list[torch.Tensor]:
+        """Each image's span of embeddings [num_tokens, hidden] (one packed pass through the vision tower)."""
+        if self.config.vision is None:
+            raise ValueError("this checkpoint has no vision tower (no vision_config): it cannot read images")
+        return encode_images(self, images)
+
+    def embed_streams(self, input_ids: torch.Tensor, splice=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams [T, hc, hidden] (the embedding copied, image spans spliced in) and the first site's mix:
+        one-hot on stream 0."""
         embedded = self.embed(input_ids)
+        if splice is not None:
+            embedded = embedded.index_copy(0, splice.rows, splice.values.to(embedded.dtype))
         streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
         pre_mix[:, 0] = 1.0
@@ -362,7 +374,7 @@ class DeepseekV41(nn.Module):
             raise ValueError("bounded prefill runs whole prompts: every sequence must start at position 0")
         decoder = self.config.decoder_start
         ctx = self.context(batch)
-        streams, pre_mix = self.embed_streams(batch.input_ids)
+        streams, pre_mix = self.embed_streams(batch.input_ids, batch.image_splice)
         streams, pre_mix = self.run_range(streams, pre_mix, ctx, 0, decoder)
         self.layers[decoder].compress_only(streams, pre_mix, ctx)
         replay_batch, rows = self._replay_batch(batch, replay_tokens)

@@ -41,7 +41,9 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 FP4_DTYPES = (torch.int8, torch.uint8)
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 # Parameters kept in float32 whatever the compute dtype (as DeepSeek and Hugging Face keep them).
-_FP32_PARAMETER = re.compile(r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias(_vl)?$|engram\.embed\.scale$)")
+_FP32_PARAMETER = re.compile(
+    r"(hc_|attn_sink|\.ape$|norm\.weight$|gate\.bias(_vl)?$|engram\.embed\.scale$|^vision\..*norm\d\.weight$)"
+)
 # Kept in their stored FP8 form and dequantised on use (the V4.1 Engram tables, ~100 GB each when released).
 _KEEP_STORED = re.compile(r"engram\.embed\.weight$")
 # The Engram tables: left out of the model when they live outside it (host / sharded placement).

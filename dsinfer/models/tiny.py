@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsinfer.config import FP8_SCALE_BLOCK, ModelConfig, ModelConfigV41, QuantizationConfig
+from dsinfer.config.vision import VisionConfig
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
 from dsinfer.layers.moe import MoE
 from dsinfer.models.deepseek_v4 import DeepseekV4
@@ -192,11 +193,14 @@ def make_tiny_checkpoint(
     num_shards: int = 3,
     quantized: bool = True,
     arch: str = "v4",
+    vision: bool = False,
     **config_overrides,
 ) -> Path:
-    """Write a complete tiny checkpoint directory (``arch`` 'v4' or 'v41') and return its path."""
+    """Write a complete tiny checkpoint directory (``arch`` 'v4' or 'v41'; V4.1 ``vision``) and return its path."""
     if arch == "v41":
-        return make_tiny_checkpoint_v41(directory, seed, num_shards, quantized, **config_overrides)
+        return make_tiny_checkpoint_v41(directory, seed, num_shards, quantized, vision, **config_overrides)
+    if vision:
+        raise ValueError("vision: only V4.1 checkpoints (arch 'v41') have a vision tower")
     if arch != "v4":
         raise ValueError(f"arch: expected 'v4' or 'v41', got {arch!r}")
     directory = Path(directory)
@@ -255,7 +259,7 @@ def tiny_config_v41(**overrides) -> ModelConfigV41:
 _FP8_V41 = re.compile(
     r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$"
 )
-_FP32_V41 = re.compile(r"(hc_|attn_sink|gate\.bias(_vl)?$)")
+_FP32_V41 = re.compile(r"(hc_|attn_sink|gate\.bias(_vl)?$|^vision\..*norm\d?\.weight$)")
 _ENGRAM_TABLE = re.compile(r"engram\.embed\.(weight|scale)$")
 
 
@@ -313,15 +317,34 @@ def quantize_like_checkpoint_v41(model: DeepseekV41) -> dict[str, torch.Tensor]:
     return out
 
 
+# A vision tower small enough for CPU tests; images of about 84 x 84 pixels and up to 64 span tokens.
+TINY_VISION = VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           max_image_tokens=64, min_pixels=84 * 84)  # fmt: skip
+IMAGE_TOKEN = "<｜deepseek_image｜>"
+
+
 def make_tiny_checkpoint_v41(
-    directory: str | Path, seed: int = 0, num_shards: int = 3, quantized: bool = True, **config_overrides
+    directory: str | Path,
+    seed: int = 0,
+    num_shards: int = 3,
+    quantized: bool = True,
+    vision: bool = False,
+    **config_overrides,
 ) -> Path:
-    """A tiny V4.1 checkpoint with Engram on; its compressed Engram vocabulary is measured from the tokenizer."""
+    """A tiny V4.1 checkpoint with Engram on; its compressed Engram vocabulary is measured from the tokenizer.
+
+    ``vision`` adds a tiny vision tower (:data:`TINY_VISION`) and sets ``image_token_id`` to the tokenizer's
+    ``<｜deepseek_image｜>``.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocab_size = config_overrides.get("vocab_size", TINY_VOCAB_SIZE)
     build_tiny_tokenizer(directory, vocab_size=vocab_size)
-    compressed = int(build_compressed_vocabulary(Tokenizer.from_dir(directory)).max()) + 1
+    tokenizer = Tokenizer.from_dir(directory)
+    compressed = int(build_compressed_vocabulary(tokenizer).max()) + 1
+    if vision:
+        image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+        config_overrides = {"vision": TINY_VISION, "image_token_id": image_id, **config_overrides}
     config = tiny_config_v41(**{"engram_compressed_vocab_size": compressed, **config_overrides})
     if not quantized:
         config = replace(config, quantization=None)

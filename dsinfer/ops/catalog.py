@@ -6,3 +6,4 @@ import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
 import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.topk.packed_key  # noqa: F401
 import dsinfer.ops.topk.reference  # noqa: F401
+import dsinfer.ops.vision  # noqa: F401  vision_attention: reference (per-image SDPA)

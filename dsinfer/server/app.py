@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsinfer.config.vision import VisionConfig
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.async_engine import (
@@ -34,6 +35,7 @@ from dsinfer.server.async_engine import (
 from dsinfer.server.auth import APIKeyMiddleware
 from dsinfer.server.chat_format import ChatFormat, Variant
 from dsinfer.server.disconnect import unless_disconnected
+from dsinfer.server.images import ImageLimits, ImageReader
 from dsinfer.server.limits import DEFAULT_MAX_N, LimitError, check_n, completion_budget
 from dsinfer.server.openapi import install_openapi
 from dsinfer.server.protocol import (
@@ -59,6 +61,8 @@ class ServerSettings:
     chat_variant: Variant = "v4"  # the prompt spelling the checkpoint was trained on ("v41" for DeepSeek-V4.1)
     max_n: int = DEFAULT_MAX_N  # completions per request (n, times the prompts of a batched completion)
     vocab_size: int = 2**31  # token ids a prompt may hold: [0, vocab_size)
+    vision: VisionConfig | None = None  # the checkpoint's vision tower; None: image parts are refused
+    image_limits: ImageLimits | None = None
 
 
 class APIError(Exception):
@@ -72,7 +76,8 @@ class APIError(Exception):
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="dsinfer", version="0.1.0")
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
-    chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name)
+    reader = ImageReader(settings.vision, settings.image_limits) if settings.vision is not None else None
+    chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name, image_reader=reader)
     app.state.chat_format = chat_format
     _install_error_handlers(app)
     if settings.api_key:

@@ -89,7 +89,9 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting) + self._pending_adds
 
     # ---- the HTTP side -----------------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, images: list | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iteration early (disconnect, cancel) aborts the request."""
         if not self.alive:
             raise EngineDeadError("the engine has stopped; see the server log")
@@ -100,7 +102,7 @@ class AsyncEngine:
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue(), deadline)
         self._channels[request_id] = channel
         self._pending_adds += 1
-        self._post(("add", request_id, prompt, params))
+        self._post(("add", request_id, prompt, params, images))
         finished = False
         try:
             while True:
@@ -162,7 +164,7 @@ class AsyncEngine:
                     self._send(channel, ServerShuttingDownError(self._shutdown_message))
                     continue
                 try:
-                    self.engine.add_request(command[2], command[3], request_id=request_id)
+                    self.engine.add_request(command[2], command[3], request_id=request_id, images=command[4])
                 except ValueError as exc:
                     self._send(channel, exc)
             elif kind == "abort":  # the client left before the end

@@ -15,6 +15,9 @@ parsed. This module is the glue around it; it adds only what the library leaves 
   :func:`dsinfer.engine.structured_output.forced_tool_call_tag`). In chat mode the library's prompt opens the
   call block and the grammar continues it. Thinking mode, which the library refuses for a forced choice, is
   rendered as ``auto`` with only the allowed tools, and the grammar starts after ``</think>``.
+* **Images** (V4.1 with a vision tower): the library renders one ``<｜deepseek_image｜>`` placeholder per
+  image part; :class:`~dsinfer.server.images.ImageReader` reads the parts and each placeholder is widened
+  into its image's span (:func:`~dsinfer.images.inputs.expand_placeholders`).
 * **Output constraints** the library reports (JSON schema, JSON object, regex) become the engine's
   structured-output grammar, applied after ``</think>`` in thinking mode.
 """
@@ -23,17 +26,20 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import deepseek_recipe as recipe
 
+from dsinfer.images.inputs import ImageInput, expand_placeholders
 from dsinfer.sampling_params import SamplingParams, StructuredOutput
+from dsinfer.server.images import ImageReader, ImageRejected
 from dsinfer.tokenizer import ASSISTANT_TOKEN, DSML_TOKEN, THINK_END_TOKEN, Tokenizer
 
 __all__ = ["MODEL_VERSIONS", "ChatFormat", "PreparedRequest", "Protocol", "Variant", "encode_chat"]
 
 Variant = Literal["v4", "v41"]
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 Protocol = Literal["chat", "responses", "messages"]
 
 #: The library's model version for each checkpoint family (the version picks the prompt encoding).
@@ -55,6 +61,7 @@ class PreparedRequest:
     thinking: bool
     structured_output: StructuredOutput | None
     echo: recipe.ResponsesEcho | None = None  # Responses: the request settings its response objects report
+    images: list[ImageInput] = field(default_factory=list)  # placed: each knows where its span starts
 
     @property
     def parsing_options(self) -> recipe.ParsingOptions:
@@ -94,7 +101,13 @@ class ChatFormat:
     """The library set up for one served model: its tokenizer, its encoding, its model-name table."""
 
     def __init__(
-        self, tokenizer: Tokenizer, variant: Variant, served_model_name: str, *, default_thinking: bool = False
+        self,
+        tokenizer: Tokenizer,
+        variant: Variant,
+        served_model_name: str,
+        *,
+        default_thinking: bool = False,
+        image_reader: ImageReader | None = None,
     ) -> None:
         if variant not in MODEL_VERSIONS:
             raise ValueError(f"unknown chat format variant {variant!r}: expected 'v4' or 'v41'")
@@ -103,10 +116,14 @@ class ChatFormat:
         self.served_model_name = served_model_name
         self.recipe_tokenizer = recipe.Tokenizer.from_str(tokenizer.to_json())
         encoding = recipe.DeepseekV41Encoding() if variant == "v41" else recipe.DeepseekV4Encoding()
+        options = recipe.ConversionOptions(default_thinking_mode=default_thinking)
+        if variant == "v41":  # the released V4.1 checkpoints read images at <｜deepseek_image｜> (id 129264)
+            special = recipe.SpecialTokens(image=IMAGE_PLACEHOLDER)
+            encoding, options = encoding.with_special_tokens(special), options.with_special_tokens(special)
         self.encoding = encoding.with_tokenizer(self.recipe_tokenizer)
-        self.options = recipe.ConversionOptions(default_thinking_mode=default_thinking).with_model_versions_by_name(
-            {served_model_name: MODEL_VERSIONS[variant]}
-        )
+        self.image_reader = image_reader
+        self.image_token_id = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+        self.options = options.with_model_versions_by_name({served_model_name: MODEL_VERSIONS[variant]})
         self.think_end_id = tokenizer.token_to_id(THINK_END_TOKEN)
         self.dsml_id = tokenizer.token_to_id(DSML_TOKEN)
         self.assistant_id = tokenizer.token_to_id(ASSISTANT_TOKEN)
@@ -145,8 +162,19 @@ class ChatFormat:
         if forced == "required" and not conversation.tools:
             raise ValueError("tool_choice is 'required' but the request defines no tools")
         structured = self._structured_output(request, forced, thinking_forced, protocol, body)
-        return PreparedRequest(protocol, request, self.encode(conversation), conversation.thinking_mode, structured,
-                               echo)  # fmt: skip
+        prompt_ids, images = self._with_images(conversation, self.encode(conversation))
+        return PreparedRequest(protocol, request, prompt_ids, conversation.thinking_mode, structured, echo,
+                               images)  # fmt: skip
+
+    def _with_images(self, conversation: recipe.Conversation, prompt_ids: list[int]):
+        """Read the conversation's images and widen their placeholders; text-only prompts pass unchanged."""
+        sources = self.encoding.render_conversation(conversation).image_sources
+        if not sources:
+            return prompt_ids, []
+        if self.image_reader is None or self.image_token_id is None:
+            raise ImageRejected(f"{sources[0].path or 'image'}: this model does not read images (no vision tower)")
+        images = self.image_reader.read(sources)
+        return expand_placeholders(prompt_ids, images, self.image_token_id)
 
     def encode(self, conversation: recipe.Conversation) -> list[int]:
         """Prompt ids exactly as the library encodes them (control tokens only where the template put them)."""

@@ -21,6 +21,7 @@ from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
+from dsinfer.server.images import ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.metrics import ServerMetrics
 
@@ -40,6 +41,7 @@ class ServeOptions:
     max_n: int = DEFAULT_MAX_N
     drain_timeout: float = 30.0
     log_level: str = "info"
+    image_limits: ImageLimits | None = None  # V4.1 with a vision tower: images per request, bytes, pixels
 
 
 def check_parallelism(options: ServeOptions) -> None:
@@ -67,9 +69,10 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
+    vision = getattr(llm.engine.model.config, "vision", None)
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
-        vocab_size=llm.engine.model.config.vocab_size,
+        vocab_size=llm.engine.model.config.vocab_size, vision=vision, image_limits=options.image_limits,
     )  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm

@@ -89,7 +89,8 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
         message_id, model = "msg_" + secrets.token_hex(12), settings.served_model_name
         generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
-        run = Run(engine.generate(prompt_ids, params), [ChoiceStream(chat_format, prepared, generator)])
+        stream = engine.generate(prompt_ids, params, prepared.images)
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
         if fields.stream:
             return StreamingResponse(
                 _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

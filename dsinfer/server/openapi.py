@@ -54,6 +54,9 @@ STREAM_EVENT_SCHEMA = {"type": "object", "required": ["data"], "properties": {"d
     ]}},
 ]}}}  # fmt: skip
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# Routes whose body deepseek-recipe converts (OpenAI Responses, Anthropic Messages): the handler reads the raw
+# JSON object, so the schema states only that, and every status a generation route can answer.
+LIBRARY_ROUTES = ("/v1/responses", "/v1/messages")
 ERROR_MEANINGS = {
     "400": "Invalid request: the message and param name the field",
     "401": "Missing or wrong API key (--api-key)",
@@ -144,14 +147,20 @@ def _error(description: str) -> dict[str, Any]:
 def _describe_responses(path: str, operation: dict[str, Any], settings: ServerSettings) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
+    if path in LIBRARY_ROUTES:
+        operation.setdefault("requestBody", {
+            "required": True,
+            "content": {"application/json": {"schema": {"type": "object", "description": "the API's request body"}}},
+        })  # fmt: skip
     codes = []
     if "requestBody" in operation or operation.get("parameters"):
         codes.append("400")
     if settings.api_key and path != "/health":
         codes.append("401")
-    if path in GENERATION_ROUTES or path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
+    generation = path in GENERATION_ROUTES or path in LIBRARY_ROUTES
+    if generation or path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
         codes.append("404")
-    if path in GENERATION_ROUTES:
+    if generation:
         codes += ["408", "429", "503"]
     if path == "/health":
         codes.append("503")
@@ -164,5 +173,9 @@ def _describe_responses(path: str, operation: dict[str, Any], settings: ServerSe
         ok["description"] = "The completion as JSON, or with stream: true server-sent events ending in [DONE]"
         ok["content"] = {"application/json": {"schema": COMPLETION_SCHEMA},
                          "text/event-stream": {"schema": STREAM_EVENT_SCHEMA}}  # fmt: skip
+    elif path in LIBRARY_ROUTES:
+        ok["description"] = "The response as JSON, or with stream: true the API's server-sent events"
+        ok["content"] = {"application/json": {"schema": {"type": "object"}},
+                         "text/event-stream": {"schema": {"type": "string"}}}  # fmt: skip
     elif path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}

@@ -62,11 +62,17 @@ class ChatMessage(Lenient):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, value):
+    def _text_and_image_parts_only(cls, value):
+        """Text parts, and image parts (deepseek-recipe reads them; a model without a vision tower refuses)."""
         if isinstance(value, list):
             for part in value:
+                if part.get("type") == "image_url" and isinstance(part.get("image_url"), (dict, str)):
+                    continue
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+                    raise ValueError(
+                        "only text ({'type': 'text', 'text': ...}) and image ({'type': 'image_url', 'image_url': "
+                        "{'url': 'data:...'}}) content parts are supported"
+                    )
         return value
 
 

@@ -47,7 +47,8 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
         generator = recipe.ResponsesRequest.chunk_generator(prepared.request, response_id, model)
         if prepared.echo is not None:
             generator = generator.with_echo(prepared.echo)
-        run = Run(engine.generate(prompt_ids, params), [ChoiceStream(chat_format, prepared, generator)])
+        stream = engine.generate(prompt_ids, params, prepared.images)
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
         if fields.stream:
             return StreamingResponse(
                 _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

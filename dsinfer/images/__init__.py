@@ -1,0 +1,1 @@
+"""Images for DeepSeek-V4.1: the resize plan and token counts (``plan``), model-ready inputs (``inputs``)."""
