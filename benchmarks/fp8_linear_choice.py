@@ -14,6 +14,7 @@ import argparse
 import statistics
 
 import torch
+from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
 from dsinfer.ops.quant import quantize_fp8_blockwise
 from dsinfer.ops.registry import resolve
@@ -32,16 +33,8 @@ SHAPES = (
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    fn()  # warm up: the first call compiles and allocates
+    return statistics.median(cuda_ms(fn, repeats))
 
 
 def main() -> None:

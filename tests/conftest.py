@@ -30,3 +30,18 @@ def tiny_v41_checkpoint(tmp_path_factory):
 def tiny_v41_vision_checkpoint(tmp_path_factory):
     """The tiny V4.1 checkpoint with a tiny vision tower (``vision.*``, ``aligner.*``, ``image_*`` tensors)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v41-vision"), seed=0, arch="v41", vision=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_v4_model(tiny_checkpoint):
+    """The tiny V4 checkpoint loaded in fp32 (one per test module: some tests change its weights)."""
+    from dsinfer.models.loader import load_model
+
+    return load_model(tiny_checkpoint, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_tokenizer(tiny_checkpoint):
+    from dsinfer.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_checkpoint)

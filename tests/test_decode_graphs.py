@@ -8,19 +8,17 @@ from engine_harness import random_prompts, run_all
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.engine.decode_graphs import default_graph_sizes
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.models.loader import load_model
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    return load_model(tiny_checkpoint, progress=False)
+def model(tiny_v4_model):
+    return tiny_v4_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    return Tokenizer.from_dir(tiny_checkpoint)
+def tokenizer(tiny_v4_tokenizer):
+    return tiny_v4_tokenizer
 
 
 def _engine(model, tokenizer, **options) -> LLMEngine:
