@@ -25,7 +25,7 @@ from dsinfer.server.response_stream import ChoiceStream, Run, collect, event_jso
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _params, _sse
+    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -54,7 +54,16 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
         for index, events in items:
             for event in events:
                 responses[index].accumulate(event)
-        return Response(json.dumps(_merged(responses, run), ensure_ascii=False), media_type="application/json")
+        merged = _merged(responses, run)
+        if logprobs is not None and run.final is not None:  # the engine's logprobs of every generated token
+            completions = {completion.index: completion for completion in run.final.outputs}
+            for choice in merged["choices"]:
+                completion = completions.get(choice["index"])
+                if completion is not None and completion.logprobs is not None:
+                    content = _token_logprobs(chat_format.tokenizer, completion.token_ids, completion.logprobs,
+                                              completion.top_logprobs)  # fmt: skip
+                    choice["logprobs"] = {"content": content}
+        return Response(json.dumps(merged, ensure_ascii=False), media_type="application/json")
 
 
 def _with_reasoning_alias(fields: dict[str, Any]) -> None:
