@@ -25,7 +25,7 @@ from dsinfer.server.response_stream import (
     ChoiceStream,
     ClientDisconnected,
     Run,
-    collect,
+    accumulated_document,
     event_json,
     sse_frame,
     usage_with_hidden,
@@ -96,10 +96,7 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
                 _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         response = recipe.MessagesResponse(message_id, model, now(), len(prompt_ids), 0)
-        for _, events in await collect(run, request):
-            for event in events:
-                response.accumulate(event)
-        document = usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+        document = await accumulated_document(run, request, response)
         return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
 
 

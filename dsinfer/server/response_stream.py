@@ -22,7 +22,16 @@ from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.server.chat_format import ChatFormat, PreparedRequest
 from dsinfer.server.disconnect import unless_disconnected
 
-__all__ = ["ChoiceStream", "ClientDisconnected", "Run", "collect", "event_json", "sse_frame", "usage_with_hidden"]
+__all__ = [
+    "accumulated_document",
+    "ChoiceStream",
+    "ClientDisconnected",
+    "Run",
+    "collect",
+    "event_json",
+    "sse_frame",
+    "usage_with_hidden",
+]
 
 _FINISH_REASONS = {"stop": recipe.InferenceFinishReason.Stop, "length": recipe.InferenceFinishReason.Length}
 
@@ -136,6 +145,14 @@ async def collect(run: Run, request: Request | None) -> list[tuple[int, list]]:
     if request is None:
         return await drain()
     return await unless_disconnected(drain(), request)
+
+
+async def accumulated_document(run: Run, request: Request, response) -> dict[str, Any]:
+    """A non-streaming Responses / Messages document: the library's response fed every event, usage as run."""
+    for _, events in await collect(run, request):
+        for event in events:
+            response.accumulate(event)
+    return usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
 
 
 def event_json(event) -> dict[str, Any]:

@@ -18,7 +18,14 @@ from fastapi.responses import Response, StreamingResponse
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.server.protocol import Lenient, now
-from dsinfer.server.response_stream import ChoiceStream, Run, collect, event_json, sse_frame, usage_with_hidden
+from dsinfer.server.response_stream import (
+    ChoiceStream,
+    Run,
+    accumulated_document,
+    event_json,
+    sse_frame,
+    usage_with_hidden,
+)
 
 
 class ResponsesFields(Lenient):
@@ -54,10 +61,7 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
                 _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         response = recipe.ResponsesResponse(response_id, model, now(), len(prompt_ids), 0)
-        for _, events in await collect(run, request):
-            for event in events:
-                response.accumulate(event)
-        document = usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+        document = await accumulated_document(run, request, response)
         return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
 
 
