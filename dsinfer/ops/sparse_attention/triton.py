@@ -59,21 +59,37 @@ TARGET_WAVES = 2  # aim for this many programs per SM when choosing the split co
 MIN_TILES_PER_SPLIT = 4  # a split's fp32 partial output (H x D) must stay small beside the keys it reads
 
 
-def choose_config(n_heads: int, dtype: torch.dtype) -> DecodeConfig:
-    """The launch configuration by head count and dtype (``benchmarks/attention_decode.py --sweep`` times them).
+def choose_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512) -> DecodeConfig:
+    """The launch configuration by head count, dtype and width (``benchmarks/attention_decode.py --sweep``).
 
-    bf16 / fp16 with 64 heads: every head of a sequence in one program, so each K=V tile is read once and both
-    products run on Hopper's wgmma (M = 64). Fewer heads: groups of 16 (the smallest MMA). fp32: the IEEE
-    products run on CUDA cores; small tiles keep the query and two stages of keys within shared memory.
+    The fp32 accumulator of a program is ``block_h x head_dim``: with 512-d heads, 64 heads in one program need
+    128 registers per thread for it alone at 8 warps and spill, so bf16 / fp16 take 32 heads per program
+    (2 programs per sequence share each K=V tile through L2) and 8 warps; fewer heads, groups of 16 (the
+    smallest MMA). fp32: the IEEE products run on CUDA cores; 16 x 16 tiles keep them in registers.
+    (sm_90 builds of these: no spills, ``tests/ops/test_sparse_attention.py``.)
     """
+    wide = head_dim >= 256
     if dtype == torch.float32:
-        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
-    if n_heads >= 64:
-        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+        return DecodeConfig(block_h=16, block_n=16, num_warps=8 if wide else 4, num_stages=2)
+    if n_heads >= 32:
+        return DecodeConfig(block_h=32, block_n=32, num_warps=8 if wide else 4, num_stages=2)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=8 if wide else 4, num_stages=2)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _attend_tile(q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION: tl.constexpr):
+        """One tile of keys into the running softmax of every head of the group; kv [BLOCK_N, BLOCK_D]."""
+        kv = kv.to(q.dtype)
+        logits = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale_log2
+        logits = tl.where(visible[None, :], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(logits - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(kv.dtype), kv, input_precision=PRECISION)
+        return new_max, running_sum, acc
 
     @triton.jit
     def _decode_split_kernel(
@@ -106,6 +122,7 @@ if triton is not None:
         stride_oh,
         scale_log2,
         WINDOW: tl.constexpr,
+        WINDOW_TILES: tl.constexpr,
         PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -115,13 +132,17 @@ if triton is not None:
         HAS_ENTRIES: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
+        # Key tiles: WINDOW_TILES of window rows (the last one padded with masked rows), then the entries'.
         seq = tl.program_id(0)
         group = tl.program_id(1)
         split = tl.program_id(2)
         heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < n_heads
         dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
+        if BLOCK_D == HEAD_DIM:  # row masks only: the loads stay vectorised along the row
+            dim_ok = dims < BLOCK_D
+        else:
+            dim_ok = dims < HEAD_DIM
         q = tl.load(
             q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
             mask=head_ok[:, None] & dim_ok[None, :],
@@ -137,42 +158,31 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         first = split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, n_tiles)
-        for tile in range(first, last):
-            key = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key slot: window rows first, then entries
+        for tile in range(first, tl.minimum(last, WINDOW_TILES)):
+            key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
-            window_ok = (key < WINDOW) & (key_position >= oldest)
+            visible = (key < WINDOW) & (key_position >= oldest)
             row = key_position % WINDOW
             row = tl.where(row < 0, row + WINDOW, row)
             kv = tl.load(
-                ring + row[:, None] * stride_ww + dims[None, :],
-                mask=window_ok[:, None] & dim_ok[None, :],
-                other=0.0,
+                ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None] & dim_ok[None, :], other=0.0
             )
-            visible = window_ok
-            if HAS_ENTRIES:
-                entry = key - WINDOW
-                index = tl.load(
-                    indices_ptr + seq * stride_ib + entry, mask=(entry >= 0) & (entry < n_indices), other=-1
+            running_max, running_sum, acc = _attend_tile(
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+            )
+        if HAS_ENTRIES:
+            for tile in range(tl.maximum(first, WINDOW_TILES), last):
+                entry = (tile - WINDOW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+                index = tl.load(indices_ptr + seq * stride_ib + entry, mask=entry < n_indices, other=-1)
+                visible = index >= 0
+                block = tl.load(tables_ptr + seq * stride_tb + index // PER_BLOCK, mask=visible, other=0)
+                row = block.to(tl.int64) * stride_eb + (index % PER_BLOCK).to(tl.int64) * stride_ep
+                kv = tl.load(
+                    entries_ptr + row[:, None] + dims[None, :], mask=visible[:, None] & dim_ok[None, :], other=0.0
                 )
-                entry_ok = index >= 0
-                block = tl.load(tables_ptr + seq * stride_tb + index // PER_BLOCK, mask=entry_ok, other=0)
-                entry_row = block.to(tl.int64) * stride_eb + (index % PER_BLOCK).to(tl.int64) * stride_ep
-                entry_kv = tl.load(
-                    entries_ptr + entry_row[:, None] + dims[None, :],
-                    mask=entry_ok[:, None] & dim_ok[None, :],
-                    other=0.0,
+                running_max, running_sum, acc = _attend_tile(
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
                 )
-                kv = tl.where(window_ok[:, None], kv, entry_kv.to(kv.dtype))
-                visible = visible | entry_ok
-            kv = kv.to(q.dtype)
-            logits = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale_log2
-            logits = tl.where(visible[None, :], logits, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            rescale = tl.exp2(running_max - new_max)
-            probs = tl.exp2(logits - new_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(probs.to(kv.dtype), kv, input_precision=PRECISION)
-            running_max = new_max
 
         out_mask = head_ok[:, None] & dim_ok[None, :]
         if SPLITS == 1:
@@ -292,7 +302,7 @@ def sparse_attention_decode_launch(
     """The kernels, no fallback: ``config`` (default :func:`choose_config`) and ``num_splits`` (default: from the
     shapes and the SM count) fix the launch."""
     batch, n_heads, head_dim = q.shape
-    config = config or choose_config(n_heads, q.dtype)
+    config = config or choose_config(n_heads, q.dtype, head_dim)
     size = window.shape[1]
     has_entries = entries is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
@@ -301,7 +311,8 @@ def sparse_attention_decode_launch(
         return out
     block_d = triton.next_power_of_2(head_dim)
     head_groups = triton.cdiv(n_heads, config.block_h)
-    n_tiles = triton.cdiv(size + n_indices, config.block_n)
+    window_tiles = triton.cdiv(size, config.block_n)
+    n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
     splits = num_splits or choose_splits(batch, head_groups, n_tiles, _sm_count(q.device))
     splits = max(1, min(splits, n_tiles))
     tiles_per_split = triton.cdiv(n_tiles, splits)
@@ -352,6 +363,7 @@ def sparse_attention_decode_launch(
         out.stride(1),
         softmax_scale * LOG2E,
         WINDOW=size,
+        WINDOW_TILES=window_tiles,
         PER_BLOCK=per_block,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -408,7 +420,15 @@ def sparse_attention_decode_triton(
     args = (q, window, slots, positions, window_from, entries, block_tables, indices, sink, softmax_scale)
     if not _serves(q, window, entries, indices):
         return sparse_attention_decode_reference(*args)
-    setting = (q.device, q.dtype, window.dtype, None if entries is None else entries.dtype, q.shape[1:])
+    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, the split count's inputs)
+        q.device,
+        q.dtype,
+        q.shape,
+        window.dtype,
+        window.shape[1:],
+        None if entries is None else (entries.dtype, entries.shape[1:]),
+        None if indices is None else indices.shape[1],
+    )
     if setting in _FAILED:
         return sparse_attention_decode_reference(*args)
     if setting in _COMPILED:
