@@ -1,8 +1,11 @@
 """Decode attention in Triton: split-K over a sequence's window ring and compressed entries, then a combine.
 
-The keys of one query token are its ``W`` window ring rows and its ``K`` selected compressed entries, one list
-of ``W + K`` key slots. The first kernel runs one program per (sequence, head group, split): it loads the query
-rows of ``BLOCK_H`` heads once, then walks its share of the key slots ``BLOCK_N`` at a time. Every key is one
+The keys of one query token are its ``W`` window ring rows and its ``K`` selected compressed entries: tiles of
+``BLOCK_N`` keys, the window's first (its last tile padded with masked rows), then the entries'. The first kernel
+runs one program per (sequence, head group, split): it loads the query rows of ``BLOCK_H`` heads once, then walks
+its share of the tiles in two loops, window and entries, each with one gather load that feeds both products
+directly (so the compiler can stage it through shared memory and the registers hold only q, the accumulator and
+one tile of logits). Every key is one
 ``D``-wide row that is key and value at once (shared-KV MQA), so each tile is loaded once and serves both
 products of all heads of the group: ``q @ k^T`` for the logits and ``p @ k`` for the output. Window rows are
 read from the ring at ``position % W``; entries through the block table (entry ``i`` of a sequence lives in
@@ -309,7 +312,7 @@ def sparse_attention_decode_launch(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 along every axis
     head_groups = triton.cdiv(n_heads, config.block_h)
     window_tiles = triton.cdiv(size, config.block_n)
     n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
