@@ -348,3 +348,51 @@ def test_triton_kernels_compile_for_hopper():
     constants = dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_H=16, SPLITS=4)
     compiled = triton.compile(ASTSource(kernel, _signature(kernel, "bf16"), constexprs=constants), target=target)
     assert compiled.asm["cubin"] and _register_spills(compiled.asm["cubin"]) in (0, None)
+
+
+# The tiny V4 model's decode step with both decode ops on their Triton backends (interpreted) against the same
+# step on the references, from one cache: the layer <-> op contract (ring, entry pool, block tables with the
+# trash block, the indexer's -1 padding) on real model tensors. Sequences: mid-window, at a block edge, before
+# any compressed entry, past the first HCA entry.
+_TINY_DECODE = """
+import copy
+import torch
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
+from dsinfer.models.tiny import build_random_model, tiny_config
+from dsinfer.ops import registry
+import dsinfer.ops.indexer.triton as indexer
+import dsinfer.ops.sparse_attention.triton as attention
+
+model = build_random_model(tiny_config(), seed=1)
+reference = registry.resolve("cpu", torch.float32)
+fast = registry.OpTable(reference.device, reference.dtype, dict(reference.chosen))
+for op, fn in (("sparse_attention_decode", attention.sparse_attention_decode_launch),
+               ("indexer_topk_decode", indexer.indexer_topk_decode_triton)):
+    fast.chosen[op] = registry.Backend(op, "triton", fn, ("cpu",), None, lambda: True, 10)
+cfg = model.config
+cache = KVCache(cfg, attention_layer_ratios(cfg, True), 4, 16, block_tokens_for(cfg), torch.float32, "cpu")
+generator = torch.Generator().manual_seed(3)
+lengths, tables = [37, 64, 3, 95], [[5, 1], [9, 2, 14], [0], [3, 11, 7, 12]]
+with torch.no_grad():
+    for slot, n in enumerate(lengths):
+        prompt = torch.randint(3, 500, (n,), generator=generator)
+        model(PackedBatch(prompt, torch.arange(n), [SequenceSpan(0, n, slot, tables[slot])], cache))
+    spans = [SequenceSpan(n, 1, slot, tables[slot]) for slot, n in enumerate(lengths)]
+    tokens, positions = torch.randint(3, 500, (4,), generator=generator), torch.tensor(lengths)
+    reference_cache = copy.deepcopy(cache)
+    model.use_ops(reference)
+    expected = model(PackedBatch(tokens, positions, spans, reference_cache))
+    model.use_ops(fast)
+    got = model(PackedBatch(tokens, positions, spans, cache))
+error = (got - expected).abs().max().item()
+print("ok" if error <= 1e-4 and torch.equal(got.argmax(-1), expected.argmax(-1)) else f"logits differ by {error}")
+"""
+
+
+def test_tiny_model_decode_step_with_the_triton_ops_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _TINY_DECODE], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "ok", result.stdout[-3000:]
