@@ -18,10 +18,11 @@ from torch import nn
 from dsinfer.config import ModelConfig
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import LayerCache
-from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.ops.registry import OpTable, resolve
 
 QUERY_CHUNK = 256  # prefill queries per attention block (window keys per block: QUERY_CHUNK + window - 1)
 
@@ -56,6 +57,7 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
@@ -106,27 +108,23 @@ class Attention(nn.Module):
         trash = batch.cache.trash_block
         ring = layer_cache.window
         ring[spans.slots, positions % self.window] = kv.to(ring.dtype)
-        key_positions = positions[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
-        keys = ring[spans.slots[:, None], key_positions.remainder(self.window)].to(kv.dtype)  # [B, window, D]
-        visible = (key_positions >= 0) & (key_positions >= spans.window_from[:, None])
+        entries, indices = None, None
         if self.compressor is not None:
             self.compressor.update_decode(x, positions, spans, layer_cache.compressor, inv_freq, trash)
-            entries = gather_entries(layer_cache.compressor, spans)  # [B, E, D]
+            entries = layer_cache.compressor.entries
             if self.indexer is not None:
                 chosen, real = self.indexer.select_decode(
                     x, q_latent, positions, spans, layer_cache.indexer, inv_freq, trash
                 )
-                entries = entries.gather(1, chosen[..., None].expand(-1, -1, entries.shape[-1]))
             else:
-                count = visible_entries(positions, self.compress_ratio)
-                real = torch.arange(entries.shape[1], device=x.device) < count[:, None]
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            visible = torch.cat([visible, real], dim=1)
-        logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * self.softmax_scale
-        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
+                chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(q.shape[0], -1)
+                real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
+            indices = torch.where(real, chosen, -1)
+        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
+        return ops.sparse_attention_decode(
+            q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
+            self.attn_sink, self.softmax_scale,
+        )  # fmt: skip
 
     def _window(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, ring: torch.Tensor

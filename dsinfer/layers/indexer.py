@@ -8,14 +8,15 @@ only the ``index_topk`` best visible entries survive.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
-from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.ops.indexer.reference import indexer_scores
+from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
 
 
@@ -29,6 +30,7 @@ class Indexer(nn.Module):
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, config.csa_ratio, overlap=True, norm_eps=config.rms_norm_eps
         )
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
 
     def forward(
         self,
@@ -58,13 +60,15 @@ class Indexer(nn.Module):
         self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, inv_freq
     ) -> torch.Tensor:
         """score [n, W] = sum_h weight_h(x) * ReLU(q_h . k_w) / sqrt(d): keys [W, d] shared, or [n, W, d] per query."""
+        return indexer_scores(*self._queries(x, q_latent, positions, inv_freq), keys)
+
+    def _queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated queries [n, heads, d] and the per-head weights [n, heads], both float32."""
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(q, cos, sin).float()
-        spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
-        per_head = F.relu(torch.einsum(spec, q, keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        return (per_head * head_weights.unsqueeze(-1)).sum(dim=1)
+        return apply_rope(q, cos, sin).float(), self.weights_proj(x).float() * self.n_heads**-0.5
 
     def select_decode(
         self,
@@ -82,12 +86,7 @@ class Indexer(nn.Module):
         the block tables' width, never on a value read from the device.
         """
         self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
-        keys = gather_entries(cache, spans)
-        scores = self._scores(x, q_latent, positions, keys, inv_freq)
-        visible = torch.arange(keys.shape[1], device=x.device) < visible_entries(positions, self.ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = topk_indices(scores, min(self.topk, keys.shape[1]))
-        real = scores.gather(1, chosen) > float("-inf")
-        # Position order, as the per-sequence path reads them (the same sums in the same order).
-        order = torch.sort(torch.where(real, chosen, chosen + keys.shape[1]), dim=1).indices
-        return chosen.gather(1, order), real.gather(1, order)
+        q, head_weights = self._queries(x, q_latent, positions, inv_freq)
+        ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
+        visible = visible_entries(positions, self.ratio)
+        return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)

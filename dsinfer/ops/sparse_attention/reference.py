@@ -1,0 +1,66 @@
+"""The truth for decode attention: one query token per sequence over its window ring and compressed entries.
+
+Keys are the ``window`` ring rows of the sequence (oldest position first), then the compressed entries named by
+``indices``; one 512-d vector per key serves as key and value (shared-KV MQA: every query head reads it). A key
+the sequence may not see (before position 0, before ``window_from``, or an index of -1) is masked. The learned
+per-head sink joins the softmax denominator only. This is the math the V4 layer's decode step ran inline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.registry import REFERENCE, register
+
+
+def window_keys(
+    window: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window_from: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring rows of every sequence, oldest position first ([B, W, D]), and which of them it may see ([B, W])."""
+    size = window.shape[1]
+    key_positions = positions[:, None] - size + 1 + torch.arange(size, device=positions.device)
+    keys = window[slots[:, None], key_positions.remainder(size)]
+    visible = (key_positions >= 0) & (key_positions >= window_from[:, None])
+    return keys, visible
+
+
+def entry_keys(entries: torch.Tensor, block_tables: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Entries ``indices`` [B, K] (entry numbers within each sequence's block table) of the pool, [B, K, D].
+
+    An index of -1 reads entry 0 of the sequence's table instead; callers mask it.
+    """
+    per_block = entries.shape[1]
+    safe = indices.clamp(min=0)
+    blocks = block_tables.gather(1, torch.div(safe, per_block, rounding_mode="floor"))
+    return entries[blocks, safe.remainder(per_block)]
+
+
+@register("sparse_attention_decode", REFERENCE)
+def sparse_attention_decode_reference(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    window_from: torch.Tensor,
+    entries: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence; returns [B, H, D] in ``q.dtype``.
+
+    q [B, H, D]; window [slots, W, D] (this step's token already written at ``positions % W``); slots,
+    positions, window_from [B] int64; entries [blocks, per_block, D] (or None: a window-only layer);
+    block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry; sink [H] float32.
+    """
+    keys, visible = window_keys(window, slots, positions, window_from)
+    keys = keys.to(q.dtype)
+    if entries is not None and indices is not None:
+        keys = torch.cat([keys, entry_keys(entries, block_tables, indices).to(keys.dtype)], dim=1)
+        visible = torch.cat([visible, indices >= 0], dim=1)
+    logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * softmax_scale
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    sink = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
