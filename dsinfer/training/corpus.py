@@ -119,6 +119,7 @@ TOOLS = {
 _CONVERSIONS = {("km", "miles"): 0.621371, ("miles", "km"): 1.609344, ("kg", "pounds"): 2.204623,
                 ("pounds", "kg"): 0.453592, ("meters", "feet"): 3.28084, ("feet", "meters"): 0.3048,
                 ("liters", "gallons"): 0.264172, ("gallons", "liters"): 3.785412}  # fmt: skip
+UNITS = frozenset(unit for pair in _CONVERSIONS for unit in pair)
 _CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowing", "foggy", "clear")
 
 
@@ -238,7 +239,7 @@ def unknown_sample(rng: random.Random, names: Names, thinking: bool) -> Sample:
 
 
 # ---- arithmetic -----------------------------------------------------------------------------------------
-_PLACES = ("units", "tens", "hundreds", "thousands")
+PLACES = ("units", "tens", "hundreds", "thousands")
 
 
 def _digits(n: int) -> list[int]:
@@ -253,9 +254,9 @@ def add_working(a: int, b: int) -> str:
         total = x + y + carry
         terms = f"{x} + {y}" + (f" + {carry}" if carry else "")
         carry = total // 10
-        lines.append(f"{_PLACES[place]}: {terms} = {total}, write {total % 10}" + (", carry 1" if carry else ""))
+        lines.append(f"{PLACES[place]}: {terms} = {total}, write {total % 10}" + (", carry 1" if carry else ""))
     if carry:
-        lines.append(f"{_PLACES[len(lines)]}: write the carry 1")
+        lines.append(f"{PLACES[len(lines)]}: write the carry 1")
     return "\n".join(lines)
 
 
@@ -270,10 +271,10 @@ def sub_working(a: int, b: int) -> str:
         top = x - borrow
         shown = f"{x} - {borrow}" if borrow else f"{x}"
         if top < y:
-            lines.append(f"{_PLACES[place]}: {shown} is less than {y}, borrow: {top + 10} - {y} = {top + 10 - y}")
+            lines.append(f"{PLACES[place]}: {shown} is less than {y}, borrow: {top + 10} - {y} = {top + 10 - y}")
             borrow = 1
         else:
-            lines.append(f"{_PLACES[place]}: {shown} - {y} = {top - y}")
+            lines.append(f"{PLACES[place]}: {shown} - {y} = {top - y}")
             borrow = 0
     return "\n".join(lines)
 
@@ -285,9 +286,9 @@ def mul_working(a: int, d: int) -> str:
         total = product + carry
         step = f"{x} x {d} = {product}" + (f", + {carry} = {total}" if carry else "")
         carry = total // 10
-        lines.append(f"{_PLACES[place]}: {step}, write {total % 10}" + (f", carry {carry}" if carry else ""))
+        lines.append(f"{PLACES[place]}: {step}, write {total % 10}" + (f", carry {carry}" if carry else ""))
     if carry:
-        lines.append(f"{_PLACES[len(lines)]}: write the carry {carry}")
+        lines.append(f"{PLACES[len(lines)]}: write the carry {carry}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,113 @@
+"""The default model's training pipeline: corpus, rendering through the server's chat format, a toy run on CPU.
+
+A rendered completion must parse back (through the server's own output parser) into exactly the turn the
+corpus meant: reasoning, content, tool calls with their arguments. A toy model trained for a few steps must
+lower its loss and load through the normal loader in the release formats.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import deepseek_recipe as recipe
+import pytest
+import torch
+
+from dsinfer.engine.outputs import CompletionOutput
+from dsinfer.models.loader import load_model
+from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
+from dsinfer.server.chat_format import ChatFormat
+from dsinfer.server.response_stream import ChoiceStream
+from dsinfer.tokenizer import Tokenizer
+from dsinfer.training import corpus
+from dsinfer.training.render import SampleRenderer
+from dsinfer.training.trainer import PRESETS, train
+
+
+@pytest.fixture(scope="module")
+def renderer(tmp_path_factory) -> SampleRenderer:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(directory, vocab_size=1024, digit_group=1)
+    return SampleRenderer(ChatFormat(Tokenizer.from_dir(directory), "v41", "default"))
+
+
+def _parsed_message(renderer: SampleRenderer, sample: corpus.Sample) -> dict:
+    chat_format = renderer.chat_format
+    prepared = chat_format.prepare("chat", sample.body)
+    prompt, completion = renderer.encode(sample)
+    assert prompt == prepared.prompt_ids
+    assert completion[-1] == chat_format.tokenizer.eos_id
+    ids = completion[:-1]  # the engine stops at eos and does not hand it to the parser
+    generator = recipe.ChatCompletionRequest.chunk_generator(prepared.request, "m", "m")
+    response = recipe.ChatCompletionResponse("m", "m", 0, len(prompt), 0)
+    output = CompletionOutput(0, chat_format.tokenizer.decode(ids), ids, "stop")
+    for event in ChoiceStream(chat_format, prepared, generator).push(output):
+        response.accumulate(event)
+    return json.loads(response.to_json())["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_rendered_turns_parse_back_into_the_intended_message(renderer, thinking):
+    samples = [s for s in corpus.training_samples(7, 60) if (s.body["thinking"]["type"] == "enabled") == thinking]
+    assert {s.skill for s in samples} == set(corpus.SKILLS)
+    for sample in samples:
+        message = _parsed_message(renderer, sample)
+        completion = sample.completion
+        assert (message.get("reasoning_content") or "") == (completion.reasoning if thinking else "")
+        if completion.tool_calls:
+            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+            assert calls == [(c["name"], c["arguments"]) for c in completion.tool_calls]
+        else:
+            assert message["content"] == completion.content
+            assert not message.get("tool_calls")
+
+
+def test_held_out_names_and_problems_never_reach_training():
+    training = corpus.training_samples(3, 3000)
+    trained_texts = "\n".join(json.dumps(s.body) for s in training)
+    for skill in ("tools", "extraction"):
+        for sample in corpus.held_out(skill, 20):
+            values = sample.expected["arguments"] if skill == "tools" else sample.expected
+            for name in (v for v in values.values() if isinstance(v, str) and v not in corpus.UNITS):
+                assert name not in trained_texts, f"held-out {name!r} appears in training"
+    trained_questions = {s.body["messages"][0]["content"] for s in training if s.skill == "arithmetic"}
+    for sample in corpus.held_out("arithmetic", 50):
+        assert 0 <= sample.expected <= 999
+        assert sample.body["messages"][0]["content"] not in trained_questions
+
+
+def test_column_working_spells_the_true_result():
+    """Reading the digits the working writes gives the exact result: copying the working is computing."""
+    rng = random.Random(0)
+    workings = {"+": corpus.add_working, "-": corpus.sub_working, "x": corpus.mul_working}
+    for _ in range(500):
+        a, op, b = corpus.arithmetic_problem(rng, held_out=False)
+        columns = [line for line in workings[op](a, b).splitlines() if line.split(":")[0] in corpus.PLACES]
+        if op == "-":
+            digits, value = [line.rsplit("= ", 1)[1] for line in columns], abs(a - b)
+        else:
+            digits = [line.split("write ")[1].split(",")[0].replace("the carry ", "") for line in columns]
+            value = a + b if op == "+" else a * b
+        assert int("".join(reversed(digits))) == value, (a, op, b)
+
+
+def test_a_toy_model_trains_and_loads_through_the_normal_loader(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = replace(PRESETS["toy"], steps=3, batch_tokens=700, rounding_phase=0.34, log_every=1)
+        result = train(tmp_path, settings, device="cpu", log=lambda message: None)
+    finally:
+        torch.set_num_threads(threads)
+    losses = [record["loss"] for record in result.history]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "draft_loss" in result.history[0]
+    model = load_model(tmp_path, progress=False)
+    assert type(model).__name__ == "DeepseekV41" and model.fake_quantization
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "layers.0.attn.wq_a.scale" in index  # FP8 blocks with their scales
+    assert any(name.endswith("experts.0.w1.scale") for name in index)  # packed FP4 experts
+    record = json.loads((tmp_path / "training.json").read_text())
+    assert record["settings"]["steps"] == 3 and len(record["history"]) == 3
