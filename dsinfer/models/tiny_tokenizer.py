@@ -45,7 +45,10 @@ _N_BYTES = 256
 
 # DeepSeek-V4's pre-tokenizer: runs of up to three digits, runs of CJK / kana,
 # then a GPT-style split of words, punctuation and whitespace; then byte-level.
-_DIGITS = r"\p{N}{1,3}"
+def _digits(group: int) -> str:
+    return rf"\p{{N}}{{1,{group}}}"
+
+
 _CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 _WORDS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
@@ -141,13 +144,13 @@ def _added_token(token_id: int, content: str, *, special: bool) -> dict:
     }
 
 
-def _train_bpe(n_base: int) -> dict:
-    """Train the byte-level BPE; return its tokenizer.json as a dict."""
+def _train_bpe(n_base: int, corpus: list[str], digit_group: int) -> dict:
+    """Train the byte-level BPE on ``corpus`` (lines); return its tokenizer.json as a dict."""
     tok = tokenizers.Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.Sequence([])
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_DIGITS), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(_digits(digit_group)), behavior="isolated", invert=False),
             pre_tokenizers.Split(Regex(_CJK), behavior="isolated", invert=False),
             pre_tokenizers.Split(Regex(_WORDS), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
@@ -162,15 +165,19 @@ def _train_bpe(n_base: int) -> dict:
         special_tokens=list(_LEADING),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(TINY_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return json.loads(tok.to_str())
 
 
-def build_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+def build_tiny_tokenizer(
+    out_dir: Path, vocab_size: int = 512, corpus: list[str] | None = None, digit_group: int = 3
+) -> None:
     """Write a DeepSeek-V4-shaped ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir``.
 
     The vocabulary has exactly ``vocab_size`` ids with no holes.  Raises
     ``ValueError`` when ``vocab_size`` is below :func:`min_tiny_vocab_size`.
+    ``corpus`` (lines; default :data:`TINY_CORPUS`) is what the merges are learned from; ``digit_group`` is
+    the longest run of digits one pre-token holds (DeepSeek: 3; 1 gives one token per digit).
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
@@ -180,7 +187,8 @@ def build_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     out_dir = Path(out_dir)
 
     n_base = vocab_size - len(_TOP_TOKENS)
-    data = _train_bpe(n_base)
+    lines = TINY_CORPUS.splitlines(keepends=True) if corpus is None else list(corpus)
+    data = _train_bpe(n_base, lines, digit_group)
     vocab: dict[str, int] = data["model"]["vocab"]
     if sorted(vocab.values()) != list(range(len(vocab))) or any(vocab.get(t) != i for i, t in enumerate(_LEADING)):
         raise RuntimeError("BPE training produced an unexpected vocabulary layout")

@@ -163,3 +163,12 @@ def bind_ops(model: torch.nn.Module, table: OpTable) -> None:
     for module in model.modules():
         if "ops" in vars(module):
             module.ops = table
+
+
+def reference_table(device: torch.device | str, dtype: torch.dtype) -> OpTable:
+    """Every op's torch reference, whatever the device: the differentiable choice (training)."""
+    _load_backends()
+    table = OpTable(torch.device(device), dtype)
+    for op in sorted(_REGISTRY):
+        table.chosen[op] = _REGISTRY[op]["reference"]
+    return table
