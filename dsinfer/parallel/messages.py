@@ -96,6 +96,7 @@ class RankLoad:
     num_blocks: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    preemptions: int = 0
 
 
 @dataclass

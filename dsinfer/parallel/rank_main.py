@@ -62,8 +62,7 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
     )
     _exit_with_parent()
     if conn is None:
-        address = (spec.parallel.master_addr, spec.master_port + 1)
-        conn = Client(address, authkey=os.environ.get(RANK_AUTHKEY_ENV, "").encode())
+        conn = _connect_to_api(spec)
     try:
         _RankLoop(spec, conn).run()
     except BaseException:
@@ -74,6 +73,19 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
         except OSError:
             pass
         os._exit(1)  # peers may be blocked in a collective with us: no orderly teardown is possible
+
+
+def _connect_to_api(spec: RankSpec, timeout: float = 600.0) -> Connection:
+    """A rank of another host reaches the API process on host 0 (which may not be listening yet)."""
+    address = (spec.parallel.master_addr, spec.master_port + 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(address, authkey=os.environ.get(RANK_AUTHKEY_ENV, "").encode())
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _exit_with_parent() -> None:
@@ -217,4 +229,5 @@ class _RankLoop:
         return RankLoad(
             len(engine.scheduler.waiting), len(engine.scheduler.running), engine.blocks.num_used,
             engine.blocks.num_blocks, engine.blocks.prefix_queries, engine.blocks.prefix_hits,
+            engine.scheduler.num_preemptions,
         )  # fmt: skip

@@ -128,6 +128,10 @@ class _SchedulerView:
     def running(self) -> range:
         return range(self._loads.total("running"))
 
+    @property
+    def num_preemptions(self) -> int:
+        return self._loads.total("preemptions")
+
 
 class _BlocksView:
     def __init__(self, loads: _Loads) -> None:
@@ -416,3 +420,37 @@ class RankedEngine:
         self.requests.pop(request_id, None)
         self.balancer.release(tracked.rank, tracked.tokens)
         return output
+
+
+def run_remote_ranks(model_dir: str | None, config: EngineConfig, parallel: ParallelConfig) -> int:
+    """A host other than host 0: start its ranks, which reach host 0's API process, and wait for them.
+
+    Exits 0 when every rank stopped cleanly (host 0 shut down), else 1 after ending the others."""
+    from dsinfer.models.tiny import default_model_dir
+
+    model_dir = str(model_dir or default_model_dir())
+    check_layout(parallel, ModelConfig.from_file(model_dir), config)
+    if not os.environ.get(RANK_AUTHKEY_ENV):
+        raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
+    context = rank_context()
+    processes = {}
+    for rank in parallel.local_ranks:
+        spec = RankSpec(model_dir, config, parallel, rank, parallel.resolved_master_port())
+        processes[rank] = context.Process(target=rank_main, args=(spec, None), name=f"dsinfer-rank-{rank}")
+        processes[rank].start()
+    status = 0
+    try:
+        while any(p.is_alive() for p in processes.values()):
+            wait([p.sentinel for p in processes.values() if p.is_alive()])
+            failed = [rank for rank, p in processes.items() if p.exitcode not in (None, 0)]
+            if failed:
+                log.error("rank %d exited with code %s; stopping this host's ranks", failed[0],
+                          processes[failed[0]].exitcode)  # fmt: skip
+                status = 1
+                break
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+    return status
