@@ -14,9 +14,9 @@ weight applied there exactly as the single-rank op applies it), the rows come ba
 With the default placement a token's slots are summed in increasing expert order, as the single-rank
 reference sums them, so fp32 results differ from one rank's by matmul rounding at most.
 
-Every rank must make the same collective calls in the same order: an engine step runs each backbone MoE
-layer once, and a rank with nothing scheduled runs :func:`run_idle_pass` (empty batches through the same
-layers). MTP and DSpark MoE layers stay whole on every rank (they run without collectives).
+Every rank must make the same collective calls in the same order: an engine step runs one forward, and a
+rank with nothing scheduled runs :func:`run_idle_pass` (one dummy token through the model). MTP and DSpark
+MoE layers stay whole on every rank (they run without collectives).
 """
 
 from __future__ import annotations
@@ -150,8 +150,11 @@ class ExpertParallel:
         send_counts.scatter_add_(0, self.phys_rank.index_select(0, physical), torch.ones_like(physical))
         meta = torch.stack([self.phys_local.index_select(0, physical), expert_weights.reshape(-1)[order]], dim=1)
         rows = x.index_select(0, token)
-        recv_counts = self._exchange(send_counts)
-        send, recv = send_counts.tolist(), recv_counts.tolist()  # the one host read: sizes of the all-to-all
+        if self.ep_size == 1:  # one rank: the sizes are known without reading the device
+            send = recv = [flat.numel()]
+        else:
+            recv_counts = self._exchange(send_counts)
+            send, recv = send_counts.tolist(), recv_counts.tolist()  # the one host read: the all-to-all sizes
         recv_rows = self._all_to_all(rows, recv, send)
         recv_meta = self._all_to_all(meta, recv, send)
         if recv_rows.shape[0]:
@@ -179,16 +182,17 @@ class ExpertParallel:
         return out
 
 
-def run_idle_pass(dispatcher: ExpertParallel, dtype: torch.dtype, device: torch.device | str) -> None:
-    """A rank with nothing to run still joins every layer's exchange, with no tokens of its own."""
-    for moe in dispatcher.layers:
-        hidden = moe.routed_weights().hidden_size
-        top_k = moe.gate.top_k
-        dispatcher(
-            moe,
-            torch.empty(0, hidden, dtype=dtype, device=device),
-            torch.empty(0, top_k, dtype=torch.int64, device=device),
-            torch.empty(0, top_k, dtype=torch.float32, device=device),
+def run_idle_pass(model: torch.nn.Module, device: torch.device | str) -> None:
+    """A rank with nothing to run still joins every collective of a forward: it runs one dummy token through
+    the whole model on a scratch cache (the engine's caches are untouched). A forward, not just the MoE
+    layers, because sharded Engram tables (``engram_placement='sharded'``) exchange rows over the same
+    group in between, and the order of the collectives must match the busy ranks'."""
+    from dsinfer.kv.batch import PackedBatch
+
+    with torch.inference_mode():
+        model(
+            PackedBatch.from_sequences([[0]], device=device),
+            logits_for=torch.zeros(1, dtype=torch.int64, device=device),
         )
 
 

@@ -2,7 +2,7 @@
 
 Every iteration, every rank takes the messages that arrived, then all ranks exchange two numbers over the
 control group (does anyone have work, does anyone stop) and act on the sum together: when someone has work
-every rank steps (a rank whose step runs no forward joins each MoE layer's exchange with no tokens,
+every rank steps (a rank whose step runs no forward runs one dummy token through the model instead,
 :func:`dsinfer.parallel.ep.run_idle_pass`), so the EP collectives never wait; when nobody has work every
 rank sleeps briefly on its messages (a new request wakes them all); a stop ends every rank after the same
 iteration. The rank reports what changed after each step (:class:`dsinfer.parallel.messages.StepReport`).
@@ -61,6 +61,9 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
         level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"
     )
     _exit_with_parent()
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())  # not the default multiprocessing lock: a rank that dies leaks none
     if conn is None:
         conn = _connect_to_api(spec)
     try:
@@ -127,7 +130,6 @@ class _RankLoop:
         # all-to-all sizes are read on the host, which a captured graph cannot do).
         engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=True)
         self.engine = LLMEngine(self.model, Tokenizer.from_dir(spec.model_dir), engine_config)
-        self.dtype = self.model.embed.weight.dtype
         self.device = device
         self._sent: dict[tuple[str, int], tuple[int, str]] = {}
         self._stop = False
@@ -160,7 +162,7 @@ class _RankLoop:
                     self.dispatcher.calls = 0
                     outputs = self.engine.step() if local_work else []
                     if self.dispatcher.calls == 0:
-                        run_idle_pass(self.dispatcher, self.dtype, self.device)
+                        run_idle_pass(self.model, self.device)
                     report.deltas = [self._delta(out) for out in outputs]
                 if touched or not idle:
                     report.load = self._load()
