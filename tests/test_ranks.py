@@ -61,14 +61,15 @@ def test_ranks_give_one_ranks_greedy_and_seeded_tokens(tiny_checkpoint, v4_refer
     assert got == expected
 
 
-def test_v41_ranks_with_redundant_experts_give_one_ranks_tokens(tiny_v41_checkpoint, tmp_path):
+def test_v41_ranks_with_redundant_experts_and_sharded_engram_give_one_ranks_tokens(tiny_v41_checkpoint, tmp_path):
     prompts, params = _mixed_batch(4, seed=3, high=40)
     placement = tmp_path / "placement.json"
     placement.write_text(json.dumps({"ranks": [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]}))
     small = {"max_num_batched_tokens": 32, "max_model_len": 128}
     with LLM(tiny_v41_checkpoint, **small) as one:
         expected = _tokens(one.generate(prompts, params, use_tqdm=False))
-    options = {"data_parallel_size": 2, "expert_parallel_size": 2, "expert_placement": str(placement)}
+    options = {"data_parallel_size": 2, "expert_parallel_size": 2, "expert_placement": str(placement),
+               "engram_placement": "sharded"}  # fmt: skip
     with LLM(tiny_v41_checkpoint, **options, **small) as llm:
         got = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert got == expected

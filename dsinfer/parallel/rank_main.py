@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -60,6 +61,8 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
     logging.basicConfig(
         level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"
     )
+    # Ctrl-C in a terminal reaches every process of the group: the API process drains, then stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     from tqdm import tqdm
 

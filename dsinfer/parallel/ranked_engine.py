@@ -52,9 +52,11 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
 
-def rank_context():
-    """Ranks fork from a server process that imported the model code once (:mod:`dsinfer.parallel.warm`);
-    it has never touched CUDA, so each rank initialises its own GPU."""
+def rank_context(device: str):
+    """CPU ranks fork from a server process that imported the model code once (:mod:`dsinfer.parallel.warm`),
+    which saves seconds per rank; GPU ranks start fresh interpreters, so nothing CUDA-related is inherited."""
+    if device.startswith("cuda"):
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["dsinfer.parallel.warm"])
     return context
@@ -182,7 +184,7 @@ class RankedEngine:
     # ---- ranks -------------------------------------------------------------------------------------
     def _start_ranks(self, model_dir: str, log_level: str) -> None:
         port = self.parallel.resolved_master_port()
-        context = rank_context()
+        context = rank_context(self.config.device)
         for rank in self.parallel.local_ranks:
             spec = RankSpec(str(model_dir), self.config, self.parallel, rank, port, log_level)
             ours, theirs = context.Pipe()
@@ -432,7 +434,7 @@ def run_remote_ranks(model_dir: str | None, config: EngineConfig, parallel: Para
     check_layout(parallel, ModelConfig.from_file(model_dir), config)
     if not os.environ.get(RANK_AUTHKEY_ENV):
         raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
-    context = rank_context()
+    context = rank_context(config.device)
     processes = {}
     for rank in parallel.local_ranks:
         spec = RankSpec(model_dir, config, parallel, rank, parallel.resolved_master_port())
