@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -97,3 +98,20 @@ def test_an_ep_rank_loads_only_its_experts(tiny_checkpoint):
     local = model.layers[0].ffn.routed_weights()
     assert local.num_experts == 5
     torch.testing.assert_close(local.w2[0], full.layers[0].ffn.routed_weights().w2[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-parallel-size", "2", "--expert-parallel-size", "4"], "got 2 x 1 != 4"),
+        (["--data-parallel-size", "3", "--expert-parallel-size", "3"], "must divide the model's n_routed_experts"),
+        (["--data-parallel-size", "2", "--expert-parallel-size", "2", "--device", "cuda"], "CUDA|GPUs"),
+    ],
+)
+def test_serve_refuses_a_bad_layout_with_one_message_before_loading(tiny_checkpoint, capsys, flags, message):
+    from dsinfer.cli import main
+
+    assert main(["serve", str(tiny_checkpoint), "--port", "1", *flags]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("dsinfer serve: error:")
+    assert re.search(message, error[0]), error[0]
