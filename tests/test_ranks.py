@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from server_harness import free_port, running_server
 
 from dsinfer.config import EngineConfig
 from dsinfer.llm import LLM
+from dsinfer.parallel.ranked_engine import RankDiedError
 from dsinfer.sampling_params import SamplingParams
 
 MIXED = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -102,6 +104,20 @@ def test_server_on_two_ranks_answers_like_one_rank(tiny_checkpoint):
     assert streamed == expected[0]
 
 
+def test_a_rank_that_fails_to_load_stops_the_start_naming_it(tiny_checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    shard = sorted(broken.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # the ranks find it truncated
+    before = set(_descendants(os.getpid()))
+    with pytest.raises(RankDiedError, match=r"rank \d failed while starting: CheckpointError"):
+        LLM(broken, data_parallel_size=2, expert_parallel_size=2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [p for p in set(_descendants(os.getpid())) - before if _is_rank(p)]:
+        time.sleep(0.1)
+    assert not [p for p in set(_descendants(os.getpid())) - before if _is_rank(p)]
+
+
 # ---- processes -----------------------------------------------------------------------------------
 
 
@@ -132,6 +148,10 @@ def _rank_pids(pid: int) -> list[int]:
     tree = _children()
     servers = [child for child in tree.get(pid, []) if "forkserver" in _cmdline(child)]
     return [rank for server in servers for rank in tree.get(server, [])]
+
+
+def _is_rank(pid: int) -> bool:
+    return _alive(pid) and "forkserver" in _cmdline(pid) and pid not in _children().get(os.getpid(), [])
 
 
 def _cmdline(pid: int) -> str:

@@ -71,11 +71,10 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
         conn = _connect_to_api(spec)
     try:
         _RankLoop(spec, conn).run()
-    except BaseException:
-        message = traceback.format_exc()
-        log.error("rank %d failed:\n%s", spec.rank, message)
+    except BaseException as exc:
+        log.error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
         try:
-            conn.send(RankFailed(spec.rank, message.strip().splitlines()[-1]))
+            conn.send(RankFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         os._exit(1)  # peers may be blocked in a collective with us: no orderly teardown is possible

@@ -169,8 +169,8 @@ class RankedEngine:
         self._ids = 0
         self._conns: dict[int, Connection] = {}
         self._processes: dict[int, multiprocessing.Process] = {}
-        self._start_ranks(model_dir, log_level)
         try:
+            self._start_ranks(model_dir, log_level)
             ready = self._wait_ready()
         except BaseException:
             self._kill_ranks()
@@ -218,9 +218,6 @@ class RankedEngine:
             waitables = [*self._conns.values(), *pending, *(p.sentinel for p in self._processes.values())]
             if not wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
                 raise RankDiedError(f"ranks {sorted(set(range(self.parallel.world_size)) - set(ready))} did not start")
-            for rank, process in self._processes.items():
-                if not process.is_alive() and rank not in ready:
-                    raise RankDiedError(f"rank {rank} exited with code {process.exitcode} while starting")
             for conn in [*self._conns.values(), *pending]:
                 if not conn.poll():
                     continue
@@ -235,6 +232,9 @@ class RankedEngine:
                     if conn in pending:
                         pending.remove(conn)
                         self._conns[message.rank] = conn
+            for rank, process in self._processes.items():  # after the messages: a failure says why first
+                if not process.is_alive() and rank not in ready:
+                    raise RankDiedError(f"rank {rank} exited with code {process.exitcode} while starting")
         return [ready[r] for r in sorted(ready)]
 
     def _receive(self) -> None:
