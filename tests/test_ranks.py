@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -61,6 +62,32 @@ def test_ranks_give_one_ranks_greedy_and_seeded_tokens(tiny_checkpoint, v4_refer
             assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.blocks.num_used == 0
     assert got == expected
+
+
+def _completions(outputs) -> list[list[tuple]]:
+    return [[(c.token_ids, c.text, c.finish_reason) for c in out.outputs] for out in outputs]
+
+
+def test_stop_strings_applied_in_the_api_process_end_completions_as_one_rank_does(tiny_checkpoint):
+    prompts = random_prompts(3, seed=11, high=30)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    with LLM(tiny_checkpoint, max_model_len=128) as one:
+        plain = one.generate(prompts, [greedy, greedy, sampled], use_tqdm=False)
+        texts = [out.outputs[0].text for out in plain]
+        assert all(len(text) >= 6 for text in texts)
+        params = [
+            replace(greedy, stop=[texts[0][3:5]]),
+            replace(greedy, stop=[texts[1][2:4], "never"], include_stop_str_in_output=True),
+            replace(sampled, stop=[texts[2][2:5]]),
+        ]
+        expected = one.generate(prompts, params, use_tqdm=False)
+    # Every first completion meets its stop string; the second sample of the last request does not and
+    # runs on after its sibling ended (the rank is told to finish one sequence of two).
+    assert [[c.finish_reason for c in out.outputs] for out in expected] == [["stop"], ["stop"], ["stop", "length"]]
+    with LLM(tiny_checkpoint, max_model_len=128, data_parallel_size=2, expert_parallel_size=2) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert _completions(got) == _completions(expected)
 
 
 def test_v41_ranks_with_redundant_experts_and_sharded_engram_give_one_ranks_tokens(tiny_v41_checkpoint, tmp_path):

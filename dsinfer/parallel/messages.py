@@ -1,9 +1,10 @@
 """What the API process and the rank processes send each other: plain picklable data, never live objects.
 
 A request travels as its specification (token ids, :class:`~dsinfer.sampling_params.SamplingParams` with its
-seed and grammar specification, image inputs); the rank builds the generators and grammar matchers itself.
-A rank answers each step with what changed: per completion the new token ids (and logprobs), the new text
-(or the whole text when a stop string cut it), the finish reason and the request's timings.
+seed and grammar specification, image inputs; stop strings stay in the API process, which detokenizes); the
+rank builds the generators and grammar matchers itself. A rank answers each step with what changed: per
+completion the new token ids (and logprobs), the finish reason and whether the last token is a hidden stop
+token, and the request's timings.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class FinishSequence:
+    """A stop string ended completion ``index`` of a request whose other completions go on (``n`` > 1)."""
+
+    request_id: str
+    index: int
+
+
+@dataclass(frozen=True)
 class Wake:
     """Sent to every rank with each new request: idle ranks leave their wait and step together."""
 
@@ -71,9 +80,8 @@ class RankReady:
 class CompletionDelta:
     index: int
     new_token_ids: list[int]
-    text: str  # appended to the text so far, or the whole text when ``text_replaces``
-    text_replaces: bool
-    finish_reason: str | None
+    finish_reason: str | None  # from token ids alone: a stop token, the grammar's end, the length, an abort
+    hide_last_token: bool  # the last token is a stop token the text leaves out
     new_logprobs: list[float] | None = None
     new_top_logprobs: list | None = None
 

@@ -34,6 +34,7 @@ from dsinfer.parallel.messages import (
     AbortRequest,
     AddRequest,
     CompletionDelta,
+    FinishSequence,
     RankFailed,
     RankLoad,
     RankReady,
@@ -133,7 +134,8 @@ class _RankLoop:
         engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=True)
         self.engine = LLMEngine(self.model, Tokenizer.from_dir(spec.model_dir), engine_config)
         self.device = device
-        self._sent: dict[tuple[str, int], tuple[int, str]] = {}
+        self._sent: dict[tuple[str, int], int] = {}  # tokens already reported per completion
+        self._sequences: dict[str, list] = {}  # a request's sequences (the engine forgets finished ones)
         self._stop = False
         if spec.rank == 0:
             log.warning("expert placement: %s", placement.describe())
@@ -195,37 +197,47 @@ class _RankLoop:
                     message.prompt_token_ids, message.params, request_id=message.request_id,
                     images=list(message.images) or None,
                 )  # fmt: skip
+                self._sequences[message.request_id] = self.engine.requests[message.request_id]
             except ValueError as exc:
                 report.rejected.append((message.request_id, str(exc)))
         elif isinstance(message, AbortRequest):
             self.engine.abort(message.request_id)
+            self._sequences.pop(message.request_id, None)
             for key in [key for key in self._sent if key[0] == message.request_id]:
                 del self._sent[key]
+        elif isinstance(message, FinishSequence):
+            sequences = self._sequences.get(message.request_id, [])
+            if message.index < len(sequences) and not sequences[message.index].is_finished:
+                self.engine.scheduler.finish(sequences[message.index])
+                sequences[message.index].finish_reason = "stop"
         elif isinstance(message, Shutdown):
             self._stop = True
 
     def _delta(self, output: RequestOutput) -> RequestDelta:
         """What changed in ``output`` since the last report (the API process keeps the rest)."""
         completions = []
+        sequences = self._sequences.get(output.request_id, [])
         for completion in output.outputs:
             key = (output.request_id, completion.index)
-            sent_tokens, sent_text = self._sent.get(key, (0, ""))
-            appended = completion.text.startswith(sent_text)
+            sent = self._sent.get(key, 0)
+            if len(completion.token_ids) == sent:
+                continue
+            hidden = completion.index < len(sequences) and sequences[completion.index].hide_last_token
             completions.append(
                 CompletionDelta(
                     completion.index,
-                    completion.token_ids[sent_tokens:],
-                    completion.text[len(sent_text) :] if appended else completion.text,
-                    not appended,
+                    completion.token_ids[sent:],
                     completion.finish_reason,
-                    completion.logprobs[sent_tokens:] if completion.logprobs is not None else None,
-                    completion.top_logprobs[sent_tokens:] if completion.top_logprobs is not None else None,
+                    bool(hidden) and completion.finish_reason is not None,
+                    completion.logprobs[sent:] if completion.logprobs is not None else None,
+                    completion.top_logprobs[sent:] if completion.top_logprobs is not None else None,
                 )
             )
-            if output.finished:
-                self._sent.pop(key, None)
-            else:
-                self._sent[key] = (len(completion.token_ids), completion.text)
+            self._sent[key] = len(completion.token_ids)
+        if output.finished:
+            self._sequences.pop(output.request_id, None)
+            for completion in output.outputs:
+                self._sent.pop((output.request_id, completion.index), None)
         return RequestDelta(output.request_id, completions, output.finished, output.metrics)
 
     def _load(self) -> RankLoad:

@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, Listener, wait
 
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig
@@ -33,6 +33,7 @@ from dsinfer.parallel.ep import ExpertPlacement
 from dsinfer.parallel.messages import (
     AbortRequest,
     AddRequest,
+    FinishSequence,
     RankFailed,
     RankLoad,
     RankReady,
@@ -43,6 +44,7 @@ from dsinfer.parallel.messages import (
     Wake,
 )
 from dsinfer.parallel.rank_main import RANK_AUTHKEY_ENV, rank_main
+from dsinfer.parallel.text import CompletionText
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
@@ -91,6 +93,7 @@ class _Tracked:
     rank: int
     prompt_token_ids: list[int]
     completions: list[CompletionOutput]
+    texts: list[CompletionText]
     tokens: int  # counted in the balancer's in-flight tokens
     metrics: RequestMetrics | None = None
 
@@ -297,10 +300,12 @@ class RankedEngine:
         rank = self.balancer.choose(prompt_ids)
         tokens = len(prompt_ids) * params.n
         completions = [CompletionOutput(i, "", [], None) for i in range(params.n)]
-        self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, tokens)
+        texts = [CompletionText(self.tokenizer, params, c) for c in completions]
+        self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, texts, tokens)
         self.requests[request_id] = [_CompletionView(c) for c in completions]
         self.balancer.assign(rank, prompt_ids, tokens)
-        self._send(rank, AddRequest(request_id, prompt_ids, params, images))
+        rank_params = replace(params, stop=[]) if params.stop else params  # stop strings are applied here
+        self._send(rank, AddRequest(request_id, prompt_ids, rank_params, images))
         for other in self._conns:
             if other != rank:
                 self._send(other, Wake())
@@ -383,21 +388,29 @@ class RankedEngine:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:
                 continue  # aborted here while the rank ran it
-            self._apply_delta(tracked, delta)
-            output = self._output(delta.request_id, tracked, delta.finished)
-            outputs[delta.request_id] = self._finish(delta.request_id, tracked) if delta.finished else output
+            self._apply_delta(delta.request_id, tracked, delta)
+            if tracked.finished:
+                if not delta.finished:  # stop strings ended it here: the rank still holds it
+                    self._send(tracked.rank, AbortRequest(delta.request_id))
+                    tracked.metrics = replace(tracked.metrics, finish_time=time.monotonic())
+                outputs[delta.request_id] = self._finish(delta.request_id, tracked)
+            else:
+                outputs[delta.request_id] = self._output(delta.request_id, tracked, False)
 
-    def _apply_delta(self, tracked: _Tracked, delta: RequestDelta) -> None:
+    def _apply_delta(self, request_id: str, tracked: _Tracked, delta: RequestDelta) -> None:
+        """The rank's new tokens, one by one through detokenization and the stop strings."""
         tracked.metrics = delta.metrics
         for change in delta.completions:
-            completion = tracked.completions[change.index]
-            completion.token_ids.extend(change.new_token_ids)
-            completion.text = change.text if change.text_replaces else completion.text + change.text
-            completion.finish_reason = change.finish_reason
-            if change.new_logprobs is not None:
-                completion.logprobs = (completion.logprobs or []) + change.new_logprobs
-            if change.new_top_logprobs is not None:
-                completion.top_logprobs = (completion.top_logprobs or []) + change.new_top_logprobs
+            text = tracked.texts[change.index]
+            last = len(change.new_token_ids) - 1
+            for i, token in enumerate(change.new_token_ids):
+                stopped = text.push(
+                    token, change.finish_reason if i == last else None, change.hide_last_token and i == last,
+                    change.new_logprobs[i] if change.new_logprobs is not None else None,
+                    change.new_top_logprobs[i] if change.new_top_logprobs is not None else None,
+                )  # fmt: skip
+                if stopped and not tracked.finished:
+                    self._send(tracked.rank, FinishSequence(request_id, change.index))  # the others go on
             self.balancer.inflight_tokens[tracked.rank] += len(change.new_token_ids)
             tracked.tokens += len(change.new_token_ids)
 
