@@ -5,7 +5,7 @@ use of :class:`~dsinfer.engine.engine.LLMEngine` (``add_request``, ``abort``, ``
 ``has_unfinished_requests``, ``requests``, scheduler and block counters, ``close``), so both drive one rank
 in-process or many ranks in processes alike. Requests are checked here (token ids, length, images) and sent
 to the rank :class:`~dsinfer.parallel.dp.RequestBalancer` picks; ``step`` returns the outputs the ranks
-reported since the last call, rebuilt from their deltas.
+reported since the last call, rebuilt from their token deltas (text and stop strings: :mod:`dsinfer.parallel.text`).
 
 A receiver thread reads every rank's pipe and watches every local rank process. A rank that exits, fails or
 closes its connection makes the engine dead: every rank is killed (the others would wait in a collective
