@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
     serve.add_argument("--expert-parallel-size", type=int, default=1, help="MoE expert-parallel ranks (= DP x CP)")
     serve.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
+    serve.add_argument("--expert-placement", default=None, metavar="FILE",
+                       help='JSON {"ranks": [[experts of rank 0], ...]}: redundant experts (EPLB)')  # fmt: skip
+    serve.add_argument("--nnodes", type=positive_int, default=1, help="hosts that share the ranks")
+    serve.add_argument("--node-rank", type=int, default=0, help="this host's index; host 0 runs the HTTP server")
+    serve.add_argument("--master-addr", default="127.0.0.1", help="host 0's address (the ranks' rendezvous)")
+    serve.add_argument("--master-port", type=int, default=None,
+                       help="rendezvous port (needed with --nnodes > 1; ranks reach the API on port + 1)")  # fmt: skip
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds before a request is ended (408; default: no limit)")  # fmt: skip
     serve.add_argument("--max-queue", type=positive_int, default=None,
@@ -203,6 +210,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, data_parallel_size=args.data_parallel_size,
         expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        expert_placement=args.expert_placement,
         request_timeout=args.request_timeout, max_queue=args.max_queue, max_n=args.max_n,
         drain_timeout=args.drain_timeout,
         image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
@@ -214,8 +223,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
     )  # fmt: skip
-    serve(options, engine)
-    return 0
+    return serve(options, engine)
 
 
 def run_bench(args: argparse.Namespace) -> int:

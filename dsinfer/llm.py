@@ -6,18 +6,19 @@ maps its Engram tables from a shared-memory segment (:mod:`dsinfer.engram.placem
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dsinfer.config import EngineConfig
+from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
+from dsinfer.parallel.config import ParallelConfig
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
@@ -28,14 +29,34 @@ class LLM:
     """Load a checkpoint (default: the embedded tiny model) and generate for batches of prompts.
 
     ``options`` override fields of ``config`` (:class:`~dsinfer.config.EngineConfig`), e.g.
-    ``LLM(path, engram_placement="host")``.
+    ``LLM(path, engram_placement="host")``, or of ``parallel`` (:class:`~dsinfer.parallel.config.ParallelConfig`),
+    e.g. ``LLM(path, data_parallel_size=2, expert_parallel_size=2)``: with more than one rank the model runs in
+    one process per rank (:mod:`dsinfer.parallel`) and this process holds no weights (``self.model`` is None).
     """
 
-    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options) -> None:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        config: EngineConfig | None = None,
+        parallel: ParallelConfig | None = None,
+        **options,
+    ) -> None:
+        parallel_names = {f.name for f in fields(ParallelConfig)}
+        parallel_options = {k: options.pop(k) for k in list(options) if k in parallel_names}
         config = replace(config or EngineConfig(), **options)
+        parallel = replace(parallel or ParallelConfig(), **parallel_options)
         model_dir = Path(model) if model is not None else default_model_dir()
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: no CUDA device is available")
+        self.model = None
+        if parallel.is_multi_rank:
+            from dsinfer.parallel.ranked_engine import RankedEngine  # the ranks' processes and pipes
+
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.engine = RankedEngine(
+                str(model_dir), self.tokenizer, ModelConfig.from_file(model_dir), config, parallel
+            )
+            return
         self.model = load_model(
             model_dir,
             dtype=DTYPES[config.dtype],

@@ -19,10 +19,13 @@ def test_parallel_sizes_must_tile(dp, ep, cp):
         check_parallelism(ServeOptions(None, data_parallel_size=dp, expert_parallel_size=ep, context_parallel_size=cp))
 
 
-def test_multi_rank_is_refused_clearly():
-    with pytest.raises(ConfigError, match="multi-rank serving is not available yet"):
-        check_parallelism(ServeOptions(None, data_parallel_size=2, expert_parallel_size=2))
-    check_parallelism(ServeOptions(None))  # the single-rank layout is fine
+def test_the_flags_give_the_rank_layout():
+    layout = check_parallelism(ServeOptions(None, data_parallel_size=4, expert_parallel_size=4, nnodes=2,
+                                            node_rank=1, master_port=29500))  # fmt: skip
+    assert (layout.world_size, layout.ranks_per_node, list(layout.local_ranks)) == (4, 2, [2, 3])
+    assert not check_parallelism(ServeOptions(None)).is_multi_rank  # one rank: in-process, as before
+    with pytest.raises(ConfigError, match="context parallelism is not available yet"):
+        check_parallelism(ServeOptions(None, data_parallel_size=1, expert_parallel_size=2, context_parallel_size=2))
 
 
 def test_gpustack_backend_runs_dsinfer_serve():

@@ -92,16 +92,22 @@ class MoE(nn.Module):
             else None
         )
         self._routed_form: tuple[int, bool] | None = None  # (intermediate size, is_fp4) once packed
+        # Expert parallelism (dsinfer.parallel.ep.ExpertParallel): the routed part goes through its dispatch
+        # and combine, and this layer holds only the rank's experts. None: every expert is here.
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
         return self._dispatch(x, experts, weights)
 
     # ---- the routed experts' two forms --------------------------------------------------------------
-    def pack(self, weights: ExpertWeights) -> None:
-        """Serve the routed experts from stacked checkpoint-precision weights; the per-expert modules go."""
-        if weights.num_experts != self.n_experts:
-            raise ValueError(f"{weights.num_experts} stacked experts for a layer of {self.n_experts}")
+    def pack(self, weights: ExpertWeights, num_local: int | None = None) -> None:
+        """Serve the routed experts from stacked checkpoint-precision weights; the per-expert modules go.
+
+        ``num_local``: an EP rank stacks only its own experts (``dsinfer.parallel.ep``)."""
+        expected = self.n_experts if num_local is None else num_local
+        if weights.num_experts != expected:
+            raise ValueError(f"{weights.num_experts} stacked experts for a layer of {expected}")
         self.experts = None
         self.register_buffer("routed_w13", weights.w13)
         self.register_buffer("routed_w13_scale", weights.w13_scale)
@@ -132,7 +138,10 @@ class MoE(nn.Module):
         """Run each picked expert on its tokens, mix by ``weights``, add the shared expert."""
         if self.ops is None:  # a model built in memory: choose once, on first use
             self.ops = resolve(x.device, x.dtype)
-        routed = self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
+        if self.expert_parallel is not None:
+            routed = self.expert_parallel(self, x, experts, weights)
+        else:
+            routed = self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed

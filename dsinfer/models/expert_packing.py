@@ -39,8 +39,23 @@ class _LayerExperts:
 class ExpertCollector:
     """Routed-expert tensors as the loader reads them, grouped by MoE layer until they are stacked."""
 
-    def __init__(self) -> None:
+    def __init__(self, owned_experts=None) -> None:
+        """``owned_experts(moe_path)``: the experts an EP rank keeps of that layer, in stacking order (None:
+        all of them); the others are never read (:func:`dsinfer.parallel.ep.backbone_expert_filter`)."""
         self._layers: dict[str, _LayerExperts] = {}
+        self._owned = owned_experts
+        self._skipped: set[str] = set()
+
+    def wants(self, name: str) -> bool:
+        """False for a routed expert this rank does not hold (counted as collected, never read)."""
+        match = ROUTED_EXPERT.match(name)
+        if match is None or self._owned is None:
+            return True
+        owned = self._owned(match["moe"])
+        if owned is None or int(match["expert"]) in owned:
+            return True
+        self._skipped.add(name)
+        return False
 
     @staticmethod
     def is_routed_expert(name: str) -> bool:
@@ -51,6 +66,8 @@ class ExpertCollector:
         match = ROUTED_EXPERT.match(name)
         if match is None:
             raise ValueError(f"{name!r} is not a routed-expert weight")
+        if not self.wants(name):
+            return
         layer = self._layers.setdefault(match["moe"], _LayerExperts())
         key = (match["which"], int(match["expert"]))
         layer.weights[key] = tensor
@@ -62,7 +79,7 @@ class ExpertCollector:
             f"{moe}.experts.{expert}.{which}.weight"
             for moe, layer in self._layers.items()
             for which, expert in layer.weights
-        }
+        } | self._skipped
 
     def drop_modules(self, model: nn.Module) -> None:
         """Remove the per-expert modules of every collected layer (before the model gets real memory)."""
@@ -73,7 +90,8 @@ class ExpertCollector:
         """Stack each layer's experts onto ``device`` and hand them to its MoE."""
         for moe, layer in self._layers.items():
             module = _moe_module(model, moe)
-            experts = range(module.n_experts)
+            owned = self._owned(moe) if self._owned is not None else None
+            experts = range(module.n_experts) if owned is None else owned
             missing = [f"{moe}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w2", "w3")
                        if (w, e) not in layer.weights]  # fmt: skip
             if missing:
@@ -93,7 +111,7 @@ class ExpertCollector:
             else:
                 stacked = stack_experts(column("w1", layer.weights), column("w3", layer.weights),
                                         column("w2", layer.weights))  # fmt: skip
-            module.pack(_to_device(stacked, device))
+            module.pack(_to_device(stacked, device), None if owned is None else len(owned))
         self._layers.clear()
 
 

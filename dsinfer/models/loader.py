@@ -272,6 +272,7 @@ def load_model(
     progress: bool = True,
     engram_placement: str | None = None,
     fp8_linears: str | None = None,
+    owned_experts=None,
 ) -> DeepseekV4 | DeepseekV41:
     """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards.
 
@@ -283,6 +284,9 @@ def load_model(
     ``fp8_linears`` (``keep``, ``dequantize``; None: ``$DSINFER_FP8_LINEARS``, else the device's default in
     :mod:`dsinfer.models.fp8_linears`: dequantize on CUDA, keep elsewhere) says whether the block-scaled FP8
     linears stay FP8 or become the compute dtype; routed experts always stay as stored.
+
+    ``owned_experts(moe_path)`` (an EP rank, :func:`dsinfer.parallel.ep.backbone_expert_filter`): the routed
+    experts of that layer to load, in stacking order, or None for all; the rest are never read.
     """
     directory = Path(path)
     try:
@@ -306,7 +310,7 @@ def load_model(
     values: dict[str, torch.Tensor] = {}
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
-    experts = ExpertCollector()  # routed experts stay in checkpoint precision, stacked per layer
+    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
     fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
     for name, keys in plan.items():
         if name.startswith("fused:"):
@@ -322,6 +326,9 @@ def load_model(
             if len(keys) > 1:
                 raise CheckpointError(f"tensor {name!r} is stored twice: {keys}")
             if experts.is_routed_expert(name):
+                if not experts.wants(name):  # another EP rank's expert
+                    bar.update(1)
+                    continue
                 experts.take(name, *_read_expert(keys[0], targets[name], stored, reader, config, dtype))
             elif fp8.wants(name, stored[keys[0]], targets[name]):
                 codes, scale = reader.get(stored[keys[0]]), reader.get(stored[_scale_key(keys[0], stored)])

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
-from dsinfer.config import ConfigError, EngineConfig, ModelConfigV41
+from dsinfer.config import EngineConfig, ModelConfigV41
 from dsinfer.llm import LLM
+from dsinfer.parallel.config import ParallelConfig
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
@@ -36,6 +40,11 @@ class ServeOptions:
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    expert_placement: str | None = None  # a JSON file of each EP rank's experts (redundant experts)
     request_timeout: float | None = None
     max_queue: int | None = None
     max_n: int = DEFAULT_MAX_N
@@ -44,18 +53,12 @@ class ServeOptions:
     image_limits: ImageLimits | None = None  # V4.1 with a vision tower: images per request, bytes, pixels
 
 
-def check_parallelism(options: ServeOptions) -> None:
-    """DP attention x CP must tile the EP group exactly (the DeepInfer layout)."""
-    dp, ep, cp = options.data_parallel_size, options.expert_parallel_size, options.context_parallel_size
-    for name, value in (("--data-parallel-size", dp), ("--expert-parallel-size", ep), ("--context-parallel-size", cp)):
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    if dp * cp != ep:
-        raise ConfigError(
-            f"--data-parallel-size x --context-parallel-size must equal --expert-parallel-size; got {dp} x {cp} != {ep}"
-        )
-    if ep > 1:
-        raise ConfigError(f"--expert-parallel-size {ep}: multi-rank serving is not available yet; use 1")
+def check_parallelism(options: ServeOptions) -> ParallelConfig:
+    """The rank layout of the flags: DP attention x CP must tile the EP group exactly (the DeepInfer layout)."""
+    return ParallelConfig(
+        options.data_parallel_size, options.expert_parallel_size, options.context_parallel_size,
+        options.nnodes, options.node_rank, options.master_addr, options.master_port, options.expert_placement,
+    )  # fmt: skip
 
 
 def build_server(options: ServeOptions, engine_config: EngineConfig):
@@ -63,8 +66,8 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
 
     The app keeps the :class:`~dsinfer.llm.LLM` in ``app.state.llm``: close it after stopping the engine.
     """
-    check_parallelism(options)
-    llm = LLM(options.model, engine_config)
+    parallel = check_parallelism(options)
+    llm = LLM(options.model, engine_config, parallel)
     name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
@@ -79,8 +82,14 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     return app, engine
 
 
-def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
+def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
+    """Run until SIGTERM / Ctrl-C (exit status 0) or until a rank dies (1, after /health has said 503)."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parallel = check_parallelism(options)
+    if parallel.node_rank > 0:  # this host only runs ranks; the API process lives on host 0
+        from dsinfer.parallel.ranked_engine import run_remote_ranks
+
+        return run_remote_ranks(options.model, engine_config, parallel)
     app, engine = build_server(options, engine_config)
     engine.start()
     config = uvicorn.Config(
@@ -88,13 +97,33 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> None:
         timeout_graceful_shutdown=options.drain_timeout + BACKSTOP_SECONDS,
     )  # fmt: skip
     drain = Drain(engine, options.drain_timeout)
+    server = _DrainingServer(config, drain)
+    threading.Thread(target=_exit_when_engine_dies, args=(server, engine), name="dsinfer-watch", daemon=True).start()
     try:
-        _DrainingServer(config, drain).run()
+        server.run()
     finally:
         drain.cancel()
         engine.stop()
         if not engine.thread.is_alive():  # a step stuck past the timeout keeps its tables until the process exits
             app.state.llm.close()
+    failure = getattr(app.state.llm.engine, "failure", None)
+    if failure is not None:
+        print(f"dsinfer serve: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+DEAD_ENGINE_LINGER_SECONDS = 1.0  # /health answers 503 this long before a server whose rank died exits
+
+
+def _exit_when_engine_dies(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    """A rank that dies leaves nothing to serve: say so on /health for a moment, then stop the server."""
+    while not server.should_exit:
+        if not engine.alive and getattr(engine.engine, "failure", None) is not None:
+            time.sleep(DEAD_ENGINE_LINGER_SECONDS)
+            server.should_exit = True
+            return
+        time.sleep(0.1)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -1,0 +1,121 @@
+"""What the API process and the rank processes send each other: plain picklable data, never live objects.
+
+A request travels as its specification (token ids, :class:`~dsinfer.sampling_params.SamplingParams` with its
+seed and grammar specification, image inputs; stop strings stay in the API process, which detokenizes); the
+rank builds the generators and grammar matchers itself. A rank answers each step with what changed: per
+completion the new token ids (and logprobs), the finish reason and whether the last token is a hidden stop
+token, and the request's timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsinfer.config import EngineConfig
+from dsinfer.engine.outputs import RequestMetrics
+from dsinfer.parallel.config import ParallelConfig
+from dsinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs to start: the model, the engine options, its place in the layout."""
+
+    model_dir: str
+    engine: EngineConfig
+    parallel: ParallelConfig
+    rank: int
+    master_port: int
+    log_level: str = "WARNING"
+
+
+# ---- API process -> rank ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    images: tuple = ()
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FinishSequence:
+    """A stop string ended completion ``index`` of a request whose other completions go on (``n`` > 1)."""
+
+    request_id: str
+    index: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Sent to every rank with each new request: idle ranks leave their wait and step together."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Every rank stops after the step in progress (they agree on it in their per-step exchange)."""
+
+
+# ---- rank -> API process ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankReady:
+    rank: int
+    pid: int
+    max_model_len: int
+    num_blocks: int
+    block_tokens: int
+    placement: str
+
+
+@dataclass
+class CompletionDelta:
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None  # from token ids alone: a stop token, the grammar's end, the length, an abort
+    hide_last_token: bool  # the last token is a stop token the text leaves out
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list | None = None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class RankLoad:
+    """The counters the API process shows as metrics and balances by."""
+
+    waiting: int = 0
+    running: int = 0
+    blocks_used: int = 0
+    num_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class StepReport:
+    rank: int
+    deltas: list[RequestDelta] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, message)
+    load: RankLoad = field(default_factory=RankLoad)
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    message: str

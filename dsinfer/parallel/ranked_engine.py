@@ -1,0 +1,471 @@
+"""The API process's engine when there are several ranks: it starts them, routes requests, gathers outputs.
+
+:class:`RankedEngine` offers what :class:`~dsinfer.llm.LLM` and :class:`~dsinfer.server.async_engine.AsyncEngine`
+use of :class:`~dsinfer.engine.engine.LLMEngine` (``add_request``, ``abort``, ``step``,
+``has_unfinished_requests``, ``requests``, scheduler and block counters, ``close``), so both drive one rank
+in-process or many ranks in processes alike. Requests are checked here (token ids, length, images) and sent
+to the rank :class:`~dsinfer.parallel.dp.RequestBalancer` picks; ``step`` returns the outputs the ranks
+reported since the last call, rebuilt from their token deltas (text and stop strings: :mod:`dsinfer.parallel.text`).
+
+A receiver thread reads every rank's pipe and watches every local rank process. A rank that exits, fails or
+closes its connection makes the engine dead: every rank is killed (the others would wait in a collective
+forever), and the next ``step`` / ``has_unfinished_requests`` raises :class:`RankDiedError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, Listener, wait
+
+from dsinfer.config import ConfigError, EngineConfig, ModelConfig
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.image_spans import check_image_spans
+from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsinfer.parallel.config import ParallelConfig
+from dsinfer.parallel.dp import RequestBalancer
+from dsinfer.parallel.ep import ExpertPlacement
+from dsinfer.parallel.messages import (
+    AbortRequest,
+    AddRequest,
+    FinishSequence,
+    RankFailed,
+    RankLoad,
+    RankReady,
+    RankSpec,
+    RequestDelta,
+    Shutdown,
+    StepReport,
+    Wake,
+)
+from dsinfer.parallel.rank_main import RANK_AUTHKEY_ENV, rank_main
+from dsinfer.parallel.text import CompletionText
+from dsinfer.sampling_params import SamplingParams
+from dsinfer.tokenizer import Tokenizer
+
+log = logging.getLogger("dsinfer.parallel")
+
+STARTUP_TIMEOUT_SECONDS = 600.0
+SHUTDOWN_TIMEOUT_SECONDS = 30.0
+
+
+def rank_context(device: str):
+    """CPU ranks fork from a server process that imported the model code once (:mod:`dsinfer.parallel.warm`),
+    which saves seconds per rank; GPU ranks start fresh interpreters, so nothing CUDA-related is inherited."""
+    if device.startswith("cuda"):
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dsinfer.parallel.warm"])
+    return context
+
+
+class RankDiedError(RuntimeError):
+    """A rank process exited or failed; the engine cannot step any more."""
+
+
+def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: EngineConfig) -> None:
+    """Every layout check that needs no weights: experts over EP, GPUs per host, the placement file."""
+    parallel.check_model(model_config.n_routed_experts)
+    if engine.device.startswith("cuda"):
+        import torch
+
+        parallel.check_devices(engine.device, torch.cuda.device_count())
+    if parallel.expert_placement:
+        ExpertPlacement.from_file(
+            parallel.expert_placement, model_config.n_routed_experts, parallel.expert_parallel_size
+        )
+
+
+@dataclass
+class _ModelInfo:
+    """The model as the API process knows it (its weights live in the ranks)."""
+
+    config: ModelConfig
+
+
+@dataclass
+class _Tracked:
+    rank: int
+    prompt_token_ids: list[int]
+    completions: list[CompletionOutput]
+    texts: list[CompletionText]
+    tokens: int  # counted in the balancer's in-flight tokens
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+@dataclass
+class _CompletionView:
+    """What AsyncEngine reads of a sequence: whether it has finished."""
+
+    output: CompletionOutput
+
+    @property
+    def is_finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+@dataclass
+class _Loads:
+    loads: dict[int, RankLoad] = field(default_factory=dict)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(load, name) for load in self.loads.values())
+
+
+class _SchedulerView:
+    def __init__(self, loads: _Loads) -> None:
+        self._loads = loads
+
+    @property
+    def waiting(self) -> range:
+        return range(self._loads.total("waiting"))
+
+    @property
+    def running(self) -> range:
+        return range(self._loads.total("running"))
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._loads.total("preemptions")
+
+
+class _BlocksView:
+    def __init__(self, loads: _Loads) -> None:
+        self._loads = loads
+
+    num_used = property(lambda self: self._loads.total("blocks_used"))
+    num_blocks = property(lambda self: self._loads.total("num_blocks"))
+    prefix_queries = property(lambda self: self._loads.total("prefix_queries"))
+    prefix_hits = property(lambda self: self._loads.total("prefix_hits"))
+
+
+class RankedEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        parallel: ParallelConfig,
+        log_level: str = "WARNING",
+    ) -> None:
+        check_layout(parallel, model_config, config)
+        self.tokenizer, self.config, self.parallel = tokenizer, config, parallel
+        self.model = _ModelInfo(model_config)
+        self.max_model_len = config.resolved_max_model_len(model_config)
+        self.requests: dict[str, list[_CompletionView]] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads = _Loads()
+        self.scheduler, self.blocks = _SchedulerView(self._loads), _BlocksView(self._loads)
+        self.failure: str | None = None
+        self._closing = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = 0
+        self._conns: dict[int, Connection] = {}
+        self._processes: dict[int, multiprocessing.Process] = {}
+        try:
+            self._start_ranks(model_dir, log_level)
+            ready = self._wait_ready()
+        except BaseException:
+            self._kill_ranks()
+            raise
+        first = ready[0]
+        log.info("%d ranks ready (%s)", len(ready), first.placement)
+        self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.max_num_batched_tokens)
+        self._receiver = threading.Thread(target=self._receive, name="dsinfer-ranks", daemon=True)
+        self._receiver.start()
+
+    # ---- ranks -------------------------------------------------------------------------------------
+    def _start_ranks(self, model_dir: str, log_level: str) -> None:
+        port = self.parallel.resolved_master_port()
+        context = rank_context(self.config.device)
+        for rank in self.parallel.local_ranks:
+            spec = RankSpec(str(model_dir), self.config, self.parallel, rank, port, log_level)
+            ours, theirs = context.Pipe()
+            process = context.Process(target=rank_main, args=(spec, theirs), name=f"dsinfer-rank-{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self._conns[rank], self._processes[rank] = ours, process
+        remote = self.parallel.world_size - len(self._processes)
+        if remote:
+            self._accept_remote_ranks(port + 1, remote)
+
+    def _accept_remote_ranks(self, port: int, count: int) -> None:
+        """Ranks of the other hosts connect to ``--master-addr``:``--master-port + 1`` with the shared key."""
+        key = os.environ.get(RANK_AUTHKEY_ENV)
+        if not key:
+            raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
+        listener = Listener(("0.0.0.0", port), authkey=key.encode())
+        pending: list[Connection] = []
+        try:
+            for _ in range(count):
+                pending.append(listener.accept())
+        finally:
+            listener.close()
+        self._remote_pending = pending
+
+    def _wait_ready(self) -> list[RankReady]:
+        ready: dict[int, RankReady] = {}
+        pending = list(getattr(self, "_remote_pending", []))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while len(ready) < self.parallel.world_size:
+            waitables = [*self._conns.values(), *pending, *(p.sentinel for p in self._processes.values())]
+            if not wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
+                raise RankDiedError(f"ranks {sorted(set(range(self.parallel.world_size)) - set(ready))} did not start")
+            for conn in [*self._conns.values(), *pending]:
+                if not conn.poll():
+                    continue
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    continue  # its process sentinel says why
+                if isinstance(message, RankFailed):
+                    raise RankDiedError(f"rank {message.rank} failed while starting: {message.message}")
+                if isinstance(message, RankReady):
+                    ready[message.rank] = message
+                    if conn in pending:
+                        pending.remove(conn)
+                        self._conns[message.rank] = conn
+            for rank, process in self._processes.items():  # after the messages: a failure says why first
+                if not process.is_alive() and rank not in ready:
+                    raise RankDiedError(f"rank {rank} exited with code {process.exitcode} while starting")
+        return [ready[r] for r in sorted(ready)]
+
+    def _receive(self) -> None:
+        """Forward every rank's reports to the inbox; the first rank that goes away ends them all."""
+        ranks_of = {conn: rank for rank, conn in self._conns.items()}
+        ranks_of.update({p.sentinel: rank for rank, p in self._processes.items()})
+        while not self._closing:
+            for item in wait(list(ranks_of), timeout=0.2):
+                rank = ranks_of[item]
+                if isinstance(item, Connection):
+                    try:
+                        message = item.recv()
+                    except (EOFError, OSError):
+                        self._fail(rank, "closed its connection")
+                        return
+                    if isinstance(message, RankFailed):
+                        self._fail(rank, f"failed: {message.message}")
+                        return
+                    self._inbox.put(message)
+                elif not self._closing:
+                    self._fail(rank, f"exited with code {self._processes[rank].exitcode}")
+                    return
+
+    def _fail(self, rank: int, what: str) -> None:
+        if self._closing:
+            return
+        process = self._processes.get(rank)
+        pid = f" (pid {process.pid})" if process is not None else ""
+        self.failure = f"rank {rank}{pid} {what}"
+        log.error("%s; stopping every rank", self.failure)
+        self._kill_ranks()
+        self._inbox.put(None)
+
+    def _kill_ranks(self) -> None:
+        for process in self._processes.values():
+            if process.is_alive():
+                process.kill()
+        for process in self._processes.values():
+            process.join(timeout=5)
+
+    # ---- what LLM and AsyncEngine call -------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        images: list | None = None,
+    ) -> str:
+        """Check the request here (bad input raises ``ValueError``), then send it to the least busy rank."""
+        self._check_alive()
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id, self._ids = f"req-{self._ids}", self._ids + 1
+        if request_id in self._tracked:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = LLMEngine._prompt_ids(self, prompt)  # the single-rank engine's checks, on our fields
+        images = tuple(images or ())
+        if images:
+            check_image_spans(prompt_ids, images, self.model.config)
+        rank = self.balancer.choose(prompt_ids)
+        tokens = len(prompt_ids) * params.n
+        completions = [CompletionOutput(i, "", [], None) for i in range(params.n)]
+        texts = [CompletionText(self.tokenizer, params, c) for c in completions]
+        self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, texts, tokens)
+        self.requests[request_id] = [_CompletionView(c) for c in completions]
+        self.balancer.assign(rank, prompt_ids, tokens)
+        rank_params = replace(params, stop=[]) if params.stop else params  # stop strings are applied here
+        self._send(rank, AddRequest(request_id, prompt_ids, rank_params, images))
+        for other in self._conns:
+            if other != rank:
+                self._send(other, Wake())
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        self.requests.pop(request_id, None)
+        if tracked is None:
+            return
+        self.balancer.release(tracked.rank, tracked.tokens)
+        if self.failure is None:
+            self._send(tracked.rank, AbortRequest(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        self._check_alive()
+        return bool(self._tracked)
+
+    def step(self, timeout: float = 0.05) -> list[RequestOutput]:
+        """The outputs the ranks reported since the last call (waits up to ``timeout`` for the first)."""
+        self._check_alive()
+        try:
+            reports = [self._inbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                reports.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        outputs: dict[str, RequestOutput] = {}
+        for report in reports:
+            if report is None:
+                self._check_alive()
+            self._apply_report(report, outputs)
+        return list(outputs.values())
+
+    def close(self) -> None:
+        """Stop every rank (they finish the iteration in progress together). Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        for rank in self._conns:
+            self._send(rank, Shutdown())
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
+        for process in self._processes.values():
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [rank for rank, p in self._processes.items() if p.is_alive()]
+        if stuck:
+            log.error("ranks %s did not stop within %.0f s; killing them", stuck, SHUTDOWN_TIMEOUT_SECONDS)
+        self._kill_ranks()
+        for conn in self._conns.values():
+            conn.close()
+
+    @property
+    def exit_failure(self) -> str | None:
+        return self.failure
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise RankDiedError(self.failure)
+
+    def _send(self, rank: int, message) -> None:
+        try:
+            self._conns[rank].send(message)
+        except OSError:
+            pass  # the receiver thread reports the rank that went away
+
+    def _apply_report(self, report: StepReport, outputs: dict[str, RequestOutput]) -> None:
+        self._loads.loads[report.rank] = report.load
+        for request_id, message in report.rejected:
+            log.warning("rank %d rejected request %s: %s", report.rank, request_id, message)
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                for completion in tracked.completions:
+                    completion.finish_reason = "abort"
+                outputs[request_id] = self._finish(request_id, tracked)
+        for delta in report.deltas:
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:
+                continue  # aborted here while the rank ran it
+            self._apply_delta(delta.request_id, tracked, delta)
+            if tracked.finished:
+                if not delta.finished:  # stop strings ended it here: the rank still holds it
+                    self._send(tracked.rank, AbortRequest(delta.request_id))
+                    tracked.metrics = replace(tracked.metrics, finish_time=time.monotonic())
+                outputs[delta.request_id] = self._finish(delta.request_id, tracked)
+            else:
+                outputs[delta.request_id] = self._output(delta.request_id, tracked, False)
+
+    def _apply_delta(self, request_id: str, tracked: _Tracked, delta: RequestDelta) -> None:
+        """The rank's new tokens, one by one through detokenization and the stop strings."""
+        tracked.metrics = delta.metrics
+        for change in delta.completions:
+            text = tracked.texts[change.index]
+            last = len(change.new_token_ids) - 1
+            for i, token in enumerate(change.new_token_ids):
+                stopped = text.push(
+                    token, change.finish_reason if i == last else None, change.hide_last_token and i == last,
+                    change.new_logprobs[i] if change.new_logprobs is not None else None,
+                    change.new_top_logprobs[i] if change.new_top_logprobs is not None else None,
+                )  # fmt: skip
+                if stopped and not tracked.finished:
+                    self._send(tracked.rank, FinishSequence(request_id, change.index))  # the others go on
+            self.balancer.inflight_tokens[tracked.rank] += len(change.new_token_ids)
+            tracked.tokens += len(change.new_token_ids)
+
+    def _output(self, request_id: str, tracked: _Tracked, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                c.index,
+                c.text,
+                list(c.token_ids),
+                c.finish_reason,
+                list(c.logprobs) if c.logprobs is not None else None,
+                list(c.top_logprobs) if c.top_logprobs is not None else None,
+            )  # fmt: skip
+            for c in tracked.completions
+        ]
+        metrics = tracked.metrics or RequestMetrics(time.monotonic(), None, None, None)
+        return RequestOutput(request_id, list(tracked.prompt_token_ids), completions, finished, metrics)
+
+    def _finish(self, request_id: str, tracked: _Tracked) -> RequestOutput:
+        output = self._output(request_id, tracked, True)
+        self._tracked.pop(request_id, None)
+        self.requests.pop(request_id, None)
+        self.balancer.release(tracked.rank, tracked.tokens)
+        return output
+
+
+def run_remote_ranks(model_dir: str | None, config: EngineConfig, parallel: ParallelConfig) -> int:
+    """A host other than host 0: start its ranks, which reach host 0's API process, and wait for them.
+
+    Exits 0 when every rank stopped cleanly (host 0 shut down), else 1 after ending the others."""
+    from dsinfer.models.tiny import default_model_dir
+
+    model_dir = str(model_dir or default_model_dir())
+    check_layout(parallel, ModelConfig.from_file(model_dir), config)
+    if not os.environ.get(RANK_AUTHKEY_ENV):
+        raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
+    context = rank_context(config.device)
+    processes = {}
+    for rank in parallel.local_ranks:
+        spec = RankSpec(model_dir, config, parallel, rank, parallel.resolved_master_port())
+        processes[rank] = context.Process(target=rank_main, args=(spec, None), name=f"dsinfer-rank-{rank}")
+        processes[rank].start()
+    status = 0
+    try:
+        while any(p.is_alive() for p in processes.values()):
+            wait([p.sentinel for p in processes.values() if p.is_alive()])
+            failed = [rank for rank, p in processes.items() if p.exitcode not in (None, 0)]
+            if failed:
+                log.error("rank %d exited with code %s; stopping this host's ranks", failed[0],
+                          processes[failed[0]].exitcode)  # fmt: skip
+                status = 1
+                break
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+    return status
