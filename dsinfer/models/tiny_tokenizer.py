@@ -43,6 +43,7 @@ _LEADING = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 _TOP_TOKENS = tuple(t for t in DEEPSEEK_V4_SPECIAL_TOKENS if t not in _LEADING)
 _N_BYTES = 256
 
+
 # DeepSeek-V4's pre-tokenizer: runs of up to three digits, runs of CJK / kana,
 # then a GPT-style split of words, punctuation and whitespace; then byte-level.
 def _digits(group: int) -> str:
