@@ -48,242 +48,40 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from engram_fetch_common import (  # the plumbing (same folder)
+    Report,
+    TextIds,
+    _bits,
+    configure_huge_pages,
+    fenced,
+    random_ids,
+    release_huge_pages,
+    section,
+    system_report,
+    time_ms,
+)
+from engram_fetch_prefill import run_prefill  # part 4 (same folder)
 
 from dsinfer.arg_types import positive_int
-from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, EngramFetcher, HostEngramFetcher
-from dsinfer.engram.hashing import EngramHasher
+from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, HostEngramFetcher
 from dsinfer.engram.staged_gather import DEFAULT_CHUNK_ROWS
 from dsinfer.engram.store import HUGE_PAGE_BYTES, EngramMemoryError, EngramStore, RandomEngramSource, segment_bytes
-from dsinfer.engram.store.memory import hugetlbfs_mount, meminfo
+from dsinfer.engram.store.memory import meminfo
 from dsinfer.kernels.engram_gather import dequantize_rows, gather_dequantize, gather_dequantize_reference
 
 ROW_BYTES, SCALE_BYTES = 256, 8
 GIB = 2**30
 STAGED_TABLES = ("16:4k", "64:4k", "64:2m")
-
-
-# ------------------------------------------------------------------------------------------ plumbing
-class Report:
-    """Rows of results, written to JSON and Markdown after every section."""
-
-    def __init__(self, out: Path, name: str = "engram_fetch"):
-        self.out, self.name = out, name
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.sections: dict[str, list[dict]] = {}
-        self.notes: list[str] = []
-
-    def add(self, section: str, **row) -> None:
-        self.sections.setdefault(section, []).append(row)
-        print(f"[{section}] " + " ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
-        self.write()  # a run stopped at its time limit keeps everything measured so far
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-        print(f"[note] {text}", flush=True)
-
-    def write(self) -> None:
-        (self.out / f"{self.name}.json").write_text(json.dumps({"notes": self.notes, **self.sections}, indent=1))
-        (self.out / f"{self.name}.md").write_text(self.markdown())
-
-    def markdown(self) -> str:
-        lines = []
-        for name, rows in self.sections.items():
-            keys = list(dict.fromkeys(k for row in rows for k in row))
-            lines += [f"### {name}", "", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-            lines += ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
-            lines.append("")
-        lines += ["### notes", ""] + [f"- {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
-    return str(value)
-
-
-@contextmanager
-def section(report: Report, name: str):
-    started = time.monotonic()
-    print(f"==== {name}", flush=True)
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - one broken section must not cost the rest of the run
-        report.note(f"section {name!r} failed: {type(exc).__name__}: {exc}")
-        traceback.print_exc()
-    finally:
-        try:
-            torch.cuda.synchronize()
-            gc.collect()
-            torch.cuda.empty_cache()
-        except Exception as exc:  # noqa: BLE001
-            report.note(f"after section {name!r}: {type(exc).__name__}: {exc}")
-        report.write()
-        print(f"==== {name} took {time.monotonic() - started:.1f} s", flush=True)
-
-
-@contextmanager
-def fenced(report: Report, what: str):
-    """Run one configuration; a failure is noted and the run goes on with the next one."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - one broken configuration must not cost the others
-        report.note(f"{what} failed: {type(exc).__name__}: {exc}")
-        traceback.print_exc()
-
-
-def time_ms(fn, *, budget_s: float = 0.15, min_reps: int = 3, max_reps: int = 25, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn(rep)`` timed with CUDA events (``rep`` lets callers rotate inputs)."""
-    for rep in range(warmup):
-        fn(rep)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(warmup)
-    end.record()
-    end.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
-    reps = max(min_reps, min(max_reps, int(budget_s * 1e3 / estimate)))
-    times = []
-    for rep in range(reps):
-        start.record()
-        fn(warmup + 1 + rep)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def shell(command: str) -> str:
-    try:
-        return subprocess.run(command, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (subprocess.SubprocessError, OSError) as exc:
-        return f"({exc})"
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
-
-
-# ------------------------------------------------------------------------------------------ ids
-class TextIds:
-    """Engram row ids of a token stream, hashed as V4.1 does, then folded into the benchmark table.
-
-    With a DeepSeek ``tokenizer.json`` the stream is real text (the Python reference documentation
-    shipped in the standard library, ``pydoc_data/topics.py``) and the compressed vocabulary is the
-    real one; without one, or with ``zipf=True``, tokens are drawn independently from a Zipf law,
-    which repeats n-grams far less than text does (a pessimistic case for de-duplication).
-    """
-
-    def __init__(self, device: torch.device, tokenizer_path: Path | None = None, seed: int = 0):
-        vocab, compressed = 129_280, 99_092
-        table = torch.arange(vocab) % compressed
-        self.stream = None
-        self.source = "iid zipf tokens"
-        if tokenizer_path is not None:
-            import sysconfig
-
-            import tokenizers
-
-            from dsinfer.engram.vocabulary import build_compressed_vocabulary
-
-            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
-            table = build_compressed_vocabulary(tokenizer, expected_size=compressed)
-            docs = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-            self.stream = torch.tensor(tokenizer.encode(docs.read_text(errors="replace")).ids, device=device)
-            self.source = f"{docs.name} ({self.stream.numel():,} tokens)"
-        self.hasher = EngramHasher(
-            table,
-            engram_layer_ids=[1, 14],
-            engram_vocab_size=16_000_000,
-            engram_max_ngram_size=4,
-            engram_n_heads=8,
-            engram_pad_id=2,
-            engram_compressed_vocab_size=compressed,
-            image_token_id=None,
-        ).to(device)
-        ranks = torch.arange(vocab, dtype=torch.float64)
-        self.weights = (1.0 / (ranks + 2.7)).float().to(device)  # Zipf-Mandelbrot, exponent 1
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.device = device
-
-    def ids(self, tokens: int, rows: int, zipf: bool = False) -> dict[int, torch.Tensor]:
-        """``{layer: [tokens, 24]}`` row ids of one ``tokens``-long sequence, modulo ``rows``."""
-        if self.stream is None or zipf:
-            token_ids = torch.multinomial(self.weights, tokens, replacement=True, generator=self.generator)
-        else:
-            length = self.stream.numel()
-            offset = int(torch.randint(0, length, (1,), generator=self.generator, device=self.device))
-            token_ids = self.stream.repeat(-(-tokens // length) + 1)[offset : offset + tokens]
-        hashed = self.hasher.all_row_ids(token_ids)  # [T, 2, 24]
-        return {layer: hashed[:, i].remainder(rows).contiguous() for i, layer in enumerate((1, 14))}
-
-
-def random_ids(count: int, high: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.randint(0, high, (count,), generator=generator, device=device, dtype=torch.int64)
-
-
-# ------------------------------------------------------------------------------------------ system
-def system_report(report: Report) -> None:
-    props = torch.cuda.get_device_properties(0)
-    info = meminfo()
-    report.add(
-        "system",
-        gpu=props.name,
-        sms=props.multi_processor_count,
-        torch=torch.__version__,
-        triton=__import__("triton").__version__,
-        mem_total_gib=info.get("MemTotal", 0) / GIB,
-        mem_available_gib=info.get("MemAvailable", 0) / GIB,
-        cpus=os.cpu_count(),
-    )
-    for command in (
-        "nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.max,"
-        "pcie.link.width.current,pcie.link.width.max --format=csv,noheader",
-        "nvidia-smi -q | grep -i -E 'addressing mode|bar1|ats' | head -5",
-        "cat /proc/cmdline",
-        "ls /sys/class/iommu 2>&1 | head -3; ls /sys/kernel/iommu_groups 2>/dev/null | wc -l",
-        "cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled",
-        "df -h /dev/shm | tail -1; grep -i huge /proc/meminfo | tr '\\n' ' '",
-        "uname -r; lscpu | grep -E 'Model name|NUMA node\\(s\\)'",
-    ):
-        report.note(f"`{command.split('|')[0].strip()[:60]}`: {shell(command)}")
-
-
-def configure_huge_pages(pages: int, report: Report) -> None:
-    """Reserve ``pages`` 2 MiB pages (root; for this throwaway machine) and mount hugetlbfs if needed."""
-    if hugetlbfs_mount() is None:
-        os.makedirs("/dev/hugepages", exist_ok=True)
-        report.note(f"mount hugetlbfs: {shell('mount -t hugetlbfs -o pagesize=2M none /dev/hugepages 2>&1') or 'ok'}")
-    shell("sync; echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory")
-    started = time.monotonic()
-    Path("/proc/sys/vm/nr_hugepages").write_text(str(pages))
-    info = meminfo()
-    report.note(
-        f"nr_hugepages <- {pages}: got {info.get('HugePages_Total', 0)} total, {info.get('HugePages_Free', 0)} free "
-        f"in {time.monotonic() - started:.1f} s"
-    )
-
-
-def release_huge_pages() -> None:
-    try:
-        Path("/proc/sys/vm/nr_hugepages").write_text("0")
-    except OSError:
-        pass
 
 
 # ------------------------------------------------------------------------------------------ 1. correctness
@@ -778,174 +576,6 @@ def wall_ms(fn, reps: int = 5) -> float:
         fn()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
-
-
-# ------------------------------------------------------------------------------------------ 4. prefill
-class V41Slice:
-    """A V4.1-width slice in bf16: the matrix work of each layer, dense-equivalent MoE, Engram at 1 and 14."""
-
-    HIDDEN, HEADS_DIM, Q_RANK, GROUPS, GROUP_RANK, EXPERT_WIDTH, ACTIVE_EXPERTS = 5120, 64 * 512, 1280, 8, 1024, 2304, 7
-
-    def __init__(self, tokens: int, layers: int, device: torch.device):
-        h, g = self.HIDDEN, torch.Generator(device=device).manual_seed(0)
-        moe = self.EXPERT_WIDTH * self.ACTIVE_EXPERTS
-
-        def weight(*shape):
-            return (torch.randn(*shape, device=device, generator=g) * shape[-2] ** -0.5).to(torch.bfloat16)
-
-        self.tokens, self.layers, self.moe = tokens, layers, moe
-        self.w = {
-            "wq_a": weight(h, self.Q_RANK),
-            "wq_b": weight(self.Q_RANK, self.HEADS_DIM),
-            "wkv": weight(h, 512),
-            "wo_a": weight(self.GROUPS, self.HEADS_DIM // self.GROUPS, self.GROUP_RANK),
-            "wo_b": weight(self.GROUPS * self.GROUP_RANK, h),
-            "w13": weight(h, 2 * moe),
-            "w2": weight(moe, h),
-            "engram_wkv": weight(24 * ROW_BYTES, 5 * h),
-        }
-        self.x0 = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16)
-
-    def flops(self) -> float:
-        w = self.w
-        per_token = sum(t.numel() for k, t in w.items() if k != "engram_wkv")
-        return 2.0 * self.tokens * (per_token * self.layers + 2 * w["engram_wkv"].numel())
-
-    def layer(self, x: torch.Tensor) -> torch.Tensor:
-        w, t = self.w, self.tokens
-        normed = torch.nn.functional.rms_norm(x, (self.HIDDEN,))
-        q = (normed @ w["wq_a"]) @ w["wq_b"]
-        kv = normed @ w["wkv"]
-        grouped = torch.bmm(q.view(t, self.GROUPS, -1).transpose(0, 1), w["wo_a"]).transpose(0, 1).reshape(t, -1)
-        x = x + grouped @ w["wo_b"] + kv.sum(-1, keepdim=True) * 1e-3
-        up = torch.nn.functional.rms_norm(x, (self.HIDDEN,)) @ w["w13"]
-        return x + (torch.nn.functional.silu(up[:, : self.moe]) * up[:, self.moe :]) @ w["w2"]
-
-    def engram(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        kv = rows.view(self.tokens, -1) @ self.w["engram_wkv"]
-        key, value = kv[:, : 4 * self.HIDDEN], kv[:, 4 * self.HIDDEN :]
-        gate = torch.sigmoid((x.float() * key[:, : self.HIDDEN].float()).mean(-1, keepdim=True))
-        return x + (gate * value.float()).to(x.dtype)
-
-    def step(self, get_rows, before=None) -> torch.Tensor:
-        x = self.x0
-        if before is not None:
-            before()
-        for layer in range(self.layers):
-            if layer in (1, 14):
-                x = self.engram(x, get_rows(layer))
-            x = self.layer(x)
-        return x
-
-
-def run_prefill(report, args, device, store, methods, text_ids, label) -> None:
-    """A prefill step with Engram rows fetched synchronously or prefetched by each host method."""
-    with section(report, f"prefill step ({label})"):
-        rows = store.tables[1].rows
-        fetcher = methods["zero_copy"]
-        for f in methods.values():
-            f.tables[14] = f.tables[1]  # both Engram layers read this one table here
-            if f.host_tables:
-                f.host_tables[14] = f.host_tables[1]
-        ids = text_ids.ids(args.prefill_tokens, rows)
-        zipf = text_ids.ids(args.prefill_tokens, rows, zipf=True)
-        for source, step_ids in ((text_ids.source, ids), ("iid zipf tokens", zipf)):
-            for layer in (1, 14):
-                unique = int(torch.unique(step_ids[layer]).numel())
-                report.add(
-                    "prefill_ids",
-                    tokens=source,
-                    layer=layer,
-                    ids=step_ids[layer].numel(),
-                    unique=unique,
-                    unique_fraction=unique / step_ids[layer].numel(),
-                )
-        model = V41Slice(args.prefill_tokens, args.prefill_layers, device)
-        ready = {layer: fetcher.fetch(ids[layer], layer) for layer in (1, 14)}
-        start_ms: dict[str, list[float]] = {}
-
-        def prefetch(name, f, step_ids, **settings):
-            """A step whose Engram rows ``f`` prefetches at its start; the host time of ``start`` is kept."""
-
-            def before():
-                for key, value in settings.items():
-                    setattr(f, key, value)
-                started = time.perf_counter()
-                f.start({1: step_ids[1], 14: step_ids[14]})
-                start_ms.setdefault(name, []).append((time.perf_counter() - started) * 1e3)
-
-            return name, lambda: model.step(f.wait, before=before)
-
-        variants = {"rows already on GPU (no fetch)": lambda: model.step(lambda layer: ready[layer])}
-        for name, f in methods.items():
-            variants[f"sync fetch, dedup+sort, {name}"] = lambda f=f: model.step(lambda i: f.fetch(ids[i], i))
-        variants.update(
-            [
-                prefetch("prefetch, zero_copy, programs=32", fetcher, ids, prefetch_programs=32),
-                prefetch("prefetch, staged", methods["staged"], ids),
-                prefetch("prefetch, split", methods["split"], ids),
-            ]
-        )
-        fetch_only = {
-            f"fetch only, sync, dedup+sort, {name} (both layers)": lambda f=f: [f.fetch(ids[i], i) for i in (1, 14)]
-            for name, f in methods.items()
-        }
-        if args.suite == "full":
-            plain = EngramFetcher(fetcher.tables, device=device, dedup=False, sort=False)
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            variants["sync fetch, no dedup, request order"] = lambda: model.step(lambda i: plain.fetch(ids[i], i))
-            variants.update(
-                [
-                    prefetch("prefetch, zero_copy, programs=all", fetcher, ids, prefetch_programs=None),
-                    prefetch("prefetch, zero_copy, programs=4xSM", fetcher, ids, prefetch_programs=4 * sms),
-                    ("sync fetch, dedup+sort, zipf ids", lambda: model.step(lambda i: fetcher.fetch(zipf[i], i))),
-                    prefetch("prefetch, zero_copy, programs=32, zipf ids", fetcher, zipf, prefetch_programs=32),
-                    prefetch("prefetch, staged, zipf ids", methods["staged"], zipf),
-                    prefetch("prefetch, split, zipf ids", methods["split"], zipf),
-                ]
-            )
-            fetch_only["fetch only, sync, no dedup (both layers)"] = lambda: [plain.fetch(ids[i], i) for i in (1, 14)]
-        for name, fn in fetch_only.items():
-            with fenced(report, f"prefill {name}"):
-                report.add("prefill_step", variant=name, ms=time_ms(lambda rep, fn=fn: fn(), min_reps=3, max_reps=8))
-        times = {name: [] for name in variants}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for rep in range(args.prefill_reps + 1):  # round robin, first round is warm-up
-            for name, fn in variants.items():
-                with fenced(report, f"prefill {name}"):
-                    torch.cuda.synchronize()
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    if rep:
-                        times[name].append(start.elapsed_time(end))
-        base = statistics.median(times["rows already on GPU (no fetch)"])
-        full_model = base * 40 / args.prefill_layers
-        for name, samples in times.items():
-            if not samples:
-                continue
-            ms = statistics.median(samples)
-            starts = start_ms.get(name, [])
-            report.add(
-                "prefill_step",
-                variant=name,
-                ms=ms,
-                spread_ms=max(samples) - min(samples),
-                added_ms=ms - base,
-                added_pct_of_slice=100 * (ms - base) / base,
-                added_pct_of_40_layers=100 * (ms - base) / full_model,
-                start_host_ms=statistics.median(starts[1:] or starts) if starts else "",
-            )
-        report.note(
-            f"prefill slice: {args.prefill_layers} layers x {args.prefill_tokens} tokens, "
-            f"{model.flops() / 1e12:.0f} TFLOP bf16, {model.flops() / base / 1e9:.0f} TFLOP/s; "
-            f"'added_pct_of_40_layers' scales the no-fetch step to 40 layers; "
-            f"'start_host_ms' is the caller's time in start() (the staged gathers run on a worker thread)"
-        )
-        for f in methods.values():
-            del f.tables[14]
-            f.host_tables.pop(14, None)
 
 
 # ------------------------------------------------------------------------------------------ main
