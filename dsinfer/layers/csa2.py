@@ -29,9 +29,10 @@ from torch import nn
 
 from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
-from dsinfer.kv.cache_v41 import KVCacheV41, SourceCache
-from dsinfer.layers.attention import Attention
-from dsinfer.layers.compressor import visible_entries
+from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.layers.attention import Attention, window_keys
+from dsinfer.layers.compressor import Compressor, kept_entries, visible_entries
+from dsinfer.layers.indexer import IndexScorer, top_k_visible
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
@@ -62,63 +63,18 @@ def select_candidate_blocks(
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean [n, W]: each row's ``k`` best finite scores (fewer when fewer are finite)."""
-    width = scores.shape[-1]
-    selected = torch.zeros_like(scores, dtype=torch.bool)
-    if width == 0:
-        return selected
-    chosen = topk_indices(scores, min(k, width))
-    return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
-
-
-class SourceCompressor(nn.Module):
-    """A KV source's compressor: ``wkv`` (+ ``wgate`` above ratio 1) and ``norm``; returns pre-RoPE latents."""
-
-    def __init__(self, config: ModelConfigV41, ratio: int) -> None:
-        super().__init__()
-        self.ratio = ratio
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
-        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def latents(self, x: torch.Tensor, span: SequenceSpan, cache: SourceCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents [g, head_dim] of the groups one sequence's new tokens complete, and their entry ids [g]."""
-        if self.wgate is None:  # ratio 1: every token is its own entry, no pooling state
-            return self.norm(self.wkv(x)), torch.arange(span.start, span.start + x.shape[0], device=x.device)
-        ratio, slot = self.ratio, span.slot
-        values = F.linear(x.float(), self.wkv.weight.float())  # the pooling runs in fp32
-        gates = F.linear(x.float(), self.wgate.weight.float())
-        pending = span.start % ratio
-        values = torch.cat([cache.pending_values[slot, :pending], values])
-        gates = torch.cat([cache.pending_gates[slot, :pending], gates])
-        complete = values.shape[0] // ratio
-        used = complete * ratio
-        cache.pending_values[slot, : values.shape[0] - used] = values[used:]
-        cache.pending_gates[slot, : values.shape[0] - used] = gates[used:]
-        width = values.shape[-1]
-        groups = values[:used].view(complete, ratio, width)
-        weights = gates[:used].view(complete, ratio, width).softmax(dim=1, dtype=torch.float32)
-        pooled = (groups * weights).sum(dim=1)
-        first = (span.start - pending) // ratio
-        return self.norm(pooled.to(x.dtype)), torch.arange(first, first + complete, device=x.device)
-
-
-class IndexerV41(nn.Module):
+class IndexerV41(IndexScorer):
     """An index source's scorer; on KV-source layers it also owns the index-key projection (``wk``, ``k_norm``)."""
 
     def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.topk, self.ratio = config.index_topk, config.compress_ratios[layer_id]
+        super().__init__(config, config.compress_ratios[layer_id])
+        self.layer_id = layer_id
         self.is_candidate_source = layer_id == config.candidate_source_layer_id
         self.uses_candidates = config.uses_candidates(layer_id)
         self.candidate_topk_blocks, self.candidate_block_size = (
             config.candidate_topk_blocks,
             config.candidate_block_size,
         )
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.owns_keys = config.is_kv_source(layer_id)
         if self.owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
@@ -136,6 +92,34 @@ class IndexerV41(nn.Module):
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
         return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin), layer_id, entry_ids)
 
+    def candidate_scores(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """Scores [n, W] (keys [W, d], or [n, W, d] per query) after the candidate-block level.
+
+        The candidate source records its blocks in ``state``; later index sources see only inside them.
+        """
+
+        def round_queries(q: torch.Tensor) -> torch.Tensor:
+            return quantizer.index_queries(q, self.layer_id, positions)
+
+        scores = self.scores(x, q_latent, positions, keys, inv_freq, round_queries)
+        if self.is_candidate_source:
+            counts = visible_entries(positions, self.ratio)
+            state["candidates"] = select_candidate_blocks(
+                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+            )
+        elif self.uses_candidates and "candidates" in state:
+            scores = scores.masked_fill(~state["candidates"], float("-inf"))
+        return scores
+
     def select(
         self,
         x: torch.Tensor,
@@ -145,24 +129,9 @@ class IndexerV41(nn.Module):
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
-        layer_id: int,
     ) -> torch.Tensor:
         """Boolean [n, W]: the entries each new query of one sequence attends to."""
-        cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        q = quantizer.index_queries(q, layer_id, positions)
-        per_head = F.relu(torch.einsum("shd,wd->shw", q.float(), keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
-        counts = visible_entries(positions, self.ratio)
-        visible = torch.arange(keys.shape[0], device=x.device) < counts[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if self.is_candidate_source:
-            state["candidates"] = select_candidate_blocks(
-                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
-            )
-        elif self.uses_candidates and "candidates" in state:
-            scores = scores.masked_fill(~state["candidates"], float("-inf"))
+        scores = self.candidate_scores(x, q_latent, positions, keys, inv_freq, state, quantizer)
         return top_k_visible(scores, self.topk)
 
 
@@ -174,7 +143,12 @@ class AttentionV41(Attention):
         self.layer_id = layer_id
         self.compress_ratio = config.compress_ratios[layer_id]
         self._build_projections(config)
-        self.compressor = SourceCompressor(config, self.compress_ratio) if config.is_kv_source(layer_id) else None
+        self.compressor = None
+        if config.is_kv_source(layer_id):  # V4's compressor without the slot bias or overlap, pooling in fp32
+            self.compressor = Compressor(
+                config.hidden_size, self.head_dim, self.compress_ratio, False, config.rms_norm_eps,
+                slot_bias=False, pool_in_fp32=True,
+            )  # fmt: skip
         self.indexer = IndexerV41(config, layer_id) if config.is_index_source(layer_id) else None
 
     def forward(
@@ -210,9 +184,8 @@ class AttentionV41(Attention):
                     self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
                 if self.indexer is not None:
                     state["selected"] = self.indexer.select(
-                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer,
-                        self.layer_id,
-                    )  # fmt: skip
+                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
+                    )
                 compressed, visible = state["entries"], state["selected"]
             window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
@@ -222,15 +195,16 @@ class AttentionV41(Attention):
     def _window_keys(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache: KVCacheV41
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the window: cached ones from the sequence's ring, then the new ones; updates the ring."""
-        first_cached = max(span.window_from, span.start - self.window + 1)
-        cached_positions = torch.arange(first_cached, span.start, device=kv.device)
-        cached = cache.read_window(self.layer_id, span.slot, cached_positions)
-        keys = torch.cat([cached.to(kv.dtype), kv])
-        key_positions = torch.cat([cached_positions, positions])
-        recent = slice(max(0, kv.shape[0] - self.window), None)
-        cache.write_window(self.layer_id, span.slot, positions[recent], kv[recent])
-        return keys, key_positions
+        """Keys of the window from the sequence's ring (through the cache's codec), then the new ones."""
+        layer_id, slot = self.layer_id, span.slot
+
+        def read(cached: torch.Tensor) -> torch.Tensor:
+            return cache.read_window(layer_id, slot, cached)
+
+        def write(new: torch.Tensor, rows: torch.Tensor) -> None:
+            cache.write_window(layer_id, slot, new, rows)
+
+        return window_keys(kv, positions, span, self.window, read, write)
 
     def _publish(
         self,
@@ -242,12 +216,13 @@ class AttentionV41(Attention):
         quantizer: ActivationQuantizer,
     ) -> None:
         """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them."""
-        latents, entry_ids = self.compressor.latents(x, span, cache.layers[self.layer_id].source)
+        positions = torch.arange(span.start, span.start + x.shape[0], device=x.device)
+        latents, entry_ids = self.compressor.latents(x, positions, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
             entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
-            keep = (entry_ids + 1) * self.compress_ratio > span.reuse_below  # prefix hits hold older entries
+            keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
             cache.write_entries(self.layer_id, span.block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
         state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, span.block_table, count)

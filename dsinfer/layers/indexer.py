@@ -1,17 +1,20 @@
-"""The lightning indexer of CSA layers: pick, per query, the compressed entries worth attending to.
+"""Lightning indexers: pick, per query, the compressed entries worth attending to.
 
-score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w), with its own ratio-4 compressor for the keys
-``k_w`` (cached like the main entries) and its own query projection from the attention's low-rank query;
-only the ``index_topk`` best visible entries survive.
+score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w) / sqrt(d), with the query projected from the
+attention's low-rank query; only the ``index_topk`` best visible entries survive. :class:`IndexScorer` is that
+rule, shared by both variants. V4's :class:`Indexer` owns a ratio-4 compressor for its keys (cached like the
+main entries); V4.1's index sources (``dsinfer.layers.csa2``) score keys a KV source published.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
@@ -19,13 +22,72 @@ from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.topk import topk_indices
 
 
-class Indexer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+def hide_invisible(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``scores`` [n, W] with -inf at the entries each query position may not see yet (entry w needs its window)."""
+    visible = torch.arange(scores.shape[-1], device=scores.device) < visible_entries(positions, ratio)[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [n, W]: each row's ``k`` best finite scores (fewer when fewer are finite)."""
+    width = scores.shape[-1]
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    if width == 0:
+        return selected
+    chosen = topk_indices(scores, min(k, width))
+    return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
+
+
+def top_k_in_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` best entries [B, k] in ascending entry order, and which are real (finite) [B, k].
+
+    Position order is how the per-sequence path reads its selection (the same sums in the same order).
+    """
+    width = scores.shape[1]
+    chosen = topk_indices(scores, min(k, width))
+    real = scores.gather(1, chosen) > float("-inf")
+    order = torch.sort(torch.where(real, chosen, chosen + width), dim=1).indices
+    return chosen.gather(1, order), real.gather(1, order)
+
+
+class IndexScorer(nn.Module):
+    """The indexer's query side: ``wq_b`` (from the attention's low-rank query) and per-head ``weights_proj``."""
+
+    def __init__(self, config: ModelConfigBase, ratio: int) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.topk, self.ratio = config.index_topk, config.csa_ratio
+        self.topk, self.ratio = config.index_topk, ratio
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """score [n, W] against keys [W, d] shared, or [n, W, d] per query, invisible entries -inf.
+
+        ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding).
+        """
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        if round_queries is not None:
+            q = round_queries(q)
+        spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
+        per_head = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return hide_invisible((per_head * head_weights.unsqueeze(-1)).sum(dim=1), positions, self.ratio)
+
+
+class Indexer(IndexScorer):
+    """V4's indexer: the scorer plus its own overlapping ratio-4 key compressor."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, config.csa_ratio)
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, config.csa_ratio, overlap=True, norm_eps=config.rms_norm_eps
         )
@@ -47,24 +109,7 @@ class Indexer(nn.Module):
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries).float()
-        scores = self._scores(x, q_latent, positions, keys, inv_freq)
-        visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = topk_indices(scores, min(self.topk, n_entries))
-        selected = torch.zeros_like(visible).scatter_(1, chosen, True)
-        return selected & visible
-
-    def _scores(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, inv_freq
-    ) -> torch.Tensor:
-        """score [n, W] = sum_h weight_h(x) * ReLU(q_h . k_w) / sqrt(d): keys [W, d] shared, or [n, W, d] per query."""
-        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(q, cos, sin).float()
-        spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
-        per_head = F.relu(torch.einsum(spec, q, keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        return (per_head * head_weights.unsqueeze(-1)).sum(dim=1)
+        return top_k_visible(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
 
     def select_decode(
         self,
@@ -83,11 +128,4 @@ class Indexer(nn.Module):
         """
         self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
         keys = gather_entries(cache, spans)
-        scores = self._scores(x, q_latent, positions, keys, inv_freq)
-        visible = torch.arange(keys.shape[1], device=x.device) < visible_entries(positions, self.ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = topk_indices(scores, min(self.topk, keys.shape[1]))
-        real = scores.gather(1, chosen) > float("-inf")
-        # Position order, as the per-sequence path reads them (the same sums in the same order).
-        order = torch.sort(torch.where(real, chosen, chosen + keys.shape[1]), dim=1).indices
-        return chosen.gather(1, order), real.gather(1, order)
+        return top_k_in_order(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
