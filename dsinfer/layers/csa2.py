@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.layers.attention import Attention, window_keys
+from dsinfer.layers.attention import Attention, decode_window_positions, window_keys
 from dsinfer.layers.compressor import Compressor, kept_entries, visible_entries
-from dsinfer.layers.indexer import IndexScorer, top_k_visible
+from dsinfer.layers.indexer import IndexScorer, top_k_in_order, top_k_visible
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
@@ -167,6 +167,8 @@ class AttentionV41(Attention):
         """
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
+        if batch.is_decode and not compressor_only:
+            return self._forward_decode(x, batch, inv_freq, shared[0], quantizer)
         if compressor_only:
             for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
                 self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
@@ -191,6 +193,74 @@ class AttentionV41(Attention):
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
         out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
         return self._project_out(out)
+
+    def _forward_decode(
+        self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
+    ) -> torch.Tensor:
+        """One token per sequence, every sequence at once, from the step's device metadata (no host reads).
+
+        ``state`` is the batch's: a KV source publishes every block-table entry of every sequence ([B, E, ...]),
+        an index source its chosen entries [B, k] in position order; what a sequence may not see is masked.
+        """
+        cache: KVCacheV41 = batch.cache
+        spans, positions = batch.device_spans, batch.positions
+        cos, sin = rope_angles(positions, inv_freq)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, positions)
+        cache.write_window(self.layer_id, spans.slots, positions, kv)
+        key_positions, visible = decode_window_positions(positions, spans, self.window)
+        keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
+        if self.compress_ratio:
+            if self.compressor is not None:
+                self._publish_decode(x, batch, cache, inv_freq, state, quantizer)
+            if self.indexer is not None:
+                scores = self.indexer.candidate_scores(
+                    x, q_latent, positions, state["index_keys"], inv_freq, state, quantizer
+                )
+                state["chosen"], state["real"] = top_k_in_order(scores, self.indexer.topk)
+            chosen = state["chosen"]
+            entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            visible = torch.cat([visible, state["real"]], dim=1)
+        out = apply_rope(self._attend_batched(q, keys, visible), cos, sin, inverse=True)
+        return self._project_out(out)
+
+    def _publish_decode(
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCacheV41,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> None:
+        """Decode: every token joins its unfinished group; the entries completed now (which sequences complete
+        one is known on the host from their positions) are rounded and cached; every entry is published."""
+        spans, ratio = batch.device_spans, self.compress_ratio
+        source = cache.layers[self.layer_id].source
+        latents, entry_ids, _ = self.compressor.decode_latents(x, batch.positions, spans, source)
+        per_block = cache.block_tokens // ratio
+        rows, blocks, block_rows = [], [], []
+        for row, span in enumerate(batch.spans):
+            entry = span.start // ratio
+            if (span.start + 1) % ratio == 0 and (entry + 1) * ratio > span.reuse_below:
+                rows.append(row)
+                blocks.append(span.block_table[entry // per_block])
+                block_rows.append(entry % per_block)
+        if rows:
+            device = x.device
+            rows = host_to_device(rows, torch.long, device)
+            latents, entry_ids = latents.index_select(0, rows), entry_ids.index_select(0, rows)
+            cos, sin = rope_angles(entry_ids * ratio, inv_freq)
+            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
+            keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
+            blocks, block_rows = (
+                host_to_device(blocks, torch.long, device),
+                host_to_device(block_rows, torch.long, device),
+            )
+            cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
+        state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, spans.block_tables)
 
     def _window_keys(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache: KVCacheV41

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.engram.hashing import EngramContext, EngramHasher
+from dsinfer.engram.hashing import ENGRAM_DEAD, EngramContext, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
@@ -77,7 +77,9 @@ class ForwardContext:
     batch: PackedBatch
     rope: RopeTables
     quantizer: ActivationQuantizer
-    shared: list[dict]  # one dict per sequence: what KV / index sources publish to later layers
+    # What KV / index sources publish to later layers: one dict per sequence, or in a decode step one dict for
+    # the whole batch (each tensor one row per sequence).
+    shared: list[dict]
     engram_rows: torch.Tensor | None = None  # [T, engram layers, columns] row ids
     engram_reads: EngramReads | None = None  # the forward's fetched rows, shared by sliced contexts
     engram_tokens: torch.Tensor | None = None  # which tokens of the forward this context holds; None: all
@@ -309,7 +311,8 @@ class DeepseekV41(DeepseekModel):
     def context(self, batch: PackedBatch, capture: bool = False) -> ForwardContext:
         """Scratch cache if needed, Engram rows (advancing each sequence's Engram history), token masks."""
         self.ensure_cache(batch)
-        ctx = ForwardContext(batch, self.rope, self.quantizer, [{} for _ in batch.spans])
+        shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
+        ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
         image_id = self.config.image_token_id
         if image_id is not None:
             ctx.image_mask = batch.input_ids == image_id
@@ -324,9 +327,17 @@ class DeepseekV41(DeepseekModel):
         return ctx
 
     def _engram_rows(self, batch: PackedBatch) -> torch.Tensor:
+        """Every Engram layer's row ids [T, layers, columns]; advances each sequence's Engram history."""
         if self.engram_hasher is None:
             raise RuntimeError("this model has Engram layers: attach an EngramHasher built from its tokenizer first")
         history = batch.cache.engram_history
+        if batch.is_decode:  # one token per sequence, from the step's device metadata: no host read
+            spans = batch.device_spans
+            fresh = (spans.starts == 0)[:, None]
+            contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
+            rows, next_contexts = self.engram_hasher.decode_step(batch.input_ids, contexts)
+            history[spans.slots] = next_contexts
+            return rows
         slots = torch.tensor([span.slot for span in batch.spans], dtype=torch.long, device=history.device)
         contexts = history[slots].clone()
         fresh = torch.tensor([span.start == 0 for span in batch.spans], device=history.device)
