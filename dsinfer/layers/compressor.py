@@ -21,6 +21,7 @@ from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.ops.compressor import compressor_pool_reference
 
 
 def join_pending(
@@ -186,8 +187,7 @@ class Compressor(nn.Module):
 
     def _pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], then RMSNorm (pre-RoPE entries)."""
-        weights = gates.softmax(dim=1, dtype=torch.float32).to(values.dtype)
-        return self.norm((values * weights).sum(dim=1).to(dtype))
+        return compressor_pool_reference(values, gates, self.norm.weight, self.norm.eps, dtype)
 
     def _overlapping_slots(
         self, values: torch.Tensor, gates: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None

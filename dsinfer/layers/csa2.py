@@ -32,10 +32,11 @@ from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.layers.attention import Attention, decode_window_positions, window_keys
 from dsinfer.layers.compressor import Compressor, kept_entries, visible_entries
-from dsinfer.layers.indexer import IndexScorer, top_k_in_order, top_k_visible
+from dsinfer.layers.indexer import IndexScorer, top_k_visible
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.topk import topk_indices
 
 

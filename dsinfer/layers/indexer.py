@@ -2,8 +2,9 @@
 
 score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w) / sqrt(d), with the query projected from the
 attention's low-rank query; only the ``index_topk`` best visible entries survive. :class:`IndexScorer` is that
-rule, shared by both variants. V4's :class:`Indexer` owns a ratio-4 compressor for its keys (cached like the
-main entries); V4.1's index sources (``dsinfer.layers.csa2``) score keys a KV source published.
+rule, shared by both variants (its arithmetic is the ``index_scores`` / ``index_topk`` ops). V4's
+:class:`Indexer` owns a ratio-4 compressor for its keys (cached like the main entries); V4.1's index sources
+(``dsinfer.layers.csa2``) score keys a KV source published.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig, ModelConfigBase
@@ -19,13 +19,8 @@ from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, gather_entries, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.ops.index_scores import index_scores_reference, index_topk_reference
 from dsinfer.ops.topk import topk_indices
-
-
-def hide_invisible(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    """``scores`` [n, W] with -inf at the entries each query position may not see yet (entry w needs its window)."""
-    visible = torch.arange(scores.shape[-1], device=scores.device) < visible_entries(positions, ratio)[:, None]
-    return scores.masked_fill(~visible, float("-inf"))
 
 
 def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,18 +31,6 @@ def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
         return selected
     chosen = topk_indices(scores, min(k, width))
     return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
-
-
-def top_k_in_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` best entries [B, k] in ascending entry order, and which are real (finite) [B, k].
-
-    Position order is how the per-sequence path reads its selection (the same sums in the same order).
-    """
-    width = scores.shape[1]
-    chosen = topk_indices(scores, min(k, width))
-    real = scores.gather(1, chosen) > float("-inf")
-    order = torch.sort(torch.where(real, chosen, chosen + width), dim=1).indices
-    return chosen.gather(1, order), real.gather(1, order)
 
 
 class IndexScorer(nn.Module):
@@ -73,14 +56,23 @@ class IndexScorer(nn.Module):
 
         ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding).
         """
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries)
+        return index_scores_reference(q, keys, head_weights, visible_entries(positions, self.ratio))
+
+    def queries(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H]."""
         cos, sin = rope_angles(positions, inv_freq)
         q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
         if round_queries is not None:
             q = round_queries(q)
-        spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
-        per_head = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        return hide_invisible((per_head * head_weights.unsqueeze(-1)).sum(dim=1), positions, self.ratio)
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
 
 
 class Indexer(IndexScorer):
@@ -127,5 +119,6 @@ class Indexer(IndexScorer):
         the block tables' width, never on a value read from the device.
         """
         self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
-        keys = gather_entries(cache, spans)
-        return top_k_in_order(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq)
+        visible = visible_entries(positions, self.ratio)
+        return index_topk_reference(q, gather_entries(cache, spans), head_weights, visible, self.topk)
