@@ -121,20 +121,6 @@ class IndexerV41(IndexScorer):
             scores = scores.masked_fill(~state["candidates"], float("-inf"))
         return scores
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-        inv_freq: torch.Tensor,
-        state: dict,
-        quantizer: ActivationQuantizer,
-    ) -> torch.Tensor:
-        """Boolean [n, W]: the entries each new query of one sequence attends to."""
-        scores = self.candidate_scores(x, q_latent, positions, keys, inv_freq, state, quantizer)
-        return top_k_visible(scores, self.topk)
-
 
 class AttentionV41(Attention):
     """Shared-KV MQA with a window and (ratio > 0) the shared compressed entries; V4's window and projections."""
@@ -174,10 +160,7 @@ class AttentionV41(Attention):
             for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
                 self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
             return None
-        cos, sin = rope_angles(batch.positions, inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, batch.positions)
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
         outputs = []
         for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
             positions = batch.positions[tokens]
@@ -186,14 +169,23 @@ class AttentionV41(Attention):
                 if self.compressor is not None:
                     self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
                 if self.indexer is not None:
-                    state["selected"] = self.indexer.select(
+                    scores = self.indexer.candidate_scores(
                         x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
                     )
+                    state["selected"] = top_k_visible(scores, self.indexer.topk)
                 compressed, visible = state["entries"], state["selected"]
             window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
         out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
         return self._project_out(out)
+
+    def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
+        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
+        cos, sin = rope_angles(positions, inv_freq)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, positions)
+        return cos, sin, q_latent, q, kv
 
     def _forward_decode(
         self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
@@ -205,10 +197,7 @@ class AttentionV41(Attention):
         """
         cache: KVCacheV41 = batch.cache
         spans, positions = batch.device_spans, batch.positions
-        cos, sin = rope_angles(positions, inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, positions)
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, positions, inv_freq, quantizer)
         cache.write_window(self.layer_id, spans.slots, positions, kv)
         key_positions, visible = decode_window_positions(positions, spans, self.window)
         keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
