@@ -1,6 +1,7 @@
 """Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
 
 # Each import registers the op's reference and any faster backends beside it.
+import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.cache_codec import cache_decode_reference, cache_encode_reference
 from dsinfer.ops.compressor import compressor_pool_reference
 from dsinfer.ops.engram_gather import engram_gather_triton, gather_dequantize_reference
 from dsinfer.ops.engram_gather import kernel as engram_kernel
@@ -41,12 +42,28 @@ def _inputs(op: str):
         return (_random(9, 64, scale=30),), {"block": 32}
     if op == "fake_quant_fp4":
         return (_random(9, 64, scale=3), 16, True), {}
+    if op == "cache_encode":
+        return (fake_quant_fp4(_random(9, 64, scale=3), 16, True), "e2m1", 16, "e4m3"), {}
+    if op == "cache_decode":
+        codes, scales = cache_encode_reference(fake_quant_fp8(_random(9, 64, scale=30), 32), "e4m3", 32, "ue8m0")
+        return (codes, scales, "e4m3", 32, "ue8m0", torch.bfloat16), {}
     raise AssertionError(op)
 
 
-@pytest.mark.parametrize(
-    "op", ["rms_norm", "rope", "compressor_pool", "index_scores", "index_topk", "fake_quant_fp8", "fake_quant_fp4"]
-)
+LAYER_OPS = [
+    "rms_norm",
+    "rope",
+    "compressor_pool",
+    "index_scores",
+    "index_topk",
+    "fake_quant_fp8",
+    "fake_quant_fp4",
+    "cache_encode",
+    "cache_decode",
+]
+
+
+@pytest.mark.parametrize("op", LAYER_OPS)
 def test_every_cpu_backend_matches_the_reference(op):
     found = {backend.name: backend for backend in backends(op)}
     assert REFERENCE in found
@@ -132,6 +149,23 @@ def test_fake_quantization_is_idempotent_and_on_the_grid():
     fp4 = fake_quant_fp4(_random(9, 64, scale=3), 32, False)  # power-of-two scales: re-rounding is exact
     assert torch.equal(fake_quant_fp4(fp4, 32, False), fp4)
     assert len(torch.unique(fp4.unflatten(-1, (-1, 32))[0, 0].abs())) <= 8  # e2m1 has 8 magnitudes
+
+
+@pytest.mark.parametrize(
+    ("element", "block", "scale", "rounding"),
+    [
+        ("e4m3", 32, "ue8m0", lambda x: fake_quant_fp8(x, 32)),  # window KV
+        ("e2m1", 16, "e4m3", lambda x: fake_quant_fp4(x, 16, True)),  # compressed KV
+        ("e2m1", 32, "ue8m0", lambda x: fake_quant_fp4(x, 32, False)),  # index keys
+    ],
+)
+def test_cache_codecs_give_back_the_rounded_rows_bit_for_bit(element, block, scale, rounding):
+    rows = rounding(_random(33, 128, seed=4, scale=5) * torch.logspace(-6, 2, 128))  # tiny blocks too
+    codes, scales = cache_encode_reference(rows, element, block, scale)
+    assert codes.shape[-1] == (128 if element == "e4m3" else 64) and scales.shape[-1] == 128 // block
+    for dtype in (torch.float32, torch.bfloat16):
+        want = rows.to(dtype)
+        assert torch.equal(cache_decode_reference(codes, scales, element, block, scale, dtype).view(-1), want.view(-1))
 
 
 def _engram_table(rows=40, seed=0):
