@@ -107,3 +107,44 @@ def test_a_v4_prefill_chunk_reads_nothing_on_the_host():
     with RefuseHostReads():
         logits = model(chunk)
     assert torch.isfinite(logits).all()
+
+
+def _dense_experts(model) -> None:
+    """Routed experts as dense stacks (what the gathered stand-in indexes), dequantised exactly from FP4."""
+    from dsinfer.ops.moe import dequantize_expert
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            weights = module.routed_weights()
+            pairs = [dequantize_expert(weights, e, torch.float32) for e in range(weights.num_experts)]
+            w13, w2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            module.pack(ExpertWeights(w13, None, w2, None, weights.intermediate_size, False))
+
+
+@pytest.mark.parametrize("quantized_storage", [False, True])
+def test_a_v41_decode_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quantized_storage):
+    """Every V4.1 layer role (window-only, ratio-2 and ratio-1 KV sources, candidate and keyless index sources,
+    reusers) and Engram decode one token per sequence from the step's device metadata."""
+    import copy
+
+    from dsinfer.kv.batch import PackedBatch, SequenceSpan
+    from dsinfer.kv.cache_v41 import KVCacheV41
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    _dense_experts(model)
+    _use_gathered_moe(model)
+    cache = KVCacheV41(model.config, 3, 24, 8, torch.float32, "cpu", quantized_storage=quantized_storage)
+    lengths, tables = [37, 6, 1], [[5, 1, 9, 12, 20], [0, 2], [3]]
+    for slot, (length, table) in enumerate(zip(lengths, tables, strict=True)):
+        prompt = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(slot))
+        model(PackedBatch(prompt, torch.arange(length), [SequenceSpan(0, length, slot, table)], cache))
+    spans = [SequenceSpan(n, 1, slot, tables[slot]) for slot, n in enumerate(lengths)]
+    batch = PackedBatch(torch.tensor([7, 8, 9]), torch.tensor(lengths), spans, copy.deepcopy(cache))
+    expected = model(batch)
+    batch = PackedBatch(torch.tensor([7, 8, 9]), torch.tensor(lengths), spans, cache)
+    _ = batch.device_spans
+    assert batch.is_decode
+    with RefuseHostReads():
+        got = model(batch)
+    assert torch.equal(got, expected)

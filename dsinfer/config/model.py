@@ -51,8 +51,14 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Everything the DeepSeek-V4 forward pass needs to know about the architecture."""
+class ModelConfigBase:
+    """The architecture V4 and V4.1 share (V4-Flash's defaults): one base, each variant adds its own fields.
+
+    Attention (shared-KV MQA with a sliding window, low-rank queries, grouped output), the lightning indexer's
+    widths, the routed MoE, mHC and RoPE are described by the same fields in both; :class:`ModelConfig` adds
+    V4's hash routing and CSA / HCA ratios, :class:`~dsinfer.config.model_v41.ModelConfigV41` its layer roles,
+    Engram, DSpark and vision.
+    """
 
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -71,11 +77,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
-    num_hash_layers: int = 3
     sliding_window: int = 128
     compress_ratios: tuple[int, ...] = ()
-    csa_ratio: int = 4
-    hca_ratio: int = 128
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
@@ -92,6 +95,28 @@ class ModelConfig:
     eos_token_id: int = 1
     quantization: QuantizationConfig | None = None
     model_type: str = "deepseek_v4"
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @classmethod
+    def typed_fields(cls, values: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The parsed ``values`` that name a field of ``cls``, each checked against its type (errors name it)."""
+        return {
+            name: typed_value(name, spec.type, values[name])
+            for name, spec in cls.__dataclass_fields__.items()
+            if name in values and name not in skip
+        }
+
+
+@dataclass(frozen=True)
+class ModelConfig(ModelConfigBase):
+    """Everything the DeepSeek-V4 forward pass needs to know about the architecture."""
+
+    num_hash_layers: int = 3
+    csa_ratio: int = 4
+    hca_ratio: int = 128
 
     def __post_init__(self) -> None:
         if not self.compress_ratios:
@@ -110,25 +135,15 @@ class ModelConfig:
         """The first ``num_hash_layers`` MoE layers route by the frozen ``tid2eid`` table."""
         return layer_id < self.num_hash_layers
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
     def to_dict(self) -> dict[str, Any]:
         """Official-style ``config.json`` content (what :func:`ModelConfig.from_dict` reads back)."""
         data = asdict(self)
         data["compress_ratios"] = list(self.compress_ratios)
         yarn = data.pop("yarn")
         data["rope_scaling"] = None if yarn is None else {"type": "yarn", **yarn}
-        quant = data.pop("quantization")
-        if quant is not None:
-            data["quantization_config"] = {
-                "quant_method": "fp8",
-                "fmt": "e4m3",
-                "scale_fmt": "ue8m0",
-                "weight_block_size": list(quant["weight_block_size"]),
-                "expert_dtype": quant["expert_dtype"],
-            }
+        data.pop("quantization")
+        if self.quantization is not None:
+            data["quantization_config"] = quantization_dict(self.quantization)
         data["compress_rate_csa"] = data.pop("csa_ratio")
         data["compress_rate_hca"] = data.pop("hca_ratio")
         return data
@@ -165,12 +180,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             allowed = [*SUPPORTED_MODEL_TYPES, "deepseek_v41", "deepseek_v41_text"]
             raise ConfigError(f"field 'model_type': expected one of {allowed}, got {model_type!r}")
-        values: dict[str, Any] = {"model_type": model_type}
-        for name, aliases in _ALIASES.items():
-            for key in (name, *aliases):
-                if key in raw and raw[key] is not None:
-                    values[name] = raw[key]
-                    break
+        values: dict[str, Any] = {"model_type": model_type, **aliased_values(raw, _ALIASES)}
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raise ConfigError("field 'text_config': multimodal wrapper configs are not supported yet")
         _reject_unimplemented(raw)
@@ -191,26 +201,8 @@ class ModelConfig:
                 values["rope_theta"] = main["rope_theta"]
         if "qk_rope_head_dim" not in values and raw.get("partial_rotary_factor") is not None:
             values["qk_rope_head_dim"] = round(float(raw["partial_rotary_factor"]) * _as_int(values, "head_dim", 512))
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         values["quantization"] = _quantization(raw)
-
-        kwargs = {}
-        for f_name, f_def in cls.__dataclass_fields__.items():
-            if f_name not in values:
-                continue
-            value = values[f_name]
-            if f_def.type in ("int",):
-                value = _coerce(f_name, value, int)
-            elif f_def.type in ("float",):
-                value = _coerce(f_name, value, float)
-            elif f_def.type in ("bool",):
-                if not isinstance(value, bool):
-                    raise ConfigError(f"field {f_name!r}: expected true/false, got {value!r}")
-            elif f_def.type == "str" and not isinstance(value, str):
-                raise ConfigError(f"field {f_name!r}: expected a string, got {value!r}")
-            kwargs[f_name] = value
-        return cls(**kwargs)
+        return cls(**cls.typed_fields(values))
 
 
 def _reject_unimplemented(raw: dict[str, Any]) -> None:
@@ -297,6 +289,61 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
             raise ConfigError(f"field {name!r}: expected an integer, got {value!r}")
         return int(value)
     return float(value)
+
+
+def aliased_values(raw: dict[str, Any], aliases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """Field name -> the value of its first spelling present (and not null) in ``raw``; a list ``eos_token_id``
+    gives its first id."""
+    values: dict[str, Any] = {}
+    for name, spellings in aliases.items():
+        for key in (name, *spellings):
+            if key in raw and raw[key] is not None:
+                values[name] = raw[key]
+                break
+    if isinstance(values.get("eos_token_id"), list):
+        values["eos_token_id"] = values["eos_token_id"][0]
+    return values
+
+
+def int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"field {name!r}: expected a list of integers, got {value!r}")
+    items = list(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise ConfigError(f"field {name!r}: expected a list of integers, got {items!r}")
+    return tuple(items)
+
+
+def typed_value(name: str, kind: str, value: Any) -> Any:
+    """Check one parsed value against its dataclass field type (as written: ``"int"``, ``"tuple[int, ...]"``)."""
+    if kind == "int":
+        return _coerce(name, value, int)
+    if kind == "int | None":
+        return None if value is None else _coerce(name, value, int)
+    if kind == "float":
+        return _coerce(name, value, float)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"field {name!r}: expected true/false, got {value!r}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"field {name!r}: expected a string, got {value!r}")
+        return value
+    if kind.startswith("tuple[int"):
+        return int_tuple(name, value)
+    return value
+
+
+def quantization_dict(quant: QuantizationConfig) -> dict[str, Any]:
+    """A ``quantization_config`` object in the official spelling (what :func:`_quantization` reads back)."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": list(quant.weight_block_size),
+        "expert_dtype": quant.expert_dtype,
+    }
 
 
 def _as_int(values: dict[str, Any], name: str, default: int) -> int:
@@ -437,25 +484,40 @@ def check_attention_and_router(cfg: Any) -> None:
         raise ConfigError(f"field 'scoring_func': DeepSeek-V4 uses 'sqrtsoftplus', got {cfg.scoring_func!r}")
 
 
-def _validate(cfg: ModelConfig) -> None:
-    """Reject impossible values with a message naming the field."""
-    positive = (
-        "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
-        "o_lora_rank n_routed_experts num_experts_per_tok moe_intermediate_size sliding_window csa_ratio "
-        "hca_ratio index_n_heads index_head_dim index_topk hc_mult hc_sinkhorn_iters max_position_embeddings"
-    ).split()
+# Range rules of the fields both variants share (each variant adds its own).
+SHARED_POSITIVE = (
+    "vocab_size hidden_size num_attention_heads head_dim q_lora_rank o_groups o_lora_rank n_routed_experts "
+    "num_experts_per_tok moe_intermediate_size sliding_window index_n_heads index_head_dim index_topk hc_mult "
+    "hc_sinkhorn_iters max_position_embeddings"
+).split()
+SHARED_NON_NEGATIVE = ["n_shared_experts", "num_nextn_predict_layers"]
+SHARED_POSITIVE_NUMBERS = ["rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit"]
+SHARED_UNIT_INTERVAL = ["hc_eps", "rms_norm_eps"]
+
+
+def check_shared_ranges(
+    cfg: ModelConfigBase, positive: list[str], non_negative: list[str], positive_numbers: list[str]
+) -> None:
+    """The shared range rules plus a variant's own (field names), then the shared shape and router rules."""
     check_ranges(
         cfg,
-        positive,
-        ["n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"],
-        ["rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit"],
-        ["hc_eps", "rms_norm_eps"],
+        [*SHARED_POSITIVE, *positive],
+        [*SHARED_NON_NEGATIVE, *non_negative],
+        [*SHARED_POSITIVE_NUMBERS, *positive_numbers],
+        SHARED_UNIT_INTERVAL,
     )
+    check_attention_and_router(cfg)
+    if cfg.yarn is not None and cfg.yarn.factor < 1:
+        raise ConfigError(f"field 'rope_scaling.factor': must be >= 1, got {cfg.yarn.factor}")
+
+
+def _validate(cfg: ModelConfig) -> None:
+    """Reject impossible values with a message naming the field."""
+    check_shared_ranges(cfg, ["num_hidden_layers", "csa_ratio", "hca_ratio"], ["num_hash_layers"], [])
     if cfg.num_hash_layers > cfg.num_hidden_layers:
         raise ConfigError(
             f"field 'num_hash_layers': {cfg.num_hash_layers} exceeds num_hidden_layers ({cfg.num_hidden_layers})"
         )
-    check_attention_and_router(cfg)
     if cfg.csa_ratio == cfg.hca_ratio:
         raise ConfigError("field 'compress_rate_hca': must differ from compress_rate_csa")
     if len(cfg.compress_ratios) != cfg.num_hidden_layers:
@@ -470,5 +532,3 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"field 'bos_token_id': {cfg.bos_token_id} is outside the vocabulary")
     if not 0 <= cfg.eos_token_id < cfg.vocab_size:
         raise ConfigError(f"field 'eos_token_id': {cfg.eos_token_id} is outside the vocabulary")
-    if cfg.yarn is not None and cfg.yarn.factor < 1:
-        raise ConfigError(f"field 'rope_scaling.factor': must be >= 1, got {cfg.yarn.factor}")

@@ -16,19 +16,19 @@ compressor, which scores, which reuses) are derived once here; the model only as
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsinfer.config.model import _ALIASES as V4_ALIASES
 from dsinfer.config.model import (
     ConfigError,
-    QuantizationConfig,
-    YarnScaling,
-    _coerce,
+    ModelConfigBase,
     _quantization,
     _yarn,
-    check_attention_and_router,
-    check_ranges,
+    aliased_values,
+    check_shared_ranges,
+    int_tuple,
+    quantization_dict,
 )
 from dsinfer.config.vision import VisionConfig
 
@@ -42,44 +42,24 @@ FP8_SCALE_BLOCK = 32  # channels per ue8m0 scale of an Engram table row
 
 
 @dataclass(frozen=True)
-class ModelConfigV41:
-    """Everything the DeepSeek-V4.1 forward pass needs to know about the architecture."""
+class ModelConfigV41(ModelConfigBase):
+    """Everything the DeepSeek-V4.1 forward pass needs: the shared base (V4.1-Flash's defaults) plus its own fields."""
 
-    vocab_size: int = 129280
     hidden_size: int = 5120
     num_hidden_layers: int = 40
-    num_attention_heads: int = 64
-    head_dim: int = 512
-    qk_rope_head_dim: int = 64
     q_lora_rank: int = 1280
-    o_groups: int = 8
-    o_lora_rank: int = 1024
     n_routed_experts: int = 384
-    num_experts_per_tok: int = 6
-    n_shared_experts: int = 1
     moe_intermediate_size: int = 2304
-    scoring_func: str = "sqrtsoftplus"
+    index_n_heads: int = 32
+    rms_norm_eps: float = 1e-20
+    num_nextn_predict_layers: int = 3
+    model_type: str = "deepseek_v41"
     gate_temp: float = 1.0
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0
-    sliding_window: int = 128
-    compress_ratios: tuple[int, ...] = ()
     kv_source_layer_ids: tuple[int, ...] | None = None
     index_source_layer_ids: tuple[int, ...] | None = None
     candidate_source_layer_id: int | None = None  # None: the last KV source; negative: no candidate level
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
-    index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 512
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    yarn: YarnScaling | None = field(default_factory=YarnScaling)
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    rms_norm_eps: float = 1e-20
     engram_layer_ids: tuple[int, ...] = ()
     engram_vocab_size: int = 16000000
     engram_num_embeddings: tuple[int, ...] = ()  # empty: derived from the primes
@@ -88,20 +68,14 @@ class ModelConfigV41:
     engram_head_dim: int = 256
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 99092
-    num_nextn_predict_layers: int = 3
     dspark_block_size: int = 5
     dspark_noise_token_id: int = 128799
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 128
     dspark_num_experts_per_tok: int = 3
-    max_position_embeddings: int = 1048576
-    bos_token_id: int = 0
-    eos_token_id: int = 1
     image_token_id: int | None = 129264
-    quantization: QuantizationConfig | None = None
     vision: VisionConfig | None = None  # the checkpoint's ``vision_config``; None: text only
-    model_type: str = "deepseek_v41"
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -126,11 +100,11 @@ class ModelConfigV41:
                 kv_sources = RELEASED_KV_SOURCES
             else:  # the first layer of each run of equal non-zero ratios publishes for its run
                 kv_sources = tuple(i for i in range(n) if ratios[i] and (i == 0 or ratios[i - 1] != ratios[i]))
-        object.__setattr__(self, "kv_source_layer_ids", _int_tuple("kv_source_layer_ids", kv_sources))
+        object.__setattr__(self, "kv_source_layer_ids", int_tuple("kv_source_layer_ids", kv_sources))
         index_sources = self.index_source_layer_ids
         if index_sources is None:
             index_sources = RELEASED_INDEX_SOURCES if self.kv_source_layer_ids == RELEASED_KV_SOURCES else kv_sources
-        object.__setattr__(self, "index_source_layer_ids", _int_tuple("index_source_layer_ids", index_sources))
+        object.__setattr__(self, "index_source_layer_ids", int_tuple("index_source_layer_ids", index_sources))
         if self.candidate_source_layer_id is None:
             last = self.kv_source_layer_ids[-1] if self.kv_source_layer_ids else -1
             object.__setattr__(self, "candidate_source_layer_id", last)
@@ -138,9 +112,9 @@ class ModelConfigV41:
             others = [i for i in range(n) if i not in self.kv_source_layer_ids]
             object.__setattr__(self, "dspark_target_layer_ids", tuple(sorted(others[-3:])))
         object.__setattr__(
-            self, "dspark_target_layer_ids", _int_tuple("dspark_target_layer_ids", self.dspark_target_layer_ids)
+            self, "dspark_target_layer_ids", int_tuple("dspark_target_layer_ids", self.dspark_target_layer_ids)
         )
-        object.__setattr__(self, "engram_layer_ids", _int_tuple("engram_layer_ids", self.engram_layer_ids))
+        object.__setattr__(self, "engram_layer_ids", int_tuple("engram_layer_ids", self.engram_layer_ids))
         _validate(self)
         sizes = self.derived_engram_table_sizes()
         given = tuple(self.engram_num_embeddings)
@@ -181,10 +155,6 @@ class ModelConfigV41:
             return None
         last = self.kv_source_layer_ids[-1]
         return last if self.compress_ratios[last] == 1 else None
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def engram_columns(self) -> int:
@@ -233,13 +203,7 @@ class ModelConfigV41:
         if self.vision is not None:
             out["vision_config"] = self.vision.to_dict()
         if self.quantization is not None:
-            out["quantization_config"] = {
-                "quant_method": "fp8",
-                "fmt": "e4m3",
-                "scale_fmt": "ue8m0",
-                "weight_block_size": list(self.quantization.weight_block_size),
-                "expert_dtype": self.quantization.expert_dtype,
-            }
+            out["quantization_config"] = quantization_dict(self.quantization)
         return out
 
     @classmethod
@@ -260,15 +224,8 @@ class ModelConfigV41:
                 )
             raw = {**{k: v for k, v in raw.items() if k != "vision_config"}, **text}
         _reject_unsupported(raw)
-        values: dict[str, Any] = {}
-        for name, aliases in _ALIASES.items():
-            for key in (name, *aliases):
-                if key in raw and raw[key] is not None:
-                    values[name] = raw[key]
-                    break
+        values = aliased_values(raw, _ALIASES)
         values["yarn"] = _yarn(raw)
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         if "image_token_id" in raw and raw["image_token_id"] is None:
             values["image_token_id"] = None
         if "candidate_source_layer_id" in values and values["candidate_source_layer_id"] < 0:
@@ -276,12 +233,7 @@ class ModelConfigV41:
         values["quantization"] = _quantization(raw, default_block=(32, 32))
         if vision is not None:
             values["vision"] = VisionConfig.from_dict(vision)
-        kwargs: dict[str, Any] = {"model_type": "deepseek_v41"}
-        for f_name, f_def in cls.__dataclass_fields__.items():
-            if f_name not in values or f_name == "model_type":
-                continue
-            kwargs[f_name] = _typed(f_name, f_def.type, values[f_name])
-        return cls(**kwargs)
+        return cls(model_type="deepseek_v41", **cls.typed_fields(values, skip=("model_type",)))
 
 
 def default_compress_ratios(num_layers: int) -> tuple[int, ...]:
@@ -337,53 +289,14 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
             raise ConfigError(f"field {name!r}: DeepSeek-V4.1 uses {accepted!r}, got {raw[name]!r}")
 
 
-def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ConfigError(f"field {name!r}: expected a list of integers, got {value!r}")
-    items = list(value)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-        raise ConfigError(f"field {name!r}: expected a list of integers, got {items!r}")
-    return tuple(items)
-
-
-def _typed(name: str, kind: str, value: Any) -> Any:
-    """Check one parsed value against its dataclass field type; the error names the field."""
-    if kind == "int":
-        return _coerce(name, value, int)
-    if kind == "int | None":
-        return None if value is None else _coerce(name, value, int)
-    if kind == "float":
-        return _coerce(name, value, float)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"field {name!r}: expected true/false, got {value!r}")
-        return value
-    if kind == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"field {name!r}: expected a string, got {value!r}")
-        return value
-    if kind.startswith("tuple[int"):
-        return _int_tuple(name, value)
-    return value
-
-
 def _validate(cfg: ModelConfigV41) -> None:
     """Reject impossible values and layer schedules with a message naming the field."""
     positive = (
-        "vocab_size hidden_size num_attention_heads head_dim q_lora_rank o_groups o_lora_rank n_routed_experts "
-        "num_experts_per_tok moe_intermediate_size sliding_window index_n_heads index_head_dim index_topk "
-        "candidate_topk_blocks candidate_block_size hc_mult hc_sinkhorn_iters max_position_embeddings "
-        "engram_vocab_size engram_n_heads engram_head_dim engram_compressed_vocab_size dspark_block_size "
-        "dspark_markov_rank dspark_n_routed_experts dspark_num_experts_per_tok"
+        "candidate_topk_blocks candidate_block_size engram_vocab_size engram_n_heads engram_head_dim "
+        "engram_compressed_vocab_size dspark_block_size dspark_markov_rank dspark_n_routed_experts "
+        "dspark_num_experts_per_tok"
     ).split()
-    check_ranges(
-        cfg,
-        positive,
-        ["n_shared_experts", "num_nextn_predict_layers"],
-        ["rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "gate_temp"],
-        ["hc_eps", "rms_norm_eps"],
-    )
-    check_attention_and_router(cfg)
+    check_shared_ranges(cfg, positive, [], ["gate_temp"])
     if cfg.dspark_num_experts_per_tok > cfg.dspark_n_routed_experts:
         raise ConfigError(
             f"field 'dspark_num_experts_per_tok': {cfg.dspark_num_experts_per_tok} exceeds "
@@ -403,8 +316,6 @@ def _validate(cfg: ModelConfigV41) -> None:
             )
     if cfg.num_nextn_predict_layers and not cfg.dspark_target_layer_ids:
         raise ConfigError("field 'dspark_target_layer_ids': DSpark layers need at least one target layer")
-    if cfg.yarn is not None and cfg.yarn.factor < 1:
-        raise ConfigError(f"field 'rope_scaling.factor': must be >= 1, got {cfg.yarn.factor}")
 
 
 def _validate_layer_roles(cfg: ModelConfigV41) -> None:

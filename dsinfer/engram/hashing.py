@@ -253,6 +253,19 @@ class EngramHasher:
         ends = torch.cumsum(lengths + width, 0)
         return buffer[(ends - width).unsqueeze(1) + torch.arange(width, device=buffer.device)]
 
+    def decode_step(self, token_ids: torch.Tensor, contexts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per sequence: rows ``[B, num_engram_layers, n_columns]`` and the next contexts ``[B, w]``.
+
+        The decode step's form of :meth:`all_row_ids` and :meth:`next_contexts` (the same integers), with no
+        host read: the ids are the sampler's (not range-checked here) and each sequence has exactly one token.
+        """
+        compressed = self.compressed_vocabulary[token_ids].masked_fill(~self.gate_mask(token_ids), ENGRAM_DEAD)
+        history = torch.cat([contexts, compressed[:, None]], dim=1)  # oldest first; the token last
+        looked = history.flip(1)  # column k: the id at t - k
+        looked = looked.masked_fill((looked == ENGRAM_DEAD).cumsum(dim=1) > 0, self.pad_compressed_id)
+        rows = self._hash(looked.unsqueeze(1), self._multipliers, self._primes, self._offsets)
+        return rows, history[:, 1:]
+
     def advance(self, context: EngramContext, token_ids: Sequence[int] | torch.Tensor) -> EngramContext:
         """One sequence's context moved past ``token_ids``."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64, device=self.compressed_vocabulary.device).flatten()

@@ -143,11 +143,11 @@ class KVCacheV41:
         source = SourceCache(ratio, pending(), pending(), entries, index_keys, entry_scales, index_key_scales)
         return LayerCacheV41(window, source, window_scales)
 
-    spare_blocks = 0  # V4.1's layers read and write block tables one sequence at a time: no trash block yet
+    spare_blocks = 0  # decode steps write only the entries they complete (host-known): no trash block
 
     @property
     def trash_block(self) -> int:
-        """Block id past the pool, used only to pad the step's device block tables (never read or written here)."""
+        """Block id past the pool, used only to pad the step's device block tables (reads clamp it, nothing writes)."""
         return self.num_blocks
 
     # ---- what the layers call ----------------------------------------------------------------------
@@ -197,6 +197,29 @@ class KVCacheV41:
         index = self._entry_location(source, block_table, torch.arange(count, device=device))
         entries = self._read(source.entries, source.entry_scales, self.entry_format, index)
         return entries, self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
+
+    def write_entries_at(
+        self, layer_id: int, blocks: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, keys: torch.Tensor
+    ) -> None:
+        """Store entries ``[n, head_dim]`` and index keys of a KV source at (block, row) pairs (a decode step's)."""
+        source = self._source(layer_id)
+        self._write(source.entries, source.entry_scales, self.entry_format, (blocks, rows), entries)
+        self._write(source.index_keys, source.index_key_scales, self.index_key_format, (blocks, rows), keys)
+
+    def gather_entries(self, layer_id: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry row of every block-table block, ``[B, max_blocks * per_block, head_dim]``, and index keys.
+
+        ``block_tables`` [B, max_blocks] comes from the step's device metadata; its padding (the trash block id,
+        past the pool) reads the last block instead: callers mask what a sequence may not see, so shapes depend
+        only on the tables' width and no value is read on the host.
+        """
+        source = self._source(layer_id)
+        per_block = self.block_tokens // source.ratio
+        blocks = block_tables.clamp(max=self.num_blocks - 1)[:, :, None]
+        index = (blocks, torch.arange(per_block, device=block_tables.device))
+        entries = self._read(source.entries, source.entry_scales, self.entry_format, index)
+        keys = self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
+        return entries.flatten(1, 2), keys.flatten(1, 2)
 
     def _source(self, layer_id: int) -> SourceCache:
         source = self.layers[layer_id].source

@@ -1,5 +1,8 @@
 """Block-scaled storage of V4.1's rounded activations: codes plus one scale per block, lossless.
 
+The formats are described here; the arithmetic is the ``cache_encode`` / ``cache_decode`` ops
+(:mod:`dsinfer.ops.cache_codec`).
+
 V4.1's fake quantizers (:mod:`dsinfer.ops.fake_quant`) leave every window KV vector, compressed KV entry
 and index key on a block-scaled FP8 / FP4 grid, but in the model dtype. A :class:`CacheFormat` stores such
 rows as what they are, one byte per code or per scale:
@@ -39,22 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.fake_quant import (
-    COMPRESSED_KV_BLOCK,
-    INDEX_BLOCK,
-    WINDOW_KV_BLOCK,
-    e2m1_values,
-    fp4_block_codes,
-    fp4_block_scale,
-    fp8_block_codes,
-)
-from dsinfer.ops.quant import dequantize_fp4, pack_e2m1_codes
+from dsinfer.ops.cache_codec import cache_decode_reference, cache_encode_reference
+from dsinfer.ops.fake_quant import COMPRESSED_KV_BLOCK, INDEX_BLOCK, WINDOW_KV_BLOCK
 
 ELEMENTS = ("e4m3", "e2m1")
 SCALES = ("ue8m0", "e4m3")
-
-# Every nonzero e2m1 magnitude but the largest (the fake quantizer's rule already tries amax / 6).
-_SMALLER_E2M1_MAGNITUDES = (4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -104,17 +96,7 @@ class CacheFormat:
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[..., channels]`` -> codes ``[..., code_width]`` and scales ``[..., scale_width]``."""
         self.check_channels(values.shape[-1])
-        blocks = values.float().unflatten(-1, (-1, self.block))
-        if self.element == "e4m3":
-            codes, scale = fp8_block_codes(blocks)
-            return codes.flatten(-2), _scale_bytes(scale)
-        if self.scale == "ue8m0":
-            scale = fp4_block_scale(blocks.abs().amax(-1), e4m3_scales=False)
-            codes = fp4_block_codes(blocks, scale)
-        else:
-            codes, scale = _lossless_e4m3_scaled_codes(blocks)
-        packed = pack_e2m1_codes(codes.flatten(-2), validate=False).view(torch.uint8)  # codes are in range
-        return packed, scale.to(torch.float8_e4m3fn) if self.scale == "e4m3" else _scale_bytes(scale)
+        return cache_encode_reference(values, self.element, self.block, self.scale)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Codes and scales from :meth:`encode` -> rows ``[..., channels]`` in ``dtype``."""
@@ -123,36 +105,7 @@ class CacheFormat:
                 f"{self.name}: expected {self.code_dtype} codes and {self.scale_dtype} scales, "
                 f"got {codes.dtype} and {scales.dtype}"
             )
-        scale = scales.view(torch.float8_e8m0fnu) if self.scale == "ue8m0" else scales
-        if self.element == "e2m1":
-            return dequantize_fp4(codes, scale.float(), self.block, dtype)
-        values = codes.float().unflatten(-1, (-1, self.block)) * scale.float().unsqueeze(-1)
-        return values.flatten(-2).to(dtype)
-
-
-def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scales -> their ue8m0 exponent bytes (exact: ``2**-127`` .. ``2**127``)."""
-    return scale.to(torch.float8_e8m0fnu).view(torch.uint8)
-
-
-def _lossless_e4m3_scaled_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e2m1 codes and e4m3 scales (float32) of ``blocks [..., n, block]``: exact for rows on the grid.
-
-    Candidates per block: the fake quantizer's scale, then ``amax / m`` for each smaller e2m1 magnitude; the
-    first that is a positive e4m3 value and reproduces every element wins, the rule's scale when none does.
-    """
-    amax = blocks.abs().amax(-1, keepdim=True)
-    magnitudes = torch.tensor(_SMALLER_E2M1_MAGNITUDES, dtype=torch.float32, device=blocks.device)
-    rule = fp4_block_scale(amax, e4m3_scales=True)
-    candidates = torch.cat([rule, amax / magnitudes], dim=-1)  # [..., n, 7]
-    usable = (candidates > 0) & (candidates.to(torch.float8_e4m3fn).float() == candidates)
-    tried = blocks.unsqueeze(-2)  # [..., n, 1, block]
-    codes = fp4_block_codes(tried, candidates)  # [..., n, 7, block]
-    exact = (e2m1_values(codes) * candidates.unsqueeze(-1) == tried).all(-1) & usable
-    choice = exact.to(torch.uint8).argmax(-1, keepdim=True)  # the first exact candidate; 0 (the rule) if none
-    scale = candidates.gather(-1, choice).squeeze(-1)
-    codes = codes.gather(-2, choice.unsqueeze(-1).expand(*choice.shape, blocks.shape[-1])).squeeze(-2)
-    return codes, scale
+        return cache_decode_reference(codes, scales, self.element, self.block, self.scale, dtype)
 
 
 WINDOW_KV_FORMAT = CacheFormat("window KV", "e4m3", WINDOW_KV_BLOCK, "ue8m0")

@@ -12,11 +12,13 @@ The window and compressed entries of earlier tokens come from the cache named by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from dsinfer.config import ModelConfig
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.config import ModelConfig, ModelConfigBase
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.indexer import Indexer
@@ -25,6 +27,50 @@ from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.registry import OpTable, resolve
 
 QUERY_CHUNK = 256  # prefill queries per attention block (window keys per block: QUERY_CHUNK + window - 1)
+
+
+def sink_softmax(logits: torch.Tensor, sink: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention probabilities over the keys of ``logits`` [..., H, S, K], a per-head sink [H] in the denominator.
+
+    The sink is one more logit per head that takes probability mass but has no value; ``hidden`` (a boolean
+    broadcastable to ``logits``) marks the keys a query may not see. Every attention of both variants (window,
+    compressed, decode, DSpark stages) normalises through here.
+    """
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, float("-inf"))
+    sink = sink.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def window_keys(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    span: SequenceSpan,
+    window: int,
+    read_rows: Callable[[torch.Tensor], torch.Tensor],
+    write_rows: Callable[[torch.Tensor, torch.Tensor], None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's window keys: cached ones from its ring (``read_rows(positions)``), then the new ones.
+
+    The newest ``window`` of the new rows go back to the ring (``write_rows(positions, rows)``). The ring's
+    storage (plain tensor, FP8 codes) is the caller's; the window rule is this one.
+    """
+    first_cached = max(span.window_from, span.start - window + 1)
+    cached_positions = torch.arange(first_cached, span.start, device=kv.device)
+    keys = torch.cat([read_rows(cached_positions).to(kv.dtype), kv])
+    key_positions = torch.cat([cached_positions, positions])
+    recent = slice(max(0, kv.shape[0] - window), None)
+    write_rows(positions[recent], kv[recent])
+    return keys, key_positions
+
+
+def decode_window_positions(
+    positions: torch.Tensor, spans: DeviceSpans, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode: the ``window`` key positions of each sequence's query [B, window] (oldest first), and which exist."""
+    key_positions = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
+    visible = (key_positions >= 0) & (key_positions >= spans.window_from[:, None])
+    return key_positions, visible
 
 
 class Attention(nn.Module):
@@ -42,7 +88,7 @@ class Attention(nn.Module):
             if overlap:
                 self.indexer = Indexer(config)
 
-    def _build_projections(self, config) -> None:
+    def _build_projections(self, config: ModelConfigBase) -> None:
         """The projections, norms and sinks every shared-KV attention has (V4, V4.1 and its DSpark stages)."""
         self.config = config
         self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
@@ -126,17 +172,25 @@ class Attention(nn.Module):
             self.attn_sink, self.softmax_scale,
         )  # fmt: skip
 
+    def _attend_batched(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Decode attention: one query per sequence [B, H, D] over its own keys [B, K, D] (``visible`` [B, K])."""
+        logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * self.softmax_scale
+        probs = sink_softmax(logits[:, :, None, :], self.attn_sink, ~visible[:, None, None, :])[:, :, 0, :]
+        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
+
     def _window(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, ring: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the window: cached ones from the sequence's ring, then the new ones; updates the ring."""
-        first_cached = max(span.window_from, span.start - self.window + 1)
-        cached_positions = torch.arange(first_cached, span.start, device=kv.device)
-        keys = torch.cat([ring[span.slot, cached_positions % self.window].to(kv.dtype), kv])
-        key_positions = torch.cat([cached_positions, positions])
-        recent = slice(max(0, kv.shape[0] - self.window), None)
-        ring[span.slot, positions[recent] % self.window] = kv[recent].to(ring.dtype)
-        return keys, key_positions
+        """Keys of the window from the sequence's ring (a plain tensor), then the new ones; updates the ring."""
+        slot, window = span.slot, self.window
+
+        def read(cached: torch.Tensor) -> torch.Tensor:
+            return ring[slot, cached % window]
+
+        def write(new: torch.Tensor, rows: torch.Tensor) -> None:
+            ring[slot, new % window] = rows.to(ring.dtype)
+
+        return window_keys(kv, positions, span, window, read, write)
 
     def _compressed_entries(
         self,
@@ -213,10 +267,13 @@ class Attention(nn.Module):
         if compressed is not None:
             keys = torch.cat([window_kv, compressed.to(window_kv.dtype)])
             visible = torch.cat([window_visible, compressed_visible], dim=1)
+        return self._attend_keys(q, keys, visible)
+
+    def _attend_keys(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """Queries [n, H, D] of one sequence over shared keys [K, D] (``visible`` [n, K]; None: all of them)."""
         logits = torch.einsum("shd,kd->hsk", q, keys).float() * self.softmax_scale
-        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
-        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        hidden = None if visible is None else ~visible.unsqueeze(0)
+        probs = sink_softmax(logits, self.attn_sink, hidden)
         return torch.einsum("hsk,kd->shd", probs.to(keys.dtype), keys)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:

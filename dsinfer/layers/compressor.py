@@ -13,6 +13,7 @@ state slot, and finished entries go to the sequence's cache blocks.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.kv.batch import DeviceSpans, SequenceSpan
@@ -20,17 +21,109 @@ from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.ops.compressor import compressor_pool_reference
+
+
+def join_pending(
+    pending_values: torch.Tensor,
+    pending_gates: torch.Tensor,
+    slot: int,
+    start: int,
+    ratio: int,
+    values: torch.Tensor,
+    gates: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One sequence's complete windows [c, ratio, width] of values and gates, and the position the first begins.
+
+    The new tokens' projections (the sequence's tokens from ``start`` on) join the slot's unfinished window;
+    what is left unfinished after them goes back to the slot. Both variants' compressors keep their pending
+    window this way; only the window's width and dtype differ.
+    """
+    pending = start % ratio
+    values = torch.cat([pending_values[slot, :pending], values.to(pending_values.dtype)])
+    gates = torch.cat([pending_gates[slot, :pending], gates.to(pending_gates.dtype)])
+    used = values.shape[0] // ratio * ratio
+    leftover = values.shape[0] - used
+    pending_values[slot, :leftover] = values[used:]
+    pending_gates[slot, :leftover] = gates[used:]
+    width = values.shape[-1]
+    return values[:used].view(-1, ratio, width), gates[:used].view(-1, ratio, width), start - pending
+
+
+def kept_entries(first_entry: int, reuse_below: int, ratio: int) -> slice:
+    """The new entries (numbered from ``first_entry``) a prefix-cache hit does not hold already, as a slice.
+
+    Entries of windows ending at or before ``reuse_below`` are stored: a host-known slice (a boolean mask would
+    make the device report how many entries survive).
+    """
+    return slice(max(0, reuse_below // ratio - first_entry), None)
 
 
 class Compressor(nn.Module):
-    def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, norm_eps: float) -> None:
+    """Pools every ``ratio`` tokens into one entry: ``wkv`` values under a per-channel softmax of ``wgate`` gates.
+
+    V4's compressors add a learned per-slot bias ``ape`` to the gates and (CSA) overlap their windows; V4.1's
+    KV sources have neither, pool in fp32, and at ratio 1 have no gate at all (each token is its own entry).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        dim: int,
+        ratio: int,
+        overlap: bool,
+        norm_eps: float,
+        *,
+        slot_bias: bool = True,
+        pool_in_fp32: bool = False,
+    ) -> None:
         super().__init__()
-        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.dim, self.ratio, self.overlap, self.pool_in_fp32 = dim, ratio, overlap, pool_in_fp32
         width = 2 * dim if overlap else dim
         self.wkv = nn.Linear(hidden_size, width, bias=False)
-        self.wgate = nn.Linear(hidden_size, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.wgate = nn.Linear(hidden_size, width, bias=False) if ratio > 1 or slot_bias else None
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if slot_bias else None
         self.norm = RMSNorm(dim, norm_eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's value and gate [n, width] (fp32 when the variant pools in fp32)."""
+        if self.pool_in_fp32:
+            return F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())
+        values = self.wkv(x)
+        gates = self.wgate(x)
+        if self.ape is not None:
+            gates = gates + self.ape[positions % self.ratio].to(values.dtype)
+        return values, gates
+
+    def latents(
+        self, x: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE entries [c, dim] of the windows one sequence's new tokens complete, and their entry ids [c].
+
+        ``cache`` holds the slot's unfinished window (``pending_values`` / ``pending_gates``) and, overlapping,
+        the last complete window (``previous_values`` / ``previous_gates``).
+        """
+        if self.wgate is None:  # ratio 1: every token is its own entry, no pooling state
+            return self.norm(self.wkv(x)), positions
+        ratio, slot = self.ratio, span.slot
+        values, gates = self.project(x, positions)
+        window_values, window_gates, first = join_pending(
+            cache.pending_values, cache.pending_gates, slot, span.start, ratio, values, gates
+        )
+        complete = window_values.shape[0]
+        entry_ids = torch.arange(complete, device=x.device) + first // ratio
+        if not complete:
+            return window_values.new_zeros(0, self.dim).to(x.dtype), entry_ids
+        if self.overlap:
+            previous = None
+            if first >= ratio and first - ratio >= span.window_from:
+                previous = (cache.previous_values[slot], cache.previous_gates[slot])
+            pool_values, pool_gates = self._overlapping_slots(window_values, window_gates, previous)
+            cache.previous_values[slot] = window_values[-1]
+            cache.previous_gates[slot] = window_gates[-1]
+        else:
+            pool_values, pool_gates = window_values, window_gates
+        return self._pool(pool_values, pool_gates, x.dtype), entry_ids
 
     def update(
         self,
@@ -41,48 +134,28 @@ class Compressor(nn.Module):
         inv_freq: torch.Tensor,
         block_table: torch.Tensor | None = None,
     ) -> None:
-        """Add one sequence's new tokens [n, hidden]; write every entry whose window they complete."""
-        ratio, slot = self.ratio, span.slot
-        values = self.wkv(x)
-        gates = self.wgate(x) + self.ape[positions % ratio].to(values.dtype)
-        pending = span.start % ratio
-        first = span.start - pending  # position where the unfinished window began
-        values = torch.cat([cache.pending_values[slot, :pending], values])
-        gates = torch.cat([cache.pending_gates[slot, :pending], gates])
-        complete = values.shape[0] // ratio
-        if complete:
-            window_values = values[: complete * ratio].view(complete, ratio, -1)
-            window_gates = gates[: complete * ratio].view(complete, ratio, -1)
-            previous = None
-            if self.overlap and first >= ratio and first - ratio >= span.window_from:
-                previous = (cache.previous_values[slot], cache.previous_gates[slot])
-            entry_ids = torch.arange(complete, device=x.device) + first // ratio
-            pooled = self._pool(window_values, window_gates, previous, entry_ids * ratio, inv_freq)
-            # Prefix-cache hits already hold the entries of windows ending at or before reuse_below: a host-known
-            # slice (a boolean mask would make the device report how many entries survive).
-            keep = slice(max(0, span.reuse_below // ratio - first // ratio), None)
+        """Add one sequence's new tokens [n, hidden]; write every entry whose window they complete (V4's cache)."""
+        latents, entry_ids = self.latents(x, positions, span, cache)
+        if entry_ids.numel():
+            cos, sin = rope_angles(entry_ids * self.ratio, inv_freq)
+            keep = kept_entries(span.start // self.ratio, span.reuse_below, self.ratio)
             table = span.block_table if block_table is None else block_table
-            write_entries(cache, table, entry_ids[keep], pooled[keep])
-            if self.overlap:
-                cache.previous_values[slot] = window_values[-1]
-                cache.previous_gates[slot] = window_gates[-1]
-        leftover = values.shape[0] - complete * ratio
-        cache.pending_values[slot, :leftover] = values[complete * ratio :]
-        cache.pending_gates[slot, :leftover] = gates[complete * ratio :]
+            write_entries(cache, table, entry_ids[keep], apply_rope(latents, cos, sin)[keep])
 
-    def update_decode(
-        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache: CompressorCache, inv_freq, trash: int
-    ) -> None:
-        """One new token per sequence (``x`` [B, hidden]), all sequences at once, with no host reads.
+    def decode_latents(
+        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One new token per sequence (``x`` [B, hidden]), all at once and with no host reads.
 
-        Every token joins its slot's unfinished window; every window is pooled, and the entry goes to the
-        sequence's block when the token completed its window, to the trash block otherwise. The same math as
-        :meth:`update` on a span of one token.
+        Every token joins its slot's unfinished window and every window is pooled, finished or not: the
+        pre-RoPE entries [B, dim], their entry ids [B], and which tokens completed their window [B] (only
+        those entries are real). The same math as :meth:`latents` on a span of one token.
         """
+        if self.wgate is None:  # ratio 1: the token is its entry
+            return self.norm(self.wkv(x)), positions, torch.ones_like(positions, dtype=torch.bool)
         ratio, slots = self.ratio, spans.slots
-        values = self.wkv(x)
+        values, gates = self.project(x, positions)
         offset = positions % ratio
-        gates = self.wgate(x) + self.ape[offset].to(values.dtype)
         cache.pending_values[slots, offset] = values.to(cache.pending_values.dtype)
         cache.pending_gates[slots, offset] = gates.to(cache.pending_gates.dtype)
         window_values, window_gates = cache.pending_values[slots], cache.pending_gates[slots]  # [B, ratio, width]
@@ -95,41 +168,26 @@ class Compressor(nn.Module):
             previous_values = cache.previous_values[slots][..., : self.dim] * has_previous[:, None, None]
             pool_values = torch.cat([previous_values, window_values[..., self.dim :]], dim=1)
             pool_gates = torch.cat([previous_gates, window_gates[..., self.dim :]], dim=1)
-        else:
-            pool_values, pool_gates = window_values, window_gates
-        pooled = self._pool_slots(pool_values, pool_gates, first, inv_freq)
-        entry = first // ratio
-        per_block = cache.entries.shape[1]
-        column = (entry // per_block).clamp(max=spans.max_blocks - 1)
-        block = spans.block_tables.gather(1, column[:, None]).squeeze(1)
-        block = torch.where(complete, block, torch.full_like(block, trash))
-        cache.entries[block, entry % per_block] = pooled.to(cache.entries.dtype)
-        if self.overlap:
             keep = complete[:, None, None]
             cache.previous_values[slots] = torch.where(keep, window_values, cache.previous_values[slots])
             cache.previous_gates[slots] = torch.where(keep, window_gates, cache.previous_gates[slots])
+        else:
+            pool_values, pool_gates = window_values, window_gates
+        return self._pool(pool_values, pool_gates, x.dtype), first // ratio, complete
 
-    def _pool(
-        self,
-        values: torch.Tensor,
-        gates: torch.Tensor,
-        previous: tuple[torch.Tensor, torch.Tensor] | None,
-        positions: torch.Tensor,
-        inv_freq: torch.Tensor,
-    ) -> torch.Tensor:
-        """Entries [n, dim] from complete windows [n, ratio, width] (plus the window before them, if overlapping)."""
-        if self.overlap:
-            values, gates = self._overlapping_slots(values, gates, previous)
-        return self._pool_slots(values, gates, positions, inv_freq)
+    def update_decode(
+        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache: CompressorCache, inv_freq, trash: int
+    ) -> None:
+        """:meth:`decode_latents`, RoPE'd and written to V4's cache: the entry goes to the sequence's block when
+        the token completed its window, to the trash block otherwise."""
+        latents, entry, complete = self.decode_latents(x, positions, spans, cache)
+        cos, sin = rope_angles(entry * self.ratio, inv_freq)
+        block, row = decode_entry_location(spans, entry, complete, cache.entries.shape[1], trash)
+        cache.entries[block, row] = apply_rope(latents, cos, sin).to(cache.entries.dtype)
 
-    def _pool_slots(
-        self, values: torch.Tensor, gates: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
-        """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], RMSNorm, RoPE at ``positions``."""
-        weights = gates.softmax(dim=1, dtype=torch.float32).to(values.dtype)
-        pooled = self.norm((values * weights).sum(dim=1))
-        cos, sin = rope_angles(positions, inv_freq)
-        return apply_rope(pooled, cos, sin)
+    def _pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], then RMSNorm (pre-RoPE entries)."""
+        return compressor_pool_reference(values, gates, self.norm.weight, self.norm.eps, dtype)
 
     def _overlapping_slots(
         self, values: torch.Tensor, gates: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None
@@ -149,6 +207,15 @@ class Compressor(nn.Module):
         slots_values = torch.cat([previous_values, values[..., dim:]], dim=1)
         slots_gates = torch.cat([previous_gates, gates[..., dim:]], dim=1)
         return slots_values, slots_gates
+
+
+def decode_entry_location(
+    spans: DeviceSpans, entry: torch.Tensor, complete: torch.Tensor, per_block: int, trash: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, row) of each sequence's decode entry [B]: its block-table block if ``complete``, else the trash."""
+    column = (entry // per_block).clamp(max=spans.max_blocks - 1)
+    block = spans.block_tables.gather(1, column[:, None]).squeeze(1)
+    return torch.where(complete, block, torch.full_like(block, trash)), entry % per_block
 
 
 def _entry_location(cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor):

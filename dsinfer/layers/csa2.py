@@ -28,13 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
-from dsinfer.kv.cache_v41 import KVCacheV41, SourceCache
-from dsinfer.layers.attention import Attention
-from dsinfer.layers.compressor import visible_entries
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
+from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.layers.attention import Attention, decode_window_positions, window_keys
+from dsinfer.layers.compressor import Compressor, kept_entries, visible_entries
+from dsinfer.layers.indexer import IndexScorer, top_k_visible
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.topk import topk_indices
 
 
@@ -62,63 +64,18 @@ def select_candidate_blocks(
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean [n, W]: each row's ``k`` best finite scores (fewer when fewer are finite)."""
-    width = scores.shape[-1]
-    selected = torch.zeros_like(scores, dtype=torch.bool)
-    if width == 0:
-        return selected
-    chosen = topk_indices(scores, min(k, width))
-    return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
-
-
-class SourceCompressor(nn.Module):
-    """A KV source's compressor: ``wkv`` (+ ``wgate`` above ratio 1) and ``norm``; returns pre-RoPE latents."""
-
-    def __init__(self, config: ModelConfigV41, ratio: int) -> None:
-        super().__init__()
-        self.ratio = ratio
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
-        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def latents(self, x: torch.Tensor, span: SequenceSpan, cache: SourceCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents [g, head_dim] of the groups one sequence's new tokens complete, and their entry ids [g]."""
-        if self.wgate is None:  # ratio 1: every token is its own entry, no pooling state
-            return self.norm(self.wkv(x)), torch.arange(span.start, span.start + x.shape[0], device=x.device)
-        ratio, slot = self.ratio, span.slot
-        values = F.linear(x.float(), self.wkv.weight.float())  # the pooling runs in fp32
-        gates = F.linear(x.float(), self.wgate.weight.float())
-        pending = span.start % ratio
-        values = torch.cat([cache.pending_values[slot, :pending], values])
-        gates = torch.cat([cache.pending_gates[slot, :pending], gates])
-        complete = values.shape[0] // ratio
-        used = complete * ratio
-        cache.pending_values[slot, : values.shape[0] - used] = values[used:]
-        cache.pending_gates[slot, : values.shape[0] - used] = gates[used:]
-        width = values.shape[-1]
-        groups = values[:used].view(complete, ratio, width)
-        weights = gates[:used].view(complete, ratio, width).softmax(dim=1, dtype=torch.float32)
-        pooled = (groups * weights).sum(dim=1)
-        first = (span.start - pending) // ratio
-        return self.norm(pooled.to(x.dtype)), torch.arange(first, first + complete, device=x.device)
-
-
-class IndexerV41(nn.Module):
+class IndexerV41(IndexScorer):
     """An index source's scorer; on KV-source layers it also owns the index-key projection (``wk``, ``k_norm``)."""
 
     def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.topk, self.ratio = config.index_topk, config.compress_ratios[layer_id]
+        super().__init__(config, config.compress_ratios[layer_id])
+        self.layer_id = layer_id
         self.is_candidate_source = layer_id == config.candidate_source_layer_id
         self.uses_candidates = config.uses_candidates(layer_id)
         self.candidate_topk_blocks, self.candidate_block_size = (
             config.candidate_topk_blocks,
             config.candidate_block_size,
         )
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.owns_keys = config.is_kv_source(layer_id)
         if self.owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
@@ -136,7 +93,7 @@ class IndexerV41(nn.Module):
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
         return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin), layer_id, entry_ids)
 
-    def select(
+    def candidate_scores(
         self,
         x: torch.Tensor,
         q_latent: torch.Tensor,
@@ -145,25 +102,24 @@ class IndexerV41(nn.Module):
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
-        layer_id: int,
     ) -> torch.Tensor:
-        """Boolean [n, W]: the entries each new query of one sequence attends to."""
-        cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        q = quantizer.index_queries(q, layer_id, positions)
-        per_head = F.relu(torch.einsum("shd,wd->shw", q.float(), keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (per_head * head_weights.unsqueeze(-1)).sum(dim=1)  # [n, W]
-        counts = visible_entries(positions, self.ratio)
-        visible = torch.arange(keys.shape[0], device=x.device) < counts[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        """Scores [n, W] (keys [W, d], or [n, W, d] per query) after the candidate-block level.
+
+        The candidate source records its blocks in ``state``; later index sources see only inside them.
+        """
+
+        def round_queries(q: torch.Tensor) -> torch.Tensor:
+            return quantizer.index_queries(q, self.layer_id, positions)
+
+        scores = self.scores(x, q_latent, positions, keys, inv_freq, round_queries)
         if self.is_candidate_source:
+            counts = visible_entries(positions, self.ratio)
             state["candidates"] = select_candidate_blocks(
                 scores, counts, self.candidate_topk_blocks, self.candidate_block_size
             )
         elif self.uses_candidates and "candidates" in state:
             scores = scores.masked_fill(~state["candidates"], float("-inf"))
-        return top_k_visible(scores, self.topk)
+        return scores
 
 
 class AttentionV41(Attention):
@@ -174,7 +130,12 @@ class AttentionV41(Attention):
         self.layer_id = layer_id
         self.compress_ratio = config.compress_ratios[layer_id]
         self._build_projections(config)
-        self.compressor = SourceCompressor(config, self.compress_ratio) if config.is_kv_source(layer_id) else None
+        self.compressor = None
+        if config.is_kv_source(layer_id):  # V4's compressor without the slot bias or overlap, pooling in fp32
+            self.compressor = Compressor(
+                config.hidden_size, self.head_dim, self.compress_ratio, False, config.rms_norm_eps,
+                slot_bias=False, pool_in_fp32=True,
+            )  # fmt: skip
         self.indexer = IndexerV41(config, layer_id) if config.is_index_source(layer_id) else None
 
     def forward(
@@ -193,14 +154,13 @@ class AttentionV41(Attention):
         """
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
+        if batch.is_decode and not compressor_only:
+            return self._forward_decode(x, batch, inv_freq, shared[0], quantizer)
         if compressor_only:
             for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
                 self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
             return None
-        cos, sin = rope_angles(batch.positions, inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, batch.positions)
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
         outputs = []
         for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
             positions = batch.positions[tokens]
@@ -209,28 +169,102 @@ class AttentionV41(Attention):
                 if self.compressor is not None:
                     self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
                 if self.indexer is not None:
-                    state["selected"] = self.indexer.select(
-                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer,
-                        self.layer_id,
-                    )  # fmt: skip
+                    scores = self.indexer.candidate_scores(
+                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
+                    )
+                    state["selected"] = top_k_visible(scores, self.indexer.topk)
                 compressed, visible = state["entries"], state["selected"]
             window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
         out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
         return self._project_out(out)
 
+    def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
+        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
+        cos, sin = rope_angles(positions, inv_freq)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, positions)
+        return cos, sin, q_latent, q, kv
+
+    def _forward_decode(
+        self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
+    ) -> torch.Tensor:
+        """One token per sequence, every sequence at once, from the step's device metadata (no host reads).
+
+        ``state`` is the batch's: a KV source publishes every block-table entry of every sequence ([B, E, ...]),
+        an index source its chosen entries [B, k] in position order; what a sequence may not see is masked.
+        """
+        cache: KVCacheV41 = batch.cache
+        spans, positions = batch.device_spans, batch.positions
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, positions, inv_freq, quantizer)
+        cache.write_window(self.layer_id, spans.slots, positions, kv)
+        key_positions, visible = decode_window_positions(positions, spans, self.window)
+        keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
+        if self.compress_ratio:
+            if self.compressor is not None:
+                self._publish_decode(x, batch, cache, inv_freq, state, quantizer)
+            if self.indexer is not None:
+                scores = self.indexer.candidate_scores(
+                    x, q_latent, positions, state["index_keys"], inv_freq, state, quantizer
+                )
+                state["chosen"], state["real"] = top_k_in_order(scores, self.indexer.topk)
+            chosen = state["chosen"]
+            entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            visible = torch.cat([visible, state["real"]], dim=1)
+        out = apply_rope(self._attend_batched(q, keys, visible), cos, sin, inverse=True)
+        return self._project_out(out)
+
+    def _publish_decode(
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCacheV41,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> None:
+        """Decode: every token joins its unfinished group; the entries completed now (which sequences complete
+        one is known on the host from their positions) are rounded and cached; every entry is published."""
+        spans, ratio = batch.device_spans, self.compress_ratio
+        source = cache.layers[self.layer_id].source
+        latents, entry_ids, _ = self.compressor.decode_latents(x, batch.positions, spans, source)
+        per_block = cache.block_tokens // ratio
+        rows, blocks, block_rows = [], [], []
+        for row, span in enumerate(batch.spans):
+            entry = span.start // ratio
+            if (span.start + 1) % ratio == 0 and (entry + 1) * ratio > span.reuse_below:
+                rows.append(row)
+                blocks.append(span.block_table[entry // per_block])
+                block_rows.append(entry % per_block)
+        if rows:
+            device = x.device
+            rows = host_to_device(rows, torch.long, device)
+            latents, entry_ids = latents.index_select(0, rows), entry_ids.index_select(0, rows)
+            cos, sin = rope_angles(entry_ids * ratio, inv_freq)
+            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
+            keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
+            blocks, block_rows = (
+                host_to_device(blocks, torch.long, device),
+                host_to_device(block_rows, torch.long, device),
+            )
+            cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
+        state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, spans.block_tables)
+
     def _window_keys(
         self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache: KVCacheV41
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the window: cached ones from the sequence's ring, then the new ones; updates the ring."""
-        first_cached = max(span.window_from, span.start - self.window + 1)
-        cached_positions = torch.arange(first_cached, span.start, device=kv.device)
-        cached = cache.read_window(self.layer_id, span.slot, cached_positions)
-        keys = torch.cat([cached.to(kv.dtype), kv])
-        key_positions = torch.cat([cached_positions, positions])
-        recent = slice(max(0, kv.shape[0] - self.window), None)
-        cache.write_window(self.layer_id, span.slot, positions[recent], kv[recent])
-        return keys, key_positions
+        """Keys of the window from the sequence's ring (through the cache's codec), then the new ones."""
+        layer_id, slot = self.layer_id, span.slot
+
+        def read(cached: torch.Tensor) -> torch.Tensor:
+            return cache.read_window(layer_id, slot, cached)
+
+        def write(new: torch.Tensor, rows: torch.Tensor) -> None:
+            cache.write_window(layer_id, slot, new, rows)
+
+        return window_keys(kv, positions, span, self.window, read, write)
 
     def _publish(
         self,
@@ -242,12 +276,13 @@ class AttentionV41(Attention):
         quantizer: ActivationQuantizer,
     ) -> None:
         """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them."""
-        latents, entry_ids = self.compressor.latents(x, span, cache.layers[self.layer_id].source)
+        positions = torch.arange(span.start, span.start + x.shape[0], device=x.device)
+        latents, entry_ids = self.compressor.latents(x, positions, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
             entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
-            keep = (entry_ids + 1) * self.compress_ratio > span.reuse_below  # prefix hits hold older entries
+            keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
             cache.write_entries(self.layer_id, span.block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
         state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, span.block_table, count)

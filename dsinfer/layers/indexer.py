@@ -1,32 +1,86 @@
-"""The lightning indexer of CSA layers: pick, per query, the compressed entries worth attending to.
+"""Lightning indexers: pick, per query, the compressed entries worth attending to.
 
-score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w), with its own ratio-4 compressor for the keys
-``k_w`` (cached like the main entries) and its own query projection from the attention's low-rank query;
-only the ``index_topk`` best visible entries survive.
+score(t, w) = sum_h weight_h(x_t) * ReLU(q_{t,h} . k_w) / sqrt(d), with the query projected from the
+attention's low-rank query; only the ``index_topk`` best visible entries survive. :class:`IndexScorer` is that
+rule, shared by both variants (its arithmetic is the ``index_scores`` / ``index_topk`` ops). V4's
+:class:`Indexer` owns a ratio-4 compressor for its keys (cached like the main entries); V4.1's index sources
+(``dsinfer.layers.csa2``) score keys a KV source published.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.ops.indexer.reference import indexer_scores
+from dsinfer.ops.index_scores import index_scores_reference
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
 
 
-class Indexer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [n, W]: each row's ``k`` best finite scores (fewer when fewer are finite)."""
+    width = scores.shape[-1]
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    if width == 0:
+        return selected
+    chosen = topk_indices(scores, min(k, width))
+    return selected.scatter_(-1, chosen, scores.gather(-1, chosen) > float("-inf"))
+
+
+class IndexScorer(nn.Module):
+    """The indexer's query side: ``wq_b`` (from the attention's low-rank query) and per-head ``weights_proj``."""
+
+    def __init__(self, config: ModelConfigBase, ratio: int) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.topk, self.ratio = config.index_topk, config.csa_ratio
+        self.topk, self.ratio = config.index_topk, ratio
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """score [n, W] against keys [W, d] shared, or [n, W, d] per query, invisible entries -inf.
+
+        ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding).
+        """
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries)
+        return index_scores_reference(q, keys, head_weights, visible_entries(positions, self.ratio))
+
+    def queries(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H]."""
+        cos, sin = rope_angles(positions, inv_freq)
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        if round_queries is not None:
+            q = round_queries(q)
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+
+
+class Indexer(IndexScorer):
+    """V4's indexer: the scorer plus its own overlapping ratio-4 key compressor."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, config.csa_ratio)
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, config.csa_ratio, overlap=True, norm_eps=config.rms_norm_eps
         )
@@ -49,26 +103,7 @@ class Indexer(nn.Module):
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries).float()
-        scores = self._scores(x, q_latent, positions, keys, inv_freq)
-        visible = torch.arange(n_entries, device=x.device) < visible_entries(positions, self.ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = topk_indices(scores, min(self.topk, n_entries))
-        selected = torch.zeros_like(visible).scatter_(1, chosen, True)
-        return selected & visible
-
-    def _scores(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, inv_freq
-    ) -> torch.Tensor:
-        """score [n, W] = sum_h weight_h(x) * ReLU(q_h . k_w) / sqrt(d): keys [W, d] shared, or [n, W, d] per query."""
-        return indexer_scores(*self._queries(x, q_latent, positions, inv_freq), keys)
-
-    def _queries(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotated queries [n, heads, d] and the per-head weights [n, heads], both float32."""
-        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        cos, sin = rope_angles(positions, inv_freq)
-        return apply_rope(q, cos, sin).float(), self.weights_proj(x).float() * self.n_heads**-0.5
+        return top_k_visible(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
 
     def select_decode(
         self,
@@ -86,7 +121,7 @@ class Indexer(nn.Module):
         the block tables' width, never on a value read from the device.
         """
         self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
-        q, head_weights = self._queries(x, q_latent, positions, inv_freq)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq)
         ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
         visible = visible_entries(positions, self.ratio)
         return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)

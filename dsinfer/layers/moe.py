@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
@@ -29,34 +29,55 @@ class Expert(nn.Module):
 
 
 class Router(nn.Module):
-    """Scores every expert with sqrt(softplus(x W^T)); picks the top-k (or the token's fixed experts).
+    """Scores every expert with sqrt(softplus(x W^T / gate_temp)); picks the top-k (or the token's fixed experts).
 
     The learned bias only steers *which* experts are picked; the mixing weights come from the unbiased
-    scores, normalised over the picked experts and multiplied by ``routed_scaling_factor``.
-    Hash layers replace the pick by the frozen table ``tid2eid[token]``.
+    scores, normalised over the picked experts and multiplied by ``routed_scaling_factor``. V4's hash layers
+    replace the pick by the frozen table ``tid2eid[token]``; V4.1 divides the logits by ``gate_temp`` and selects
+    image tokens with a second bias ``bias_vl`` (``image_bias``), and normalises only when it picks more than one.
     """
 
-    def __init__(self, config: ModelConfig, hash_routed: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfigBase,
+        hash_routed: bool,
+        n_experts: int | None = None,
+        top_k: int | None = None,
+        *,
+        image_bias: bool = False,
+        normalize_single_pick: bool = True,
+    ) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        n_experts = config.n_routed_experts if n_experts is None else n_experts
+        self.top_k = config.num_experts_per_tok if top_k is None else top_k
+        self.gate_temp = getattr(config, "gate_temp", 1.0)
         self.scaling = config.routed_scaling_factor
-        self.normalize = config.norm_topk_prob
+        self.normalize = config.norm_topk_prob and (normalize_single_pick or self.top_k > 1)
         self.hash_routed = hash_routed
-        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.weight = nn.Parameter(torch.zeros(n_experts, config.hidden_size))
         if hash_routed:
             self.register_buffer(
                 "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int32), persistent=True
             )
         else:
-            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+            self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if image_bias else None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ids [T, k] and mixing weights [T, k] (float32)."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.gate_temp != 1.0:
+            logits = logits / self.gate_temp
+        scores = F.softplus(logits).sqrt()
         if self.hash_routed:
             experts = self.tid2eid[input_ids].long()
         else:
-            experts = topk_indices(scores + self.bias.float(), self.top_k)
+            bias = self.bias.float()
+            if image_mask is not None and self.bias_vl is not None:  # per token on the device: no host read
+                bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias.expand_as(scores))
+            experts = topk_indices(scores + bias, self.top_k)
         weights = scores.gather(1, experts)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -79,7 +100,7 @@ class MoE(nn.Module):
         self.gate = Router(config, hash_routed)
         self._build_experts(config, config.n_routed_experts)
 
-    def _build_experts(self, config, n_experts: int) -> None:
+    def _build_experts(self, config: ModelConfigBase, n_experts: int) -> None:
         self.n_experts = n_experts
         self.swiglu_limit = config.swiglu_limit
         self.ops: OpTable | None = None
@@ -147,42 +168,15 @@ class MoE(nn.Module):
         return routed
 
 
-class RouterV41(nn.Module):
-    """DeepSeek-V4.1's router: V4's sqrt-softplus scoring over all layers (no hash routing), logits divided
-    by ``gate_temp``, and a second selection bias ``bias_vl`` that replaces ``bias`` for image tokens.
-    Weights are normalised only when more than one expert is picked (as the reference does)."""
-
-    def __init__(self, hidden_size: int, n_experts: int, top_k: int, config) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.gate_temp = config.gate_temp
-        self.scaling = config.routed_scaling_factor
-        self.normalize = config.norm_topk_prob and top_k > 1
-        self.weight = nn.Parameter(torch.zeros(n_experts, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
-        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float()) / self.gate_temp).sqrt()
-        bias = self.bias.float().expand_as(scores)
-        if image_mask is not None:  # chosen per token on the device: no host read of the mask
-            bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
-        experts = topk_indices(scores + bias, self.top_k)
-        weights = scores.gather(1, experts)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, weights * self.scaling
-
-
 class MoEV41(MoE):
-    """V4.1 MoE (backbone: 384 experts top-6; DSpark stages: their own expert count and top-k)."""
+    """V4.1 MoE (backbone: 384 experts top-6; DSpark stages: their own expert count and top-k): every layer
+    scored, image tokens selected with ``bias_vl``; the same router, experts and dispatch as V4."""
 
     def __init__(self, config, n_experts: int, top_k: int) -> None:
         nn.Module.__init__(self)
-        self.gate = RouterV41(config.hidden_size, n_experts, top_k, config)
+        self.gate = Router(config, False, n_experts, top_k, image_bias=True, normalize_single_pick=False)
         self._build_experts(config, n_experts)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        experts, weights = self.gate(x, image_mask)
+        experts, weights = self.gate(x, image_mask=image_mask)
         return self._dispatch(x, experts, weights)

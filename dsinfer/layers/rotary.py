@@ -12,6 +12,7 @@ import math
 import torch
 
 from dsinfer.config import YarnScaling
+from dsinfer.ops.norm_rope import rope_reference
 
 
 def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -44,16 +45,8 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles.
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles (the ``rope`` op).
 
     ``cos``/``sin`` are [N, rope_dim // 2]; they broadcast over any axes between N and the channels.
     """
-    rope_dim = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    return rope_reference(x, cos, sin, inverse)

@@ -1,11 +1,13 @@
-"""One DeepSeek-V4 transformer block on ``hc_mult`` residual streams: an attention site and an MoE site."""
+"""Transformer blocks on ``hc_mult`` residual streams: the mHC site step both variants share, and V4's block."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
@@ -14,7 +16,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.registry import OpTable
 
 
-def hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+def hc_parameters(config: ModelConfigBase) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
     """(fn, base, scale) of one hyper-connection site: pre (n), post (n) and comb (n * n) weights."""
     n = config.hc_mult
     width = (2 + n) * n
@@ -25,34 +27,69 @@ def hc_parameters(config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.P
     )
 
 
-class Block(nn.Module):
-    """One transformer block on ``hc_mult`` residual streams: an attention site and an MoE site."""
+class HyperConnectedBlock(nn.Module):
+    """What every block of both variants shares: an attention site and an MoE site on ``hc_mult`` streams.
 
-    def __init__(self, config: ModelConfig, layer_id: int, compress_ratio: int, hash_routed: bool) -> None:
-        super().__init__()
+    Each site computes (pre, post, comb) from its input streams (:func:`hyper_connection_weights`), collapses
+    the streams into the block's input, and spreads the output back (:func:`expand_streams`). V4 collapses
+    each site with its own ``pre``; V4.1 staggers them: a site collapses with the *previous* site's ``pre``
+    (:meth:`run_sites` with ``carried_mix``). Subclasses set ``attn`` and ``ffn`` through :meth:`_build_sites`.
+    """
+
+    def _build_sites(self, config, attn: nn.Module, ffn: nn.Module) -> None:
         self.config = config
-        self.layer_id = layer_id
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, compress_ratio)
+        self.attn = attn
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, hash_routed)
+        self.ffn = ffn
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
+    def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre, post, comb) of site ``attn`` or ``ffn`` from its input streams."""
+        cfg = self.config
+        fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
+        return hyper_connection_weights(
+            streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops
+        )
+
+    def run_sites(
+        self,
+        streams: torch.Tensor,
+        attention: Callable[[torch.Tensor], torch.Tensor],
+        feed_forward: Callable[[torch.Tensor], torch.Tensor],
+        carried_mix: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sites: the new streams and the FFN site's ``pre`` (the mix the next V4.1 site collapses with).
+
+        ``carried_mix`` None: each site collapses with its own ``pre`` (V4). Given: the attention site
+        collapses with it and the FFN site with the attention site's ``pre`` (V4.1's staggered mHC).
+        """
+        attn_pre, post, comb = self.site_weights(streams, "attn")
+        mix = attn_pre if carried_mix is None else carried_mix
+        streams = expand_streams(attention(self.attn_norm(collapse_streams(streams, mix))), streams, post, comb)
+        ffn_pre, post, comb = self.site_weights(streams, "ffn")
+        mix = ffn_pre if carried_mix is None else attn_pre
+        streams = expand_streams(feed_forward(self.ffn_norm(collapse_streams(streams, mix))), streams, post, comb)
+        return streams, ffn_pre
+
+
+class Block(HyperConnectedBlock):
+    """One V4 transformer block: attention (window, CSA or HCA) and MoE (hash-routed or scored)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, compress_ratio: int, hash_routed: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self._build_sites(config, Attention(config, compress_ratio), MoE(config, hash_routed))
+
     def forward(
         self, streams: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        cfg = self.config
-        pre, post, comb = hyper_connection_weights(
-            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops,
-        )  # fmt: skip
-        attn_out = self.attn(self.attn_norm(collapse_streams(streams, pre)), batch, inv_freq, self.layer_id)
-        streams = expand_streams(attn_out, streams, post, comb)
-        pre, post, comb = hyper_connection_weights(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops,
-        )  # fmt: skip
-        ffn_out = self.ffn(self.ffn_norm(collapse_streams(streams, pre)), input_ids)
-        return expand_streams(ffn_out, streams, post, comb)
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, batch, inv_freq, self.layer_id)
+
+        def feed_forward(x: torch.Tensor) -> torch.Tensor:
+            return self.ffn(x, input_ids)
+
+        return self.run_sites(streams, attention, feed_forward)[0]

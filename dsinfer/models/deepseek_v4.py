@@ -37,7 +37,31 @@ class RopeTables(nn.Module):
         return self.compressed if compress_ratio else self.window
 
 
-class DeepseekV4(nn.Module):
+class DeepseekModel(nn.Module):
+    """What both variants' top level shares: the embedding copied into ``hc_mult`` streams, the scratch cache of
+    an engine-less batch, the op table, and the output head. Subclasses own ``embed``, ``head``, ``mtp``."""
+
+    def use_ops(self, ops: OpTable) -> None:
+        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
+        bind_ops(self, ops)
+
+    def ensure_cache(self, batch: PackedBatch) -> None:
+        """A batch without an engine cache gets a throw-away one (whole sequences from position 0)."""
+        if batch.cache is None:
+            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
+
+    def copy_into_streams(self, embedded: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> the ``hc_mult`` residual streams [T, hc_mult, hidden], each a copy."""
+        return embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def logits(self, hidden: torch.Tensor, logits_for: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of every row of ``hidden``, or only of the rows ``logits_for``."""
+        if logits_for is not None:
+            hidden = hidden[logits_for]
+        return self.head(hidden).float()
+
+
+class DeepseekV4(DeepseekModel):
     def __init__(self, config: ModelConfig, with_mtp: bool = True) -> None:
         super().__init__()
         self.config = config
@@ -58,16 +82,10 @@ class DeepseekV4(nn.Module):
             for i in range(config.num_nextn_predict_layers if with_mtp else 0)
         )
 
-    def use_ops(self, ops: OpTable) -> None:
-        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
-        bind_ops(self, ops)
-
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""
-        if batch.cache is None:
-            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
-        embedded = self.embed(batch.input_ids)
-        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        self.ensure_cache(batch)
+        streams = self.copy_into_streams(self.embed(batch.input_ids))
         for layer in self.layers:
             streams = layer(streams, batch, self.rope.for_ratio(layer.attn.compress_ratio), batch.input_ids)
         return streams
@@ -87,11 +105,8 @@ class DeepseekV4(nn.Module):
         if not len(self.mtp):
             raise RuntimeError("this checkpoint has no MTP layer (no mtp.* tensors)")
         hidden = self.mtp[0].draft_hidden(streams, self.embed(next_token_ids), next_token_ids, batch, self.rope.window)
-        return self.head(hidden).float()
+        return self.logits(hidden)
 
     def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""
-        hidden = self.final_hidden(self.hidden_streams(batch))
-        if logits_for is not None:
-            hidden = hidden[logits_for]
-        return self.head(hidden).float()
+        return self.logits(self.final_hidden(self.hidden_streams(batch)), logits_for)

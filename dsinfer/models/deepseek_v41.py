@@ -30,20 +30,19 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.engram.hashing import EngramContext, EngramHasher
+from dsinfer.engram.hashing import ENGRAM_DEAD, EngramContext, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.layers.csa2 import AttentionV41
-from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
+from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.block import hc_parameters
-from dsinfer.models.deepseek_v4 import RopeTables
+from dsinfer.models.block import HyperConnectedBlock
+from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.registry import OpTable, bind_ops
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
@@ -78,7 +77,9 @@ class ForwardContext:
     batch: PackedBatch
     rope: RopeTables
     quantizer: ActivationQuantizer
-    shared: list[dict]  # one dict per sequence: what KV / index sources publish to later layers
+    # What KV / index sources publish to later layers: one dict per sequence, or in a decode step one dict for
+    # the whole batch (each tensor one row per sequence).
+    shared: list[dict]
     engram_rows: torch.Tensor | None = None  # [T, engram layers, columns] row ids
     engram_reads: EngramReads | None = None  # the forward's fetched rows, shared by sliced contexts
     engram_tokens: torch.Tensor | None = None  # which tokens of the forward this context holds; None: all
@@ -109,32 +110,21 @@ class ForwardContext:
         return rows if self.engram_tokens is None else rows[self.engram_tokens]
 
 
-class BlockV41(nn.Module):
+class BlockV41(HyperConnectedBlock):
     """One V4.1 layer: optional Engram, then an attention site and an MoE site with staggered mHC."""
 
     def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
         super().__init__()
-        self.config, self.layer_id = config, layer_id
+        self.layer_id = layer_id
         self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = AttentionV41(config, layer_id)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoEV41(config, config.n_routed_experts, config.num_experts_per_tok)
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        attn = AttentionV41(config, layer_id)  # built before the MoE: random initialisation keeps its order
+        self._build_sites(config, attn, MoEV41(config, config.n_routed_experts, config.num_experts_per_tok))
 
     def with_engram(self, streams: torch.Tensor, ctx: ForwardContext, keep_rows: bool = False) -> torch.Tensor:
         """The streams after this layer's Engram (if it has one); ``keep_rows`` when the layer runs again."""
         if self.engram is None:
             return streams
         return self.engram(streams, ctx.engram_values(self.layer_id, keep_rows), ctx.gate_mask)
-
-    def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.config
-        fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-        iters, eps, norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        return hyper_connection_weights(streams, fn, base, scale, iters, eps, norm_eps, self.ops)
 
     def forward(
         self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext
@@ -143,15 +133,15 @@ class BlockV41(nn.Module):
         streams = self.with_engram(streams, ctx)
         if self.layer_id in ctx.captured:
             ctx.captured[self.layer_id] = streams.float().mean(dim=-2).to(streams.dtype)
-        attn_pre, attn_post, attn_comb = self.site_weights(streams, "attn")
-        x = self.attn_norm(collapse_streams(streams, pre_mix))
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
-        out = self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
-        streams = expand_streams(out, streams, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.site_weights(streams, "ffn")
-        x = self.ffn_norm(collapse_streams(streams, attn_pre))
-        streams = expand_streams(self.ffn(x, ctx.image_mask), streams, ffn_post, ffn_comb)
-        return streams, ffn_pre
+
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
+
+        def feed_forward(x: torch.Tensor) -> torch.Tensor:
+            return self.ffn(x, ctx.image_mask)
+
+        return self.run_sites(streams, attention, feed_forward, carried_mix=pre_mix)
 
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext) -> None:
         """CED: run only this KV source's compressor over the batch (fills the decoder's global KV)."""
@@ -161,7 +151,7 @@ class BlockV41(nn.Module):
         self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
 
 
-class DeepseekV41(nn.Module):
+class DeepseekV41(DeepseekModel):
     def __init__(self, config: ModelConfigV41, with_mtp: bool = True) -> None:
         super().__init__()
         self.config = config
@@ -227,10 +217,6 @@ class DeepseekV41(nn.Module):
                     f"the model addresses {rows}"
                 )
 
-    def use_ops(self, ops: OpTable) -> None:
-        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
-        bind_ops(self, ops)
-
     def drop_engram_tables(self) -> DeepseekV41:
         """Remove the layers' own Engram tables (they live outside the model); a fetcher must then be attached."""
         for block in self.layers:
@@ -283,10 +269,7 @@ class DeepseekV41(nn.Module):
     def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""
         streams, pre_mix, _ = self.run_layers(batch)
-        hidden = self.final_hidden(streams, pre_mix)
-        if logits_for is not None:
-            hidden = hidden[logits_for]
-        return self.head(hidden).float()
+        return self.logits(self.final_hidden(streams, pre_mix), logits_for)
 
     def run_layers(
         self, batch: PackedBatch, capture: bool = False
@@ -313,7 +296,7 @@ class DeepseekV41(nn.Module):
         embedded = self.embed(input_ids)
         if splice is not None:
             embedded = embedded.index_copy(0, splice.rows, splice.values.to(embedded.dtype))
-        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        streams = self.copy_into_streams(embedded)
         pre_mix = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
         pre_mix[:, 0] = 1.0
         return streams, pre_mix
@@ -327,9 +310,9 @@ class DeepseekV41(nn.Module):
 
     def context(self, batch: PackedBatch, capture: bool = False) -> ForwardContext:
         """Scratch cache if needed, Engram rows (advancing each sequence's Engram history), token masks."""
-        if batch.cache is None:
-            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
-        ctx = ForwardContext(batch, self.rope, self.quantizer, [{} for _ in batch.spans])
+        self.ensure_cache(batch)
+        shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
+        ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
         image_id = self.config.image_token_id
         if image_id is not None:
             ctx.image_mask = batch.input_ids == image_id
@@ -344,9 +327,17 @@ class DeepseekV41(nn.Module):
         return ctx
 
     def _engram_rows(self, batch: PackedBatch) -> torch.Tensor:
+        """Every Engram layer's row ids [T, layers, columns]; advances each sequence's Engram history."""
         if self.engram_hasher is None:
             raise RuntimeError("this model has Engram layers: attach an EngramHasher built from its tokenizer first")
         history = batch.cache.engram_history
+        if batch.is_decode:  # one token per sequence, from the step's device metadata: no host read
+            spans = batch.device_spans
+            fresh = (spans.starts == 0)[:, None]
+            contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
+            rows, next_contexts = self.engram_hasher.decode_step(batch.input_ids, contexts)
+            history[spans.slots] = next_contexts
+            return rows
         slots = torch.tensor([span.slot for span in batch.spans], dtype=torch.long, device=history.device)
         contexts = history[slots].clone()
         fresh = torch.tensor([span.start == 0 for span in batch.spans], device=history.device)
@@ -380,8 +371,7 @@ class DeepseekV41(nn.Module):
         replay_batch, rows = self._replay_batch(batch, replay_tokens)
         replay_ctx = ctx.sliced(replay_batch, rows)
         streams, pre_mix = self.run_range(streams[rows], pre_mix[rows], replay_ctx, decoder, len(self.layers))
-        hidden = self.final_hidden(streams, pre_mix)[replay_batch.last_token_indices()]
-        return self.head(hidden).float()
+        return self.logits(self.final_hidden(streams, pre_mix), replay_batch.last_token_indices())
 
     @staticmethod
     def _replay_batch(batch: PackedBatch, replay_tokens: int) -> tuple[PackedBatch, torch.Tensor]:

@@ -29,13 +29,12 @@ from torch import nn
 
 from dsinfer.config import ModelConfigV41
 from dsinfer.layers.attention import Attention
-from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
+from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.models.block import hc_parameters
+from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.registry import OpTable
 
 if TYPE_CHECKING:
     from dsinfer.models.deepseek_v41 import DeepseekV41
@@ -75,10 +74,7 @@ class DSparkAttention(Attention):
         cos, sin = rope_angles(positions, inv_freq)
         q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim), cos, sin)
         keys = torch.cat([ring_keys.to(x.dtype), self.keys(x, positions, inv_freq, quantizer)])
-        logits = torch.einsum("shd,kd->hsk", q, keys).float() * self.softmax_scale
-        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("hsk,kd->shd", probs.to(keys.dtype), keys)
+        out = self._attend_keys(q, keys, None)
         return self._project_out(apply_rope(out, cos, sin, inverse=True))
 
 
@@ -95,20 +91,16 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(width, 1, bias=False)
 
 
-class DSparkStage(nn.Module):
+class DSparkStage(HyperConnectedBlock):
     """One draft stage; stage 0 owns the target-hidden projection, the last stage the output heads."""
 
     def __init__(self, config: ModelConfigV41, stage: int, num_stages: int) -> None:
         super().__init__()
-        self.config = config
         dim = config.hidden_size
-        self.attn_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.attn = DSparkAttention(config, stage)
-        self.ffn_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.ffn = MoEV41(config, config.dspark_n_routed_experts, config.dspark_num_experts_per_tok)
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        attn = DSparkAttention(config, stage)  # built before the MoE: random initialisation keeps its order
+        self._build_sites(
+            config, attn, MoEV41(config, config.dspark_n_routed_experts, config.dspark_num_experts_per_tok)
+        )
         if stage == 0:
             self.main_proj = nn.Linear(dim * len(config.dspark_target_layer_ids), dim, bias=False)
             self.main_norm = RMSNorm(dim, config.rms_norm_eps)
@@ -126,21 +118,10 @@ class DSparkStage(nn.Module):
         inv_freq: torch.Tensor,
         quantizer: ActivationQuantizer,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, positions, ring_keys, inv_freq, quantizer)
 
-        def weights(site: str):
-            fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-            return hyper_connection_weights(
-                streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops
-            )
-
-        attn_pre, attn_post, attn_comb = weights("attn")
-        x = self.attn_norm(collapse_streams(streams, pre_mix))
-        attn_out = self.attn(x, positions, ring_keys, inv_freq, quantizer)
-        streams = expand_streams(attn_out, streams, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = weights("ffn")
-        x = self.ffn_norm(collapse_streams(streams, attn_pre))
-        return expand_streams(self.ffn(x), streams, ffn_post, ffn_comb), ffn_pre
+        return self.run_sites(streams, attention, self.ffn, carried_mix=pre_mix)
 
 
 def seed_rings(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, round_to_e2m1_codes
+from dsinfer.ops.registry import REFERENCE, register
 
 WINDOW_KV_BLOCK = 32
 COMPRESSED_KV_BLOCK = 16
@@ -83,6 +84,7 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
 
 
+@register("fake_quant_fp8", REFERENCE)
 def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_KV_BLOCK) -> torch.Tensor:
     """Round ``x`` through FP8 e4m3 with one ue8m0 scale per ``block`` channels of the last axis."""
     blocks = _blocks(x, block)
@@ -92,6 +94,7 @@ def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_KV_BLOCK) -> torch.Tenso
     return (codes.float() * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
+@register("fake_quant_fp4", REFERENCE)
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tensor:
     """Round ``x`` through FP4 e2m1 with one scale per ``block`` channels (e4m3 or ue8m0 scales)."""
     blocks = _blocks(x, block)

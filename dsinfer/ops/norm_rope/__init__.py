@@ -1,0 +1,5 @@
+"""``rms_norm(x, weight, eps)`` and ``rope(x, cos, sin, inverse)``: the norms and rotary embedding of both variants."""
+
+from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
+
+__all__ = ["rms_norm_reference", "rope_reference"]

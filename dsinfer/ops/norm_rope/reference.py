@@ -1,0 +1,34 @@
+"""The truth for RMSNorm and the partial, interleaved RoPE DeepSeek uses (``dsinfer.layers.norm`` / ``rotary`` call
+these; a faster backend registers beside them)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.registry import REFERENCE, register
+
+
+@register("rms_norm", REFERENCE)
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last axis, computed in float32 and cast back to ``x``'s dtype once."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * x32).to(x.dtype)
+
+
+@register("rope", REFERENCE)
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles.
+
+    Channel pairs (0, 1), (2, 3)... of the rope slice rotate together; ``cos`` / ``sin`` are [N, rope_dim // 2] and
+    broadcast over any axes between N and the channels; ``inverse`` rotates back (the output's rope slice).
+    """
+    rope_dim = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
