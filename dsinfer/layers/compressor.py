@@ -49,6 +49,8 @@ class Compressor(nn.Module):
         first = span.start - pending  # position where the unfinished window began
         values = torch.cat([cache.pending_values[slot, :pending], values])
         gates = torch.cat([cache.pending_gates[slot, :pending], gates])
+        if span.journal is not None:
+            span.journal.append((cache, first, values, gates))
         complete = values.shape[0] // ratio
         if complete:
             window_values = values[: complete * ratio].view(complete, ratio, -1)
