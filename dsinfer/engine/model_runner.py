@@ -134,7 +134,7 @@ class ModelRunner:
             host_to_device(sample_rows, torch.long, self.device),
             self._engram_resume(scheduled),
             pieces or None,
-            SpeculationPlan(drafts, following) if self.speculative else None,
+            SpeculationPlan(drafts, following, ids) if self.speculative else None,
         )
 
     @torch.inference_mode()

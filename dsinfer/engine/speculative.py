@@ -44,6 +44,7 @@ class SpeculationPlan:
 
     drafts: list[list[int]]
     following_token: list[int | None]  # prompt token after a prefill chunk; None for a sampled span
+    token_ids: list[int]  # the step's input ids on the host (the drafter's inputs are built from them)
 
 
 @dataclass
@@ -100,7 +101,7 @@ def verify_sequence(logits: torch.Tensor, drafts: list[int], state: SamplingStat
         suppress_stop_tokens(scores[row : row + 1], [view])
         if constraint is not None:
             constraint.fill_mask(scores[row])
-        if row == len(drafts) or allowed < row or not torch.isfinite(scores[row, drafts[row]]):
+        if row == len(drafts) or not torch.isfinite(scores[row, drafts[row]]):
             break
         if constraint is not None:
             constraint.accept(drafts[row])
@@ -143,18 +144,26 @@ class SpeculativeExecutor:
         self.num_layers = model.config.num_hidden_layers
         self.drafter = MTPDrafter(model, cache, num_tokens)
 
-    @torch.inference_mode()
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
+        """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does:
+        its noise is filled on a thread pool)."""
         plan: SpeculationPlan = step.speculation
-        batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
-        snapshots = {}
-        for index, (span, drafts) in enumerate(zip(step.spans, plan.drafts, strict=True)):
-            if drafts:
-                snapshots[index] = snapshot_span(self.cache, span, self.num_layers)
-                span.journal = []
-        streams = self.model.hidden_streams(batch)
-        logits = self.model.head(self.model.final_hidden(streams)[step.sample_rows]).float()
+        with torch.inference_mode():
+            batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
+            snapshots = {}
+            for index, (span, drafts) in enumerate(zip(step.spans, plan.drafts, strict=True)):
+                if drafts:
+                    snapshots[index] = snapshot_span(self.cache, span, self.num_layers)
+                    span.journal = []
+            streams = self.model.hidden_streams(batch)
+            logits = self.model.head(self.model.final_hidden(streams)[step.sample_rows]).float()
         outputs = self._judge(logits, plan, states)
+        with torch.inference_mode():
+            self._roll_back_and_draft(step, streams, plan, outputs, snapshots)
+        return outputs
+
+    def _roll_back_and_draft(self, step, streams, plan: SpeculationPlan, outputs, snapshots) -> None:
+        """Undo the rejected positions' cache writes, then draft from the kept positions."""
         sampled = [i for i, token in enumerate(plan.following_token) if token is None]
         kept = [span.length for span in step.spans]
         for index, output in zip(sampled, outputs, strict=True):
@@ -166,7 +175,6 @@ class SpeculativeExecutor:
         next_drafts = self.drafter.draft(self._draft_input(step, streams, plan, outputs, sampled, kept))
         for output, drafts in zip(outputs, next_drafts, strict=True):
             output.next_drafts = drafts
-        return outputs
 
     def _judge(self, logits: torch.Tensor, plan: SpeculationPlan, states: list[SamplingState]):
         """One output per sampled sequence: plain sampling without drafts, verification with them."""
@@ -196,7 +204,7 @@ class SpeculativeExecutor:
         offset = 0
         for index, span in enumerate(step.spans):
             count = kept[index]
-            ids = step.input_ids[offset : offset + count].tolist()
+            ids = plan.token_ids[offset : offset + count]
             after = plan.following_token[index]
             following = ids[1:] + [emitted[index].token_ids[-1] if after is None else after]
             rows += range(offset, offset + count)

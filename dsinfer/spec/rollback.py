@@ -29,7 +29,7 @@ from dsinfer.kv.cache_v4 import CompressorCache, KVCache
 @dataclass
 class CompressorSnapshot:
     previous: tuple[torch.Tensor, torch.Tensor] | None  # the slot's last complete window before the forward
-    entry_ids: torch.Tensor  # entries the forward may write (windows completed inside the span)
+    first_entry: int  # entries first_entry .. (span end) // ratio - 1 are those the forward may write
     entries: torch.Tensor  # their values before the forward
 
 
@@ -42,10 +42,13 @@ class SpanSnapshot:
     compressors: dict[int, CompressorSnapshot] = field(default_factory=dict)  # by id() of the CompressorCache
 
 
-def _entry_location(cache: CompressorCache, table: list[int], entry_ids: torch.Tensor):
+def _entry_location(cache: CompressorCache, table: list[int], first: int, stop: int):
+    """(blocks, offsets) of a sequence's entries ``first .. stop - 1``, built on the host (no device read)."""
     per_block = cache.entries.shape[1]
-    blocks = torch.tensor(table, dtype=torch.long, device=entry_ids.device)[entry_ids // per_block]
-    return blocks, entry_ids % per_block
+    device = cache.entries.device
+    blocks = torch.tensor([table[e // per_block] for e in range(first, stop)], dtype=torch.long, device=device)
+    offsets = torch.tensor([e % per_block for e in range(first, stop)], dtype=torch.long, device=device)
+    return blocks, offsets
 
 
 def _compressor_caches(cache: KVCache, num_layers: int):
@@ -64,13 +67,12 @@ def snapshot_span(cache: KVCache, span: SequenceSpan, num_layers: int) -> SpanSn
     end = span.start + span.length
     for compressor in _compressor_caches(cache, num_layers):
         ratio = compressor.ratio
-        entry_ids = torch.arange(span.start // ratio, end // ratio, device=device)
-        blocks, offsets = _entry_location(compressor, span.block_table, entry_ids)
+        blocks, offsets = _entry_location(compressor, span.block_table, span.start // ratio, end // ratio)
         previous = None
         if compressor.overlap:
             previous = (compressor.previous_values[span.slot].clone(), compressor.previous_gates[span.slot].clone())
         snapshot.compressors[id(compressor)] = CompressorSnapshot(
-            previous, entry_ids, compressor.entries[blocks, offsets].clone()
+            previous, span.start // ratio, compressor.entries[blocks, offsets].clone()
         )
     return snapshot
 
@@ -106,7 +108,8 @@ def rollback_span(cache: KVCache, snapshot: SpanSnapshot, journal: list, keep: i
             else:
                 compressor.previous_values[span.slot] = saved.previous[0]
                 compressor.previous_gates[span.slot] = saved.previous[1]
-        undo = saved.entry_ids >= window
-        if bool(undo.any()):
-            blocks, offsets = _entry_location(compressor, span.block_table, saved.entry_ids[undo])
-            compressor.entries[blocks, offsets] = saved.entries[undo]
+        stop = saved.first_entry + saved.entries.shape[0]
+        undo_from = max(window, saved.first_entry)  # windows only rejected positions completed
+        if undo_from < stop:
+            blocks, offsets = _entry_location(compressor, span.block_table, undo_from, stop)
+            compressor.entries[blocks, offsets] = saved.entries[undo_from - saved.first_entry :]
