@@ -21,12 +21,11 @@ def parse_spec_counters(text: str) -> dict[str, float] | None:
     """Sum each counter over its label sets; None when the server exports none of them."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        for prefix in PREFIXES:
-            name = family.name.removeprefix(prefix)
-            if family.name.startswith(prefix) and name in COUNTERS:
-                for sample in family.samples:
-                    if sample.name.endswith("_total") or sample.name == family.name:
-                        totals[name] = totals.get(name, 0.0) + sample.value
+        for sample in family.samples:  # a counter's value sample is NAME_total (or NAME); NAME_created is not one
+            for prefix in PREFIXES:
+                name = sample.name.removeprefix(prefix).removesuffix("_total")
+                if sample.name.startswith(prefix) and name in COUNTERS:
+                    totals[name] = totals.get(name, 0.0) + sample.value
     return totals if set(COUNTERS) <= set(totals) else None
 
 
