@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engram_placement(generate)
     add_async_scheduling(generate)
     add_cuda_graphs(generate)
+    add_speculative_config(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engram_placement(serve)
     add_async_scheduling(serve)
     add_cuda_graphs(serve)
+    add_speculative_config(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -175,6 +177,16 @@ def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as JSON: \'{"method": "mtp", "num_speculative_tokens": K}\' (K from 1 to 5; '
+        "V4's MTP layer drafts K tokens per step, the model verifies them in one forward) (default: off)",
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for the prompts through the engine (continuous batching, paged caches)."""
     params = SamplingParams(
@@ -188,6 +200,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "async_scheduling": args.async_scheduling,
         "enforce_eager": args.enforce_eager,
         "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
+        "speculative_config": args.speculative_config,
     }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
@@ -196,10 +209,18 @@ def run_generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
+        spec = llm.engine.spec_stats
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"{prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)")
+    if spec is not None:
+        rate = spec.acceptance_rate
+        print(
+            f"speculative decoding: {spec.num_accepted_tokens} of {spec.num_draft_tokens} drafts accepted "
+            f"({0.0 if rate is None else 100 * rate:.1f}%), {spec.mean_acceptance_length or 1.0:.2f} tokens per "
+            f"verify step over {spec.num_drafts} steps"
+        )
     return 0
 
 
@@ -222,6 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engram_placement=args.engram_placement, async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
+        speculative_config=args.speculative_config,
     )  # fmt: skip
     return serve(options, engine)
 

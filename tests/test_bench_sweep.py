@@ -84,7 +84,7 @@ def test_decode_speculative_accountings(decode_sweep):
     for record in read_records(decode_sweep / "results.jsonl"):
         seconds_per_step = record["ms_per_step"] / 1e3
         assert record["nextn"] == 3 and record["accept"] == 0.75
-        assert record["speculative"] == "not implemented, measured = no drafts"
+        assert record["speculative"] == "not run, measured = no drafts"
         measured, assumed = record["measured"], record["assumed"]
         assert measured["tokens_per_step_per_user"] == 1.0
         assert measured["tokens_per_s_per_gpu"] == record["tokens_per_s_per_gpu"]
@@ -199,3 +199,25 @@ def test_speculative_accounting_without_drafts():
     assert accounting["assumed"]["tokens_per_step_per_user"] == 1.0
     assert accounting["assumed"]["tokens_per_s_per_gpu"] == pytest.approx(160.0)
     assert accounting["measured"]["tokens_per_s_per_user"] == pytest.approx(20.0)
+
+
+def test_decode_sweep_with_real_drafts_reports_the_measured_tau(tiny_checkpoint, tmp_path):
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    args = sweep_args(tiny_checkpoint, tmp_path, "decode", "2", "--tag", "spec", "--speculative-config", spec)
+    assert sweep.main(args) == 0
+    (record,) = read_records(tmp_path / "spec" / "results.jsonl")
+    measured = record["measured"]
+    assert record["speculative"] == {"method": "mtp", "num_speculative_tokens": 2} and record["nextn"] == 2
+    assert record["tokens_per_step"] == 2 * 3  # each sequence verifies its token and two drafts per step
+    assert measured["drafts"] == 2 * 2 * record["steps"] and 0 <= measured["accepted"] <= measured["drafts"]
+    assert measured["tau"] == pytest.approx(1 + measured["accepted"] / (2 * record["steps"]))
+    assert measured["tokens_per_step_per_user"] == pytest.approx(measured["tau"])
+    assert record["tokens_per_s_per_gpu"] == measured["tokens_per_s_per_gpu"]
+    assert record["irregular_steps"] == 0 and record["assumed"]["tokens_per_step_per_user"] == 2.5
+
+
+def test_speculative_config_is_checked_at_the_flag():
+    with pytest.raises(ValueError, match="--speculative-config: speculative_config 'num_speculative_tokens'"):
+        sweep.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
+    with pytest.raises(ValueError, match="speculative decoding applies to decode sweeps only"):
+        sweep.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])

@@ -82,8 +82,12 @@ def draw_pareto(records: list[dict[str, Any]], out: str | Path, compare_publishe
     first = records[0]
     figure, axes = plt.subplots(figsize=(8, 6), dpi=110)
     if mode == "decode":
-        _plot_series(axes, _series(records, "tokens_per_s_per_user", "tokens_per_s_per_gpu"),
-                     "measured (1 token/step: no drafts run)", "o-")  # fmt: skip
+        tau = first.get("measured", {}).get("tau")
+        measured_label = (
+            "measured (1 token/step: no drafts run)" if tau is None
+            else f"measured (drafts verified by the engine, tau = {tau:.2f} at the first point)"
+        )  # fmt: skip
+        _plot_series(axes, _series(records, "tokens_per_s_per_user", "tokens_per_s_per_gpu"), measured_label, "o-")
         if first.get("nextn", 0) > 0:
             assumed = first["assumed"]
             label = (f"assumed (official accounting): tau = 1 + {first['nextn']} x {first['accept']:g} = "

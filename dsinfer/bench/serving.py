@@ -54,6 +54,7 @@ try:  # the client side needs openai + httpx (the 'test' extra); main() says so 
         random_requests,
         repeat_to,
     )
+    from dsinfer.bench.spec_metrics import acceptance, scrape_spec_counters
 except ImportError as exc:
     _MISSING_CLIENT: ImportError | None = exc
 else:
@@ -343,9 +344,12 @@ async def prepare_requests(args: argparse.Namespace, headers: dict[str, str]) ->
 
 
 async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestRecord], float, str]:
-    """Send every request on its Gamma schedule under the concurrency cap; return records and the duration."""
+    """Send every request on its Gamma schedule under the concurrency cap; return records and the duration.
+
+    The server's speculative-decoding counters are read before and after (``args.spec_counters``)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     requests, dataset_note = await prepare_requests(args, headers)
+    counters_before = await scrape_spec_counters(args.server_url, headers)
     offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
     in_flight = args.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
@@ -374,7 +378,9 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestRecord], 
     finally:
         progress.close()
         await client.close()
-    return list(records), time.perf_counter() - bench_start, dataset_note
+    duration = time.perf_counter() - bench_start
+    args.spec_counters = (counters_before, await scrape_spec_counters(args.server_url, headers))
+    return list(records), duration, dataset_note
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -455,6 +461,7 @@ def summarize(records: list[RequestRecord], duration: float, args: argparse.Name
         "request_errored": errored,
         "request_incomplete": incomplete,
     }
+    result |= acceptance(*getattr(args, "spec_counters", (None, None)))
     result["requests"] = [asdict(r) | {"tpot_s": r.tpot_s} for r in records]
     return result
 
@@ -486,6 +493,10 @@ def format_table(result: dict) -> str:
             f"{label:<24}"
             + "".join(f"{'-' if v is None else f'{v:.2f}':>{w}}" for v, w in zip(cells, (9, 10, 9, 10), strict=True))
         )
+    if result.get("spec_decode_acceptance_length") is not None:
+        lines.append(f"{'Spec decode acceptance length:':<40}{result['spec_decode_acceptance_length']:.2f}")
+        rate = result["spec_decode_acceptance_rate"]
+        lines.append(f"{'Spec decode acceptance rate:':<40}{'-' if rate is None else f'{100 * rate:.1f}%'}")
     lines.append("=" * 62)
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
     dsinfer bench sweep decode  [--model DIR | --config config.json | --flash-layers N] [--tag TAG]
                                 [--context N] [--nextn N] [--accept P] [--points 1,2,4,...]
+                                [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}']
                                 [--device cuda] [--dtype bfloat16] [--warmup-steps 3] [--measure-steps 10]
                                 [--out-root sweeps] [--cache-gib G] [--prefill-chunk 8192]
                                 [--telemetry-interval 5] [--compare-published] [--seed 0]
@@ -63,10 +64,13 @@ fill_steps, fill_s          decode: steps and seconds of the untimed prefill tha
 requests                    prefill: prompts queued for the point
 position_cycle_steps,
 covers_full_cycle           prefill: lcm(p, context) / p, and whether the timed steps are whole cycles
-nextn, accept, speculative  decode: drafts per step and per-token acceptance given; speculative is
-                            "not implemented, measured = no drafts" when nextn > 0, "off (nextn = 0)" otherwise
+nextn, accept, speculative  decode: drafts per step and per-token acceptance given; speculative is the
+                            engine's speculative config when --speculative-config runs drafts, "not run,
+                            measured = no drafts" when only --nextn is given, "off (nextn = 0)" otherwise
 measured                    decode: the measured accounting: tokens actually sampled per step per user,
-                            tokens_per_s_per_user, tokens_per_s_per_gpu (equal to the headline fields)
+                            tokens_per_s_per_user, tokens_per_s_per_gpu (equal to the headline fields); with
+                            drafts also tau (1 + accepted drafts per verify round, from the engine's counters),
+                            drafts and accepted (the counts over the timed steps)
 assumed                     decode: the official accounting, tokens_per_step_per_user = 1 + nextn * accept
                             (tau; 3.25 for nextn 3, accept 0.75) applied to the measured step time:
                             tokens_per_s_per_user = tau / s_per_step, tokens_per_s_per_gpu = n * tau / s_per_step;
@@ -87,11 +91,13 @@ dsinfer_version,
 torch_version               software that produced the numbers
 ==========================  =======================================================================================
 
-Speculative decoding (``--nextn``) does not exist in the engine yet. DeepInfer's decode chart fixes nextn=3,
-assumes 75% per-token acceptance, times steps as if every draft were accepted (each step verifies
-1 + nextn tokens per sequence) and credits tau = 1 + nextn * accept = 3.25 tokens per step. The ``assumed``
-accounting applies that tau to *our* step, which runs no draft model and verifies one token per sequence,
-so it overstates what the engine would reach with drafts; ``measured`` is what actually happened.
+Speculative decoding: DeepInfer's decode chart fixes nextn=3, assumes 75% per-token acceptance, times steps
+as if every draft were accepted (each step verifies 1 + nextn tokens per sequence) and credits
+tau = 1 + nextn * accept = 3.25 tokens per step. The ``assumed`` accounting applies that tau to *our* measured
+step. With ``--speculative-config`` the engine really drafts (V4's MTP layer; random weights get an MTP layer
+of random weights too) and verifies 1 + K tokens per sequence per step, so the step time is the real one and
+``measured`` holds the real tau (about 1 on random weights, which draft badly); ``--nextn`` defaults to K there.
+Without it, ``--nextn`` only feeds the assumed accounting of a step that runs no drafts.
 """
 
 from __future__ import annotations
@@ -106,7 +112,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -114,7 +120,7 @@ from typing import Any
 import torch
 
 from dsinfer.bench.shapes import flash_slice_config
-from dsinfer.config import ConfigError, EngineConfig, ModelConfig
+from dsinfer.config import ConfigError, EngineConfig, ModelConfig, parse_speculative_config
 from dsinfer.engine.engine import LLMEngine, StepStats
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.loader import CheckpointError
@@ -125,7 +131,7 @@ OFFICIAL_CONTEXT = 131072
 DEFAULT_POINTS = {"decode": (1, 2, 4, 8, 16, 32, 64, 128, 256), "prefill": (4096, 8192, 16384, 32768, 65536)}
 TINY_CONTEXT = 256
 TINY_POINTS = {"decode": (1, 2, 4, 8), "prefill": (64, 128, 256, 512)}
-SPECULATIVE_NOT_IMPLEMENTED = "not implemented, measured = no drafts"
+SPECULATIVE_NOT_RUN = "not run, measured = no drafts"
 MAX_POSITION_CYCLE = 1024  # beyond this many steps the prefill position cycle is not completed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -169,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, help=f"prompt tokens (default {OFFICIAL_CONTEXT}; tiny: {TINY_CONTEXT})")
     parser.add_argument("--nextn", type=int, default=0, help="speculative drafts per step, for the assumed accounting")
     parser.add_argument("--accept", type=float, default=0.75, help="per-token draft acceptance (default 0.75)")
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='decode: run speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+    )
     parser.add_argument("--points", help="comma-separated: requests per rank (decode) or batch tokens (prefill)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
@@ -198,6 +210,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     if args.tag is None:
         args.tag = f"{args.mode}-ctx{args.context}"
+    try:
+        args.speculative = parse_speculative_config(args.speculative_config)
+    except ConfigError as exc:
+        raise ValueError(f"--speculative-config: {exc}") from None
+    if args.speculative is not None and args.nextn == 0:
+        args.nextn = args.speculative.num_speculative_tokens
     _check_args(args)
     return args
 
@@ -229,8 +247,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    if args.mode == "prefill" and args.nextn:
-        raise ValueError("--nextn: speculative decoding applies to decode sweeps only")
+    if args.mode == "prefill" and (args.nextn or args.speculative is not None):
+        raise ValueError("--nextn / --speculative-config: speculative decoding applies to decode sweeps only")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
@@ -278,8 +296,13 @@ def build_bench(args: argparse.Namespace) -> Bench:
         config = ModelConfig.from_file(args.config)
         label, source = f"{Path(args.config).name} shape", str(Path(args.config).resolve())
     if config is not None:
+        drafting = args.speculative is not None
+        if drafting and not config.num_nextn_predict_layers:
+            config = replace(config, num_nextn_predict_layers=1)  # a random MTP layer to draft with
         if args.weight_format == "native":
-            model = build_native_model(config, dtype, args.device, seed=args.seed)
+            model = build_native_model(config, dtype, args.device, seed=args.seed, with_mtp=drafting)
+        elif not drafting:
+            model = build_random_model(config, dtype, args.device, seed=args.seed)
         else:
             model = build_random_model(config, dtype, args.device, seed=args.seed)
         with tempfile.TemporaryDirectory() as directory:  # a tokenizer only for ids; the prompts are random
@@ -313,7 +336,8 @@ def decode_max_model_len(args: argparse.Namespace, num_requests: int) -> int:
     """Room for the prompt, the tokens sampled while the others still prefill, and every decode step."""
     fill_budget = max(args.prefill_chunk, num_requests)
     fill_steps_bound = math.ceil(num_requests * args.context / fill_budget) + num_requests
-    return args.context + fill_steps_bound + args.warmup_steps + args.measure_steps + 2
+    per_step = 1 + (args.speculative.num_speculative_tokens if args.speculative is not None else 0)
+    return args.context + fill_steps_bound + (args.warmup_steps + args.measure_steps) * per_step + per_step + 2
 
 
 def check_fits_model(args: argparse.Namespace, config: ModelConfig) -> None:
@@ -417,20 +441,44 @@ def step_statistics(timed: list[tuple[float, StepStats]], expected_tokens: int) 
     }
 
 
-def speculative_accounting(nextn: int, accept: float, num_requests: int, measured: dict[str, Any]) -> dict[str, Any]:
-    """The measured accounting (what ran) and the assumed, official one (tau = 1 + nextn * accept per step)."""
+def speculative_accounting(
+    nextn: int,
+    accept: float,
+    num_requests: int,
+    measured: dict[str, Any],
+    drafted: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The measured accounting (what ran) and the assumed, official one (tau = 1 + nextn * accept per step).
+
+    ``drafted`` (speculative runs): ``config`` (the engine's speculative config), ``sampled`` (tokens emitted
+    in the timed steps), ``drafts`` / ``draft_tokens`` / ``accepted`` (the engine's counters over them)."""
     s_per_step = measured["ms_per_step"] / 1e3
     tau = 1 + nextn * accept
-    per_user = measured["tokens_per_step"] / num_requests
+    if drafted is None:
+        per_user = measured["tokens_per_step"] / num_requests
+        real = {"basis": "tokens sampled in the timed steps; no drafts run"}
+        speculative = SPECULATIVE_NOT_RUN if nextn > 0 else "off (nextn = 0)"
+    else:
+        per_user = drafted["sampled"] / measured["steps"] / num_requests
+        rounds = drafted["drafts"]
+        real = {
+            "basis": "tokens sampled in the timed steps, drafts verified by the engine",
+            "tau": 1 + drafted["accepted"] / rounds if rounds else 1.0,
+            "drafts": drafted["draft_tokens"],
+            "accepted": drafted["accepted"],
+        }
+        speculative = drafted["config"]
     return {
         "nextn": nextn,
         "accept": accept,
-        "speculative": SPECULATIVE_NOT_IMPLEMENTED if nextn > 0 else "off (nextn = 0)",
+        "speculative": speculative,
         "measured": {
             "tokens_per_step_per_user": per_user,
             "tokens_per_s_per_user": per_user / s_per_step,
-            "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"],
-            "basis": "tokens sampled in the timed steps; no drafts run",
+            "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"]
+            if drafted is None
+            else per_user * num_requests / s_per_step,
+            **real,
         },
         "assumed": {
             "formula": "1 + nextn * accept",
@@ -450,7 +498,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     args = bench.args
     max_model_len = decode_max_model_len(args, num_requests)
     engine = make_engine(bench, max_num_seqs=num_requests, max_num_batched_tokens=max(args.prefill_chunk, num_requests),
-                         max_model_len=max_model_len)  # fmt: skip
+                         max_model_len=max_model_len, speculative_config=args.speculative)  # fmt: skip
     check_cache_holds(engine, num_requests, max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for prompt in random_prompts(num_requests, args.context, bench.model.config.vocab_size, args.seed):
@@ -463,11 +511,26 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     fill_s = time.perf_counter() - fill_start
     run_steps(engine, args.warmup_steps)
     shortest = min(seq.num_tokens for seq in sequences)
+    sampled_before = sum(len(seq.output_token_ids) for seq in sequences)
+    stats_before = replace(engine.spec_stats) if engine.spec_stats is not None else None
     timed = timed_steps(engine, args.measure_steps)
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
-    measured = step_statistics(timed, expected_tokens=num_requests)
-    accounting = speculative_accounting(args.nextn, args.accept, num_requests, measured)
+    drafts_per_step = args.speculative.num_speculative_tokens if args.speculative is not None else 0
+    measured = step_statistics(timed, expected_tokens=num_requests * (1 + drafts_per_step))
+    drafted = None
+    if stats_before is not None:
+        stats = engine.spec_stats
+        drafted = {
+            "config": asdict(args.speculative),
+            "sampled": sum(len(seq.output_token_ids) for seq in sequences) - sampled_before,
+            "drafts": stats.num_drafts - stats_before.num_drafts,
+            "draft_tokens": stats.num_draft_tokens - stats_before.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens - stats_before.num_accepted_tokens,
+        }
+    accounting = speculative_accounting(args.nextn, args.accept, num_requests, measured, drafted)
+    if drafted is not None:  # the headline counts output tokens, not the verified positions
+        measured["tokens_per_s_per_gpu"] = accounting["measured"]["tokens_per_s_per_gpu"]
     return {
         "point_unit": "requests per DP rank",
         **measured,

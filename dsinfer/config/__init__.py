@@ -13,6 +13,7 @@ from dsinfer.config.model import (
     is_v41_config,
 )
 from dsinfer.config.model_v41 import FP8_SCALE_BLOCK, V41_MARKER_KEYS, ModelConfigV41, engram_primes, is_prime
+from dsinfer.config.speculative import SpeculativeConfig, parse_speculative_config
 
 __all__ = [
     "ENGRAM_PLACEMENTS",
@@ -26,9 +27,11 @@ __all__ = [
     "ModelConfigBase",
     "ModelConfigV41",
     "QuantizationConfig",
+    "SpeculativeConfig",
     "YarnScaling",
     "default_compress_ratios",
     "engram_primes",
     "is_prime",
     "is_v41_config",
+    "parse_speculative_config",
 ]

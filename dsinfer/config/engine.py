@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dsinfer.config.model import ConfigError
+from dsinfer.config.speculative import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from dsinfer.config.model import ModelConfig
@@ -41,8 +42,11 @@ class EngineConfig:
     # sizes runs the same static-shape decode eagerly (for tests); nothing is captured there.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Speculative decoding (vLLM's spelling): a SpeculativeConfig, its dict or its JSON; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -88,7 +92,12 @@ class EngineConfig:
 
     @property
     def resolved_async_scheduling(self) -> bool:
-        """Overlap scheduling as configured, else on for a CUDA device and off on CPU."""
+        """Overlap scheduling as configured, else on for a CUDA device and off on CPU.
+
+        Speculative decoding runs without overlap: how far a sequence got is known only once its drafts are
+        verified, so the next step cannot be planned before the current one ends."""
+        if self.speculative_config is not None:
+            return False
         if self.async_scheduling is not None:
             return self.async_scheduling
         return self.device.startswith("cuda")

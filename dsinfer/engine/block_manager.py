@@ -82,6 +82,15 @@ class BlockManager:
                 self.hash_to_block.setdefault(key, block)
             seq.block_hashes.append(key)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the tail blocks ``seq`` no longer needs for its first ``num_tokens`` positions (rejected drafts)."""
+        keep = max(-(-num_tokens // self.block_tokens), len(seq.block_hashes))
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # the tail first: a shared prefix is the last to be reused
             self.ref_counts[block] -= 1

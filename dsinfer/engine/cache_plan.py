@@ -43,9 +43,15 @@ def cache_block_tokens(model: ServedModel, requested: int | None) -> int:
 
 
 def build_cache(
-    model: ServedModel, num_slots: int, num_blocks: int, block_tokens: int, device: torch.device | str
+    model: ServedModel,
+    num_slots: int,
+    num_blocks: int,
+    block_tokens: int,
+    device: torch.device | str,
+    with_mtp: bool = False,
 ) -> EngineCache:
-    """The cache the model's layers read and write through the batch metadata (no draft-model state)."""
+    """The cache the model's layers read and write through the batch metadata; ``with_mtp`` adds the window rings
+    of V4's MTP layers (the drafter's state, for speculative decoding)."""
     dtype = model.embed.weight.dtype
     if isinstance(model, DeepseekV41):
         # The trained-in rounding makes every cached value exactly representable in its FP8 / FP4 format,
@@ -53,7 +59,7 @@ def build_cache(
         # off (testing only) it keeps plain values.
         return KVCacheV41(model.config, num_slots, num_blocks, block_tokens, dtype, device, with_dspark=False,
                           quantized_storage=model.fake_quantization)  # fmt: skip
-    ratios = attention_layer_ratios(model.config, with_mtp=False)
+    ratios = attention_layer_ratios(model.config, with_mtp=with_mtp)
     return KVCache(model.config, ratios, num_slots, num_blocks, block_tokens, dtype, device)
 
 
@@ -61,7 +67,8 @@ def cache_blocks_for_budget(model: ServedModel, engine: EngineConfig, num_slots:
     """How many compressed-cache blocks fit beside ``num_slots`` state slots in the engine's budget."""
     if engine.num_cache_blocks is not None:
         return engine.num_cache_blocks
-    probe = build_cache(model, 0, 0, block_tokens, "meta")  # byte accounting only: no memory
+    with_mtp = engine.speculative_config is not None
+    probe = build_cache(model, 0, 0, block_tokens, "meta", with_mtp)  # byte accounting only: no memory
     budget = engine.cache_memory_bytes
     if budget is None:
         device = torch.device(engine.device)

@@ -21,11 +21,18 @@ from dsinfer.engine.sampler import SampleOutput, Sampler, SamplingState
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner, StepInput
+    from dsinfer.engine.speculative import SpeculativeExecutor
 
 
 class DeviceWorker:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, threaded: bool = True) -> None:
-        self.runner, self.sampler = runner, sampler
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        threaded: bool = True,
+        speculative: SpeculativeExecutor | None = None,
+    ) -> None:
+        self.runner, self.sampler, self.speculative = runner, sampler, speculative
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsinfer-device") if threaded else None
 
     def submit(self, batch: StepInput, states: list[SamplingState]) -> Future:
@@ -49,6 +56,8 @@ class DeviceWorker:
     ) -> list[SampleOutput]:
         if started is not None:
             started.set()
+        if batch.speculation is not None:
+            return self.speculative.run(batch, states)
         logits = self.runner.execute(batch)
         return self.sampler(logits, states) if states else []
 

@@ -34,10 +34,12 @@ from dsinfer.engine.device_worker import DeviceWorker
 from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from dsinfer.engine.sampler import Sampler, make_sampling_state
+from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler
 from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.speculative import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.spec.support import check_speculative_support
 from dsinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("dsinfer.engine")
@@ -71,6 +73,8 @@ class InflightStep:
 class LLMEngine:
     def __init__(self, model: ServedModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        if config.speculative_config is not None:
+            check_speculative_support(model, config.speculative_config)
         self.max_model_len = config.resolved_max_model_len(model.config)
         self.runner = ModelRunner(model, config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_tokens, config.enable_prefix_caching)
@@ -82,7 +86,14 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.async_scheduling = config.resolved_async_scheduling
-        self.worker = DeviceWorker(self.runner, self.sampler, threaded=self.async_scheduling)
+        self.spec_stats: SpeculativeStats | None = None
+        speculative = None
+        if config.speculative_config is not None:
+            self.spec_stats = SpeculativeStats()
+            speculative = SpeculativeExecutor(
+                model, self.runner.cache, self.sampler, config.speculative_config.num_speculative_tokens
+            )
+        self.worker = DeviceWorker(self.runner, self.sampler, threaded=self.async_scheduling, speculative=speculative)
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -213,17 +224,22 @@ class LLMEngine:
         for seq in current.sampled:
             seq.num_pending_tokens = 0
         now = time.monotonic()
-        touched = []
+        touched, with_text = [], set()
         for seq, result in zip(current.sampled, results, strict=True):
             if not seq.is_finished:  # an abort, or a stop string found while this step ran, ended it
-                self._append_token(seq, result, now)
+                if isinstance(result, SpeculativeOutput):
+                    self._take_verified(seq, result, now)
+                    with_text.add(id(seq))
+                else:
+                    self._append_token(seq, result, now)
                 touched.append(seq)
         if next_plan is not None:
             live = [item for item in next_plan.scheduled if not item.seq.is_finished]
             if live:
                 self._inflight = self._launch(live)
         for seq in touched:
-            self._update_text(seq, now)
+            if id(seq) not in with_text:
+                self._update_text(seq, now)
         request_ids = dict.fromkeys(seq.request_id for seq in touched if seq.request_id in self.requests)
         outputs = [self._request_output(rid) for rid in request_ids]
         for rid in request_ids:
@@ -245,7 +261,7 @@ class LLMEngine:
         sampled = [item.seq for item in scheduled if item.completes_sequence]
         batch = self.runner.prepare(scheduled)  # reads the sequences now, before the scheduler moves on
         for item in scheduled:
-            item.seq.num_computed += item.num_new_tokens
+            item.seq.num_computed += item.num_new_tokens - item.num_draft_tokens  # drafts count once accepted
             self.blocks.register_computed(item.seq)
         handle = self.worker.submit(batch, [seq.sampling for seq in sampled])
         return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled))
@@ -281,6 +297,28 @@ class LLMEngine:
         seq.hide_last_token = stopped_by_token
         if reason is not None:
             self._finish(seq, reason, now)
+
+    def _take_verified(self, seq: Sequence, result: SpeculativeOutput, now: float) -> None:
+        """Take a verified run of tokens one at a time (a stop rule inside the run ends it there), then keep the
+        accepted drafts' cache, return the blocks past them and store the next drafts."""
+        self.spec_stats.record(result.num_drafts, result.num_accepted)
+        for index, token in enumerate(result.token_ids):
+            self._append_token(seq, SampleOutput(
+                [token],
+                None if result.logprobs is None else [result.logprobs[index]],
+                None if result.top_logprobs is None else [result.top_logprobs[index]],
+            ), now)  # fmt: skip
+            self._update_text(seq, now)
+            if seq.is_finished:
+                return
+        seq.num_computed += result.num_accepted
+        self.blocks.register_computed(seq)
+        self.blocks.trim(seq, seq.num_tokens)
+        params, k = seq.sampling.params, self.config.speculative_config.num_speculative_tokens
+        room = self.max_model_len - seq.num_tokens
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(seq.output_token_ids) - 1)
+        seq.draft_token_ids = result.next_drafts[: max(0, min(k, room))]
 
     def _update_text(self, seq: Sequence, now: float) -> None:
         """Detokenize the new token and apply stop strings (which may end the sequence)."""

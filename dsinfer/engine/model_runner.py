@@ -25,6 +25,7 @@ from dsinfer.engine.cache_plan import (
 from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
+from dsinfer.engine.speculative import SpeculationPlan
 from dsinfer.engram.hashing import EngramContext
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
@@ -53,6 +54,7 @@ class StepInput:
     sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
     engram_resume: EngramResume | None = None
     image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
+    speculation: SpeculationPlan | None = None  # speculative decoding: each span's drafts (dsinfer.engine.speculative)
 
 
 def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
@@ -60,6 +62,8 @@ def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
 
     On CUDA they are on unless ``enforce_eager``; on the CPU only an explicit ``cuda_graph_sizes`` asks for the
     same static-shape path, run eagerly (how the tests check it)."""
+    if engine.speculative_config is not None:
+        return False  # verify steps run several positions per sequence; the speculative executor runs eagerly
     if engine.enforce_eager or isinstance(model, DeepseekV41) or not isinstance(model, DeepseekV4):
         return False
     device = torch.device(engine.device)
@@ -89,7 +93,8 @@ class ModelRunner:
                 f"cache budget too small: {num_blocks} blocks of {self.block_tokens} tokens cannot hold one sequence "
                 f"of max_model_len {max_model_len} ({needed} blocks); raise the cache budget or lower max_model_len"
             )
-        self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device)
+        self.speculative = engine.speculative_config is not None
+        self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
         self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
         self.decode_graphs: DecodeGraphs | None = None
         if graphed:
@@ -106,18 +111,22 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInput:
         """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step."""
         ids, positions, spans, sample_rows, pieces = [], [], [], [], []
+        drafts, following = [], []
         offset = 0
         for item in scheduled:
             seq, start, count = item.seq, item.seq.num_computed, item.num_new_tokens
+            known = count - item.num_draft_tokens  # the drafts run behind the sequence's own tokens
             if seq.images:
                 pieces += image_pieces(seq.images, start, count, offset)
-            ids += seq.token_ids[start : start + count]
+            ids += seq.token_ids[start : start + known] + seq.draft_token_ids[: item.num_draft_tokens]
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
             spans.append(SequenceSpan(start, count, seq.slot, table, seq.reuse_below, seq.window_from))
-            offset += count
             if item.completes_sequence:
-                sample_rows.append(offset - 1)
+                sample_rows += range(offset + known - 1, offset + count)  # the last token's row and the drafts'
+            offset += count
+            drafts.append(list(seq.draft_token_ids[: item.num_draft_tokens]))
+            following.append(None if item.completes_sequence else seq.token_ids[start + count])
         return StepInput(
             host_to_device(ids, torch.long, self.device),
             host_to_device(list(positions), torch.long, self.device),
@@ -125,6 +134,7 @@ class ModelRunner:
             host_to_device(sample_rows, torch.long, self.device),
             self._engram_resume(scheduled),
             pieces or None,
+            SpeculationPlan(drafts, following, ids) if self.speculative else None,
         )
 
     @torch.inference_mode()

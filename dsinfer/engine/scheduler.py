@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Each step has a token budget (``max_num_batched_tokens``). Running sequences go first, decodes before
-prefill chunks; then waiting sequences are admitted while state slots, budget and cache blocks allow. A long
+prefill chunks (a decoding sequence's speculative drafts run behind its last token, budget allowing); then
+waiting sequences are admitted while state slots, budget and cache blocks allow. A long
 prompt is split across steps (chunked prefill). When blocks run out, the most recently admitted running
 sequence is preempted: its cache is dropped and it waits to be recomputed later (nothing is lost, the tokens
 it produced stay). A step may give a sequence several new tokens, which is what verifying speculative drafts
@@ -21,12 +22,13 @@ from dsinfer.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # positions this step runs, drafts included
+    num_draft_tokens: int = 0  # speculative drafts run behind the sequence's last token (the last positions)
 
     @property
     def completes_sequence(self) -> bool:
         """True when this step reaches the sequence's last token, so its logits are sampled."""
-        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -75,11 +77,12 @@ class Scheduler:
             count = self._chunk(seq, budget)
             if count == 0:
                 continue
-            if not self._make_room(seq, count, out):
+            drafts = min(len(seq.draft_token_ids), budget - count) if count == seq.num_uncomputed == 1 else 0
+            if not self._make_room(seq, count + drafts, out):
                 continue
-            self.blocks.allocate(seq, seq.num_computed + count)
-            out.scheduled.append(ScheduledSequence(seq, count))
-            budget -= count
+            self.blocks.allocate(seq, seq.num_computed + count + drafts)
+            out.scheduled.append(ScheduledSequence(seq, count + drafts, drafts))
+            budget -= count + drafts
         while self.waiting and budget > 0 and self.free_slots:
             seq = self.waiting[0]
             if seq.num_pending_tokens:

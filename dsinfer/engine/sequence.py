@@ -42,6 +42,8 @@ class Sequence:
     num_preemptions: int = 0
     # A token being sampled by a step still on the device (overlap scheduling plans the next step around it).
     num_pending_tokens: int = 0
+    # Speculative decoding: tokens the drafter proposes after the last one, verified in the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Results.
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None
@@ -79,3 +81,4 @@ class Sequence:
         self.block_hashes = []
         self.reuse_below = 0
         self.window_from = 0
+        self.draft_token_ids = []

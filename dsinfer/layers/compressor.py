@@ -107,6 +107,11 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(x)), positions
         ratio, slot = self.ratio, span.slot
         values, gates = self.project(x, positions)
+        if span.journal is not None:  # speculative decoding rolls the unfinished window back from this record
+            pending = span.start % ratio
+            joined_values = torch.cat([cache.pending_values[slot, :pending], values.to(cache.pending_values.dtype)])
+            joined_gates = torch.cat([cache.pending_gates[slot, :pending], gates.to(cache.pending_gates.dtype)])
+            span.journal.append((cache, span.start - pending, joined_values, joined_gates))
         window_values, window_gates, first = join_pending(
             cache.pending_values, cache.pending_gates, slot, span.start, ratio, values, gates
         )

@@ -3,7 +3,7 @@
 For position i it combines the target model's residual streams at i (before ``hc_head``) with the
 embedding of token i + 1 (``e_proj(enorm(embed))`` broadcast over the streams plus ``h_proj(hnorm(streams))``),
 runs one full window-only block, collapses with its own ``hc_head`` and norm, and reads logits through the
-target's shared output head. Speculative decoding drives it (later); here it is loaded and runnable.
+target's shared output head. Speculative decoding drives it (:mod:`dsinfer.spec.mtp`).
 Its block parameters sit directly under ``mtp.N.`` as in the official checkpoint.
 """
 
@@ -41,10 +41,25 @@ class MTPLayer(Block):
         inv_freq: torch.Tensor,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the draft for every packed position."""
-        cfg = self.config
+        streams = self.draft_streams(target_streams, next_token_embeddings, next_token_ids, batch, inv_freq)
+        return self.collapse(streams)
+
+    def draft_streams(
+        self,
+        target_streams: torch.Tensor,
+        next_token_embeddings: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        batch: PackedBatch,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """The block's output streams [T, hc_mult, hidden]: what a chained draft step takes as its input streams."""
         token_part = self.e_proj(self.enorm(next_token_embeddings)).unsqueeze(1)
         streams = token_part + self.h_proj(self.hnorm(target_streams))
-        streams = self(streams, batch, inv_freq, next_token_ids)
+        return self(streams, batch, inv_freq, next_token_ids)
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams to final hidden states [T, hidden]: the layer's own ``hc_head``, then its norm."""
+        cfg = self.config
         collapsed = hyper_head(
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps
         )

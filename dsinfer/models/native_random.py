@@ -54,14 +54,17 @@ def build_native_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cuda",
     seed: int = 0,
+    with_mtp: bool = False,
 ) -> DeepseekV4 | DeepseekV41:
-    """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert."""
+    """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert.
+
+    ``with_mtp`` gives a V4 model its ``num_nextn_predict_layers`` MTP layers (to time speculative decoding)."""
     v41 = isinstance(config, ModelConfigV41)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=False)
+            model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=with_mtp)
     finally:
         torch.set_default_dtype(previous)
     moes = [module for module in model.modules() if isinstance(module, MoE)]

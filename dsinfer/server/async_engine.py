@@ -15,10 +15,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.metrics import ServerMetrics
 
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self._shutdown_message: str | None = None  # set once in-flight requests have been cut for shutdown
         self._exported_prefix = (0, 0)  # prefix-cache counters already added to the metrics
+        self._exported_spec = SpeculativeStats()  # speculative-decoding counters already added
         self.alive = False
         self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
 
@@ -138,8 +140,10 @@ class AsyncEngine:
                 self._expire_overdue()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self._update_gauges()  # first: a client that has its last token sees the step's counters
                     self._deliver_outputs(outputs)
-                self._update_gauges()
+                else:
+                    self._update_gauges()
         except Exception as exc:  # an engine bug: fail every request loudly, report unhealthy
             log.exception("engine thread failed")
             self.alive = False
@@ -235,6 +239,16 @@ class AsyncEngine:
         m.prefix_queries.labels(name).inc(engine.blocks.prefix_queries - self._exported_prefix[0])
         m.prefix_hits.labels(name).inc(engine.blocks.prefix_hits - self._exported_prefix[1])
         self._exported_prefix = (engine.blocks.prefix_queries, engine.blocks.prefix_hits)
+        stats = engine.spec_stats
+        if stats is not None:
+            done = self._exported_spec
+            m.spec_drafts.labels(name).inc(stats.num_drafts - done.num_drafts)
+            m.spec_draft_tokens.labels(name).inc(stats.num_draft_tokens - done.num_draft_tokens)
+            m.spec_accepted.labels(name).inc(stats.num_accepted_tokens - done.num_accepted_tokens)
+            for position, count in enumerate(stats.accepted_per_position):
+                before = done.accepted_per_position[position] if position < len(done.accepted_per_position) else 0
+                m.spec_accepted_per_pos.labels(name, str(position)).inc(count - before)
+            self._exported_spec = replace(stats, accepted_per_position=list(stats.accepted_per_position))
 
     @staticmethod
     def _send(channel: _Channel, item) -> None:

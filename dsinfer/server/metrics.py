@@ -41,6 +41,9 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative draft rounds")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Speculative drafts accepted, by draft position", ["position"]
+        )
         self.model_name = model_name
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                        self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):  # fmt: skip

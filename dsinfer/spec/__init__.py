@@ -1,0 +1,1 @@
+"""Speculative decoding: the drafter (MTP), verification of drafts, and rollback of rejected cache writes."""

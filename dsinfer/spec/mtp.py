@@ -1,0 +1,93 @@
+"""The MTP drafter: V4's multi-token-prediction layer proposes the next K tokens of every drafting sequence.
+
+After a step's target forward the layer runs over every position the step kept (prefill chunks, accepted
+drafts), each with the target's residual streams there and the embedding of the token that follows; this keeps
+the layer's own window ring current, and the last row of each sampled sequence drafts its first token. Further
+drafts chain the layer on its own output streams, one position at a time (vLLM's and SGLang's way when a
+checkpoint has fewer MTP layers than drafts). Those chained positions are written into the layer's ring for
+the later chain steps to attend to and put back afterwards: the next step runs them again with the target's
+streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.spec.rejection`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v4 import KVCache
+from dsinfer.models.deepseek_v4 import DeepseekV4
+
+
+@dataclass
+class DraftInput:
+    """The positions a step kept, as spans over the target's streams, and which spans draft."""
+
+    streams: torch.Tensor  # [T, hc_mult, hidden] target streams of the kept positions, packed by span
+    next_token_ids: torch.Tensor  # [T] the token after each kept position
+    positions: torch.Tensor  # [T]
+    spans: list[SequenceSpan]  # one per sequence of the step, over the kept positions only
+    drafting: list[int]  # indices into ``spans`` of the sequences that draft
+
+
+class MTPDrafter:
+    """Drafts with ``model.mtp[0]`` over the engine cache (which must hold the MTP layer's window ring)."""
+
+    def __init__(self, model: DeepseekV4, cache: KVCache, num_tokens: int) -> None:
+        if not len(model.mtp):
+            raise ValueError("the model has no MTP layer to draft with")
+        self.model, self.cache, self.num_tokens = model, cache, num_tokens
+        self.layer = model.mtp[0]
+        if len(cache.layers) <= self.layer.layer_id:
+            raise ValueError("the engine cache has no window ring for the MTP layer (build it with_mtp)")
+
+    @torch.inference_mode()
+    def draft(self, inputs: DraftInput) -> list[list[int]]:
+        """Run the kept positions through the MTP layer and draft ``num_tokens`` for each drafting span."""
+        model, layer = self.model, self.layer
+        if not inputs.spans:
+            return []
+        batch = PackedBatch(inputs.next_token_ids, inputs.positions, inputs.spans, self.cache)
+        embedded = model.embed(inputs.next_token_ids)
+        streams = layer.draft_streams(inputs.streams, embedded, inputs.next_token_ids, batch, model.rope.window)
+        if not inputs.drafting:
+            return []
+        slices = batch.sequence_slices()
+        last_rows = torch.tensor([slices[i].stop - 1 for i in inputs.drafting], device=streams.device)
+        streams = streams[last_rows]
+        token = model.head(layer.collapse(streams)).float().argmax(-1)
+        drafts = [token]
+        spans = [inputs.spans[i] for i in inputs.drafting]
+        next_positions = [span.start + span.length for span in spans]  # where each bonus token sits
+        if self.num_tokens > 1:
+            ring = self.cache.layers[layer.layer_id].window
+            saved = self._save_ring(ring, spans, next_positions)
+            for depth in range(1, self.num_tokens):
+                chain_spans = [
+                    SequenceSpan(p + depth - 1, 1, s.slot, s.block_table, 0, s.window_from)
+                    for s, p in zip(spans, next_positions, strict=True)
+                ]
+                positions = torch.tensor([p + depth - 1 for p in next_positions], device=streams.device)
+                chain = PackedBatch(token, positions, chain_spans, self.cache)
+                streams = layer.draft_streams(streams, model.embed(token), token, chain, model.rope.window)
+                token = model.head(layer.collapse(streams)).float().argmax(-1)
+                drafts.append(token)
+            self._restore_ring(ring, spans, next_positions, saved)
+        return torch.stack(drafts, dim=1).tolist()
+
+    def _ring_index(self, ring: torch.Tensor, spans: list[SequenceSpan], next_positions: list[int]):
+        """(slots, ring rows) the chain steps write: positions next .. next + num_tokens - 2 of every span."""
+        width = ring.shape[1]
+        steps = self.num_tokens - 1
+        slots = torch.tensor([s.slot for s in spans for _ in range(steps)], device=ring.device)
+        rows = torch.tensor([(p + d) % width for p in next_positions for d in range(steps)], device=ring.device)
+        return slots, rows
+
+    def _save_ring(self, ring, spans, next_positions) -> torch.Tensor:
+        slots, rows = self._ring_index(ring, spans, next_positions)
+        return ring[slots, rows].clone()
+
+    def _restore_ring(self, ring, spans, next_positions, saved: torch.Tensor) -> None:
+        slots, rows = self._ring_index(ring, spans, next_positions)
+        ring[slots, rows] = saved
