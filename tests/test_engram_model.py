@@ -297,7 +297,7 @@ def test_bad_placement_values_give_one_clear_error(tiny_v41_checkpoint, capsys):
 
 def test_serve_hands_the_placement_to_the_server_and_its_llm(tiny_v41_checkpoint, monkeypatch):
     launched = {}
-    monkeypatch.setattr(launch, "serve", lambda options, engine: launched.update(options=options, engine=engine))
+    monkeypatch.setattr(launch, "serve", lambda options, engine: launched.update(options=options, engine=engine) or 0)
     assert main(["serve", str(tiny_v41_checkpoint), "--engram-placement", "host"]) == 0
     assert launched["engine"].engram_placement == "host"
 

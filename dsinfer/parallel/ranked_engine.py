@@ -70,6 +70,8 @@ class RankDiedError(RuntimeError):
 
 def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: EngineConfig) -> None:
     """Every layout check that needs no weights: experts over EP, GPUs per host, the placement file."""
+    if engine.speculative_config is not None:
+        raise ConfigError("--speculative-config: speculative decoding runs on one rank only for now")
     parallel.check_model(model_config.n_routed_experts)
     if engine.device.startswith("cuda"):
         import torch
@@ -167,6 +169,7 @@ class RankedEngine:
         self._loads = _Loads()
         self.scheduler, self.blocks = _SchedulerView(self._loads), _BlocksView(self._loads)
         self.failure: str | None = None
+        self.spec_stats = None  # speculative decoding runs on one rank only (check_layout refuses it here)
         self._closing = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = 0
