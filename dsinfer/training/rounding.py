@@ -40,27 +40,17 @@ class StraightThroughQuantizer(ActivationQuantizer):
         return _straight_through(x, super().index_queries(x.detach(), layer, positions))
 
 
-class _RoundFp8(nn.Module):
-    def __init__(self, block: tuple[int, int]) -> None:
+class _RoundToStorage(nn.Module):
+    """A weight rounded through its storage format (``quantize`` then ``dequantize`` with ``granularity``)."""
+
+    def __init__(self, quantize, dequantize, granularity) -> None:
         super().__init__()
-        self.block = block
+        self.quantize, self.dequantize, self.granularity = quantize, dequantize, granularity
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            codes, scale = quantize_fp8_blockwise(weight.detach().float(), self.block)
-            rounded = dequantize_fp8_blockwise(codes, scale, self.block)
-        return _straight_through(weight, rounded)
-
-
-class _RoundFp4(nn.Module):
-    def __init__(self, group: int) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            packed, scale = quantize_fp4(weight.detach().float(), self.group)
-            rounded = dequantize_fp4(packed, scale, self.group)
+            codes, scale = self.quantize(weight.detach().float(), self.granularity)
+            rounded = self.dequantize(codes, scale, self.granularity)
         return _straight_through(weight, rounded)
 
 
@@ -77,9 +67,9 @@ def round_weights_straight_through(model: nn.Module, storage_format) -> int:
             continue
         module = model.get_submodule(name[: -len(".weight")])
         if kind == "fp8":
-            rounding = _RoundFp8(quantization.weight_block_size)
+            rounding = _RoundToStorage(quantize_fp8_blockwise, dequantize_fp8_blockwise, quantization.weight_block_size)
         else:
-            rounding = _RoundFp4(quantization.fp4_group_size)
+            rounding = _RoundToStorage(quantize_fp4, dequantize_fp4, quantization.fp4_group_size)
         parametrize.register_parametrization(module, "weight", rounding)
         count += 1
     return count

@@ -17,8 +17,8 @@ One run, deterministic from its seed:
    with the tokenizer, loadable by :func:`dsinfer.models.loader.load_model` like any checkpoint.
 
 The lightning indexers get no gradient (top-k selection is not differentiable and the indexer distillation
-loss is not implemented): with ``index_topk`` and the candidate blocks covering the training chats, every
-compressed entry is selected at these lengths and the indexers matter only beyond them.
+loss is not implemented): past the 128-token window, which 64 compressed entries a query sees (out of 16
+candidate blocks of 8) is decided by their initial weights.
 """
 
 from __future__ import annotations
