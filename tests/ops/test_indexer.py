@@ -3,15 +3,14 @@ reference, on random shapes with the edges (no visible entry, a tile boundary, f
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
 from dsinfer.ops.indexer.reference import indexer_scores, indexer_topk_decode_reference
@@ -82,23 +81,10 @@ def run_interpreted_cases() -> list[str]:
     return [message for message in map(check_case, CASES) if message]
 
 
-_INTERPRETED = """
-import sys
-sys.path.insert(0, {folder!r})
-import test_indexer as cases
-failures = cases.run_interpreted_cases()
-print("\\n".join(failures) if failures else "ok")
-"""
-
-
 def test_triton_scores_match_reference_in_the_interpreter():
     """A fresh interpreter with TRITON_INTERPRET=1 set before Triton loads (tl.sum is a Triton function too)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = _INTERPRETED.format(folder=str(Path(__file__).resolve().parent))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "ok", result.stdout[-3000:]
+    assert_interpreted_cases_pass("test_indexer")
 
 
 if torch.cuda.is_available():  # compiled kernels: collected where CUDA is (the interpreter test covers the CPU)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
 from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
@@ -148,24 +149,9 @@ def run_interpreted_cases() -> list[str]:
     return [message for message in map(check_triton_case, CASES) if message]
 
 
-# A fresh interpreter with TRITON_INTERPRET=1 set before Triton loads, so the reductions the kernels call
-# (tl.max and tl.sum are Triton functions themselves) are interpreted too.
-_INTERPRETED = """
-import sys
-sys.path.insert(0, {folder!r})
-import test_sparse_attention as cases
-failures = cases.run_interpreted_cases()
-print("\\n".join(failures) if failures else "ok")
-"""
-
-
 def test_triton_kernels_match_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = _INTERPRETED.format(folder=str(Path(__file__).resolve().parent))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "ok", result.stdout[-3000:]
+    assert_interpreted_cases_pass("test_sparse_attention")
 
 
 # V4-Flash shapes (64 heads x 512, window 128, top-k 512 of 32-entry blocks): too slow for the interpreter.
