@@ -111,8 +111,8 @@ class Attention(nn.Module):
         cos, sin = rope_angles(batch.positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps), cos, sin, ops=self.ops)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops)
 
         if batch.is_decode:
             out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq)
@@ -132,7 +132,7 @@ class Attention(nn.Module):
                     )
                 )
             out = torch.cat(outputs)
-        out = apply_rope(out, cos, sin, inverse=True)
+        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
     def _attend_decode(

@@ -22,6 +22,7 @@ from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.compressor import compressor_pool_reference
+from dsinfer.ops.registry import OpTable
 
 
 def join_pending(
@@ -84,6 +85,7 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(hidden_size, width, bias=False) if ratio > 1 or slot_bias else None
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if slot_bias else None
         self.norm = RMSNorm(dim, norm_eps)
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's value and gate [n, width] (fp32 when the variant pools in fp32)."""
@@ -145,7 +147,7 @@ class Compressor(nn.Module):
             cos, sin = rope_angles(entry_ids * self.ratio, inv_freq)
             keep = kept_entries(span.start // self.ratio, span.reuse_below, self.ratio)
             table = span.block_table if block_table is None else block_table
-            write_entries(cache, table, entry_ids[keep], apply_rope(latents, cos, sin)[keep])
+            write_entries(cache, table, entry_ids[keep], apply_rope(latents, cos, sin, ops=self.ops)[keep])
 
     def decode_latents(
         self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache
@@ -188,11 +190,12 @@ class Compressor(nn.Module):
         latents, entry, complete = self.decode_latents(x, positions, spans, cache)
         cos, sin = rope_angles(entry * self.ratio, inv_freq)
         block, row = decode_entry_location(spans, entry, complete, cache.entries.shape[1], trash)
-        cache.entries[block, row] = apply_rope(latents, cos, sin).to(cache.entries.dtype)
+        cache.entries[block, row] = apply_rope(latents, cos, sin, ops=self.ops).to(cache.entries.dtype)
 
     def _pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], then RMSNorm (pre-RoPE entries)."""
-        return compressor_pool_reference(values, gates, self.norm.weight, self.norm.eps, dtype)
+        pool = self.ops.compressor_pool if self.ops is not None else compressor_pool_reference
+        return pool(values, gates, self.norm.weight, self.norm.eps, dtype)
 
     def _overlapping_slots(
         self, values: torch.Tensor, gates: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None

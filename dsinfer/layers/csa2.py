@@ -91,7 +91,7 @@ class IndexerV41(IndexScorer):
         entry_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
-        return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin), layer_id, entry_ids)
+        return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin, ops=self.ops), layer_id, entry_ids)
 
     def candidate_scores(
         self,
@@ -176,15 +176,15 @@ class AttentionV41(Attention):
                 compressed, visible = state["entries"], state["selected"]
             window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
             outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
-        out = apply_rope(torch.cat(outputs), cos, sin, inverse=True)
+        out = apply_rope(torch.cat(outputs), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
     def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
         """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
         cos, sin = rope_angles(positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.layer_id, positions)
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
+        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops), self.layer_id, positions)
         return cos, sin, q_latent, q, kv
 
     def _forward_decode(
@@ -213,7 +213,7 @@ class AttentionV41(Attention):
             entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
             keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
             visible = torch.cat([visible, state["real"]], dim=1)
-        out = apply_rope(self._attend_batched(q, keys, visible), cos, sin, inverse=True)
+        out = apply_rope(self._attend_batched(q, keys, visible), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
     def _publish_decode(
@@ -243,7 +243,7 @@ class AttentionV41(Attention):
             rows = host_to_device(rows, torch.long, device)
             latents, entry_ids = latents.index_select(0, rows), entry_ids.index_select(0, rows)
             cos, sin = rope_angles(entry_ids * ratio, inv_freq)
-            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
+            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             blocks, block_rows = (
                 host_to_device(blocks, torch.long, device),
@@ -280,7 +280,7 @@ class AttentionV41(Attention):
         latents, entry_ids = self.compressor.latents(x, positions, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
-            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin), self.layer_id, entry_ids)
+            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
             cache.write_entries(self.layer_id, span.block_table, entry_ids[keep], entries[keep], keys[keep])

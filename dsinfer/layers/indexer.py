@@ -43,6 +43,7 @@ class IndexScorer(nn.Module):
         self.topk, self.ratio = config.index_topk, ratio
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
 
     def scores(
         self,
@@ -70,7 +71,7 @@ class IndexScorer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H]."""
         cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
+        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
         if round_queries is not None:
             q = round_queries(q)
         return q, self.weights_proj(x).float() * self.n_heads**-0.5
@@ -84,7 +85,6 @@ class Indexer(IndexScorer):
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, config.csa_ratio, overlap=True, norm_eps=config.rms_norm_eps
         )
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
 
     def forward(
         self,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from dsinfer.ops.norm_rope import rms_norm_reference
+from dsinfer.ops.registry import OpTable
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +16,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_reference(x, self.weight, self.eps)
+        return (self.ops.rms_norm if self.ops is not None else rms_norm_reference)(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

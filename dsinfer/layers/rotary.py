@@ -13,6 +13,7 @@ import torch
 
 from dsinfer.config import YarnScaling
 from dsinfer.ops.norm_rope import rope_reference
+from dsinfer.ops.registry import OpTable
 
 
 def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -44,9 +45,11 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, ops: OpTable | None = None
+) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles (the ``rope`` op).
 
     ``cos``/``sin`` are [N, rope_dim // 2]; they broadcast over any axes between N and the channels.
     """
-    return rope_reference(x, cos, sin, inverse)
+    return (ops.rope if ops is not None else rope_reference)(x, cos, sin, inverse)

@@ -23,6 +23,7 @@ candidate blocks of 8) is decided by their initial weights.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -197,7 +198,13 @@ def encoded_chats(tokenizer_dir: Path, settings: TrainSettings):
             yield from _encoded_chunk(job)
     context = multiprocessing.get_context("spawn")
     with context.Pool(settings.data_workers, _start_worker, (str(tokenizer_dir),)) as pool:
-        for chunk in pool.imap(_encoded_chunk, jobs, chunksize=1):
+        # A bounded window of chunks in flight: ``imap`` would drain the endless job stream at once, so the
+        # workers would render without end and the parent would unpickle (and hold) every chunk.
+        pending = collections.deque(pool.apply_async(_encoded_chunk, (next(jobs),))
+                                    for _ in range(2 * settings.data_workers))  # fmt: skip
+        while True:
+            chunk = pending.popleft().get()
+            pending.append(pool.apply_async(_encoded_chunk, (next(jobs),)))
             yield from chunk
 
 
