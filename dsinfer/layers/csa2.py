@@ -91,7 +91,8 @@ class IndexerV41(IndexScorer):
         entry_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
-        return quantizer.index_keys(apply_rope(self.k_norm(self.wk(latents)), cos, sin, ops=self.ops), layer_id, entry_ids)
+        keys = apply_rope(self.k_norm(self.wk(latents)), cos, sin, ops=self.ops)
+        return quantizer.index_keys(keys, layer_id, entry_ids)
 
     def candidate_scores(
         self,
@@ -184,7 +185,8 @@ class AttentionV41(Attention):
         cos, sin = rope_angles(positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        kv = quantizer.window_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops), self.layer_id, positions)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops)
+        kv = quantizer.window_kv(kv, self.layer_id, positions)
         return cos, sin, q_latent, q, kv
 
     def _forward_decode(

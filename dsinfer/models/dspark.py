@@ -72,7 +72,8 @@ class DSparkAttention(Attention):
     ) -> torch.Tensor:
         """x [B, hidden] at ``positions`` [B]; every query sees every ring key and every block key."""
         cos, sin = rope_angles(positions, inv_freq)
-        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, ops=self.ops)
         keys = torch.cat([ring_keys.to(x.dtype), self.keys(x, positions, inv_freq, quantizer)])
         out = self._attend_keys(q, keys, None)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops))
