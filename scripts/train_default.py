@@ -32,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fit the run into this many minutes (the step count is derived from the first steps)",
     )
-    parser.add_argument("--time-limit-minutes", type=float, default=None, help="stop early and export")
+    parser.add_argument(
+        "--time-limit-minutes", type=float, default=None, help="stop early and export (and write resume.pt)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue the run stopped in --out (its resume.pt)")
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
     overrides = {"steps": args.steps, "batch_tokens": args.batch_tokens, "seed": args.seed, "minutes": args.minutes,
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    result = train(Path(args.out), settings, device=args.device)
+    result = train(Path(args.out), settings, device=args.device, resume=args.resume)
     print(f"wrote {result.directory} after {result.seconds:.0f} s")
     return 0
 

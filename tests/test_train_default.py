@@ -23,7 +23,7 @@ from dsinfer.server.response_stream import ChoiceStream
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.training import corpus
 from dsinfer.training.render import SampleRenderer
-from dsinfer.training.trainer import PRESETS, train
+from dsinfer.training.trainer import PRESETS, RESUME_FILE, train
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,22 @@ def test_a_toy_model_trains_and_loads_through_the_normal_loader(tmp_path):
     assert any(name.endswith("experts.0.w1.scale") for name in index)  # packed FP4 experts
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["settings"]["steps"] == 3 and len(record["history"]) == 3
+
+
+def test_a_run_stopped_at_its_time_limit_resumes_into_the_uninterrupted_run(tmp_path):
+    """Stop after the first step, resume: the same losses and the same exported weights as one whole run (the
+    rounding phase starts after the stop, so the resumed part also switches it on)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = replace(PRESETS["toy"], steps=3, batch_tokens=600, rounding_phase=0.34, log_every=1)
+        whole = train(tmp_path / "whole", settings, device="cpu", log=lambda message: None)
+        first = train(tmp_path / "split", replace(settings, time_limit_s=0.0), device="cpu", log=lambda m: None)
+        assert len(first.history) == 1 and (tmp_path / "split" / RESUME_FILE).exists()
+        rest = train(tmp_path / "split", settings, device="cpu", log=lambda message: None, resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert not (tmp_path / "split" / RESUME_FILE).exists()
+    assert [r["loss"] for r in rest.history] == [r["loss"] for r in whole.history]
+    for shard in sorted((tmp_path / "whole").glob("*.safetensors")):
+        assert shard.read_bytes() == (tmp_path / "split" / shard.name).read_bytes(), shard.name

@@ -23,11 +23,8 @@ candidate blocks of 8) is decided by their initial weights.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import json
 import math
-import multiprocessing
 import random
 import re
 import tempfile
@@ -55,7 +52,8 @@ from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.ops.registry import reference_table
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, DSPARK_NOISE_TOKEN, Tokenizer
-from dsinfer.training.corpus import sample_stream, training_samples
+from dsinfer.training.chat_stream import ChatStream
+from dsinfer.training.corpus import training_samples
 from dsinfer.training.draft_loss import draft_loss
 from dsinfer.training.render import SampleRenderer
 from dsinfer.training.rounding import StraightThroughQuantizer, remove_weight_rounding, round_weights_straight_through
@@ -173,41 +171,6 @@ class Batch:
         return rng.sample(candidates, min(count, len(candidates)))
 
 
-_worker_renderer: SampleRenderer | None = None
-
-
-def _start_worker(tokenizer_dir: str) -> None:
-    global _worker_renderer
-    torch.set_num_threads(1)
-    _worker_renderer = SampleRenderer(ChatFormat(Tokenizer.from_dir(tokenizer_dir), "v41", "default"))
-
-
-def _encoded_chunk(job: tuple[int, int, int]) -> list[tuple[list[int], list[int]]]:
-    """Chunk ``index`` of the sample stream of ``seed`` (``size`` chats), encoded: deterministic per index."""
-    seed, index, size = job
-    stream = sample_stream(seed * 1_000_003 + index)
-    return [_worker_renderer.encode(next(stream)) for _ in range(size)]
-
-
-def encoded_chats(tokenizer_dir: Path, settings: TrainSettings):
-    """Endless (prompt ids, completion ids) pairs, rendered by a pool of worker processes, in a fixed order."""
-    jobs = ((settings.seed, index, 64) for index in itertools.count())
-    if settings.data_workers == 0:
-        _start_worker(str(tokenizer_dir))
-        for job in jobs:
-            yield from _encoded_chunk(job)
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(settings.data_workers, _start_worker, (str(tokenizer_dir),)) as pool:
-        # A bounded window of chunks in flight: ``imap`` would drain the endless job stream at once, so the
-        # workers would render without end and the parent would unpickle (and hold) every chunk.
-        pending = collections.deque(pool.apply_async(_encoded_chunk, (next(jobs),))
-                                    for _ in range(2 * settings.data_workers))  # fmt: skip
-        while True:
-            chunk = pending.popleft().get()
-            pending.append(pool.apply_async(_encoded_chunk, (next(jobs),)))
-            yield from chunk
-
-
 def batches(chats, settings: TrainSettings):
     """Endless batches of about ``batch_tokens`` tokens: whole chats, packed into sequences."""
     while True:
@@ -252,15 +215,29 @@ class TrainResult:
     seconds: float
 
 
+RESUME_FILE = "resume.pt"  # written when a run stops at its time limit: ``train(..., resume=True)`` continues it
+
+
 def train(
-    out_dir: str | Path, settings: TrainSettings, device: str = "cpu", log: Callable[[str], None] = print
+    out_dir: str | Path,
+    settings: TrainSettings,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+    resume: bool = False,
 ) -> TrainResult:
-    """Train, export the checkpoint (with its tokenizer and ``training.json``) to ``out_dir``, and return."""
+    """Train, export the checkpoint (with its tokenizer and ``training.json``) to ``out_dir``, and return.
+
+    A run that stops at ``time_limit_s`` also writes ``out_dir/resume.pt`` (weights, optimizer, step, data
+    position, random states); ``resume=True`` continues it from there with the same schedule and the same data
+    the uninterrupted run would have seen (its own ``time_limit_s`` applies to the total time)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    state = torch.load(out_dir / RESUME_FILE, weights_only=False) if resume else None
+    if state is not None:
+        settings = replace(TrainSettings(**state["settings"]), time_limit_s=settings.time_limit_s)
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
-    tokenizer = build_tokenizer(out_dir, settings)
+    tokenizer = Tokenizer.from_dir(out_dir) if state is not None else build_tokenizer(out_dir, settings)
     config = model_config(tokenizer, settings.widths)
     model = randomize_v41_(DeepseekV41(config), settings.seed).to(device)
     model.attach_engram_hasher(EngramHasher.from_tokenizer(tokenizer, **config.engram_hasher_options()))
@@ -272,17 +249,24 @@ def train(
             parameter.requires_grad_(False)
     optimizer = _optimizer(model, settings)
     rounding_from = int(settings.steps * (1 - settings.rounding_phase))
-    history, started = [], time.perf_counter()
+    step, history, spent, position = 0, [], 0.0, (0, 0)
+    if state is not None:
+        step, history, spent, position = state["step"], state["history"], state["seconds"], tuple(state["data"])
+        if step > rounding_from:  # the saved weights are parametrized: round first, then load
+            _start_rounding(model, config, step, log)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resumed at step {step} of {settings.steps} after {spent:.0f} s")
     log(f"training {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device} "
         f"for {settings.steps} steps of ~{settings.batch_tokens} tokens")  # fmt: skip
-    chats = encoded_chats(out_dir, settings)
+    chats = ChatStream(out_dir, settings.seed, settings.data_workers, position)
     data = batches(chats, settings)
-    step = 0
+    started = time.perf_counter() - spent
     while step < settings.steps:
         if step == rounding_from:
-            model.quantizer = StraightThroughQuantizer()
-            count = round_weights_straight_through(model, lambda name: storage_format_v41(name, config))
-            log(f"step {step}: straight-through rounding on ({count} FP8 / FP4 weights, activations)")
+            _start_rounding(model, config, step, log)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(settings, step)
         record = _step(model, optimizer, next(data), settings, rng, device)
@@ -301,18 +285,28 @@ def train(
                       **{k: round(float(v), 4) for k, v in record.items()}}  # fmt: skip
             history.append(record)
             log(json.dumps(record))
-        if settings.time_limit_s is not None and elapsed > settings.time_limit_s:
-            log(f"time limit reached after step {step}: exporting")
-            break
         step += 1
-    data.close()
+        if step < settings.steps and settings.time_limit_s is not None and elapsed > settings.time_limit_s:
+            torch.save({"settings": asdict(settings), "step": step, "history": history, "seconds": elapsed,
+                        "data": chats.position, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, out_dir / RESUME_FILE)  # fmt: skip
+            log(f"time limit reached before step {step}: exporting; {RESUME_FILE} continues the run")
+            break
     chats.close()  # stops the rendering workers
+    if step == settings.steps:
+        (out_dir / RESUME_FILE).unlink(missing_ok=True)  # the run is complete: nothing to continue
     seconds = time.perf_counter() - started
     export(model, config, out_dir)
     (out_dir / "training.json").write_text(json.dumps(
         {"settings": asdict(settings), "device": device, "seconds": round(seconds, 1), "history": history},
         indent=1) + "\n")  # fmt: skip
     return TrainResult(out_dir, config, history, seconds)
+
+
+def _start_rounding(model: DeepseekV41, config: ModelConfigV41, step: int, log: Callable[[str], None]) -> None:
+    model.quantizer = StraightThroughQuantizer()
+    count = round_weights_straight_through(model, lambda name: storage_format_v41(name, config))
+    log(f"step {step}: straight-through rounding on ({count} FP8 / FP4 weights, activations)")
 
 
 def _step(model, optimizer, batch: Batch, settings: TrainSettings, rng: random.Random, device) -> dict:
