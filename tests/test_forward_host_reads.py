@@ -196,3 +196,22 @@ def test_a_v41_prefill_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quant
         if layer.source is not None:
             assert torch.equal(layer.source.entries, reference.source.entries)
             assert torch.equal(layer.source.index_keys, reference.source.index_keys)
+
+
+def test_a_v41_bounded_prefill_reads_nothing_on_the_host(tiny_v41_checkpoint):
+    """CED prefill (encoder over the prompts, the first decoder layer's compressor, a bounded decoder replay)."""
+    from dsinfer.kv.batch import PackedBatch
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    _dense_experts(model)
+    _use_gathered_moe(model)
+    assert model.config.decoder_start is not None
+    prompts = [list(range(3, 203)), list(range(10, 60))]
+    replay = model.config.sliding_window
+    expected = model.prefill(PackedBatch.from_sequences(prompts), mode="bounded", replay_tokens=replay)
+    batch = PackedBatch.from_sequences(prompts)
+    batch.attach_scratch_cache(model.config, torch.float32, False)
+    with RefuseHostReads():
+        got = model.prefill(batch, mode="bounded", replay_tokens=replay)
+    assert torch.equal(got, expected)
