@@ -174,6 +174,16 @@ def test_two_hundred_requests_return_every_block(make_engine):
     assert not engine.requests
 
 
+def test_prompt_ids_outside_the_engram_vocabulary_are_rejected_before_any_step(model, make_engine, monkeypatch):
+    """The forward does not range-check token ids (that would read them on the host): the engine does, on the
+    prompt as a host list, against the smaller of the model's and the Engram hasher's vocabularies."""
+    engine = make_engine()
+    monkeypatch.setattr(type(model.engram_hasher), "vocab_size", property(lambda self: 100))
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 100\)"):
+        engine.add_request([5, 100])
+    assert not engine.requests
+
+
 # ---- the user-facing entries ------------------------------------------------------------------------------
 def test_generate_cli_runs_a_v41_checkpoint(tiny_v41_checkpoint, tokenizer, capsys):
     args = ["generate", str(tiny_v41_checkpoint), "--prompt", "Hello world", "--max-tokens", "6", "--device", "cpu"]

@@ -450,3 +450,17 @@ def test_compressed_vocabulary_of_a_real_tokenizer(tiny_tokenizer_dir):
     assert hasher.pad_compressed_id == int(table[2])
     with pytest.raises(ValueError, match="does not belong to the checkpoint"):
         EngramHasher.from_tokenizer(raw, **{**config, "engram_compressed_vocab_size": size + 1})
+
+
+def test_the_forwards_prefill_step_gives_the_rows_and_contexts_of_the_checked_calls(real_hasher):
+    """One pass, no range checks (the engine checked the ids where they entered), the same integers."""
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10])
+    contexts = EngramContext.stack(
+        [EngramContext.empty(), real_hasher.advance(EngramContext.empty(), [1, 2, 3]), EngramContext.empty()]
+    )
+    for lengths in ([2, 4, 0], [0, 1, 5], [6, 0, 0]):
+        ends = torch.tensor(lengths).cumsum(0)
+        for sequence_ends in (None, ends):
+            rows, after = real_hasher.prefill_step(tokens, lengths, contexts, sequence_ends)
+            assert torch.equal(rows, real_hasher.all_row_ids(tokens, lengths, contexts))
+            assert torch.equal(after, real_hasher.next_contexts(tokens, lengths, contexts))

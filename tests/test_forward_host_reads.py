@@ -36,13 +36,16 @@ HOST_READS = {
     aten.bincount.default,
 }
 
+# Boolean-mask reads and writes (``x[mask]``, ``x[mask] = v``) count the mask's True entries on the host.
+MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
 
 class RefuseHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in HOST_READS:
             raise AssertionError(f"{func} reads a device value on the host")
-        if func is aten.index.Tensor and any(
+        if func in MASK_INDEXED and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
         ):
             raise AssertionError("boolean-mask indexing reads how many entries survive on the host")
@@ -85,6 +88,8 @@ def test_a_v4_decode_step_reads_nothing_on_the_host(sequences):
 def test_the_check_would_catch_a_host_read():
     with pytest.raises(AssertionError, match="reads"), RefuseHostReads():
         torch.ones(3).nonzero()
+    with pytest.raises(AssertionError, match="boolean-mask"), RefuseHostReads():
+        torch.zeros(3)[torch.tensor([True, False, True])] = 1.0
 
 
 def test_a_v4_prefill_chunk_reads_nothing_on_the_host():
@@ -147,4 +152,66 @@ def test_a_v41_decode_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quanti
     assert batch.is_decode
     with RefuseHostReads():
         got = model(batch)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("quantized_storage", [False, True])
+def test_a_v41_prefill_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quantized_storage):
+    """A mixed V4.1 step (a prompt's next chunk, whole prompts of different lengths, a decode token) runs every
+    layer role and Engram from host-known lengths only; its logits and cache are those of an unchecked run."""
+    import copy
+
+    from dsinfer.kv.batch import PackedBatch, SequenceSpan
+    from dsinfer.kv.cache_v41 import KVCacheV41
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    _dense_experts(model)
+    _use_gathered_moe(model)
+    cache = KVCacheV41(model.config, 4, 24, 8, torch.float32, "cpu", quantized_storage=quantized_storage)
+    tables = [[5, 1, 9, 12, 20, 2, 7, 8, 10], [0, 3, 4, 6, 11, 13, 14], [15], [16]]
+    generator = torch.Generator().manual_seed(3)
+    earlier = {0: 37, 3: 6}  # slot 0 continues its prompt, slot 3 decodes after its prompt
+    for slot, length in earlier.items():
+        prompt = torch.randint(3, 500, (length,), generator=generator)
+        model(PackedBatch(prompt, torch.arange(length), [SequenceSpan(0, length, slot, tables[slot])], cache))
+    spans = [
+        SequenceSpan(37, 29, 0, tables[0]),
+        SequenceSpan(0, 50, 1, tables[1]),
+        SequenceSpan(0, 3, 2, tables[2]),
+        SequenceSpan(6, 1, 3, tables[3]),
+    ]
+    ids = torch.randint(3, 500, (sum(span.length for span in spans),), generator=generator)
+    positions = torch.cat([torch.arange(span.start, span.start + span.length) for span in spans])
+    reference_cache = copy.deepcopy(cache)
+    expected = model(PackedBatch(ids, positions, spans, reference_cache))
+    batch = PackedBatch(ids, positions, spans, cache)
+    assert not batch.is_decode
+    with RefuseHostReads():
+        got = model(batch)
+    assert torch.equal(got, expected)
+    assert torch.equal(cache.engram_history, reference_cache.engram_history)
+    for layer, reference in zip(cache.layers, reference_cache.layers, strict=True):
+        assert torch.equal(layer.window, reference.window)
+        if layer.source is not None:
+            assert torch.equal(layer.source.entries, reference.source.entries)
+            assert torch.equal(layer.source.index_keys, reference.source.index_keys)
+
+
+def test_a_v41_bounded_prefill_reads_nothing_on_the_host(tiny_v41_checkpoint):
+    """CED prefill (encoder over the prompts, the first decoder layer's compressor, a bounded decoder replay)."""
+    from dsinfer.kv.batch import PackedBatch
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    _dense_experts(model)
+    _use_gathered_moe(model)
+    assert model.config.decoder_start is not None
+    prompts = [list(range(3, 203)), list(range(10, 60))]
+    replay = model.config.sliding_window
+    expected = model.prefill(PackedBatch.from_sequences(prompts), mode="bounded", replay_tokens=replay)
+    batch = PackedBatch.from_sequences(prompts)
+    batch.attach_scratch_cache(model.config, torch.float32, False)
+    with RefuseHostReads():
+        got = model.prefill(batch, mode="bounded", replay_tokens=replay)
     assert torch.equal(got, expected)

@@ -151,6 +151,9 @@ class LLMEngine:
         else:
             ids = list(prompt)
             vocab = self.model.config.vocab_size
+            hasher = getattr(self.model, "engram_hasher", None)  # V4.1: the Engram hash maps only its vocabulary
+            if hasher is not None:
+                vocab = min(vocab, hasher.vocab_size)
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")

@@ -8,6 +8,7 @@ the cache, so steps write it strictly in order however far ahead the scheduler p
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
 from dsinfer.engine.speculative import SpeculationPlan
-from dsinfer.engram.hashing import EngramContext
+from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.deepseek_v4 import DeepseekV4
@@ -178,8 +179,11 @@ class ModelRunner:
         if hasher is None:
             return  # the forward raises, naming the missing hasher
         history = self.cache.engram_history
-        flat = [t for ids in resume.earlier_tokens for t in ids]
-        tokens = torch.tensor(flat, dtype=torch.long, device=history.device)
-        empty = EngramContext.stack([EngramContext.empty(self._engram_width + 1)] * len(resume.slots), history.device)
-        contexts = hasher.next_contexts(tokens, [len(ids) for ids in resume.earlier_tokens], empty)
-        history[torch.tensor(resume.slots, dtype=torch.long, device=history.device)] = contexts
+        device = history.device
+        flat = [t for ids in resume.earlier_tokens for t in ids]  # the sequences' own (checked) tokens
+        lengths = [len(ids) for ids in resume.earlier_tokens]
+        tokens = host_to_device(flat, torch.long, device)
+        ends = host_to_device(list(itertools.accumulate(lengths)), torch.long, device)
+        empty = torch.full((len(lengths), self._engram_width), ENGRAM_DEAD, dtype=torch.long, device=device)
+        _, contexts = hasher.prefill_step(tokens, lengths, empty, ends)  # no host read: this runs in the step
+        history[host_to_device(resume.slots, torch.long, device)] = contexts

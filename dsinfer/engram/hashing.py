@@ -190,9 +190,18 @@ class EngramHasher:
             return torch.ones_like(token_ids, dtype=torch.bool)
         return token_ids != self.image_token_id
 
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the compressed vocabulary maps (ids in ``[0, vocab_size)``)."""
+        return self.compressed_vocabulary.numel()
+
     def compress(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Compressed ids of ``token_ids``, :data:`ENGRAM_DEAD` at image tokens."""
-        token_ids = self._check_token_ids(token_ids)
+        return self._compress(self._check_token_ids(token_ids))
+
+    def _compress(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`compress` without the range check: the forward's ids were checked where they entered (the
+        engine's prompt check), and checking a device tensor here would read it on the host."""
         compressed = self.compressed_vocabulary[token_ids]
         return compressed.masked_fill(~self.gate_mask(token_ids), ENGRAM_DEAD)
 
@@ -204,7 +213,12 @@ class EngramHasher:
     ) -> torch.Tensor:
         """``[T, max_ngram_size]`` the g_k that get hashed: column k is the compressed id at t - k,
         the pad id where the look-back is blocked."""
-        buffer, token_slots = self._history_buffer(token_ids, seq_lens, contexts)
+        compressed = self.compress(token_ids)
+        lengths = self._lengths(seq_lens, compressed.numel())
+        buffer, token_slots, _ = self._history_buffer(compressed, lengths, self._checked_contexts(contexts, lengths))
+        return self._lookback(buffer, token_slots)
+
+    def _lookback(self, buffer: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
         looked = torch.stack([buffer[token_slots - k] for k in range(self.max_ngram_size)], dim=1)
         blocked = (looked == ENGRAM_DEAD).cumsum(dim=1) > 0
         return looked.masked_fill(blocked, self.pad_compressed_id)
@@ -246,12 +260,29 @@ class EngramHasher:
         contexts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[S, max_ngram_size - 1]`` each sequence's context after its new tokens."""
-        buffer, _ = self._history_buffer(token_ids, seq_lens, contexts)
-        lengths = self._lengths(seq_lens, token_ids.numel(), buffer.device)
-        width = self.max_ngram_size - 1
-        # In the buffer each sequence is its context followed by its tokens; keep the last `width` slots.
-        ends = torch.cumsum(lengths + width, 0)
-        return buffer[(ends - width).unsqueeze(1) + torch.arange(width, device=buffer.device)]
+        compressed = self.compress(token_ids)
+        lengths = self._lengths(seq_lens, compressed.numel())
+        _, _, after = self._history_buffer(compressed, lengths, self._checked_contexts(contexts, lengths))
+        return after
+
+    def prefill_step(
+        self,
+        token_ids: torch.Tensor,
+        seq_lens: Sequence[int],
+        contexts: torch.Tensor,
+        sequence_ends: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed batch's rows ``[T, num_engram_layers, n_columns]`` and next contexts ``[S, w]``, no host read.
+
+        The forward's form of :meth:`all_row_ids` and :meth:`next_contexts` (the same integers, one pass):
+        ``seq_lens`` are the host's lengths, ``contexts`` [S, w] each sequence's look-back (from the cache),
+        ``sequence_ends`` [S] on the device the running sum of ``seq_lens`` (the step's metadata; None: copied
+        from the host). Neither the ids nor the contexts are range-checked here: they were where they entered.
+        """
+        lengths = [int(n) for n in seq_lens]
+        buffer, token_slots, after = self._history_buffer(self._compress(token_ids), lengths, contexts, sequence_ends)
+        looked = self._lookback(buffer, token_slots).unsqueeze(1)  # [T, 1, N]
+        return self._hash(looked, self._multipliers, self._primes, self._offsets), after
 
     def decode_step(self, token_ids: torch.Tensor, contexts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per sequence: rows ``[B, num_engram_layers, n_columns]`` and the next contexts ``[B, w]``.
@@ -302,45 +333,59 @@ class EngramHasher:
         return token_ids
 
     @staticmethod
-    def _lengths(seq_lens: Sequence[int] | torch.Tensor | None, total: int, device: torch.device) -> torch.Tensor:
+    def _lengths(seq_lens: Sequence[int] | torch.Tensor | None, total: int) -> list[int]:
+        """The sequences' lengths as host ints (a tensor of lengths is read on the host), checked."""
         if seq_lens is None:
-            return torch.tensor([total], dtype=torch.int64, device=device)
-        lengths = torch.as_tensor(seq_lens, dtype=torch.int64).to(device).flatten()
-        if lengths.numel() == 0 or int(lengths.min()) < 0 or int(lengths.sum()) != total:
+            return [total]
+        if isinstance(seq_lens, torch.Tensor):
+            seq_lens = seq_lens.flatten().tolist()
+        lengths = [int(n) for n in seq_lens]
+        if not lengths or min(lengths) < 0 or sum(lengths) != total:
             raise ValueError(f"seq_lens must be non-negative and add up to the {total} tokens of the batch")
         return lengths
 
+    def _checked_contexts(self, contexts: torch.Tensor | None, lengths: list[int]) -> torch.Tensor:
+        """Caller-given contexts (``None``: every sequence starts here) as int64, shape- and range-checked."""
+        width, device = self.max_ngram_size - 1, self.compressed_vocabulary.device
+        if contexts is None:
+            return torch.full((len(lengths), width), ENGRAM_DEAD, dtype=torch.int64, device=device)
+        contexts = torch.as_tensor(contexts, dtype=torch.int64).to(device)
+        if contexts.shape != (len(lengths), width):
+            raise ValueError(
+                f"contexts must have shape ({len(lengths)}, {width}), one row per sequence, got {tuple(contexts.shape)}"
+            )
+        limit = self.compressed_vocab_size
+        if contexts.numel() and (int(contexts.min()) < ENGRAM_DEAD or int(contexts.max()) >= limit):
+            raise ValueError(f"context entries must be compressed ids in [0, {limit}) or ENGRAM_DEAD")
+        return contexts
+
     def _history_buffer(
         self,
-        token_ids: torch.Tensor,
-        seq_lens: Sequence[int] | torch.Tensor | None,
-        contexts: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        compressed: torch.Tensor,
+        lengths: list[int],
+        contexts: torch.Tensor,
+        sequence_ends: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lay every sequence out as ``[context | compressed tokens]`` in one flat buffer.
 
-        Returns the buffer and the slot of each token in it; the look-back of slot s is
-        s - 1, s - 2, ... and never leaves the token's own sequence.
+        Returns the buffer, the slot of each token in it (the look-back of slot s is s - 1, s - 2, ... and never
+        leaves the token's own sequence) and each sequence's context after its tokens [S, w]. Every shape comes
+        from the host's ``lengths``; ``sequence_ends`` [S] (their running sum on the device) places the tokens.
         """
-        compressed = self.compress(token_ids)
         device = compressed.device
-        lengths = self._lengths(seq_lens, compressed.numel(), device)
-        width = self.max_ngram_size - 1
-        num_sequences = lengths.numel()
-        sequence_of_token = torch.repeat_interleave(torch.arange(num_sequences, device=device), lengths)
-        token_slots = torch.arange(compressed.numel(), device=device) + width * (sequence_of_token + 1)
-        size = compressed.numel() + width * num_sequences
-        buffer = torch.full((size,), ENGRAM_DEAD, dtype=torch.int64, device=device)
+        width, total, num_sequences = self.max_ngram_size - 1, compressed.numel(), len(lengths)
+        if sequence_ends is None:
+            sequence_ends = torch.tensor(np.cumsum(lengths, dtype=np.int64).tolist(), device=device)
+        tokens = torch.arange(total, device=device)
+        sequence_of_token = torch.searchsorted(sequence_ends, tokens, right=True)
+        token_slots = tokens + width * (sequence_of_token + 1)
+        buffer = torch.full((total + width * num_sequences,), ENGRAM_DEAD, dtype=torch.int64, device=device)
         buffer[token_slots] = compressed
-        if contexts is not None:
-            contexts = torch.as_tensor(contexts, dtype=torch.int64).to(device)
-            if contexts.shape != (num_sequences, width):
-                raise ValueError(
-                    f"contexts must have shape ({num_sequences}, {width}), one row per sequence, "
-                    f"got {tuple(contexts.shape)}"
-                )
-            limit = self.compressed_vocab_size
-            if contexts.numel() and (int(contexts.min()) < ENGRAM_DEAD or int(contexts.max()) >= limit):
-                raise ValueError(f"context entries must be compressed ids in [0, {limit}) or ENGRAM_DEAD")
-            starts = torch.cumsum(lengths + width, 0) - lengths - width
-            buffer[starts.unsqueeze(1) + torch.arange(width, device=device)] = contexts
-        return buffer, token_slots
+        # Sequence j's context starts after the earlier sequences' tokens and contexts; its new context is the
+        # last `width` slots of its part of the buffer.
+        sequence_index = torch.arange(num_sequences, device=device)
+        starts = torch.cat([sequence_ends.new_zeros(1), sequence_ends[:-1]]) + width * sequence_index
+        columns = torch.arange(width, device=device)
+        buffer[starts.unsqueeze(1) + columns] = contexts.to(torch.int64)
+        after = buffer[(sequence_ends + width * sequence_index).unsqueeze(1) + columns]
+        return buffer, token_slots, after

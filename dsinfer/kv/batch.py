@@ -146,4 +146,4 @@ class PackedBatch:
         return self._slices
 
     def last_token_indices(self) -> torch.Tensor:
-        return torch.tensor([s.stop - 1 for s in self._slices], device=self.input_ids.device)
+        return host_to_device([s.stop - 1 for s in self._slices], torch.long, self.input_ids.device)

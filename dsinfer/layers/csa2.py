@@ -157,18 +157,21 @@ class AttentionV41(Attention):
         cache.check_fake_quantization(quantizer.enabled)
         if batch.is_decode and not compressor_only:
             return self._forward_decode(x, batch, inv_freq, shared[0], quantizer)
+        # The step's device block tables (built once per step from the host's spans): a table copied from a host
+        # list in every layer would make the host wait for the copy.
+        tables = batch.device_spans.block_tables if self.compressor is not None else None
         if compressor_only:
-            for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
-                self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
+            for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
+                self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             return None
         cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
         outputs = []
-        for span, tokens, state in zip(batch.spans, batch.sequence_slices(), shared, strict=True):
+        for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
             positions = batch.positions[tokens]
             compressed, visible = None, None
             if self.compress_ratio:
                 if self.compressor is not None:
-                    self._publish(x[tokens], span, cache, inv_freq, state, quantizer)
+                    self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
                 if self.indexer is not None:
                     scores = self.indexer.candidate_scores(
                         x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
@@ -272,12 +275,15 @@ class AttentionV41(Attention):
         self,
         x: torch.Tensor,
         span: SequenceSpan,
+        block_table: torch.Tensor,
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
     ) -> None:
-        """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them."""
+        """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them.
+
+        ``block_table`` is the sequence's row of the step's device block tables (padded past its blocks)."""
         positions = torch.arange(span.start, span.start + x.shape[0], device=x.device)
         latents, entry_ids = self.compressor.latents(x, positions, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
@@ -285,6 +291,6 @@ class AttentionV41(Attention):
             entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, entry_ids)
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
-            cache.write_entries(self.layer_id, span.block_table, entry_ids[keep], entries[keep], keys[keep])
+            cache.write_entries(self.layer_id, block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
-        state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, span.block_table, count)
+        state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, block_table, count)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.engram.hashing import ENGRAM_DEAD, EngramContext, EngramHasher
+from dsinfer.engram.hashing import ENGRAM_DEAD, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
@@ -330,21 +330,18 @@ class DeepseekV41(DeepseekModel):
         """Every Engram layer's row ids [T, layers, columns]; advances each sequence's Engram history."""
         if self.engram_hasher is None:
             raise RuntimeError("this model has Engram layers: attach an EngramHasher built from its tokenizer first")
-        history = batch.cache.engram_history
-        if batch.is_decode:  # one token per sequence, from the step's device metadata: no host read
-            spans = batch.device_spans
-            fresh = (spans.starts == 0)[:, None]
-            contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
+        # From the step's device metadata and the host's lengths: no host read. The ids are not range-checked
+        # here: the engine checks prompts where they enter, against the hasher's vocabulary too.
+        history, spans = batch.cache.engram_history, batch.device_spans
+        fresh = (spans.starts == 0)[:, None]
+        contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
+        if batch.is_decode:  # one token per sequence
             rows, next_contexts = self.engram_hasher.decode_step(batch.input_ids, contexts)
-            history[spans.slots] = next_contexts
-            return rows
-        slots = torch.tensor([span.slot for span in batch.spans], dtype=torch.long, device=history.device)
-        contexts = history[slots].clone()
-        fresh = torch.tensor([span.start == 0 for span in batch.spans], device=history.device)
-        contexts[fresh] = EngramContext.stack([EngramContext.empty(self.config.engram_max_ngram_size)], history.device)
-        hasher, ids, lengths = self.engram_hasher, batch.input_ids, batch.seq_lens
-        rows = hasher.all_row_ids(ids, lengths, contexts)
-        history[slots] = hasher.next_contexts(ids, lengths, contexts)
+        else:
+            rows, next_contexts = self.engram_hasher.prefill_step(
+                batch.input_ids, batch.seq_lens, contexts, spans.token_rows + 1
+            )
+        history[spans.slots] = next_contexts
         return rows
 
     # ---- prefill (CED) -----------------------------------------------------------------------------
