@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_defaults = {"formatter_class": DefaultsHelpFormatter}
 
     generate = commands.add_parser("generate", help="complete prompts offline through the engine", **with_defaults)
-    generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+    generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     generate.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -56,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_config(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
-    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the checkpoint "
-        f"directory's name; {DEFAULT_SERVED_MODEL_NAME!r} for the embedded tiny model)",
+        f"directory's name; {DEFAULT_SERVED_MODEL_NAME!r} for the embedded default model)",
     )  # fmt: skip
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
                        "on every route but /health (default: no key needed)")  # fmt: skip

@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLM:
-    """Load a checkpoint (default: the embedded tiny model) and generate for batches of prompts.
+    """Load a checkpoint (default: the embedded default model) and generate for batches of prompts.
 
     ``options`` override fields of ``config`` (:class:`~dsinfer.config.EngineConfig`), e.g.
     ``LLM(path, engram_placement="host")``, or of ``parallel`` (:class:`~dsinfer.parallel.config.ParallelConfig`),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dsinfer.training.loss_curve import plot_loss_curve
 from dsinfer.training.trainer import PRESETS, train
 
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     result = train(Path(args.out), settings, device=args.device, resume=args.resume)
+    plot_loss_curve(result.directory / "training.json", result.directory / "loss_curve.png")
     print(f"wrote {result.directory} after {result.seconds:.0f} s")
     return 0
 

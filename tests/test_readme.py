@@ -14,23 +14,18 @@ import httpx
 import pytest
 from server_harness import running_server
 
-from dsinfer import __version__
 from dsinfer.cli import build_parser
-from dsinfer.models.tiny import INDEX_FILE
+from dsinfer.models.tiny import INDEX_FILE, default_model_dir
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 @pytest.fixture
-def default_model_cache(tiny_checkpoint, tmp_path, monkeypatch):
-    """The embedded default model's cache, filled with the session's seed-0 tiny checkpoint (the same files
-    ``dsinfer serve`` would build on first use) so the test does not rebuild it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cache = tmp_path / "dsinfer" / f"tiny-v4-{__version__}"
-    cache.parent.mkdir(parents=True)
-    cache.symlink_to(tiny_checkpoint, target_is_directory=True)
-    assert (cache / INDEX_FILE).is_file()
-    return cache
+def default_model():
+    """The embedded default model ships with the package (no download, nothing built on first use)."""
+    directory = default_model_dir()
+    assert (directory / INDEX_FILE).is_file() and (directory / "tokenizer.json").is_file()
+    return directory
 
 
 def curl_example() -> tuple[str, dict]:
@@ -41,7 +36,7 @@ def curl_example() -> tuple[str, dict]:
     return url.removeprefix("localhost:8000"), json.loads(words[words.index("-d") + 1])
 
 
-def test_readme_curl_example_works_against_the_default_server(default_model_cache):
+def test_readme_curl_example_works_against_the_default_server(default_model):
     path, body = curl_example()
     assert path == "/v1/chat/completions"
     with running_server(None, served_model_name=None) as (base, _engine):
@@ -52,7 +47,7 @@ def test_readme_curl_example_works_against_the_default_server(default_model_cach
     assert response.json()["choices"][0]["message"]["role"] == "assistant"
 
 
-def test_readme_python_example_runs(default_model_cache):
+def test_readme_python_example_runs(default_model):
     snippet = re.search(r"```python\n(.*?)```", README, re.DOTALL).group(1)
     assert "from dsinfer import LLM, SamplingParams" in snippet
     printed = io.StringIO()

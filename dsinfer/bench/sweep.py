@@ -11,7 +11,7 @@
     scripts/run_sweep.sh decode ce-128k 131072 3 0.75      # the positional form
     scripts/run_sweep.sh prefill pe-128k 131072
 
-Without a model option the embedded tiny checkpoint runs (context 256, small points): a CPU check of the
+Without a model option the embedded default model runs (context 256, small points): a CPU check of the
 tool, not a performance number. ``--config`` or ``--flash-layers N`` (every V4-Flash width, N layers cycling
 window / CSA / HCA) build random weights, so real shapes can be measured without the checkpoint.
 
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("mode", choices=["decode", "prefill"])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    source.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
     source.add_argument("--config", help="config.json (or its directory): random weights of that shape")
     source.add_argument("--flash-layers", type=int, help="random weights, every V4-Flash width, N layers")
     parser.add_argument(
@@ -313,7 +313,7 @@ def build_bench(args: argparse.Namespace) -> Bench:
         directory = Path(args.model) if args.model is not None else default_model_dir()
         model = load_model(directory, dtype=dtype, device=args.device, progress=False)
         tokenizer = Tokenizer.from_dir(directory)
-        label = "tiny checkpoint (embedded default)" if args.model is None else f"checkpoint {directory.name}"
+        label = "embedded default model" if args.model is None else f"checkpoint {directory.name}"
         source, weights = str(directory.resolve()), "checkpoint"
     cfg = model.config
     info = {

@@ -1,4 +1,5 @@
-"""Tiny random DeepSeek-V4 checkpoints in the real file formats: the test fixtures and the embedded default.
+"""Tiny random DeepSeek-V4 checkpoints in the real file formats (the test fixtures, ``make-tiny``), and where the
+embedded default lives.
 
 ``make_tiny_checkpoint(dir)`` writes config.json, safetensors shards with an index (official tensor
 names; FP8 e4m3 block-scaled linears, FP4 e2m1 routed experts, bf16 / fp32 elsewhere, as DeepSeek
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -353,16 +352,13 @@ def make_tiny_checkpoint_v41(
     return directory
 
 
-def default_model_dir() -> Path:
-    """The embedded default: a tiny checkpoint built once (seed 0) in the user's cache directory."""
-    from dsinfer import __version__
+#: The embedded default: a small DeepSeek-V4.1 trained by ``scripts/train_default.py`` (docs/default-model.md),
+#: shipped in the release formats with its tokenizer.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_v41"
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsinfer" / f"tiny-v4-{__version__}"
-    if not (cache / INDEX_FILE).is_file():
-        staging = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        make_tiny_checkpoint(staging)
-        try:
-            staging.rename(cache)
-        except OSError:  # another process finished first; keep theirs
-            shutil.rmtree(staging, ignore_errors=True)
-    return cache
+
+def default_model_dir() -> Path:
+    """The embedded default every command uses without a model argument (the trained small V4.1)."""
+    if not (DEFAULT_MODEL_DIR / INDEX_FILE).is_file():
+        raise FileNotFoundError(f"the embedded default model is missing from this install ({DEFAULT_MODEL_DIR})")
+    return DEFAULT_MODEL_DIR

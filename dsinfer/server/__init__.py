@@ -1,4 +1,4 @@
 """The OpenAI-compatible server: ``dsinfer serve``."""
 
-# The name the embedded tiny model is served under when neither a checkpoint nor --served-model-name is given.
-DEFAULT_SERVED_MODEL_NAME = "dsinfer-tiny-v4"
+# The name the embedded default model is served under when neither a checkpoint nor --served-model-name is given.
+DEFAULT_SERVED_MODEL_NAME = "dsinfer-default-v41"

@@ -79,7 +79,7 @@ TOY_WIDTHS = dict(hidden_size=32, num_attention_heads=2, head_dim=32, qk_rope_he
 @dataclass
 class TrainSettings:
     steps: int = 3000
-    batch_tokens: int = 16384  # tokens per step (whole chats, packed)
+    batch_tokens: int = 32768  # tokens per step (whole chats, packed)
     sequence_tokens: int = 1024  # chats are packed into sequences of at most this many tokens (longer: skipped)
     data_workers: int = 8  # processes rendering chats (0: in this process)
     learning_rate: float = 2.5e-3

@@ -1,0 +1,92 @@
+"""τ of a V4.1 checkpoint's DSpark draft stages: tokens per verify step with K drafts, on held-out chats.
+
+    python scripts/measure_dspark_tau.py                     # the embedded default
+    python scripts/measure_dspark_tau.py --model ./default-v41 --chats 12
+
+For each held-out chat (arithmetic, tools, extraction, greetings, unknown; both thinking modes) the target
+first writes its own greedy reply (full recompute per token, in float32 on the CPU); then at every position of
+that reply the draft stages draft a block from the target's captured hiddens, and the leading drafts equal to
+the target's next greedy tokens are what a greedy verifier accepts (:func:`draft_block_logits`). With K drafts a
+verify step yields ``1 + min(accepted, K)`` tokens; τ(K) is its mean over the positions. This is the draft
+quality alone: the confidence head's choice of how many drafts to verify is not applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from dsinfer.kv.batch import PackedBatch
+from dsinfer.models.loader import load_model
+from dsinfer.models.tiny import default_model_dir
+from dsinfer.server.chat_format import ChatFormat
+from dsinfer.tokenizer import EOS_TOKEN, Tokenizer
+from dsinfer.training import corpus
+from dsinfer.training.draft_loss import draft_block_logits
+from dsinfer.training.render import SampleRenderer
+
+
+def _forward(model, ids: list[int]):
+    packed = PackedBatch.from_sequences([ids], "cpu")
+    streams, pre_mix, ctx = model.run_layers(packed, capture=True)
+    greedy = model.head(model.final_hidden(streams, pre_mix)).argmax(dim=-1)
+    targets = torch.cat([ctx.captured[i] for i in model.config.dspark_target_layer_ids], dim=-1)
+    return greedy, targets, packed.input_ids
+
+
+def _greedy_reply(model, prompt: list[int], stop: set[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        token = int(_forward(model, ids)[0][-1])
+        ids.append(token)
+        if token in stop:
+            break
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default)")
+    parser.add_argument("--chats", type=int, default=6, help="held-out chats per skill and thinking mode")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    args = parser.parse_args(argv)
+    directory = args.model or str(default_model_dir())
+    torch.set_grad_enabled(False)
+    model = load_model(directory, progress=False).eval()
+    if not len(model.mtp):
+        raise SystemExit(f"{directory} has no DSpark draft stages")
+    tokenizer = Tokenizer.from_dir(directory)
+    renderer = SampleRenderer(ChatFormat(tokenizer, "v41", "default"))
+    stop = {tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id("<｜tool▁calls▁end｜>")} - {None}
+    size = model.config.dspark_block_size
+    accepted: dict[str, list[int]] = {}
+    for skill in corpus.SKILLS:
+        for thinking in (True, False):
+            for sample in corpus.held_out(skill, args.chats, thinking=thinking):
+                prompt = renderer.prompt_ids(sample)
+                ids = _greedy_reply(model, prompt, stop, args.max_tokens)
+                greedy, targets, input_ids = _forward(model, ids)
+                padded = torch.cat([input_ids, input_ids.new_full((size,), model.config.dspark_noise_token_id)])
+                for anchor in range(len(prompt) - 1, len(ids) - 2):
+                    logits, _ = draft_block_logits(model, targets, padded, 0, anchor)
+                    # the target's greedy tokens after x[p + 1], up to the reply's last token
+                    wanted = greedy[anchor + 1 : min(anchor + 1 + size, len(ids) - 1)]
+                    right = (logits[: len(wanted)].argmax(dim=-1) == wanted).long().cumprod(dim=0)
+                    accepted.setdefault(skill, []).append(int(right.sum()))
+    every = [a for values in accepted.values() for a in values]
+
+    def tau(values: list[int], k: int) -> float:
+        return round(1 + sum(min(a, k) for a in values) / len(values), 3)
+
+    result = {"model": directory, "positions": len(every), "block_size": size,
+              "tau": {k: tau(every, k) for k in range(1, size + 1)},
+              "tau_at_3_by_skill": {skill: tau(values, 3) for skill, values in accepted.items()}}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
