@@ -59,7 +59,8 @@ class IndexScorer(nn.Module):
         ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding).
         """
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries)
-        return index_scores_reference(q, keys, head_weights, visible_entries(positions, self.ratio))
+        score = self.ops.index_scores if self.ops is not None else index_scores_reference
+        return score(q, keys, head_weights, visible_entries(positions, self.ratio))
 
     def queries(
         self,
