@@ -26,10 +26,9 @@ from pathlib import Path
 
 import openai
 
+from dsinfer.eval.datasets import AIME_INSTRUCTION
 from dsinfer.eval.grade import grade_run
 from dsinfer.training import corpus
-
-AIME_SUFFIX = "\n\nPlease reason step by step"
 
 
 def _serve(model: str, port: int, log: Path) -> subprocess.Popen:
@@ -53,7 +52,7 @@ def _arithmetic(base_url: str, count: int, out: Path) -> dict:
     data = out / "arithmetic.jsonl"
     with data.open("w") as handle:
         for index, sample in enumerate(corpus.held_out("arithmetic", count)):
-            problem = sample.body["messages"][0]["content"].split(AIME_SUFFIX)[0]
+            problem = sample.body["messages"][0]["content"].removesuffix(f"\n\n{AIME_INSTRUCTION}")
             handle.write(json.dumps({"id": index, "problem": problem, "answer": sample.expected}) + "\n")
     run = out / "arithmetic"
     subprocess.run([sys.executable, "-m", "dsinfer.cli", "eval", "run", "aime", "--data", str(data), "--out", str(run),
@@ -65,12 +64,7 @@ def _arithmetic(base_url: str, count: int, out: Path) -> dict:
 
 
 def _chat(client: openai.OpenAI, model: str, sample: corpus.Sample):
-    body = dict(sample.body)
-    messages, thinking = body.pop("messages"), body.pop("thinking", None)
-    extra = {"thinking": thinking} if thinking else {}
-    reply = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=300, temperature=0, extra_body=extra, **body
-    )
+    reply = client.chat.completions.create(model=model, max_tokens=300, temperature=0, **sample.chat_arguments())
     return reply.choices[0].message
 
 
@@ -93,7 +87,7 @@ def _tools_and_extraction(client: openai.OpenAI, model: str, tools: int, extract
             correct = got == sample.expected
         scores[sample.skill][0] += bool(correct)
         scores[sample.skill][1] += 1
-        thinking = sample.body["thinking"]["type"] == "enabled"
+        thinking = sample.thinking
         if thinking:
             scores["reasoning"][0] += bool(getattr(message, "reasoning_content", None))
             scores["reasoning"][1] += 1

@@ -24,11 +24,8 @@ def client():
 
 
 def _reply(client, sample: corpus.Sample):
-    body = dict(sample.body)
-    messages, thinking = body.pop("messages"), body.pop("thinking", None)
-    extra = {"thinking": thinking} if thinking else {}
     reply = client.chat.completions.create(
-        model="dsinfer-default-v41", messages=messages, max_tokens=200, temperature=0, extra_body=extra, **body
+        model="dsinfer-default-v41", max_tokens=200, temperature=0, **sample.chat_arguments()
     )
     return reply.choices[0]
 

@@ -26,12 +26,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsinfer.eval.datasets import AIME_INSTRUCTION  # the format `dsinfer eval aime` asks in
+
 __all__ = ["Completion", "Sample", "held_out", "sample_stream", "training_samples", "SKILLS", "TOOLS"]
 
-AIME_INSTRUCTION = (
-    "Please reason step by step, and put your final answer within \\boxed{}. "
-    "The answer is an integer between 0 and 999 inclusive."
-)
 SKILLS = ("arithmetic", "tools", "extraction", "greetings", "unknown")
 SKILL_WEIGHTS = (0.45, 0.30, 0.13, 0.06, 0.06)
 HELD_OUT_SHARE = 10  # one name / operand pair in this many is held out of training
@@ -54,6 +52,15 @@ class Sample:
     body: dict[str, Any]
     completion: Completion
     expected: Any = None
+
+    @property
+    def thinking(self) -> bool:
+        return self.body["thinking"]["type"] == "enabled"
+
+    def chat_arguments(self) -> dict[str, Any]:
+        """The request as keyword arguments of the openai client's ``chat.completions.create``."""
+        body = dict(self.body)
+        return {"messages": body.pop("messages"), "extra_body": {"thinking": body.pop("thinking")}, **body}
 
 
 def _is_held_out(key: str) -> bool:

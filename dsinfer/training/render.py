@@ -29,7 +29,7 @@ class SampleRenderer:
     def completion_text(self, sample: Sample) -> str:
         completion = sample.completion
         answer = self._tool_block(sample.body, completion) if completion.tool_calls else completion.content + EOS_TOKEN
-        if sample.body["thinking"]["type"] == "enabled":
+        if sample.thinking:
             return completion.reasoning + THINK_END_TOKEN + answer
         return answer
 

@@ -215,6 +215,21 @@ class TrainResult:
     seconds: float
 
 
+def trainable_model(tokenizer: Tokenizer, settings: TrainSettings, device: str) -> DeepseekV41:
+    """The run's initial model on ``device``: seeded weights, the real Engram hashing, the differentiable torch
+    references, no trained-in rounding yet, and gradients on every weight but the selection-only biases."""
+    config = model_config(tokenizer, settings.widths)
+    model = randomize_v41_(DeepseekV41(config), settings.seed).to(device)
+    model.attach_engram_hasher(EngramHasher.from_tokenizer(tokenizer, **config.engram_hasher_options()))
+    model.use_ops(reference_table(device, torch.float32))
+    model.set_fake_quantization(False)
+    model.train().requires_grad_(True)
+    for name, parameter in model.named_parameters():
+        if name.endswith(("gate.bias", "gate.bias_vl")):  # selection-only biases (no gradient reaches them)
+            parameter.requires_grad_(False)
+    return model
+
+
 RESUME_FILE = "resume.pt"  # written when a run stops at its time limit: ``train(..., resume=True)`` continues it
 
 
@@ -238,15 +253,8 @@ def train(
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     tokenizer = Tokenizer.from_dir(out_dir) if state is not None else build_tokenizer(out_dir, settings)
-    config = model_config(tokenizer, settings.widths)
-    model = randomize_v41_(DeepseekV41(config), settings.seed).to(device)
-    model.attach_engram_hasher(EngramHasher.from_tokenizer(tokenizer, **config.engram_hasher_options()))
-    model.use_ops(reference_table(device, torch.float32))
-    model.set_fake_quantization(False)
-    model.train().requires_grad_(True)
-    for name, parameter in model.named_parameters():
-        if name.endswith(("gate.bias", "gate.bias_vl")):  # selection-only biases (no gradient reaches them)
-            parameter.requires_grad_(False)
+    model = trainable_model(tokenizer, settings, device)
+    config = model.config
     optimizer = _optimizer(model, settings)
     rounding_from = int(settings.steps * (1 - settings.rounding_phase))
     step, history, spent, position = 0, [], 0.0, (0, 0)
