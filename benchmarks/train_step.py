@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-tokens", type=int, default=16384)
+    parser.add_argument("--sequence-tokens", type=int, default=None, help="packed sequence length (preset's if unset)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--workers", type=int, default=4, help="chat-rendering processes")
     parser.add_argument("--tokenizer-chats", type=int, default=2000)
@@ -36,6 +37,8 @@ def main() -> None:
     device = args.device
     settings = replace(trainer.PRESETS["default"], batch_tokens=args.batch_tokens, data_workers=args.workers,
                        tokenizer_chats=args.tokenizer_chats)  # fmt: skip
+    if args.sequence_tokens is not None:
+        settings = replace(settings, sequence_tokens=args.sequence_tokens)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = trainer.build_tokenizer(Path(scratch), settings)
         model = trainer.trainable_model(tokenizer, settings, device)

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     parser.add_argument("--batch-tokens", type=int, default=None)
+    parser.add_argument("--sequence-tokens", type=int, default=None, help="chats are packed into sequences this long")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
         "--minutes",
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue the run stopped in --out (its resume.pt)")
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
-    overrides = {"steps": args.steps, "batch_tokens": args.batch_tokens, "seed": args.seed, "minutes": args.minutes,
+    overrides = {"steps": args.steps, "batch_tokens": args.batch_tokens,
+                 "sequence_tokens": args.sequence_tokens, "seed": args.seed, "minutes": args.minutes,
                  "time_limit_s": None if args.time_limit_minutes is None else args.time_limit_minutes * 60}  # fmt: skip
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.device.startswith("cuda"):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.layers.attention import Attention
+from dsinfer.layers.attention import Attention, sink_softmax
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
@@ -69,14 +69,35 @@ class DSparkAttention(Attention):
         ring_keys: torch.Tensor,
         inv_freq: torch.Tensor,
         quantizer: ActivationQuantizer,
+        ring_visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, hidden] at ``positions`` [B]; every query sees every ring key and every block key."""
+        """x [B, hidden] at ``positions`` [B]; every query sees every ring key and every block key.
+
+        Several blocks at once (training): ``ring_keys`` [A, K, D] holds each block's own ring and x the A
+        blocks' rows one block after the other; ``ring_visible`` [A, K] marks the ring slots each block has."""
         cos, sin = rope_angles(positions, inv_freq)
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin, ops=self.ops)
-        keys = torch.cat([ring_keys.to(x.dtype), self.keys(x, positions, inv_freq, quantizer)])
-        out = self._attend_keys(q, keys, None)
+        block_keys = self.keys(x, positions, inv_freq, quantizer)
+        if ring_keys.dim() == 2:
+            out = self._attend_keys(q, torch.cat([ring_keys.to(x.dtype), block_keys]), None)
+        else:
+            out = self._attend_blocks(q, ring_keys.to(x.dtype), block_keys, ring_visible)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops))
+
+    def _attend_blocks(
+        self, q: torch.Tensor, ring_keys: torch.Tensor, block_keys: torch.Tensor, ring_visible: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries [A * B, H, D] of A blocks, each over its ring [K, D] (visible slots only) and its own block."""
+        blocks = ring_keys.shape[0]
+        size = q.shape[0] // blocks
+        keys = torch.cat([ring_keys, block_keys.view(blocks, size, -1)], dim=1)
+        visible = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
+        if ring_visible is not None:
+            visible[:, : ring_keys.shape[1]] = ring_visible
+        logits = torch.einsum("ashd,akd->ahsk", q.view(blocks, size, *q.shape[1:]), keys).float()
+        probs = sink_softmax(logits * self.softmax_scale, self.attn_sink, ~visible[:, None, None, :])
+        return torch.einsum("ahsk,akd->ashd", probs.to(keys.dtype), keys).flatten(0, 1)
 
 
 class MarkovHead(nn.Module):
@@ -118,9 +139,10 @@ class DSparkStage(HyperConnectedBlock):
         ring_keys: torch.Tensor,
         inv_freq: torch.Tensor,
         quantizer: ActivationQuantizer,
+        ring_visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         def attention(x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, positions, ring_keys, inv_freq, quantizer)
+            return self.attn(x, positions, ring_keys, inv_freq, quantizer, ring_visible)
 
         return self.run_sites(streams, attention, self.ffn, carried_mix=pre_mix)
 

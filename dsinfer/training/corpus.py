@@ -10,6 +10,8 @@ with the assistant turn the model must learn to write:
   in the request; the assistant calls the tool with the entity copied into the arguments, then answers from
   the tool's result;
 * **extraction**: fields of a sentence written as JSON for a schema given in ``response_format``;
+* **copy**: a list of names repeated back exactly (training only: it teaches the copying the tool calls and
+  the extraction need, since a name the model never saw can only be copied);
 * **greetings**: a short friendly reply;
 * **unknown**: questions it cannot answer get a plain "I don't know."
 
@@ -30,8 +32,8 @@ from dsinfer.eval.datasets import AIME_INSTRUCTION  # the format `dsinfer eval a
 
 __all__ = ["Completion", "Sample", "held_out", "sample_stream", "training_samples", "SKILLS", "TOOLS"]
 
-SKILLS = ("arithmetic", "tools", "extraction", "greetings", "unknown")
-SKILL_WEIGHTS = (0.45, 0.30, 0.13, 0.06, 0.06)
+SKILLS = ("arithmetic", "tools", "extraction", "copy", "greetings", "unknown")
+SKILL_WEIGHTS = (0.30, 0.30, 0.15, 0.15, 0.05, 0.05)
 HELD_OUT_SHARE = 10  # one name / operand pair in this many is held out of training
 
 
@@ -216,6 +218,19 @@ def extraction_sample(rng: random.Random, names: Names, thinking: bool) -> Sampl
     return Sample("extraction", body, Completion(reasoning if thinking else "", json.dumps(person)), person)
 
 
+# ---- copying --------------------------------------------------------------------------------------------
+_COPY_ASKS = ("Repeat exactly: {}", "Say this back to me: {}", "Copy this text: {}", "Echo: {}",
+              "{}\nRepeat the text above exactly.", "Please repeat after me: {}")  # fmt: skip
+
+
+def copy_sample(rng: random.Random, names: Names, thinking: bool) -> Sample:
+    makers = (names.person, names.city, names.timezone)
+    text = rng.choice((", ", " ", " and ")).join(rng.choice(makers)() for _ in range(rng.randint(1, 4)))
+    reasoning = f"The text to repeat is: {text}"
+    body = _body([{"role": "user", "content": rng.choice(_COPY_ASKS).format(text)}], thinking)
+    return Sample("copy", body, Completion(reasoning if thinking else "", text), text)
+
+
 # ---- greetings and unknowns -----------------------------------------------------------------------------
 _GREETINGS = ("Hi", "Hello", "Hey", "Hi there", "Good morning", "Good evening", "Hello!", "Hi!", "Hey there!",
               "How are you?", "Hi, how are you?", "Thanks!", "Thank you", "Bye", "Goodbye")  # fmt: skip
@@ -346,6 +361,8 @@ def _samples_of(skill: str, rng: random.Random, held: bool, thinking: bool) -> l
         return tool_sample(rng, names, thinking)
     if skill == "extraction":
         return [extraction_sample(rng, names, thinking)]
+    if skill == "copy":
+        return [copy_sample(rng, names, thinking)]
     if skill == "greetings":
         return [greeting_sample(rng, names, thinking)]
     return [unknown_sample(rng, names, thinking)]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dsinfer.layers.mhc import collapse_streams
 
-__all__ = ["draft_block_logits", "draft_loss"]
+__all__ = ["draft_block_logits", "draft_blocks_logits", "draft_loss"]
 
 
 def draft_block_logits(
@@ -47,6 +47,39 @@ def draft_block_logits(
     return logits, torch.cat([hidden.float(), markov.float()], dim=-1)
 
 
+def draft_blocks_logits(
+    model, targets: torch.Tensor, ids: torch.Tensor, anchors: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draft_block_logits` of every anchor in one pass: logits [A, block, vocab] and features
+    [A, block, hidden + markov rank]. Each block sees its own ring (the window of target positions up to its
+    anchor, padded to the window and masked) through the stages' batched attention."""
+    cfg = model.config
+    size, window = cfg.dspark_block_size, cfg.sliding_window
+    first_stage, last_stage = model.mtp[0], model.mtp[-1]
+    device = ids.device
+    starts = torch.tensor([start for start, _ in anchors], device=device)
+    ends = torch.tensor([anchor for _, anchor in anchors], device=device)
+    slots = ends[:, None] - window + 1 + torch.arange(window, device=device)  # [A, window], last = the anchor
+    visible = slots >= torch.maximum(starts, ends - window + 1)[:, None]
+    seen = torch.where(visible, slots, ends[:, None])  # hidden slots read the anchor's row (masked out)
+    main = first_stage.main_norm(first_stage.main_proj(targets[seen.flatten()].detach()))
+    next_ids = ids[ends + 1]
+    block_ids = torch.cat([next_ids[:, None], next_ids.new_full((len(anchors), size - 1), cfg.dspark_noise_token_id)],
+                          dim=1)  # fmt: skip
+    positions = (ends + 1 - starts)[:, None] + torch.arange(size, device=device)
+    streams, pre_mix = model.embed_streams(block_ids.flatten())
+    ring_positions = (seen - starts[:, None]).flatten()
+    for stage in model.mtp:
+        ring = stage.attn.keys(main, ring_positions, model.rope.window, model.quantizer).view(len(anchors), window, -1)
+        streams, pre_mix = stage(streams, pre_mix, positions.flatten(), ring, model.rope.window, model.quantizer,
+                                 ring_visible=visible)  # fmt: skip
+    hidden = collapse_streams(streams, pre_mix)
+    markov = last_stage.markov_head.embed(ids[(ends + 1)[:, None] + torch.arange(size, device=device)].flatten())
+    logits = model.head(last_stage.norm(hidden)).float() + last_stage.markov_head.head(markov).float()
+    features = torch.cat([hidden.float(), markov.float()], dim=-1)
+    return logits.view(len(anchors), size, -1), features.view(len(anchors), size, -1)
+
+
 def draft_loss(
     model, targets: torch.Tensor, ids: torch.Tensor, anchors: list[tuple[int, int]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,19 +88,16 @@ def draft_loss(
 
     ``targets`` [T, targets * hidden] are the captured target hiddens of the packed batch (positions
     restart at each sequence start), ``ids`` [T] its tokens; every anchor has ``block_size + 1`` tokens
-    after it inside its sequence.
+    after it inside its sequence. All anchors run as one batch (:func:`draft_blocks_logits`).
     """
     size = model.config.dspark_block_size
-    losses, confidence_losses, accepted = [], [], []
-    for start, anchor in anchors:
-        logits, features = draft_block_logits(model, targets, ids, start, anchor)
-        labels = ids[anchor + 2 : anchor + 2 + size]
-        losses.append(F.cross_entropy(logits, labels, reduction="sum"))
-        right = (logits.argmax(dim=-1) == labels).long().cumprod(dim=0).float()
-        confidence_weight = model.mtp[-1].confidence_head.proj.weight.float()
-        confidence = F.linear(features, confidence_weight)[:, 0]
-        confidence_losses.append(F.binary_cross_entropy_with_logits(confidence, right, reduction="sum"))
-        accepted.append(right.sum())
-    counted = size * len(anchors)
-    loss = (torch.stack(losses).sum() + 0.1 * torch.stack(confidence_losses).sum()) / counted
-    return loss, torch.stack(accepted).mean()
+    logits, features = draft_blocks_logits(model, targets, ids, anchors)
+    columns = torch.arange(size, device=ids.device)
+    labels = ids[torch.tensor([anchor + 2 for _, anchor in anchors], device=ids.device)[:, None] + columns]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    right = (logits.argmax(dim=-1) == labels).long().cumprod(dim=1).float()
+    confidence_weight = model.mtp[-1].confidence_head.proj.weight.float()
+    confidence = F.linear(features, confidence_weight)[..., 0]
+    confidence_losses = F.binary_cross_entropy_with_logits(confidence, right, reduction="sum")
+    loss = (losses + 0.1 * confidence_losses) / (size * len(anchors))
+    return loss, right.sum(dim=1).mean()
