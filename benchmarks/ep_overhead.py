@@ -15,6 +15,11 @@ them alike. Modes:
   all-to-alls and the combine, eagerly (the all-to-all sizes are read on the host, which a graph cannot);
 * ``ep1-local``: the same path with the collectives left out (what the permutation alone costs).
 
+Every engine runs without overlap scheduling: a step is launched and finished inside its ``step()`` call, so the
+time is the step's own, and the engines sharing the model never run at once (an overlapped engine would leave its
+next step running in its worker thread while the next mode's engine steps: two forwards over one model and one
+process group at the same time).
+
 The headline is ``ep1 / single-eager`` (the EP path's own cost) and ``ep1 / single`` (against what one rank
 serves with). A multi-rank server never runs the EP path with one rank: EP = 1 is the single-rank engine.
 """
@@ -65,7 +70,7 @@ def filled_engine(model, tokenizer, args, batch: int, eager: bool) -> LLMEngine:
     config = EngineConfig(
         max_num_seqs=batch, max_num_batched_tokens=max(8192, batch), max_model_len=max_len,
         device=args.device, dtype=args.dtype, enable_prefix_caching=False, enforce_eager=eager,
-        cache_memory_bytes=int(args.cache_gib * 2**30),
+        cache_memory_bytes=int(args.cache_gib * 2**30), async_scheduling=False,
     )  # fmt: skip
     engine = LLMEngine(model, tokenizer, config)
     generator = torch.Generator().manual_seed(batch)
