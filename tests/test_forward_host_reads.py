@@ -155,6 +155,51 @@ def test_a_v41_decode_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quanti
     assert torch.equal(got, expected)
 
 
+class RecordOps(TorchDispatchMode):
+    """The aten ops a forward runs, with their output shapes: what a CUDA graph capture fixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((str(func), tuple(tuple(o.shape) for o in outputs if isinstance(o, torch.Tensor))))
+        return out
+
+
+def test_v41_decode_steps_run_the_same_ops_whichever_windows_complete(tiny_v41_checkpoint):
+    """Two decode steps of the same sequences, one where some tokens complete a ratio-2 window and one where the
+    others do: the same ops on the same shapes (the unfinished entries go to the trash block), so one captured
+    graph replays both."""
+    from dsinfer.kv.batch import PackedBatch, SequenceSpan
+    from dsinfer.kv.cache_v41 import KVCacheV41
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    _dense_experts(model)
+    _use_gathered_moe(model)
+    cache = KVCacheV41(model.config, 3, 24, 8, torch.float32, "cpu")
+    lengths, tables = [37, 6, 1], [[5, 1, 9, 12, 20], [0, 2], [3]]
+    for slot, (length, table) in enumerate(zip(lengths, tables, strict=True)):
+        prompt = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(slot))
+        model(PackedBatch(prompt, torch.arange(length), [SequenceSpan(0, length, slot, table)], cache))
+    recorded = []
+    for step in range(2):
+        positions = [n + step for n in lengths]
+        spans = [SequenceSpan(p, 1, slot, tables[slot]) for slot, p in enumerate(positions)]
+        batch = PackedBatch(torch.tensor([7, 8, 9]), torch.tensor(positions), spans, cache)
+        _ = batch.device_spans
+        with RecordOps() as record:
+            model(batch)
+        recorded.append(record.ops)
+    completing = [[(p + step + 1) % 2 == 0 for p in lengths] for step in range(2)]
+    assert completing == [[True, False, True], [False, True, False]]
+    assert len(recorded[0]) == len(recorded[1])
+    assert recorded[0] == recorded[1]
+
+
 @pytest.mark.parametrize("quantized_storage", [False, True])
 def test_a_v41_prefill_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quantized_storage):
     """A mixed V4.1 step (a prompt's next chunk, whole prompts of different lengths, a decode token) runs every

@@ -302,7 +302,9 @@ def test_byte_accounting_matches_the_allocated_tensors(dtype, quantized):
         return KVCacheV41(config, slots, blocks, 16, dtype, "cpu", with_dspark=True, quantized_storage=quantized)
 
     slots_only, both = cache(3, 0), cache(3, 5)
-    assert _allocated_bytes(slots_only) == 3 * both.slot_bytes()
+    spare = both.spare_blocks * both.block_bytes()  # the trash block, allocated beside the pool
+    assert both.spare_blocks == 1
+    assert _allocated_bytes(slots_only) == 3 * both.slot_bytes() + spare
     assert _allocated_bytes(both) - _allocated_bytes(slots_only) == 5 * both.block_bytes()
     assert both.bytes_per_token() == both.block_bytes() / 16
     if quantized:
@@ -325,7 +327,7 @@ def test_flash_widths_quantized_storage_is_about_a_quarter_of_bf16():
         for quantized in (False, True)
     }
     for cache in caches.values():
-        assert _allocated_bytes(cache) == 2 * cache.slot_bytes() + 3 * cache.block_bytes()
+        assert _allocated_bytes(cache) == 2 * cache.slot_bytes() + (3 + cache.spare_blocks) * cache.block_bytes()
     plain, quantized = caches[False], caches[True]
     # 2.5 entries per token (three ratio-2 sources, one ratio-1): bf16 (512 + 128) * 2 bytes each, quantized
     # 512 / 2 + 512 / 16 + 128 / 2 + 128 / 32 = 356 bytes each

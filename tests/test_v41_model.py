@@ -109,6 +109,8 @@ class ReplayQuantizer(ActivationQuantizer):
     def _apply(self, kind, x, rounded, layer, ids):
         out = rounded.clone()
         for row, key_id in enumerate(ids.tolist()):
+            if key_id < 0:  # a decode step's unfinished window, written to the trash block
+                continue
             key = (kind, layer, key_id)
             if not self.replaying:
                 self.recorded[key] = (x[row].clone(), rounded[row].clone())

@@ -131,7 +131,7 @@ class KVCacheV41:
         if not cfg.is_kv_source(layer_id):
             return LayerCacheV41(window, None, window_scales)
         ratio = cfg.compress_ratios[layer_id]
-        rows = (self.num_blocks, self.block_tokens // ratio)
+        rows = (self.num_blocks + self.spare_blocks, self.block_tokens // ratio)
 
         def pending() -> torch.Tensor | None:
             if ratio == 1:
@@ -143,11 +143,12 @@ class KVCacheV41:
         source = SourceCache(ratio, pending(), pending(), entries, index_keys, entry_scales, index_key_scales)
         return LayerCacheV41(window, source, window_scales)
 
-    spare_blocks = 0  # decode steps write only the entries they complete (host-known): no trash block
+    spare_blocks = 1  # the trash block, allocated beside the pool: decode steps write unfinished entries there
 
     @property
     def trash_block(self) -> int:
-        """Block id past the pool, used only to pad the step's device block tables (reads clamp it, nothing writes)."""
+        """The block past the pool: it pads the step's device block tables (reads clamp it to the pool) and takes a
+        decode step's writes of entries whose window is not complete yet (fixed shapes: no host decision)."""
         return self.num_blocks
 
     # ---- what the layers call ----------------------------------------------------------------------

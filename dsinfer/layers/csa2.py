@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
-from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.layers.attention import Attention, decode_window_positions, window_keys
-from dsinfer.layers.compressor import Compressor, kept_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.indexer import IndexScorer, top_k_visible
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
@@ -230,31 +230,23 @@ class AttentionV41(Attention):
         state: dict,
         quantizer: ActivationQuantizer,
     ) -> None:
-        """Decode: every token joins its unfinished group; the entries completed now (which sequences complete
-        one is known on the host from their positions) are rounded and cached; every entry is published."""
+        """Decode: every token joins its unfinished group and every group's entry is rounded and written, to the
+        sequence's block where the token completed it, to the cache's trash block otherwise (fixed shapes, no
+        host data: a CUDA graph can replay it); every entry is published.
+
+        A decode token's window always ends past ``reuse_below`` (a prefix hit covers less than the prompt), so
+        no completed entry is one a prefix hit already stored."""
         spans, ratio = batch.device_spans, self.compress_ratio
         source = cache.layers[self.layer_id].source
-        latents, entry_ids, _ = self.compressor.decode_latents(x, batch.positions, spans, source)
-        per_block = cache.block_tokens // ratio
-        rows, blocks, block_rows = [], [], []
-        for row, span in enumerate(batch.spans):
-            entry = span.start // ratio
-            if (span.start + 1) % ratio == 0 and (entry + 1) * ratio > span.reuse_below:
-                rows.append(row)
-                blocks.append(span.block_table[entry // per_block])
-                block_rows.append(entry % per_block)
-        if rows:
-            device = x.device
-            rows = host_to_device(rows, torch.long, device)
-            latents, entry_ids = latents.index_select(0, rows), entry_ids.index_select(0, rows)
-            cos, sin = rope_angles(entry_ids * ratio, inv_freq)
-            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, entry_ids)
-            keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
-            blocks, block_rows = (
-                host_to_device(blocks, torch.long, device),
-                host_to_device(block_rows, torch.long, device),
-            )
-            cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
+        latents, entry_ids, complete = self.compressor.decode_latents(x, batch.positions, spans, source)
+        cos, sin = rope_angles(entry_ids * ratio, inv_freq)
+        real_ids = torch.where(complete, entry_ids, -1)  # the quantizer's entry ids: -1 for the trash writes
+        entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, real_ids)
+        keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids)
+        blocks, block_rows = decode_entry_location(
+            spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block
+        )
+        cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
         state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, spans.block_tables)
 
     def _window_keys(

@@ -136,7 +136,8 @@ class ActivationQuantizer:
         return fake_quant_window_kv(x) if self.enabled else x
 
     def compressed_kv(self, x: torch.Tensor, layer: object, entry_ids: torch.Tensor) -> torch.Tensor:
-        """x [g, head_dim] post-RoPE compressed entries of one sequence."""
+        """x [g, head_dim] post-RoPE compressed entries of one sequence (a decode step: one row per sequence,
+        ``entry_ids`` -1 for the rows of unfinished windows, which go to the trash block)."""
         return fake_quant_compressed_kv(x) if self.enabled else x
 
     def index_keys(self, x: torch.Tensor, layer: object, entry_ids: torch.Tensor) -> torch.Tensor:
