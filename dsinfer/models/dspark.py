@@ -12,7 +12,8 @@ MoE; staggered mHC as in the backbone), collapses with the last mix, and reads l
 stage's norm and the target's head. A rank-``dspark_markov_rank`` Markov head adds a bias that depends on
 the previously drafted token (so drafting is sequential over the block), and a confidence head scores each
 drafted position from ``[pre-norm hidden, Markov embedding]``. Deciding how many drafts to verify is the
-speculative decoder's job (a later step); here the stages are loaded and run.
+speculative decoder's job (``dsinfer.spec.dspark``); here the stages are run, batched over sequences
+(:func:`draft_blocks`, one ring per block).
 
 Follows the MLX port ``thedracle/deepseek-v41-mlx`` (``dspark.py``), which checks itself against
 DeepSeek's ``forward_spec``; Hugging Face does not model these layers yet.
@@ -147,6 +148,26 @@ class DSparkStage(HyperConnectedBlock):
         return self.run_sites(streams, attention, self.ffn, carried_mix=pre_mix)
 
 
+def seed_ring_rows(
+    stages: nn.ModuleList,
+    rings: list[torch.Tensor],
+    slots: torch.Tensor | int,
+    target_hidden: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    quantizer: ActivationQuantizer,
+) -> None:
+    """Write ring rows ``position % window`` of ``slots`` (one per row, or one for all) from target hiddens
+    [n, targets * hidden]; no two rows may land on the same (slot, ring row)."""
+    if not rings or not target_hidden.shape[0]:
+        return
+    window = rings[0].shape[1]
+    main = stages[0].main_norm(stages[0].main_proj(target_hidden))
+    for stage, ring in zip(stages, rings, strict=True):
+        keys = stage.attn.keys(main, positions, inv_freq, quantizer)
+        ring[slots, positions % window] = keys.to(ring.dtype)
+
+
 def seed_rings(
     stages: nn.ModuleList,
     rings: list[torch.Tensor],
@@ -156,39 +177,74 @@ def seed_rings(
     inv_freq: torch.Tensor,
     quantizer: ActivationQuantizer,
 ) -> None:
-    """Write each stage's ring slots ``position % window`` from the target hiddens [n, targets * hidden]."""
+    """Write each stage's ring slots ``position % window`` of one slot from its target hiddens [n, targets * hidden]
+    (consecutive positions; only the last ``window`` can still be seen)."""
     window = rings[0].shape[1] if rings else 0
     recent = slice(max(0, target_hidden.shape[0] - window), None)
-    main = stages[0].main_norm(stages[0].main_proj(target_hidden[recent]))
-    for stage, ring in zip(stages, rings, strict=True):
-        keys = stage.attn.keys(main, positions[recent], inv_freq, quantizer)
-        ring[slot, positions[recent] % window] = keys.to(ring.dtype)
+    seed_ring_rows(stages, rings, slot, target_hidden[recent], positions[recent], inv_freq, quantizer)
+
+
+@dataclass
+class DraftBlocks:
+    """Greedy drafts of B sequences, the first ``columns`` positions of each block."""
+
+    logits: torch.Tensor  # [B, columns, vocab] float32, Markov bias included
+    tokens: torch.Tensor  # [B, columns] int64, each column's argmax
+    confidence: torch.Tensor  # [B, columns] float32 confidence-head logits: is every draft up to here right?
 
 
 @torch.no_grad()
+def draft_blocks(
+    model: DeepseekV41,
+    rings: list[torch.Tensor],
+    slots: torch.Tensor,
+    last_positions: torch.Tensor,
+    tokens: torch.Tensor,
+    columns: int | None = None,
+) -> DraftBlocks:
+    """Block drafts of B sequences at once: ``tokens`` [B] sit at ``last_positions + 1`` [B], the rings of
+    ``slots`` [B] hold the target positions up to ``last_positions``.
+
+    Every block runs whole (``dspark_block_size`` positions, attention non-causal within it, as trained); the
+    Markov bias then makes the drafts sequential over the first ``columns`` positions (greedy: each column's
+    argmax feeds the next column's bias). No value is read on the host."""
+    cfg = model.config
+    size, window = cfg.dspark_block_size, cfg.sliding_window
+    columns = size if columns is None else columns
+    if not 1 <= columns <= size:
+        raise ValueError(f"columns: expected 1 to the block size {size}, got {columns}")
+    count, device = tokens.shape[0], tokens.device
+    ids = torch.full((count, size), cfg.dspark_noise_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = tokens
+    positions = (last_positions + 1)[:, None] + torch.arange(size, device=device)
+    visible = torch.arange(window, device=device)[None, :] <= last_positions[:, None]  # slots holding a position
+    streams, pre_mix = model.embed_streams(ids.flatten())
+    for stage, ring in zip(model.mtp, rings, strict=True):
+        streams, pre_mix = stage(streams, pre_mix, positions.flatten(), ring[slots], model.rope.window,
+                                 model.quantizer, ring_visible=visible)  # fmt: skip
+    last = model.mtp[-1]
+    hidden = collapse_streams(streams, pre_mix).view(count, size, -1)[:, :columns]
+    logits = model.head(last.norm(hidden)).float()
+    previous = tokens
+    biased, drafted, embeddings = [], [], []
+    for column in range(columns):
+        embedding = last.markov_head.embed(previous)
+        scores = logits[:, column] + last.markov_head.head(embedding).float()
+        previous = scores.argmax(dim=-1)
+        biased.append(scores)
+        drafted.append(previous)
+        embeddings.append(embedding)
+    features = torch.cat([hidden.float(), torch.stack(embeddings, dim=1).float()], dim=-1)
+    confidence = F.linear(features, last.confidence_head.proj.weight.float())[..., 0]
+    return DraftBlocks(torch.stack(biased, dim=1), torch.stack(drafted, dim=1), confidence)
+
+
 def draft_block(model: DeepseekV41, rings: list[torch.Tensor], slot: int, last_position: int, token: int) -> DraftBlock:
     """Greedy block draft after ``token`` (which sits at ``last_position + 1``), Markov bias and confidence."""
-    cfg, device = model.config, model.embed.weight.device
-    size = cfg.dspark_block_size
-    ids = torch.tensor([token] + [cfg.dspark_noise_token_id] * (size - 1), device=device)
-    positions = torch.arange(last_position + 1, last_position + 1 + size, device=device)
-    streams, pre_mix = model.embed_streams(ids)
-    seen = min(cfg.sliding_window, last_position + 1)
-    for stage, ring in zip(model.mtp, rings, strict=True):
-        ring_keys = ring[slot, :seen]
-        streams, pre_mix = stage(streams, pre_mix, positions, ring_keys, model.rope.window, model.quantizer)
-    last = model.mtp[-1]
-    hidden = collapse_streams(streams, pre_mix)
-    logits = model.head(last.norm(hidden)).float()
-    previous = torch.tensor([token], device=device)
-    columns, tokens, embeddings = [], [], []
-    for i in range(size):
-        embedding = last.markov_head.embed(previous)
-        column = logits[i] + last.markov_head.head(embedding)[0].float()
-        previous = column.argmax(dim=-1, keepdim=True)
-        embeddings.append(embedding[0])
-        columns.append(column)
-        tokens.append(int(previous))
-    features = torch.cat([hidden.float(), torch.stack(embeddings).float()], dim=-1)
-    confidence = F.linear(features, last.confidence_head.proj.weight.float())[:, 0]
-    return DraftBlock(torch.stack(columns), tokens, confidence)
+    device = model.embed.weight.device
+
+    def one(value: int) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.long, device=device)
+
+    block = draft_blocks(model, rings, one(slot), one(last_position), one(token))
+    return DraftBlock(block.logits[0], block.tokens[0].tolist(), block.confidence[0])
