@@ -1,8 +1,11 @@
 """Speculative decoding settings (vLLM's ``--speculative-config`` spelling), parsed and validated at the edge.
 
-``{"method": "mtp", "num_speculative_tokens": K}``: the checkpoint's MTP layer drafts K tokens per step (chained
-on its own outputs past the first) and the target verifies them in the next forward. Whether a checkpoint can
-serve the method is checked against the model (:func:`dsinfer.spec.support.check_speculative_support`).
+``{"method": "mtp", "num_speculative_tokens": K}``: V4's MTP layer drafts K tokens per step (chained on its own
+outputs past the first) and the target verifies them in the next forward. ``{"method": "dspark", ...}``: V4.1's
+DSpark stages draft K tokens of one block (K at most the checkpoint's ``dspark_block_size``); the optional
+``"confidence_threshold": t`` (0 to 1, default 0: verify all K) verifies only the leading drafts the confidence
+head rates at least t (:mod:`dsinfer.spec.dspark`). Whether a checkpoint can serve the method is checked against
+the model (:func:`dsinfer.spec.support.check_speculative_support`).
 """
 
 from __future__ import annotations
@@ -14,15 +17,18 @@ from dsinfer.config.model import ConfigError
 
 SPECULATIVE_METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 5
-_KNOWN_FIELDS = ("method", "num_speculative_tokens")
+_REQUIRED_FIELDS = ("method", "num_speculative_tokens")
+_KNOWN_FIELDS = (*_REQUIRED_FIELDS, "confidence_threshold")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Which drafter runs and how many tokens it proposes per step (1 to ``MAX_SPECULATIVE_TOKENS``)."""
+    """Which drafter runs, how many tokens it proposes per step (1 to ``MAX_SPECULATIVE_TOKENS``), and (DSpark)
+    the confidence below which drafts are not verified (0: verify every draft)."""
 
     method: str
     num_speculative_tokens: int
+    confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -34,6 +40,13 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config 'num_speculative_tokens': expected an integer from 1 to "
                 f"{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        t = self.confidence_threshold
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 1:
+            raise ConfigError(f"speculative_config 'confidence_threshold': expected a number from 0 to 1, got {t!r}")
+        if t and self.method != "dspark":
+            raise ConfigError(
+                "speculative_config 'confidence_threshold': only 'dspark' drafts have a confidence head to cut them"
             )
 
 
@@ -53,7 +66,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     unknown = sorted(set(value) - set(_KNOWN_FIELDS))
     if unknown:
         raise ConfigError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_KNOWN_FIELDS)})")
-    for name in _KNOWN_FIELDS:
+    for name in _REQUIRED_FIELDS:
         if name not in value:
             raise ConfigError(f"speculative_config {name!r}: missing")
-    return SpeculativeConfig(value["method"], value["num_speculative_tokens"])
+    return SpeculativeConfig(value["method"], value["num_speculative_tokens"], value.get("confidence_threshold", 0.0))

@@ -48,18 +48,18 @@ def build_cache(
     num_blocks: int,
     block_tokens: int,
     device: torch.device | str,
-    with_mtp: bool = False,
+    with_drafter: bool = False,
 ) -> EngineCache:
-    """The cache the model's layers read and write through the batch metadata; ``with_mtp`` adds the window rings
-    of V4's MTP layers (the drafter's state, for speculative decoding)."""
+    """The cache the model's layers read and write through the batch metadata; ``with_drafter`` adds the
+    drafter's state for speculative decoding: the window rings of V4's MTP layers, or V4.1's DSpark rings."""
     dtype = model.embed.weight.dtype
     if isinstance(model, DeepseekV41):
         # The trained-in rounding makes every cached value exactly representable in its FP8 / FP4 format,
         # so the cache keeps codes and scales (3.6x fewer bytes per token than bf16); with the rounding
         # off (testing only) it keeps plain values.
-        return KVCacheV41(model.config, num_slots, num_blocks, block_tokens, dtype, device, with_dspark=False,
+        return KVCacheV41(model.config, num_slots, num_blocks, block_tokens, dtype, device, with_dspark=with_drafter,
                           quantized_storage=model.fake_quantization)  # fmt: skip
-    ratios = attention_layer_ratios(model.config, with_mtp=with_mtp)
+    ratios = attention_layer_ratios(model.config, with_mtp=with_drafter)
     return KVCache(model.config, ratios, num_slots, num_blocks, block_tokens, dtype, device)
 
 
@@ -67,8 +67,8 @@ def cache_blocks_for_budget(model: ServedModel, engine: EngineConfig, num_slots:
     """How many compressed-cache blocks fit beside ``num_slots`` state slots in the engine's budget."""
     if engine.num_cache_blocks is not None:
         return engine.num_cache_blocks
-    with_mtp = engine.speculative_config is not None
-    probe = build_cache(model, 0, 0, block_tokens, "meta", with_mtp)  # byte accounting only: no memory
+    with_drafter = engine.speculative_config is not None
+    probe = build_cache(model, 0, 0, block_tokens, "meta", with_drafter)  # byte accounting only: no memory
     budget = engine.cache_memory_bytes
     if budget is None:
         device = torch.device(engine.device)

@@ -90,9 +90,7 @@ class LLMEngine:
         speculative = None
         if config.speculative_config is not None:
             self.spec_stats = SpeculativeStats()
-            speculative = SpeculativeExecutor(
-                model, self.runner.cache, self.sampler, config.speculative_config.num_speculative_tokens
-            )
+            speculative = SpeculativeExecutor(self.runner, self.sampler, config.speculative_config)
         self.worker = DeviceWorker(self.runner, self.sampler, threaded=self.async_scheduling, speculative=speculative)
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}

@@ -141,15 +141,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Compute a prepared step over the cache; logits [k, vocab] for its sampled sequences."""
-        if step.engram_resume is not None:
-            self._restore_engram_history(step.engram_resume)
         graphs = self.decode_graphs
         if graphs is not None and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
-            return graphs.run(step.input_ids, step.positions, step.spans)
+            return graphs.run(step.input_ids, step.positions, step.spans)  # V4 only: no Engram, no images
+        return self.model(self.step_batch(step), logits_for=step.sample_rows)
+
+    def step_batch(self, step: StepInput) -> PackedBatch:
+        """The step's packed batch over the cache, once what its forward needs first is done: the Engram history
+        of sequences entering their slot past position 0 rebuilt, image spans encoded. Every forward of a
+        prepared step (plain or speculative) starts here, on the device worker."""
+        if step.engram_resume is not None:
+            self._restore_engram_history(step.engram_resume)
         batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
         if step.image_pieces:  # encoded here, in the step that first needs them (batched across requests)
             batch.image_splice = self.image_embeddings.splice(step.image_pieces, self.device)
-        return self.model(batch, logits_for=step.sample_rows)
+        return batch
 
     # ---- Engram history after a prefix-cache hit ----------------------------------------------------------
     def _uses_engram_history(self) -> bool:

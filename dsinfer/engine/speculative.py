@@ -3,15 +3,17 @@
 A step whose sequences carry drafts (``Sequence.draft_token_ids``, scheduled behind their last token) runs here
 instead of the plain forward + sampler:
 
-1. the target forward over the whole packed batch (prefill chunks of other requests included), keeping the
-   residual streams; verify spans record their compressor updates and are snapshotted first;
+1. the target forward over the whole packed batch (prefill chunks of other requests included) through the
+   drafter, which keeps what it reads of the target (V4: the residual streams; V4.1: the captured target-layer
+   hiddens); verify spans record their compressor updates and are snapshotted first;
 2. each sampled sequence's rows are judged in order (:func:`verify_sequence`): penalties, ``min_tokens`` and
    the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
    equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with randomness
    from the request's own generator (seeded replay, batch invariance); sequences without drafts go through
    the plain :class:`~dsinfer.engine.sampler.Sampler` and draw exactly what plain decoding draws;
 3. the cache writes of rejected positions are undone (:mod:`dsinfer.spec.rollback`);
-4. the MTP layer runs over every kept position and drafts the next tokens (:mod:`dsinfer.spec.mtp`).
+4. the drafter reads every kept position and drafts the next tokens: V4's MTP layer (:mod:`dsinfer.spec.mtp`,
+   ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`, ``method: dspark``).
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dsinfer.config import SpeculativeConfig
 from dsinfer.engine.sampler import (
     SampleOutput,
     Sampler,
@@ -32,10 +35,13 @@ from dsinfer.engine.sampler import (
     filtered_probs,
     suppress_stop_tokens,
 )
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
-from dsinfer.spec.mtp import DraftInput, MTPDrafter
+from dsinfer.kv.batch import SequenceSpan
+from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.spec.drafting import Drafter, DraftInput
+from dsinfer.spec.dspark import DSparkDrafter
+from dsinfer.spec.mtp import MTPDrafter
 from dsinfer.spec.rejection import final_distribution, greedy_accept, num_accepted
-from dsinfer.spec.rollback import rollback_span, snapshot_span
+from dsinfer.spec.rollback import CacheRollback
 
 
 @dataclass
@@ -136,33 +142,42 @@ def _speculative_output(logits: torch.Tensor, tokens: list[int], drafts: list[in
     )
 
 
+def build_drafter(model, cache, config: SpeculativeConfig) -> Drafter:
+    """The drafter of ``config.method`` over the engine cache (the checkpoint was checked to support it)."""
+    if config.method == "dspark":
+        return DSparkDrafter(model, cache, config.num_speculative_tokens, config.confidence_threshold)
+    return MTPDrafter(model, cache, config.num_speculative_tokens)
+
+
 class SpeculativeExecutor:
     """Runs steps that verify drafts and draft again, on the device worker (see the module docstring)."""
 
-    def __init__(self, model, cache, sampler: Sampler, num_tokens: int) -> None:
-        self.model, self.cache, self.sampler = model, cache, sampler
-        self.num_layers = model.config.num_hidden_layers
-        self.drafter = MTPDrafter(model, cache, num_tokens)
+    def __init__(self, runner, sampler: Sampler, config: SpeculativeConfig) -> None:
+        self.runner, self.model, self.cache, self.sampler = runner, runner.model, runner.cache, sampler
+        self.drafter = build_drafter(self.model, self.cache, config)
+        hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
+        self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, hasher)
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
         """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does:
         its noise is filled on a thread pool)."""
         plan: SpeculationPlan = step.speculation
         with torch.inference_mode():
-            batch = PackedBatch(step.input_ids, step.positions, step.spans, self.cache)
-            snapshots = {}
+            batch = self.runner.step_batch(step)  # Engram history restored first: the snapshots see it
+            snapshots, offset = {}, 0
             for index, (span, drafts) in enumerate(zip(step.spans, plan.drafts, strict=True)):
                 if drafts:
-                    snapshots[index] = snapshot_span(self.cache, span, self.num_layers)
+                    tokens = step.input_ids[offset : offset + span.length]
+                    snapshots[index] = self.rollback.snapshot(span, tokens)
                     span.journal = []
-            streams = self.model.hidden_streams(batch)
-            logits = self.model.head(self.model.final_hidden(streams)[step.sample_rows]).float()
+                offset += span.length
+            logits, target_hidden = self.drafter.target_forward(batch, step.sample_rows)
         outputs = self._judge(logits, plan, states)
         with torch.inference_mode():
-            self._roll_back_and_draft(step, streams, plan, outputs, snapshots)
+            self._roll_back_and_draft(step, target_hidden, plan, outputs, snapshots)
         return outputs
 
-    def _roll_back_and_draft(self, step, streams, plan: SpeculationPlan, outputs, snapshots) -> None:
+    def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, snapshots) -> None:
         """Undo the rejected positions' cache writes, then draft from the kept positions."""
         sampled = [i for i, token in enumerate(plan.following_token) if token is None]
         kept = [span.length for span in step.spans]
@@ -170,9 +185,9 @@ class SpeculativeExecutor:
             span = step.spans[index]
             kept[index] = span.length - len(plan.drafts[index]) + output.num_accepted
             if index in snapshots:
-                rollback_span(self.cache, snapshots[index], span.journal, kept[index], self.num_layers)
+                self.rollback.rollback(snapshots[index], span.journal, kept[index])
                 span.journal = None
-        next_drafts = self.drafter.draft(self._draft_input(step, streams, plan, outputs, sampled, kept))
+        next_drafts = self.drafter.draft(self._draft_input(step, target_hidden, plan, outputs, sampled, kept))
         for output, drafts in zip(outputs, next_drafts, strict=True):
             output.next_drafts = drafts
 
@@ -197,8 +212,8 @@ class SpeculativeExecutor:
                 outputs[i] = _speculative_output(rows, tokens, d, states[i])
         return outputs
 
-    def _draft_input(self, step, streams, plan, outputs, sampled, kept) -> DraftInput:
-        """The kept positions of every span, each with the token after it, for the MTP layer."""
+    def _draft_input(self, step, target_hidden, plan, outputs, sampled, kept) -> DraftInput:
+        """The kept positions of every span, each with the token after it, for the drafter."""
         emitted = dict(zip(sampled, outputs, strict=True))
         rows, next_ids, positions, spans, drafting = [], [], [], [], []
         offset = 0
@@ -215,9 +230,9 @@ class SpeculativeExecutor:
             spans.append(SequenceSpan(span.start, count, span.slot, span.block_table, span.reuse_below,
                                       span.window_from))  # fmt: skip
             offset += span.length
-        device = streams.device
+        device = target_hidden.device
         return DraftInput(
-            streams[torch.tensor(rows, device=device)],
+            target_hidden[torch.tensor(rows, device=device)],
             torch.tensor(next_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             spans,

@@ -11,24 +11,12 @@ streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.models.deepseek_v4 import DeepseekV4
-
-
-@dataclass
-class DraftInput:
-    """The positions a step kept, as spans over the target's streams, and which spans draft."""
-
-    streams: torch.Tensor  # [T, hc_mult, hidden] target streams of the kept positions, packed by span
-    next_token_ids: torch.Tensor  # [T] the token after each kept position
-    positions: torch.Tensor  # [T]
-    spans: list[SequenceSpan]  # one per sequence of the step, over the kept positions only
-    drafting: list[int]  # indices into ``spans`` of the sequences that draft
+from dsinfer.spec.drafting import DraftInput
 
 
 class MTPDrafter:
@@ -42,6 +30,11 @@ class MTPDrafter:
         if len(cache.layers) <= self.layer.layer_id:
             raise ValueError("the engine cache has no window ring for the MTP layer (build it with_mtp)")
 
+    def target_forward(self, batch: PackedBatch, sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits of ``sample_rows`` (as its plain forward computes them) and its residual streams."""
+        streams = self.model.hidden_streams(batch)
+        return self.model.logits(self.model.final_hidden(streams), sample_rows), streams
+
     @torch.inference_mode()
     def draft(self, inputs: DraftInput) -> list[list[int]]:
         """Run the kept positions through the MTP layer and draft ``num_tokens`` for each drafting span."""
@@ -50,11 +43,10 @@ class MTPDrafter:
             return []
         batch = PackedBatch(inputs.next_token_ids, inputs.positions, inputs.spans, self.cache)
         embedded = model.embed(inputs.next_token_ids)
-        streams = layer.draft_streams(inputs.streams, embedded, inputs.next_token_ids, batch, model.rope.window)
+        streams = layer.draft_streams(inputs.target_hidden, embedded, inputs.next_token_ids, batch, model.rope.window)
         if not inputs.drafting:
             return []
-        slices = batch.sequence_slices()
-        last_rows = torch.tensor([slices[i].stop - 1 for i in inputs.drafting], device=streams.device)
+        last_rows = torch.tensor(inputs.last_rows(), device=streams.device)
         streams = streams[last_rows]
         token = model.head(layer.collapse(streams)).float().argmax(-1)
         drafts = [token]

@@ -1,0 +1,45 @@
+"""What every drafter shares: the target forward it needs, the kept positions it reads, the drafts it returns.
+
+A step's target forward runs through the drafter (:meth:`Drafter.target_forward`), which keeps what it reads of
+the target at every position: V4's MTP layer the residual streams, V4.1's DSpark stages the mean streams
+entering ``dspark_target_layer_ids``. After judging, the engine hands back the positions each span kept
+(:class:`DraftInput`) and the drafter proposes the next tokens of every sampled sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+
+
+@dataclass
+class DraftInput:
+    """The positions a step kept, as spans over the target features, and which spans draft."""
+
+    target_hidden: torch.Tensor  # [T, ...] what the drafter reads of the target at each kept position, by span
+    next_token_ids: torch.Tensor  # [T] the token after each kept position
+    positions: torch.Tensor  # [T]
+    spans: list[SequenceSpan]  # one per sequence of the step, over the kept positions only
+    drafting: list[int]  # indices into ``spans`` of the sequences that draft
+
+    def last_rows(self) -> list[int]:
+        """Row of each drafting span's last kept position (its bonus token is the one after it)."""
+        ends, offset = [], 0
+        for span in self.spans:
+            offset += span.length
+            ends.append(offset - 1)
+        return [ends[i] for i in self.drafting]
+
+
+class Drafter(Protocol):
+    num_tokens: int
+
+    def target_forward(self, batch: PackedBatch, sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's float32 logits of ``sample_rows`` and the features the drafter reads, [T, ...]."""
+
+    def draft(self, inputs: DraftInput) -> list[list[int]]:
+        """Update the drafter's state from the kept positions; up to ``num_tokens`` drafts per drafting span."""
