@@ -37,3 +37,25 @@ def run_all(
         if abort_after and steps in abort_after:
             engine.abort(abort_after[steps])
     return [results.get(i) for i in ids]
+
+
+def use_oracle_drafts(engine: LLMEngine, references: dict[str, list[int]]) -> None:
+    """Replace the drafter's drafts by the reference continuation, one draft wrong at a place that moves each step.
+
+    Tiny random drafters almost never guess right; the oracle makes every acceptance length (none, some, all)
+    and every rollback point come up. The drafter still runs (and keeps its own state) every step."""
+    take, calls = engine._take_verified, [0]
+
+    def take_with_oracle(seq, result, now):
+        take(seq, result, now)
+        if seq.is_finished:
+            return
+        produced, count = len(seq.output_token_ids), len(seq.draft_token_ids)
+        drafts = list(references[seq.request_id][produced : produced + count])
+        calls[0] += 1
+        wrong = calls[0] % (count + 1)  # == count: every draft right
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % engine.model.config.vocab_size
+        seq.draft_token_ids = drafts
+
+    engine._take_verified = take_with_oracle

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import random_prompts, run_all
+from engine_harness import random_prompts, run_all, use_oracle_drafts
 
 from dsinfer.config import ConfigError, EngineConfig, SpeculativeConfig
 from dsinfer.engine.engine import LLMEngine
@@ -21,25 +21,6 @@ BASE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 160}
 def _engine(model, tokenizer, k: int | None = None, **options) -> LLMEngine:
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
     return LLMEngine(model, tokenizer, EngineConfig(**{**BASE, **options}, speculative_config=spec))
-
-
-def _oracle(engine: LLMEngine, references: dict[str, list[int]]) -> None:
-    """Replace the MTP drafts by the reference continuation, one draft wrong at a place that moves each step."""
-    take, calls = engine._take_verified, [0]
-
-    def take_with_oracle(seq, result, now):
-        take(seq, result, now)
-        if seq.is_finished:
-            return
-        produced, count = len(seq.output_token_ids), len(seq.draft_token_ids)
-        drafts = list(references[seq.request_id][produced : produced + count])
-        calls[0] += 1
-        wrong = calls[0] % (count + 1)  # == count: every draft right
-        if wrong < len(drafts):
-            drafts[wrong] = (drafts[wrong] + 1) % engine.model.config.vocab_size
-        seq.draft_token_ids = drafts
-
-    engine._take_verified = take_with_oracle
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -62,7 +43,7 @@ def test_greedy_mixed_batch_with_chunking_and_preemption_matches_plain_decoding(
 ):
     # The MTP layer drafts every step; the oracle then swaps in drafts that are partly right.
     oracle = _engine(tiny_v4_model, tiny_v4_tokenizer, k, **SMALL)
-    _oracle(oracle, {f"req-{i}": tokens for i, tokens in enumerate(plain_tokens)})
+    use_oracle_drafts(oracle, {f"req-{i}": tokens for i, tokens in enumerate(plain_tokens)})
     assert _tokens(run_all(oracle, PROMPTS, GREEDY)) == plain_tokens
     stats = oracle.spec_stats
     assert oracle.scheduler.num_preemptions > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -84,7 +65,7 @@ def test_prefix_hits_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_
     plain = _engine(tiny_v4_model, tiny_v4_tokenizer, max_model_len=200)
     reference = [run_all(plain, [p], free)[0].outputs[0] for p in prompts]
     spec = _engine(tiny_v4_model, tiny_v4_tokenizer, 4, max_model_len=200)
-    _oracle(spec, {f"req-{i}": r.token_ids for i, r in enumerate(reference)})
+    use_oracle_drafts(spec, {f"req-{i}": r.token_ids for i, r in enumerate(reference)})
     got = [run_all(spec, [p], free)[0].outputs[0] for p in prompts]
     assert [g.token_ids for g in got] == [r.token_ids for r in reference]
     assert spec.blocks.prefix_hits >= 2 * (len(shared) // spec.blocks.block_tokens) > 0
@@ -99,7 +80,7 @@ def test_prefix_hits_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_
     for params in limits:
         expected = run_all(plain, [prompts[0]], params)[0].outputs[0]
         oracle = _engine(tiny_v4_model, tiny_v4_tokenizer, 5, max_model_len=200)
-        _oracle(oracle, {"req-0": ids})
+        use_oracle_drafts(oracle, {"req-0": ids})
         out = run_all(oracle, [prompts[0]], params)[0].outputs[0]
         assert (out.token_ids, out.text, out.finish_reason) == (
             expected.token_ids, expected.text, expected.finish_reason
@@ -136,7 +117,7 @@ def test_caches_after_rejected_drafts_equal_a_run_that_never_drafted(tiny_v4_mod
     reference = run_all(_engine(tiny_v4_model, tiny_v4_tokenizer, **options), [prompt], params)[0]
     plain = _engine(tiny_v4_model, tiny_v4_tokenizer, **options)
     spec = _engine(tiny_v4_model, tiny_v4_tokenizer, 5, **options)
-    _oracle(spec, {"req-0": reference.outputs[0].token_ids})
+    use_oracle_drafts(spec, {"req-0": reference.outputs[0].token_ids})
     plain.add_request(prompt, params)
     spec.add_request(prompt, params)
     partial = 0
@@ -177,7 +158,7 @@ def test_grammar_constrained_requests_accept_only_what_the_grammar_allows(tiny_v
     expected = run_all(_engine(tiny_v4_model, tiny_v4_tokenizer), [prompt], params)[0].outputs[0]
     spec = _engine(tiny_v4_model, tiny_v4_tokenizer, 3)
     # The oracle proposes plain decoding's (grammar-abiding) tokens with one forbidden-or-wrong token among them.
-    _oracle(spec, {"req-0": expected.token_ids})
+    use_oracle_drafts(spec, {"req-0": expected.token_ids})
     out = run_all(spec, [prompt], params)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == expected.text
     assert spec.spec_stats.num_accepted_tokens > 0
