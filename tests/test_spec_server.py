@@ -14,14 +14,20 @@ from dsinfer.cli import main
 from dsinfer.config import EngineConfig
 
 SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
+DSPARK = '{"method": "dspark", "num_speculative_tokens": 3}'
+# Each method on a checkpoint that drafts with it: V4's MTP layer, the tiny V4.1's DSpark stages (a block of 3).
+CHECKPOINTS = [("tiny_checkpoint", SPEC), ("tiny_v41_checkpoint", DSPARK)]
 
 
-def test_generate_prints_the_acceptance_rate(tiny_checkpoint, capsys):
-    argv = ["generate", str(tiny_checkpoint), "--prompt", "Hello world", "--max-tokens", "5", "--device", "cpu",
-            "--speculative-config", SPEC]  # fmt: skip
+@pytest.mark.parametrize(("checkpoint", "spec"), [*CHECKPOINTS, (None, DSPARK)], ids=["mtp", "dspark", "default"])
+def test_generate_prints_the_acceptance_rate(request, capsys, checkpoint, spec):
+    model = [] if checkpoint is None else [str(request.getfixturevalue(checkpoint))]  # None: the embedded default
+    argv = ["generate", *model, "--prompt", "Hello world", "--max-tokens", "5", "--device", "cpu",
+            "--speculative-config", spec]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "speculative decoding: " in out and " drafts accepted (" in out and "tokens per verify step" in out
+    assert " of 0 drafts" not in out
 
 
 @pytest.mark.parametrize(("command", "spec", "message"), [
@@ -38,9 +44,10 @@ def test_bad_speculative_configs_fail_before_serving(tiny_checkpoint, capsys, co
     assert f"dsinfer {command}: error: " in err and message in err
 
 
-def test_metrics_and_bench_serve_report_acceptance(tiny_checkpoint, tmp_path):
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, speculative_config=SPEC)
-    with running_server(tiny_checkpoint, config) as (base, engine):
+@pytest.mark.parametrize(("checkpoint", "spec"), CHECKPOINTS, ids=["mtp", "dspark"])
+def test_metrics_and_bench_serve_report_acceptance(request, tmp_path, checkpoint, spec):
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, speculative_config=spec)
+    with running_server(request.getfixturevalue(checkpoint), config) as (base, engine):
         out = tmp_path / "result.json"
         argv = ["--base-url", base, "--model", "tiny", "--endpoint", "completions", "--input-len", "16",
                 "--output-len", "6", "--num-prompts", "3", "--disable-tqdm", "--out", str(out)]  # fmt: skip
