@@ -182,8 +182,9 @@ def add_speculative_config(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help='speculative decoding, as JSON: \'{"method": "mtp", "num_speculative_tokens": K}\' (K from 1 to 5; '
-        "V4's MTP layer drafts K tokens per step, the model verifies them in one forward) (default: off)",
+        help='speculative decoding, as JSON: \'{"method": "mtp" or "dspark", "num_speculative_tokens": K}\' (K from '
+        "1 to 5; V4's MTP layer or V4.1's DSpark stages draft K tokens per step, the model verifies them in one "
+        'forward; dspark also takes "confidence_threshold" from 0 to 1) (default: off)',
     )
 
 

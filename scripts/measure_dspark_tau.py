@@ -9,6 +9,12 @@ that reply the draft stages draft a block from the target's captured hiddens, an
 the target's next greedy tokens are what a greedy verifier accepts (:func:`draft_block_logits`). With K drafts a
 verify step yields ``1 + min(accepted, K)`` tokens; τ(K) is its mean over the positions. This is the draft
 quality alone: the confidence head's choice of how many drafts to verify is not applied.
+
+    python scripts/measure_dspark_tau.py --engine 5:0,5:0.5      # through the engine: K:confidence_threshold
+
+``--engine`` instead serves the same chats' prompts through the engine with ``method: dspark`` (greedy, all
+chats in one batch), once per ``K:threshold`` pair, and reports the engine's own counters: verify rounds,
+drafts verified, drafts accepted and τ = tokens per verify round (the confidence cut applied).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import sys
 
 import torch
 
+from dsinfer.config import EngineConfig
+from dsinfer.engine.engine import LLMEngine
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
+from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import EOS_TOKEN, Tokenizer
 from dsinfer.training import corpus
@@ -47,11 +56,32 @@ def _greedy_reply(model, prompt: list[int], stop: set[int], max_tokens: int) -> 
     return ids
 
 
+def _engine_counters(model, tokenizer, prompts: list[list[int]], k: int, threshold: float, max_tokens: int) -> dict:
+    """Greedy replies through the engine with DSpark drafts; the engine's speculative counters."""
+    spec = {"method": "dspark", "num_speculative_tokens": k, "confidence_threshold": threshold}
+    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=2048, max_num_batched_tokens=2048,
+                          speculative_config=spec)  # fmt: skip
+    engine = LLMEngine(model, tokenizer, config)
+    try:
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+    stats = engine.spec_stats
+    return {"k": k, "confidence_threshold": threshold, "verify_rounds": stats.num_drafts,
+            "drafts_verified": stats.num_draft_tokens, "drafts_accepted": stats.num_accepted_tokens,
+            "tau": round(stats.mean_acceptance_length or 1.0, 3)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default)")
     parser.add_argument("--chats", type=int, default=6, help="held-out chats per skill and thinking mode")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--engine", default=None, metavar="K:T,...",
+                        help="through the engine, once per K:confidence_threshold pair (e.g. 5:0,5:0.5)")  # fmt: skip
     args = parser.parse_args(argv)
     directory = args.model or str(default_model_dir())
     torch.set_grad_enabled(False)
@@ -62,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     renderer = SampleRenderer(ChatFormat(tokenizer, "v41", "default"))
     stop = {tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id("<｜tool▁calls▁end｜>")} - {None}
     size = model.config.dspark_block_size
+    if args.engine:
+        prompts = [renderer.prompt_ids(sample) for skill in corpus.SKILLS for thinking in (True, False)
+                   for sample in corpus.held_out(skill, args.chats, thinking=thinking)]  # fmt: skip
+        pairs = [(int(k), float(t)) for k, t in (pair.split(":") for pair in args.engine.split(","))]
+        rows = [_engine_counters(model, tokenizer, prompts, k, t, args.max_tokens) for k, t in pairs]
+        print(json.dumps({"model": directory, "chats": len(prompts), "engine": rows}, indent=1))
+        return 0
     accepted: dict[str, list[int]] = {}
     for skill in corpus.SKILLS:
         for thinking in (True, False):

@@ -299,6 +299,44 @@ def test_the_default_models_trained_drafts_are_accepted(default_model, threshold
     assert spec.blocks.num_used == 0
 
 
+def test_the_engines_drafts_are_the_blocks_the_training_loss_scores(default_model):
+    """Rings, positions and the Markov bias as trained: each verify round's drafts equal the argmax of
+    ``draft_blocks_logits`` (one full forward of the finished sequence) at the same anchor, column by column while
+    the drafts are right (past a wrong draft the training feeds the true token to the Markov head)."""
+    from dsinfer.training.draft_loss import draft_blocks_logits
+
+    model, tokenizer = default_model
+    prompt = _default_prompts(tokenizer)[0]
+    engine = _engine(model, tokenizer, 5, max_model_len=1024, max_num_batched_tokens=1024, block_tokens=64)
+    drafter, rounds = engine.worker.speculative.drafter, []
+    draft = drafter.draft
+
+    def recording(inputs):
+        drafts = draft(inputs)
+        rows = inputs.last_rows()
+        rounds.extend((int(inputs.positions[row]), d) for row, d in zip(rows, drafts, strict=True))
+        return drafts
+
+    drafter.draft = recording
+    ids = prompt + run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].token_ids
+    size = model.config.dspark_block_size
+    rounds = [(anchor, drafts) for anchor, drafts in rounds if anchor + 2 + size <= len(ids)]
+    with torch.inference_mode():
+        streams, pre_mix, ctx = model.run_layers(PackedBatch.from_sequences([ids]), capture=True)
+        targets = torch.cat([ctx.captured[i] for i in model.config.dspark_target_layer_ids], dim=-1)
+        logits, _ = draft_blocks_logits(model, targets, torch.tensor(ids), [(0, anchor) for anchor, _ in rounds])
+    compared = accepted = 0
+    for (anchor, drafts), block in zip(rounds, logits.argmax(dim=-1).tolist(), strict=True):
+        truth = ids[anchor + 2 : anchor + 2 + size]
+        for column, (got, want) in enumerate(zip(drafts, block, strict=True)):
+            assert got == want, (anchor, column, drafts, block)
+            compared += 1
+            if got != truth[column]:
+                break
+            accepted += 1
+    assert len(rounds) >= 10 and accepted >= len(rounds) and compared > len(rounds)
+
+
 # ---- what cannot be served -------------------------------------------------------------------------------
 def test_speculative_configs_a_v41_checkpoint_cannot_serve_are_refused(model, tokenizer, tiny_v41_checkpoint):
     with pytest.raises(ConfigError, match="'mtp' needs V4's MTP layers; a V4.1 checkpoint drafts with DSpark"):
