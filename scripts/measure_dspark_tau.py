@@ -13,8 +13,10 @@ quality alone: the confidence head's choice of how many drafts to verify is not 
     python scripts/measure_dspark_tau.py --engine 5:0,5:0.5      # through the engine: K:confidence_threshold
 
 ``--engine`` instead serves the same chats' prompts through the engine with ``method: dspark`` (greedy, all
-chats in one batch), once per ``K:threshold`` pair, and reports the engine's own counters: verify rounds,
-drafts verified, drafts accepted and τ = tokens per verify round (the confidence cut applied).
+chats in one batch), once per ``K:threshold`` pair, and reports the engine's own counters (the confidence cut
+applied): verify rounds (steps of a sequence with drafts), drafts verified and accepted, τ = tokens per verify
+round (what ``/metrics`` gives), and tokens per sampling step, which also counts the steps whose drafts the
+confidence head cut to none.
 """
 
 from __future__ import annotations
@@ -62,17 +64,20 @@ def _engine_counters(model, tokenizer, prompts: list[list[int]], k: int, thresho
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=2048, max_num_batched_tokens=2048,
                           speculative_config=spec)  # fmt: skip
     engine = LLMEngine(model, tokenizer, config)
+    tokens = 0
     try:
         for prompt in prompts:
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
         while engine.has_unfinished_requests():
-            engine.step()
+            tokens += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
     finally:
         engine.close()
     stats = engine.spec_stats
-    return {"k": k, "confidence_threshold": threshold, "verify_rounds": stats.num_drafts,
-            "drafts_verified": stats.num_draft_tokens, "drafts_accepted": stats.num_accepted_tokens,
-            "tau": round(stats.mean_acceptance_length or 1.0, 3)}  # fmt: skip
+    steps = tokens - stats.num_accepted_tokens  # every sampling step emits its accepted drafts and one more token
+    return {"k": k, "confidence_threshold": threshold, "tokens": tokens, "sampling_steps": steps,
+            "verify_rounds": stats.num_drafts, "drafts_verified": stats.num_draft_tokens,
+            "drafts_accepted": stats.num_accepted_tokens, "tau": round(stats.mean_acceptance_length or 1.0, 3),
+            "tokens_per_step": round(tokens / steps, 3)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from engine_harness import random_prompts
+from engine_harness import random_prompts, use_oracle_drafts
 from PIL import Image
 
 from dsinfer.config import EngineConfig
@@ -99,6 +99,22 @@ def test_chunked_prefill_preemption_and_prefix_hits_with_images_equal_full_recom
         again = run(engine, requests[-2:], params)  # the latest prompts and pictures again: the prefix cache
         assert engine.blocks.prefix_hits > hits and again == outputs[-2:]
         assert engine.blocks.num_used == 0
+    finally:
+        engine.close()
+
+
+def test_dspark_speculation_splices_the_images_into_its_forward(model, tiny_v41_vision_checkpoint):
+    """Speculative steps build their batch as plain ones do: image spans encoded and spliced in."""
+    requests = requests_with_images(model, 4)
+    expected = greedy_by_recompute(model, requests, 6)
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=112, num_cache_blocks=40,
+                          block_tokens=8, speculative_config=spec)  # fmt: skip
+    engine = LLMEngine(model, Tokenizer.from_dir(tiny_v41_vision_checkpoint), config)
+    try:
+        use_oracle_drafts(engine, {f"req-{i}": tokens for i, tokens in enumerate(expected)})
+        assert run(engine, requests, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) == expected
+        assert engine.spec_stats.num_accepted_tokens > 0 and engine.blocks.num_used == 0
     finally:
         engine.close()
 

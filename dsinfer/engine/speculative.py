@@ -21,6 +21,7 @@ The engine then appends the emitted tokens one at a time (stop rules inside an a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from dsinfer.spec.dspark import DSparkDrafter
 from dsinfer.spec.mtp import MTPDrafter
 from dsinfer.spec.rejection import final_distribution, greedy_accept, num_accepted
 from dsinfer.spec.rollback import CacheRollback
+
+if TYPE_CHECKING:
+    from dsinfer.engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -152,7 +156,7 @@ def build_drafter(model, cache, config: SpeculativeConfig) -> Drafter:
 class SpeculativeExecutor:
     """Runs steps that verify drafts and draft again, on the device worker (see the module docstring)."""
 
-    def __init__(self, runner, sampler: Sampler, config: SpeculativeConfig) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, config: SpeculativeConfig) -> None:
         self.runner, self.model, self.cache, self.sampler = runner, runner.model, runner.cache, sampler
         self.drafter = build_drafter(self.model, self.cache, config)
         hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
