@@ -30,13 +30,20 @@ def test_generate_prints_the_acceptance_rate(request, capsys, checkpoint, spec):
     assert " of 0 drafts" not in out
 
 
-@pytest.mark.parametrize(("command", "spec", "message"), [
-    ("generate", "{bad", "speculative_config: not valid JSON"),
-    ("serve", '{"method": "mtp", "num_speculative_tokens": 8}', "'num_speculative_tokens': expected an integer from 1"),
-    ("serve", '{"method": "dspark", "num_speculative_tokens": 2}', "'dspark' drafts with DeepSeek-V4.1's DSpark"),
+@pytest.mark.parametrize(("command", "checkpoint", "spec", "message"), [
+    ("generate", "tiny_checkpoint", "{bad", "speculative_config: not valid JSON"),
+    ("serve", "tiny_checkpoint", '{"method": "mtp", "num_speculative_tokens": 8}',
+     "'num_speculative_tokens': expected an integer from 1"),
+    ("serve", "tiny_checkpoint", '{"method": "dspark", "num_speculative_tokens": 2}',
+     "'dspark' drafts with DeepSeek-V4.1's DSpark"),
+    ("serve", "tiny_v41_checkpoint", '{"method": "dspark", "num_speculative_tokens": 4}',
+     "'num_speculative_tokens': 4 exceeds the checkpoint's DSpark block size (3)"),
+    ("generate", "tiny_v41_checkpoint", '{"method": "mtp", "num_speculative_tokens": 2}',
+     "'mtp' needs V4's MTP layers; a V4.1 checkpoint drafts with DSpark stages"),
 ])  # fmt: skip
-def test_bad_speculative_configs_fail_before_serving(tiny_checkpoint, capsys, command, spec, message):
-    argv = [command, str(tiny_checkpoint), "--device", "cpu", "--speculative-config", spec]
+def test_bad_speculative_configs_fail_before_serving(request, capsys, command, checkpoint, spec, message):
+    model = request.getfixturevalue(checkpoint)
+    argv = [command, str(model), "--device", "cpu", "--speculative-config", spec]
     if command == "serve":
         argv += ["--port", "1"]  # never reached: the check comes first
     assert main(argv) == 2
