@@ -59,3 +59,27 @@ def use_oracle_drafts(engine: LLMEngine, references: dict[str, list[int]]) -> No
         seq.draft_token_ids = drafts
 
     engine._take_verified = take_with_oracle
+
+
+def compare_caches_in_lockstep(spec: LLMEngine, plain: LLMEngine, slot_state) -> int:
+    """Step ``spec`` (drafting, one request "req-0" added to both) to the end; after each of its steps, step
+    ``plain`` (which never drafts) to the same computed length and require ``slot_state(engine, seq)`` (a list of
+    the sequence's cache tensors) equal. Returns how many steps accepted some but not all of their drafts (each a
+    rollback mid-run)."""
+    partial = 0
+    while spec.has_unfinished_requests():
+        before = (spec.spec_stats.num_draft_tokens, spec.spec_stats.num_accepted_tokens)
+        spec.step()
+        if not spec.scheduler.running:
+            break
+        seq = spec.scheduler.running[0]
+        drafted = spec.spec_stats.num_draft_tokens - before[0]
+        accepted = spec.spec_stats.num_accepted_tokens - before[1]
+        partial += 0 < accepted < drafted
+        plain_seq = plain.requests["req-0"][0]
+        while plain_seq.num_computed < seq.num_computed:
+            plain.step()
+        assert plain_seq.num_computed == seq.num_computed
+        for got, want in zip(slot_state(spec, seq), slot_state(plain, plain_seq), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return partial

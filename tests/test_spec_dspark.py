@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import random_prompts, run_all, use_oracle_drafts
+from engine_harness import compare_caches_in_lockstep, random_prompts, run_all, use_oracle_drafts
 
 from dsinfer.config import ConfigError, EngineConfig, SpeculativeConfig
 from dsinfer.engine.engine import LLMEngine
@@ -168,22 +168,7 @@ def test_caches_after_rejected_drafts_equal_a_run_that_never_drafted(model, toke
     use_oracle_drafts(spec, {"req-0": reference.outputs[0].token_ids})
     never.add_request(prompt, params)
     spec.add_request(prompt, params)
-    partial = 0
-    while spec.has_unfinished_requests():
-        before = (spec.spec_stats.num_draft_tokens, spec.spec_stats.num_accepted_tokens)
-        spec.step()
-        if not spec.scheduler.running:
-            break
-        seq = spec.scheduler.running[0]
-        drafted = spec.spec_stats.num_draft_tokens - before[0]
-        accepted = spec.spec_stats.num_accepted_tokens - before[1]
-        partial += 0 < accepted < drafted
-        never_seq = never.requests["req-0"][0]
-        while never_seq.num_computed < seq.num_computed:
-            never.step()
-        assert never_seq.num_computed == seq.num_computed
-        for got, want in zip(_slot_state(spec, seq), _slot_state(never, never_seq), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    partial = compare_caches_in_lockstep(spec, never, _slot_state)
     assert never.spec_stats.num_draft_tokens == 0
     assert partial >= 3  # rolled back mid-run several times, across ratio-2 pairs and ratio-1 entries
 
