@@ -83,3 +83,37 @@ def compare_caches_in_lockstep(spec: LLMEngine, plain: LLMEngine, slot_state) ->
         for got, want in zip(slot_state(spec, seq), slot_state(plain, plain_seq), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     return partial
+
+
+def check_oracle_run_matches_plain(oracle: LLMEngine, prompts, params, plain_tokens: list[list[int]], k: int) -> None:
+    """With oracle drafts (some right, some wrong), ``oracle`` gives plain decoding's tokens, preempting and
+    rolling back along the way, counts acceptance per draft position, and leaves no block in use."""
+    use_oracle_drafts(oracle, {f"req-{i}": tokens for i, tokens in enumerate(plain_tokens)})
+    assert [list(r.outputs[0].token_ids) for r in run_all(oracle, prompts, params)] == plain_tokens
+    stats = oracle.spec_stats
+    assert oracle.scheduler.num_preemptions > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert len(stats.accepted_per_position) == k and sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert stats.accepted_per_position[min(k, 3) - 1] > 0  # whole runs accepted too (k = 1, 3)
+    assert oracle.blocks.num_used == 0
+
+
+def check_stop_rules_inside_accepted_runs(plain: LLMEngine, make_oracle, prompt: list[int], reference) -> None:
+    """A stop string, a stop token and max_tokens end a completion in the middle of an accepted run exactly where
+    plain decoding stops; ``reference`` is plain decoding's free-running output for ``prompt``, ``make_oracle()``
+    a fresh speculative engine."""
+    text, ids = reference.text, reference.token_ids
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    limits = [
+        SamplingParams(temperature=0, max_tokens=10, stop=[needle], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[6]]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
+    for params in limits:
+        expected = run_all(plain, [prompt], params)[0].outputs[0]
+        oracle = make_oracle()
+        use_oracle_drafts(oracle, {"req-0": ids})
+        out = run_all(oracle, [prompt], params)[0].outputs[0]
+        assert (out.token_ids, out.text, out.finish_reason) == (
+            expected.token_ids, expected.text, expected.finish_reason
+        )  # fmt: skip
+        assert oracle.spec_stats.num_accepted_tokens > 0 and oracle.blocks.num_used == 0

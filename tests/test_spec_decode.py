@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import compare_caches_in_lockstep, random_prompts, run_all, use_oracle_drafts
+from engine_harness import (
+    check_oracle_run_matches_plain,
+    check_stop_rules_inside_accepted_runs,
+    compare_caches_in_lockstep,
+    random_prompts,
+    run_all,
+    use_oracle_drafts,
+)
 
 from dsinfer.config import ConfigError, EngineConfig, SpeculativeConfig
 from dsinfer.engine.engine import LLMEngine
@@ -42,14 +49,9 @@ def test_greedy_mixed_batch_with_chunking_and_preemption_matches_plain_decoding(
     tiny_v4_model, tiny_v4_tokenizer, plain_tokens, k
 ):
     # The MTP layer drafts every step; the oracle then swaps in drafts that are partly right.
-    oracle = _engine(tiny_v4_model, tiny_v4_tokenizer, k, **SMALL)
-    use_oracle_drafts(oracle, {f"req-{i}": tokens for i, tokens in enumerate(plain_tokens)})
-    assert _tokens(run_all(oracle, PROMPTS, GREEDY)) == plain_tokens
-    stats = oracle.spec_stats
-    assert oracle.scheduler.num_preemptions > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert len(stats.accepted_per_position) == k and sum(stats.accepted_per_position) == stats.num_accepted_tokens
-    assert stats.accepted_per_position[min(k, 3) - 1] > 0  # whole runs accepted too (k = 1, 3)
-    assert oracle.blocks.num_used == 0
+    check_oracle_run_matches_plain(
+        _engine(tiny_v4_model, tiny_v4_tokenizer, k, **SMALL), PROMPTS, GREEDY, plain_tokens, k
+    )
 
 
 def test_greedy_with_the_mtp_layers_own_drafts_matches_plain_decoding(tiny_v4_model, tiny_v4_tokenizer, plain_tokens):
@@ -70,22 +72,9 @@ def test_prefix_hits_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_
     assert [g.token_ids for g in got] == [r.token_ids for r in reference]
     assert spec.blocks.prefix_hits >= 2 * (len(shared) // spec.blocks.block_tokens) > 0
     # Stop rules end a completion in the middle of an accepted run, exactly where plain decoding stops.
-    text, ids = reference[0].text, reference[0].token_ids
-    needle = text[len(text) // 2 : len(text) // 2 + 2]
-    limits = [
-        SamplingParams(temperature=0, max_tokens=10, stop=[needle], ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[6]]),
-        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-    ]
-    for params in limits:
-        expected = run_all(plain, [prompts[0]], params)[0].outputs[0]
-        oracle = _engine(tiny_v4_model, tiny_v4_tokenizer, 5, max_model_len=200)
-        use_oracle_drafts(oracle, {"req-0": ids})
-        out = run_all(oracle, [prompts[0]], params)[0].outputs[0]
-        assert (out.token_ids, out.text, out.finish_reason) == (
-            expected.token_ids, expected.text, expected.finish_reason
-        )  # fmt: skip
-        assert oracle.spec_stats.num_accepted_tokens > 0 and oracle.blocks.num_used == 0
+    check_stop_rules_inside_accepted_runs(
+        plain, lambda: _engine(tiny_v4_model, tiny_v4_tokenizer, 5, max_model_len=200), prompts[0], reference[0]
+    )
 
 
 def _slot_state(engine: LLMEngine, seq) -> list[torch.Tensor]:
