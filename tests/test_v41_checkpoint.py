@@ -180,6 +180,6 @@ def test_cache_accounting(tiny_v41_checkpoint):
             ):
                 stored += 0 if t is None else t.numel() * t.element_size()
     stored += cache.engram_history.numel() * 8 + sum(r.numel() * 4 for r in cache.dspark_rings)
-    assert stored == 2 * cache.slot_bytes() + 5 * cache.block_bytes()
+    assert stored == 2 * cache.slot_bytes() + (5 + cache.spare_blocks) * cache.block_bytes()  # + the trash block
     # per token: ratio-2 sources store half an entry and half a key, the ratio-1 source a whole one
     assert math.isclose(cache.bytes_per_token(), (2 * 0.5 + 1) * (cfg.head_dim + cfg.index_head_dim) * 4)

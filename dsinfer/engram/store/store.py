@@ -290,12 +290,10 @@ class EngramStore:
                         if header.state == STATE_READY:
                             return cls._map_ready(path, fd)
                         if not process_alive(header.loader_pid, header.loader_start_time):
-                            raise EngramStoreError(
-                                f"the Engram loader (pid {header.loader_pid}) died while loading {path} "
-                                f"({header.loaded_bytes:,} of {header.data_bytes:,} bytes loaded); its reaper "
-                                "removes the segment"
-                            )
+                            raise _loader_died(header, path)
                     if os.fstat(fd).st_nlink == 0:  # unlinked while we waited
+                        if header is not None and _dies_soon(header):
+                            raise _loader_died(header, path)  # its reaper ran while the loader was still exiting
                         if header is not None:
                             raise EngramStoreError(
                                 f"the Engram segment {path} was removed before it was ready: its loader (pid "
@@ -443,3 +441,21 @@ class EngramStore:
     def __repr__(self) -> str:
         tables = ", ".join(f"layer {t.layer_id}: {t.rows:,} rows" for t in self.tables.values())
         return f"EngramStore({self.path}, {self.nbytes:,} bytes, page {self.page_size}, {tables})"
+
+
+def _loader_died(header: SegmentHeader, path) -> EngramStoreError:
+    return EngramStoreError(
+        f"the Engram loader (pid {header.loader_pid}) died while loading {path} "
+        f"({header.loaded_bytes:,} of {header.data_bytes:,} bytes loaded); its reaper removes the segment"
+    )
+
+
+def _dies_soon(header: SegmentHeader, within_s: float = 0.5) -> bool:
+    """Whether the segment's loader is gone (or goes within ``within_s``: a killed process closes its files, which
+    wakes the reaper, before it stops showing as running)."""
+    deadline = time.monotonic() + within_s
+    while process_alive(header.loader_pid, header.loader_start_time):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
