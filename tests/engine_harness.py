@@ -117,3 +117,15 @@ def check_stop_rules_inside_accepted_runs(plain: LLMEngine, make_oracle, prompt:
             expected.token_ids, expected.text, expected.finish_reason
         )  # fmt: skip
         assert oracle.spec_stats.num_accepted_tokens > 0 and oracle.blocks.num_used == 0
+
+
+def check_many_requests_return_every_block(engine: LLMEngine) -> None:
+    """200 short requests (greedy and seeded sampling, 1-5 tokens) through a speculative ``engine`` with 16
+    sequences: all finish, drafts run, and every block and slot goes back."""
+    prompts = random_prompts(200, seed=4, low=2, high=12)
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=1 + i % 5) for i in range(200)]
+    outputs = run_all(engine, prompts, params)
+    assert len(outputs) == 200 and all(o.finished for o in outputs)
+    assert engine.blocks.num_used == 0
+    assert sorted(engine.scheduler.free_slots) == list(range(16))
+    assert engine.spec_stats.num_drafts > 0

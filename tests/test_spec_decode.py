@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import (
+    check_many_requests_return_every_block,
     check_oracle_run_matches_plain,
     check_stop_rules_inside_accepted_runs,
     compare_caches_in_lockstep,
@@ -140,13 +141,7 @@ def test_grammar_constrained_requests_accept_only_what_the_grammar_allows(tiny_v
 def test_two_hundred_requests_return_every_block(tiny_v4_model, tiny_v4_tokenizer):
     engine = _engine(tiny_v4_model, tiny_v4_tokenizer, 3, num_cache_blocks=30, max_num_seqs=16,
                      max_num_batched_tokens=128)  # fmt: skip
-    prompts = random_prompts(200, seed=4, low=2, high=12)
-    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=1 + i % 5) for i in range(200)]
-    outputs = run_all(engine, prompts, params)
-    assert len(outputs) == 200 and all(o.finished for o in outputs)
-    assert engine.blocks.num_used == 0
-    assert sorted(engine.scheduler.free_slots) == list(range(16))
-    assert engine.spec_stats.num_drafts > 0
+    check_many_requests_return_every_block(engine)
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import (
+    check_many_requests_return_every_block,
     check_oracle_run_matches_plain,
     check_stop_rules_inside_accepted_runs,
     compare_caches_in_lockstep,
@@ -220,13 +221,7 @@ def test_seeded_sampling_replays_and_is_batch_invariant(model, tokenizer):
 
 def test_two_hundred_requests_return_every_block(model, tokenizer):
     engine = _engine(model, tokenizer, 3, num_cache_blocks=30, max_num_seqs=16, max_num_batched_tokens=128)
-    prompts = random_prompts(200, seed=4, low=2, high=12)
-    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=1 + i % 5) for i in range(200)]
-    outputs = run_all(engine, prompts, params)
-    assert len(outputs) == 200 and all(o.finished for o in outputs)
-    assert engine.blocks.num_used == 0
-    assert sorted(engine.scheduler.free_slots) == list(range(16))
-    assert engine.spec_stats.num_drafts > 0
+    check_many_requests_return_every_block(engine)
 
 
 def test_the_confidence_head_cuts_drafts_at_the_first_unsure_column():
