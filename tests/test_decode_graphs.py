@@ -8,7 +8,9 @@ from engine_harness import random_prompts, run_all
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.engine.decode_graphs import default_graph_sizes
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.models.loader import load_model
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,38 @@ def test_bucketed_decode_equals_plain_decode(model, tokenizer):
     assert [o.outputs[0].token_ids for o in bucketed] == [o.outputs[0].token_ids for o in plain]
     assert 3 in calls or 1 in calls, calls  # steps that needed padding ran through the buckets
     assert bucketed_engine.blocks.num_used == 0
+
+
+def test_v41_bucketed_decode_equals_plain_decode(tiny_v41_checkpoint):
+    """V4.1 decode through the buckets: Engram rows and history, CSA2 sources and the trash block's unfinished
+    entries; with a prefix hit, whose first step rebuilds the Engram history and must not run in a bucket.
+    Fake quantization off: a batch of 4 padded rows rounds in another order than a batch of 3 (see
+    tests/test_engine_v41.py)."""
+    model = load_model(tiny_v41_checkpoint, progress=False).set_fake_quantization(False)
+    tokenizer = Tokenizer.from_dir(tiny_v41_checkpoint)
+    shared = random_prompts(1, seed=3, low=60, high=61)[0]
+    prompts = random_prompts(4, seed=9, low=5, high=40) + [shared, shared + [11]]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4 + [
+        SamplingParams(max_tokens=10, temperature=0.8, seed=s, ignore_eos=True) for s in range(2)
+    ]
+    options = {"num_cache_blocks": 64, "block_tokens": 8, "max_model_len": 160}
+    plain_engine = _engine(model, tokenizer, **options)
+    plain = run_all(plain_engine, prompts, params)
+    bucketed_engine = _engine(model, tokenizer, cuda_graph_sizes=(1, 2, 4), **options)
+    graphs = bucketed_engine.runner.decode_graphs
+    assert graphs is not None
+    calls = []
+    original = graphs.run
+    graphs.run = lambda *args: calls.append(len(args[2])) or original(*args)
+    bucketed = run_all(bucketed_engine, prompts[:4], params[:4])
+    for prompt, sp in zip(prompts[4:], params[4:], strict=True):  # one after the other: the second one hits
+        bucketed += run_all(bucketed_engine, [prompt], sp)
+    assert bucketed_engine.blocks.prefix_hits > 0
+    assert [o.outputs[0].token_ids for o in bucketed] == [o.outputs[0].token_ids for o in plain]
+    assert 3 in calls and 1 in calls, calls
+    assert bucketed_engine.blocks.num_used == 0
+    plain_engine.close()
+    bucketed_engine.close()
 
 
 def test_enforce_eager_and_default_sizes(model, tokenizer):

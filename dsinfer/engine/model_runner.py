@@ -59,13 +59,14 @@ class StepInput:
 
 
 def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
-    """Decode graphs need V4's batched decode path and a routed-experts backend that never syncs.
+    """Decode graphs need the batched decode path, a routed-experts backend that never syncs and, for V4.1, an
+    Engram source whose decode-sized fetches run on the device alone.
 
     On CUDA they are on unless ``enforce_eager``; on the CPU only an explicit ``cuda_graph_sizes`` asks for the
     same static-shape path, run eagerly (how the tests check it)."""
     if engine.speculative_config is not None:
         return False  # verify steps run several positions per sequence; the speculative executor runs eagerly
-    if engine.enforce_eager or isinstance(model, DeepseekV41) or not isinstance(model, DeepseekV4):
+    if engine.enforce_eager or not isinstance(model, DeepseekV4 | DeepseekV41):
         return False
     device = torch.device(engine.device)
     if device.type != "cuda":
@@ -74,6 +75,11 @@ def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
     if backend == REFERENCE:
         logger.info("decode CUDA graphs off: the routed-experts backend is the reference, which syncs")
         return False
+    if isinstance(model, DeepseekV41) and model.config.engram_layer_ids:
+        largest = max(engine.cuda_graph_sizes or (engine.max_num_seqs,))
+        if not model.engram_source().replays_in_graphs(largest * model.config.engram_columns):
+            logger.info("decode CUDA graphs off: the Engram placement reads its rows through the host")
+            return False
     return True
 
 
@@ -142,8 +148,9 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         """Compute a prepared step over the cache; logits [k, vocab] for its sampled sequences."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
-            return graphs.run(step.input_ids, step.positions, step.spans)  # V4 only: no Engram, no images
+        plain = step.engram_resume is None and not step.image_pieces  # a graph holds only the decode forward
+        if graphs is not None and plain and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
+            return graphs.run(step.input_ids, step.positions, step.spans)
         return self.model(self.step_batch(step), logits_for=step.sample_rows)
 
     def step_batch(self, step: StepInput) -> PackedBatch:

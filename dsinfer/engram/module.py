@@ -94,6 +94,10 @@ class EngramTableFetcher:
             raise KeyError(f"no Engram rows requested for layer {layer_id}: call start() first")
         return self.fetch(self._pending.pop(layer_id), layer_id)
 
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        """Always: the lookups are device-local tensor indexing."""
+        return True
+
     def close(self) -> None:
         """Drop pending requests; the tables belong to the model and stay."""
         self._pending.clear()

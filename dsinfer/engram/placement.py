@@ -79,6 +79,11 @@ class EngramRowSource(Protocol):
         """``[*ids.shape, dim]`` dequantised rows of the ids :meth:`start` got for ``layer_id``."""
         ...
 
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        """Whether fetches of up to ``max_ids`` ids per layer run on the device alone (no host read, no CPU
+        thread), so a CUDA graph can record them and replay them with new ids."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -156,6 +161,9 @@ class PlacedEngramTables:
 
     def wait(self, layer_id: int) -> torch.Tensor:
         return self.fetcher.wait(layer_id)
+
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        return self.fetcher.replays_in_graphs(max_ids)
 
     def close(self) -> None:
         self.fetcher.close()

@@ -33,6 +33,7 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.ops.registry import resolve
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -91,6 +92,8 @@ class KVCacheV41:
         block_tokens = block_tokens_for_v41(config, block_tokens)
         self.config, self.num_slots, self.num_blocks, self.block_tokens = config, num_slots, num_blocks, block_tokens
         self.dtype, self.element_bytes = dtype, torch.finfo(dtype).bits // 8
+        # The cache codecs' backends, chosen once like the model's (none for a cache sized on the meta device).
+        self.ops = None if torch.device(device).type == "meta" else resolve(device, dtype)
         self.quantized_storage = bool(quantized_storage)
         self.window_format, self.entry_format, self.index_key_format = self._formats()
         self.layers = [self._layer(i, device) for i in range(config.num_hidden_layers)]
@@ -242,7 +245,7 @@ class KVCacheV41:
         if fmt is None:
             data[index] = rows.to(data.dtype)
             return
-        codes, row_scales = fmt.encode(rows)
+        codes, row_scales = fmt.encode(rows, self.ops)
         # Through byte views: advanced indexing of float8 tensors is missing on some devices and torch versions.
         data.view(torch.uint8)[index] = codes.view(torch.uint8)
         scales.view(torch.uint8)[index] = row_scales.view(torch.uint8)
@@ -253,7 +256,7 @@ class KVCacheV41:
         if fmt is None:
             return data[index]
         codes = data.view(torch.uint8)[index].view(data.dtype)
-        return fmt.decode(codes, scales.view(torch.uint8)[index].view(scales.dtype), self.dtype)
+        return fmt.decode(codes, scales.view(torch.uint8)[index].view(scales.dtype), self.dtype, self.ops)
 
     # ---- accounting ------------------------------------------------------------------------------
     def _row_bytes(self, fmt: CacheFormat | None, channels: int) -> int:

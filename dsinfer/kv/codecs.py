@@ -1,7 +1,8 @@
 """Block-scaled storage of V4.1's rounded activations: codes plus one scale per block, lossless.
 
 The formats are described here; the arithmetic is the ``cache_encode`` / ``cache_decode`` ops
-(:mod:`dsinfer.ops.cache_codec`).
+(:mod:`dsinfer.ops.cache_codec`), called through the op table the cache was built with (so a faster backend
+registered beside the reference serves the cache too).
 
 V4.1's fake quantizers (:mod:`dsinfer.ops.fake_quant`) leave every window KV vector, compressed KV entry
 and index key on a block-scaled FP8 / FP4 grid, but in the model dtype. A :class:`CacheFormat` stores such
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.cache_codec import cache_decode_reference, cache_encode_reference
 from dsinfer.ops.fake_quant import COMPRESSED_KV_BLOCK, INDEX_BLOCK, WINDOW_KV_BLOCK
+from dsinfer.ops.registry import OpTable, resolve
 
 ELEMENTS = ("e4m3", "e2m1")
 SCALES = ("ue8m0", "e4m3")
@@ -93,19 +94,25 @@ class CacheFormat:
         return self.code_width(channels) + self.scale_width(channels)
 
     # ---- encode / decode -----------------------------------------------------------------------------
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[..., channels]`` -> codes ``[..., code_width]`` and scales ``[..., scale_width]``."""
-        self.check_channels(values.shape[-1])
-        return cache_encode_reference(values, self.element, self.block, self.scale)
+    def encode(self, values: torch.Tensor, ops: OpTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[..., channels]`` -> codes ``[..., code_width]`` and scales ``[..., scale_width]``.
 
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ``ops``: the op table to encode with (None: the one chosen for the rows' device and dtype)."""
+        self.check_channels(values.shape[-1])
+        ops = ops if ops is not None else resolve(values.device, values.dtype)
+        return ops.cache_encode(values, self.element, self.block, self.scale)
+
+    def decode(
+        self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, ops: OpTable | None = None
+    ) -> torch.Tensor:
         """Codes and scales from :meth:`encode` -> rows ``[..., channels]`` in ``dtype``."""
         if codes.dtype != self.code_dtype or scales.dtype != self.scale_dtype:
             raise ValueError(
                 f"{self.name}: expected {self.code_dtype} codes and {self.scale_dtype} scales, "
                 f"got {codes.dtype} and {scales.dtype}"
             )
-        return cache_decode_reference(codes, scales, self.element, self.block, self.scale, dtype)
+        ops = ops if ops is not None else resolve(codes.device, dtype)
+        return ops.cache_decode(codes, scales, self.element, self.block, self.scale, dtype)
 
 
 WINDOW_KV_FORMAT = CacheFormat("window KV", "e4m3", WINDOW_KV_BLOCK, "ue8m0")

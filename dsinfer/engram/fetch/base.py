@@ -127,6 +127,11 @@ class EngramFetcher:
             rows.record_stream(stream)
         return rows
 
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        """With the Triton gather a fetch never reads the device on the host (the plan keeps its count on the
+        device); the torch path slices by the count on the host."""
+        return bool(self.use_kernel)
+
     def close(self) -> None:
         """Drop pending prefetches and the tables' references."""
         self._pending.clear()

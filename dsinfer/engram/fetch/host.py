@@ -260,6 +260,10 @@ class HostEngramFetcher(EngramFetcher):
             ready = self._side_event()
         return self._worker.submit(self._prefetch, layer_id, plan, share, ids, count, ready, tuple(row_ids.shape))
 
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        """Only fetches the zero-copy kernel reads alone: staging waits for the ids on the host."""
+        return self._reads_zero_copy(max_ids) and super().replays_in_graphs(max_ids)
+
     def _reads_zero_copy(self, ids: int) -> bool:
         """Whether a fetch of ``ids`` ids takes the zero-copy path alone (a small ``split`` fetch)."""
         return self.method == "zero_copy" or (self.method == "split" and ids < self.split_min_ids)

@@ -73,6 +73,10 @@ class ShardedEngramFetcher(EngramFetcher):
             rows[layer_id] = weight.shape[0]
         return cls(shards, rows, group=group, **options)
 
+    def replays_in_graphs(self, max_ids: int) -> bool:
+        """Never: the exchange sizes are read on the host."""
+        return False
+
     def rows(self, layer_id: int) -> int:
         self._table(layer_id)
         return self.table_rows[layer_id]
