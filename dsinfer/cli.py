@@ -11,6 +11,7 @@ import torch
 
 from dsinfer.arg_types import positive_int
 from dsinfer.config import ConfigError, EngineConfig
+from dsinfer.config.engine import V41_PREFILL_MODES
 from dsinfer.engram.fetch import PLACEMENTS
 from dsinfer.engram.store import EngramStoreError
 from dsinfer.llm import DTYPES, LLM
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engram_placement(generate)
     add_async_scheduling(generate)
     add_cuda_graphs(generate)
+    add_v41_prefill(generate)
     add_speculative_config(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engram_placement(serve)
     add_async_scheduling(serve)
     add_cuda_graphs(serve)
+    add_v41_prefill(serve)
     add_speculative_config(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
@@ -166,7 +169,7 @@ def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run decode steps eagerly instead of replaying CUDA graphs (default: graphs on CUDA for V4 models)",
+        help="run decode steps eagerly instead of replaying CUDA graphs (default: graphs on CUDA)",
     )
     parser.add_argument(
         "--cuda-graph-sizes",
@@ -174,6 +177,23 @@ def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="batch sizes to capture decode CUDA graphs for (default: powers of two up to --max-num-seqs)",
+    )
+
+
+def add_v41_prefill(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--v41-prefill",
+        choices=V41_PREFILL_MODES,
+        default=None,
+        help="V4.1 prompts: 'bounded' runs the CED decoder layers over only the last --v41-replay-tokens of each "
+        "prompt (DeepInfer's default), 'exact' runs every layer over every token (default: bounded where the "
+        "checkpoint has a CED decoder and speculative decoding is off, else exact)",
+    )
+    parser.add_argument(
+        "--v41-replay-tokens",
+        type=positive_int,
+        default=140,
+        help="tokens of each prompt the V4.1 decoder layers run over in bounded prefill (default: 140)",
     )
 
 
@@ -202,6 +222,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "enforce_eager": args.enforce_eager,
         "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         "speculative_config": args.speculative_config,
+        "v41_prefill": args.v41_prefill,
+        "v41_replay_tokens": args.v41_replay_tokens,
     }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
@@ -245,6 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         speculative_config=args.speculative_config,
+        v41_prefill=args.v41_prefill, v41_replay_tokens=args.v41_replay_tokens,
     )  # fmt: skip
     return serve(options, engine)
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from dsinfer.config.model import ModelConfig
 
 ENGRAM_PLACEMENTS = ("device", "host", "sharded")
+V41_PREFILL_MODES = ("bounded", "exact")
 """Where V4.1's Engram tables can live (``dsinfer.engram.fetch`` implements each)."""
 
 
@@ -44,6 +45,11 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Speculative decoding (vLLM's spelling): a SpeculativeConfig, its dict or its JSON; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # How V4.1 prompts prefill (dsinfer.models.ced): 'bounded' runs the decoder layers over only the last
+    # v41_replay_tokens of each prompt (DeepInfer's CED default), 'exact' runs every layer over every token;
+    # None: 'bounded' where the checkpoint has a CED decoder and no speculative decoding is on, else 'exact'.
+    v41_prefill: str | None = None
+    v41_replay_tokens: int = 140
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
@@ -81,6 +87,14 @@ class EngineConfig:
                     f"engine option 'cuda_graph_sizes': expected positive batch sizes, got {self.cuda_graph_sizes!r}"
                 )
             object.__setattr__(self, "cuda_graph_sizes", tuple(sizes))
+        if self.v41_prefill is not None and self.v41_prefill not in V41_PREFILL_MODES:
+            raise ConfigError(
+                f"engine option 'v41_prefill': expected one of {', '.join(V41_PREFILL_MODES)} (or None), "
+                f"got {self.v41_prefill!r}"
+            )
+        replay = self.v41_replay_tokens
+        if not isinstance(replay, int) or isinstance(replay, bool) or replay <= 0:
+            raise ConfigError(f"engine option 'v41_replay_tokens': expected a positive integer, got {replay!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

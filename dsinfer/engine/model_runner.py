@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.config import EngineConfig
+from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.engine.cache_plan import (
     ServedModel,
     build_cache,
@@ -83,6 +83,41 @@ def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
     return True
 
 
+def _bounded_replay_tokens(model: ServedModel, engine: EngineConfig) -> int | None:
+    """How many of a prompt's last tokens V4.1's decoder layers run over (bounded CED prefill), or None when
+    prompts prefill exactly (every layer over every token; always for V4)."""
+    if not isinstance(model, DeepseekV41):
+        return None
+    config, mode = model.config, engine.v41_prefill
+    has_decoder = config.decoder_start is not None
+    if mode is None:
+        mode = "bounded" if has_decoder and engine.speculative_config is None else "exact"
+    logger.info("V4.1 prompts prefill %s%s", mode, f" (replay {engine.v41_replay_tokens})" if mode == "bounded" else "")
+    if mode == "exact":
+        return None
+    if not has_decoder:
+        last = config.kv_source_layer_ids[-1] if config.kv_source_layer_ids else None
+        raise ConfigError(
+            "engine option 'v41_prefill': 'bounded' needs a CED decoder, a last KV source of compress ratio 1; "
+            + (
+                "this checkpoint has no KV sources"
+                if last is None
+                else f"its last KV source, layer {last}, has ratio {config.compress_ratios[last]}"
+            )  # fmt: skip
+        )
+    if engine.speculative_config is not None:
+        raise ConfigError(
+            "engine option 'v41_prefill': 'bounded' cannot run with speculative decoding (the drafts read the "
+            "decoder's hidden states at every prompt position); use 'exact'"
+        )
+    if engine.v41_replay_tokens < config.sliding_window:
+        raise ConfigError(
+            f"engine option 'v41_replay_tokens': must be at least the sliding window ({config.sliding_window}), "
+            f"got {engine.v41_replay_tokens}"
+        )
+    return engine.v41_replay_tokens
+
+
 class ModelRunner:
     """Owns the model replica's cache (V4 or V4.1, sized from the engine's budget) and runs prepared steps."""
 
@@ -101,6 +136,7 @@ class ModelRunner:
                 f"of max_model_len {max_model_len} ({needed} blocks); raise the cache budget or lower max_model_len"
             )
         self.speculative = engine.speculative_config is not None
+        self.replay_tokens = _bounded_replay_tokens(model, engine)
         self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
         self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
         self.decode_graphs: DecodeGraphs | None = None
@@ -128,7 +164,8 @@ class ModelRunner:
             ids += seq.token_ids[start : start + known] + seq.draft_token_ids[: item.num_draft_tokens]
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
-            spans.append(SequenceSpan(start, count, seq.slot, table, seq.reuse_below, seq.window_from))
+            decoder_from = max(0, len(seq.prompt_token_ids) - self.replay_tokens) if self.replay_tokens else 0
+            spans.append(SequenceSpan(start, count, seq.slot, table, seq.reuse_below, seq.window_from, decoder_from))
             if item.completes_sequence:
                 sample_rows += range(offset + known - 1, offset + count)  # the last token's row and the drafts'
             offset += count

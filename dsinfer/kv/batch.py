@@ -26,6 +26,9 @@ class SequenceSpan:
     block_table: list[int]  # blocks holding compressed entries, in position order
     reuse_below: int = 0  # entries of windows ending at or before this position are stored already (prefix hit)
     window_from: int = 0  # oldest position whose window KV is in the ring (later than 0 after a prefix hit)
+    # V4.1 bounded (CED) prefill: positions below this run only the encoder layers and the first decoder layer's
+    # compressor; the decoder layers run from here on, their windows starting here (0: every position runs them).
+    decoder_from: int = 0
     # Speculative verify spans: the compressors record (cache, first position, values, gates) of their update
     # here, so rejected drafts can be rolled back (dsinfer.spec.rollback); None: nothing recorded.
     journal: list | None = field(default=None, repr=False, compare=False)

@@ -33,12 +33,13 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch
 from dsinfer.layers.csa2 import AttentionV41
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.block import HyperConnectedBlock
+from dsinfer.models.ced import skips_decoder, split_at_decoder
 from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
 from dsinfer.models.vision import add_image_encoder, encode_images
@@ -267,7 +268,12 @@ class DeepseekV41(DeepseekModel):
 
     # ---- forward -----------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""
+        """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``.
+
+        A batch with tokens before their span's ``decoder_from`` runs the bounded (CED) split instead, and then
+        ``logits_for`` is required and may name only tokens at or past ``decoder_from``."""
+        if self.config.decoder_start is not None and skips_decoder(batch):
+            return self._forward_bounded(batch, logits_for)
         streams, pre_mix, _ = self.run_layers(batch)
         return self.logits(self.final_hidden(streams, pre_mix), logits_for)
 
@@ -351,7 +357,8 @@ class DeepseekV41(DeepseekModel):
         ``exact`` is a plain forward. ``bounded`` (whole prompts from position 0 only): the encoder layers run
         over every token, the first decoder layer's compressor turns their output into the global KV of
         every position, and the decoder layers run only over the last ``replay_tokens`` of each prompt, which
-        rebuilds their window caches. Later decode steps see the same cache layout either way.
+        rebuilds their window caches (:mod:`dsinfer.models.ced`). Later decode steps see the same cache layout
+        either way. The engine runs the same split over chunks (``SequenceSpan.decoder_from``).
         """
         mode = self.prefill_mode if mode is None else mode
         replay_tokens = self.replay_tokens if replay_tokens is None else replay_tokens
@@ -360,29 +367,31 @@ class DeepseekV41(DeepseekModel):
         self.set_prefill_mode(mode, replay_tokens)  # validates
         if any(span.start for span in batch.spans):
             raise ValueError("bounded prefill runs whole prompts: every sequence must start at position 0")
+        spans = [replace(span, decoder_from=span.length - min(replay_tokens, span.length)) for span in batch.spans]
+        bounded = PackedBatch(batch.input_ids, batch.positions, spans, batch.cache, batch.image_splice)
+        return self(bounded, logits_for=bounded.last_token_indices())
+
+    def _forward_bounded(self, batch: PackedBatch, logits_for: torch.Tensor | None) -> torch.Tensor:
+        """The CED split of :mod:`dsinfer.models.ced`: every token through the encoder, the tokens before their
+        span's ``decoder_from`` through the first decoder layer's compressor only, the rest through the decoder."""
+        if logits_for is None:
+            raise ValueError("a bounded (CED) forward gives logits only for the rows named in logits_for")
         decoder = self.config.decoder_start
         ctx = self.context(batch)
         streams, pre_mix = self.embed_streams(batch.input_ids, batch.image_splice)
         streams, pre_mix = self.run_range(streams, pre_mix, ctx, 0, decoder)
-        self.layers[decoder].compress_only(streams, pre_mix, ctx)
-        replay_batch, rows = self._replay_batch(batch, replay_tokens)
-        replay_ctx = ctx.sliced(replay_batch, rows)
-        streams, pre_mix = self.run_range(streams[rows], pre_mix[rows], replay_ctx, decoder, len(self.layers))
-        return self.logits(self.final_hidden(streams, pre_mix), replay_batch.last_token_indices())
-
-    @staticmethod
-    def _replay_batch(batch: PackedBatch, replay_tokens: int) -> tuple[PackedBatch, torch.Tensor]:
-        """The last ``replay_tokens`` of every sequence, as a batch whose decoder windows start at the replay."""
-        spans, rows = [], []
-        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
-            keep = min(replay_tokens, span.length)
-            first = span.start + span.length - keep
-            spans.append(
-                SequenceSpan(first, keep, span.slot, span.block_table, reuse_below=first + keep, window_from=first)
-            )
-            rows.append(torch.arange(tokens.stop - keep, tokens.stop, device=batch.input_ids.device))
-        rows = torch.cat(rows)
-        return PackedBatch(batch.input_ids[rows], batch.positions[rows], spans, batch.cache), rows
+        split = split_at_decoder(batch)
+        if split.skipped is not None:
+            rows = split.skipped_rows
+            self.layers[decoder].compress_only(streams[rows], pre_mix[rows], ctx.sliced(split.skipped, rows))
+        if split.decoded is None:
+            if logits_for.numel():
+                raise ValueError("logits_for names rows before decoder_from: those rows have no logits")
+            return streams.new_zeros(0, self.config.vocab_size, dtype=torch.float32)
+        rows = split.decoded_rows
+        decoded_ctx = ctx.sliced(split.decoded, rows)
+        streams, pre_mix = self.run_range(streams[rows], pre_mix[rows], decoded_ctx, decoder, len(self.layers))
+        return self.logits(self.final_hidden(streams, pre_mix), split.row_in_decoded[logits_for])
 
     # ---- DSpark ------------------------------------------------------------------------------------
     def dspark_seed(self, batch: PackedBatch, ctx: ForwardContext) -> None:
