@@ -134,6 +134,7 @@ class ExpertParallel:
         table = [r + [r[0]] * (widest - len(r)) for r in replicas]
         self.phys_rank = torch.tensor(phys_rank, dtype=torch.int64, device=device)
         self.phys_local = torch.tensor(phys_local, dtype=torch.float32, device=device)
+        self.phys_local_ids = self.phys_local.long()
         self.replicas = torch.tensor(table, dtype=torch.int64, device=device)
         self.num_replicas = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
         self.rank_ids = torch.arange(self.ep_size, dtype=torch.int64, device=device)

@@ -7,12 +7,13 @@ rank therefore sends every destination a block of ``C = T * min(k, L)`` rows, ``
 which must be the same on every rank (the ranks run the same decode bucket). At EP = 1 ``C = T k``: the one
 block is the step's slots in order and holds no padding.
 
-Rows. A slot's row travels with its metadata (the destination's local expert id and the mixing weight, two
-float32 values viewed as ``x.dtype`` columns at the end of the row), so dispatch is one ``all_to_all_single``
-with equal splits and combine is another. Slot ``s`` for rank ``d`` lands in row ``d C + p``, ``p`` the number
-of earlier slots for ``d`` (a cumulative sum over a one-hot ``[T k, ranks]``, no sort).
+Blocks. A destination's block is bytes: its ``C`` rows of hidden state, then their ``C`` local expert ids
+(int64), then their ``C`` mixing weights (float32), each part 8-byte aligned. Dispatch is one
+``all_to_all_single`` of equal splits and combine is another. Slot ``s`` for rank ``d`` takes place ``p`` of
+block ``d``, ``p`` the number of earlier slots for ``d`` (a cumulative sum over a one-hot ``[T k, ranks]``, no
+sort). At EP = 1 the block is the slots in order: the receiver reads the rows, ids and weights in place.
 
-Padding. The rows of a block past its real count stay zero: local expert 0, weight 0, input 0. The receiver
+Padding. The places of a block past its real count stay zero: local expert 0, weight 0, input 0. The receiver
 runs ``routed_moe`` over its whole buffer, one expert per row, and the op computes every row independently
 of the others (each row is its own token), so a padding row changes no real row's output; it comes back
 zero (``w2 (silu(0) * 0) = 0``, times weight 0) and the sender's combine never reads it. The receiver needs
@@ -38,20 +39,35 @@ if TYPE_CHECKING:
     from dsinfer.layers.moe import MoE
     from dsinfer.parallel.ep import ExpertParallel
 
-META_FLOATS = 2  # float32 values a row carries after its hidden state: local expert id, mixing weight
-
 
 def block_capacity(tokens: int, top_k: int, most_local_experts: int) -> int:
     """Rows every rank sends every destination for a step of ``tokens`` tokens (see the module docstring)."""
     return tokens * min(top_k, most_local_experts)
 
 
-def meta_columns(dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that hold a row's two float32 metadata values."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if (META_FLOATS * 4) % size:
-        raise ValueError(f"expert-parallel rows of {dtype} cannot carry float32 metadata")
-    return META_FLOATS * 4 // size
+class _Blocks:
+    """Views of one destination's (or source's) rows, ids and weights in a ``uint8 [ranks, block]`` buffer."""
+
+    def __init__(self, capacity: int, hidden: int, dtype: torch.dtype) -> None:
+        self.capacity, self.hidden, self.dtype = capacity, hidden, dtype
+        self.row_bytes = capacity * hidden * torch.empty((), dtype=dtype).element_size()
+        self.ids_at = _align(self.row_bytes)
+        self.weights_at = self.ids_at + 8 * capacity
+        self.size = _align(self.weights_at + 4 * capacity)
+
+    def rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``[ranks, C, H]`` in the activations' dtype."""
+        return buffer[:, : self.row_bytes].view(self.dtype).view(buffer.shape[0], self.capacity, self.hidden)
+
+    def ids(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[:, self.ids_at : self.weights_at].view(torch.int64)
+
+    def weights(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[:, self.weights_at : self.weights_at + 4 * self.capacity].view(torch.float32)
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
 
 
 def dispatch_fixed(
@@ -62,24 +78,29 @@ def dispatch_fixed(
     tokens, hidden = x.shape
     top_k = expert_weights.shape[1]
     ranks = ep.ep_size
-    meta = torch.stack([ep.phys_local.index_select(0, physical), expert_weights.reshape(-1)], dim=1)
-    slots = torch.cat([x[:, None, :].expand(tokens, top_k, hidden).reshape(-1, hidden), meta.view(x.dtype)], dim=1)
-    if ranks == 1:  # one destination takes every slot in slot order: the block is ``slots`` itself
-        send, index = slots, None
+    capacity = block_capacity(tokens, top_k, ep.most_local_experts)
+    blocks = _Blocks(capacity, hidden, x.dtype)
+    if ranks == 1:  # the one block is the slots in order; with one rank the local id is the physical id
+        send = torch.empty(1, blocks.size, dtype=torch.uint8, device=x.device)
+        blocks.rows(send)[0].view(tokens, top_k, hidden).copy_(x[:, None, :])
+        blocks.ids(send)[0].copy_(physical)
+        blocks.weights(send)[0].copy_(expert_weights.reshape(-1))
+        index = None
     else:
-        capacity = block_capacity(tokens, top_k, ep.most_local_experts)
         destination = ep.phys_rank.index_select(0, physical)
         onehot = destination[:, None] == ep.rank_ids[None, :]
         place = onehot.cumsum(0).gather(1, destination[:, None]).squeeze(1) - 1
+        send = torch.zeros(ranks, blocks.size, dtype=torch.uint8, device=x.device)
+        slot_rows = x[:, None, :].expand(tokens, top_k, hidden).reshape(-1, hidden)
+        blocks.rows(send)[destination, place] = slot_rows
+        blocks.ids(send)[destination, place] = ep.phys_local_ids.index_select(0, physical)
+        blocks.weights(send)[destination, place] = expert_weights.reshape(-1)
         index = destination * capacity + place
-        send = slots.new_zeros(ranks * capacity, slots.shape[1])
-        send.index_copy_(0, index, slots)
     received = _exchange(ep, send)
-    received_meta = received[:, hidden:].contiguous().view(torch.float32)
-    local_ids = received_meta[:, :1].long()
-    out = moe.ops.routed_moe(
-        received[:, :hidden], moe.routed_weights(), local_ids, received_meta[:, 1:].contiguous(), moe.swiglu_limit
-    )
+    rows = blocks.rows(received).reshape(-1, hidden)  # in place at one rank, gathered from the blocks at more
+    local_ids = blocks.ids(received).reshape(-1, 1)
+    weights = blocks.weights(received).reshape(-1, 1)
+    out = moe.ops.routed_moe(rows, moe.routed_weights(), local_ids, weights, moe.swiglu_limit)
     back = _exchange(ep, out)
     if index is not None:
         back = back.index_select(0, index)
