@@ -140,10 +140,11 @@ def main() -> None:
         model, tokenizer, label = build(args, Path(tmp))
     experts = model.config.n_routed_experts
     layers = ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device).attach(model)
+    graph_group = dist.new_group(backend=backend) if backend == "nccl" else dist.group.WORLD  # as ranks do
     dispatchers = {
         "ep1": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, dist.group.WORLD, device),
         "ep1-local": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device),
-        "ep1-graph": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, dist.group.WORLD, device),
+        "ep1-graph": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, dist.group.WORLD, device, graph_group),
         "ep1-graph-local": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device),
     }
     for mode in ("ep1-graph", "ep1-graph-local"):

@@ -115,10 +115,15 @@ class ExpertParallel:
 
     ``group`` None runs the same path in a single process with the collectives left out (what EP = 1 costs
     without torch.distributed); a process group of any size, including one rank, runs them for real.
+    ``static_group``: the group of the fixed-capacity dispatch (default ``group``), whose collectives decode
+    graphs capture.
     """
 
-    def __init__(self, placement: ExpertPlacement, rank: int, group, device: torch.device | str) -> None:
+    def __init__(
+        self, placement: ExpertPlacement, rank: int, group, device: torch.device | str, static_group=None
+    ) -> None:
         self.placement, self.rank, self.group = placement, rank, group
+        self.static_group = group if static_group is None else static_group
         self.ep_size = len(placement.rank_experts)
         self.layers: list[MoE] = []
         self.calls = 0  # MoE layers run since the last reset (an idle step runs them empty)

@@ -109,8 +109,8 @@ def dispatch_fixed(
 
 def _exchange(ep: ExpertParallel, send: torch.Tensor) -> torch.Tensor:
     """Block ``d`` of ``send`` to rank ``d``; block ``s`` of the result came from rank ``s`` (equal splits)."""
-    if ep.group is None:  # one rank without torch.distributed: the exchange is the identity
+    if ep.static_group is None:  # one rank without torch.distributed: the exchange is the identity
         return send
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send.contiguous(), group=ep.group)
+    dist.all_to_all_single(received, send.contiguous(), group=ep.static_group)
     return received

@@ -129,7 +129,8 @@ class _RankLoop:
             owned_experts=backbone_expert_filter(placement, spec.rank),
         )
         self._closable = isinstance(self.model, DeepseekV41)
-        self.dispatcher = ExpertParallel(placement, spec.rank, self.groups.expert_group, device)
+        groups = self.groups
+        self.dispatcher = ExpertParallel(placement, spec.rank, groups.expert_group, device, groups.graph_expert_group)
         self.dispatcher.attach(self.model)
         # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
         # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
