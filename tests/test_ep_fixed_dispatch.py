@@ -130,3 +130,52 @@ def test_one_rank_without_a_group_is_the_same_dispatch():
     fixed = dispatch_fixed(ep, layer, x, ids.reshape(-1), weights)
     single = layer.ops.routed_moe(x, layer.routed_weights(), ids, weights, LIMIT)
     torch.testing.assert_close(fixed, single, rtol=1e-5, atol=1e-5)
+
+
+def _capture_rank(port: int, results) -> None:
+    """One NCCL rank: the fixed dispatch captured in a CUDA graph, replayed on new inputs, equals it run eagerly."""
+    try:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        placement = ExpertPlacement.contiguous(EXPERTS, 1)
+        ep = ExpertParallel(placement, 0, dist.group.WORLD, device, dist.new_group(backend="nccl"))
+        w1, w3, w2 = ([w.to(device, torch.bfloat16) for w in ws] for ws in _experts())
+        weights = stack_experts(w1, w3, w2)
+        layer = SimpleNamespace(ops=resolve(device, torch.bfloat16), swiglu_limit=LIMIT, routed_weights=lambda: weights)
+        x = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
+        ids = torch.rand(TOKENS, EXPERTS, device=device).topk(3, dim=1).indices
+        mix = torch.rand(TOKENS, 3, device=device) + 0.1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with ep.fixed_capacity(), torch.cuda.stream(stream):
+            for _ in range(2):
+                ep(layer, x, ids, mix)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with ep.fixed_capacity(), torch.cuda.graph(graph):
+            captured = ep(layer, x, ids, mix)
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.rand(TOKENS, EXPERTS, device=device).topk(3, dim=1).indices)
+        graph.replay()
+        with ep.fixed_capacity():
+            eager = ep(layer, x, ids, mix)
+        single = layer.ops.routed_moe(x, weights, ids, mix, LIMIT)
+        results.put((captured.float().cpu().tolist(), eager.float().cpu().tolist(), single.float().cpu().tolist()))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put(traceback.format_exc())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, CUDA graphs)")
+def test_fixed_dispatch_over_nccl_replays_from_a_cuda_graph():
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_capture_rank, args=(free_port(), results))
+    process.start()
+    got = results.get(timeout=300)
+    process.join(timeout=60)
+    assert not isinstance(got, str), got
+    captured, eager, single = (torch.tensor(t) for t in got)
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)  # the replay used the new inputs
+    torch.testing.assert_close(captured, single)  # at one rank: the single-rank op's values (bf16 tolerance)
