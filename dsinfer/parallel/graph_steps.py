@@ -37,6 +37,7 @@ class GraphStepAgreement:
         self.ran_forward = False  # set by every forward; the rank loop clears it before each step
         self.graph_steps = 0  # forwards this rank ran in a decode bucket, with sequences
         self.padded_graph_steps = 0  # idle steps this rank ran as a bucket of padding rows
+        self._runner_execute = runner.execute
         runner.execute = self.execute  # the device worker calls the runner's execute for every forward
 
     @property
@@ -58,14 +59,17 @@ class GraphStepAgreement:
         """The step's logits [k, vocab], from a decode bucket when every rank can replay one, else eagerly."""
         self.ran_forward = True
         graphs, runner = self.graphs, self.runner
-        if graphs is not None:
-            served = graphs.serves(step.spans, int(step.sample_rows.shape[0]))
-            agreed = self._agree(len(step.spans) if served else self._eager_vote)
-            if agreed < self._eager_vote:
-                self.graph_steps += 1
-                with self.dispatcher.fixed_capacity():  # what the graphs captured; eager on the CPU
-                    return graphs.run(step.input_ids, step.positions, step.spans, size=self._bucket(agreed))
-        return runner.model(runner.step_batch(step), logits_for=step.sample_rows)
+        if graphs is None:
+            return self._runner_execute(step)
+        served = graphs.serves(step.spans, int(step.sample_rows.shape[0]))
+        agreed = self._agree(len(step.spans) if served else self._eager_vote)
+        if agreed < self._eager_vote:
+            self.graph_steps += 1
+            with self.dispatcher.fixed_capacity():  # what the graphs captured; eager on the CPU
+                return graphs.run(step.input_ids, step.positions, step.spans, size=self._bucket(agreed))
+        if not served:
+            return self._runner_execute(step)  # the runner's own eager forward
+        return runner.model(runner.step_batch(step), logits_for=step.sample_rows)  # a step it would have graphed
 
     @torch.inference_mode()
     def idle(self, device: torch.device) -> None:
