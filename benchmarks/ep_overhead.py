@@ -13,15 +13,23 @@ them alike. Modes:
 * ``ep1``: every backbone MoE layer through :class:`dsinfer.parallel.ep.ExpertParallel` over a one-rank
   process group (NCCL on CUDA, gloo on the CPU): the routing permutation, the count exchange, the three
   all-to-alls and the combine, eagerly (the all-to-all sizes are read on the host, which a graph cannot);
-* ``ep1-local``: the same path with the collectives left out (what the permutation alone costs).
+* ``ep1-local``: the same path with the collectives left out (what the permutation alone costs);
+* ``ep1-graph``: decode CUDA graphs captured with the fixed-capacity dispatch inside
+  (:mod:`dsinfer.parallel.ep_fixed`: static buffers, two NCCL all-to-alls per layer, no host read), over the
+  one-rank NCCL group: what a rank engine replays;
+* ``ep1-graph-local``: the same graphs with the exchange left out (at one rank it is the identity), the
+  fallback should NCCL collectives not capture or replay under this torch.
 
 Every engine runs without overlap scheduling: a step is launched and finished inside its ``step()`` call, so the
 time is the step's own, and the engines sharing the model never run at once (an overlapped engine would leave its
 next step running in its worker thread while the next mode's engine steps: two forwards over one model and one
 process group at the same time).
 
-The headline is ``ep1 / single-eager`` (the EP path's own cost) and ``ep1 / single`` (against what one rank
-serves with). A multi-rank server never runs the EP path with one rank: EP = 1 is the single-rank engine.
+The headline is ``ep1-graph / single``: the EP code path as rank engines run decode, against what one rank
+serves with (the target is at most 1.03). ``ep1 / single-eager`` is the eager path's own cost. Each row also
+says how many of each mode's decoded tokens equal the single-rank engine's (at EP = 1 the graphs add the same
+values; random FP4 weights can still tie). A multi-rank server never runs the EP path with one rank: EP = 1
+is the single-rank engine.
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ from dsinfer.parallel.ep import ExpertParallel, ExpertPlacement
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
-MODES = ("single", "single-eager", "ep1", "ep1-local")
+MODES = ("single", "single-eager", "ep1", "ep1-local", "ep1-graph-local", "ep1-graph")
+GRAPH_MODES = ("single", "ep1-graph", "ep1-graph-local")
+EP_MODES = ("ep1", "ep1-local", "ep1-graph", "ep1-graph-local")
 
 
 def build(args, workdir: Path):
@@ -71,6 +81,7 @@ def filled_engine(model, tokenizer, args, batch: int, eager: bool) -> LLMEngine:
         max_num_seqs=batch, max_num_batched_tokens=max(8192, batch), max_model_len=max_len,
         device=args.device, dtype=args.dtype, enable_prefix_caching=False, enforce_eager=eager,
         cache_memory_bytes=int(args.cache_gib * 2**30), async_scheduling=False,
+        cuda_graph_sizes=None if eager or args.device.startswith("cuda") else (batch,),  # CPU: the static path
     )  # fmt: skip
     engine = LLMEngine(model, tokenizer, config)
     generator = torch.Generator().manual_seed(batch)
@@ -100,6 +111,12 @@ def timed(engine: LLMEngine, steps: int, device: torch.device) -> list[float]:
     return seconds
 
 
+def same_tokens(got: list[list[int]], reference: list[list[int]]) -> float:
+    """The fraction of decoded tokens equal to the reference's, position by position."""
+    pairs = [(a, b) for g, r in zip(got, reference, strict=True) for a, b in zip(g, r, strict=False)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flash-layers", type=int, default=0, help="random V4-Flash-width slice (0: tiny)")
@@ -123,15 +140,25 @@ def main() -> None:
         model, tokenizer, label = build(args, Path(tmp))
     experts = model.config.n_routed_experts
     layers = ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device).attach(model)
+    graph_group = dist.new_group(backend=backend) if backend == "nccl" else dist.group.WORLD  # as ranks do
     dispatchers = {
         "ep1": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, dist.group.WORLD, device),
         "ep1-local": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device),
+        "ep1-graph": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, dist.group.WORLD, device, graph_group),
+        "ep1-graph-local": ExpertParallel(ExpertPlacement.contiguous(experts, 1), 0, None, device),
     }
+    for mode in ("ep1-graph", "ep1-graph-local"):
+        dispatchers[mode].static_capacity = True  # the graph-safe dispatch, as rank engines capture it
     results = {"model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "dtype": args.dtype, "context": args.context, "rows": []}  # fmt: skip
     for batch in (int(b) for b in args.batches.split(",")):
-        use_dispatcher(layers, None)  # the single-rank engines capture their graphs without it
-        engines = {mode: filled_engine(model, tokenizer, args, batch, eager=mode != "single") for mode in modes}
+        engines, graphed = {}, {}
+        for mode in modes:  # each engine captures its graphs (if any) with its mode's dispatcher attached
+            use_dispatcher(layers, dispatchers.get(mode))
+            engines[mode] = filled_engine(model, tokenizer, args, batch, eager=mode not in GRAPH_MODES)
+            graphed[mode] = engines[mode].runner.decode_graphs is not None
+            if device.type == "cuda" and graphed[mode] != (mode in GRAPH_MODES):
+                raise SystemExit(f"mode {mode}: decode graphs are {'on' if graphed[mode] else 'off'}")
         samples: dict[str, list[float]] = {mode: [] for mode in modes}
         for round_index in range(args.rounds):
             for mode in modes if round_index % 2 == 0 else reversed(modes):
@@ -140,12 +167,15 @@ def main() -> None:
                     timed(engines[mode], args.warmup, device)
                 samples[mode] += timed(engines[mode], args.steps, device)
         use_dispatcher(layers, None)
+        tokens = {mode: [seq.output_token_ids for g in e.requests.values() for seq in g] for mode, e in engines.items()}
         for engine in engines.values():
             engine.close()
         del engines
         median = {mode: 1e3 * statistics.median(s) for mode, s in samples.items()}
-        row = {"batch": batch, "median_ms_per_step": median}
-        for mode in ("ep1", "ep1-local"):
+        row = {"batch": batch, "median_ms_per_step": median, "decode_graphs": graphed}  # V4.1 (the tiny one): none
+        if "single" in tokens:
+            row["tokens_equal_to_single"] = {mode: same_tokens(t, tokens["single"]) for mode, t in tokens.items()}
+        for mode in EP_MODES:
             if mode in median:
                 for base in ("single", "single-eager"):
                     if base in median:

@@ -67,10 +67,18 @@ class DecodeGraphs:
             and all(span.length == 1 and len(span.block_table) <= self.table_width for span in spans)
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SequenceSpan]) -> torch.Tensor:
-        """Logits [B, vocab] of the step's sequences (a fresh tensor: the graph's output is reused)."""
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SequenceSpan], size: int | None = None
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of the step's sequences (a fresh tensor: the graph's output is reused).
+
+        ``size``: the bucket to run (default: the smallest that holds the step). Expert-parallel ranks pass the
+        bucket they agreed on, and a rank with no sequences runs it with every row padding (``spans`` empty)."""
         count = len(spans)
-        size = next(s for s in self.sizes if s >= count)
+        if size is None:
+            size = next(s for s in self.sizes if s >= count)
+        elif size not in self.sizes or size < count:
+            raise ValueError(f"bucket {size} cannot run {count} sequences (buckets {list(self.sizes)})")
         self._fill(input_ids, positions, spans, size)
         if self.capture:
             graph, logits = self.graphs[size]

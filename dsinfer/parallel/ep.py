@@ -14,9 +14,16 @@ weight applied there exactly as the single-rank op applies it), the rows come ba
 With the default placement a token's slots are summed in increasing expert order, as the single-rank
 reference sums them, so fp32 results differ from one rank's by matmul rounding at most.
 
+Decode steps replayed from CUDA graphs cannot read sizes on the host: inside
+:meth:`ExpertParallel.fixed_capacity` the dispatcher runs :func:`dsinfer.parallel.ep_fixed.dispatch_fixed`
+instead, whose buffers have a static capacity (every rank must then run the same number of tokens). The
+variable-size path stays for prefill and mixed steps, where a static capacity of ``T k`` rows per destination
+would cost ``ranks`` times the activation memory of a long prefill chunk.
+
 Every rank must make the same collective calls in the same order: an engine step runs one forward, and a
-rank with nothing scheduled runs :func:`run_idle_pass` (one dummy token through the model). MTP and DSpark
-MoE layers stay whole on every rank (they run without collectives).
+rank with nothing scheduled runs :func:`run_idle_pass` (one dummy token through the model), or, when the
+others replay a decode graph, the same graph with every row padding (:mod:`dsinfer.parallel.graph_steps`).
+MTP and DSpark MoE layers stay whole on every rank (they run without collectives).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +41,7 @@ import torch.distributed as dist
 
 from dsinfer.config.model import ConfigError
 from dsinfer.layers.moe import MoE
+from dsinfer.parallel.ep_fixed import dispatch_fixed
 
 log = logging.getLogger("dsinfer.parallel")
 
@@ -105,13 +115,20 @@ class ExpertParallel:
 
     ``group`` None runs the same path in a single process with the collectives left out (what EP = 1 costs
     without torch.distributed); a process group of any size, including one rank, runs them for real.
+    ``static_group``: the group of the fixed-capacity dispatch (default ``group``), whose collectives decode
+    graphs capture.
     """
 
-    def __init__(self, placement: ExpertPlacement, rank: int, group, device: torch.device | str) -> None:
+    def __init__(
+        self, placement: ExpertPlacement, rank: int, group, device: torch.device | str, static_group=None
+    ) -> None:
         self.placement, self.rank, self.group = placement, rank, group
+        self.static_group = group if static_group is None else static_group
         self.ep_size = len(placement.rank_experts)
         self.layers: list[MoE] = []
         self.calls = 0  # MoE layers run since the last reset (an idle step runs them empty)
+        self.static_capacity = False  # inside fixed_capacity(): the graph-safe dispatch (ep_fixed)
+        self.most_local_experts = max(len(r) for r in placement.rank_experts)
         phys_rank, phys_local, replicas = [], [], [[] for _ in range(placement.num_experts)]
         for rank_id, experts in enumerate(placement.rank_experts):
             for local, expert in enumerate(experts):
@@ -122,8 +139,19 @@ class ExpertParallel:
         table = [r + [r[0]] * (widest - len(r)) for r in replicas]
         self.phys_rank = torch.tensor(phys_rank, dtype=torch.int64, device=device)
         self.phys_local = torch.tensor(phys_local, dtype=torch.float32, device=device)
+        self.phys_local_ids = self.phys_local.long()
         self.replicas = torch.tensor(table, dtype=torch.int64, device=device)
         self.num_replicas = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
+        self.rank_ids = torch.arange(self.ep_size, dtype=torch.int64, device=device)
+
+    @contextmanager
+    def fixed_capacity(self) -> Iterator[None]:
+        """Dispatch with static shapes (no host read: capturable) while inside; every rank runs as many tokens."""
+        previous, self.static_capacity = self.static_capacity, True
+        try:
+            yield
+        finally:
+            self.static_capacity = previous
 
     def attach(self, model: torch.nn.Module) -> list[MoE]:
         """Route every backbone MoE layer of ``model`` through this dispatcher (their experts are already sharded)."""
@@ -137,12 +165,10 @@ class ExpertParallel:
         self.calls += 1
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
+        if self.static_capacity:
+            return dispatch_fixed(self, moe, x, self._physical(flat, top_k), expert_weights)
         token = torch.arange(flat.numel(), device=x.device) // top_k
-        if self.placement.is_redundant:
-            replica = (token + self.rank) % self.num_replicas.index_select(0, flat)
-            physical = self.replicas[flat, replica]
-        else:
-            physical = flat  # contiguous shards: the physical id is the expert id
+        physical = self._physical(flat, top_k, token)
         order = torch.argsort(physical, stable=True)
         physical = physical.index_select(0, order)
         token = token.index_select(0, order)
@@ -166,6 +192,15 @@ class ExpertParallel:
             out = recv_rows
         back = self._all_to_all(out, send, recv)
         return torch.zeros_like(x).index_add_(0, token, back)
+
+    def _physical(self, flat: torch.Tensor, top_k: int, token: torch.Tensor | None = None) -> torch.Tensor:
+        """The physical expert of every slot (``flat``: the slots' expert ids, token-major)."""
+        if not self.placement.is_redundant:
+            return flat  # contiguous shards: the physical id is the expert id
+        if token is None:
+            token = torch.arange(flat.numel(), device=flat.device) // top_k
+        replica = (token + self.rank) % self.num_replicas.index_select(0, flat)
+        return self.replicas[flat, replica]
 
     def _exchange(self, send_counts: torch.Tensor) -> torch.Tensor:
         if self.group is None:

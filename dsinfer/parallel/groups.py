@@ -23,6 +23,7 @@ class RankGroups:
     device: torch.device
     expert_group: object  # the world: every rank holds a share of every backbone MoE layer
     control_group: object  # gloo: the per-step "who has work, who stops" exchange
+    graph_expert_group: object  # the world again, for the collectives captured in decode graphs
 
 
 def device_for_rank(device: str, parallel: ParallelConfig, rank: int) -> torch.device:
@@ -44,7 +45,10 @@ def init_rank_groups(parallel: ParallelConfig, rank: int, master_port: int, devi
         timeout=COLLECTIVE_TIMEOUT,
     )
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    return RankGroups(rank, parallel.world_size, device, dist.group.WORLD, control)
+    # Collectives replayed from CUDA graphs get a communicator of their own, apart from the eager steps' (what
+    # vLLM and SGLang do too): a captured NCCL call and an eager one never share a communicator's state.
+    graphs = dist.new_group(backend="nccl") if backend == "nccl" else dist.group.WORLD
+    return RankGroups(rank, parallel.world_size, device, dist.group.WORLD, control, graphs)
 
 
 def destroy_rank_groups() -> None:

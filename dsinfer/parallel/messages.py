@@ -105,6 +105,8 @@ class RankLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    graph_steps: int = 0  # forwards run in a decode bucket (dsinfer.parallel.graph_steps)
+    padded_graph_steps: int = 0  # idle steps run as a decode bucket of padding rows
 
 
 @dataclass

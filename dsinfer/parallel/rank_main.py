@@ -2,8 +2,9 @@
 
 Every iteration, every rank takes the messages that arrived, then all ranks exchange two numbers over the
 control group (does anyone have work, does anyone stop) and act on the sum together: when someone has work
-every rank steps (a rank whose step runs no forward runs one dummy token through the model instead,
-:func:`dsinfer.parallel.ep.run_idle_pass`), so the EP collectives never wait; when nobody has work every
+every rank steps (a rank whose step runs no forward joins the others' collectives instead: a decode bucket of
+padding rows or one dummy token, :mod:`dsinfer.parallel.graph_steps` agrees which), so the EP collectives
+never wait; when nobody has work every
 rank sleeps briefly on its messages (a new request wakes them all); a stop ends every rank after the same
 iteration. The rank reports what changed after each step (:class:`dsinfer.parallel.messages.StepReport`).
 
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from dsinfer.config import ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.parallel.ep import ExpertParallel, ExpertPlacement, backbone_expert_filter, run_idle_pass
+from dsinfer.parallel.ep import ExpertParallel, ExpertPlacement, backbone_expert_filter
+from dsinfer.parallel.graph_steps import GraphStepAgreement
 from dsinfer.parallel.groups import destroy_rank_groups, device_for_rank, init_rank_groups
 from dsinfer.parallel.messages import (
     AbortRequest,
@@ -127,12 +129,19 @@ class _RankLoop:
             owned_experts=backbone_expert_filter(placement, spec.rank),
         )
         self._closable = isinstance(self.model, DeepseekV41)
-        self.dispatcher = ExpertParallel(placement, spec.rank, self.groups.expert_group, device)
+        groups = self.groups
+        self.dispatcher = ExpertParallel(placement, spec.rank, groups.expert_group, device, groups.graph_expert_group)
         self.dispatcher.attach(self.model)
-        # One thread steps (collectives from two threads would interleave) and decode runs eagerly (the
-        # all-to-all sizes are read on the host, which a captured graph cannot do).
-        engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=True)
-        self.engine = LLMEngine(self.model, Tokenizer.from_dir(spec.model_dir), engine_config)
+        # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
+        # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
+        # eagerly, since its sharded Engram exchange reads sizes on the host.
+        eager = spec.engine.enforce_eager or self._closable
+        engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager)
+        with self.dispatcher.fixed_capacity():  # the only forwards while building are the graph captures
+            self.engine = LLMEngine(self.model, Tokenizer.from_dir(spec.model_dir), engine_config)
+        self.steps = GraphStepAgreement(
+            self.engine.runner, self.dispatcher, self.groups.control_group, self.groups.world_size
+        )
         self.device = device
         self._sent: dict[tuple[str, int], int] = {}  # tokens already reported per completion
         self._sequences: dict[str, list] = {}  # a request's sequences (the engine forgets finished ones)
@@ -163,10 +172,10 @@ class _RankLoop:
                     break
                 idle = flags[0].item() == 0
                 if not idle:
-                    self.dispatcher.calls = 0
+                    self.steps.ran_forward = False
                     outputs = self.engine.step() if local_work else []
-                    if self.dispatcher.calls == 0:
-                        run_idle_pass(self.model, self.device)
+                    if not self.steps.ran_forward:
+                        self.steps.idle(self.device)
                     report.deltas = [self._delta(out) for out in outputs]
                 if touched or not idle:
                     report.load = self._load()
@@ -245,5 +254,5 @@ class _RankLoop:
         return RankLoad(
             len(engine.scheduler.waiting), len(engine.scheduler.running), engine.blocks.num_used,
             engine.blocks.num_blocks, engine.blocks.prefix_queries, engine.blocks.prefix_hits,
-            engine.scheduler.num_preemptions,
+            engine.scheduler.num_preemptions, self.steps.graph_steps, self.steps.padded_graph_steps,
         )  # fmt: skip

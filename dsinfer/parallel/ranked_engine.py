@@ -364,6 +364,11 @@ class RankedEngine:
             conn.close()
 
     @property
+    def rank_loads(self) -> dict[int, RankLoad]:
+        """Each rank's counters as it last reported them."""
+        return dict(self._loads.loads)
+
+    @property
     def exit_failure(self) -> str | None:
         return self.failure
 
