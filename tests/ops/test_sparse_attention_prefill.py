@@ -224,3 +224,48 @@ if torch.cuda.is_available():  # compiled kernels: collected where CUDA is (the 
     def test_triton_kernel_matches_reference_on_cuda(case):
         message = check_triton_case(case, torch.device("cuda"))
         assert message is None, message
+
+
+def _signature(kernel, activation: str) -> dict[str, str]:
+    """Triton types of the prefill kernel's runtime arguments: activations, the fp32 sink, int64 metadata."""
+    activations = {"q_ptr", "kv_ptr", "window_ptr", "entries_ptr", "out_ptr"}
+    types = {}
+    for name in kernel.arg_names:
+        if name.isupper():
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = "*" + (activation if name in activations else "fp32" if name == "sink_ptr" else "i64")
+        else:
+            types[name] = "fp32" if name == "scale_log2" else "i32"
+    return types
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("layer", ["csa", "hca"])
+def test_triton_kernel_compiles_for_hopper(layer):
+    """The interpreter never compiles; this builds the kernel to sm_90 cubins with Triton's bundled ptxas (no GPU
+    needed) at V4-Flash shapes (64 heads x 512, window 128; CSA ratio 4 with 32 entries per block, HCA 128 with
+    one) in the configurations choose_config picks for bf16 and fp32: within the H200's 227 KiB of shared memory
+    per block and without register spills."""
+    triton = pytest.importorskip("triton")
+    from test_sparse_attention import _register_spills
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.sparse_attention.prefill_triton as backend
+    from dsinfer.ops.sparse_attention.triton import choose_config
+
+    target = GPUTarget("cuda", 90, 32)
+    ratio, per_block, mode = (4, 32, backend.CHOSEN_ENTRIES) if layer == "csa" else (128, 1, backend.VISIBLE_ENTRIES)
+    for dtype, activation, precision in ((torch.bfloat16, "bf16", "tf32"), (torch.float32, "fp32", "ieee")):
+        config = choose_config(64, dtype, 512)
+        constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=per_block, RATIO=ratio,
+                         HEAD_DIM=512, BLOCK_D=512, BLOCK_H=config.block_h, BLOCK_N=config.block_n, ENTRIES=mode,
+                         PRECISION=precision)  # fmt: skip
+        kernel = backend._prefill_kernel
+        source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        compiled = triton.compile(source, target=target, options=options)
+        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], activation
+        assert compiled.metadata.shared <= 227 * 1024, (activation, compiled.metadata.shared)
+        assert _register_spills(compiled.asm["cubin"]) in (0, None), activation

@@ -104,11 +104,12 @@ if triton is not None:
             mask=head_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
+        # Positions and rows fit int32 (the address arithmetic widens): fewer registers than int64 offsets.
         seq = tl.load(token_seq_ptr + token)
-        position = tl.load(positions_ptr + token)
-        start = tl.load(starts_ptr + seq)
-        first_row = tl.load(sequence_rows_ptr + seq)
-        oldest_cached = tl.maximum(tl.load(window_from_ptr + seq), 0)
+        position = tl.load(positions_ptr + token).to(tl.int32)
+        start = tl.load(starts_ptr + seq).to(tl.int32)
+        first_row = tl.load(sequence_rows_ptr + seq).to(tl.int32)
+        oldest_cached = tl.maximum(tl.load(window_from_ptr + seq).to(tl.int32), 0)
         ring = window_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ws
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: exp2 of differences is 0
@@ -120,20 +121,18 @@ if triton is not None:
             in_window = key < WINDOW
             is_new = in_window & (key_position >= start)
             is_cached = in_window & (key_position < start) & (key_position >= oldest_cached)
-            new_row = (first_row + key_position - start).to(tl.int64)
+            new_row = first_row + key_position - start
             ring_row = key_position % RING
-            ring_row = tl.where(ring_row < 0, ring_row + RING, ring_row).to(tl.int64)
-            new_kv = tl.load(
-                kv_ptr + new_row[:, None] * stride_kt + dims[None, :], mask=is_new[:, None] & dim_ok[None, :], other=0.0
+            ring_row = tl.where(ring_row < 0, ring_row + RING, ring_row)
+            # One load per tile: each row's address in the new rows or in the ring (the two share a dtype).
+            new_rows = kv_ptr + (new_row * stride_kt)[:, None] + dims[None, :]
+            ring_rows = ring + (ring_row * stride_ww)[:, None] + dims[None, :]
+            visible = is_new | is_cached
+            kv = tl.load(
+                tl.where(is_new[:, None], new_rows, ring_rows), mask=visible[:, None] & dim_ok[None, :], other=0.0
             )
-            cached_kv = tl.load(
-                ring + ring_row[:, None] * stride_ww + dims[None, :],
-                mask=is_cached[:, None] & dim_ok[None, :],
-                other=0.0,
-            )
-            kv = new_kv.to(q.dtype) + cached_kv.to(q.dtype)  # disjoint masks: one of the two is 0
             running_max, running_sum, acc = _attend_tile(
-                q, kv, is_new | is_cached, running_max, running_sum, acc, scale_log2, PRECISION
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
             )
         if ENTRIES != 0:
             table = tables_ptr + seq * stride_tb
@@ -178,7 +177,9 @@ def _serves(q, kv, window, entries, indices) -> bool:
     dim = q.shape[-1]
     if q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.shape[-1] != dim:
         return False
-    if window.stride(-1) != 1 or window.shape[-1] != dim:
+    if kv.shape[0] * kv.stride(0) >= 2**31 or window.shape[1] * window.stride(1) >= 2**31:  # int32 row offsets
+        return False
+    if window.stride(-1) != 1 or window.shape[-1] != dim or window.dtype != kv.dtype:
         return False
     if entries is not None and (entries.stride(-1) != 1 or entries.shape[-1] != dim):
         return False
