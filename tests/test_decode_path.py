@@ -58,7 +58,7 @@ def test_decode_steps_equal_the_per_sequence_path(model, monkeypatch):
 
 def test_prefill_in_query_blocks_equals_one_block(model, monkeypatch):
     """Long prompts attend in blocks of queries, each to the window keys it can see: the same logits."""
-    import dsinfer.layers.attention as attention
+    import dsinfer.ops.sparse_attention.prefill_reference as attention
 
     tokens = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(9)).tolist()
     monkeypatch.setattr(attention, "QUERY_CHUNK", 10_000)

@@ -6,8 +6,9 @@ visible compressed entries. A learned per-head sink joins the softmax denominato
 rope slice is rotated back, then a grouped low-rank projection (``wo_a`` per head group, ``wo_b``)
 returns to the hidden size.
 
-This is the reference path: exact, readable, quadratic in the number of new tokens per sequence.
-The window and compressed entries of earlier tokens come from the cache named by the batch metadata.
+The attention itself is an op: ``sparse_attention_decode`` (one token per sequence) and
+``sparse_attention_prefill`` (every new token of a packed batch), each with a torch reference and a Triton
+backend. The window and compressed entries of earlier tokens come from the cache named by the batch metadata.
 """
 
 from __future__ import annotations
@@ -15,31 +16,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig, ModelConfigBase
-from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import LayerCache
-from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
+from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
-QUERY_CHUNK = 256  # prefill queries per attention block (window keys per block: QUERY_CHUNK + window - 1)
-
-
-def sink_softmax(logits: torch.Tensor, sink: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention probabilities over the keys of ``logits`` [..., H, S, K], a per-head sink [H] in the denominator.
-
-    The sink is one more logit per head that takes probability mass but has no value; ``hidden`` (a boolean
-    broadcastable to ``logits``) marks the keys a query may not see. Every attention of both variants (window,
-    compressed, decode, DSpark stages) normalises through here.
-    """
-    if hidden is not None:
-        logits = logits.masked_fill(hidden, float("-inf"))
-    sink = sink.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
-    return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+__all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
 
 
 def window_keys(
@@ -117,21 +107,7 @@ class Attention(nn.Module):
         if batch.is_decode:
             out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq)
         else:
-            outputs = []
-            tables = batch.device_spans.block_tables
-            for index, (span, tokens) in enumerate(zip(batch.spans, batch.sequence_slices(), strict=True)):
-                positions = batch.positions[tokens]
-                compressed, visible = self._compressed_entries(
-                    x[tokens], q_latent[tokens], positions, span, layer_cache, inv_freq, tables[index]
-                )
-                window_kv, window_positions = self._window(kv[tokens], positions, span, layer_cache.window)
-                first_key = max(span.window_from, span.start - self.window + 1)
-                outputs.append(
-                    self._attend_chunked(
-                        q[tokens], positions, window_kv, window_positions, compressed, visible, span.start, first_key
-                    )
-                )
-            out = torch.cat(outputs)
+            out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
@@ -178,78 +154,59 @@ class Attention(nn.Module):
         probs = sink_softmax(logits[:, :, None, :], self.attn_sink, ~visible[:, None, None, :])[:, :, 0, :]
         return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
 
-    def _window(
-        self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, ring: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the window from the sequence's ring (a plain tensor), then the new ones; updates the ring."""
-        slot, window = span.slot, self.window
-
-        def read(cached: torch.Tensor) -> torch.Tensor:
-            return ring[slot, cached % window]
-
-        def write(new: torch.Tensor, rows: torch.Tensor) -> None:
-            ring[slot, new % window] = rows.to(ring.dtype)
-
-        return window_keys(kv, positions, span, window, read, write)
-
-    def _compressed_entries(
+    def _attend_prefill(
         self,
         x: torch.Tensor,
+        q: torch.Tensor,
         q_latent: torch.Tensor,
-        positions: torch.Tensor,
-        span: SequenceSpan,
+        kv: torch.Tensor,
+        batch: PackedBatch,
         layer_cache: LayerCache,
         inv_freq: torch.Tensor,
-        block_table: torch.Tensor,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """All compressed entries of one sequence (after adding the new tokens) and the [n, W] visibility mask."""
-        if self.compressor is None:
-            return None, None
-        self.compressor.update(x, positions, span, layer_cache.compressor, inv_freq, block_table)
-        count = (span.start + span.length) // self.compress_ratio
-        compressed = read_entries(layer_cache.compressor, block_table, count)
-        if self.indexer is not None:
-            return compressed, self.indexer(x, q_latent, positions, span, layer_cache.indexer, inv_freq, block_table)
-        entry = torch.arange(count, device=x.device)
-        return compressed, entry < visible_entries(positions, self.compress_ratio)[:, None]
-
-    def _attend_chunked(
-        self,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        window_kv: torch.Tensor,
-        window_positions: torch.Tensor,
-        compressed: torch.Tensor | None,
-        compressed_visible: torch.Tensor | None,
-        query_start: int,
-        first_key: int,
     ) -> torch.Tensor:
-        """:meth:`_attend` over blocks of ``QUERY_CHUNK`` queries, each against only the window keys it can see.
+        """Prefill and mixed steps: every new token of the packed batch in one ``sparse_attention_prefill``.
 
-        A long prompt's queries see 128 window keys each; attending every query to every new key costs
-        n^2 memory and time. Queries and window keys are consecutive positions (``query_start`` and
-        ``first_key``, host-known), so each block's keys are one slice.
+        The compressors (and, CSA, the indexer's choice) run per sequence first; the op reads each sequence's
+        window from its new rows and, for positions before the step, its ring, which takes the newest rows after.
         """
-        n = q.shape[0]
-        if n <= QUERY_CHUNK:
-            return self._attend(q, positions, window_kv, window_positions, compressed, compressed_visible)
-        out = []
-        for lo in range(0, n, QUERY_CHUNK):
-            hi = min(n, lo + QUERY_CHUNK)
-            keys_lo = max(first_key, query_start + lo - self.window + 1) - first_key
-            keys_hi = query_start + hi - first_key
-            visible = None if compressed_visible is None else compressed_visible[lo:hi]
-            out.append(
-                self._attend(
-                    q[lo:hi],
-                    positions[lo:hi],
-                    window_kv[keys_lo:keys_hi],
-                    window_positions[keys_lo:keys_hi],
-                    compressed,
-                    visible,
-                )  # fmt: skip
-            )
-        return torch.cat(out)
+        spans = batch.device_spans
+        tables = spans.block_tables
+        entries, indices = None, None
+        if self.compressor is not None:
+            chosen = []
+            for index, (span, tokens) in enumerate(zip(batch.spans, batch.sequence_slices(), strict=True)):
+                positions = batch.positions[tokens]
+                self.compressor.update(x[tokens], positions, span, layer_cache.compressor, inv_freq, tables[index])
+                if self.indexer is not None:
+                    chosen.append(
+                        self.indexer(x[tokens], q_latent[tokens], positions, span, layer_cache.indexer, inv_freq,
+                                     tables[index])
+                    )  # fmt: skip
+            entries = layer_cache.compressor.entries
+            if self.indexer is not None:
+                width = max(piece.shape[1] for piece in chosen)
+                indices = torch.cat([F.pad(piece, (0, width - piece.shape[1]), value=-1) for piece in chosen])
+        rows = spans.token_rows
+        sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
+        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
+        out = ops.sparse_attention_prefill(
+            q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,
+            self.window, entries, tables, indices, self.compress_ratio, self.attn_sink, self.softmax_scale,
+            [(span.start, span.length, span.window_from) for span in batch.spans],
+        )  # fmt: skip
+        self._write_window(kv, batch, layer_cache.window)
+        return out
+
+    def _write_window(self, kv: torch.Tensor, batch: PackedBatch, ring: torch.Tensor) -> None:
+        """The newest ``window`` new rows of every sequence into its ring (row ``position % ring size``)."""
+        rows, slots = [], []
+        for span, tokens in zip(batch.spans, batch.sequence_slices(), strict=True):
+            recent = range(max(tokens.start, tokens.stop - self.window), tokens.stop)
+            rows.extend(recent)
+            slots.extend([span.slot] * len(recent))
+        rows = host_to_device(rows, torch.long, kv.device)
+        slots = host_to_device(slots, torch.long, kv.device)
+        ring[slots, batch.positions[rows] % ring.shape[1]] = kv[rows].to(ring.dtype)
 
     def _attend(
         self,
@@ -261,20 +218,14 @@ class Attention(nn.Module):
         compressed_visible: torch.Tensor | None,
     ) -> torch.Tensor:
         """Softmax attention of one sequence's queries [n, H, D] over its window and compressed entries."""
-        distance = positions[:, None] - window_positions[None, :]
-        window_visible = (distance >= 0) & (distance < self.window)
-        keys, visible = window_kv, window_visible
-        if compressed is not None:
-            keys = torch.cat([window_kv, compressed.to(window_kv.dtype)])
-            visible = torch.cat([window_visible, compressed_visible], dim=1)
-        return self._attend_keys(q, keys, visible)
+        return attend_window_and_entries(
+            q, positions, window_kv, window_positions, compressed, compressed_visible, self.window, self.attn_sink,
+            self.softmax_scale,
+        )  # fmt: skip
 
     def _attend_keys(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
         """Queries [n, H, D] of one sequence over shared keys [K, D] (``visible`` [n, K]; None: all of them)."""
-        logits = torch.einsum("shd,kd->hsk", q, keys).float() * self.softmax_scale
-        hidden = None if visible is None else ~visible.unsqueeze(0)
-        probs = sink_softmax(logits, self.attn_sink, hidden)
-        return torch.einsum("hsk,kd->shd", probs.to(keys.dtype), keys)
+        return attend_keys(q, keys, visible, self.attn_sink, self.softmax_scale)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: each head group through its own slice of ``wo_a``."""

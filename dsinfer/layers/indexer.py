@@ -19,7 +19,7 @@ from dsinfer.kv.batch import DeviceSpans, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.ops.index_scores import index_scores_reference
+from dsinfer.ops.index_scores import index_scores_reference, top_k_in_order
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
 
@@ -97,14 +97,16 @@ class Indexer(IndexScorer):
         inv_freq: torch.Tensor,
         block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Boolean [n, W] mask of the compressed entries each new query of one sequence attends to."""
+        """The compressed entries each new query of one sequence attends to: [n, min(k, W)] entry numbers in
+        ascending order, -1 after the real ones (a query with fewer than k visible entries)."""
         self.compressor.update(x, positions, span, cache, inv_freq, block_table)
         n_entries = (span.start + span.length) // self.ratio
         if n_entries == 0:
-            return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
+            return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries).float()
-        return top_k_visible(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
+        chosen, real = top_k_in_order(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
+        return torch.where(real, chosen, -1)
 
     def select_decode(
         self,

@@ -1,0 +1,182 @@
+"""Prefill attention on one GPU: the Triton kernel against the torch reference at V4-Flash shapes.
+
+    python benchmarks/attention_prefill.py                                   # CSA and HCA, 4,096 and 16,384 tokens
+    python benchmarks/attention_prefill.py --tokens 4096 --sequences 4 --start 1000 --layers csa
+    python benchmarks/attention_prefill.py --sweep --tokens 4096             # time launch configurations
+
+A packed batch of ``--sequences`` sequences sharing ``tokens`` new tokens, each chunk starting at position
+``--start`` (0: whole prompts; later: the ring holds the window before it). 64 heads x 512 (one K=V row per key,
+shared by every head), a 128-position window, compressed entries in 128-token blocks: a CSA layer (ratio 4, 32
+entries per block) attends to top-512 of its visible entries per token (random distinct ones here, ascending,
+-1 where fewer are visible), an HCA layer (ratio 128, one entry per block) to every visible entry.
+
+For each point: the median milliseconds per call of the reference (per sequence, dense logits over blocks of
+queries) and of the Triton op, their ratio, the Triton op's tokens per second, and the largest deviation of each
+from the reference computed in fp32 on the same bf16 inputs (the bf16 reference's own deviation is the scale to
+compare against). ``--sweep`` times each ``SWEEP_CONFIGS`` launch and prints the best beside what
+``choose_config`` picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+
+import torch
+from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
+
+from dsinfer.ops.sparse_attention import prefill_triton as backend
+from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.triton import DecodeConfig, choose_config
+
+BLOCK_TOKENS = 128
+RATIOS = {"csa": 4, "hca": 128}
+SWEEP_CONFIGS = [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--sequences", type=int, default=1)
+    parser.add_argument("--start", type=int, default=0, help="position of every chunk's first token")
+    parser.add_argument("--layers", nargs="+", choices=sorted(RATIOS), default=["csa", "hca"])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=512)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-reference", action="store_true", help="time the Triton op only (no deviations)")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def make_step(args, layer: str, tokens: int, device, gen: torch.Generator) -> dict:
+    """The step's tensors in the op's argument order (each sequence its own slot and blocks)."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    ratio, batch = RATIOS[layer], args.sequences
+    lengths = [tokens // batch + (1 if s < tokens % batch else 0) for s in range(batch)]
+    per_block = BLOCK_TOKENS // ratio
+    blocks_per_seq = math.ceil((args.start + max(lengths)) / BLOCK_TOKENS)
+    positions = torch.cat([torch.arange(args.start, args.start + n, device=device) for n in lengths])
+    entries = torch.randn(batch * blocks_per_seq, per_block, args.head_dim, device=device, generator=gen, dtype=dtype)
+    tables = torch.randperm(batch * blocks_per_seq, device=device, generator=gen).view(batch, blocks_per_seq)
+    indices = None
+    if layer == "csa":
+        visible = torch.div(positions + 1, ratio, rounding_mode="floor")
+        scores = torch.rand(tokens, blocks_per_seq * per_block, device=device, generator=gen)
+        scores = scores.masked_fill(torch.arange(scores.shape[1], device=device) >= visible[:, None], -1.0)
+        chosen = scores.topk(min(args.topk, scores.shape[1]), dim=1).indices.sort(dim=1).values
+        indices = torch.where(chosen < visible[:, None], chosen, -1)
+        del scores
+    rows = [0]
+    for n in lengths:
+        rows.append(rows[-1] + n)
+    return {
+        "q": torch.randn(tokens, args.heads, args.head_dim, device=device, generator=gen, dtype=dtype),
+        "kv": torch.randn(tokens, args.head_dim, device=device, generator=gen, dtype=dtype),
+        "positions": positions,
+        "sequence_rows": torch.tensor(rows, device=device),
+        "starts": torch.full((batch,), args.start, device=device),
+        "slots": torch.arange(batch, device=device),
+        "window_from": torch.zeros(batch, dtype=torch.long, device=device),
+        "window": torch.randn(batch, args.window, args.head_dim, device=device, generator=gen, dtype=dtype),
+        "window_size": args.window,
+        "entries": entries,
+        "block_tables": tables,
+        "indices": indices,
+        "compress_ratio": ratio,
+        "sink": torch.randn(args.heads, device=device, generator=gen),
+        "softmax_scale": args.head_dim**-0.5,
+        "spans": [(args.start, n, 0) for n in lengths],
+    }
+
+
+def median_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(cuda_ms(fn, iters))
+
+
+def as_float(step: dict) -> dict:
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in step.items()}
+
+
+def deviation(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return (got.float() - exact).abs().max().item()
+
+
+def run_point(args, layer: str, tokens: int, device, gen) -> dict:
+    step = make_step(args, layer, tokens, device, gen)
+    row = {"layer": layer, "tokens": tokens}
+    triton_out = backend.sparse_attention_prefill_triton(**step)
+    row["triton_ms"] = median_ms(lambda: backend.sparse_attention_prefill_triton(**step), args.warmup, args.iters)
+    if not args.no_reference:
+        reference_out = sparse_attention_prefill_reference(**step)
+        row["reference_ms"] = median_ms(lambda: sparse_attention_prefill_reference(**step), 1, max(3, args.iters // 3))
+        exact = sparse_attention_prefill_reference(**as_float(step))
+        row["triton_dev"], row["reference_dev"] = deviation(triton_out, exact), deviation(reference_out, exact)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'layer':>5} {'tokens':>7} {'reference ms':>12} {'triton ms':>10} {'ratio':>7} {'tok/s':>10} "
+          f"{'triton dev':>10} {'ref dev':>9}")  # fmt: skip
+    for r in rows:
+        reference = r.get("reference_ms", float("nan"))
+        print(f"{r['layer']:>5} {r['tokens']:>7} {reference:>12.3f} {r['triton_ms']:>10.3f} "
+              f"{reference / r['triton_ms']:>7.1f} {r['tokens'] / r['triton_ms'] * 1e3:>10.0f} "
+              f"{r.get('triton_dev', float('nan')):>10.2e} {r.get('reference_dev', float('nan')):>9.2e}")  # fmt: skip
+    print("ratio: reference ms / Triton ms. dev: max |x - fp32 reference on the same inputs|.")
+
+
+def sweep(args, device, gen) -> None:
+    print(f"{'layer':>5} {'tokens':>7} {'chosen':>18} {'ms':>8} {'best':>18} {'ms':>8}")
+    for layer in args.layers:
+        for tokens in args.tokens:
+            step = make_step(args, layer, tokens, device, gen)
+            exact = sparse_attention_prefill_reference(**as_float(step))
+            timings = {}
+            for block_h, block_n, warps, stages in SWEEP_CONFIGS:
+                config = DecodeConfig(block_h, block_n, warps, stages)
+                try:
+                    out = backend.sparse_attention_prefill_launch(**step, config=config)
+                    if deviation(out, exact) > 5e-2:
+                        print(f"  {config}: wrong result", file=sys.stderr)
+                        continue
+                    timings[config] = median_ms(
+                        lambda c=config, s=step: backend.sparse_attention_prefill_launch(**s, config=c),
+                        args.warmup, args.iters,
+                    )  # fmt: skip
+                except Exception as error:  # a configuration that does not build here
+                    print(f"  {config}: {type(error).__name__}", file=sys.stderr)
+            chosen = choose_config(args.heads, step["q"].dtype, args.head_dim)
+            best = min(timings, key=timings.get)
+            label = lambda c: f"{c.block_h}x{c.block_n} w{c.num_warps} s{c.num_stages}"  # noqa: E731
+            print(f"{layer:>5} {tokens:>7} {label(chosen):>18} {timings.get(chosen, float('nan')):>8.3f} "
+                  f"{label(best):>18} {timings[best]:>8.3f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_prefill: needs a CUDA device", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"{torch.cuda.get_device_name(device)}; {args.heads} heads x {args.head_dim}, window {args.window}, "
+          f"top-k {args.topk}, {args.sequences} sequence(s) from position {args.start}, {args.dtype}")  # fmt: skip
+    if args.sweep:
+        sweep(args, device, gen)
+        return 0
+    print_table([run_point(args, layer, tokens, device, gen) for layer in args.layers for tokens in args.tokens])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Prefill attention in Triton: every new token of a packed batch over its window and compressed entries.
+
+One program per (token, head group), varlen over the packed batch through a per-token map to its sequence.
+The program loads the query rows of ``BLOCK_H`` heads once and runs an online softmax (running max and sum in
+fp32, exp2 with log2(e) folded into the scale) over tiles of ``BLOCK_N`` keys: first the window, the
+``window_size`` positions up to its own (a position of this step is read from the new rows ``kv``, an earlier
+one from the sequence's ring at ``position % ring_size``, nothing before ``window_from``), then its compressed
+entries through the block table: the indexer's choice (CSA, ``indices``; the tiles past the token's last real
+index are skipped) or every entry visible at its position (HCA). Every key is one ``D``-wide row that is key and
+value at once, so each tile is loaded once and feeds both products of every head of the group (``q @ k^T`` and
+``p @ k``, the tile step shared with the decode kernel). The sink joins the normaliser at the end; nothing of
+size [H, n, K] is ever stored. The grid and the constexprs depend on shapes only.
+
+Sums run in another order than the reference's and the logits are not rounded to bf16 before the softmax, so
+results agree with the reference to rounding (``tests/ops/test_sparse_attention_prefill.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from dsinfer.ops.registry import register
+from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.triton import (
+    LOG2E,
+    DecodeConfig,
+    choose_config,
+    sparse_attention_triton_available,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.sparse_attention.triton import _attend_tile
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+logger = logging.getLogger(__name__)
+
+NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,
+        kv_ptr,
+        window_ptr,
+        entries_ptr,
+        positions_ptr,
+        token_seq_ptr,
+        sequence_rows_ptr,
+        starts_ptr,
+        slots_ptr,
+        window_from_ptr,
+        tables_ptr,
+        indices_ptr,
+        index_ends_ptr,
+        sink_ptr,
+        out_ptr,
+        n_heads,
+        n_indices,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_ws,
+        stride_ww,
+        stride_eb,
+        stride_ep,
+        stride_tb,
+        stride_it,
+        stride_ot,
+        stride_oh,
+        scale_log2,
+        WINDOW: tl.constexpr,
+        RING: tl.constexpr,
+        WINDOW_TILES: tl.constexpr,
+        PER_BLOCK: tl.constexpr,
+        RATIO: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ENTRIES: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        group = tl.program_id(1)
+        heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = heads < n_heads
+        dims = tl.arange(0, BLOCK_D)
+        if BLOCK_D == HEAD_DIM:  # row masks only: the loads stay vectorised along the row
+            dim_ok = dims < BLOCK_D
+        else:
+            dim_ok = dims < HEAD_DIM
+        q = tl.load(
+            q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            mask=head_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        # Positions and rows fit int32 (the address arithmetic widens): fewer registers than int64 offsets.
+        seq = tl.load(token_seq_ptr + token)
+        position = tl.load(positions_ptr + token).to(tl.int32)
+        start = tl.load(starts_ptr + seq).to(tl.int32)
+        first_row = tl.load(sequence_rows_ptr + seq).to(tl.int32)
+        oldest_cached = tl.maximum(tl.load(window_from_ptr + seq).to(tl.int32), 0)
+        ring = window_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ws
+
+        running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: exp2 of differences is 0
+        running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for tile in range(WINDOW_TILES):
+            key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_position = position - WINDOW + 1 + key
+            in_window = key < WINDOW
+            is_new = in_window & (key_position >= start)
+            is_cached = in_window & (key_position < start) & (key_position >= oldest_cached)
+            new_row = first_row + key_position - start
+            ring_row = key_position % RING
+            ring_row = tl.where(ring_row < 0, ring_row + RING, ring_row)
+            # One load per tile: each row's address in the new rows or in the ring (the two share a dtype).
+            new_rows = kv_ptr + (new_row * stride_kt)[:, None] + dims[None, :]
+            ring_rows = ring + (ring_row * stride_ww)[:, None] + dims[None, :]
+            visible = is_new | is_cached
+            kv = tl.load(
+                tl.where(is_new[:, None], new_rows, ring_rows), mask=visible[:, None] & dim_ok[None, :], other=0.0
+            )
+            running_max, running_sum, acc = _attend_tile(
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+            )
+        if ENTRIES != 0:
+            table = tables_ptr + seq * stride_tb
+            if ENTRIES == 1:  # the indexer's choice: the tiles up to the token's last real index
+                n_tiles = tl.cdiv(tl.load(index_ends_ptr + token), BLOCK_N)
+            else:  # every entry whose window has ended at this position
+                n_visible = (position + 1) // RATIO
+                n_tiles = tl.cdiv(n_visible, BLOCK_N)
+            for tile in range(0, n_tiles):
+                column = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                if ENTRIES == 1:
+                    index = tl.load(
+                        indices_ptr + token.to(tl.int64) * stride_it + column, mask=column < n_indices, other=-1
+                    )
+                    visible = index >= 0
+                else:
+                    index = column
+                    visible = column < n_visible
+                block = tl.load(table + index // PER_BLOCK, mask=visible, other=0)
+                row = block.to(tl.int64) * stride_eb + (index % PER_BLOCK).to(tl.int64) * stride_ep
+                kv = tl.load(
+                    entries_ptr + row[:, None] + dims[None, :], mask=visible[:, None] & dim_ok[None, :], other=0.0
+                )
+                running_max, running_sum, acc = _attend_tile(
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+                )
+
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(running_max, sink)
+        weight = tl.exp2(running_max - top)
+        total = running_sum * weight + tl.exp2(sink - top)
+        tl.store(
+            out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            (acc * (weight / total)[:, None]).to(out_ptr.dtype.element_ty),
+            mask=head_ok[:, None] & dim_ok[None, :],
+        )
+
+
+def _serves(q, kv, window, entries, indices) -> bool:
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    dim = q.shape[-1]
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.shape[-1] != dim:
+        return False
+    if kv.shape[0] * kv.stride(0) >= 2**31 or window.shape[1] * window.stride(1) >= 2**31:  # int32 row offsets
+        return False
+    if window.stride(-1) != 1 or window.shape[-1] != dim or window.dtype != kv.dtype:
+        return False
+    if entries is not None and (entries.stride(-1) != 1 or entries.shape[-1] != dim):
+        return False
+    return indices is None or indices.dim() == 2
+
+
+def sparse_attention_prefill_launch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    sequence_rows: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    window_from: torch.Tensor,
+    window: torch.Tensor,
+    window_size: int,
+    entries: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor | None,
+    compress_ratio: int,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    spans: Sequence[tuple[int, int, int]] = (),
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """The kernel, no fallback; ``config`` (default: the decode kernel's :func:`choose_config`) fixes the launch.
+
+    ``spans`` (the reference's host-known bounds) is not read: the kernel reads the tensors."""
+    tokens, n_heads, head_dim = q.shape
+    config = config or choose_config(n_heads, q.dtype, head_dim)
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 along every axis
+    token_ids = torch.arange(tokens, device=q.device)
+    token_seq = torch.searchsorted(sequence_rows[1:].contiguous(), token_ids, right=True)
+    mode = NO_ENTRIES if entries is None else (VISIBLE_ENTRIES if indices is None else CHOSEN_ENTRIES)
+    if mode == CHOSEN_ENTRIES and indices.shape[1] == 0:
+        mode = NO_ENTRIES
+    n_indices, index_ends = 0, token_seq
+    if mode == CHOSEN_ENTRIES:
+        indices = indices.contiguous()
+        n_indices = indices.shape[1]
+        columns = torch.arange(1, n_indices + 1, device=q.device)
+        index_ends = torch.where(indices >= 0, columns, 0).amax(dim=1)  # tiles past the last real index: skipped
+    if mode == NO_ENTRIES:  # window only: the entry pointers are never read
+        indices, tables, entries_arg, per_block, stride_eb, stride_ep = token_seq, token_seq, kv, 1, 0, 0
+    else:
+        tables, entries_arg, per_block = block_tables.contiguous(), entries, entries.shape[1]
+        stride_eb, stride_ep = entries.stride(0), entries.stride(1)
+        if indices is None:
+            indices = token_seq
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _prefill_kernel[(tokens, triton.cdiv(n_heads, config.block_h))](
+        q,
+        kv,
+        window,
+        entries_arg,
+        positions.contiguous(),
+        token_seq,
+        sequence_rows.contiguous(),
+        starts.contiguous(),
+        slots.contiguous(),
+        window_from.contiguous(),
+        tables,
+        indices,
+        index_ends,
+        sink.contiguous(),
+        out,
+        n_heads,
+        n_indices,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        window.stride(0),
+        window.stride(1),
+        stride_eb,
+        stride_ep,
+        tables.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        softmax_scale * LOG2E,
+        WINDOW=window_size,
+        RING=window.shape[1],
+        WINDOW_TILES=triton.cdiv(window_size, config.block_n),
+        PER_BLOCK=per_block,
+        RATIO=max(1, compress_ratio),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        ENTRIES=mode,
+        PRECISION=precision,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
+_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
+
+
+@register(
+    "sparse_attention_prefill",
+    "triton",
+    devices=("cuda",),
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    available=sparse_attention_triton_available,
+    priority=10,
+)
+def sparse_attention_prefill_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    sequence_rows: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    window_from: torch.Tensor,
+    window: torch.Tensor,
+    window_size: int,
+    entries: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor | None,
+    compress_ratio: int,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    spans: Sequence[tuple[int, int, int]],
+) -> torch.Tensor:
+    """Same contract as the reference; inputs the kernel does not serve, or a kernel that fails to compile
+    here (warned once), go to the reference."""
+    args = (q, kv, positions, sequence_rows, starts, slots, window_from, window, window_size, entries,
+            block_tables, indices, compress_ratio, sink, softmax_scale)  # fmt: skip
+    if not _serves(q, kv, window, entries, indices):
+        return sparse_attention_prefill_reference(*args, spans)
+    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, which entries)
+        q.device,
+        q.dtype,
+        q.shape[1:],
+        kv.dtype,
+        window.dtype,
+        window.shape[1:],
+        window_size,
+        compress_ratio,
+        None if entries is None else (entries.dtype, entries.shape[1:]),
+        indices is None,
+    )
+    if setting in _FAILED:
+        return sparse_attention_prefill_reference(*args, spans)
+    if setting in _COMPILED:
+        return sparse_attention_prefill_launch(*args)
+    try:
+        out = sparse_attention_prefill_launch(*args)
+    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
+        logger.warning("sparse_attention_prefill: Triton kernel failed (%s); using the torch reference", error)
+        _FAILED.add(setting)
+        return sparse_attention_prefill_reference(*args, spans)
+    _COMPILED.add(setting)
+    return out
