@@ -31,8 +31,10 @@ from dsinfer.eval.grade import grade_run
 from dsinfer.training import corpus
 
 
-def _serve(model: str, port: int, log: Path) -> subprocess.Popen:
+def _serve(model: str, port: int, log: Path, v41_prefill: str | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "dsinfer.cli", "serve", model, "--port", str(port), "--device", "cpu"]
+    if v41_prefill is not None:
+        command += ["--v41-prefill", v41_prefill]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default)")
     parser.add_argument("--out", required=True, help="directory for the eval files and results.json")
     parser.add_argument("--port", type=int, default=8471)
+    parser.add_argument("--v41-prefill", choices=("bounded", "exact"), default=None,
+                        help="how the server prefills prompts (default: the server default, bounded)")  # fmt: skip
     parser.add_argument("--arithmetic", type=int, default=50, help="held-out arithmetic problems")
     parser.add_argument(
         "--tools", type=int, default=20, help="held-out tool questions (thinking mode; half again in chat mode)"
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         from dsinfer.models.tiny import default_model_dir
 
         args.model = str(default_model_dir())
-    server = _serve(args.model, args.port, out / "serve.log")
+    server = _serve(args.model, args.port, out / "serve.log", args.v41_prefill)
     try:
         base_url = f"http://127.0.0.1:{args.port}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
