@@ -8,10 +8,17 @@ and is the truth every other backend is tested against (``tests/ops``).
 
 ``DSINFER_OPS`` forces choices, e.g. ``DSINFER_OPS="routed_moe=reference,attention=reference"``; a name that
 is not registered, or a backend that cannot serve the device, is an error rather than a silent fallback.
+
+A faster backend that raises (a kernel that does not compile with this Triton, a launch beyond the device's
+resources) degrades, never crashes: the op table's function logs a warning naming the op, the backend and the
+error, and runs the reference for that call and every later call of the same setting (device, dtypes, ranks
+and scalar arguments). Inside a CUDA graph capture the error propagates instead (the capture must not record
+a half-run kernel). ``Backend.fn`` stays the bare backend, which is what ``tests/ops`` checks.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -33,6 +40,7 @@ class Backend:
     dtypes: tuple[torch.dtype, ...] | None
     available: Callable[[], bool]
     priority: int
+    guarded: Callable | None = None  # ``fn`` behind the fallback to the reference (the reference itself: ``fn``)
 
     def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type not in self.devices:
@@ -61,10 +69,48 @@ def register(
         if name in backends and backends[name].fn is not fn:
             raise ValueError(f"op {op!r} already has a backend named {name!r}")
         rank = priority if priority is not None else (0 if name == REFERENCE else 10)
-        backends[name] = Backend(op, name, fn, tuple(devices), dtypes, available or (lambda: True), rank)
+        guarded = fn if name == REFERENCE else falls_back_to_reference(op, name, fn)
+        backends[name] = Backend(op, name, fn, tuple(devices), dtypes, available or (lambda: True), rank, guarded)
         return fn
 
     return decorate
+
+
+def _setting(args: tuple, kwargs: dict) -> tuple:
+    """What a kernel specialises on, roughly: each tensor's device, dtype and rank, and the hashable scalars."""
+
+    def key(value):
+        if isinstance(value, torch.Tensor):
+            return (value.device.type, value.dtype, value.dim())
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return type(value).__name__
+
+    return tuple(key(a) for a in args) + tuple((name, key(v)) for name, v in sorted(kwargs.items()))
+
+
+def falls_back_to_reference(op: str, name: str, fn: Callable) -> Callable:
+    """``fn`` that runs ``op``'s reference instead wherever it raised once (see the module docstring)."""
+    failed: set[tuple] = set()
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        setting = _setting(args, kwargs)
+        reference = _REGISTRY[op][REFERENCE].fn
+        if setting in failed:
+            return reference(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            logger.warning("%s: the %s backend failed (%s: %s); running the torch reference for this setting",
+                           op, name, type(error).__name__, first_line)  # fmt: skip
+            failed.add(setting)
+            return reference(*args, **kwargs)
+
+    return call
 
 
 def backends(op: str) -> list[Backend]:
@@ -114,7 +160,7 @@ class OpTable:
     def __getattr__(self, op: str) -> Callable:
         chosen = self.__dict__.get("chosen", {})
         if op in chosen:
-            return chosen[op].fn
+            return chosen[op].guarded or chosen[op].fn
         raise AttributeError(f"op table has no op {op!r}")
 
     def describe(self) -> str:
