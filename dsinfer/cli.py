@@ -1,4 +1,4 @@
-"""The ``dsinfer`` command line: ``serve``, ``generate`` and ``make-tiny`` (bench and eval arrive with their issues)."""
+"""The ``dsinfer`` command line: ``serve``, ``generate``, ``bench``, ``eval``, ``make-tiny`` and ``make-slice``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dsinfer.config.engine import V41_PREFILL_MODES
 from dsinfer.engram.fetch import PLACEMENTS
 from dsinfer.engram.store import EngramStoreError
 from dsinfer.llm import DTYPES, LLM
+from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cuda_graphs(generate)
     add_v41_prefill(generate)
     add_speculative_config(generate)
+    add_load_format(generate)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cuda_graphs(serve)
     add_v41_prefill(serve)
     add_speculative_config(serve)
+    add_load_format(serve)
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -125,7 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--shards", type=positive_int, default=3, help="safetensors files to split the weights into")
     tiny.add_argument("--no-quant", action="store_true", help="store bf16 weights instead of FP8 / FP4")
     tiny.add_argument("--vision", action="store_true", help="V4.1 only: add a tiny vision tower (image input)")
+
+    sliced = commands.add_parser(
+        "make-slice", help="write a V4-Flash-width config and tokenizer, no weights (for --load-format dummy)",
+        **with_defaults,
+    )  # fmt: skip
+    sliced.add_argument("directory", type=Path)
+    sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
     return parser
+
+
+def add_load_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="'dummy': read only the model directory's config and tokenizer and draw random weights in the release "
+        "formats on the device (one rank; for measuring a shape without its checkpoint)",
+    )
 
 
 def add_engine_sizes(parser: argparse.ArgumentParser) -> None:
@@ -228,7 +248,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     prompts = args.prompt or ["The quick brown fox"]
-    with LLM(args.model, **options) as llm:
+    with LLM(args.model, load_format=args.load_format, **options) as llm:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
@@ -252,6 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        load_format=args.load_format,
         api_key=args.api_key, data_parallel_size=args.data_parallel_size,
         expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
@@ -301,6 +322,15 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_make_slice(args: argparse.Namespace) -> int:
+    from dsinfer.bench.shapes import write_slice_directory
+
+    path = write_slice_directory(args.directory, args.flash_layers)
+    print(f"wrote a {args.flash_layers}-layer V4-Flash-width config and tokenizer to {path} "
+          "(serve it with --load-format dummy)")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
@@ -309,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench,
         "eval": run_eval,
         "make-tiny": run_make_tiny,
+        "make-slice": run_make_slice,
     }
     try:
         return handlers[args.command](args)

@@ -16,6 +16,7 @@ from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.dummy import LOAD_FORMATS, build_dummy_model
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.parallel.config import ParallelConfig
@@ -32,6 +33,8 @@ class LLM:
     ``LLM(path, engram_placement="host")``, or of ``parallel`` (:class:`~dsinfer.parallel.config.ParallelConfig`),
     e.g. ``LLM(path, data_parallel_size=2, expert_parallel_size=2)``: with more than one rank the model runs in
     one process per rank (:mod:`dsinfer.parallel`) and this process holds no weights (``self.model`` is None).
+    ``load_format="dummy"`` reads only the directory's config and tokenizer and draws random weights
+    (:mod:`dsinfer.models.dummy`), for measuring a shape without its checkpoint; it runs one rank.
     """
 
     def __init__(
@@ -39,8 +42,11 @@ class LLM:
         model: str | Path | None = None,
         config: EngineConfig | None = None,
         parallel: ParallelConfig | None = None,
+        load_format: str = "auto",
         **options,
     ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: expected one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
         parallel_names = {f.name for f in fields(ParallelConfig)}
         parallel_options = {k: options.pop(k) for k in list(options) if k in parallel_names}
         config = replace(config or EngineConfig(), **options)
@@ -49,6 +55,8 @@ class LLM:
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: no CUDA device is available")
         self.model = None
+        if parallel.is_multi_rank and load_format == "dummy":
+            raise ValueError("load_format 'dummy' runs one rank: leave out the data / expert parallel sizes")
         if parallel.is_multi_rank:
             from dsinfer.parallel.ranked_engine import RankedEngine  # the ranks' processes and pipes
 
@@ -57,13 +65,16 @@ class LLM:
                 str(model_dir), self.tokenizer, ModelConfig.from_file(model_dir), config, parallel
             )
             return
-        self.model = load_model(
-            model_dir,
-            dtype=DTYPES[config.dtype],
-            device=config.device,
-            progress=False,
-            engram_placement=config.engram_placement,
-        )
+        if load_format == "dummy":
+            self.model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device)
+        else:
+            self.model = load_model(
+                model_dir,
+                dtype=DTYPES[config.dtype],
+                device=config.device,
+                progress=False,
+                engram_placement=config.engram_placement,
+            )
         try:
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.engine = LLMEngine(self.model, self.tokenizer, config)

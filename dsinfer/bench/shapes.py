@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from dsinfer.config import ModelConfig
+from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 
 
 def flash_slice_config(num_layers: int) -> ModelConfig:
@@ -19,3 +22,14 @@ def flash_slice_config(num_layers: int) -> ModelConfig:
         num_hash_layers=1,
         num_nextn_predict_layers=0,
     )
+
+
+def write_slice_directory(directory: str | Path, num_layers: int) -> Path:
+    """``config.json`` of :func:`flash_slice_config` and a tokenizer of its whole vocabulary, no weights: what
+    ``--load-format dummy`` serves (random prompts need only the ids; the tokenizer's pieces are synthetic)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = flash_slice_config(num_layers)
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    build_tiny_tokenizer(directory, vocab_size=config.vocab_size)
+    return directory

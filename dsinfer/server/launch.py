@@ -36,6 +36,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    load_format: str = "auto"  # 'dummy': the directory's config and tokenizer, random weights (dsinfer.models.dummy)
     api_key: str | None = None
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -67,7 +68,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     The app keeps the :class:`~dsinfer.llm.LLM` in ``app.state.llm``: close it after stopping the engine.
     """
     parallel = check_parallelism(options)
-    llm = LLM(options.model, engine_config, parallel)
+    llm = LLM(options.model, engine_config, parallel, load_format=options.load_format)
     name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
