@@ -193,9 +193,21 @@ class CacheRollback:
             _bytes(ring)[rows[ring.shape[1]]] = saved[source]
         rolled = [spans[i] for i in cut]
         kept_ends = [spans[i].start + keeps[i] for i in cut]
+        pending_plans, entry_plans = {}, {}  # index tensors shared by the compressors of one ratio
         for compressor, saved in zip(self.compressors, snapshot.compressors, strict=True):
-            records = [_record(journals[i], compressor) for i in cut] if compressor.pending is not None else None
-            self._rollback_compressor(compressor, saved, records, spans, cut, kept_ends)
+            ratio = compressor.ratio
+            if compressor.pending is not None:
+                if ratio not in pending_plans:
+                    pending_plans[ratio] = self._pending_plan(rolled, cut, kept_ends, ratio)
+                records = [_record(journals[i], compressor) for i in cut]
+                self._rollback_pending(compressor, saved, records, pending_plans[ratio])
+            key = (ratio, compressor.entries[0].shape[1])
+            if key not in entry_plans:
+                entry_plans[key] = self._entry_plan(compressor.entries[0], spans, cut, kept_ends, ratio)
+            if entry_plans[key] is not None:
+                blocks, offsets, source = entry_plans[key]
+                for tensor, values in zip(compressor.entries, saved.entries, strict=True):
+                    _bytes(tensor)[blocks, offsets] = values[source]
         if snapshot.engram_context is not None:
             accepted = [starts[i] + j for i in cut for j in range(keeps[i])]
             tokens = snapshot.token_ids.index_select(0, host_to_device(accepted, torch.long, self.device))
@@ -211,68 +223,68 @@ class CacheRollback:
         position_index = host_to_device(positions, torch.long, self.device)
         return {width: (slot_index, position_index % width) for width in {ring.shape[1] for ring in self.rings}}
 
-    def _rollback_compressor(
-        self,
-        compressor: CompressorTensors,
-        saved: CompressorSnapshot,
-        records: list | None,
-        spans: list[SequenceSpan],
-        cut: list[int],
-        kept_ends: list[int],
-    ) -> None:
-        ratio = compressor.ratio
-        windows = [end // ratio for end in kept_ends]  # the window the next position joins, per rolled span
-        if records is not None:
-            self._rollback_pending(compressor, saved, records, [spans[i] for i in cut], cut, kept_ends)
+    def _entry_plan(self, entries: torch.Tensor, spans, cut, kept_ends, ratio: int):
+        """(blocks, offsets, snapshot rows) of the entries to put back: those of windows only rejected positions
+        completed; None when there are none."""
         ranges = _entries_written(spans, ratio)
         bases = list(itertools.accumulate((len(r) for r in ranges), initial=0))
-        undo = [range(max(window, ranges[i].start), ranges[i].stop) for i, window in zip(cut, windows, strict=True)]
+        undo = [
+            range(max(end // ratio, ranges[i].start), ranges[i].stop) for i, end in zip(cut, kept_ends, strict=True)
+        ]
         if not any(undo):
-            return
-        blocks, offsets = _entry_index(compressor.entries[0], [spans[i] for i in cut], undo)
+            return None
+        blocks, offsets = _entry_index(entries, [spans[i] for i in cut], undo)
         source = [bases[i] + e - ranges[i].start for i, ids in zip(cut, undo, strict=True) for e in ids]
-        source = host_to_device(source, torch.long, self.device)
-        for tensor, values in zip(compressor.entries, saved.entries, strict=True):
-            _bytes(tensor)[blocks, offsets] = values[source]
+        return blocks, offsets, host_to_device(source, torch.long, self.device)
 
-    def _rollback_pending(self, compressor, saved, records, rolled, cut, kept_ends) -> None:
-        """Rebuild the unfinished window (and, overlapping, the last complete one) of every rolled-back span from
+    def _pending_plan(self, rolled: list[SequenceSpan], cut: list[int], kept_ends: list[int], ratio: int) -> dict:
+        """Where each rolled-back span's unfinished window (and, overlapping, last complete one) comes from: rows
+        of its journal record, laid end to end over the spans. A span's record holds positions from the start of
+        the window it started in (``start - start % ratio``) through its end."""
+        names = ("slots", "rows", "source", "recorded_slots", "recorded_source", "kept_slots", "kept_spans")
+        lists: dict[str, list[int]] = {name: [] for name in names}
+        base = 0
+        for span, index, kept_end in zip(rolled, cut, kept_ends, strict=True):
+            first = span.start - span.start % ratio
+            window = kept_end // ratio
+            pending, lo = kept_end - window * ratio, window * ratio - first
+            lists["slots"] += [span.slot] * pending
+            lists["rows"] += range(pending)
+            lists["source"] += range(base + lo, base + lo + pending)
+            if lo >= ratio:  # the last complete window ended inside the accepted part of the span
+                lists["recorded_slots"].append(span.slot)
+                lists["recorded_source"] += range(base + lo - ratio, base + lo)
+            else:
+                lists["kept_slots"].append(span.slot)
+                lists["kept_spans"].append(index)
+            base += span.start + span.length - first
+        plan = {
+            name: host_to_device(values, torch.long, self.device) if values else None for name, values in lists.items()
+        }
+        if plan["recorded_source"] is not None:
+            plan["recorded_source"] = plan["recorded_source"].view(-1, ratio)
+        return plan
+
+    @staticmethod
+    def _rollback_pending(compressor: CompressorTensors, saved: CompressorSnapshot, records: list, plan: dict):
+        """Rebuild the unfinished windows (and, overlapping, the last complete ones) of every rolled-back span from
         the values and gates its forward recorded, cut at the accepted length."""
-        ratio, device = compressor.ratio, self.device
-        bases = list(itertools.accumulate((record[2].shape[0] for record in records), initial=0))
         values = torch.cat([record[2] for record in records])
         gates = torch.cat([record[3] for record in records])
-        pending_slots, pending_rows, pending_source = [], [], []
-        recorded_slots, recorded_source, kept_slots, kept_spans = [], [], [], []
-        for index, (span, record, kept_end) in enumerate(zip(rolled, records, kept_ends, strict=True)):
-            window = kept_end // ratio
-            pending, lo = kept_end - window * ratio, window * ratio - record[1]
-            pending_slots += [span.slot] * pending
-            pending_rows += range(pending)
-            pending_source += range(bases[index] + lo, bases[index] + lo + pending)
-            if lo >= ratio:  # the last complete window ended inside the accepted part of the span
-                recorded_slots.append(span.slot)
-                recorded_source += range(bases[index] + lo - ratio, bases[index] + lo)
-            else:
-                kept_slots.append(span.slot)
-                kept_spans.append(cut[index])
         pending_values, pending_gates = compressor.pending
-        if pending_slots:
-            slots, rows = (host_to_device(v, torch.long, device) for v in (pending_slots, pending_rows))
-            source = host_to_device(pending_source, torch.long, device)
+        if plan["slots"] is not None:
+            slots, rows, source = plan["slots"], plan["rows"], plan["source"]
             pending_values[slots, rows] = values[source].to(pending_values.dtype)
             pending_gates[slots, rows] = gates[source].to(pending_gates.dtype)
         if compressor.previous is None:
             return
         previous_values, previous_gates = compressor.previous
-        if recorded_slots:
-            slots = host_to_device(recorded_slots, torch.long, device)
-            source = host_to_device(recorded_source, torch.long, device).view(len(recorded_slots), ratio)
+        if plan["recorded_slots"] is not None:
+            slots, source = plan["recorded_slots"], plan["recorded_source"]
             previous_values[slots] = values[source].to(previous_values.dtype)
             previous_gates[slots] = gates[source].to(previous_gates.dtype)
-        if kept_slots:
-            slots = host_to_device(kept_slots, torch.long, device)
-            which = host_to_device(kept_spans, torch.long, device)
+        if plan["kept_slots"] is not None:
+            slots, which = plan["kept_slots"], plan["kept_spans"]
             previous_values[slots] = saved.previous[0][which]
             previous_gates[slots] = saved.previous[1][which]
 
