@@ -123,7 +123,7 @@ def _mask_stop_tokens(scores: torch.Tensor, counts: list[int], states: list[Samp
         return scores
     device = scores.device
     index = (host_to_device(rows, torch.long, device), host_to_device(columns, torch.long, device))
-    return scores.index_put(index, torch.tensor(float("-inf"), device=device))
+    return scores.index_put(index, scores.new_full((), float("-inf")))
 
 
 def _randomness(states: list[SamplingState], counts: list[int], width: int, vocab: int, pool, device):

@@ -118,7 +118,9 @@ class SpeculativeExecutor:
                 offset += span.length
             snapshot = None
             if verifying:
-                tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
+                tokens = None  # V4.1's Engram look-back is rebuilt from the accepted tokens
+                if self.rollback.engram_history is not None:
+                    tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
                 snapshot = self.rollback.snapshot_spans([step.spans[i] for i in verifying], tokens)
             logits, target_hidden = self.drafter.target_forward(batch, step.sample_rows)
         outputs = self._judge(logits, plan, states)
