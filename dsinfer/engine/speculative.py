@@ -5,43 +5,42 @@ instead of the plain forward + sampler:
 
 1. the target forward over the whole packed batch (prefill chunks of other requests included) through the
    drafter, which keeps what it reads of the target (V4: the residual streams; V4.1: the captured target-layer
-   hiddens); verify spans record their compressor updates and are snapshotted first;
-2. each sampled sequence's rows are judged in order (:func:`verify_sequence`): penalties, ``min_tokens`` and
-   the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
+   hiddens); verify spans record their compressor updates and are snapshotted first, all spans at once;
+2. each sampled sequence's rows are judged (:mod:`dsinfer.engine.spec_verify`) with ``min_tokens``, penalties
+   and the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
    equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with randomness
-   from the request's own generator (seeded replay, batch invariance); sequences without drafts go through
-   the plain :class:`~dsinfer.engine.sampler.Sampler` and draw exactly what plain decoding draws;
-3. the cache writes of rejected positions are undone (:mod:`dsinfer.spec.rollback`);
-4. the drafter reads every kept position and drafts the next tokens: V4's MTP layer (:mod:`dsinfer.spec.mtp`,
-   ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`, ``method: dspark``).
+   from the request's own generator (seeded replay, batch invariance); sequences without drafts draw exactly
+   what plain decoding draws. Sequences without a grammar or penalties are judged together in one device
+   computation and read back in one host read; the others one at a time;
+3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.spec.rollback`);
+4. the drafter reads every kept position and drafts the next tokens of every sequence in one pass: V4's MTP
+   layer (:mod:`dsinfer.spec.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`,
+   ``method: dspark``), whose drafts come back in one more host read.
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from dsinfer.config import SpeculativeConfig
-from dsinfer.engine.sampler import (
-    SampleOutput,
-    Sampler,
-    SamplingState,
-    _outputs,
-    apply_penalties,
-    exponential_noise,
-    filtered_probs,
-    suppress_stop_tokens,
+from dsinfer.engine.sampler import Sampler, SamplingState
+from dsinfer.engine.spec_verify import (
+    SpeculativeOutput,
+    judge_batched,
+    needs_own_pass,
+    speculative_output,
+    verify_sequence,
 )
-from dsinfer.kv.batch import SequenceSpan
+from dsinfer.kv.batch import SequenceSpan, host_to_device
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.spec.drafting import Drafter, DraftInput
 from dsinfer.spec.dspark import DSparkDrafter
 from dsinfer.spec.mtp import MTPDrafter
-from dsinfer.spec.rejection import final_distribution, greedy_accept, num_accepted
 from dsinfer.spec.rollback import CacheRollback
 
 if TYPE_CHECKING:
@@ -55,15 +54,6 @@ class SpeculationPlan:
     drafts: list[list[int]]
     following_token: list[int | None]  # prompt token after a prefill chunk; None for a sampled span
     token_ids: list[int]  # the step's input ids on the host (the drafter's inputs are built from them)
-
-
-@dataclass
-class SpeculativeOutput(SampleOutput):
-    """A sampled sequence's verified tokens: ``token_ids`` are the accepted drafts then one more token."""
-
-    num_drafts: int = 0
-    num_accepted: int = 0
-    next_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -96,56 +86,6 @@ class SpeculativeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
-def verify_sequence(logits: torch.Tensor, drafts: list[int], state: SamplingState) -> tuple[list[int], int]:
-    """Judge ``drafts`` against the target's ``logits`` [len(drafts) + 1, V] of one sequence.
-
-    Returns the emitted tokens (accepted drafts, then the correction or bonus token) and how many drafts were
-    accepted. A grammar's state is advanced through the drafts it allows and rolled back before returning.
-    """
-    scores = logits.float().clone()
-    constraint = state.constraint
-    allowed = 0  # leading drafts the grammar allows (every draft without a grammar)
-    for row in range(len(drafts) + 1):
-        view = replace(state, output_token_ids=state.output_token_ids + drafts[:row])
-        apply_penalties(scores[row : row + 1], [view])
-        suppress_stop_tokens(scores[row : row + 1], [view])
-        if constraint is not None:
-            constraint.fill_mask(scores[row])
-        if row == len(drafts) or not torch.isfinite(scores[row, drafts[row]]):
-            break
-        if constraint is not None:
-            constraint.accept(drafts[row])
-        allowed += 1
-    if constraint is not None and allowed:
-        constraint.rollback(allowed)
-    rows = allowed + 1
-    draft_ids = torch.tensor(drafts[:allowed], dtype=torch.long, device=scores.device)
-    if state.params.greedy:
-        target = scores[:rows].argmax(dim=-1)
-        accepted = greedy_accept(target, draft_ids)
-        return drafts[:accepted] + [int(target[accepted])], accepted
-    probs = filtered_probs(scores[:rows], [state.params] * rows)[None]
-    uniforms = torch.rand(1, allowed, generator=state.generator).to(scores.device)
-    accepted = int(num_accepted(probs, draft_ids[None], uniforms)[0])
-    row = final_distribution(probs, draft_ids[None], torch.tensor([accepted], device=scores.device))
-    noise = exponential_noise([state.generator], row.shape[-1]).to(scores.device)
-    return drafts[:accepted] + [int((row / noise).argmax(-1)[0])], accepted
-
-
-def _speculative_output(logits: torch.Tensor, tokens: list[int], drafts: list[int], state) -> SpeculativeOutput:
-    """Logprobs of every emitted token (each from its own row's raw logits), as one output."""
-    views = [replace(state, output_token_ids=state.output_token_ids + drafts[:row]) for row in range(len(tokens))]
-    rows = _outputs(logits[: len(tokens)], tokens, views)
-    wants = state.params.logprobs is not None
-    return SpeculativeOutput(
-        token_ids=tokens,
-        logprobs=[r.logprobs[0] for r in rows] if wants else None,
-        top_logprobs=[r.top_logprobs[0] for r in rows] if rows[0].top_logprobs is not None else None,
-        num_drafts=len(drafts),
-        num_accepted=len(tokens) - 1,
-    )
-
-
 def build_drafter(model, cache, config: SpeculativeConfig) -> Drafter:
     """The drafter of ``config.method`` over the engine cache (the checkpoint was checked to support it)."""
     if config.method == "dspark":
@@ -161,6 +101,7 @@ class SpeculativeExecutor:
         self.drafter = build_drafter(self.model, self.cache, config)
         hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, hasher)
+        self.noise_pool = getattr(sampler, "_noise_pool", None)  # the sampler's noise threads, shared
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
         """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does:
@@ -168,52 +109,67 @@ class SpeculativeExecutor:
         plan: SpeculationPlan = step.speculation
         with torch.inference_mode():
             batch = self.runner.step_batch(step)  # Engram history restored first: the snapshots see it
-            snapshots, offset = {}, 0
+            verifying, rows, offset = [], [], 0
             for index, (span, drafts) in enumerate(zip(step.spans, plan.drafts, strict=True)):
                 if drafts:
-                    tokens = step.input_ids[offset : offset + span.length]
-                    snapshots[index] = self.rollback.snapshot(span, tokens)
+                    verifying.append(index)
+                    rows += range(offset, offset + span.length)
                     span.journal = []
                 offset += span.length
+            snapshot = None
+            if verifying:
+                tokens = None  # V4.1's Engram look-back is rebuilt from the accepted tokens
+                if self.rollback.engram_history is not None:
+                    tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
+                snapshot = self.rollback.snapshot_spans([step.spans[i] for i in verifying], tokens)
             logits, target_hidden = self.drafter.target_forward(batch, step.sample_rows)
         outputs = self._judge(logits, plan, states)
         with torch.inference_mode():
-            self._roll_back_and_draft(step, target_hidden, plan, outputs, snapshots)
+            self._roll_back_and_draft(step, target_hidden, plan, outputs, verifying, snapshot)
         return outputs
 
-    def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, snapshots) -> None:
-        """Undo the rejected positions' cache writes, then draft from the kept positions."""
+    def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, verifying, snapshot) -> None:
+        """Undo the rejected positions' cache writes (every verify span at once), then draft from the kept
+        positions."""
         sampled = [i for i, token in enumerate(plan.following_token) if token is None]
         kept = [span.length for span in step.spans]
         for index, output in zip(sampled, outputs, strict=True):
-            span = step.spans[index]
-            kept[index] = span.length - len(plan.drafts[index]) + output.num_accepted
-            if index in snapshots:
-                self.rollback.rollback(snapshots[index], span.journal, kept[index])
-                span.journal = None
+            kept[index] = step.spans[index].length - len(plan.drafts[index]) + output.num_accepted
+        if snapshot is not None:
+            journals = [step.spans[i].journal for i in verifying]
+            self.rollback.rollback_spans(snapshot, journals, [kept[i] for i in verifying])
+            for i in verifying:
+                step.spans[i].journal = None
         next_drafts = self.drafter.draft(self._draft_input(step, target_hidden, plan, outputs, sampled, kept))
         for output, drafts in zip(outputs, next_drafts, strict=True):
             output.next_drafts = drafts
 
     def _judge(self, logits: torch.Tensor, plan: SpeculationPlan, states: list[SamplingState]):
-        """One output per sampled sequence: plain sampling without drafts, verification with them."""
+        """One output per sampled sequence. Sequences without a grammar or penalties are judged together (one
+        host read for all); the others one at a time, through the plain sampler when they have no drafts."""
         drafts = [d for d, token in zip(plan.drafts, plan.following_token, strict=True) if token is None]
-        plain = [i for i, d in enumerate(drafts) if not d]
         row_of, row = [], 0
         for d in drafts:
             row_of.append(row)
             row += len(d) + 1
         outputs: list[SpeculativeOutput | None] = [None] * len(states)
+        batched = [i for i, state in enumerate(states) if not needs_own_pass(state)]
+        if batched:
+            judged = judge_batched(logits, [row_of[i] for i in batched], [drafts[i] for i in batched],
+                                   [states[i] for i in batched], self.noise_pool)  # fmt: skip
+            for i, output in zip(batched, judged, strict=True):
+                outputs[i] = output
+        plain = [i for i, state in enumerate(states) if needs_own_pass(state) and not drafts[i]]
         if plain:
-            index = torch.tensor([row_of[i] for i in plain], device=logits.device)
+            index = host_to_device([row_of[i] for i in plain], torch.long, logits.device)
             for i, out in zip(plain, self.sampler(logits.index_select(0, index), [states[i] for i in plain]),
                               strict=True):  # fmt: skip
                 outputs[i] = SpeculativeOutput(out.token_ids, out.logprobs, out.top_logprobs)
         for i, d in enumerate(drafts):
-            if d:
+            if d and outputs[i] is None:
                 rows = logits[row_of[i] : row_of[i] + len(d) + 1]
                 tokens, _ = verify_sequence(rows, d, states[i])
-                outputs[i] = _speculative_output(rows, tokens, d, states[i])
+                outputs[i] = speculative_output(rows, tokens, d, states[i])
         return outputs
 
     def _draft_input(self, step, target_hidden, plan, outputs, sampled, kept) -> DraftInput:
@@ -236,9 +192,9 @@ class SpeculativeExecutor:
             offset += span.length
         device = target_hidden.device
         return DraftInput(
-            target_hidden[torch.tensor(rows, device=device)],
-            torch.tensor(next_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
+            target_hidden[host_to_device(rows, torch.long, device)],
+            host_to_device(next_ids, torch.long, device),
+            host_to_device(positions, torch.long, device),
             spans,
             drafting,
         )

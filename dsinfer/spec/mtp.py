@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.spec.drafting import DraftInput
@@ -46,40 +46,33 @@ class MTPDrafter:
         streams = layer.draft_streams(inputs.target_hidden, embedded, inputs.next_token_ids, batch, model.rope.window)
         if not inputs.drafting:
             return []
-        last_rows = torch.tensor(inputs.last_rows(), device=streams.device)
-        streams = streams[last_rows]
+        device = streams.device
+        streams = streams[host_to_device(inputs.last_rows(), torch.long, device)]
         token = model.head(layer.collapse(streams)).float().argmax(-1)
         drafts = [token]
         spans = [inputs.spans[i] for i in inputs.drafting]
         next_positions = [span.start + span.length for span in spans]  # where each bonus token sits
         if self.num_tokens > 1:
             ring = self.cache.layers[layer.layer_id].window
-            saved = self._save_ring(ring, spans, next_positions)
+            written = self._ring_index(ring, spans, next_positions)
+            saved = ring[written].clone()
             for depth in range(1, self.num_tokens):
                 chain_spans = [
                     SequenceSpan(p + depth - 1, 1, s.slot, s.block_table, 0, s.window_from)
                     for s, p in zip(spans, next_positions, strict=True)
                 ]
-                positions = torch.tensor([p + depth - 1 for p in next_positions], device=streams.device)
+                positions = host_to_device([p + depth - 1 for p in next_positions], torch.long, device)
                 chain = PackedBatch(token, positions, chain_spans, self.cache)
                 streams = layer.draft_streams(streams, model.embed(token), token, chain, model.rope.window)
                 token = model.head(layer.collapse(streams)).float().argmax(-1)
                 drafts.append(token)
-            self._restore_ring(ring, spans, next_positions, saved)
-        return torch.stack(drafts, dim=1).tolist()
+            ring[written] = saved
+        return torch.stack(drafts, dim=1).tolist()  # the drafter's one host read
 
     def _ring_index(self, ring: torch.Tensor, spans: list[SequenceSpan], next_positions: list[int]):
         """(slots, ring rows) the chain steps write: positions next .. next + num_tokens - 2 of every span."""
         width = ring.shape[1]
         steps = self.num_tokens - 1
-        slots = torch.tensor([s.slot for s in spans for _ in range(steps)], device=ring.device)
-        rows = torch.tensor([(p + d) % width for p in next_positions for d in range(steps)], device=ring.device)
-        return slots, rows
-
-    def _save_ring(self, ring, spans, next_positions) -> torch.Tensor:
-        slots, rows = self._ring_index(ring, spans, next_positions)
-        return ring[slots, rows].clone()
-
-    def _restore_ring(self, ring, spans, next_positions, saved: torch.Tensor) -> None:
-        slots, rows = self._ring_index(ring, spans, next_positions)
-        ring[slots, rows] = saved
+        slots = [s.slot for s in spans for _ in range(steps)]
+        rows = [(p + d) % width for p in next_positions for d in range(steps)]
+        return host_to_device(slots, torch.long, ring.device), host_to_device(rows, torch.long, ring.device)

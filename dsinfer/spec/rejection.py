@@ -84,3 +84,36 @@ def rejection_sample(
     accepted = num_accepted(target_probs, draft_ids, uniforms, draft_probs)
     row = final_distribution(target_probs, draft_ids, accepted, draft_probs)
     return accepted, (row / noise).argmax(-1)
+
+
+def accept_argmax_drafts(
+    probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_sample` for argmax drafts (one-hot ``q``) of ``B`` sequences with different draft counts.
+
+    ``probs`` [B, n + 1, V]: each sequence's target probabilities (unnormalised; rows past its ``num_drafts + 1``
+    are ignored), ``draft_ids`` [B, n] (ids past a sequence's count are ignored), ``num_drafts`` [B],
+    ``uniforms`` [B, n], ``noise`` [B, V] of Exp(1) draws. Draft j is accepted when ``u_j < p_j(d_j)``; after a
+    rejection the token is drawn from ``p_j`` without ``d_j`` (``max(p - q, 0)``), after all drafts from the bonus
+    row, which is drawn exactly as a plain decode step draws it (``probs / noise``, argmax). Returns
+    ``(num_accepted [B], last [B])``, with no host read.
+    """
+    count, columns = draft_ids.shape
+    rows = torch.arange(count, device=probs.device)
+    if columns == 0:
+        return torch.zeros(count, dtype=torch.long, device=probs.device), (probs[:, 0] / noise).argmax(-1)
+    p_draft = probs[:, :columns].gather(-1, draft_ids[..., None]).squeeze(-1)
+    mass = probs[:, :columns].sum(-1)
+    valid = torch.arange(columns, device=probs.device)[None, :] < num_drafts[:, None]
+    accepted = ((uniforms * mass < p_draft) & valid).long().cumprod(-1).sum(-1)  # u < p(d) / sum(p), undivided
+    row = probs[rows, accepted]
+    stopped_at = draft_ids.gather(1, accepted.clamp(max=columns - 1)[:, None])
+    residual = row.scatter(-1, stopped_at, 0.0)
+    # A rejection happens only where p(d) < 1, so the residual has mass there; guard rounding anyway.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
+    final = torch.where((accepted < num_drafts)[:, None], residual, row)
+    return accepted, (final / noise).argmax(-1)
