@@ -4,10 +4,11 @@ A decode step (one token per sequence) of either model is driven by device tenso
 history and FP8 / FP4 cache writes included), so it can be recorded once and replayed: the host then issues
 one launch instead of several hundred small kernels per layer, which is most of an eager step's time at small
 batches. Each bucket owns static input buffers (token ids, positions, state slots, window starts, block tables
-at full width, sample rows) and the logits the graph writes. A step of ``B`` sequences runs in the smallest bucket ``>= B``; the rows past ``B`` are padding
-that decodes position 0 of the cache's spare slot, whose block tables point at the trash block, so they
-touch nothing a sequence owns (V4.1: their Engram history is the spare slot's). Graphs are captured when the
-runner is built, before any other thread uses the device, with every row padding.
+at full width, sample rows) and the logits the graph writes. A step of ``B`` sequences runs in the smallest
+bucket ``>= B``; the rows past ``B`` are padding that decodes position 0 of the cache's spare slot, whose block
+tables point at the trash block, so they touch nothing a sequence owns (V4.1: their Engram history is the spare
+slot's). Graphs are captured when the runner is built, before any other thread uses the device, with every row
+padding.
 
 Without capture (``capture=False``: CPU, tests) the same buffers and padding run eagerly, which is how the
 CPU test suite checks the padding and the static tables against plain decoding.
