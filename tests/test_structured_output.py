@@ -316,7 +316,7 @@ def _generate(model, states, max_steps, eos, bias=None, force=None, must_finish=
             logits = model(batch, logits_for=batch.last_token_indices())
         if bias is not None:
             logits = logits + bias
-        outputs = Sampler(noise_threads=1)(logits, [states[i] for i in running])
+        outputs = Sampler()(logits, [states[i] for i in running])
         for i, output in zip(list(running), outputs, strict=True):
             token_id = force.get((i, step), output.token_ids[0])
             states[i].output_token_ids.append(token_id)
