@@ -105,6 +105,8 @@ class TokenCounts:
 
     @property
     def rows_in_use(self) -> int:
+        """Rows held by live requests (rows of dead ones are otherwise taken back only when the pool is full)."""
+        self._release_dead()
         return len(self._rows)
 
     def _reset(self, vocab_size: int, device: torch.device) -> None:
