@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import gc
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsinfer.engine.sampler as sampler_module
+from dsinfer.engine import sampler_reference as reference
 from dsinfer.engine.sampler import Sampler, SamplingState, apply_penalties, make_sampling_state, suppress_stop_tokens
 from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sampler_reference as reference  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EOS = 3
@@ -128,6 +124,7 @@ def test_greedy_tokens_with_penalties_follow_the_reference_over_steps(device):
         expected_scores = reference.suppress_stop_tokens(reference.apply_penalties(logits.clone(), states), states)
         tokens = [output.token_ids[0] for output in sampler(logits, states)]
         assert tokens == expected_scores.argmax(dim=-1).tolist(), step
+        assert tokens == reference.sample_row_by_row(logits, states), step
         for state, token in zip(states, tokens, strict=True):
             state.output_token_ids.append(token)
 

@@ -12,6 +12,7 @@ from dsinfer.engine.sampling_noise import (
     RACE_STREAM,
     as_int64,
     exponentials,
+    key_tensor,
     mix64,
     noise_key,
     race,
@@ -69,6 +70,7 @@ def test_device_bits_equal_the_pure_python_stream_for_random_keys(device):
     keys = [int(k) for k in torch.randint(0, 2**62, (6,), generator=generator)] + [2**64 - 1, 2**63, 2**63 - 1]
     keys = [k * 3 % 2**64 for k in keys]  # spread over the full 64-bit range, negative int64 included
     vocab_size = 777
+    assert torch.equal(key_tensor(keys, device), _keys(keys, device))
     bits = uniform_bits(_keys(keys, device), vocab_size).cpu()
     for row, key in enumerate(keys):
         stream = SplitMix64(key)

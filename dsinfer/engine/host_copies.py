@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (a list, or a list of equal-length rows) as a ``dtype`` tensor on ``device``."""
     host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
 
-def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+def device_index(values: list[int], device: torch.device | str) -> torch.Tensor:
     """An int64 index tensor of ``values`` on ``device``."""
     return to_device(values, torch.int64, device)
 

@@ -30,7 +30,7 @@ import torch
 
 from dsinfer.engine.grammar_masks import apply_grammar_masks
 from dsinfer.engine.host_copies import device_index, read_back, to_device
-from dsinfer.engine.sampling_noise import RACE_STREAM, as_int64, noise_key, race
+from dsinfer.engine.sampling_noise import RACE_STREAM, key_tensor, noise_key, race
 from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
 
@@ -223,7 +223,7 @@ def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> to
     if not sampled_rows:
         return scores.argmax(dim=-1)  # torch.argmax returns the first maximum: the lowest id wins ties
     sampled_states = [states[row] for row in sampled_rows]
-    keys = to_device([as_int64(state.noise_key()) for state in sampled_states], torch.int64, scores.device)
+    keys = key_tensor([state.noise_key() for state in sampled_states], scores.device)
     if len(sampled_rows) == len(states):
         return race(filtered_probs(scores, [state.params for state in states]), keys)
     token_ids = scores.argmax(dim=-1)

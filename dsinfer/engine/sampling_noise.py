@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.engine.host_copies import to_device
+
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment
 MIX1 = 0xBF58476D1CE4E5B9
@@ -58,6 +60,11 @@ def as_int64(value: int) -> int:
     """A uint64 held in a Python int, as the int64 with the same bits (what torch stores)."""
     value &= MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def key_tensor(keys: list[int], device: torch.device) -> torch.Tensor:
+    """Row keys (uint64 Python ints) as an int64 tensor on ``device``, copied without a stream sync."""
+    return to_device([as_int64(key) for key in keys], torch.int64, device)
 
 
 _COLUMN_OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -81,6 +81,9 @@ class TokenCounts:
         self, states: Sequence[_HasTokens], vocab_size: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring every state's row up to date and return copies for the batch: counts and prompt mask."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # what a tensor's .device reports
         if self._counts is None or self._counts.device != device or self._counts.shape[1] != vocab_size:
             self._reset(vocab_size, device)
         rows, fresh = [], []

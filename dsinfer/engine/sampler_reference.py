@@ -1,11 +1,14 @@
 """The sampler's row-by-row steps as they were before batching: the reference the batched ones must equal.
 
-Each function handles one request at a time with plain indexing, exactly as ``dsinfer.engine.sampler`` did when
-it drew its noise from per-request CPU generators; the tests compare the batched device ops against these on
-random inputs.
+Each function handles one request at a time with plain indexing, exactly as :mod:`dsinfer.engine.sampler` did
+when it drew its noise from per-request CPU generators. The tests compare the batched device ops against these
+on random inputs, and ``benchmarks/sampler_step.py`` times :func:`sample_row_by_row` (the whole former step)
+against the batched sampler.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -59,3 +62,27 @@ def logprobs(raw_logits: torch.Tensor, token_ids: list[int], states):
         values, ids = row_logprobs.topk(min(count, raw_logits.shape[-1]))
         result.append((row_logprobs[token_ids[row]].item(), list(zip(ids.tolist(), values.tolist(), strict=True))))
     return result
+
+
+def sample_row_by_row(logits: torch.Tensor, states, pool: ThreadPoolExecutor | None = None) -> list[int]:
+    """The former sampler step: row-by-row penalties and masks, then greedy or a race on CPU-generator noise.
+
+    ``pool`` draws the rows' noise on threads, as the former sampler did. Returns the chosen ids; logprobs are
+    :func:`logprobs`.
+    """
+    from dsinfer.engine.sampler import exponential_noise, filtered_probs
+
+    scores = logits.float().clone()
+    apply_penalties(scores, states)
+    suppress_stop_tokens(scores, states)
+    apply_constraints(scores, states)
+    token_ids = scores.argmax(dim=-1)
+    sampled_rows = [row for row, state in enumerate(states) if not state.params.greedy]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, device=scores.device)
+        sampled_states = [states[row] for row in sampled_rows]
+        probs = filtered_probs(scores.index_select(0, index), [state.params for state in sampled_states])
+        generators = [state.generator for state in sampled_states]
+        noise = exponential_noise(generators, scores.shape[-1], pool, pin_memory=scores.is_cuda)
+        token_ids[index] = (probs / noise.to(scores.device, non_blocking=True)).argmax(dim=-1)
+    return token_ids.tolist()
