@@ -3,6 +3,7 @@
     python benchmarks/sampler_step.py                                  # CPU: batch 1 32 256, V = 129,280
     python benchmarks/sampler_step.py --device cuda                    # the same on a GPU
     python benchmarks/sampler_step.py --batch 256 --modes top_p --repeats 20
+    python benchmarks/sampler_step.py --threads 1                      # a shared CPU: one torch thread
 
 Modes: ``greedy`` (temperature 0), ``top_p`` (temperature 0.8, top-p 0.95, seeded), ``penalised`` (``top_p`` plus
 repetition 1.1, presence 0.3 and frequency 0.2 over a ``--prompt``-token prompt and a growing output). Each
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--noise-threads", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser.parse_args(argv)
 
 
@@ -57,25 +59,29 @@ def _states(mode: str, batch: int, prompt_tokens: int, vocab_size: int):
     return states
 
 
-def _time_steps(step, states, logits: torch.Tensor, repeats: int, warmup: int) -> float:
-    """Median milliseconds of ``step(logits, states) -> token ids``, each step appending its tokens."""
-    times = []
+def _time_steps(steps: dict, states: dict, logits: torch.Tensor, repeats: int, warmup: int) -> dict[str, float]:
+    """Median milliseconds of each ``step(logits, states) -> token ids``, the steps taking turns (a busy machine
+    slows both alike), each appending its tokens to its own states."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for index in range(warmup + repeats):
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        start = time.perf_counter()
-        tokens = step(logits, states)
-        elapsed = (time.perf_counter() - start) * 1e3
-        for state, token in zip(states, tokens, strict=True):
-            state.output_token_ids.append(token)
-        if index >= warmup:
-            times.append(elapsed)
-    return statistics.median(times)
+        for name, step in steps.items():
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            start = time.perf_counter()
+            tokens = step(logits, states[name])
+            elapsed = (time.perf_counter() - start) * 1e3
+            for state, token in zip(states[name], tokens, strict=True):
+                state.output_token_ids.append(token)
+            if index >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     pool = ThreadPoolExecutor(args.noise_threads) if args.noise_threads > 1 else None
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, vocab {args.vocab}")  # fmt: skip
@@ -91,10 +97,10 @@ def main(argv: list[str] | None = None) -> None:
             def former(logits, states):
                 return sample_row_by_row(logits, states, pool)
 
-            former_ms = _time_steps(former, _states(mode, batch, args.prompt, args.vocab), logits, args.repeats,
-                                    args.warmup)  # fmt: skip
-            batched_ms = _time_steps(batched, _states(mode, batch, args.prompt, args.vocab), logits, args.repeats,
-                                     args.warmup)  # fmt: skip
+            steps = {"former": former, "batched": batched}
+            states = {name: _states(mode, batch, args.prompt, args.vocab) for name in steps}
+            medians = _time_steps(steps, states, logits, args.repeats, args.warmup)
+            former_ms, batched_ms = medians["former"], medians["batched"]
             print(f"{mode:>10} {batch:>6} {former_ms:>10.2f} {batched_ms:>11.2f} {former_ms / batched_ms:>7.2f}")
     if pool is not None:
         pool.shutdown()

@@ -160,7 +160,7 @@ def _penalise_rows(scores, penalised: list[int], states, counts: torch.Tensor, p
     values = to_device(rows_of_values, torch.float32, device)
     whole = len(penalised) == scores.shape[0]
     index = None if whole else device_index(penalised, device)
-    rows = scores if whole else scores.index_select(0, index)
+    rows = scores if whole else scores[index]
     rows = penalise(rows, counts, prompt_seen, values[:, 0], values[:, 1], values[:, 2])
     if whole:
         scores.copy_(rows)
@@ -228,7 +228,7 @@ def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> to
         return race(filtered_probs(scores, [state.params for state in states]), keys)
     token_ids = scores.argmax(dim=-1)
     index = device_index(sampled_rows, scores.device)
-    probs = filtered_probs(scores.index_select(0, index), [state.params for state in sampled_states])
+    probs = filtered_probs(scores[index], [state.params for state in sampled_states])
     return token_ids.index_copy_(0, index, race(probs, keys))
 
 
@@ -331,8 +331,8 @@ def _outputs(
         return [SampleOutput([token_id], None, None) for token_id in host_tokens.tolist()]
     whole = len(wanted) == len(states)
     index = None if whole else device_index(wanted, device)
-    logprobs = (raw_logits if whole else raw_logits.index_select(0, index)).float().log_softmax(dim=-1)
-    picked = tokens if whole else tokens.index_select(0, index)
+    logprobs = (raw_logits if whole else raw_logits[index]).float().log_softmax(dim=-1)
+    picked = tokens if whole else tokens[index]
     chosen = logprobs.gather(1, picked[:, None]).squeeze(1)
     most = min(max(states[row].params.logprobs for row in wanted), raw_logits.shape[-1])
     top_values, top_ids = logprobs.topk(most, dim=-1)  # sorted, most likely first

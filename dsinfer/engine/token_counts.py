@@ -104,7 +104,7 @@ class TokenCounts:
         for row, state in zip(rows, states, strict=True):
             row.counted = len(state.output_token_ids)
         index = device_index(slots, device)
-        return self._counts.index_select(0, index), self._prompt_seen.index_select(0, index)
+        return self._counts[index], self._prompt_seen[index]  # row gathers (index_select is slower on CPU)
 
     @property
     def rows_in_use(self) -> int:
