@@ -324,3 +324,27 @@ def test_a_step_reads_the_device_once(monkeypatch):
             for state, output in zip(states, outputs, strict=True):
                 state.output_token_ids.append(output.token_ids[0])
     assert reads == [4, 4, 4]  # one read per step: tokens, logprobs, top-n values and ids together
+
+
+# --------------------------------------------------------------------------------------------
+# What speculative decoding draws with
+# --------------------------------------------------------------------------------------------
+
+
+def test_accept_uniforms_depend_on_position_only():
+    state = _state(seed=9, output=[1, 2, 3])
+    five = sampler_module.accept_uniforms(state, 5, "cpu")
+    assert torch.equal(sampler_module.accept_uniforms(state, 2, "cpu"), five[:2])  # the draft count changes nothing
+    later = _state(seed=9, output=[1, 2, 3, 4])
+    assert torch.equal(sampler_module.accept_uniforms(later, 4, "cpu"), five[1:])  # keyed by absolute position
+    assert ((five >= 0) & (five < 1)).all() and len(set(five.tolist())) == 5
+
+
+def test_race_at_the_next_position_draws_what_the_sampler_draws():
+    generator = torch.Generator().manual_seed(8)
+    for seed in range(20):
+        logits = torch.randn(1, 50, generator=generator) * 2
+        state = _state(seed=seed, output=[4] * (seed % 3))
+        probs = sampler_module.filtered_probs(logits, [state.params])
+        drawn = sampler_module.race_at(probs, state, len(state.output_token_ids))
+        assert drawn.tolist() == Sampler()(logits, [state])[0].token_ids

@@ -30,7 +30,7 @@ import torch
 
 from dsinfer.engine.grammar_masks import apply_grammar_masks
 from dsinfer.engine.host_copies import device_index, read_back, to_device
-from dsinfer.engine.sampling_noise import RACE_STREAM, key_tensor, noise_key, race
+from dsinfer.engine.sampling_noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
 from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
 
@@ -232,9 +232,22 @@ def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> to
     return token_ids.index_copy_(0, index, race(probs, keys))
 
 
-def choose_tokens(scores: torch.Tensor, states: list[SamplingState], noise_pool: object = None) -> list[int]:
-    """:func:`choose_token_tensor`, read back as a list (``noise_pool`` is accepted and unused)."""
-    return choose_token_tensor(scores, states).tolist()
+def accept_uniforms(state: SamplingState, count: int, device: torch.device | str) -> torch.Tensor:
+    """Speculative decoding's accept / reject uniforms for drafts at the next ``count`` output positions.
+
+    Float32 ``[count]`` in ``[0, 1)``: the draft at output position ``p`` always gets the uniform keyed by
+    ``(seed, sample index, p)`` on :data:`~dsinfer.engine.sampling_noise.ACCEPT_STREAM`, however many drafts are
+    verified with it and whatever the batch, so seeded speculative runs replay and stay batch-invariant.
+    """
+    start = len(state.output_token_ids)
+    keys = key_tensor([state.noise_key(start + offset, ACCEPT_STREAM) for offset in range(count)], device)
+    return uniforms(keys, 1).view(count)
+
+
+def race_at(probs: torch.Tensor, state: SamplingState, position: int) -> torch.Tensor:
+    """Draw from one row of unnormalised ``probs`` ``[1, V]`` with the race noise of output ``position``: the
+    noise plain decoding uses there (a speculative correction or bonus token). Returns int64 ``[1]``."""
+    return race(probs, key_tensor([state.noise_key(position)], probs.device))
 
 
 def filtered_probs(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
