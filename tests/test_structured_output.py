@@ -279,6 +279,43 @@ def test_sampler_masks_constrained_rows_before_filtering_and_leaves_others_alone
     assert tokens[3] == Sampler()(logits[3:].to(device), [alone])[0].token_ids[0] == forbidden
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_grammar_masks_equal_each_row_masked_alone(tokenizer, compiler, device):
+    """One bitmask for the batch: active, terminated, not yet started and unconstrained rows side by side."""
+    from dsinfer.engine.sampler import apply_constraints
+
+    think_end = tokenizer.token_to_id(THINK_END_TOKEN)
+    walking = compiler.make_constraint(StructuredOutput("json_schema", SCHEMA))
+    for token_id in tokenizer.encode('{"color": "bl'):
+        walking.accept(token_id)
+    done = compiler.make_constraint(StructuredOutput("regex", r"[0-9]{2}"))
+    for token_id in tokenizer.encode("42"):
+        done.accept(token_id)
+    done.accept(tokenizer.eos_id)
+    assert done.is_terminated()
+    constraints = [
+        compiler.make_constraint(StructuredOutput("json_object")),
+        None,
+        walking,
+        compiler.make_constraint(StructuredOutput("json_object"), start_after_token=think_end),  # inactive
+        done,
+        compiler.make_constraint(StructuredOutput("grammar", 'root ::= "yes" | "no"')),
+    ]
+    states = [
+        make_sampling_state(SamplingParams(), [0], tokenizer.eos_id, constraint=constraint)
+        for constraint in constraints
+    ]
+    logits = torch.randn(len(states), 512, generator=torch.Generator().manual_seed(2)).to(device)
+    expected = logits.clone()
+    for row, constraint in enumerate(constraints):
+        if constraint is not None:
+            constraint.fill_mask(expected[row])
+    batched = apply_constraints(logits.clone(), states)
+    assert torch.equal(batched, expected)
+    assert torch.isfinite(batched[4]).nonzero().flatten().tolist() == [tokenizer.eos_id]
+    assert torch.equal(batched[1], logits[1]) and torch.equal(batched[3], logits[3])
+
+
 def test_a_complete_grammar_ends_the_sequence_despite_min_tokens(tokenizer, compiler):
     structured = StructuredOutput("grammar", 'root ::= "no"')
     state = _constrained_state(compiler, structured, [0], tokenizer.eos_id, temperature=0.0, min_tokens=8)
@@ -316,7 +353,7 @@ def _generate(model, states, max_steps, eos, bias=None, force=None, must_finish=
             logits = model(batch, logits_for=batch.last_token_indices())
         if bias is not None:
             logits = logits + bias
-        outputs = Sampler(noise_threads=1)(logits, [states[i] for i in running])
+        outputs = Sampler()(logits, [states[i] for i in running])
         for i, output in zip(list(running), outputs, strict=True):
             token_id = force.get((i, step), output.token_ids[0])
             states[i].output_token_ids.append(token_id)

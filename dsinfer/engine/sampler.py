@@ -5,10 +5,17 @@ frequency on output tokens) -> stop tokens masked while the output is shorter th
 the structured-output grammar's mask, for rows that have one -> greedy argmax, or temperature -> top-k ->
 top-p -> min-p -> an exponential race.
 
-Batch invariance is the design constraint. A request's token depends only on its own logits, its own
-generator and how many tokens it has drawn, never on which row it sits in or what else is in the batch:
-the noise is drawn per request from its own ``torch.Generator`` on the CPU (so CUDA and CPU runs draw the
-same numbers), and every other step works row by row. A seeded request therefore replays exactly.
+Batch invariance is the design constraint. A request's token depends only on its own logits, its own seed and
+its output position, never on which row it sits in or what else is in the batch: the race's noise is a pure
+function of (seed, sample index, output position, vocab column) (:mod:`dsinfer.engine.sampling_noise`), so it
+needs no per-request generator state and is the same on every device, and every other step is an elementwise
+or per-row operation with each row's own parameters. A seeded request therefore replays exactly.
+
+The whole batch is sampled in a few batched device ops: per-row parameters travel as small tensors (pinned,
+non-blocking copies), the penalties read per-request token counts kept on the device
+(:class:`~dsinfer.engine.token_counts.TokenCounts`), grammar masks are filled into one bitmask and applied in
+one add (:mod:`dsinfer.engine.grammar_masks`), and the host reads the device once per step: the chosen tokens
+and, when asked for, their logprobs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsinfer.engine.grammar_masks import apply_grammar_masks
+from dsinfer.engine.host_copies import device_index, read_back, to_device
+from dsinfer.engine.sampling_noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
+from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # importing xgrammar costs seconds; only requests with structured output need it
@@ -37,8 +48,15 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # the engine appends each token it accepts
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and params.stop_token_ids
-    generator: torch.Generator  # CPU generator owned by this request alone
+    generator: torch.Generator  # CPU generator owned by this request alone (speculative verification draws)
     constraint: GrammarConstraint | None = None  # structured output; the engine advances it, we only read it
+    seed: int = 0  # the noise key's seed: params.seed, or a random one for unseeded requests
+    sample_index: int = 0  # which of the request's n completions: part of the noise key
+
+    def noise_key(self, position: int | None = None, stream: int = RACE_STREAM) -> int:
+        """The key of this request's noise at output ``position`` (default: the next token's)."""
+        position = len(self.output_token_ids) if position is None else position
+        return noise_key(self.seed, self.sample_index, position, stream)
 
 
 @dataclass
@@ -58,20 +76,22 @@ def make_sampling_state(
     sample_index: int = 0,
     constraint: GrammarConstraint | None = None,
 ) -> SamplingState:
-    """Build a request's state: its stop ids and its own generator.
+    """Build a request's state: its stop ids, its noise seed and its own generator.
 
-    ``sample_index`` tells apart the ``n`` completions of one seeded request: completion ``i`` is seeded with
-    ``seed + i``, so they differ from each other yet each replays exactly. Unseeded requests draw a fresh
-    seed from the operating system, so no two requests share a random stream. ``constraint`` is this
-    completion's own structured-output grammar state (never shared between completions).
+    ``sample_index`` tells apart the ``n`` completions of one request: it is part of the noise key, so they
+    differ from each other yet each replays exactly (the generator is seeded with ``seed + i``). Unseeded
+    requests draw a fresh seed from the operating system, so no two requests share a random stream.
+    ``constraint`` is this completion's own structured-output grammar state (never shared between completions).
     """
     stop_token_ids = set(params.stop_token_ids)
     if eos_token_id is not None and not params.ignore_eos:
         stop_token_ids.add(eos_token_id)
-    seed = secrets.randbits(63) if params.seed is None else params.seed + sample_index
+    seed = secrets.randbits(64) if params.seed is None else params.seed
     generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed % _SEED_MODULUS)
-    return SamplingState(params, list(prompt_token_ids), [], frozenset(stop_token_ids), generator, constraint)
+    generator.manual_seed((seed + sample_index) % _SEED_MODULUS)
+    return SamplingState(
+        params, list(prompt_token_ids), [], frozenset(stop_token_ids), generator, constraint, seed, sample_index
+    )
 
 
 class Sampler:
@@ -85,12 +105,12 @@ class Sampler:
     temperature, as vLLM reports them by default: they describe what the model believes, not the filtered
     distribution the token was drawn from.
 
-    ``noise_threads`` CPU threads draw the per-request noise side by side: one generator fills 129k floats in
-    about 1 ms, so a 256-request batch would otherwise spend ~250 ms a step there (H200 host, measured).
+    The sampler keeps device rows of token counts for the requests with penalties (released when the request
+    object is gone); one thread calls it.
     """
 
-    def __init__(self, noise_threads: int = 8) -> None:
-        self._noise_pool = ThreadPoolExecutor(noise_threads, "sampler-noise") if noise_threads > 1 else None
+    def __init__(self) -> None:
+        self._token_counts = TokenCounts()
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutput]:
         """Sample one token per row; see the class docstring for the contract."""
@@ -98,12 +118,20 @@ class Sampler:
             raise ValueError(f"logits must be [len(states)={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
             return []
-        scores = logits.float().clone()
-        apply_penalties(scores, states)
+        scores = logits.to(torch.float32, copy=True)
+        penalised = [row for row, state in enumerate(states) if _has_penalties(state.params)]
+        if penalised:
+            rows = [states[row] for row in penalised]
+            counts, prompt_seen = self._token_counts.gather(rows, scores.shape[-1], scores.device)
+            _penalise_rows(scores, penalised, rows, counts, prompt_seen)
         suppress_stop_tokens(scores, states)
         apply_constraints(scores, states)
-        token_ids = choose_tokens(scores, states, self._noise_pool)
+        token_ids = choose_token_tensor(scores, states)
         return _outputs(logits, token_ids, states)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def apply_penalties(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -112,19 +140,49 @@ def apply_penalties(scores: torch.Tensor, states: list[SamplingState]) -> torch.
     Repetition (HF / vLLM): every token seen in prompt or output has a positive logit divided by the
     penalty and a negative one multiplied by it. Presence and frequency (OpenAI): a token generated
     ``c`` times loses ``frequency_penalty * c + presence_penalty * (c > 0)``; the prompt does not count.
+    The counts are built from the states' token lists (no cache), so a state may describe a hypothetical
+    output (speculative drafts appended).
     """
-    for row, state in enumerate(states):
-        params = state.params
-        if params.repetition_penalty != 1.0 and (state.prompt_token_ids or state.output_token_ids):
-            seen = torch.tensor(state.prompt_token_ids + state.output_token_ids, device=scores.device).unique()
-            values = scores[row, seen]
-            penalty = params.repetition_penalty
-            scores[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
-        if (params.presence_penalty or params.frequency_penalty) and state.output_token_ids:
-            generated, counts = torch.tensor(state.output_token_ids).unique(return_counts=True)
-            deduction = params.frequency_penalty * counts.float() + params.presence_penalty
-            scores[row, generated.to(scores.device)] -= deduction.to(scores.device)
+    penalised = [row for row, state in enumerate(states) if _has_penalties(state.params)]
+    if penalised:
+        rows = [states[row] for row in penalised]
+        counts, prompt_seen = count_tokens(rows, scores.shape[-1], scores.device)
+        _penalise_rows(scores, penalised, rows, counts, prompt_seen)
     return scores
+
+
+def _penalise_rows(scores, penalised: list[int], states, counts: torch.Tensor, prompt_seen: torch.Tensor) -> None:
+    """Penalise rows ``penalised`` of ``scores`` in place, from their counts and prompt masks."""
+    device = scores.device
+    rows_of_values = [
+        [s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty] for s in states
+    ]
+    values = to_device(rows_of_values, torch.float32, device)
+    whole = len(penalised) == scores.shape[0]
+    index = None if whole else device_index(penalised, device)
+    rows = scores if whole else scores[index]
+    rows = penalise(rows, counts, prompt_seen, values[:, 0], values[:, 1], values[:, 2])
+    if whole:
+        scores.copy_(rows)
+    else:
+        scores.index_copy_(0, index, rows)
+
+
+def penalise(
+    scores: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """The penalties as tensor ops: ``scores`` float32 ``[n, V]``, ``counts`` of output tokens ``[n, V]``,
+    ``prompt_seen`` bool ``[n, V]``, one penalty of each kind per row. Neutral values leave a row bit-exact."""
+    generated = counts > 0
+    repetition = repetition[:, None]
+    repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores = torch.where(prompt_seen | generated, repeated, scores)
+    return scores - (frequency[:, None] * counts + presence[:, None] * generated)
 
 
 def suppress_stop_tokens(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -135,38 +193,61 @@ def suppress_stop_tokens(scores: torch.Tensor, states: list[SamplingState]) -> t
     ``min_tokens``, since masking eos there could leave no token at all.
     """
     vocab_size = scores.shape[-1]
+    rows: list[int] = []
+    token_ids: list[int] = []
     for row, state in enumerate(states):
+        if len(state.output_token_ids) >= state.params.min_tokens:
+            continue
         if state.constraint is not None and state.constraint.is_completed():
             continue
-        if len(state.output_token_ids) < state.params.min_tokens:
-            blocked = [token_id for token_id in state.stop_token_ids if token_id < vocab_size]
-            if blocked:
-                scores[row, torch.tensor(blocked, device=scores.device)] = float("-inf")
+        blocked = [token_id for token_id in state.stop_token_ids if token_id < vocab_size]
+        rows += [row] * len(blocked)
+        token_ids += blocked
+    if token_ids:
+        where = (device_index(rows, scores.device), device_index(token_ids, scores.device))
+        scores.index_put_(where, torch.full((), float("-inf"), device=scores.device))
     return scores
 
 
 def apply_constraints(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Mask, in place, the tokens each constrained row's grammar forbids next; returns ``scores``."""
-    for row, state in enumerate(states):
-        if state.constraint is not None:
-            state.constraint.fill_mask(scores[row])
-    return scores
+    return apply_grammar_masks(scores, [state.constraint for state in states])
 
 
-def choose_tokens(
-    scores: torch.Tensor, states: list[SamplingState], noise_pool: ThreadPoolExecutor | None = None
-) -> list[int]:
-    """Greedy rows take the argmax (lowest id on ties); the others race on their filtered probabilities."""
-    token_ids = scores.argmax(dim=-1)  # torch.argmax returns the first maximum: the lowest id wins ties
+def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Greedy rows take the argmax (lowest id on ties); the others race on their filtered probabilities.
+
+    Returns the chosen ids as an int64 device tensor ``[B]`` (nothing is read back to the host here).
+    """
     sampled_rows = [row for row, state in enumerate(states) if not state.params.greedy]
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, device=scores.device)
-        sampled_states = [states[row] for row in sampled_rows]
-        probs = filtered_probs(scores.index_select(0, index), [state.params for state in sampled_states])
-        generators = [state.generator for state in sampled_states]
-        noise = exponential_noise(generators, scores.shape[-1], noise_pool, pin_memory=scores.is_cuda)
-        token_ids[index] = (probs / noise.to(scores.device, non_blocking=True)).argmax(dim=-1)
-    return token_ids.tolist()
+    if not sampled_rows:
+        return scores.argmax(dim=-1)  # torch.argmax returns the first maximum: the lowest id wins ties
+    sampled_states = [states[row] for row in sampled_rows]
+    keys = key_tensor([state.noise_key() for state in sampled_states], scores.device)
+    if len(sampled_rows) == len(states):
+        return race(filtered_probs(scores, [state.params for state in states]), keys)
+    token_ids = scores.argmax(dim=-1)
+    index = device_index(sampled_rows, scores.device)
+    probs = filtered_probs(scores[index], [state.params for state in sampled_states])
+    return token_ids.index_copy_(0, index, race(probs, keys))
+
+
+def accept_uniforms(state: SamplingState, count: int, device: torch.device | str) -> torch.Tensor:
+    """Speculative decoding's accept / reject uniforms for drafts at the next ``count`` output positions.
+
+    Float32 ``[count]`` in ``[0, 1)``: the draft at output position ``p`` always gets the uniform keyed by
+    ``(seed, sample index, p)`` on :data:`~dsinfer.engine.sampling_noise.ACCEPT_STREAM`, however many drafts are
+    verified with it and whatever the batch, so seeded speculative runs replay and stay batch-invariant.
+    """
+    start = len(state.output_token_ids)
+    keys = key_tensor([state.noise_key(start + offset, ACCEPT_STREAM) for offset in range(count)], device)
+    return uniforms(keys, 1).view(count)
+
+
+def race_at(probs: torch.Tensor, state: SamplingState, position: int) -> torch.Tensor:
+    """Draw from one row of unnormalised ``probs`` ``[1, V]`` with the race noise of output ``position``: the
+    noise plain decoding uses there (a speculative correction or bonus token). Returns int64 ``[1]``."""
+    return race(probs, key_tensor([state.noise_key(position)], probs.device))
 
 
 def filtered_probs(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -175,16 +256,28 @@ def filtered_probs(scores: torch.Tensor, params: list[SamplingParams]) -> torch.
     The result is unnormalised after min-p (tokens below the cut are zeroed, the rest keep their mass):
     the exponential race picks token ``i`` with probability ``p_i / sum(p)``, so scaling does not matter.
     """
-    device = scores.device
-    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    scores = scores / temperatures[:, None]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    values = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], torch.float32, scores.device)
+    use_top = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    use_min_p = any(p.min_p > 0 for p in params)
+    return filter_probs(scores, values[:, 0], values[:, 1], values[:, 2], values[:, 3], use_top, use_min_p)
+
+
+def filter_probs(
+    scores: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    use_top: bool = True,
+    use_min_p: bool = True,
+) -> torch.Tensor:
+    """:func:`filtered_probs` on per-row parameter tensors (``top_k`` may be float: its values are integers);
+    ``use_top`` / ``use_min_p`` False skip the filters that no row uses (their neutral values change nothing)."""
+    scores = scores / temperature[:, None]
+    if use_top:
         scores = _mask_top_k_top_p(scores, top_k, top_p)
     probs = scores.softmax(dim=-1)
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    if use_min_p:
         cut = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < cut, 0.0)
     return probs
@@ -214,13 +307,12 @@ def exponential_noise(
     pool: ThreadPoolExecutor | None = None,
     pin_memory: bool = False,
 ) -> torch.Tensor:
-    """One row of Exp(1) noise per generator, drawn on the CPU so every device sees the same numbers.
+    """One row of Exp(1) noise per CPU generator (speculative verification still draws from the generator).
 
     Drawn as ``-log(U)`` from ``torch.rand``, several times faster on CPU than ``Tensor.exponential_``.
-    ``U == 0`` gives ``inf``, which only drops that token from this one race (``p / inf == 0``) and never
-    produces NaN, unlike a zero noise value divided into a masked zero probability. Each row is filled by
-    its own generator alone, so spreading rows over ``pool`` threads changes no value. Pinned memory lets
-    the copy to a GPU run without a staging pass.
+    ``U == 0`` gives ``inf``, which only drops that token from this one race (``p / inf == 0``). Each row is
+    filled by its own generator alone, so spreading rows over ``pool`` threads changes no value. Plain
+    sampling uses the counter-based noise of :mod:`dsinfer.engine.sampling_noise` instead.
     """
     noise = torch.empty(len(generators), vocab_size, pin_memory=pin_memory)
 
@@ -236,26 +328,39 @@ def exponential_noise(
     return noise.log_().neg_()
 
 
-def _outputs(raw_logits: torch.Tensor, token_ids: list[int], states: list[SamplingState]) -> list[SampleOutput]:
-    """Wrap the chosen tokens, adding logprobs from the raw logits for the rows that asked for them."""
+def _outputs(
+    raw_logits: torch.Tensor, token_ids: list[int] | torch.Tensor, states: list[SamplingState]
+) -> list[SampleOutput]:
+    """Wrap the chosen tokens, adding logprobs from the raw logits for the rows that asked for them.
+
+    ``token_ids`` may be a device tensor: the tokens, their logprobs and the top-n come back to the host in
+    one read (non-blocking copies, then one wait on the stream).
+    """
+    device = raw_logits.device
+    tokens = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=device)
     wanted = [row for row, state in enumerate(states) if state.params.logprobs is not None]
-    chosen: dict[int, float] = {}
+    if not wanted:
+        (host_tokens,) = read_back(tokens)
+        return [SampleOutput([token_id], None, None) for token_id in host_tokens.tolist()]
+    whole = len(wanted) == len(states)
+    index = None if whole else device_index(wanted, device)
+    logprobs = (raw_logits if whole else raw_logits[index]).float().log_softmax(dim=-1)
+    picked = tokens if whole else tokens[index]
+    chosen = logprobs.gather(1, picked[:, None]).squeeze(1)
+    most = min(max(states[row].params.logprobs for row in wanted), raw_logits.shape[-1])
+    top_values, top_ids = logprobs.topk(most, dim=-1)  # sorted, most likely first
+    host_tokens, host_chosen, host_values, host_ids = read_back(tokens, chosen, top_values, top_ids)
+    token_list = host_tokens.tolist()
+    chosen_by_row = dict(zip(wanted, host_chosen.tolist(), strict=True))
     top: dict[int, list[tuple[int, float]]] = {}
-    if wanted:
-        index = torch.tensor(wanted, device=raw_logits.device)
-        logprobs = raw_logits.index_select(0, index).float().log_softmax(dim=-1)
-        picked = torch.tensor([token_ids[row] for row in wanted], device=raw_logits.device)
-        chosen = dict(zip(wanted, logprobs.gather(1, picked[:, None]).squeeze(1).tolist(), strict=True))
-        most = min(max(states[row].params.logprobs for row in wanted), raw_logits.shape[-1])
-        top_values, top_ids = logprobs.topk(most, dim=-1)  # sorted, most likely first
-        for row, ids, values in zip(wanted, top_ids.tolist(), top_values.tolist(), strict=True):
-            count = states[row].params.logprobs
-            top[row] = list(zip(ids[:count], values[:count], strict=True))
+    for row, ids, values in zip(wanted, host_ids.tolist(), host_values.tolist(), strict=True):
+        count = states[row].params.logprobs
+        top[row] = list(zip(ids[:count], values[:count], strict=True))
     return [
         SampleOutput(
             token_ids=[token_id],
-            logprobs=[chosen[row]] if row in chosen else None,
+            logprobs=[chosen_by_row[row]] if row in chosen_by_row else None,
             top_logprobs=[top[row]] if row in top else None,
         )
-        for row, token_id in enumerate(token_ids)
+        for row, token_id in enumerate(token_list)
     ]

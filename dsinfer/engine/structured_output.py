@@ -283,6 +283,22 @@ class GrammarConstraint:
         if self._matcher.fill_next_token_bitmask(self._bitmask):  # False: every token allowed
             apply_token_bitmask(logits_row, self._bitmask[0])
 
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> bool:
+        """Write the next token's allowed set into row ``index`` of a CPU int32 bitmask (xgrammar's layout).
+
+        Returns False when every token is allowed (the row is left as it was: callers start from all ones)
+        and True otherwise; the batched form of :meth:`fill_mask`. Inactive: False. Terminated: stop tokens.
+        """
+        if not self._active:
+            return False
+        if self._matcher.is_terminated():
+            bitmask[index].zero_()
+            for token_id in self.stop_token_ids:
+                bit = 1 << (token_id % 32)
+                bitmask[index, token_id // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 bits
+            return True
+        return self._matcher.fill_next_token_bitmask(bitmask, index)
+
     def accept(self, token_id: int) -> None:
         """Advance past the token just appended to the sequence; GrammarViolation if it was not allowed.
 
