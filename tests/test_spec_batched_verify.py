@@ -71,7 +71,7 @@ def _case(seed: int):
 def test_batched_judging_emits_what_judging_each_sequence_alone_emits(seed):
     logits, drafts, params, outputs, first_rows = _case(seed)
     batched = judge_batched(logits, first_rows, drafts, _states(params, outputs))
-    alone_states, sampler = _states(params, outputs), Sampler(noise_threads=1)
+    alone_states, sampler = _states(params, outputs), Sampler()
     accepted_somewhere = 0
     for b, (state, d) in enumerate(zip(alone_states, drafts, strict=True)):
         rows = logits[first_rows[b] : first_rows[b] + len(d) + 1]

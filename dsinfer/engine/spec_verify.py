@@ -4,7 +4,8 @@ A sequence's rows (its last token's, then one per draft) are judged as if the ea
 of its output. Most sequences need nothing from the host between their rows, so they are judged together in
 one device computation (:func:`judge_batched`): ``min_tokens`` masks known from the host's lengths, greedy rows
 matched against the argmax, sampled rows through :func:`~dsinfer.spec.rejection.accept_argmax_drafts` with
-uniforms and noise from each request's own generator (seeded replay, batch invariance), logprobs of the
+counter-based uniforms and noise keyed by each request's seed and output position (seeded replay, batch
+invariance; the correction or bonus token gets the noise plain decoding draws at its position), logprobs of the
 emitted tokens; the whole step's result then comes to the host in one read. Sequences with a grammar or
 penalties take their own pass (:func:`verify_sequence`): the grammar's mask at a row depends on the drafts
 before it, and penalties count them; without drafts those go through the plain sampler.
@@ -12,7 +13,6 @@ before it, and penalties count them; without drafts those go through the plain s
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -21,11 +21,13 @@ from dsinfer.engine.sampler import (
     SampleOutput,
     SamplingState,
     _outputs,
+    accept_uniforms,
     apply_penalties,
-    exponential_noise,
     filtered_probs,
+    race_at,
     suppress_stop_tokens,
 )
+from dsinfer.engine.sampling_noise import exponentials, key_tensor
 from dsinfer.kv.batch import host_to_device
 from dsinfer.spec.rejection import accept_argmax_drafts, final_distribution, greedy_accept, num_accepted
 
@@ -65,7 +67,6 @@ def judge_batched(
     first_rows: list[int],
     drafts: list[list[int]],
     states: list[SamplingState],
-    noise_pool: ThreadPoolExecutor | None = None,
 ) -> list[SpeculativeOutput]:
     """Judge sequences without a grammar or penalties all at once; one host read for all of them.
 
@@ -90,8 +91,7 @@ def judge_batched(
         rows = host_to_device(sampled, torch.long, device)
         params = [states[b].params for b in sampled for _ in range(width)]
         probs = filtered_probs(scores.view(len(drafts), width, vocab)[rows].flatten(0, 1), params)
-        uniforms, noise = _randomness([states[b] for b in sampled], [counts[b] for b in sampled], width, vocab,
-                                      noise_pool, device)  # fmt: skip
+        uniforms, noise = _randomness([states[b] for b in sampled], [counts[b] for b in sampled], width, vocab, device)
         drawn, drawn_last = accept_argmax_drafts(probs.view(len(sampled), width, vocab), draft_ids[rows],
                                                  num_drafts[rows], uniforms, noise)  # fmt: skip
         accepted, last = accepted.index_put((rows,), drawn), last.index_put((rows,), drawn_last)
@@ -126,15 +126,16 @@ def _mask_stop_tokens(scores: torch.Tensor, counts: list[int], states: list[Samp
     return scores.index_put(index, scores.new_full((), float("-inf")))
 
 
-def _randomness(states: list[SamplingState], counts: list[int], width: int, vocab: int, pool, device):
-    """Each sampled sequence's uniforms (one per draft) and then its Exp(1) noise row, from its own generator."""
-    pinned = device.type == "cuda"
-    uniforms = torch.ones(len(states), width - 1, pin_memory=pinned)
+def _randomness(states: list[SamplingState], counts: list[int], width: int, vocab: int, device):
+    """Each sampled sequence's accept uniforms (one per draft, keyed by the draft's output position) and its
+    race noise at each of the ``width`` output positions its last token may land on ([S, width, V])."""
+    uniforms = torch.ones(len(states), width - 1, device=device)
     for row, (state, n) in enumerate(zip(states, counts, strict=True)):
         if n:
-            torch.rand(n, generator=state.generator, out=uniforms[row, :n])
-    noise = exponential_noise([state.generator for state in states], vocab, pool, pin_memory=pinned)
-    return uniforms.to(device, non_blocking=True), noise.to(device, non_blocking=True)
+            uniforms[row, :n] = accept_uniforms(state, n, device)
+    keys = [state.noise_key(len(state.output_token_ids) + j) for state in states for j in range(width)]
+    noise = exponentials(key_tensor(keys, device), vocab).view(len(states), width, vocab)
+    return uniforms, noise
 
 
 def _unpack(values: list[float], drafts, states, wanted: list[int], width: int, most: int):
@@ -189,11 +190,10 @@ def verify_sequence(logits: torch.Tensor, drafts: list[int], state: SamplingStat
         accepted = greedy_accept(target, draft_ids)
         return drafts[:accepted] + [int(target[accepted])], accepted
     probs = filtered_probs(scores[:rows], [state.params] * rows)[None]
-    uniforms = torch.rand(1, allowed, generator=state.generator).to(scores.device)
+    uniforms = accept_uniforms(state, allowed, scores.device)[None]
     accepted = int(num_accepted(probs, draft_ids[None], uniforms)[0])
     row = final_distribution(probs, draft_ids[None], torch.tensor([accepted], device=scores.device))
-    noise = exponential_noise([state.generator], row.shape[-1]).to(scores.device)
-    return drafts[:accepted] + [int((row / noise).argmax(-1)[0])], accepted
+    return drafts[:accepted] + [int(race_at(row, state, len(state.output_token_ids) + accepted)[0])], accepted
 
 
 def speculative_output(logits: torch.Tensor, tokens: list[int], drafts: list[int], state) -> SpeculativeOutput:

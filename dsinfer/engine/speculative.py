@@ -8,10 +8,10 @@ instead of the plain forward + sampler:
    hiddens); verify spans record their compressor updates and are snapshotted first, all spans at once;
 2. each sampled sequence's rows are judged (:mod:`dsinfer.engine.spec_verify`) with ``min_tokens``, penalties
    and the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
-   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with randomness
-   from the request's own generator (seeded replay, batch invariance); sequences without drafts draw exactly
-   what plain decoding draws. Sequences without a grammar or penalties are judged together in one device
-   computation and read back in one host read; the others one at a time;
+   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with counter-based
+   randomness keyed by the request's seed and output position (seeded replay, batch invariance); sequences
+   without drafts draw exactly what plain decoding draws. Sequences without a grammar or penalties are judged
+   together in one device computation and read back in one host read; the others one at a time;
 3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.spec.rollback`);
 4. the drafter reads every kept position and drafts the next tokens of every sequence in one pass: V4's MTP
    layer (:mod:`dsinfer.spec.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`,
@@ -101,11 +101,9 @@ class SpeculativeExecutor:
         self.drafter = build_drafter(self.model, self.cache, config)
         hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, hasher)
-        self.noise_pool = getattr(sampler, "_noise_pool", None)  # the sampler's noise threads, shared
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
-        """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does:
-        its noise is filled on a thread pool)."""
+        """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does)."""
         plan: SpeculationPlan = step.speculation
         with torch.inference_mode():
             batch = self.runner.step_batch(step)  # Engram history restored first: the snapshots see it
@@ -156,7 +154,7 @@ class SpeculativeExecutor:
         batched = [i for i, state in enumerate(states) if not needs_own_pass(state)]
         if batched:
             judged = judge_batched(logits, [row_of[i] for i in batched], [drafts[i] for i in batched],
-                                   [states[i] for i in batched], self.noise_pool)  # fmt: skip
+                                   [states[i] for i in batched])  # fmt: skip
             for i, output in zip(batched, judged, strict=True):
                 outputs[i] = output
         plain = [i for i, state in enumerate(states) if needs_own_pass(state) and not drafts[i]]

@@ -97,13 +97,16 @@ def accept_argmax_drafts(
 
     ``probs`` [B, n + 1, V]: each sequence's target probabilities (unnormalised; rows past its ``num_drafts + 1``
     are ignored), ``draft_ids`` [B, n] (ids past a sequence's count are ignored), ``num_drafts`` [B],
-    ``uniforms`` [B, n], ``noise`` [B, V] of Exp(1) draws. Draft j is accepted when ``u_j < p_j(d_j)``; after a
-    rejection the token is drawn from ``p_j`` without ``d_j`` (``max(p - q, 0)``), after all drafts from the bonus
-    row, which is drawn exactly as a plain decode step draws it (``probs / noise``, argmax). Returns
-    ``(num_accepted [B], last [B])``, with no host read.
+    ``uniforms`` [B, n], ``noise`` [B, V] of Exp(1) draws, or [B, n + 1, V]: one row per output position, of
+    which the row after the accepted drafts is used (the noise plain decoding draws at that position). Draft j
+    is accepted when ``u_j < p_j(d_j)``; after a rejection the token is drawn from ``p_j`` without ``d_j``
+    (``max(p - q, 0)``), after all drafts from the bonus row, which is drawn exactly as a plain decode step
+    draws it (``probs / noise``, argmax). Returns ``(num_accepted [B], last [B])``, with no host read.
     """
     count, columns = draft_ids.shape
     rows = torch.arange(count, device=probs.device)
+    if noise.dim() == 3 and columns == 0:
+        noise = noise[:, 0]
     if columns == 0:
         return torch.zeros(count, dtype=torch.long, device=probs.device), (probs[:, 0] / noise).argmax(-1)
     p_draft = probs[:, :columns].gather(-1, draft_ids[..., None]).squeeze(-1)
@@ -116,4 +119,6 @@ def accept_argmax_drafts(
     # A rejection happens only where p(d) < 1, so the residual has mass there; guard rounding anyway.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
     final = torch.where((accepted < num_drafts)[:, None], residual, row)
+    if noise.dim() == 3:
+        noise = noise[rows, accepted]
     return accepted, (final / noise).argmax(-1)
