@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.kv.batch import host_to_device
+
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (a list, or a list of equal-length rows) as a ``dtype`` tensor on ``device``."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return host_to_device(values, dtype, device)
 
 
 def device_index(values: list[int], device: torch.device | str) -> torch.Tensor:
