@@ -19,6 +19,12 @@ Within a forward, what a source publishes for the layers after it lives in one d
 and written through its methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
 A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
 concatenates, which is a bug: see docs/model.md).
+
+Prefill attention is V4's op, ``sparse_attention_prefill``, once per layer for the whole packed batch: the
+sources compress and the index sources choose per sequence first, then the op reads each token's window (new
+rows, earlier positions from the ring) and its chosen entries of the reused source, through the views
+:mod:`dsinfer.layers.csa2_prefill` makes of the cache (its tensors as they are in model-dtype storage, decoded
+rings and entry blocks in coded storage).
 """
 
 from __future__ import annotations
