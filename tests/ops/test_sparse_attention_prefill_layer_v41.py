@@ -35,9 +35,9 @@ STEPS = (
 )
 
 
-def _checking_table(record: list) -> registry.OpTable:
+def _checking_table(record: list, device: str) -> registry.OpTable:
     """The reference table, with a prefill op that also launches the kernel and records how far it is."""
-    table = registry.reference_table("cpu", torch.float32)
+    table = registry.reference_table(device, torch.float32)
 
     def checked(*args):
         want = sparse_attention_prefill_reference(*args)
@@ -52,42 +52,53 @@ def _checking_table(record: list) -> registry.OpTable:
     return table
 
 
-def _run_steps(model: DeepseekV41, table: registry.OpTable, quantized: bool) -> list[torch.Tensor]:
+def _run_steps(model: DeepseekV41, table: registry.OpTable, quantized: bool, device: str) -> None:
     registry.bind_ops(model, table)
     need = [math.ceil(n / BLOCK_TOKENS) for n in LENGTHS]
-    cache = KVCacheV41(model.config, 4, sum(need) + 2, BLOCK_TOKENS, torch.float32, "cpu",
+    cache = KVCacheV41(model.config, 4, sum(need) + 2, BLOCK_TOKENS, torch.float32, device,
                        quantized_storage=quantized)  # fmt: skip
     order = torch.randperm(sum(need) + 1, generator=torch.Generator().manual_seed(4)).tolist()
     tables = [order[sum(need[:s]) : sum(need[: s + 1])] for s in range(3)]
     tokens = torch.randint(3, 500, (3, max(LENGTHS)), generator=torch.Generator().manual_seed(5))
-    logits = []
     for step in STEPS:
         spans, ids, positions = [], [], []
         for sequence, start, length, window_from in step:
             spans.append(SequenceSpan(start, length, SLOTS[sequence], tables[sequence], window_from=window_from))
             ids += tokens[sequence, start : start + length].tolist()
             positions += range(start, start + length)
-        logits.append(model(PackedBatch(torch.tensor(ids), torch.tensor(positions), spans, cache)))
-    return logits
+        model(PackedBatch(torch.tensor(ids, device=device), torch.tensor(positions, device=device), spans, cache))
 
 
-def run_interpreted_cases() -> list[str]:
-    """TRITON_INTERPRET=1 must be set before Triton loads."""
-    model = randomize_v41_(DeepseekV41(tiny_config_v41(engram_layer_ids=(), engram_num_embeddings=()), False), 3)
-    layers = model.config.num_hidden_layers
+def check_layers(device: str) -> list[str]:
+    """Failure messages: calls that were not made as expected, or whose kernel result is off the reference."""
+    config = tiny_config_v41(engram_layer_ids=(), engram_num_embeddings=())
+    model = randomize_v41_(DeepseekV41(config, with_mtp=False), seed=3).to(device)
+    layers, compressed = config.num_hidden_layers, sum(1 for ratio in config.compress_ratios if ratio)
     failures = []
     for quantized in (False, True):
         record = []
         with torch.inference_mode():
-            _run_steps(model, _checking_table(record), quantized)
-        if len(record) != layers * len(STEPS) or sum(chosen for chosen, _ in record) != 8 * len(STEPS):
-            failures.append(f"quantized={quantized}: {len(record)} calls, {sum(c for c, _ in record)} with entries")
+            _run_steps(model, _checking_table(record, device), quantized, device)
+        with_entries = sum(chosen for chosen, _ in record)
+        if len(record) != layers * len(STEPS) or with_entries != compressed * len(STEPS):
+            failures.append(f"quantized={quantized}: {len(record)} calls, {with_entries} with chosen entries")
         for call, (_, error) in enumerate(record):
             if not error <= 1e-5:
                 failures.append(f"quantized={quantized} step {call // layers} layer {call % layers}: {error:.3g}")
     return failures
 
 
+def run_interpreted_cases() -> list[str]:
+    """TRITON_INTERPRET=1 must be set before Triton loads."""
+    return check_layers("cpu")
+
+
 def test_v41_layer_prefill_with_triton_equals_reference_in_the_interpreter():
     pytest.importorskip("triton")
     assert_interpreted_cases_pass("test_sparse_attention_prefill_layer_v41")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_v41_layer_prefill_with_triton_equals_reference_on_cuda():
+    pytest.importorskip("triton")
+    assert check_layers("cuda") == []
