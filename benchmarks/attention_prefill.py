@@ -3,12 +3,19 @@
     python benchmarks/attention_prefill.py                                   # CSA and HCA, 4,096 and 16,384 tokens
     python benchmarks/attention_prefill.py --tokens 4096 --sequences 4 --start 1000 --layers csa
     python benchmarks/attention_prefill.py --sweep --tokens 4096             # time launch configurations
+    python benchmarks/attention_prefill.py --layers csa v41-r2 v41-r1 --coded  # V4.1-Flash's layers beside V4's CSA
 
 A packed batch of ``--sequences`` sequences sharing ``tokens`` new tokens, each chunk starting at position
 ``--start`` (0: whole prompts; later: the ring holds the window before it). 64 heads x 512 (one K=V row per key,
 shared by every head), a 128-position window, compressed entries in 128-token blocks: a CSA layer (ratio 4, 32
 entries per block) attends to top-512 of its visible entries per token (random distinct ones here, ascending,
 -1 where fewer are visible), an HCA layer (ratio 128, one entry per block) to every visible entry.
+
+V4.1-Flash's compressed layers (``v41-r2``: the ratio-2 sources and their reusers, 32 entries per 64-token block;
+``v41-r1``: the ratio-1 decoder layers, 64 per block) take the same window and top-512 but keep the indexer's
+score order (what the V4.1 layer hands the op); ``--coded`` also times what V4.1's coded cache storage adds per
+layer: decoding the rings of the batch (FP8 + ue8m0) and the blocks its tables name (FP4 + e4m3; once per KV
+source, shared by its reusers) into the op's model-dtype layout.
 
 For each point: the median milliseconds per call of the reference (per sequence, dense logits over blocks of
 queries) and of the Triton op, their ratio, the Triton op's tokens per second, and the largest deviation of each
@@ -31,8 +38,9 @@ from dsinfer.ops.sparse_attention import prefill_triton as backend
 from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
 from dsinfer.ops.sparse_attention.triton import DecodeConfig, choose_config
 
-BLOCK_TOKENS = 128
-RATIOS = {"csa": 4, "hca": 128}
+RATIOS = {"csa": 4, "hca": 128, "v41-r2": 2, "v41-r1": 1}
+BLOCK_TOKENS = {"csa": 128, "hca": 128, "v41-r2": 64, "v41-r1": 64}  # V4.1: 64-token blocks (lcm of its ratios)
+TOP_K = ("csa", "v41-r2", "v41-r1")  # the layers that attend to an indexer's choice (the rest: every entry)
 SWEEP_CONFIGS = [(16, 32, 4, 2), (16, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)]
 
 
@@ -51,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-reference", action="store_true", help="time the Triton op only (no deviations)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--coded", action="store_true", help="V4.1 layers: also time decoding the coded storage")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -60,17 +69,20 @@ def make_step(args, layer: str, tokens: int, device, gen: torch.Generator) -> di
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ratio, batch = RATIOS[layer], args.sequences
     lengths = [tokens // batch + (1 if s < tokens % batch else 0) for s in range(batch)]
-    per_block = BLOCK_TOKENS // ratio
-    blocks_per_seq = math.ceil((args.start + max(lengths)) / BLOCK_TOKENS)
+    block_tokens = BLOCK_TOKENS[layer]
+    per_block = block_tokens // ratio
+    blocks_per_seq = math.ceil((args.start + max(lengths)) / block_tokens)
     positions = torch.cat([torch.arange(args.start, args.start + n, device=device) for n in lengths])
     entries = torch.randn(batch * blocks_per_seq, per_block, args.head_dim, device=device, generator=gen, dtype=dtype)
     tables = torch.randperm(batch * blocks_per_seq, device=device, generator=gen).view(batch, blocks_per_seq)
     indices = None
-    if layer == "csa":
+    if layer in TOP_K:
         visible = torch.div(positions + 1, ratio, rounding_mode="floor")
         scores = torch.rand(tokens, blocks_per_seq * per_block, device=device, generator=gen)
         scores = scores.masked_fill(torch.arange(scores.shape[1], device=device) >= visible[:, None], -1.0)
-        chosen = scores.topk(min(args.topk, scores.shape[1]), dim=1).indices.sort(dim=1).values
+        chosen = scores.topk(min(args.topk, scores.shape[1]), dim=1).indices
+        if layer == "csa":  # V4's indexer hands its choice in entry order, V4.1's in score order
+            chosen = chosen.sort(dim=1).values
         indices = torch.where(chosen < visible[:, None], chosen, -1)
         del scores
     rows = [0]
@@ -114,6 +126,8 @@ def deviation(got: torch.Tensor, exact: torch.Tensor) -> float:
 def run_point(args, layer: str, tokens: int, device, gen) -> dict:
     step = make_step(args, layer, tokens, device, gen)
     row = {"layer": layer, "tokens": tokens}
+    if args.coded and layer.startswith("v41"):
+        row["decode_ms"] = coded_decode_ms(args, step)
     triton_out = backend.sparse_attention_prefill_triton(**step)
     row["triton_ms"] = median_ms(lambda: backend.sparse_attention_prefill_triton(**step), args.warmup, args.iters)
     if not args.no_reference:
@@ -124,19 +138,44 @@ def run_point(args, layer: str, tokens: int, device, gen) -> dict:
     return row
 
 
+def coded_decode_ms(args, step: dict) -> tuple[float, float]:
+    """Milliseconds to decode the step's rings and its tables' entry blocks from V4.1's coded storage."""
+    from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, WINDOW_KV_FORMAT
+
+    dtype = step["q"].dtype
+    window_codes = WINDOW_KV_FORMAT.encode(step["window"])
+    entry_codes = COMPRESSED_KV_FORMAT.encode(step["entries"])
+    tables = step["block_tables"]
+
+    def rings():
+        return WINDOW_KV_FORMAT.decode(*window_codes, dtype)
+
+    def entries():
+        codes, scales = (t.view(torch.uint8)[tables].view(t.dtype) for t in entry_codes)
+        return COMPRESSED_KV_FORMAT.decode(codes, scales, dtype)
+
+    return median_ms(rings, args.warmup, args.iters), median_ms(entries, args.warmup, args.iters)
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'layer':>5} {'tokens':>7} {'reference ms':>12} {'triton ms':>10} {'ratio':>7} {'tok/s':>10} "
-          f"{'triton dev':>10} {'ref dev':>9}")  # fmt: skip
+    print(f"{'layer':>7} {'tokens':>7} {'reference ms':>12} {'triton ms':>10} {'ratio':>7} {'tok/s':>10} "
+          f"{'triton dev':>10} {'ref dev':>9} {'rings ms':>9} {'entries ms':>10}")  # fmt: skip
     for r in rows:
         reference = r.get("reference_ms", float("nan"))
-        print(f"{r['layer']:>5} {r['tokens']:>7} {reference:>12.3f} {r['triton_ms']:>10.3f} "
+        rings, entries = r.get("decode_ms", (float("nan"), float("nan")))
+        print(f"{r['layer']:>7} {r['tokens']:>7} {reference:>12.3f} {r['triton_ms']:>10.3f} "
               f"{reference / r['triton_ms']:>7.1f} {r['tokens'] / r['triton_ms'] * 1e3:>10.0f} "
-              f"{r.get('triton_dev', float('nan')):>10.2e} {r.get('reference_dev', float('nan')):>9.2e}")  # fmt: skip
-    print("ratio: reference ms / Triton ms. dev: max |x - fp32 reference on the same inputs|.")
+              f"{r.get('triton_dev', float('nan')):>10.2e} {r.get('reference_dev', float('nan')):>9.2e} "
+              f"{rings:>9.3f} {entries:>10.3f}")  # fmt: skip
+    print(
+        "ratio: reference ms / Triton ms. dev: max |x - fp32 reference on the same inputs|. rings / entries ms "
+        "(--coded, V4.1): decoding the coded storage into the op's layout (rings every layer, entries once per "
+        "KV source)."
+    )
 
 
 def sweep(args, device, gen) -> None:
-    print(f"{'layer':>5} {'tokens':>7} {'chosen':>18} {'ms':>8} {'best':>18} {'ms':>8}")
+    print(f"{'layer':>7} {'tokens':>7} {'chosen':>18} {'ms':>8} {'best':>18} {'ms':>8}")
     for layer in args.layers:
         for tokens in args.tokens:
             step = make_step(args, layer, tokens, device, gen)
@@ -158,7 +197,7 @@ def sweep(args, device, gen) -> None:
             chosen = choose_config(args.heads, step["q"].dtype, args.head_dim)
             best = min(timings, key=timings.get)
             label = lambda c: f"{c.block_h}x{c.block_n} w{c.num_warps} s{c.num_stages}"  # noqa: E731
-            print(f"{layer:>5} {tokens:>7} {label(chosen):>18} {timings.get(chosen, float('nan')):>8.3f} "
+            print(f"{layer:>7} {tokens:>7} {label(chosen):>18} {timings.get(chosen, float('nan')):>8.3f} "
                   f"{label(best):>18} {timings[best]:>8.3f}")  # fmt: skip
 
 

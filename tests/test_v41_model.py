@@ -16,6 +16,7 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.sparse_attention.prefill_reference import chosen_mask, sequence_entries
 
 BLOCK_TOKENS = 8  # small blocks so a sequence crosses many, through a scattered block table
 BLOCK_TABLE = [20, 3, 7, 11, 0, 5, 9, 14, 2, 17, 22, 1, 13, 6, 19, 4]
@@ -197,13 +198,15 @@ def test_later_sources_replace_earlier_entries(model, monkeypatch):
     """Layer 4 attends to layer 3's compressed entries only (the cached path's replace semantics)."""
     seen = {}
     attention = model.layers[4].attn
-    original = type(attention)._attend
+    original = type(attention)._attend_packed
 
-    def record(self, q, positions, window_kv, window_positions, compressed, visible):
-        seen["compressed"], seen["visible"] = compressed.clone(), visible.clone()
-        return original(self, q, positions, window_kv, window_positions, compressed, visible)
+    def record(self, q, kv, batch, cache, entries, tables, indices, ratio):
+        count = (batch.spans[0].start + batch.spans[0].length) // ratio  # what the op reads of one sequence
+        seen["compressed"] = sequence_entries(entries, tables[0], count).clone()
+        seen["visible"] = chosen_mask(indices, count)
+        return original(self, q, kv, batch, cache, entries, tables, indices, ratio)
 
-    monkeypatch.setattr(attention, "_attend", record.__get__(attention))
+    monkeypatch.setattr(attention, "_attend_packed", record.__get__(attention))
     tokens = _tokens(41, 7)
     cache = _cache(model)
     _run_in_pieces(model, cache, tokens, [41])

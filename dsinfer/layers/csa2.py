@@ -19,6 +19,12 @@ Within a forward, what a source publishes for the layers after it lives in one d
 and written through its methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
 A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
 concatenates, which is a bug: see docs/model.md).
+
+Prefill attention is V4's op, ``sparse_attention_prefill``, once per layer for the whole packed batch: the
+sources compress and the index sources choose per sequence first, then the op reads each token's window (new
+rows, earlier positions from the ring) and its chosen entries of the reused source, through the views
+:mod:`dsinfer.layers.csa2_prefill` makes of the cache (its tensors as they are in model-dtype storage, decoded
+rings and entry blocks in coded storage).
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from torch import nn
 from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.layers.attention import Attention, decode_window_positions, window_keys
+from dsinfer.layers.attention import Attention, decode_window_positions
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
-from dsinfer.layers.indexer import IndexScorer, top_k_visible
+from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
+from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_scores import top_k_in_order
+from dsinfer.ops.registry import resolve
 from dsinfer.ops.topk import topk_indices
 
 
@@ -165,23 +173,78 @@ class AttentionV41(Attention):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             return None
         cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
-        outputs = []
-        for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
-            positions = batch.positions[tokens]
-            compressed, visible = None, None
-            if self.compress_ratio:
-                if self.compressor is not None:
-                    self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
-                if self.indexer is not None:
-                    scores = self.indexer.candidate_scores(
-                        x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
-                    )
-                    state["selected"] = top_k_visible(scores, self.indexer.topk)
-                compressed, visible = state["entries"], state["selected"]
-            window_kv, window_positions = self._window_keys(kv[tokens], positions, span, cache)
-            outputs.append(self._attend(q[tokens], positions, window_kv, window_positions, compressed, visible))
-        out = apply_rope(torch.cat(outputs), cos, sin, inverse=True, ops=self.ops)
+        entries, tables, indices, ratio = None, batch.device_spans.block_tables, None, 0
+        if self.compress_ratio:
+            entries, tables, indices, ratio = self._sources_prefill(
+                x, q_latent, batch, cache, inv_freq, shared, quantizer
+            )
+        out = self._attend_packed(q, kv, batch, cache, entries, tables, indices, ratio)
+        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
+
+    def _sources_prefill(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCacheV41,
+        inv_freq: torch.Tensor,
+        shared: list[dict],
+        quantizer: ActivationQuantizer,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Prefill: a KV source compresses and publishes per sequence, an index source chooses per sequence; every
+        compressed layer gets its source's entries (op layout: paged, block tables), the latest choice as entry
+        numbers [T, K] (-1 padding) and the source's ratio.
+
+        Per sequence, ``state`` holds what the sources publish (``entries``, ``index_keys``, ``candidates``,
+        ``selected`` [n, W] boolean); the batch's op-layout views live in ``shared[0]`` (``prefill_entries``,
+        ``prefill_indices``), replaced by each later source like the rest."""
+        tables = batch.device_spans.block_tables
+        chosen = []
+        for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
+            if self.compressor is not None:
+                self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
+            if self.indexer is not None:
+                positions = batch.positions[tokens]
+                scores = self.indexer.candidate_scores(
+                    x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
+                )
+                indices, state["selected"] = top_k_choice(scores, self.indexer.topk)
+                chosen.append(indices)
+        batch_state = shared[0]
+        if self.compressor is not None:
+            entries, entry_tables = entries_view(cache, self.layer_id, tables)
+            batch_state["prefill_entries"] = (entries, entry_tables, self.compress_ratio)
+        if self.indexer is not None:
+            batch_state["prefill_indices"] = packed_indices(chosen)
+        entries, entry_tables, ratio = batch_state["prefill_entries"]
+        return entries, entry_tables, batch_state["prefill_indices"], ratio
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCacheV41,
+        entries: torch.Tensor | None,
+        tables: torch.Tensor,
+        indices: torch.Tensor | None,
+        ratio: int,
+    ) -> torch.Tensor:
+        """Every new token of the batch in one ``sparse_attention_prefill`` over its window (new rows, then the ring
+        as it was before the step) and the chosen ``entries``; then the newest window rows go to the rings."""
+        spans = batch.device_spans
+        ring, slots = window_view(cache, self.layer_id, spans, batch.spans, self.window)
+        rows = spans.token_rows
+        sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
+        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+        out = ops.sparse_attention_prefill(
+            q, kv, batch.positions, sequence_rows, spans.starts, slots, spans.window_from, ring, self.window,
+            entries, tables, indices, ratio, self.attn_sink, self.softmax_scale,
+            [(span.start, span.length, span.window_from) for span in batch.spans],
+        )  # fmt: skip
+        write_windows(cache, self.layer_id, kv, batch, self.window)
+        return out
 
     def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
         """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
@@ -248,20 +311,6 @@ class AttentionV41(Attention):
         )
         cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
         state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, spans.block_tables)
-
-    def _window_keys(
-        self, kv: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache: KVCacheV41
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the window from the sequence's ring (through the cache's codec), then the new ones."""
-        layer_id, slot = self.layer_id, span.slot
-
-        def read(cached: torch.Tensor) -> torch.Tensor:
-            return cache.read_window(layer_id, slot, cached)
-
-        def write(new: torch.Tensor, rows: torch.Tensor) -> None:
-            cache.write_window(layer_id, slot, new, rows)
-
-        return window_keys(kv, positions, span, self.window, read, write)
 
     def _publish(
         self,
