@@ -11,7 +11,8 @@ import struct
 import pytest
 import torch
 
-from dsinfer.layers.csa2 import select_candidate_blocks, top_k_visible
+from dsinfer.layers.csa2 import select_candidate_blocks
+from dsinfer.layers.indexer import top_k_visible
 from dsinfer.ops.fake_quant import (
     fake_quant_compressed_kv,
     fake_quant_fp4,
