@@ -88,8 +88,9 @@ if triton is not None:
         if BLOCK_K == BLOCK_D:
             q = tl.load(q_rows + dims[None, :], mask=q_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
             if PRECISION == "ieee":  # a narrow fp32 head: whole, cast once per operand
-                return tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-            return tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+                products = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            else:
+                products = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
         else:
             products = tl.zeros([q_rows.shape[0], key_rows.shape[0]], dtype=tl.float32)
             for first_dim in tl.static_range(0, BLOCK_D, BLOCK_K):
@@ -98,7 +99,7 @@ if triton is not None:
                 q = tl.load(q_rows + part[None, :], mask=q_mask[:, None] & part_ok[None, :], other=0.0)
                 k = tl.load(key_rows + part[None, :], mask=key_mask[:, None] & part_ok[None, :], other=0.0)
                 products = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), products, input_precision="ieee")
-            return products
+        return products
 
     @triton.jit
     def _shared_keys_kernel(
