@@ -247,16 +247,16 @@ def _compile_for_hopper(kernel, pointers: dict, constants: dict, num_warps: int,
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_query_keys"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_triton_scores_kernels_compile_for_hopper(shared, dtype):
-    """sm_90 cubins at V4-Flash shapes (64 index heads x 128) with the chosen launches: no register spills."""
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32")], ids=str)
+def test_triton_scores_kernels_compile_for_hopper(shared, dtypes):
+    """sm_90 cubins at V4-Flash shapes (64 index heads x 128) with the chosen launches: no register spills.
+    ``dtypes``: the queries' and the keys' (16-bit and the same: tensor cores; else IEEE fp32)."""
     pytest.importorskip("triton")
     import dsinfer.ops.index_scores.triton as backend
 
-    tensor_cores = dtype == "bf16"
+    tensor_cores = dtypes == ("bf16", "bf16")
     config = backend.choose_config(shared, tensor_cores, 64)
-    element = "*bf16" if tensor_cores else "*fp32"
-    pointers = {"q_ptr": element, "keys_ptr": element, "weights_ptr": "*fp32", "visible_ptr": "*i64",
+    pointers = {"q_ptr": f"*{dtypes[0]}", "keys_ptr": f"*{dtypes[1]}", "weights_ptr": "*fp32", "visible_ptr": "*i64",
                 "scores_ptr": "*fp32"}  # fmt: skip
     constants = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_K=128 if tensor_cores else config.block_k,
                      BLOCK_W=config.block_w, PRECISION="tf32" if tensor_cores else "ieee")  # fmt: skip
