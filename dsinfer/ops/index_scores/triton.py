@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - depends on the install
 logger = logging.getLogger(__name__)
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def serves(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visi
     """Whether the kernels take these inputs (anything else, the reference runs)."""
     if q.dim() != 3 or keys.dim() not in (2, 3) or head_weights.shape != q.shape[:2] or visible.shape != q.shape[:1]:
         return False
-    if keys.dim() == 3 and keys.shape[0] != q.shape[0]:
+    if keys.dim() == 3 and (keys.shape[0] != q.shape[0] or q.shape[0] > MAX_GRID_Y):  # one query a grid row
         return False
     if q.dtype not in SERVED_DTYPES or keys.dtype not in SERVED_DTYPES or head_weights.dtype not in SERVED_DTYPES:
         return False
