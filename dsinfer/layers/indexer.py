@@ -104,7 +104,7 @@ class Indexer(IndexScorer):
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
-        keys = read_entries(cache, table, n_entries).float()
+        keys = read_entries(cache, table, n_entries)  # the cache's dtype: the op widens what it must
         chosen, real = top_k_in_order(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
         return torch.where(real, chosen, -1)
 
