@@ -24,34 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ced_drift_v41 import slice_config, synthetic_hasher  # noqa: E402
-from fast_path_checks import cuda_ms  # noqa: E402
+from fast_path_checks import cuda_ms, prefill_and_decode_batch  # noqa: E402
 
-from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
 from dsinfer.models.expert_packing import weight_bytes  # noqa: E402
 from dsinfer.models.native_random import build_native_model  # noqa: E402
-
-
-def decode_batch(model, cache: KVCacheV41, sequences: int, context: int, device) -> PackedBatch:
-    """Prefill ``sequences`` random prompts of ``context`` tokens; the batch of their next decode step."""
-    per_sequence = math.ceil((context + 64) / cache.block_tokens)
-    tables = [list(range(s * per_sequence, (s + 1) * per_sequence)) for s in range(sequences)]
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    for start in range(0, sequences, 8):  # prefill in groups to bound activation memory
-        group = range(start, min(sequences, start + 8))
-        ids = torch.randint(3, vocab - 1, (len(group) * context,), generator=generator).tolist()
-        spans = [SequenceSpan(0, context, s, tables[s]) for s in group]
-        positions = [p for _ in group for p in range(context)]
-        batch = PackedBatch(host_to_device(ids, torch.long, device), host_to_device(positions, torch.long, device),
-                            spans, cache)  # fmt: skip
-        model(batch, logits_for=batch.device_spans.token_rows)
-    ids = torch.randint(3, vocab - 1, (sequences,), generator=generator).tolist()
-    spans = [SequenceSpan(context, 1, s, tables[s]) for s in range(sequences)]
-    batch = PackedBatch(host_to_device(ids, torch.long, device),
-                        host_to_device([context] * sequences, torch.long, device), spans, cache)  # fmt: skip
-    _ = batch.device_spans  # built before the step: the step itself must not touch the host
-    return batch
 
 
 @torch.inference_mode()
@@ -60,7 +37,7 @@ def check(model, sequences: int, context: int, quantized: bool, device, repeats:
     block_tokens = block_tokens_for_v41(config)
     blocks = sequences * math.ceil((context + 64) / block_tokens)
     cache = KVCacheV41(config, sequences, blocks, block_tokens, torch.bfloat16, device, quantized_storage=quantized)
-    batch = decode_batch(model, cache, sequences, context, device)
+    batch = prefill_and_decode_batch(model, cache, sequences, context, device)  # any cache with block_tokens
     history = cache.engram_history.clone()
 
     def step() -> torch.Tensor:
