@@ -12,8 +12,9 @@ is not registered, or a backend that cannot serve the device, is an error rather
 A faster backend that raises (a kernel that does not compile with this Triton, a launch beyond the device's
 resources) degrades, never crashes: the op table's function logs a warning naming the op, the backend and the
 error, and runs the reference for that call and every later call of the same setting (device, dtypes, ranks
-and scalar arguments). Inside a CUDA graph capture the error propagates instead (the capture must not record
-a half-run kernel). ``Backend.fn`` stays the bare backend, which is what ``tests/ops`` checks.
+and scalar arguments). Only a setting's first call degrades: once it has run, a later error is a real one.
+Inside a CUDA graph capture the error propagates instead (the capture must not record a half-run kernel).
+``Backend.fn`` stays the bare backend, which is what ``tests/ops`` checks.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def _setting(args: tuple, kwargs: dict) -> tuple:
 def falls_back_to_reference(op: str, name: str, fn: Callable) -> Callable:
     """``fn`` that runs ``op``'s reference instead wherever it raised once (see the module docstring)."""
     failed: set[tuple] = set()
+    ran: set[tuple] = set()  # settings that ran once: a later error there is a real one and propagates
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -99,8 +101,10 @@ def falls_back_to_reference(op: str, name: str, fn: Callable) -> Callable:
         reference = _REGISTRY[op][REFERENCE].fn
         if setting in failed:
             return reference(*args, **kwargs)
-        try:
+        if setting in ran:
             return fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
         except Exception as error:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
@@ -109,6 +113,8 @@ def falls_back_to_reference(op: str, name: str, fn: Callable) -> Callable:
                            op, name, type(error).__name__, first_line)  # fmt: skip
             failed.add(setting)
             return reference(*args, **kwargs)
+        ran.add(setting)
+        return out
 
     return call
 

@@ -23,6 +23,8 @@ def fake_op(monkeypatch):
         calls["backend"] += 1
         if x.dtype == torch.float64:
             raise RuntimeError("CompilationError: fp64 dot is not supported\nlong compiler log")
+        if bool((x < 0).any()):
+            raise RuntimeError("illegal memory access")  # a run-time fault, not a compile failure
         return x * factor
 
     ops = {REFERENCE: registry.Backend("scale_rows", REFERENCE, reference, ("cpu",), None, lambda: True, 0, reference)}
@@ -66,3 +68,12 @@ def test_every_registered_fast_backend_is_guarded():
                 assert backend.guarded is backend.fn, op
             else:
                 assert backend.guarded is not backend.fn and backend.guarded.__wrapped__ is backend.fn, (op, name)
+
+
+def test_an_error_after_a_setting_ran_once_is_a_real_one(fake_op):
+    table, _, calls = fake_op
+    x = torch.ones(3)
+    assert torch.equal(table.scale_rows(x, 2.0), x * 2)  # float32: the backend compiles and runs
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        table.scale_rows(-x, 2.0)  # the same setting faults later: not hidden behind the reference
+    assert calls["backend"] == 2
