@@ -8,7 +8,10 @@ For the ``--layers`` slice (random weights built on the GPU: packed FP4 experts,
 * a decode step (``--decode-batch`` sequences at ``--context`` tokens) under
   ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation in the forward raises;
 * the same step captured in a CUDA graph and replayed: its logits against the eager step's;
-* prefill of one sequence of each ``--prefill-tokens`` and decode ms/step (eager and graph) for 1 and 32 requests.
+* prefill of one sequence of each ``--prefill-tokens`` and decode ms/step (eager and graph) for 1 and 32 requests;
+* ``--long-decode 256:4096``: decode points of many requests at a long context (eager and graph ms/step);
+* ``--profile``: the device kernels of one eager decode step and one prefill (count, busy time, the costliest),
+  so a step's time can be set against the sum of its kernels.
 With ``--fit-layers``: the most V4-Flash layers whose weights fit beside a ``--cache-gib`` cache, built,
 cache allocated, decode timed.
 """
@@ -98,7 +101,28 @@ def prefill_and_decode_batch(model, cache: KVCache, sequences: int, context: int
     return batch
 
 
-def decode_checks(model, config, sequences: int, context: int, device, repeats: int) -> dict:
+def kernel_profile(fn, top: int = 25) -> dict:
+    """Device kernels of one call of ``fn`` (after a warm call): count, summed time, the ``top`` costliest names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time_total / 1e3)
+    rows = sorted(((sum(t), len(t), name) for name, t in kernels.items()), reverse=True)
+    return {
+        "kernels": sum(len(t) for t in kernels.values()),
+        "busy_ms": sum(r[0] for r in rows),
+        "top": [{"ms": round(ms, 4), "calls": calls, "name": name[:140]} for ms, calls, name in rows[:top]],
+    }
+
+
+def decode_checks(model, config, sequences: int, context: int, device, repeats: int, profile: bool = False) -> dict:
     cache = fresh_cache(config, sequences, context, device)
     batch = prefill_and_decode_batch(model, cache, sequences, context, device)
     torch.cuda.synchronize()
@@ -131,10 +155,12 @@ def decode_checks(model, config, sequences: int, context: int, device, repeats: 
         row["graph_ms"] = statistics.median(cuda_ms(graph.replay, repeats))
     except Exception as exc:  # report, do not hide: the row says the capture failed and why
         row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    if profile:
+        row["profile"] = kernel_profile(lambda: model(batch))
     return row
 
 
-def prefill_ms(model, tokens: int, device, repeats: int) -> float:
+def prefill_point(model, tokens: int, device, repeats: int, profile: bool = False) -> dict:
     cache = fresh_cache(model.config, 1, tokens, device)
     ids = host_to_device([(7 * i) % model.config.vocab_size for i in range(tokens)], torch.long, device)
     positions = host_to_device(list(range(tokens)), torch.long, device)
@@ -144,7 +170,11 @@ def prefill_ms(model, tokens: int, device, repeats: int) -> float:
         model(PackedBatch(ids, positions, [SequenceSpan(0, tokens, 0, table)], cache), logits_for=positions[-1:])
 
     run()
-    return statistics.median(cuda_ms(run, repeats))
+    row = {"tokens": tokens, "ms": statistics.median(cuda_ms(run, repeats))}
+    row["tokens_per_s"] = tokens / row["ms"] * 1e3
+    if profile:
+        row["profile"] = kernel_profile(run)
+    return row
 
 
 def fit_layers(cache_gib: float, device, repeats: int, context: int) -> dict:
@@ -200,8 +230,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--fit-layers", action="store_true")
     parser.add_argument("--cache-gib", type=float, default=16.0)
+    parser.add_argument("--long-decode", nargs="*", default=[], metavar="REQUESTS:CONTEXT",
+                        help="more decode points, e.g. 256:4096")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="kernel profile of each decode and prefill point")
     parser.add_argument("--out")
     args = parser.parse_args()
+    try:
+        long_points = [tuple(int(v) for v in point.split(":")) for point in args.long_decode]
+        assert all(len(p) == 2 and min(p) > 0 for p in long_points)
+    except (ValueError, AssertionError):
+        parser.error(f"--long-decode takes REQUESTS:CONTEXT pairs of positive integers, got {args.long_decode}")
     if not torch.cuda.is_available():
         raise SystemExit("fast_path_checks needs a CUDA device")
     device = torch.device("cuda")
@@ -214,11 +252,14 @@ def main() -> None:
     results["weights"] = {**loaded, "release_checkpoint": stored, "ratio_all": loaded["all"] / stored}
     results["ops"] = model.layers[0].ffn.ops.describe()
     with torch.inference_mode():
-        results["decode"] = [decode_checks(model, config, b, args.context, device, args.repeats)
-                             for b in args.decode_batches]  # fmt: skip
-        results["prefill"] = [
-            {"tokens": t, "ms": prefill_ms(model, t, device, args.repeats)} for t in args.prefill_tokens
-        ]
+        points = [(b, args.context) for b in args.decode_batches] + long_points
+        results["decode"] = []
+        for sequences, context in points:
+            results["decode"].append(decode_checks(model, config, sequences, context, device, args.repeats,
+                                                   profile=args.profile))  # fmt: skip
+            print(json.dumps({k: v for k, v in results["decode"][-1].items() if k != "profile"}), flush=True)
+            torch.cuda.empty_cache()
+        results["prefill"] = [prefill_point(model, t, device, args.repeats, args.profile) for t in args.prefill_tokens]
         del model
         torch.cuda.empty_cache()
         if args.fit_layers:
