@@ -36,15 +36,29 @@ HOST_READS = {
     aten.bincount.default,
 }
 
+# A tensor made from Python data inside a step is copied from pageable host memory on a GPU: the copy
+# synchronises and a CUDA graph capture refuses it (``torch.tensor(values, device=...)``, ``x[[0, 2]]``). A 0-dim
+# value (``x[i] = 1.0``) travels as a kernel argument instead, so only tensors with dimensions count.
+HOST_DATA = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+
 # Boolean-mask reads and writes (``x[mask]``, ``x[mask] = v``) count the mask's True entries on the host.
 MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
 class RefuseHostReads(TorchDispatchMode):
+    """Refuses host reads; with ``host_data`` also tensors made from host data (what a graph-captured decode step
+    must not do; a prefill step may copy its host-built metadata through pinned memory)."""
+
+    def __init__(self, host_data: bool = False) -> None:
+        super().__init__()
+        self.host_data = host_data
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in HOST_READS:
             raise AssertionError(f"{func} reads a device value on the host")
+        if self.host_data and func in HOST_DATA and args[0].dim() > 0:
+            raise AssertionError(f"{func} copies host data to the device inside the step")
         if func in MASK_INDEXED and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
         ):
@@ -80,7 +94,7 @@ def test_a_v4_decode_step_reads_nothing_on_the_host(sequences):
     expected = model(batch)
     _use_gathered_moe(model)
     assert batch.is_decode
-    with RefuseHostReads():
+    with RefuseHostReads(host_data=True):
         got = model(batch)
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -88,8 +102,11 @@ def test_a_v4_decode_step_reads_nothing_on_the_host(sequences):
 def test_the_check_would_catch_a_host_read():
     with pytest.raises(AssertionError, match="reads"), RefuseHostReads():
         torch.ones(3).nonzero()
+    mask = torch.tensor([True, False, True])
     with pytest.raises(AssertionError, match="boolean-mask"), RefuseHostReads():
-        torch.zeros(3)[torch.tensor([True, False, True])] = 1.0
+        torch.zeros(3)[mask] = 1.0
+    with pytest.raises(AssertionError, match="host data"), RefuseHostReads(host_data=True):
+        torch.arange(3)[[0, 2]]
 
 
 def test_a_v4_prefill_chunk_reads_nothing_on_the_host():
@@ -150,7 +167,7 @@ def test_a_v41_decode_step_reads_nothing_on_the_host(tiny_v41_checkpoint, quanti
     batch = PackedBatch(torch.tensor([7, 8, 9]), torch.tensor(lengths), spans, cache)
     _ = batch.device_spans
     assert batch.is_decode
-    with RefuseHostReads():
+    with RefuseHostReads(host_data=True):
         got = model(batch)
     assert torch.equal(got, expected)
 

@@ -22,6 +22,8 @@ that reproduce them).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -206,8 +208,18 @@ def dequantize_fp8_blockwise(
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def device_constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A small float32 table on ``device``, made once per device and never written.
+
+    Made per call, it would be copied from pageable host memory every step: a synchronisation on a GPU, which a
+    CUDA graph capture refuses.
+    """
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def _e2m1_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return device_constant(E2M1_VALUES, torch.device(device))
 
 
 def round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:

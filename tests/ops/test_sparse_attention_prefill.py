@@ -149,7 +149,8 @@ def test_reference_in_query_blocks_is_exact(monkeypatch):
 
 def check_triton_case(case: Case, device: torch.device | None = None) -> str | None:
     """The Triton kernel on ``case`` against the reference in fp32 on the same inputs; a message when they
-    disagree. fp32: |err| <= 2e-5 (summation order, IEEE dots); bf16: within 1.5e-2, as for decode."""
+    disagree. fp32: |err| <= 2e-5 (summation order, IEEE dots); bf16: |err| <= 1.5e-2 + 1e-2 |exact| (the
+    decode tests' bound, widened by the output's own rounding: half a bf16 step is 1.6e-2 at 4.0)."""
     import dsinfer.ops.sparse_attention.prefill_triton as backend
     import dsinfer.ops.sparse_attention.triton as decode_backend
 
@@ -161,10 +162,14 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
     exact = sparse_attention_prefill_reference(**_as_float(inputs))
-    error = (got.float() - exact).abs().max().item()
-    limit = 2e-5 if case.dtype == torch.float32 else 1.5e-2
-    if not error <= limit:
-        return f"{case}: max |triton - reference| = {error:.3g} > {limit}"
+    error = (got.float() - exact).abs()
+    limit = torch.full_like(exact, 2e-5) if case.dtype == torch.float32 else 1.5e-2 + 1e-2 * exact.abs()
+    if not (error <= limit).all():
+        worst = int((error - limit).flatten().argmax())
+        return (
+            f"{case}: |triton - reference| = {error.flatten()[worst]:.3g} > {limit.flatten()[worst]:.3g} "
+            f"where the reference is {exact.flatten()[worst]:.3g}"
+        )
     return None
 
 

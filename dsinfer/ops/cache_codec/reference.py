@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.fake_quant import e2m1_values, fp4_block_codes, fp4_block_scale, fp8_block_codes
-from dsinfer.ops.quant import dequantize_fp4, pack_e2m1_codes
+from dsinfer.ops.quant import dequantize_fp4, device_constant, pack_e2m1_codes
 from dsinfer.ops.registry import REFERENCE, register
 
 # Every nonzero e2m1 magnitude but the largest (the fake quantizer's rule already tries amax / 6).
@@ -60,7 +60,7 @@ def _lossless_e4m3_scaled_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, tor
     first that is a positive e4m3 value and reproduces every element wins, the rule's scale when none does.
     """
     amax = blocks.abs().amax(-1, keepdim=True)
-    magnitudes = torch.tensor(_SMALLER_E2M1_MAGNITUDES, dtype=torch.float32, device=blocks.device)
+    magnitudes = device_constant(_SMALLER_E2M1_MAGNITUDES, blocks.device)
     rule = fp4_block_scale(amax, e4m3_scales=True)
     candidates = torch.cat([rule, amax / magnitudes], dim=-1)  # [..., n, 7]
     usable = (candidates > 0) & (candidates.to(torch.float8_e4m3fn).float() == candidates)

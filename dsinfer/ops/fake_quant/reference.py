@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, round_to_e2m1_codes
+from dsinfer.ops.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, device_constant, round_to_e2m1_codes
 from dsinfer.ops.registry import REFERENCE, register
 
 WINDOW_KV_BLOCK = 32
@@ -81,7 +81,7 @@ def fp4_block_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """The float32 value of each 4-bit e2m1 code."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+    return device_constant(E2M1_VALUES, codes.device)[codes.long()]
 
 
 @register("fake_quant_fp8", REFERENCE)
