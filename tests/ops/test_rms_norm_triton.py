@@ -1,0 +1,54 @@
+"""RMSNorm: the Triton kernel (in Triton's interpreter on the CPU, compiled on CUDA) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import assert_interpreted_cases_pass
+
+from dsinfer.ops import registry
+from dsinfer.ops.norm_rope.reference import rms_norm_reference
+
+SHAPES = [(0, 64), (1, 4096), (7, 100), (3, 5, 512), (33, 1024), (2, 8192), (4, 20000)]
+
+
+def check_cases(device: torch.device) -> list[str]:
+    """Every shape and dtype; float32 within float32 rounding, bf16 within one bf16 step of the reference."""
+    import dsinfer.ops.norm_rope.rms_norm_triton as backend
+
+    failures = []
+    generator = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(*shape, generator=generator) * 3 + 0.5).to(dtype).to(device)
+            weight = (torch.rand(shape[-1], generator=generator) + 0.5).to(device)
+            if len(shape) == 3:  # a strided view, as a per-head slice would be
+                x = torch.cat([x, x], dim=-2)[..., ::2, :]
+            expected = rms_norm_reference(x, weight, 1e-6)
+            got = backend.rms_norm_triton(x, weight, 1e-6)
+            step = 2**-22 if dtype == torch.float32 else 2**-7
+            if got.dtype != dtype or got.shape != x.shape:
+                failures.append(f"{shape} {dtype}: got {got.dtype} {tuple(got.shape)}")
+            elif not ((got.float() - expected.float()).abs() <= expected.float().abs() * step + 1e-6).all():
+                failures.append(f"{shape} {dtype}: max |diff| {(got.float() - expected.float()).abs().max():.3g}")
+    return failures
+
+
+def run_interpreted_cases() -> list[str]:
+    return check_cases(torch.device("cpu"))
+
+
+def test_triton_rms_norm_matches_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_rms_norm_triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_rms_norm_matches_reference_on_cuda():
+    assert check_cases(torch.device("cuda")) == []
+
+
+def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
+    assert registry.choose("rms_norm", "cpu", torch.float32).name == "reference"
+    if torch.cuda.is_available():
+        assert registry.choose("rms_norm", "cuda", torch.bfloat16).name == "triton"
