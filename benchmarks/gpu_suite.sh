@@ -5,7 +5,10 @@
 #
 # Stages: ops (tests/ops on the GPU), peer (HF transformers, ../shared/bench or PEER=path), fast
 # (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead),
-# sweep (engine decode sweep, graphs and eager), spec (MTP verify steps), engine (greedy tokens CUDA vs CPU).
+# sweep (engine decode sweep), spec (MTP verify steps, K = 1, 3, 5), speedup (DSpark K = 3 on the trained default,
+# 1 and 16 streams), engine (greedy tokens CUDA vs CPU), long (engine decode of
+# 16 requests at 8k context), serve (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in,
+# 1k out; SERVE_* variables change it).
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s) so one hang cannot
 # eat the rest.
 set -u
@@ -26,6 +29,43 @@ stage() {  # stage NAME COMMAND...: run with the limit, keep the log, say how it
     tail -n "${TAIL_LINES:-15}" "$OUT/$name.log"
 }
 
+serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `dsinfer bench serve`
+    local model=${SERVE_MODEL:-} port=${SERVE_PORT:-8123} ready=0
+    if [ -z "$model" ]; then
+        model=$(mktemp -d)/slice
+        python3 -m dsinfer.cli make-slice "$model" --flash-layers 4 || return 1
+    fi
+    python3 -m dsinfer.cli serve "$model" --load-format dummy --device "${SERVE_DEVICE:-cuda}" \
+        --dtype "${SERVE_DTYPE:-bfloat16}" --port "$port" --served-model-name slice --max-num-seqs 16 \
+        --max-model-len $((${SERVE_INPUT:-8192} + ${SERVE_OUTPUT:-1024} + 64)) >"$OUT/server.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 1 "${SERVE_WAIT:-240}"); do
+        if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+            2>/dev/null; then ready=1; break; fi
+        kill -0 $server 2>/dev/null || break
+        sleep 1
+    done
+    if [ $ready = 1 ]; then
+        python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
+            --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
+            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 16 --seed 0 --disable-tqdm --out "$OUT/serve.json"
+    else
+        echo "the server did not answer /health"; tail -n 30 "$OUT/server.log"
+    fi
+    local rc=$?
+    kill -TERM $server 2>/dev/null
+    wait $server
+    return $rc
+}
+
+spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of K = 1, 3, 5 (verify steps)
+    python3 -m dsinfer.cli bench sweep decode $SLICE --tag plain || return 1
+    for k in 1 3 5; do
+        python3 -m dsinfer.cli bench sweep decode $SLICE --tag "mtp-k$k" \
+            --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" || return 1
+    done
+}
+
 for name in "$@"; do
     case $name in
         ops) stage ops python3 -m pytest tests/ops -q -k "not interpret" -p no:cacheprovider ;;
@@ -37,9 +77,13 @@ for name in "$@"; do
                 --batches 1,16,64 --context 1024 --rounds 3 --steps 20 --cache-gib 4 \
                 --modes single,single-eager,ep1-graph,ep1-graph-local ;;
         sweep) stage sweep python3 -m dsinfer.cli bench sweep decode $SLICE --tag graphs ;;
-        spec) stage spec python3 -m dsinfer.cli bench sweep decode $SLICE --tag spec-k3 \
-                  --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' ;;
+        spec) export -f spec_sweeps; export SLICE; stage spec bash -c spec_sweeps ;;
+        speedup) stage speedup python3 benchmarks/spec_speedup.py --device cuda --streams 1 16 \
+                     --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds 2 --out "$OUT/speedup.json" ;;
         engine) stage engine python3 benchmarks/cuda_engine_check.py ;;
+        long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \
+                  --measure-steps 20 --cache-gib 16 --tag long ;;
+        serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done
