@@ -1,6 +1,6 @@
 """``rms_norm(x, weight, eps)`` and ``rope(x, cos, sin, inverse)``: the norms and rotary embedding of both variants."""
 
-from dsinfer.ops.norm_rope import rms_norm_triton  # noqa: F401  (registers the backend)
+from dsinfer.ops.norm_rope import rms_norm_triton, rope_triton  # noqa: F401  (register the backends)
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
 
 __all__ = ["rms_norm_reference", "rope_reference"]
