@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.layers.norm import rms_normalize
+from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.sinkhorn import sinkhorn_reference
 
@@ -43,18 +44,27 @@ def hyper_connection_weights(
     return pre, post, comb
 
 
-def collapse_streams(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the streams: the single input a block sees."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+def collapse_streams(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:
+    """Weighted sum of the streams: the single input a block sees.
+
+    ``ops`` is the model's op table (its ``hc_collapse`` backend: one kernel on CUDA); without one the torch
+    reference runs."""
+    collapse = ops.hc_collapse if ops is not None else hc_collapse_reference
+    return collapse(streams, pre)
 
 
 def expand_streams(
-    block_output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    block_output: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    ops: OpTable | None = None,
 ) -> torch.Tensor:
-    """New streams: ``post`` spreads the block output, ``comb`` (applied transposed) mixes the old streams."""
-    dtype = streams.dtype
-    spread = post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2)
-    return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    """New streams: ``post`` spreads the block output, ``comb`` (applied transposed) mixes the old streams.
+
+    ``ops`` as for :func:`collapse_streams` (its ``hc_expand`` backend)."""
+    expand = ops.hc_expand if ops is not None else hc_expand_reference
+    return expand(block_output, streams, post, comb)
 
 
 def hyper_head(
@@ -64,8 +74,10 @@ def hyper_head(
     scale: torch.Tensor,
     hc_eps: float,
     norm_eps: float,
+    ops: OpTable | None = None,
 ) -> torch.Tensor:
-    """Final collapse of the streams before the output norm (V4's ``hc_head``)."""
+    """Final collapse of the streams before the output norm (V4's ``hc_head``); ``ops`` as for
+    :func:`collapse_streams`."""
     flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
-    return collapse_streams(streams, pre)
+    return collapse_streams(streams, pre, ops)

@@ -68,10 +68,12 @@ class HyperConnectedBlock(nn.Module):
         """
         attn_pre, post, comb = self.site_weights(streams, "attn")
         mix = attn_pre if carried_mix is None else carried_mix
-        streams = expand_streams(attention(self.attn_norm(collapse_streams(streams, mix))), streams, post, comb)
+        block_input = self.attn_norm(collapse_streams(streams, mix, self.ops))
+        streams = expand_streams(attention(block_input), streams, post, comb, self.ops)
         ffn_pre, post, comb = self.site_weights(streams, "ffn")
         mix = ffn_pre if carried_mix is None else attn_pre
-        streams = expand_streams(feed_forward(self.ffn_norm(collapse_streams(streams, mix))), streams, post, comb)
+        block_input = self.ffn_norm(collapse_streams(streams, mix, self.ops))
+        streams = expand_streams(feed_forward(block_input), streams, post, comb, self.ops)
         return streams, ffn_pre
 
 

@@ -147,7 +147,7 @@ class BlockV41(HyperConnectedBlock):
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext) -> None:
         """CED: run only this KV source's compressor over the batch (fills the decoder's global KV)."""
         streams = self.with_engram(streams, ctx, keep_rows=True)  # the replay runs this layer again
-        x = self.attn_norm(collapse_streams(streams, pre_mix))
+        x = self.attn_norm(collapse_streams(streams, pre_mix, self.ops))
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
         self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
 

@@ -223,7 +223,7 @@ def draft_blocks(
         streams, pre_mix = stage(streams, pre_mix, positions.flatten(), ring[slots], model.rope.window,
                                  model.quantizer, ring_visible=visible)  # fmt: skip
     last = model.mtp[-1]
-    hidden = collapse_streams(streams, pre_mix).view(count, size, -1)[:, :columns]
+    hidden = collapse_streams(streams, pre_mix, last.ops).view(count, size, -1)[:, :columns]
     logits = model.head(last.norm(hidden)).float()
     previous = tokens
     biased, drafted, embeddings = [], [], []

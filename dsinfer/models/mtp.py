@@ -61,6 +61,6 @@ class MTPLayer(Block):
         """Streams to final hidden states [T, hidden]: the layer's own ``hc_head``, then its norm."""
         cfg = self.config
         collapsed = hyper_head(
-            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps
+            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps, self.ops
         )
         return self.norm(collapsed)
