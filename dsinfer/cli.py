@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
                        "on every route but /health (default: no key needed)")  # fmt: skip
     add_engine_sizes(serve)
-    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per engine step")
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                       help="tokens per engine step (default: 8192 on CUDA, 512 on the CPU)")  # fmt: skip
     serve.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
     serve.add_argument("--expert-parallel-size", type=int, default=1, help="MoE expert-parallel ranks (= DP x CP)")
     serve.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")

@@ -696,6 +696,8 @@ def run_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     if records:
         summary["pareto"] = _draw(records, out_dir / "pareto.png", args.compare_published)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if summary["telemetry"] is not None:
+        print(f"telemetry: {json.dumps(summary['telemetry'])}")
     print(f"wrote {out_dir}/ ({len(records)} points, {len(skipped)} skipped)")
     if not records:
         print("sweep: no point could run; see the reasons above", file=sys.stderr)

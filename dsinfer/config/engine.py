@@ -21,7 +21,9 @@ class EngineConfig:
     """How the engine runs a model: batch limits, cache budget, device. Validated on construction."""
 
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512  # tokens per step across all sequences (the chunked-prefill budget)
+    # Tokens per step across all sequences (the chunked-prefill budget); None: 8192 on CUDA (vLLM's choice for
+    # large GPUs: a long prompt's prefill in a few steps, each near full GPU occupancy), 512 on the CPU.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 16384)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -55,6 +57,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"engine option {name!r}: expected a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -98,11 +102,18 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
+            if self.step_token_budget < self.max_model_len:
                 raise ConfigError(
                     "engine option 'max_num_batched_tokens': without chunked prefill it must be at least "
-                    f"max_model_len ({self.max_model_len}), got {self.max_num_batched_tokens}"
+                    f"max_model_len ({self.max_model_len}), got {self.step_token_budget}"
                 )
+
+    @property
+    def step_token_budget(self) -> int:
+        """``max_num_batched_tokens`` as configured, else 8192 on a CUDA device and 512 on the CPU."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if self.device.startswith("cuda") else 512
 
     @property
     def resolved_async_scheduling(self) -> bool:

@@ -82,7 +82,7 @@ class LLMEngine:
         # at most `sliding_window` earlier inputs per layer (V4 and V4.1 alike; compressed entries are cached).
         replay = model.config.num_hidden_layers * model.config.sliding_window
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, replay
+            self.blocks, config.max_num_seqs, config.step_token_budget, config.enable_chunked_prefill, replay
         )
         self.sampler = Sampler()
         self.async_scheduling = config.resolved_async_scheduling

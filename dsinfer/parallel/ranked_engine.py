@@ -183,7 +183,7 @@ class RankedEngine:
             raise
         first = ready[0]
         log.info("%d ranks ready (%s)", len(ready), first.placement)
-        self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.max_num_batched_tokens)
+        self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
         self._receiver = threading.Thread(target=self._receive, name="dsinfer-ranks", daemon=True)
         self._receiver.start()
 
