@@ -1,14 +1,18 @@
-"""The truth for mHC's stream collapse and expand: the torch expressions the models were validated with.
+"""The truth for mHC's stream collapse, expand and weight inputs: the torch expressions the models were validated
+with.
 
 Their dtype behaviour is part of the contract (the Triton backend is tested against it): the collapse multiplies
 in the weights' float32 and rounds once to the streams' dtype; the expand casts ``post`` and ``comb`` to the
-streams' dtype first, rounds the spread product and the mixing matmul each to that dtype, then adds.
+streams' dtype first, rounds the spread product and the mixing matmul each to that dtype, then adds. The mixes
+normalise a float32 copy of the flattened streams and project it with a float32 GEMM.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from dsinfer.layers.norm import rms_normalize
 from dsinfer.ops.registry import REFERENCE, register
 
 
@@ -27,3 +31,11 @@ def hc_expand_reference(
     dtype = streams.dtype
     spread = post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2)
     return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+@register("hc_mixes", REFERENCE)
+def hc_mixes_reference(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The raw mHC weights [..., M] float32 of the streams [..., n, D]: the RMS-normalised flattened streams
+    (no learned weight) projected by ``fn`` [M, n * D]; the layer turns them into ``pre``, ``post`` and ``comb``."""
+    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
+    return F.linear(flat, fn.float())
