@@ -9,10 +9,8 @@ All weights come from a small projection of the normalised streams themselves.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dsinfer.layers.norm import rms_normalize
-from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference
+from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference, hc_mixes_reference
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.sinkhorn import sinkhorn_reference
 
@@ -29,10 +27,10 @@ def hyper_connection_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From streams [T, n, D] compute ``pre`` [T, n], ``post`` [T, n] and ``comb`` [T, n, n], in fp32.
 
-    ``ops`` is the model's op table (its ``sinkhorn`` backend); without one the torch reference runs."""
+    ``ops`` is the model's op table (its ``hc_mixes`` and ``sinkhorn`` backends: the normalisation and
+    projection in one pass over the streams on CUDA); without one the torch reference runs."""
     n = streams.shape[-2]
-    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
+    mixes = (ops.hc_mixes if ops is not None else hc_mixes_reference)(streams, fn, norm_eps)
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     scale = scale.float()
@@ -77,7 +75,7 @@ def hyper_head(
     ops: OpTable | None = None,
 ) -> torch.Tensor:
     """Final collapse of the streams before the output norm (V4's ``hc_head``); ``ops`` as for
-    :func:`collapse_streams`."""
-    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    :func:`collapse_streams` (and its ``hc_mixes`` backend)."""
+    mixes = (ops.hc_mixes if ops is not None else hc_mixes_reference)(streams, fn, norm_eps)
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return collapse_streams(streams, pre, ops)

@@ -1,0 +1,169 @@
+"""mHC's weight inputs (``hc_mixes``) in one pass over the streams: RMS statistics and projection together.
+
+The reference writes a float32 copy of the flattened streams (1 GiB at T=16384, n=4, D=4096), runs the square,
+mean, rsqrt and multiply passes over it, then a float32 GEMM with only M = 2n + n*n (or n) outputs, for which
+cuBLAS picks a slow SIMT kernel: about 3 ms per site in a prefill, and some six launches per site at decode.
+Since ``rms_normalize(x) @ fn^T = (x @ fn^T) * rsqrt(mean(x^2) + eps)``, one pass over the unnormalised
+streams can accumulate both the dot products and the sum of squares, and scale at the end.
+
+Each program takes ``BLOCK_T`` tokens and a range of the n*D columns, loads each stream chunk once, accumulates
+the sum of squares and the [BLOCK_T, M] products in float32 (``tl.dot`` with IEEE float32 inputs, never TF32:
+the weights must be float32-accurate; M is padded to a power of two of at least 16, ``tl.dot``'s smallest).
+Prefill has enough token blocks to fill the GPU with one program per block, which writes the scaled result.
+Decode and small batches would leave one program looping over all n*D columns, so the columns are split over
+several programs that write partial sums, and a second small kernel adds them in a fixed order and scales
+(deterministic, no atomics).
+
+The result differs from the reference's by float32 rounding only: the reference rounds the normalised streams
+before the GEMM and both sum in their own orders (tests/ops/test_mhc_mixes.py states the bound).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsinfer.ops.mhc.triton import DTYPES, mhc_triton_available
+from dsinfer.ops.registry import register
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+BLOCK_T = 64  # tokens per program in a prefill: each program reads all of fn once, so more tokens share it
+MIN_BLOCK = 16  # tl.dot's smallest tile side: the token block and padded M never go below it
+BLOCK_K = 64  # columns per loop step
+MAX_M = 64  # widest projection served (V4: 24 for the block sites, 4 for the head)
+TARGET_PROGRAMS = 256  # about two per SM on an H200: the column split stops once the grid has this many
+MIN_SPLIT_COLUMNS = 512  # a split program takes at least this many columns (fewer would cost more in partials)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mixes_kernel(
+        src,
+        fn,
+        dst,
+        partial_dots,
+        partial_squares,
+        tokens,
+        columns,
+        columns_per_split,
+        eps,
+        M: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # T * n * D may pass 2**31
+        split = tl.program_id(1)
+        row = tl.arange(0, BLOCK_M)
+        token_ok = token < tokens
+        row_ok = row < M
+        start = split * columns_per_split
+        end = tl.minimum(start + columns_per_split, columns)
+        dots = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for k in range(start, end, BLOCK_K):
+            column = k + tl.arange(0, BLOCK_K)
+            column_ok = column < end
+            x = tl.load(
+                src + token[:, None] * columns + column[None, :],
+                mask=token_ok[:, None] & column_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w = tl.load(
+                fn + row[:, None] * columns + column[None, :], mask=row_ok[:, None] & column_ok[None, :], other=0.0
+            ).to(tl.float32)
+            squares += tl.sum(x * x, axis=1)
+            dots = tl.dot(x, tl.trans(w), dots, input_precision="ieee")
+        if SPLIT == 1:
+            scale = 1.0 / tl.sqrt_rn(squares / columns + eps)
+            out = dots * scale[:, None]
+            tl.store(dst + token[:, None] * M + row[None, :], out, mask=token_ok[:, None] & row_ok[None, :])
+        else:
+            base = split.to(tl.int64) * tokens + token
+            tl.store(partial_dots + base[:, None] * BLOCK_M + row[None, :], dots, mask=token_ok[:, None])
+            tl.store(partial_squares + base, squares, mask=token_ok)
+
+    @triton.jit
+    def _finish_kernel(
+        partial_dots,
+        partial_squares,
+        dst,
+        tokens,
+        columns,
+        eps,
+        M: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        row = tl.arange(0, BLOCK_M)
+        token_ok = token < tokens
+        dots = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for split in range(SPLIT):  # in split order: the same sum every run
+            base = split * tokens + token
+            dots += tl.load(partial_dots + base[:, None] * BLOCK_M + row[None, :], mask=token_ok[:, None], other=0.0)
+            squares += tl.load(partial_squares + base, mask=token_ok, other=0.0)
+        scale = 1.0 / tl.sqrt_rn(squares / columns + eps)
+        out = dots * scale[:, None]
+        tl.store(dst + token[:, None] * M + row[None, :], out, mask=token_ok[:, None] & (row < M)[None, :])
+
+
+def _serves(streams: torch.Tensor, fn: torch.Tensor) -> bool:
+    """What the kernel takes: [..., n, D] streams and an [M, n * D] ``fn`` of float dtypes, M up to MAX_M."""
+    if streams.dim() < 2 or streams.dtype not in DTYPES or fn.dtype not in DTYPES or fn.dim() != 2:
+        return False
+    columns = streams.shape[-2] * streams.shape[-1]
+    return columns > 0 and fn.shape[1] == columns and 1 <= fn.shape[0] <= MAX_M
+
+
+def _plan(tokens: int, columns: int) -> tuple[int, int, int]:
+    """Tokens per program, column splits and columns per split: one split while the token blocks fill the GPU,
+    else as many as bring the grid to about TARGET_PROGRAMS with at least MIN_SPLIT_COLUMNS columns each."""
+    block_t = max(MIN_BLOCK, min(BLOCK_T, triton.next_power_of_2(tokens)))
+    token_blocks = triton.cdiv(tokens, block_t)
+    split = max(1, min(TARGET_PROGRAMS // token_blocks, triton.cdiv(columns, MIN_SPLIT_COLUMNS)))
+    per_split = triton.cdiv(triton.cdiv(columns, split), BLOCK_K) * BLOCK_K  # whole loop steps per program
+    return block_t, triton.cdiv(columns, per_split), per_split
+
+
+@register("hc_mixes", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """Same contract as the reference; what the kernel does not take (an ``fn`` that does not match the
+    flattened streams, more than MAX_M outputs, an empty stream width) goes to it."""
+    if not _serves(streams, fn):
+        from dsinfer.ops.mhc.reference import hc_mixes_reference
+
+        return hc_mixes_reference(streams, fn, norm_eps)
+    columns, m = fn.shape[1], fn.shape[0]
+    tokens = math.prod(streams.shape[:-2])
+    flat = streams.contiguous().view(tokens, columns)
+    weights = fn.contiguous()
+    out = torch.empty(tokens, m, dtype=torch.float32, device=streams.device)
+    if tokens:
+        block_m = max(MIN_BLOCK, triton.next_power_of_2(m))
+        block_t, split, per_split = _plan(tokens, columns)
+        token_blocks = triton.cdiv(tokens, block_t)
+        if split > 1:
+            dots = torch.empty(split, tokens, block_m, dtype=torch.float32, device=streams.device)
+            squares = torch.empty(split, tokens, dtype=torch.float32, device=streams.device)
+        else:
+            dots = squares = out  # not read: the kernel scales and stores the result itself
+        eps = float(norm_eps)
+        meta = dict(M=m, SPLIT=split, BLOCK_T=block_t, BLOCK_M=block_m)
+        _mixes_kernel[(token_blocks, split)](
+            flat, weights, out, dots, squares, tokens, columns, per_split, eps, BLOCK_K=BLOCK_K, **meta
+        )
+        if split > 1:
+            _finish_kernel[(token_blocks,)](dots, squares, out, tokens, columns, eps, **meta)
+    return out.view(*streams.shape[:-2], m)
