@@ -188,3 +188,26 @@ def test_server_with_overlap_frees_dropped_streams(tiny_checkpoint):
         while time.monotonic() < deadline and metric_value(base, "dsinfer:kv_cache_blocks_in_use") > 0:
             time.sleep(0.05)
         assert metric_value(base, "dsinfer:kv_cache_blocks_in_use") == 0
+
+
+@pytest.mark.parametrize("penalised", [False, True])
+def test_steps_launch_ahead_of_the_host_read_unless_sampling_reads_the_output(model, tokenizer, penalised):
+    """Greedy and seeded rows need only their planned output position: the next step is handed over before the
+    host reads the running one's tokens (the worker copies them on the device) and the tokens equal serial
+    decoding's. A penalty reads the output so far: those steps wait for the host, and still equal serial."""
+    prompts = random_prompts(6, seed=9)
+    extra = {"repetition_penalty": 1.3, "presence_penalty": 0.4} if penalised else {}
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **extra) for _ in range(3)]
+    params += [SamplingParams(temperature=0.8, seed=i, max_tokens=10, stop_token_ids=[7], **extra) for i in range(3)]
+    serial = _engine(model, tokenizer, async_scheduling=False)
+    overlapped = _engine(model, tokenizer, async_scheduling=True)
+    expected = _summary(run_all(serial, prompts, params))
+    assert _summary(run_all(overlapped, prompts, params)) == expected
+    if penalised:
+        assert overlapped.steps_fed_on_device == 0
+    else:
+        assert overlapped.steps_fed_on_device > 5
+    assert serial.steps_fed_on_device == 0
+    for engine in (serial, overlapped):
+        assert engine.blocks.num_used == 0 and not engine.requests
+        engine.close()

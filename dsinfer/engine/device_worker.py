@@ -6,6 +6,11 @@ sampling states of the sequences it samples, and gets a :class:`concurrent.futur
 step's cache writes always land before the next step reads; the engine thread meanwhile schedules the next
 step (torch releases the Python lock inside its kernels and device synchronisations).
 
+A step may be handed over before the host has read the tokens of the step ahead of it (overlap scheduling's
+launch-ahead, :meth:`LLMEngine.step`): its ``pending_fill`` names the rows whose input token is one the
+previous step sampled, and the worker copies them from that step's device tensor just before the forward. No
+value crosses to the host between the two steps, so the device runs them back to back.
+
 ``threaded=False`` runs each step inline on the caller's thread and returns a finished future: the same
 contract, no overlap. This is the shape of one worker per rank: a later multi-rank engine keeps the
 engine core and gives each rank a worker of its own.
@@ -33,33 +38,58 @@ class DeviceWorker:
         speculative: SpeculativeExecutor | None = None,
     ) -> None:
         self.runner, self.sampler, self.speculative = runner, sampler, speculative
+        self._sampled_tokens = None  # the last step's chosen ids on the device; None when it sampled nothing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsinfer-device") if threaded else None
 
-    def submit(self, batch: StepInput, states: list[SamplingState]) -> Future:
-        """Queue a step; the future holds one sample output per state (none for a step without samples)."""
+    def submit(
+        self,
+        batch: StepInput,
+        states: list[SamplingState],
+        output_positions: list[int] | None = None,
+        queued: bool = False,
+    ) -> Future:
+        """Queue a step; the future holds one sample output per state (none for a step without samples).
+
+        ``output_positions``: each state's output position, as planned (see :class:`Sampler`). ``queued``: the
+        worker is still running the step before this one; return at once instead of waiting for it to start."""
         if self._pool is not None:
             started = threading.Event()
-            future = self._pool.submit(self._run, batch, states, started)
-            # Hand the Python lock to the worker now: otherwise it would start the forward only once the
-            # engine thread blocks, after the scheduling it was meant to overlap.
-            started.wait()
+            future = self._pool.submit(self._run, batch, states, output_positions, started)
+            if not queued:
+                # Hand the Python lock to the worker now: otherwise it would start the forward only once the
+                # engine thread blocks, after the scheduling it was meant to overlap.
+                started.wait()
             return future
         future: Future = Future()
         try:
-            future.set_result(self._run(batch, states))
+            future.set_result(self._run(batch, states, output_positions))
         except Exception as exc:  # the caller sees it from result(), as with the threaded worker
             future.set_exception(exc)
         return future
 
     def _run(
-        self, batch: StepInput, states: list[SamplingState], started: threading.Event | None = None
+        self,
+        batch: StepInput,
+        states: list[SamplingState],
+        output_positions: list[int] | None = None,
+        started: threading.Event | None = None,
     ) -> list[SampleOutput]:
         if started is not None:
             started.set()
+        previous, self._sampled_tokens = self._sampled_tokens, None
+        if batch.pending_fill is not None:
+            if previous is None:
+                raise RuntimeError("a step launched ahead follows a step that sampled no tokens")
+            rows, sampled_rows = batch.pending_fill
+            batch.input_ids[rows] = previous[sampled_rows]
         if batch.speculation is not None:
             return self.speculative.run(batch, states)
         logits = self.runner.execute(batch)
-        return self.sampler(logits, states) if states else []
+        if not states:
+            return []
+        outputs = self.sampler(logits, states, output_positions)
+        self._sampled_tokens = self.sampler.last_token_ids
+        return outputs
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,7 +34,7 @@ from dsinfer.engine.device_worker import DeviceWorker
 from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state
+from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler
 from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.speculative import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
@@ -95,6 +95,8 @@ class LLMEngine:
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
+        # Overlap scheduling: steps handed over before the host read the running step's tokens, fed them on the device.
+        self.steps_fed_on_device = 0
         self.last_step: StepStats | None = None
         self._grammar_compiler = None  # built on the first structured-output request
 
@@ -190,9 +192,10 @@ class LLMEngine:
         """Run one step; report every request that changed (new tokens or finished).
 
         With ``async_scheduling`` the device worker is already running the step launched by the previous
-        call: this call schedules the next step while it runs, collects its tokens, launches the next step
-        and only then turns the new tokens into text. Without it, each call schedules, runs and finishes
-        one step.
+        call: this call schedules the next step while it runs and launches it at once when it can (every
+        sequence it samples again needs only its planned output position: the worker copies their newest
+        tokens on the device), else once the running step's tokens are on the host; then it collects the
+        tokens and turns them into text. Without it, each call schedules, runs and finishes one step.
         """
         start = time.perf_counter()
         schedule_s = model_s = 0.0
@@ -206,7 +209,7 @@ class LLMEngine:
             self._inflight = self._launch(plan.scheduled)  # without overlap the step runs right here
             model_s = time.perf_counter() - launch_at
         current, self._inflight = self._inflight, None
-        next_plan = None
+        next_plan, launched_ahead = None, False
         if self.async_scheduling:
             for seq in current.sampled:
                 if seq.is_finished:
@@ -218,8 +221,18 @@ class LLMEngine:
             schedule_at = time.perf_counter()
             next_plan = self.scheduler.schedule()
             schedule_s += time.perf_counter() - schedule_at
+            pending_rows = self._launch_ahead_rows(next_plan.scheduled, current)
+            if pending_rows is not None:
+                self._inflight = self._launch(next_plan.scheduled, pending_rows)
+                launched_ahead = True
         wait_at = time.perf_counter()
-        results = current.handle.result()
+        try:
+            results = current.handle.result()
+        except BaseException:
+            if launched_ahead:  # it followed a failed step: wait for it and drop it, the first error is the news
+                ahead, self._inflight = self._inflight, None
+                ahead.handle.exception()
+            raise
         ran_at = time.perf_counter()
         model_s += ran_at - wait_at
         for seq in current.sampled:
@@ -234,7 +247,10 @@ class LLMEngine:
                 else:
                     self._append_token(seq, result, now)
                 touched.append(seq)
-        if next_plan is not None:
+        if launched_ahead:  # their newest tokens are on the host now: the blocks they fill can be hashed
+            for item in next_plan.scheduled:
+                self.blocks.register_computed(item.seq)
+        elif next_plan is not None:
             live = [item for item in next_plan.scheduled if not item.seq.is_finished]
             if live:
                 self._inflight = self._launch(live)
@@ -257,14 +273,40 @@ class LLMEngine:
         produced = len(seq.output_token_ids) + 1
         return (max_tokens is not None and produced >= max_tokens) or seq.num_tokens + 1 >= self.max_model_len
 
-    def _launch(self, scheduled: list[ScheduledSequence]) -> InflightStep:
-        """Hand a scheduled step to the device worker; the cache bookkeeping advances now."""
+    def _launch_ahead_rows(self, scheduled: list[ScheduledSequence], current: InflightStep) -> dict[int, int] | None:
+        """The rows of ``current``'s samples by sequence, when the planned step can run before the host reads
+        them; None when it cannot (nothing planned, drafts, or a sequence whose sampling reads its output).
+
+        Launched ahead, the step also runs sequences that ``current``'s tokens will end (a stop token): their
+        row is wasted work, their slot and blocks are released afterwards as for an abort mid-step."""
+        if not scheduled or any(item.num_draft_tokens for item in scheduled):
+            return None
+        rows = {id(seq): row for row, seq in enumerate(current.sampled)}
+        for item in scheduled:
+            seq = item.seq
+            if id(seq) not in rows:
+                continue  # not sampled by the running step: nothing of it changes meanwhile
+            if not seq.num_pending_tokens or (item.completes_sequence and reads_output_so_far(seq.sampling)):
+                return None
+        return rows
+
+    def _launch(self, scheduled: list[ScheduledSequence], pending_rows: dict[int, int] | None = None) -> InflightStep:
+        """Hand a scheduled step to the device worker; the cache bookkeeping advances now.
+
+        ``pending_rows`` (launching ahead of the running step's host read, see :meth:`step`): the sequences'
+        newest tokens come from that step on the device, and their blocks are hashed once the tokens are known.
+        """
         sampled = [item.seq for item in scheduled if item.completes_sequence]
-        batch = self.runner.prepare(scheduled)  # reads the sequences now, before the scheduler moves on
+        batch = self.runner.prepare(scheduled, pending_rows)  # reads the sequences now, before the scheduler moves on
+        self.steps_fed_on_device += batch.pending_fill is not None
+        output_positions = [len(seq.output_token_ids) + seq.num_pending_tokens for seq in sampled]
         for item in scheduled:
             item.seq.num_computed += item.num_new_tokens - item.num_draft_tokens  # drafts count once accepted
-            self.blocks.register_computed(item.seq)
-        handle = self.worker.submit(batch, [seq.sampling for seq in sampled])
+            if pending_rows is None:
+                self.blocks.register_computed(item.seq)
+        handle = self.worker.submit(
+            batch, [seq.sampling for seq in sampled], output_positions, queued=pending_rows is not None
+        )
         return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled))
 
     def _append_token(self, seq: Sequence, result, now: float) -> None:

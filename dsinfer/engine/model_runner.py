@@ -56,6 +56,9 @@ class StepInput:
     engram_resume: EngramResume | None = None
     image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
     speculation: SpeculationPlan | None = None  # speculative decoding: each span's drafts (dsinfer.engine.speculative)
+    # Launched ahead of the previous step's host read: (rows of input_ids, rows of that step's sampled tokens)
+    # whose ids the device worker copies over before the forward (placeholders until then).
+    pending_fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
@@ -151,17 +154,28 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInput:
-        """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step."""
+    def prepare(self, scheduled: list[ScheduledSequence], pending_rows: dict[int, int] | None = None) -> StepInput:
+        """Read the scheduled sequences as they are now (before their bookkeeping advances) into a step.
+
+        ``pending_rows`` maps ``id(seq)`` to the row a step still on the device samples that sequence's newest
+        token in: that token is not on the host yet, so its input row gets a placeholder the device worker
+        replaces (:attr:`StepInput.pending_fill`)."""
         ids, positions, spans, sample_rows, pieces = [], [], [], [], []
-        drafts, following = [], []
+        drafts, following, fill_rows, fill_sources = [], [], [], []
         offset = 0
         for item in scheduled:
             seq, start, count = item.seq, item.seq.num_computed, item.num_new_tokens
             known = count - item.num_draft_tokens  # the drafts run behind the sequence's own tokens
             if seq.images:
                 pieces += image_pieces(seq.images, start, count, offset)
-            ids += seq.token_ids[start : start + known] + seq.draft_token_ids[: item.num_draft_tokens]
+            own = seq.token_ids[start : start + known]
+            if len(own) < known:  # the newest token is still being sampled: filled on the device
+                if pending_rows is None or id(seq) not in pending_rows or len(own) != known - 1:
+                    raise RuntimeError(f"sequence {seq.request_id}: its step needs tokens the host does not have")
+                fill_rows.append(offset + known - 1)
+                fill_sources.append(pending_rows[id(seq)])
+                own = own + [0]
+            ids += own + seq.draft_token_ids[: item.num_draft_tokens]
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
             decoder_from = max(0, len(seq.prompt_token_ids) - self.replay_tokens) if self.replay_tokens else 0
@@ -179,6 +193,9 @@ class ModelRunner:
             self._engram_resume(scheduled),
             pieces or None,
             SpeculationPlan(drafts, following, ids) if self.speculative else None,
+            (host_to_device(fill_rows, torch.long, self.device), host_to_device(fill_sources, torch.long, self.device))
+            if fill_rows
+            else None,
         )
 
     @torch.inference_mode()

@@ -111,9 +111,17 @@ class Sampler:
 
     def __init__(self) -> None:
         self._token_counts = TokenCounts()
+        # The last call's chosen ids, still on the device: a step launched before the host has read them takes
+        # its sequences' input tokens from here (dsinfer.engine.device_worker).
+        self.last_token_ids: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutput]:
-        """Sample one token per row; see the class docstring for the contract."""
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState], output_positions: list[int] | None = None
+    ) -> list[SampleOutput]:
+        """Sample one token per row; see the class docstring for the contract.
+
+        ``output_positions``: each row's output position (the noise key's), fixed when the step was planned;
+        None reads it off the state (``len(output_token_ids)``), which is right when nobody appends meanwhile."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [len(states)={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
@@ -126,8 +134,17 @@ class Sampler:
             _penalise_rows(scores, penalised, rows, counts, prompt_seen)
         suppress_stop_tokens(scores, states)
         apply_constraints(scores, states)
-        token_ids = choose_token_tensor(scores, states)
+        token_ids = choose_token_tensor(scores, states, output_positions)
+        self.last_token_ids = token_ids
         return _outputs(logits, token_ids, states)
+
+
+def reads_output_so_far(state: SamplingState) -> bool:
+    """Whether sampling this state's next token reads its output tokens (penalties count them, a grammar has
+    accepted them, ``min_tokens`` is not met yet). Such a row can only be sampled once the host has every
+    earlier token; any other row needs no more than its planned output position."""
+    params = state.params
+    return _has_penalties(params) or state.constraint is not None or len(state.output_token_ids) < params.min_tokens
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -214,8 +231,11 @@ def apply_constraints(scores: torch.Tensor, states: list[SamplingState]) -> torc
     return apply_grammar_masks(scores, [state.constraint for state in states])
 
 
-def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Greedy rows take the argmax (lowest id on ties); the others race on their filtered probabilities.
+def choose_token_tensor(
+    scores: torch.Tensor, states: list[SamplingState], output_positions: list[int] | None = None
+) -> torch.Tensor:
+    """Greedy rows take the argmax (lowest id on ties); the others race on their filtered probabilities, with
+    the noise of their output position (``output_positions``, else each state's next one).
 
     Returns the chosen ids as an int64 device tensor ``[B]`` (nothing is read back to the host here).
     """
@@ -223,7 +243,8 @@ def choose_token_tensor(scores: torch.Tensor, states: list[SamplingState]) -> to
     if not sampled_rows:
         return scores.argmax(dim=-1)  # torch.argmax returns the first maximum: the lowest id wins ties
     sampled_states = [states[row] for row in sampled_rows]
-    keys = key_tensor([state.noise_key() for state in sampled_states], scores.device)
+    positions = [None] * len(sampled_rows) if output_positions is None else [output_positions[r] for r in sampled_rows]
+    keys = key_tensor([state.noise_key(p) for state, p in zip(sampled_states, positions, strict=True)], scores.device)
     if len(sampled_rows) == len(states):
         return race(filtered_probs(scores, [state.params for state in states]), keys)
     token_ids = scores.argmax(dim=-1)
