@@ -177,7 +177,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         """Abort a request, counting each unfinished completion as finished ones are counted."""
         unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
-        self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(len(unfinished))
+        self.metrics.finished("abort").inc(len(unfinished))
         self.engine.abort(request_id)
 
     def _cut_all(self, message: str) -> None:
@@ -195,10 +195,10 @@ class AsyncEngine:
                 self._send(
                     channel, RequestTimeoutError(f"request exceeded --request-timeout ({self.request_timeout} s)")
                 )
-                self.metrics.request_success.labels(self.metrics.model_name, "timeout").inc()
+                self.metrics.finished("timeout").inc()
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
-        m, name, now = self.metrics, self.metrics.model_name, time.monotonic()
+        m, now = self.metrics, time.monotonic()
         for output in outputs:
             channel = self._channels.get(output.request_id)
             new_tokens = 0
@@ -208,46 +208,46 @@ class AsyncEngine:
                 if channel and count > seen:
                     last = channel.last_token_time.get(completion.index)
                     if last is not None:
-                        m.itl.labels(name).observe(now - last)
+                        m.series.itl.observe(now - last)
                     channel.last_token_time[completion.index] = now
                     channel.tokens_seen[completion.index] = count
                 new_tokens += max(0, count - seen)
-            m.generation_tokens.labels(name).inc(new_tokens)
+            m.series.generation_tokens.inc(new_tokens)
             if output.finished:
                 self._record_finished(output)
             if channel is not None:
                 self._send(channel, output)
 
     def _record_finished(self, output: RequestOutput) -> None:
-        m, name, metrics = self.metrics, self.metrics.model_name, output.metrics
-        m.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        m, metrics = self.metrics, output.metrics
+        m.series.prompt_tokens.inc(len(output.prompt_token_ids))
         for completion in output.outputs:
-            m.request_success.labels(name, completion.finish_reason or "unknown").inc()
+            m.finished(completion.finish_reason or "unknown").inc()
         if metrics.time_to_first_token is not None:
-            m.ttft.labels(name).observe(metrics.time_to_first_token)
+            m.series.ttft.observe(metrics.time_to_first_token)
         if metrics.latency is not None:
-            m.e2e.labels(name).observe(metrics.latency)
+            m.series.e2e.observe(metrics.latency)
         if metrics.queue_time is not None:
-            m.queue_time.labels(name).observe(metrics.queue_time)
+            m.series.queue_time.observe(metrics.queue_time)
 
     def _update_gauges(self) -> None:
-        m, name, engine = self.metrics, self.metrics.model_name, self.engine
-        m.running.labels(name).set(len(engine.scheduler.running))
-        m.waiting.labels(name).set(len(engine.scheduler.waiting))
-        m.blocks_in_use.labels(name).set(engine.blocks.num_used)
-        m.cache_usage.labels(name).set(engine.blocks.num_used / max(engine.blocks.num_blocks, 1))
-        m.prefix_queries.labels(name).inc(engine.blocks.prefix_queries - self._exported_prefix[0])
-        m.prefix_hits.labels(name).inc(engine.blocks.prefix_hits - self._exported_prefix[1])
+        m, engine = self.metrics, self.engine
+        m.series.running.set(len(engine.scheduler.running))
+        m.series.waiting.set(len(engine.scheduler.waiting))
+        m.series.blocks_in_use.set(engine.blocks.num_used)
+        m.series.cache_usage.set(engine.blocks.num_used / max(engine.blocks.num_blocks, 1))
+        m.series.prefix_queries.inc(engine.blocks.prefix_queries - self._exported_prefix[0])
+        m.series.prefix_hits.inc(engine.blocks.prefix_hits - self._exported_prefix[1])
         self._exported_prefix = (engine.blocks.prefix_queries, engine.blocks.prefix_hits)
         stats = engine.spec_stats
         if stats is not None:
             done = self._exported_spec
-            m.spec_drafts.labels(name).inc(stats.num_drafts - done.num_drafts)
-            m.spec_draft_tokens.labels(name).inc(stats.num_draft_tokens - done.num_draft_tokens)
-            m.spec_accepted.labels(name).inc(stats.num_accepted_tokens - done.num_accepted_tokens)
+            m.series.spec_drafts.inc(stats.num_drafts - done.num_drafts)
+            m.series.spec_draft_tokens.inc(stats.num_draft_tokens - done.num_draft_tokens)
+            m.series.spec_accepted.inc(stats.num_accepted_tokens - done.num_accepted_tokens)
             for position, count in enumerate(stats.accepted_per_position):
                 before = done.accepted_per_position[position] if position < len(done.accepted_per_position) else 0
-                m.spec_accepted_per_pos.labels(name, str(position)).inc(count - before)
+                m.accepted_at(position).inc(count - before)
             self._exported_spec = replace(stats, accepted_per_position=list(stats.accepted_per_position))
 
     @staticmethod

@@ -5,8 +5,15 @@ Each server owns its registry, so several servers (tests) in one process never s
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# The families with the model name as their only label (their served series are bound once, below).
+SERIES = (
+    "running", "waiting", "cache_usage", "blocks_in_use", "prompt_tokens", "generation_tokens", "ttft", "itl", "e2e",
+    "queue_time", "prefix_queries", "prefix_hits", "spec_drafts", "spec_draft_tokens", "spec_accepted",
+)  # fmt: skip
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 
 
@@ -45,6 +52,21 @@ class ServerMetrics:
             "spec_decode_num_accepted_tokens_per_pos", "Speculative drafts accepted, by draft position", ["position"]
         )
         self.model_name = model_name
-        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):  # fmt: skip
-            metric.labels(model_name)  # export zeros from the start
+        # The served model's series, looked up once: ``labels()`` takes a lock and validates its arguments, and
+        # the engine thread updates these every step (at 16 streams the lookups cost as much as the step). Binding
+        # them also exports the counters' zeros from the start.
+        self.series = SimpleNamespace(**{name: getattr(self, name).labels(model_name) for name in SERIES})
+        self._finished: dict[str, object] = {}
+        self._accepted_at: dict[int, object] = {}
+
+    def finished(self, reason: str):
+        """The served model's ``request_success`` series for one finish reason."""
+        if reason not in self._finished:
+            self._finished[reason] = self.request_success.labels(self.model_name, reason)
+        return self._finished[reason]
+
+    def accepted_at(self, position: int):
+        """The served model's accepted-drafts series for one draft position."""
+        if position not in self._accepted_at:
+            self._accepted_at[position] = self.spec_accepted_per_pos.labels(self.model_name, str(position))
+        return self._accepted_at[position]
