@@ -10,6 +10,12 @@ the target's next greedy tokens are what a greedy verifier accepts (:func:`draft
 verify step yields ``1 + min(accepted, K)`` tokens; τ(K) is its mean over the positions. This is the draft
 quality alone: the confidence head's choice of how many drafts to verify is not applied.
 
+A greedy verifier does not visit every position: a round that accepts ``a`` drafts moves ``1 + a`` positions
+on, so an easy stretch is a few rounds and a missed stretch one round per token. ``tau_per_round`` walks each
+reply as the engine does (first round at the prompt's last position, then ``1 + min(accepted, K)`` on) and
+averages over those rounds: that is the engine's τ (tokens per verify round), lower than the mean over
+positions.
+
     python scripts/measure_dspark_tau.py --engine 5:0,5:0.5      # through the engine: K:confidence_threshold
 
 ``--engine`` instead serves the same chats' prompts through the engine with ``method: dspark`` (greedy, all
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": directory, "chats": len(prompts), "engine": rows}, indent=1))
         return 0
     accepted: dict[str, list[int]] = {}
+    replies: dict[str, list[list[int]]] = {}  # accepted drafts at each position, one list per reply
     for skill in corpus.SKILLS:
         for thinking in (True, False):
             for sample in corpus.held_out(skill, args.chats, thinking=thinking):
@@ -112,20 +119,37 @@ def main(argv: list[str] | None = None) -> int:
                 ids = _greedy_reply(model, prompt, stop, args.max_tokens)
                 greedy, targets, input_ids = _forward(model, ids)
                 padded = torch.cat([input_ids, input_ids.new_full((size,), model.config.dspark_noise_token_id)])
+                reply = replies.setdefault(skill, [])
+                reply.append([])
                 for anchor in range(len(prompt) - 1, len(ids) - 2):
                     logits, _ = draft_block_logits(model, targets, padded, 0, anchor)
                     # the target's greedy tokens after x[p + 1], up to the reply's last token
                     wanted = greedy[anchor + 1 : min(anchor + 1 + size, len(ids) - 1)]
                     right = (logits[: len(wanted)].argmax(dim=-1) == wanted).long().cumprod(dim=0)
                     accepted.setdefault(skill, []).append(int(right.sum()))
+                    reply[-1].append(int(right.sum()))
     every = [a for values in accepted.values() for a in values]
 
     def tau(values: list[int], k: int) -> float:
         return round(1 + sum(min(a, k) for a in values) / len(values), 3)
 
+    def tau_per_round(chats: list[list[int]], k: int) -> float:
+        rounds = tokens = 0
+        for values in chats:
+            position = 0
+            while position < len(values):
+                step = 1 + min(values[position], k)
+                rounds, tokens, position = rounds + 1, tokens + step, position + step
+        return round(tokens / rounds, 3)
+
+    walks = [values for chats in replies.values() for values in chats]
+
     result = {"model": directory, "positions": len(every), "block_size": size,
               "tau": {k: tau(every, k) for k in range(1, size + 1)},
-              "tau_at_3_by_skill": {skill: tau(values, 3) for skill, values in accepted.items()}}  # fmt: skip
+              "tau_per_round": {k: tau_per_round(walks, k) for k in range(1, size + 1)},
+              "tau_at_3_by_skill": {skill: tau(values, 3) for skill, values in accepted.items()},
+              "tau_per_round_at_3_by_skill": {skill: tau_per_round(chats, 3)
+                                              for skill, chats in replies.items()}}  # fmt: skip
     print(json.dumps(result, indent=1))
     return 0
 
