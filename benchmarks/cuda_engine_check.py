@@ -1,25 +1,61 @@
 """The engine on CUDA gives the CPU's greedy tokens (tiny V4 and V4.1 checkpoints, fp32).
 
-python benchmarks/cuda_engine_check.py
+    python benchmarks/cuda_engine_check.py
+    python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
+
+``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
+CUDA, once with every op's chosen backend (Triton kernels, decode graphs) and once with every op forced to its
+torch reference (``DSINFER_OPS``): the greedy tokens of both engines.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import os
 import tempfile
 
 import torch
 
+from dsinfer.bench.shapes import write_slice_directory
 from dsinfer.llm import LLM
 from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.ops.registry import reference_table
 from dsinfer.sampling_params import SamplingParams
 
 
+def slice_check(layers: int, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Greedy tokens of the slice with the fast path and with every op's reference, fp32 on CUDA."""
+    every_reference = ",".join(f"{op}=reference" for op in sorted(reference_table("cpu", torch.float32).chosen))
+    outputs = {}
+    with tempfile.TemporaryDirectory() as directory:
+        path = write_slice_directory(directory, layers)
+        for path_name, forced in (("fast", ""), ("reference", every_reference)):
+            os.environ["DSINFER_OPS"] = forced
+            options = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_model_len": 512, "dtype": "float32"}
+            with LLM(str(path), device="cuda", load_format="dummy", **options) as llm:
+                outputs[path_name] = llm.generate(prompts, params, use_tqdm=False)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    os.environ.pop("DSINFER_OPS", None)
+    fast, reference = outputs["fast"], outputs["reference"]
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(fast, reference, strict=True))
+    print(f"slice ({layers} layers, fp32): fast-path greedy tokens equal the reference path's for {same} of "
+          f"{len(prompts)} prompts")  # fmt: skip
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--slice-layers", type=int, default=0, help="also check the V4-Flash-width slice")
+    parser.add_argument("--skip-tiny", action="store_true")
+    args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (24,))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for arch in ("v4", "v41"):
+    if args.slice_layers:
+        slice_check(args.slice_layers, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for arch in () if args.skip_tiny else ("v4", "v41"):
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch=arch)
             options = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 400}

@@ -6,7 +6,7 @@
 # Stages: ops (tests/ops on the GPU), peer (HF transformers, ../shared/bench or PEER=path), fast
 # (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead),
 # sweep (engine decode sweep), spec (MTP verify steps, K = 1, 3, 5), speedup (DSpark K = 3 on the trained default,
-# 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU), long (engine decode of
+# 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU, and the slice's fast path vs its reference path), long (engine decode of
 # 16 requests at 8k context), serve (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in,
 # 1k out; SERVE_* variables change it).
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s) so one hang cannot
@@ -83,7 +83,7 @@ for name in "$@"; do
                      --out "$OUT/speedup.json" ;;
         prefill) stage prefill python3 -m dsinfer.cli bench sweep prefill --flash-layers 4 --context 16384 \
                      --points 4096,16384 --cache-gib 16 --telemetry-interval 0.5 --tag prefill ;;
-        engine) stage engine python3 benchmarks/cuda_engine_check.py ;;
+        engine) stage engine python3 benchmarks/cuda_engine_check.py --slice-layers 4 ;;
         long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
