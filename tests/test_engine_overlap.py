@@ -211,3 +211,24 @@ def test_steps_launch_ahead_of_the_host_read_unless_sampling_reads_the_output(mo
     for engine in (serial, overlapped):
         assert engine.blocks.num_used == 0 and not engine.requests
         engine.close()
+
+
+def test_v41_steps_fed_on_device_give_serial_tokens(tiny_v41_checkpoint):
+    """V4.1 (Engram history, FP8 / FP4 caches) with the next step launched ahead of the host read: the tokens of
+    serial decoding, greedy and seeded (prompts short enough never to be split differently, since V4.1's
+    trained-in rounding can turn another chunking into another token)."""
+    model = load_model(tiny_v41_checkpoint, progress=False)
+    tokenizer = Tokenizer.from_dir(tiny_v41_checkpoint)
+    shared = random_prompts(1, seed=5)[0][:40]
+    prompts = [shared + p[:8] for p in random_prompts(5, seed=6)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) for _ in range(3)]
+    params += [SamplingParams(temperature=0.9, seed=i, max_tokens=10, ignore_eos=True) for i in range(2)]
+    options = {"max_num_batched_tokens": 512, "max_model_len": 128, "num_cache_blocks": 40}
+    serial = _engine(model, tokenizer, async_scheduling=False, **options)
+    overlapped = _engine(model, tokenizer, async_scheduling=True, **options)
+    expected = _summary(run_all(serial, prompts, params))
+    assert _summary(run_all(overlapped, prompts, params)) == expected
+    assert overlapped.steps_fed_on_device > 5
+    for engine in (serial, overlapped):
+        assert engine.blocks.num_used == 0 and not engine.requests
+        engine.close()
