@@ -95,18 +95,18 @@ def test_abort_while_a_step_is_in_flight_frees_everything(model, tokenizer):
 
 
 def test_next_step_is_scheduled_while_the_device_runs(model, tokenizer):
-    """With overlap, the scheduler runs while a forward is executing on the worker; without, never."""
+    """With overlap, the scheduler runs while the worker processes a step (forward and sampling); without, never."""
     for async_scheduling in (False, True):
         engine = _engine(model, tokenizer, async_scheduling=async_scheduling)
         running = threading.Event()
         seen_running = []
-        execute, schedule = engine.runner.execute, engine.scheduler.schedule
+        run_step, schedule = engine.worker._run, engine.scheduler.schedule
 
-        def slow_execute(batch, execute=execute, running=running):
+        def slow_step(*args, run_step=run_step, running=running):
             running.set()
             try:
-                time.sleep(0.01)  # a forward long enough for the engine thread to get ahead
-                return execute(batch)
+                time.sleep(0.01)  # a step long enough for the engine thread to get ahead
+                return run_step(*args)
             finally:
                 running.clear()
 
@@ -114,13 +114,13 @@ def test_next_step_is_scheduled_while_the_device_runs(model, tokenizer):
             seen_running.append(running.is_set())
             return schedule()
 
-        engine.runner.execute = slow_execute
+        engine.worker._run = slow_step
         engine.scheduler.schedule = watched_schedule
         run_all(engine, random_prompts(4, seed=5), [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
         engine.close()
         assert any(seen_running) is async_scheduling
         if async_scheduling:
-            assert sum(seen_running) >= 5  # every decode step was planned during the previous forward
+            assert sum(seen_running) >= 5  # every decode step was planned while the step before it ran
 
 
 def test_engine_errors_surface_to_the_caller_and_close_still_works(model, tokenizer):

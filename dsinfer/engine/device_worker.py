@@ -46,14 +46,16 @@ class DeviceWorker:
         batch: StepInput,
         states: list[SamplingState],
         output_positions: list[int] | None = None,
-        queued: bool = False,
+        started: threading.Event | None = None,
     ) -> Future:
         """Queue a step; the future holds one sample output per state (none for a step without samples).
 
-        ``output_positions``: each state's output position, as planned (see :class:`Sampler`). ``queued``: the
-        worker is still running the step before this one; return at once instead of waiting for it to start."""
+        ``output_positions``: each state's output position, as planned (see :class:`Sampler`). ``started``: the
+        worker is still running the step before this one, so return at once; the worker sets this event when it
+        takes the step up (the caller waits on it to hand the worker the Python lock then)."""
         if self._pool is not None:
-            started = threading.Event()
+            queued = started is not None
+            started = started if queued else threading.Event()
             future = self._pool.submit(self._run, batch, states, output_positions, started)
             if not queued:
                 # Hand the Python lock to the worker now: otherwise it would start the forward only once the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class InflightStep:
     sampled: list[Sequence]
     handle: Future
     num_tokens: int
+    started: threading.Event | None = None  # launched ahead: set when the worker takes it up
 
 
 class LLMEngine:
@@ -233,6 +235,10 @@ class LLMEngine:
                 ahead, self._inflight = self._inflight, None
                 ahead.handle.exception()
             raise
+        if launched_ahead:
+            # Let the worker take the Python lock and launch the next step before this thread turns tokens into
+            # text: otherwise the device would wait up to a lock switch interval (5 ms) for its next kernels.
+            self._inflight.started.wait()
         ran_at = time.perf_counter()
         model_s += ran_at - wait_at
         for seq in current.sampled:
@@ -304,10 +310,9 @@ class LLMEngine:
             item.seq.num_computed += item.num_new_tokens - item.num_draft_tokens  # drafts count once accepted
             if pending_rows is None:
                 self.blocks.register_computed(item.seq)
-        handle = self.worker.submit(
-            batch, [seq.sampling for seq in sampled], output_positions, queued=pending_rows is not None
-        )
-        return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled))
+        started = threading.Event() if pending_rows is not None else None
+        handle = self.worker.submit(batch, [seq.sampling for seq in sampled], output_positions, started)
+        return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled), started)
 
     def _append_token(self, seq: Sequence, result, now: float) -> None:
         """Take a sampled token: grammar, logprobs, and every stop rule that needs no text."""
