@@ -157,3 +157,19 @@ def test_command_line_samples_while_a_command_runs(tmp_path, monkeypatch, capsys
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == len(read_rows(path)) >= 3
     assert summary["columns"]["power_w"] == {"mean": 300.0, "max": 300.0}
+
+
+def test_summarize_inside_a_window_keeps_only_its_rows(tmp_path):
+    """A sweep point's utilisation: the rows sampled while its timed steps ran, by the elapsed_s column."""
+    path = tmp_path / "telemetry.csv"
+    path.write_text(
+        ",".join(COLUMNS) + "\n"
+        "2026-11-29T10:00:00+00:00,0.5,0,H200,5,5,100.0,1000,2000,50\n"
+        "2026-11-29T10:00:01+00:00,1.5,0,H200,96,5,500.0,1980,2000,50\n"
+        "2026-11-29T10:00:02+00:00,2.5,0,H200,98,5,550.0,1980,2000,50\n"
+        "2026-11-29T10:00:03+00:00,3.5,0,H200,0,5,90.0,1000,2000,50\n"
+    )
+    inside = summarize(path, (1.0, 3.0))
+    assert inside["samples"] == 2 and inside["columns"]["gpu_util_percent"] == {"mean": 97.0, "max": 98.0}
+    assert summarize(path, (4.0, 5.0))["samples"] == 0
+    assert summarize(path)["columns"]["gpu_util_percent"]["mean"] == 49.75

@@ -513,7 +513,9 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     shortest = min(seq.num_tokens for seq in sequences)
     sampled_before = sum(len(seq.output_token_ids) for seq in sequences)
     stats_before = replace(engine.spec_stats) if engine.spec_stats is not None else None
+    window = [time.monotonic()]
     timed = timed_steps(engine, args.measure_steps)
+    window.append(time.monotonic())
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
     drafts_per_step = args.speculative.num_speculative_tokens if args.speculative is not None else 0
@@ -541,6 +543,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
         "context_range": [shortest, max(seq.num_tokens for seq in sequences)],
         "fill_steps": fill_steps,
         "fill_s": fill_s,
+        "timed_window": window,
         **accounting,
         "engine": asdict(engine.config),
     }
@@ -567,7 +570,9 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
     for prompt in random_prompts(requests, args.context, bench.model.config.vocab_size, args.seed):
         engine.add_request(prompt, params)
     run_steps(engine, args.warmup_steps)
+    window = [time.monotonic()]
     timed = timed_steps(engine, measure)
+    window.append(time.monotonic())
     return {
         "point_unit": "batch tokens per step",
         **step_statistics(timed, expected_tokens=batch_tokens),
@@ -578,6 +583,7 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
         "requests": requests,
         "position_cycle_steps": cycle,
         "covers_full_cycle": measure % cycle == 0,
+        "timed_window": window,
         "engine": asdict(engine.config),
     }
 
@@ -630,6 +636,9 @@ def _describe(record: dict[str, Any]) -> str:
         line += f", {record['tokens_per_s_per_user']:8.1f} tokens/s/user"
         if record["nextn"] > 0:
             line += f" (assumed accounting: {record['assumed']['tokens_per_s_per_user']:.1f})"
+    utilization = (record.get("telemetry") or {}).get("columns", {}).get("gpu_util_percent")
+    if utilization is not None:
+        line += f", GPU busy {utilization['mean']:.0f}% ({record['telemetry']['samples']} samples)"
     return line
 
 
@@ -663,6 +672,9 @@ def run_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         for point in args.points:
             try:
                 record = run_point(bench, point)
+                if sampler is not None and sampler.active:  # the GPU while this point's timed steps ran
+                    start, end = (t - sampler.started_at for t in record["timed_window"])
+                    record["telemetry"] = summarize(sampler.path, (start, end))
             except PointSkipped as exc:
                 print(f"{args.mode} point {point:>6}: skipped, {exc}", file=sys.stderr)
                 skipped.append({"point": point, "reason": str(exc)})

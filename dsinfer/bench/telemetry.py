@@ -98,6 +98,11 @@ class TelemetrySampler:
         self._writer = None
         self._started_at = 0.0
 
+    @property
+    def started_at(self) -> float:
+        """``time.monotonic()`` when sampling started: the zero of the ``elapsed_s`` column."""
+        return self._started_at
+
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> bool:
         """Open NVML and begin sampling; returns False (after printing why) when there is nothing to sample."""
@@ -205,15 +210,18 @@ class TelemetrySampler:
             return None
 
 
-def summarize(path: str | Path) -> dict[str, Any]:
+def summarize(path: str | Path, window: tuple[float, float] | None = None) -> dict[str, Any]:
     """Mean and max of every measured column of a telemetry CSV, over all rows (all GPUs together).
 
-    Returns ``{"samples": rows, "gpus": [indices], "duration_s": last elapsed,
+    ``window`` (seconds since the sampler started, the ``elapsed_s`` column): only the rows sampled inside it,
+    e.g. a sweep point's timed steps. Returns ``{"samples": rows, "gpus": [indices], "duration_s": last elapsed,
     "columns": {column: {"mean": x, "max": y}}}``; empty cells are skipped, a column with none left out.
     """
     path = Path(path)
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
+    if window is not None:
+        rows = [row for row in rows if window[0] <= float(row["elapsed_s"] or "nan") <= window[1]]
     columns: dict[str, dict[str, float]] = {}
     fieldnames = [name for name in (rows[0].keys() if rows else ()) if name not in _ID_COLUMNS]
     for name in fieldnames:
