@@ -115,6 +115,23 @@ def test_other_vocab_sizes(tmp_path: Path, vocab_size: int) -> None:
     assert [tok.token_to_id(t) for t in top] == list(range(vocab_size - len(top), vocab_size))
 
 
+def test_word_fillers_decode_to_text_and_back(tmp_path: Path) -> None:
+    """``filler="words"`` (the slice's tokenizer): the ids the corpus leaves over are ordinary tokens, so random
+    ids decode to text, as a stream shows it (special tokens skipped), and that text encodes back to the same ids;
+    placeholders are special reserved slots and show nothing."""
+    words, placeholders = tmp_path / "words", tmp_path / "placeholders"
+    build_tiny_tokenizer(words, 4096, filler="words")
+    build_tiny_tokenizer(placeholders, 4096)
+    with_words, with_placeholders = Tokenizer.from_dir(words), Tokenizer.from_dir(placeholders)
+    filler_ids = [3000, 1777, 3999, 2500, 3000]
+    text = with_words.decode(filler_ids, skip_special_tokens=True)
+    assert text.count(" w") == len(filler_ids)
+    assert with_words.encode(text) == filler_ids
+    assert with_placeholders.decode(filler_ids, skip_special_tokens=True) == ""
+    with pytest.raises(ValueError, match="filler"):
+        build_tiny_tokenizer(tmp_path / "bad", 4096, filler="bytes")
+
+
 def test_vocab_size_too_small(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="too small"):
         build_tiny_tokenizer(tmp_path, min_tiny_vocab_size() - 1)

@@ -26,10 +26,11 @@ def flash_slice_config(num_layers: int) -> ModelConfig:
 
 def write_slice_directory(directory: str | Path, num_layers: int) -> Path:
     """``config.json`` of :func:`flash_slice_config` and a tokenizer of its whole vocabulary, no weights: what
-    ``--load-format dummy`` serves (random prompts need only the ids; the tokenizer's pieces are synthetic)."""
+    ``--load-format dummy`` serves (random prompts need only the ids; the tokenizer's pieces are synthetic, and
+    every one decodes to text, so a served stream carries a chunk per token as a real model's does)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = flash_slice_config(num_layers)
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    build_tiny_tokenizer(directory, vocab_size=config.vocab_size)
+    build_tiny_tokenizer(directory, vocab_size=config.vocab_size, filler="words")
     return directory

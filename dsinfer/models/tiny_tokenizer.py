@@ -170,16 +170,28 @@ def _train_bpe(n_base: int, corpus: list[str], digit_group: int) -> dict:
     return json.loads(tok.to_str())
 
 
+FILLERS = ("placeholders", "words")
+
+
 def build_tiny_tokenizer(
-    out_dir: Path, vocab_size: int = 512, corpus: list[str] | None = None, digit_group: int = 3
+    out_dir: Path,
+    vocab_size: int = 512,
+    corpus: list[str] | None = None,
+    digit_group: int = 3,
+    filler: str = "placeholders",
 ) -> None:
     """Write a DeepSeek-V4-shaped ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir``.
 
     The vocabulary has exactly ``vocab_size`` ids with no holes.  Raises
     ``ValueError`` when ``vocab_size`` is below :func:`min_tiny_vocab_size`.
     ``corpus`` (lines; default :data:`TINY_CORPUS`) is what the merges are learned from; ``digit_group`` is
-    the longest run of digits one pre-token holds (DeepSeek: 3; 1 gives one token per digit).
+    the longest run of digits one pre-token holds (DeepSeek: 3; 1 gives one token per digit). ``filler`` says
+    what the ids the corpus leaves over become: ``placeholders``, reserved special slots as DeepSeek has them
+    (they decode to nothing), or ``words``, ordinary tokens that each decode to a word of their own (a model
+    with random weights over a large vocabulary then streams text at every token, as a real one does).
     """
+    if filler not in FILLERS:
+        raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
     minimum = min_tiny_vocab_size()
@@ -200,11 +212,11 @@ def build_tiny_tokenizer(
     # reserved slots, as DeepSeek does below its named control tokens.
     slot = 0
     while next_id < n_base:
-        name = f"<｜place▁holder▁no▁{slot}｜>"
+        name = f"<｜place▁holder▁no▁{slot}｜>" if filler == "placeholders" else f" w{slot:06d}"
         slot += 1
         if name in _TOP_TOKENS:
             continue
-        added.append(_added_token(next_id, name, special=True))
+        added.append(_added_token(next_id, name, special=filler == "placeholders"))
         next_id += 1
     for content in _TOP_TOKENS:
         added.append(_added_token(next_id, content, special=content in DEEPSEEK_V4_SKIPPED_TOKENS))
