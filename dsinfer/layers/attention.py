@@ -101,7 +101,7 @@ class Attention(nn.Module):
         cos, sin = rope_angles(batch.positions, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps), cos, sin, ops=self.ops)
+        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops)
 
         if batch.is_decode:

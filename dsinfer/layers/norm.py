@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsinfer.ops.norm_rope import rms_norm_reference
+from dsinfer.ops.norm_rope import rms_norm_reference, rms_normalize_reference
 from dsinfer.ops.registry import OpTable
 
 
@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
         return (self.ops.rms_norm if self.ops is not None else rms_norm_reference)(x, self.weight, self.eps)
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm over the last axis (the per-head query norm and the mHC input norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+def rms_normalize(x: torch.Tensor, eps: float, ops: OpTable | None = None) -> torch.Tensor:
+    """Weightless RMSNorm over the last axis (the per-head query norm and the mHC input norm).
+
+    ``ops``: the model's op table (its ``rms_normalize`` backend); without one the torch reference runs."""
+    return (ops.rms_normalize if ops is not None else rms_normalize_reference)(x, eps)

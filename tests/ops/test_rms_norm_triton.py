@@ -1,4 +1,5 @@
-"""RMSNorm: the Triton kernel (in Triton's interpreter on the CPU, compiled on CUDA) against the torch reference."""
+"""RMSNorm with and without a weight: the Triton kernels (in Triton's interpreter on the CPU, compiled on CUDA)
+against the torch references."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
-from dsinfer.ops.norm_rope.reference import rms_norm_reference
+from dsinfer.ops.norm_rope.reference import rms_norm_reference, rms_normalize_reference
 
 SHAPES = [(0, 64), (1, 4096), (7, 100), (3, 5, 512), (33, 1024), (2, 8192), (4, 20000)]
 
@@ -34,8 +35,33 @@ def check_cases(device: torch.device) -> list[str]:
     return failures
 
 
+def check_weightless_cases(device: torch.device) -> list[str]:
+    """``rms_normalize``: the scale rounded to the rows' dtype as the reference does, so bf16 results agree but for
+    a last-bit tie of the scale (one bf16 step of the output at most); float32 within float32 rounding."""
+    import dsinfer.ops.norm_rope.rms_norm_triton as backend
+
+    failures = []
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(0, 512), (1, 512), (3, 64, 512), (5, 64, 128), (2, 16384), (2, 20000)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(*shape, generator=generator) * 2 + 0.3).to(dtype).to(device)
+            expected = rms_normalize_reference(x, 1e-6)
+            got = backend.rms_normalize_triton(x, 1e-6)
+            step = 2**-22 if dtype == torch.float32 else 2**-7
+            if got.dtype != dtype or got.shape != x.shape:
+                failures.append(f"rms_normalize {shape} {dtype}: got {got.dtype} {tuple(got.shape)}")
+            elif not ((got.float() - expected.float()).abs() <= expected.float().abs() * step + 1e-6).all():
+                diff = (got.float() - expected.float()).abs().max()
+                failures.append(f"rms_normalize {shape} {dtype}: max |diff| {diff:.3g}")
+    return failures
+
+
 def run_interpreted_cases() -> list[str]:
-    return check_cases(torch.device("cpu"))
+    """Every case through the interpreter (TRITON_INTERPRET=1 must be set before Triton loads)."""
+    from test_sparse_attention import _interpret_bf16_as_hardware
+
+    _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
+    return check_cases(torch.device("cpu")) + check_weightless_cases(torch.device("cpu"))
 
 
 def test_triton_rms_norm_matches_reference_in_the_interpreter():
@@ -45,10 +71,11 @@ def test_triton_rms_norm_matches_reference_in_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_rms_norm_matches_reference_on_cuda():
-    assert check_cases(torch.device("cuda")) == []
+    assert check_cases(torch.device("cuda")) + check_weightless_cases(torch.device("cuda")) == []
 
 
-def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
-    assert registry.choose("rms_norm", "cpu", torch.float32).name == "reference"
+@pytest.mark.parametrize("op", ["rms_norm", "rms_normalize"])
+def test_registry_picks_reference_on_cpu_and_triton_on_cuda(op):
+    assert registry.choose(op, "cpu", torch.float32).name == "reference"
     if torch.cuda.is_available():
-        assert registry.choose("rms_norm", "cuda", torch.bfloat16).name == "triton"
+        assert registry.choose(op, "cuda", torch.bfloat16).name == "triton"

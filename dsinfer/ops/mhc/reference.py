@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.layers.norm import rms_normalize
+from dsinfer.ops.norm_rope.reference import rms_normalize_reference
 from dsinfer.ops.registry import REFERENCE, register
 
 
@@ -37,5 +37,5 @@ def hc_expand_reference(
 def hc_mixes_reference(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """The raw mHC weights [..., M] float32 of the streams [..., n, D]: the RMS-normalised flattened streams
     (no learned weight) projected by ``fn`` [M, n * D]; the layer turns them into ``pre``, ``post`` and ``comb``."""
-    flat = rms_normalize(streams.flatten(-2).float(), norm_eps)
+    flat = rms_normalize_reference(streams.flatten(-2).float(), norm_eps)
     return F.linear(flat, fn.float())

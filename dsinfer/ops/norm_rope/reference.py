@@ -1,5 +1,5 @@
-"""The truth for RMSNorm and the partial, interleaved RoPE DeepSeek uses (``dsinfer.layers.norm`` / ``rotary`` call
-these; a faster backend registers beside them)."""
+"""The truth for RMSNorm (with and without a weight) and the partial, interleaved RoPE DeepSeek uses
+(``dsinfer.layers.norm`` / ``rotary`` call these; a faster backend registers beside them)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * x32).to(x.dtype)
+
+
+@register("rms_normalize", REFERENCE)
+def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMSNorm over the last axis (the per-head query norm, mHC's input norm): the scale is computed in
+    float32, rounded to ``x``'s dtype and multiplied in it."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 @register("rope", REFERENCE)

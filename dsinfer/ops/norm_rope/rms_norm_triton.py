@@ -1,4 +1,4 @@
-"""RMSNorm in one Triton kernel: each program normalises whole rows in registers.
+"""RMSNorm, with and without a weight, in one Triton kernel: each program normalises whole rows in registers.
 
 The torch reference runs five or six kernels per call (cast to float32, square, mean, rsqrt, two products, cast
 back), each a pass over the rows: at decode sizes their launches are the cost (33 norms a step on the 4-layer
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from dsinfer.ops.norm_rope.reference import rms_norm_reference
+from dsinfer.ops.norm_rope.reference import rms_norm_reference, rms_normalize_reference
 from dsinfer.ops.registry import register
 
 try:
@@ -45,6 +45,46 @@ if triton is not None:
         y = w[None, :] * (x * scale[:, None])
         tl.store(dst + offsets, y.to(dst.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _rms_normalize_kernel(src, dst, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        column = tl.arange(0, BLOCK)
+        mask = (row < rows)[:, None] & (column < width)[None, :]
+        offsets = row.to(tl.int64)[:, None] * width + column[None, :]
+        x = tl.load(src + offsets, mask=mask, other=0.0)
+        x32 = x.to(tl.float32)
+        # The reference rounds the scale to the rows' dtype and multiplies in it (one rounding of the product).
+        scale = (1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / width + eps)).to(x.dtype).to(tl.float32)
+        tl.store(dst + offsets, (x32 * scale[:, None]).to(dst.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous rows of its last axis."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 and flat.stride(0) == x.shape[-1] else flat.contiguous()
+
+
+def _launch_shape(width: int) -> tuple[int, int, int]:
+    """(block, rows per program, warps): narrow rows (head norms) take several rows a program."""
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(16, 2048 // block)), 4 if block <= 2048 else 8
+
+
+@register("rms_normalize", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as :func:`rms_normalize_reference`; rows wider than ``MAX_ROW`` go to it."""
+    width = x.shape[-1]
+    if width > MAX_ROW or width == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return rms_normalize_reference(x, eps)
+    flat = _rows(x)
+    out = torch.empty_like(flat)
+    if flat.shape[0]:
+        block, per_program, warps = _launch_shape(width)
+        grid = (triton.cdiv(flat.shape[0], per_program),)
+        _rms_normalize_kernel[grid](flat, out, flat.shape[0], width, eps, ROWS=per_program, BLOCK=block,
+                                    num_warps=warps)  # fmt: skip
+    return out.view(x.shape)
+
 
 @register("rms_norm", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,17 +92,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or weight.shape != (width,):
         return rms_norm_reference(x, weight, eps)
-    flat = x.reshape(-1, width)
-    if flat.stride(-1) != 1 or flat.stride(0) != width:
-        flat = flat.contiguous()
+    flat = _rows(x)
     out = torch.empty_like(flat)
-    rows = flat.shape[0]
-    if rows:
-        block = triton.next_power_of_2(width)
-        per_program = max(1, min(16, 2048 // block))  # narrow rows (head norms): several rows a program
-        grid = (triton.cdiv(rows, per_program),)
-        _rms_norm_kernel[grid](
-            flat, weight.contiguous(), out, rows, width, eps, ROWS=per_program, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8,
-        )  # fmt: skip
+    if flat.shape[0]:
+        block, per_program, warps = _launch_shape(width)
+        grid = (triton.cdiv(flat.shape[0], per_program),)
+        _rms_norm_kernel[grid](flat, weight.contiguous(), out, flat.shape[0], width, eps, ROWS=per_program,
+                               BLOCK=block, num_warps=warps)  # fmt: skip
     return out.view(x.shape)
