@@ -10,7 +10,7 @@ import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: referen
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
 import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes: reference, triton (CUDA)
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
-import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rope: reference, triton (CUDA)
+import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope: reference, triton (CUDA)
 import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.sparse_attention  # noqa: F401  sparse_attention_decode, _prefill: reference, triton
 import dsinfer.ops.topk.packed_key  # noqa: F401
