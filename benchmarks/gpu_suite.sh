@@ -4,11 +4,11 @@
 #   OUT=results bash benchmarks/gpu_suite.sh ops fast v41 ep            # each stage's log under $OUT
 #
 # Stages: ops (tests/ops on the GPU), peer (HF transformers, ../shared/bench or PEER=path), fast
-# (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead),
-# sweep (engine decode sweep), spec (MTP verify steps, K = 1, 3, 5), speedup (DSpark K = 3 on the trained default,
-# 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU, and the slice's fast path vs its reference path), long (engine decode of
-# 16 requests at 8k context), serve (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in,
-# 1k out; SERVE_* variables change it).
+# (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead), sweep
+# (engine decode sweep), spec (MTP verify steps, K = 1..5 or SPEC_K), speedup (DSpark K = 3 on the trained
+# default, 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU,
+# and the slice's fast path vs its reference path), long (engine decode of 16 requests at 8k context), serve
+# (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it).
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s) so one hang cannot
 # eat the rest.
 set -u
@@ -58,9 +58,9 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
     return $rc
 }
 
-spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of K = 1, 3, 5 (verify steps)
+spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of each K (verify steps)
     python3 -m dsinfer.cli bench sweep decode $SLICE --tag plain || return 1
-    for k in 1 3 5; do
+    for k in ${SPEC_K:-1 2 3 4 5}; do
         python3 -m dsinfer.cli bench sweep decode $SLICE --tag "mtp-k$k" \
             --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" || return 1
     done
