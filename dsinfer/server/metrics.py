@@ -53,7 +53,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         # The served model's series, looked up once: ``labels()`` takes a lock and validates its arguments, and
-        # the engine thread updates these every step (at 16 streams the lookups cost as much as the step). Binding
+        # the engine thread updates these every step, so the lookups stay off that path. Binding
         # them also exports the counters' zeros from the start.
         self.series = SimpleNamespace(**{name: getattr(self, name).labels(model_name) for name in SERIES})
         self._finished: dict[str, object] = {}
