@@ -38,23 +38,26 @@ import torch
 BACKENDS = ("triton", "triton-graph", "triton-dense", "reference", "grouped_mm")
 
 SWEEP_CONFIGS = {
-    "decode": [  # a few slots per expert: (block_m, block_n, block_k, num_warps, num_stages, swap_ab)
-        (16, 64, 128, 4, 4, False),
-        (16, 32, 128, 4, 4, False),
-        (16, 64, 64, 4, 4, False),
-        (16, 128, 64, 4, 4, False),
-        (16, 64, 128, 8, 4, False),
-        (16, 64, 128, 2, 4, False),
-        (16, 32, 256, 4, 3, False),
-        (16, 32, 128, 4, 4, True),
+    "decode": [  # a few slots per expert: (block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)
+        (16, 64, 128, 4, 4, False, True),
+        (16, 64, 128, 4, 4, False, False),
+        (16, 32, 128, 4, 4, False, True),
+        (16, 64, 64, 4, 4, False, True),
+        (16, 128, 64, 4, 4, False, True),
+        (16, 64, 128, 8, 4, False, True),
+        (16, 32, 256, 4, 3, False, True),
     ],
     "prefill": [  # tens of slots per expert and more
-        (32, 64, 128, 4, 3, False),
-        (64, 64, 128, 4, 3, False),
-        (32, 64, 128, 4, 3, True),
-        (128, 64, 128, 8, 3, False),
-        (64, 128, 128, 8, 3, False),
-        (128, 128, 64, 8, 3, False),
+        (32, 64, 128, 4, 3, False, True),
+        (64, 64, 128, 4, 3, False, True),
+        (64, 128, 128, 8, 3, False, True),
+        (128, 128, 64, 8, 3, False, True),
+        (128, 128, 64, 8, 3, False, False),
+        (128, 128, 128, 8, 3, False, True),
+        (128, 256, 64, 8, 3, False, True),
+        (64, 256, 64, 8, 3, False, True),
+        (128, 64, 64, 4, 4, False, True),
+        (128, 64, 128, 8, 3, False, True),
     ],
 }
 """Candidates per regime: ``decode`` for under 4 slots per expert, ``prefill`` above."""

@@ -255,6 +255,23 @@ def test_triton_swapped_operands_match_reference(monkeypatch):
     assert float((out.float() - plain.float()).abs().max()) <= 2**-7 * float(truth.abs().max())
 
 
+def test_triton_program_orders_compute_the_same(monkeypatch):
+    """Both program orders (N tiles of a row block first, or row blocks of an N tile first) give identical
+    results: each output tile is computed by one program the same way, only the launch order differs."""
+    _interpret(monkeypatch)
+    weights = _fp4_weights(8, 96, 64, seed=31)
+    ids, mix = _routing(37, 6, 8, seed=32)
+    x = torch.randn(37, 96, generator=_generator(33)).bfloat16()
+    columns_first = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=SMALL)
+    rows_first = moe_triton.routed_moe_triton(
+        x, weights, ids, mix, LIMIT, config=moe_triton.KernelConfig(16, 32, 64, 4, 1, columns_first=False)
+    )
+    assert SMALL[-1] and torch.equal(columns_first, rows_first)
+    truth = routed_moe_reference(x.float(), weights, ids, mix, LIMIT)
+    reference_error = float((routed_moe_reference(x, weights, ids, mix, LIMIT).float() - truth).abs().max())
+    assert float((rows_first.float() - truth).abs().max()) <= 1.5 * reference_error + 2**-8 * float(truth.abs().max())
+
+
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 1, 4, 16), (1, 6, 256, 16), (37, 6, 8, 16),
                                                                      (12, 6, 256, 16), (40, 6, 8, 64)])  # fmt: skip
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
@@ -339,9 +356,9 @@ def test_triton_kernels_compile_for_hopper():
 
     for fp4, tokens in ((True, 6), (True, 24576), (False, 24576)):
         config = moe_triton.choose_config(tokens, 256, fp4_dot=fp4)
-        block_m, block_n, block_k, num_warps, num_stages, swap_ab = config
-        constants = dict(FP4=fp4, FP4_DOT=fp4, SWAP=swap_ab, IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_K=block_k)  # fmt: skip
+        block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first = config
+        constants = dict(FP4=fp4, FP4_DOT=fp4, SWAP=swap_ab, IEEE=False, COLUMNS_FIRST=columns_first,
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
         for kernel in (moe_triton._gate_up_kernel, moe_triton._down_kernel):
             source = ASTSource(kernel, _signature(kernel, "bf16", "u8" if fp4 else "bf16"), constexprs=constants)
             options = dict(num_warps=num_warps, num_stages=num_stages)

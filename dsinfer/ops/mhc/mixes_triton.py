@@ -7,12 +7,19 @@ Since ``rms_normalize(x) @ fn^T = (x @ fn^T) * rsqrt(mean(x^2) + eps)``, one pas
 streams can accumulate both the dot products and the sum of squares, and scale at the end.
 
 Each program takes ``BLOCK_T`` tokens and a range of the n*D columns, loads each stream chunk once, accumulates
-the sum of squares and the [BLOCK_T, M] products in float32 (``tl.dot`` with IEEE float32 inputs, never TF32:
-the weights must be float32-accurate; M is padded to a power of two of at least 16, ``tl.dot``'s smallest).
-Prefill has enough token blocks to fill the GPU with one program per block, which writes the scaled result.
-Decode and small batches would leave one program looping over all n*D columns, so the columns are split over
-several programs that write partial sums, and a second small kernel adds them in a fixed order and scales
-(deterministic, no atomics).
+the sum of squares and the [BLOCK_T, M] products in float32 (M is padded to a power of two of at least 16,
+``tl.dot``'s smallest). The products must be float32-accurate, never TF32:
+
+* bf16 streams (the models' own dtype) are exact in bf16, so each float32 ``fn`` chunk is split in registers into
+  three bf16 parts, ``hi + mid + lo``, that sum to it exactly (8 + 8 + 8 significant bits), and three bf16 tensor
+  core dots accumulate in float32. Every product is exact, so only the float32 accumulation rounds, as in a
+  float32 GEMM. IEEE float32 ``tl.dot`` runs on the CUDA cores and was 4x slower than cuBLAS's SIMT GEMM at
+  T=16384 on the H200.
+* float32 and float16 streams (tests, float32 checkpoints) use ``tl.dot`` with IEEE float32 inputs.
+
+Prefill has enough token blocks to fill the GPU; decode and small batches would leave a few programs looping over
+all n*D columns, so the columns are split over programs that write partial sums, and a second small kernel (one
+program per token) adds them with a fixed-shape reduction and scales (deterministic, no atomics).
 
 The result differs from the reference's by float32 rounding only: the reference rounds the normalised streams
 before the GEMM and both sum in their own orders (tests/ops/test_mhc_mixes.py states the bound).
@@ -35,11 +42,12 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 BLOCK_T = 64  # tokens per program in a prefill: each program reads all of fn once, so more tokens share it
+BLOCK_T_SPLIT_WEIGHTS = 128  # the same for the bf16 tensor-core path
 MIN_BLOCK = 16  # tl.dot's smallest tile side: the token block and padded M never go below it
 BLOCK_K = 64  # columns per loop step
 MAX_M = 64  # widest projection served (V4: 24 for the block sites, 4 for the head)
 TARGET_PROGRAMS = 256  # about two per SM on an H200: the column split stops once the grid has this many
-MIN_SPLIT_COLUMNS = 512  # a split program takes at least this many columns (fewer would cost more in partials)
+MIN_SPLIT_COLUMNS = 256  # a split program takes at least this many columns (fewer would cost more in partials)
 
 
 if triton is not None:
@@ -57,6 +65,7 @@ if triton is not None:
         eps,
         M: tl.constexpr,
         SPLIT: tl.constexpr,
+        SPLIT_WEIGHTS: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -77,12 +86,22 @@ if triton is not None:
                 src + token[:, None] * columns + column[None, :],
                 mask=token_ok[:, None] & column_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)
+            )
             w = tl.load(
                 fn + row[:, None] * columns + column[None, :], mask=row_ok[:, None] & column_ok[None, :], other=0.0
             ).to(tl.float32)
-            squares += tl.sum(x * x, axis=1)
-            dots = tl.dot(x, tl.trans(w), dots, input_precision="ieee")
+            wide = x.to(tl.float32)
+            squares += tl.sum(wide * wide, axis=1)
+            if SPLIT_WEIGHTS:
+                w_hi = w.to(tl.bfloat16)
+                rest = w - w_hi.to(tl.float32)
+                w_mid = rest.to(tl.bfloat16)
+                w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+                dots = tl.dot(x, tl.trans(w_lo), dots)
+                dots = tl.dot(x, tl.trans(w_mid), dots)
+                dots = tl.dot(x, tl.trans(w_hi), dots)
+            else:
+                dots = tl.dot(wide, tl.trans(w), dots, input_precision="ieee")
         if SPLIT == 1:
             scale = 1.0 / tl.sqrt_rn(squares / columns + eps)
             out = dots * scale[:, None]
@@ -102,21 +121,20 @@ if triton is not None:
         eps,
         M: tl.constexpr,
         SPLIT: tl.constexpr,
-        BLOCK_T: tl.constexpr,
+        SPLIT_P2: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        """One token's result: its SPLIT partial sums added by one fixed-shape reduction, then scaled."""
+        token = tl.program_id(0).to(tl.int64)
+        split = tl.arange(0, SPLIT_P2)
+        split_ok = split < SPLIT
         row = tl.arange(0, BLOCK_M)
-        token_ok = token < tokens
-        dots = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
-        squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for split in range(SPLIT):  # in split order: the same sum every run
-            base = split * tokens + token
-            dots += tl.load(partial_dots + base[:, None] * BLOCK_M + row[None, :], mask=token_ok[:, None], other=0.0)
-            squares += tl.load(partial_squares + base, mask=token_ok, other=0.0)
-        scale = 1.0 / tl.sqrt_rn(squares / columns + eps)
-        out = dots * scale[:, None]
-        tl.store(dst + token[:, None] * M + row[None, :], out, mask=token_ok[:, None] & (row < M)[None, :])
+        base = split.to(tl.int64) * tokens + token
+        dots = tl.load(partial_dots + base[:, None] * BLOCK_M + row[None, :], mask=split_ok[:, None], other=0.0)
+        squares = tl.load(partial_squares + base, mask=split_ok, other=0.0)
+        scale = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / columns + eps)
+        out = tl.sum(dots, axis=0) * scale
+        tl.store(dst + token * M + row, out, mask=row < M)
 
 
 def _serves(streams: torch.Tensor, fn: torch.Tensor) -> bool:
@@ -127,10 +145,11 @@ def _serves(streams: torch.Tensor, fn: torch.Tensor) -> bool:
     return columns > 0 and fn.shape[1] == columns and 1 <= fn.shape[0] <= MAX_M
 
 
-def _plan(tokens: int, columns: int) -> tuple[int, int, int]:
+def _plan(tokens: int, columns: int, split_weights: bool) -> tuple[int, int, int]:
     """Tokens per program, column splits and columns per split: one split while the token blocks fill the GPU,
     else as many as bring the grid to about TARGET_PROGRAMS with at least MIN_SPLIT_COLUMNS columns each."""
-    block_t = max(MIN_BLOCK, min(BLOCK_T, triton.next_power_of_2(tokens)))
+    widest = BLOCK_T_SPLIT_WEIGHTS if split_weights else BLOCK_T
+    block_t = max(MIN_BLOCK, min(widest, triton.next_power_of_2(tokens)))
     token_blocks = triton.cdiv(tokens, block_t)
     split = max(1, min(TARGET_PROGRAMS // token_blocks, triton.cdiv(columns, MIN_SPLIT_COLUMNS)))
     per_split = triton.cdiv(triton.cdiv(columns, split), BLOCK_K) * BLOCK_K  # whole loop steps per program
@@ -152,7 +171,8 @@ def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) ->
     out = torch.empty(tokens, m, dtype=torch.float32, device=streams.device)
     if tokens:
         block_m = max(MIN_BLOCK, triton.next_power_of_2(m))
-        block_t, split, per_split = _plan(tokens, columns)
+        split_weights = flat.dtype == torch.bfloat16  # exact in bf16: the tensor-core path
+        block_t, split, per_split = _plan(tokens, columns, split_weights)
         token_blocks = triton.cdiv(tokens, block_t)
         if split > 1:
             dots = torch.empty(split, tokens, block_m, dtype=torch.float32, device=streams.device)
@@ -160,10 +180,13 @@ def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) ->
         else:
             dots = squares = out  # not read: the kernel scales and stores the result itself
         eps = float(norm_eps)
-        meta = dict(M=m, SPLIT=split, BLOCK_T=block_t, BLOCK_M=block_m)
         _mixes_kernel[(token_blocks, split)](
-            flat, weights, out, dots, squares, tokens, columns, per_split, eps, BLOCK_K=BLOCK_K, **meta
-        )
+            flat, weights, out, dots, squares, tokens, columns, per_split, eps, M=m, SPLIT=split,
+            SPLIT_WEIGHTS=split_weights, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
         if split > 1:
-            _finish_kernel[(token_blocks,)](dots, squares, out, tokens, columns, eps, **meta)
+            _finish_kernel[(tokens,)](
+                dots, squares, out, tokens, columns, eps, M=m, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
+                BLOCK_M=block_m,
+            )  # fmt: skip
     return out.view(*streams.shape[:-2], m)

@@ -57,6 +57,7 @@ JIT_FUNCTIONS = (
     "_fp4_dot",
     "_load_a_tile",
     "_half_dots",
+    "_program_tile",
     "_load_block",
     "_gate_up_kernel",
     "_down_kernel",
@@ -72,13 +73,15 @@ def triton_available() -> bool:
 
 
 class KernelConfig(tuple):
-    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab)``; ``block_k >= 32`` (one FP4 scale group, and
+    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)``; ``block_k >= 32`` (one FP4 scale group, and
     each half-dot of the dense/fp32 path has K >= 16).
 
     ``swap_ab`` (FP4 weights with bf16 activations only) computes ``(W x^T)^T``: the weight tile is the MMA's
     left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N. It was
     meant for decode but measured slower on the H200 at every T (Triton 3.6); kept as a tested option for
-    other chips and compilers, unused by :func:`choose_config`."""
+    other chips and compilers, unused by :func:`choose_config`.
+
+    ``columns_first``: the order of the programs (see ``_program_tile``)."""
 
     def __new__(
         cls,
@@ -88,13 +91,16 @@ class KernelConfig(tuple):
         num_warps: int = 4,
         num_stages: int = 3,
         swap_ab: bool = False,
+        columns_first: bool = True,
     ):
         for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if block_k < 32:
             raise ValueError(f"block_k must be >= 32, got {block_k}")
-        return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages, bool(swap_ab)))
+        return super().__new__(
+            cls, (block_m, block_n, block_k, num_warps, num_stages, bool(swap_ab), bool(columns_first))
+        )
 
 
 def choose_config(num_slots: int, num_experts: int, fp4_dot: bool = True) -> KernelConfig:
@@ -252,9 +258,21 @@ if triton is not None:
         return tl.dot(a_hi, w_hi, acc)
 
     @triton.jit
-    def _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M: tl.constexpr):
-        """``(live, expert, slots, slot_ok)`` of this program's block; ``live`` is False past the live blocks."""
-        block = tl.program_id(0)
+    def _program_tile(max_blocks, n_tiles, COLUMNS_FIRST: tl.constexpr):
+        """``(block, n_tile)`` of this program in the 1-D grid of ``max_blocks * n_tiles`` programs.
+
+        ``COLUMNS_FIRST``: consecutive programs take the N tiles of one row block, so its gathered activation rows
+        are read from HBM once and then from L2, and the few experts in flight keep their weights in L2 too.
+        Otherwise consecutive programs take the row blocks of one N tile, and every N tile re-reads all the
+        activations (at T=16384, top-6: 0.8 GB for each of gate/up's 16 N tiles)."""
+        pid = tl.program_id(0)
+        if COLUMNS_FIRST:
+            return pid // n_tiles, pid % n_tiles
+        return pid % max_blocks, pid // max_blocks
+
+    @triton.jit
+    def _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M: tl.constexpr):
+        """``(live, expert, slots, slot_ok)`` of row block ``block``; ``live`` is False past the live blocks."""
         live = block < tl.load(num_blocks_ptr)
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         slots = tl.load(slot_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -279,21 +297,27 @@ if triton is not None:
         w_row_stride,
         s_expert_stride,
         s_row_stride,
+        max_blocks,
+        n_tiles,
         FP4: tl.constexpr,
         FP4_DOT: tl.constexpr,
         SWAP: tl.constexpr,
         IEEE: tl.constexpr,
+        COLUMNS_FIRST: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one block of one expert."""
-        live, expert, slots, slot_ok = _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M)
+        block, n_tile = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST)
+        live, expert, slots, slot_ok = _load_block(
+            slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M
+        )
         if not live:
             return
         tokens = tl.where(slot_ok, slots // top_k, 0)
         a_rows = x_ptr + tokens[:, None] * x_row_stride
-        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         column_ok = columns < inter
         w_base = w_ptr + expert * w_expert_stride
         s_base = s_ptr + expert * s_expert_stride
@@ -353,21 +377,27 @@ if triton is not None:
         w_row_stride,
         s_expert_stride,
         s_row_stride,
+        max_blocks,
+        n_tiles,
         FP4: tl.constexpr,
         FP4_DOT: tl.constexpr,
         SWAP: tl.constexpr,
         IEEE: tl.constexpr,
+        COLUMNS_FIRST: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``out[slot, n] = route_weight[slot] * (h[slot] w2^T)[n]`` for one block of one expert."""
-        live, expert, slots, slot_ok = _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, BLOCK_M)
+        block, n_tile = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST)
+        live, expert, slots, slot_ok = _load_block(
+            slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M
+        )
         if not live:
             return
         safe_slots = tl.where(slot_ok, slots, 0).to(tl.int64)
         a_rows = h_ptr + safe_slots[:, None] * inter
-        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         column_ok = columns < hidden
         w_base = w_ptr + expert * w_expert_stride
         s_base = s_ptr + expert * s_expert_stride
@@ -511,7 +541,7 @@ def routed_moe_triton(
         return torch.zeros_like(x)
     fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16  # tl.dot_scaled takes bf16, not fp32, activations
     config = config or choose_config(num_slots, weights.num_experts, fp4_dot)
-    block_m, block_n, block_k, num_warps, num_stages, swap_ab = config
+    block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first = config
     if num_slots <= FUSED_ROUTING_SLOTS:
         aligned = align_slots_fused(expert_ids, weights.num_experts, block_m)
     else:
@@ -525,19 +555,20 @@ def routed_moe_triton(
     w2_scale = weights.w2_scale if weights.is_fp4 else weights.w2
     common = dict(
         FP4=weights.is_fp4, FP4_DOT=fp4_dot, SWAP=swap_ab and fp4_dot, IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        COLUMNS_FIRST=columns_first, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     launch = dict(num_warps=num_warps, num_stages=num_stages)
-    _gate_up_kernel[(aligned.max_blocks, triton.cdiv(inter, block_n))](
+    blocks, up_tiles, down_tiles = aligned.max_blocks, triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
+    _gate_up_kernel[(blocks * up_tiles,)](
         x, weights.w13, w13_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, h,
         num_slots, top_k, hidden, inter, float(swiglu_limit), x.stride(0),
-        weights.w13.stride(0), weights.w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        weights.w13.stride(0), weights.w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), blocks, up_tiles,
         **common, **launch,
     )  # fmt: skip
-    _down_kernel[(aligned.max_blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(blocks * down_tiles,)](
         h, weights.w2, w2_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, route_weight, out,
         num_slots, hidden, inter,
-        weights.w2.stride(0), weights.w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        weights.w2.stride(0), weights.w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), blocks, down_tiles,
         **common, **launch,
     )  # fmt: skip
     if top_k == 1:
