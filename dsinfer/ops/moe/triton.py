@@ -73,8 +73,8 @@ def triton_available() -> bool:
 
 
 class KernelConfig(tuple):
-    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)``; ``block_k >= 32`` (one FP4 scale group, and
-    each half-dot of the dense/fp32 path has K >= 16).
+    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)``; ``block_k >= 32`` (one FP4
+    scale group, and each half-dot of the dense/fp32 path has K >= 16).
 
     ``swap_ab`` (FP4 weights with bf16 activations only) computes ``(W x^T)^T``: the weight tile is the MMA's
     left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N. It was
