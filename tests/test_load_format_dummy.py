@@ -16,8 +16,9 @@ from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.layers.moe import MoE
 from dsinfer.llm import LLM
 from dsinfer.models.loader import CheckpointError
+from dsinfer.models.tiny import tiny_config
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.tokenizer import Tokenizer
+from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, Tokenizer
 
 
 def _config_only(checkpoint: Path, directory: Path) -> Path:
@@ -70,3 +71,28 @@ def test_the_server_serves_a_dummy_model(tiny_checkpoint, tmp_path):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         reply = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.usage.prompt_tokens == 4
+
+
+def test_a_slice_with_random_weights_streams_a_text_chunk_per_token(tmp_path):
+    """What ``dsinfer bench serve`` times on a slice: every generated token must arrive as a chunk with text, or
+    TTFT is the first visible token and ITL the gap between rare ones. The slice's tokenizer at its full vocabulary
+    (the Flash widths do not fit a test's memory, so the layers are the tiny ones)."""
+    directory = tmp_path / "slice"
+    assert main(["make-slice", str(directory), "--flash-layers", "1"]) == 0
+    tokenizer = Tokenizer.from_dir(directory)
+    assert set(tokenizer.special_tokens) <= set(DEEPSEEK_V4_SPECIAL_TOKENS)  # added tokens are control tokens only
+    small = tiny_config(vocab_size=tokenizer.vocab_size, num_nextn_predict_layers=0)
+    (directory / "config.json").write_text(json.dumps(small.to_dict()))
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, max_model_len=256)
+    with running_server(directory, config, load_format="dummy") as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Count the words."}], max_tokens=48, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        texts, usage = [], None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            texts += [choice.delta.content for choice in chunk.choices if choice.delta.content]
+    assert usage is not None and usage.completion_tokens == 48
+    assert len(texts) >= 46  # random weights may pick a control token or two; before, most replies showed none
