@@ -303,13 +303,13 @@ class RefuseHostReads(TorchDispatchMode):
 
 def test_a_step_reads_the_device_once(monkeypatch):
     reads = []
-    real_read_back = sampler_module.read_back
+    real_read_back = sampler_module.start_read_back
 
     def counting_read_back(*tensors):
         reads.append(len(tensors))
         return real_read_back(*tensors)
 
-    monkeypatch.setattr(sampler_module, "read_back", counting_read_back)
+    monkeypatch.setattr(sampler_module, "start_read_back", counting_read_back)
     states = [
         _state(temperature=0.0, repetition_penalty=1.2, prompt=[1, 2], output=[4]),
         _state(seed=1, top_p=0.9, top_k=20, min_p=0.05, logprobs=3, min_tokens=5),

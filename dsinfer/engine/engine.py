@@ -24,14 +24,13 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.block_manager import BlockManager
 from dsinfer.engine.cache_plan import ServedModel
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
-from dsinfer.engine.device_worker import DeviceWorker
+from dsinfer.engine.device_worker import DeviceWorker, StepHandle
 from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,7 +66,7 @@ class InflightStep:
     """A step handed to the device worker: which sequences it samples, and its future sample outputs."""
 
     sampled: list[Sequence]
-    handle: Future
+    handle: StepHandle
     num_tokens: int
     started: threading.Event | None = None  # launched ahead: set when the worker takes it up
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsinfer.engine.grammar_masks import apply_grammar_masks
-from dsinfer.engine.host_copies import device_index, read_back, to_device
+from dsinfer.engine.host_copies import HostCopies, device_index, start_read_back, to_device
 from dsinfer.engine.sampling_noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
 from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
@@ -118,14 +118,21 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, states: list[SamplingState], output_positions: list[int] | None = None
     ) -> list[SampleOutput]:
-        """Sample one token per row; see the class docstring for the contract.
+        """Sample one token per row; see the class docstring for the contract."""
+        return self.launch(logits, states, output_positions).result()
+
+    def launch(
+        self, logits: torch.Tensor, states: list[SamplingState], output_positions: list[int] | None = None
+    ) -> PendingOutputs:
+        """Queue the sampling on the device; the outputs come from the returned handle's ``result()``, which
+        waits for the device. The caller may queue more device work (the next step) before that.
 
         ``output_positions``: each row's output position (the noise key's), fixed when the step was planned;
         None reads it off the state (``len(output_token_ids)``), which is right when nobody appends meanwhile."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [len(states)={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
-            return []
+            return PendingOutputs.done([])
         scores = logits.to(torch.float32, copy=True)
         penalised = [row for row, state in enumerate(states) if _has_penalties(state.params)]
         if penalised:
@@ -136,7 +143,7 @@ class Sampler:
         apply_constraints(scores, states)
         token_ids = choose_token_tensor(scores, states, output_positions)
         self.last_token_ids = token_ids
-        return _outputs(logits, token_ids, states)
+        return _launch_outputs(logits, token_ids, states)
 
 
 def reads_output_so_far(state: SamplingState) -> bool:
@@ -349,6 +356,26 @@ def exponential_noise(
     return noise.log_().neg_()
 
 
+class PendingOutputs:
+    """A step's sample outputs whose values are still being copied to the host: ``result()`` waits for the
+    copies (once) and builds the :class:`SampleOutput` list."""
+
+    def __init__(self, copies: HostCopies | None, build) -> None:
+        self._copies, self._build, self._outputs = copies, build, None
+
+    @classmethod
+    def done(cls, outputs: list[SampleOutput]) -> PendingOutputs:
+        pending = cls(None, None)
+        pending._outputs = outputs
+        return pending
+
+    def result(self) -> list[SampleOutput]:
+        if self._outputs is None:
+            self._outputs = self._build(*self._copies.wait())
+            self._copies = self._build = None
+        return self._outputs
+
+
 def _outputs(
     raw_logits: torch.Tensor, token_ids: list[int] | torch.Tensor, states: list[SamplingState]
 ) -> list[SampleOutput]:
@@ -357,12 +384,22 @@ def _outputs(
     ``token_ids`` may be a device tensor: the tokens, their logprobs and the top-n come back to the host in
     one read (non-blocking copies, then one wait on the stream).
     """
+    return _launch_outputs(raw_logits, token_ids, states).result()
+
+
+def _launch_outputs(
+    raw_logits: torch.Tensor, token_ids: list[int] | torch.Tensor, states: list[SamplingState]
+) -> PendingOutputs:
+    """:func:`_outputs` with the read-back queued, not waited for."""
     device = raw_logits.device
     tokens = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=device)
     wanted = [row for row, state in enumerate(states) if state.params.logprobs is not None]
     if not wanted:
-        (host_tokens,) = read_back(tokens)
-        return [SampleOutput([token_id], None, None) for token_id in host_tokens.tolist()]
+
+        def plain(host_tokens: torch.Tensor) -> list[SampleOutput]:
+            return [SampleOutput([token_id], None, None) for token_id in host_tokens.tolist()]
+
+        return PendingOutputs(start_read_back(tokens), plain)
     whole = len(wanted) == len(states)
     index = None if whole else device_index(wanted, device)
     logprobs = (raw_logits if whole else raw_logits[index]).float().log_softmax(dim=-1)
@@ -370,18 +407,21 @@ def _outputs(
     chosen = logprobs.gather(1, picked[:, None]).squeeze(1)
     most = min(max(states[row].params.logprobs for row in wanted), raw_logits.shape[-1])
     top_values, top_ids = logprobs.topk(most, dim=-1)  # sorted, most likely first
-    host_tokens, host_chosen, host_values, host_ids = read_back(tokens, chosen, top_values, top_ids)
-    token_list = host_tokens.tolist()
-    chosen_by_row = dict(zip(wanted, host_chosen.tolist(), strict=True))
-    top: dict[int, list[tuple[int, float]]] = {}
-    for row, ids, values in zip(wanted, host_ids.tolist(), host_values.tolist(), strict=True):
-        count = states[row].params.logprobs
-        top[row] = list(zip(ids[:count], values[:count], strict=True))
-    return [
-        SampleOutput(
-            token_ids=[token_id],
-            logprobs=[chosen_by_row[row]] if row in chosen_by_row else None,
-            top_logprobs=[top[row]] if row in top else None,
-        )
-        for row, token_id in enumerate(token_list)
-    ]
+
+    def with_logprobs(host_tokens, host_chosen, host_values, host_ids) -> list[SampleOutput]:
+        token_list = host_tokens.tolist()
+        chosen_by_row = dict(zip(wanted, host_chosen.tolist(), strict=True))
+        top: dict[int, list[tuple[int, float]]] = {}
+        for row, ids, values in zip(wanted, host_ids.tolist(), host_values.tolist(), strict=True):
+            count = states[row].params.logprobs
+            top[row] = list(zip(ids[:count], values[:count], strict=True))
+        return [
+            SampleOutput(
+                token_ids=[token_id],
+                logprobs=[chosen_by_row[row]] if row in chosen_by_row else None,
+                top_logprobs=[top[row]] if row in top else None,
+            )
+            for row, token_id in enumerate(token_list)
+        ]
+
+    return PendingOutputs(start_read_back(tokens, chosen, top_values, top_ids), with_logprobs)
