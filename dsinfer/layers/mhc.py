@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference, hc_mixes_reference
+from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference, hc_mixes_reference, hc_weights_reference
 from dsinfer.ops.registry import OpTable
-from dsinfer.ops.sinkhorn import sinkhorn_reference
 
 
 def hyper_connection_weights(
@@ -27,19 +26,12 @@ def hyper_connection_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From streams [T, n, D] compute ``pre`` [T, n], ``post`` [T, n] and ``comb`` [T, n, n], in fp32.
 
-    ``ops`` is the model's op table (its ``hc_mixes`` and ``sinkhorn`` backends: the normalisation and
-    projection in one pass over the streams on CUDA); without one the torch reference runs."""
-    n = streams.shape[-2]
+    ``ops`` is the model's op table (its ``hc_mixes`` and ``hc_weights`` backends: on CUDA the normalisation and
+    projection in one pass over the streams, then every token's weights and Sinkhorn in one kernel); without one
+    the torch reference runs."""
     mixes = (ops.hc_mixes if ops is not None else hc_mixes_reference)(streams, fn, norm_eps)
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
-    project = ops.sinkhorn if ops is not None else sinkhorn_reference
-    comb = project(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iterations, hc_eps)
-    return pre, post, comb
+    weights = ops.hc_weights if ops is not None else hc_weights_reference
+    return weights(mixes, base, scale, sinkhorn_iterations, hc_eps)
 
 
 def collapse_streams(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:

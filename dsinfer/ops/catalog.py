@@ -8,7 +8,7 @@ import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: ref
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
-import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes: reference, triton (CUDA)
+import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights: reference, triton
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
 import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope: reference, triton (CUDA)
 import dsinfer.ops.sinkhorn  # noqa: F401

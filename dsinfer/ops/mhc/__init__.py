@@ -1,14 +1,21 @@
 """``hc_collapse(streams, pre)`` and ``hc_expand(block_output, streams, post, comb)``: mHC's two stream steps;
-``hc_mixes(streams, fn, norm_eps)``: the input side of the weights that drive them.
+``hc_mixes(streams, fn, norm_eps)`` and ``hc_weights(mixes, base, scale, iterations, hc_eps)``: the weights that
+drive them.
 
 Every transformer block runs each twice (attention site and FFN site): the collapse turns the ``n`` residual
 streams [T, n, D] into the block's input [T, D], the expand spreads the block's output back and mixes the old
 streams. Both are memory-bound, so the Triton backend reads each stream row once and writes each output once.
 Before each collapse the mixes project the RMS-normalised streams to the site's raw weights; their Triton
-backend reads the streams once too, instead of writing and re-reading a normalised float32 copy.
+backend reads the streams once too, instead of writing and re-reading a normalised float32 copy; the weights'
+backend turns each token's mixes into ``pre``, ``post`` and Sinkhorn's ``comb`` in one launch instead of ~13.
 """
 
-from dsinfer.ops.mhc import mixes_triton, triton  # noqa: F401  (register the backends)
-from dsinfer.ops.mhc.reference import hc_collapse_reference, hc_expand_reference, hc_mixes_reference
+from dsinfer.ops.mhc import mixes_triton, triton, weights_triton  # noqa: F401  (register the backends)
+from dsinfer.ops.mhc.reference import (
+    hc_collapse_reference,
+    hc_expand_reference,
+    hc_mixes_reference,
+    hc_weights_reference,
+)
 
-__all__ = ["hc_collapse_reference", "hc_expand_reference", "hc_mixes_reference"]
+__all__ = ["hc_collapse_reference", "hc_expand_reference", "hc_mixes_reference", "hc_weights_reference"]

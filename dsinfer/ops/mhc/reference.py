@@ -4,7 +4,8 @@ with.
 Their dtype behaviour is part of the contract (the Triton backend is tested against it): the collapse multiplies
 in the weights' float32 and rounds once to the streams' dtype; the expand casts ``post`` and ``comb`` to the
 streams' dtype first, rounds the spread product and the mixing matmul each to that dtype, then adds. The mixes
-normalise a float32 copy of the flattened streams and project it with a float32 GEMM.
+normalise a float32 copy of the flattened streams and project it with a float32 GEMM; the weights turn the mixes
+into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the other.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from dsinfer.ops.norm_rope.reference import rms_normalize_reference
 from dsinfer.ops.registry import REFERENCE, register
+from dsinfer.ops.sinkhorn.reference import sinkhorn_reference
 
 
 @register("hc_collapse", REFERENCE)
@@ -39,3 +41,29 @@ def hc_mixes_reference(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float)
     (no learned weight) projected by ``fn`` [M, n * D]; the layer turns them into ``pre``, ``post`` and ``comb``."""
     flat = rms_normalize_reference(streams.flatten(-2).float(), norm_eps)
     return F.linear(flat, fn.float())
+
+
+def streams_of_mixes(width: int) -> int:
+    """``n`` from the mixes' width ``2n + n*n`` (that is ``(n + 1)**2 - 1``); a width of no such form is an error."""
+    n = round((width + 1) ** 0.5) - 1
+    if n < 1 or 2 * n + n * n != width:
+        raise ValueError(f"mHC mixes have 2n + n*n values per token, got {width}")
+    return n
+
+
+@register("hc_weights", REFERENCE)
+def hc_weights_reference(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iterations: int, hc_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pre`` [..., n], ``post`` [..., n] and ``comb`` [..., n, n] (float32) from the raw mixes [..., 2n + n*n]:
+    each part scaled by its ``scale`` entry plus its ``base`` slice; ``pre`` a sigmoid plus ``hc_eps``, ``post``
+    twice a sigmoid, ``comb`` a row softmax plus ``hc_eps`` projected by Sinkhorn-Knopp."""
+    n = streams_of_mixes(mixes.shape[-1])
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
+    comb = sinkhorn_reference(torch.softmax(comb_logits, dim=-1) + hc_eps, iterations, hc_eps)
+    return pre, post, comb

@@ -1,0 +1,109 @@
+"""mHC's weights (``hc_weights``) in one Triton kernel: each token's ``pre``, ``post`` and Sinkhorn-projected ``comb``.
+
+The reference turns a site's raw mixes [T, 2n + n*n] into its weights with about thirteen small torch kernels
+(scale, bias and sigmoid for ``pre`` and ``post``; scale, bias, softmax and ``+ eps`` for ``comb``; then
+Sinkhorn): at decode, where each moves a few hundred bytes, the launches are the cost, eight sites a step.
+Here one program takes ``BLOCK_T`` tokens, keeps each token's n x n matrix in registers through the softmax and
+every Sinkhorn iteration, and writes the three outputs.
+
+Numerics: the same operations in the same order, in float32, compiled without fused multiply-adds (as the
+reference rounds ``w * scale`` and ``+ bias`` separately). Triton's ``exp`` and the sums over n elements may
+differ from torch's in the last bit, so the result equals the reference's within float32 rounding
+(tests/ops/test_mhc_weights.py), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.mhc.reference import streams_of_mixes
+from dsinfer.ops.mhc.triton import mhc_triton_available
+from dsinfer.ops.registry import register
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+BLOCK_T = 32  # tokens per program
+
+
+if triton is not None:
+
+    @triton.jit
+    def _weights_kernel(
+        mixes,
+        base,
+        scale,
+        pre_out,
+        post_out,
+        comb_out,
+        tokens,
+        eps,
+        ITERATIONS: tl.constexpr,
+        N: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        M: tl.constexpr = 2 * N + N * N
+        token = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        ok = token < tokens
+        i = tl.arange(0, N)
+        row = token[:, None] * M + i[None, :]
+        s_pre = tl.load(scale)
+        s_post = tl.load(scale + 1)
+        s_comb = tl.load(scale + 2)
+        pre = tl.load(mixes + row, mask=ok[:, None], other=0.0) * s_pre + tl.load(base + i)[None, :]
+        pre = tl.sigmoid(pre) + eps
+        post = tl.load(mixes + row + N, mask=ok[:, None], other=0.0) * s_post + tl.load(base + N + i)[None, :]
+        post = 2.0 * tl.sigmoid(post)
+        pair = i[:, None] * N + i[None, :]  # [N, N] offsets of the matrix
+        logits = tl.load(mixes + token[:, None, None] * M + 2 * N + pair[None, :, :], mask=ok[:, None, None], other=0.0)
+        logits = logits * s_comb + tl.load(base + 2 * N + pair)[None, :, :]
+        shifted = logits - tl.max(logits, axis=2)[:, :, None]
+        exps = tl.exp(shifted)
+        comb = exps / tl.sum(exps, axis=2)[:, :, None] + eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        for _ in tl.static_range(ITERATIONS - 1):  # the count is fixed per model: unrolled
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        out_row = token[:, None] * N + i[None, :]
+        tl.store(pre_out + out_row, pre, mask=ok[:, None])
+        tl.store(post_out + out_row, post, mask=ok[:, None])
+        tl.store(comb_out + token[:, None, None] * (N * N) + pair[None, :, :], comb, mask=ok[:, None, None])
+
+
+def _serves(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iterations: int) -> bool:
+    """float32 mixes of a power-of-two ``n`` >= 2, a matching ``base`` and at least three ``scale`` entries."""
+    if mixes.dtype != torch.float32 or mixes.dim() < 1 or iterations < 1:
+        return False
+    try:
+        n = streams_of_mixes(mixes.shape[-1])
+    except ValueError:
+        return False
+    return n >= 2 and n & (n - 1) == 0 and base.numel() == mixes.shape[-1] and scale.numel() >= 3
+
+
+@register("hc_weights", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+def hc_weights_triton(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iterations: int, hc_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as the reference; what the kernel does not take goes to it."""
+    if not _serves(mixes, base, scale, iterations):
+        from dsinfer.ops.mhc.reference import hc_weights_reference
+
+        return hc_weights_reference(mixes, base, scale, iterations, hc_eps)
+    n = streams_of_mixes(mixes.shape[-1])
+    lead = mixes.shape[:-1]
+    flat = mixes.contiguous().view(-1, mixes.shape[-1])
+    tokens = flat.shape[0]
+    pre = torch.empty(tokens, n, dtype=torch.float32, device=mixes.device)
+    post = torch.empty(tokens, n, dtype=torch.float32, device=mixes.device)
+    comb = torch.empty(tokens, n, n, dtype=torch.float32, device=mixes.device)
+    if tokens:
+        _weights_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+            flat, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, tokens, float(hc_eps),
+            ITERATIONS=iterations, N=n, BLOCK=BLOCK_T, enable_fp_fusion=False,
+        )  # fmt: skip
+    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
