@@ -4,16 +4,23 @@ A step's target forward runs through the drafter (:meth:`Drafter.target_forward`
 the target at every position: V4's MTP layer the residual streams, V4.1's DSpark stages the mean streams
 entering ``dspark_target_layer_ids``. After judging, the engine hands back the positions each span kept
 (:class:`DraftInput`) and the drafter proposes the next tokens of every sampled sequence.
+
+Verify steps of fixed width (every sequence its last token and ``num_tokens`` drafts, what a CUDA graph
+replays) have a static-shape form of both: :meth:`Drafter.verify_forward` and :meth:`Drafter.draft_fixed`, from
+device tensors alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
+
+if TYPE_CHECKING:
+    from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal
 
 
 @dataclass
@@ -43,3 +50,12 @@ class Drafter(Protocol):
 
     def draft(self, inputs: DraftInput) -> list[list[int]]:
         """Update the drafter's state from the kept positions; up to ``num_tokens`` drafts per drafting span."""
+
+    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's float32 logits of every row [B * width, vocab] and the features the drafter reads."""
+
+    def draft_fixed(
+        self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """After a fixed-width verify: each sequence kept its first ``kept`` [B] positions, ``next_token_ids``
+        [B, width] the token after each; drafts [B, num_tokens + 1], the last column how many to verify."""

@@ -16,6 +16,10 @@ are verified (the first draft below t and every draft after it are dropped): the
 predict that every draft up to column i is right, so ``sigmoid(c_i)`` estimates the chance that verifying
 draft i adds a token. t = 0 (the default) verifies all K. Either way verification is exact: greedy requests get
 plain decoding's tokens, sampled ones the target distribution.
+
+A fixed-width verify step (:mod:`dsinfer.spec.verify_forward`, what a CUDA graph replays) seeds and drafts from
+device tensors alone (:meth:`DSparkDrafter.draft_fixed`): every column of the step is seeded, a sequence's
+rejected columns into the cache's spare slot, so its rings again hold kept positions only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dspark import draft_blocks, seed_ring_rows
 from dsinfer.spec.drafting import DraftInput
+from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal, verify_layers_v41
 
 
 def verified_draft_counts(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -78,6 +83,32 @@ class DSparkDrafter:
         counts = verified_draft_counts(blocks.confidence, self.confidence_threshold)
         drafts = torch.cat([blocks.tokens, counts[:, None]], dim=1).tolist()  # one host read for both
         return [row[: row[-1]] for row in drafts]
+
+    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits of every row [B * width, vocab] and the captured target hiddens (fixed width)."""
+        model = self.model
+        streams, pre_mix, ctx = verify_layers_v41(model, batch, journal, capture=True)
+        targets = torch.cat([ctx.captured[i] for i in model.config.dspark_target_layer_ids], dim=-1)
+        return model.logits(model.final_hidden(streams, pre_mix)), targets
+
+    def draft_fixed(
+        self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """Seed the rings with the kept columns and draft a block per sequence: [B, num_tokens + 1], the last
+        column how many leading drafts to verify. No value is read on the host."""
+        model, width = self.model, batch.width
+        if width > self.window:
+            raise ValueError(f"a fixed-width step of {width} positions overruns the DSpark rings ({self.window})")
+        kept_columns = torch.arange(width, device=kept.device)[None, :] < kept[:, None]
+        slots = torch.where(kept_columns, batch.slots[:, None], batch.spare_slot)  # rejected: the spare slot
+        seed_ring_rows(model.mtp, self.cache.dspark_rings, slots.flatten(), features, batch.positions.flatten(),
+                       model.rope.window, model.quantizer)  # fmt: skip
+        last = kept - 1
+        bonus = next_token_ids.gather(1, last[:, None])[:, 0]
+        blocks = draft_blocks(model, self.cache.dspark_rings, batch.slots, batch.starts + last, bonus,
+                              columns=self.num_tokens)  # fmt: skip
+        counts = verified_draft_counts(blocks.confidence, self.confidence_threshold)
+        return torch.cat([blocks.tokens, counts[:, None]], dim=1)
 
     def _seed(self, inputs: DraftInput) -> None:
         """Write every span's last ``sliding_window`` kept positions (the only ones a draft can still see)."""

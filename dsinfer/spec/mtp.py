@@ -7,9 +7,16 @@ drafts chain the layer on its own output streams, one position at a time (vLLM's
 checkpoint has fewer MTP layers than drafts). Those chained positions are written into the layer's ring for
 the later chain steps to attend to and put back afterwards: the next step runs them again with the target's
 streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.spec.rejection`).
+
+A fixed-width verify step (:mod:`dsinfer.spec.verify_forward`, what a CUDA graph replays) drafts the same way
+from device tensors alone (:meth:`MTPDrafter.draft_fixed`): the layer runs every column of the step, a
+sequence's rejected columns in the cache's spare slot (so only kept positions reach its ring), and the chain
+starts from each sequence's last kept column.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -17,6 +24,7 @@ from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.spec.drafting import DraftInput
+from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal, attention_by_columns, verify_streams_v4
 
 
 class MTPDrafter:
@@ -68,6 +76,52 @@ class MTPDrafter:
                 drafts.append(token)
             ring[written] = saved
         return torch.stack(drafts, dim=1).tolist()  # the drafter's one host read
+
+    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits of every row [B * width, vocab] and its residual streams (fixed width, no host data)."""
+        streams = verify_streams_v4(self.model, batch, journal)
+        return self.model.logits(self.model.final_hidden(streams)), streams
+
+    def draft_fixed(
+        self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """Drafts [B, num_tokens + 1] after a fixed-width verify (the last column: ``num_tokens``, all verified).
+
+        ``features`` are the verify's streams [B * width, hc, hidden]; sequence ``b`` kept its first ``kept[b]``
+        positions and ``next_token_ids[b, j]`` is the token after position ``j``. The layer runs every position
+        (per-token work over all rows, attention column by column), the rejected ones in the spare slot; the
+        chain starts from each sequence's last kept position. No value is read on the host."""
+        model, layer, size = self.model, self.layer, batch.size
+        window = model.rope.window
+        kept_columns = torch.arange(batch.width, device=kept.device)[None, :] < kept[:, None]
+        drafting = replace(batch, input_ids=next_token_ids,
+                           row_slots=torch.where(kept_columns, batch.slots[:, None], batch.spare_slot))  # fmt: skip
+        ids = next_token_ids.flatten()
+        streams = layer.e_proj(layer.enorm(model.embed(ids))).unsqueeze(1) + layer.h_proj(layer.hnorm(features))
+
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            return attention_by_columns(layer.attn, layer.layer_id, x, drafting, window, None)
+
+        streams = layer.run_sites(streams, attention, lambda x: layer.ffn(x, ids))[0]  # ``draft_streams``, by rows
+        sequences = torch.arange(size, device=kept.device)
+        streams = streams.reshape(size, batch.width, *streams.shape[1:])[sequences, kept - 1]
+        token = model.head(layer.collapse(streams)).float().argmax(-1)
+        drafts = [token]
+        if self.num_tokens > 1:
+            ring = self.cache.layers[layer.layer_id].window
+            next_positions = batch.starts + kept  # where each bonus token sits
+            steps = torch.arange(self.num_tokens - 1, device=kept.device)
+            rows = (next_positions[:, None] + steps) % ring.shape[1]
+            written = (batch.slots[:, None].expand_as(rows), rows)
+            saved = ring[written].clone()
+            for depth in range(1, self.num_tokens):
+                chain = batch.decode_batch(next_positions + depth - 1, token)
+                streams = layer.draft_streams(streams, model.embed(token), token, chain, window)
+                token = model.head(layer.collapse(streams)).float().argmax(-1)
+                drafts.append(token)
+            ring[written] = saved
+        counts = torch.full((size, 1), self.num_tokens, dtype=torch.long, device=kept.device)
+        return torch.cat([torch.stack(drafts, dim=1), counts], dim=1)
 
     def _ring_index(self, ring: torch.Tensor, spans: list[SequenceSpan], next_positions: list[int]):
         """(slots, ring rows) the chain steps write: positions next .. next + num_tokens - 2 of every span."""

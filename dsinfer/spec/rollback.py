@@ -12,7 +12,9 @@ device value is read on the host):
 * **compressor state** (V4's main and indexer compressors, V4.1's KV sources): the unfinished window and, for
   overlapping (V4 CSA) compressors, the last complete window are rebuilt from the projected values and gates
   the forward recorded in the span's journal (:meth:`~dsinfer.layers.compressor.Compressor.latents`), cut at
-  the accepted length. V4.1's ratio-1 sources keep no such state.
+  the accepted length; a fixed-width verify forward (:mod:`dsinfer.spec.verify_forward`) hands the same
+  records over as one padded tensor per compressor (:class:`PaddedJournal`). V4.1's ratio-1 sources keep no
+  such state.
 * **compressed entries** (V4.1: also the index keys, and their scales when quantized) of windows that only
   rejected positions completed are put back from the snapshot (they are never visible before their window
   completes, but a rolled-back cache equals one that never drafted).
@@ -53,6 +55,19 @@ class CompressorTensors:
 class CompressorSnapshot:
     previous: tuple[torch.Tensor, torch.Tensor] | None  # each span's slot's last complete window [S, ratio, width]
     entries: list[torch.Tensor]  # per entry tensor: the entries the spans may write, span after span [E, ...]
+
+
+@dataclass
+class PaddedJournal:
+    """Every span's compressor records at once: ``records[id(state)]`` is (values, gates) [S, L, width], span
+    ``i``'s record in row ``i`` (positions from the first of the window the span starts in, ``L`` rows at least as
+    many as the span's record; the rest is padding). What a fixed-width verify forward produces."""
+
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def first(self, count: int) -> PaddedJournal:
+        """The records of the first ``count`` spans (a bucket's rows past them are padding)."""
+        return PaddedJournal({key: (v[:count], g[:count]) for key, (v, g) in self.records.items()})
 
 
 @dataclass
@@ -169,11 +184,12 @@ class CacheRollback:
             snapshot.engram_context, snapshot.token_ids = history, token_ids
         return snapshot
 
-    def rollback_spans(self, snapshot: StepSnapshot, journals: list[list], keeps: list[int]) -> None:
+    def rollback_spans(self, snapshot: StepSnapshot, journals: list[list] | PaddedJournal, keeps: list[int]) -> None:
         """Make the cache hold only the first ``keeps[i]`` positions of the snapshot's span ``i`` (each >= 1).
 
         ``journals[i]`` is span i's record of compressor updates: ``(state, first, values, gates)``, the values
-        and gates of positions ``first ..`` of the window the span started in, through the span's end.
+        and gates of positions ``first ..`` of the window the span started in, through the span's end; or one
+        :class:`PaddedJournal` for all spans.
         """
         spans = snapshot.spans
         cut = [i for i, (span, keep) in enumerate(zip(spans, keeps, strict=True)) if keep < span.length]
@@ -197,10 +213,10 @@ class CacheRollback:
         for compressor, saved in zip(self.compressors, snapshot.compressors, strict=True):
             ratio = compressor.ratio
             if compressor.pending is not None:
+                values, gates, bases = _journal_rows(journals, compressor, cut)
                 if ratio not in pending_plans:
-                    pending_plans[ratio] = self._pending_plan(rolled, cut, kept_ends, ratio)
-                records = [_record(journals[i], compressor) for i in cut]
-                self._rollback_pending(compressor, saved, records, pending_plans[ratio])
+                    pending_plans[ratio] = self._pending_plan(rolled, cut, kept_ends, ratio, bases)
+                self._rollback_pending(compressor, saved, values, gates, pending_plans[ratio])
             key = (ratio, compressor.entries[0].shape[1])
             if key not in entry_plans:
                 entry_plans[key] = self._entry_plan(compressor.entries[0], spans, cut, kept_ends, ratio)
@@ -237,14 +253,15 @@ class CacheRollback:
         source = [bases[i] + e - ranges[i].start for i, ids in zip(cut, undo, strict=True) for e in ids]
         return blocks, offsets, host_to_device(source, torch.long, self.device)
 
-    def _pending_plan(self, rolled: list[SequenceSpan], cut: list[int], kept_ends: list[int], ratio: int) -> dict:
+    def _pending_plan(
+        self, rolled: list[SequenceSpan], cut: list[int], kept_ends: list[int], ratio: int, bases: list[int]
+    ) -> dict:
         """Where each rolled-back span's unfinished window (and, overlapping, last complete one) comes from: rows
-        of its journal record, laid end to end over the spans. A span's record holds positions from the start of
-        the window it started in (``start - start % ratio``) through its end."""
+        of its journal record, which starts at row ``bases[k]`` of the records' rows. A span's record holds
+        positions from the start of the window it started in (``start - start % ratio``) through its end."""
         names = ("slots", "rows", "source", "recorded_slots", "recorded_source", "kept_slots", "kept_spans")
         lists: dict[str, list[int]] = {name: [] for name in names}
-        base = 0
-        for span, index, kept_end in zip(rolled, cut, kept_ends, strict=True):
+        for span, index, kept_end, base in zip(rolled, cut, kept_ends, bases, strict=True):
             first = span.start - span.start % ratio
             window = kept_end // ratio
             pending, lo = kept_end - window * ratio, window * ratio - first
@@ -257,7 +274,6 @@ class CacheRollback:
             else:
                 lists["kept_slots"].append(span.slot)
                 lists["kept_spans"].append(index)
-            base += span.start + span.length - first
         plan = {
             name: host_to_device(values, torch.long, self.device) if values else None for name, values in lists.items()
         }
@@ -266,11 +282,10 @@ class CacheRollback:
         return plan
 
     @staticmethod
-    def _rollback_pending(compressor: CompressorTensors, saved: CompressorSnapshot, records: list, plan: dict):
+    def _rollback_pending(compressor: CompressorTensors, saved: CompressorSnapshot, values, gates, plan: dict):
         """Rebuild the unfinished windows (and, overlapping, the last complete ones) of every rolled-back span from
-        the values and gates its forward recorded, cut at the accepted length."""
-        values = torch.cat([record[2] for record in records])
-        gates = torch.cat([record[3] for record in records])
+        the values and gates its forward recorded (``values`` / ``gates``: the records' rows), cut at the
+        accepted length."""
         pending_values, pending_gates = compressor.pending
         if plan["slots"] is not None:
             slots, rows, source = plan["slots"], plan["rows"], plan["source"]
@@ -287,6 +302,18 @@ class CacheRollback:
             slots, which = plan["kept_slots"], plan["kept_spans"]
             previous_values[slots] = saved.previous[0][which]
             previous_gates[slots] = saved.previous[1][which]
+
+
+def _journal_rows(journals: list[list] | PaddedJournal, compressor: CompressorTensors, cut: list[int]):
+    """The records of the spans ``cut`` for ``compressor`` as rows (values, gates), and where each span's starts."""
+    if isinstance(journals, PaddedJournal):
+        values, gates = journals.records[id(compressor.journal_key)]
+        length = values.shape[1]
+        return values.flatten(0, 1), gates.flatten(0, 1), [i * length for i in cut]
+    records = [_record(journals[i], compressor) for i in cut]
+    bases = list(itertools.accumulate((record[2].shape[0] for record in records), initial=0))[:-1]
+    values = torch.cat([record[2] for record in records])
+    return values, torch.cat([record[3] for record in records]), bases
 
 
 def _record(journal: list, compressor: CompressorTensors):
