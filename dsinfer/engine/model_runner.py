@@ -61,14 +61,13 @@ class StepInput:
     pending_fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
-    """Decode graphs need the batched decode path, a routed-experts backend that never syncs and, for V4.1, an
-    Engram source whose decode-sized fetches run on the device alone.
+def _wants_graphs(model: ServedModel, engine: EngineConfig) -> bool:
+    """Static-shape steps (decode graphs; with speculative decoding, verify and draft graphs instead) need the
+    batched decode path, a routed-experts backend that never syncs and, for V4.1, an Engram source whose
+    step-sized fetches run on the device alone.
 
     On CUDA they are on unless ``enforce_eager``; on the CPU only an explicit ``cuda_graph_sizes`` asks for the
     same static-shape path, run eagerly (how the tests check it)."""
-    if engine.speculative_config is not None:
-        return False  # verify steps run several positions per sequence; the speculative executor runs eagerly
     if engine.enforce_eager or not isinstance(model, DeepseekV4 | DeepseekV41):
         return False
     device = torch.device(engine.device)
@@ -79,7 +78,9 @@ def _wants_decode_graphs(model: ServedModel, engine: EngineConfig) -> bool:
         logger.info("decode CUDA graphs off: the routed-experts backend is the reference, which syncs")
         return False
     if isinstance(model, DeepseekV41) and model.config.engram_layer_ids:
-        largest = max(engine.cuda_graph_sizes or (engine.max_num_seqs,))
+        spec = engine.speculative_config
+        positions = 1 if spec is None else 1 + spec.num_speculative_tokens  # per sequence and step
+        largest = max(engine.cuda_graph_sizes or (engine.max_num_seqs,)) * positions
         if not model.engram_source().replays_in_graphs(largest * model.config.engram_columns):
             logger.info("decode CUDA graphs off: the Engram placement reads its rows through the host")
             return False
@@ -129,7 +130,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(engine.device)
         self.block_tokens = cache_block_tokens(model, engine.block_tokens)
-        graphed = _wants_decode_graphs(model, engine)
+        graphed = _wants_graphs(model, engine)
         num_slots = engine.max_num_seqs + (1 if graphed else 0)  # the spare slot padding rows decode in
         num_blocks = cache_blocks_for_budget(model, engine, num_slots, self.block_tokens)
         needed = math.ceil(max_model_len / self.block_tokens)
@@ -142,12 +143,17 @@ class ModelRunner:
         self.replay_tokens = _bounded_replay_tokens(model, engine)
         self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
         self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
+        self.max_model_len = max_model_len
+        # Static-shape steps: the buckets, the spare slot their padding rows run in, whether to capture graphs.
+        self.graph_sizes: tuple[int, ...] | None = None
+        self.spare_slot, self.capture_graphs = engine.max_num_seqs, self.device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None
         if graphed:
             sizes = engine.cuda_graph_sizes or default_graph_sizes(engine.max_num_seqs)
-            sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
-            self.decode_graphs = DecodeGraphs(model, self.cache, sizes, engine.max_num_seqs, max_model_len,
-                                              capture=self.device.type == "cuda")  # fmt: skip
+            self.graph_sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
+        if graphed and not self.speculative:  # speculative steps have their own (dsinfer.engine.spec_graphs)
+            self.decode_graphs = DecodeGraphs(model, self.cache, self.graph_sizes, self.spare_slot, max_model_len,
+                                              capture=self.capture_graphs)  # fmt: skip
         self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
 
     @property

@@ -18,10 +18,16 @@ instead of the plain forward + sampler:
    ``method: dspark``), whose drafts come back in one more host read.
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
+
+A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs its forward and
+its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.engine.spec_graphs`; the same static
+buffers run eagerly on the CPU when ``cuda_graph_sizes`` are given): snapshot, verify replay, judge, rollback,
+draft replay. Any other step takes the eager path above.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +35,7 @@ import torch
 
 from dsinfer.config import SpeculativeConfig
 from dsinfer.engine.sampler import Sampler, SamplingState
+from dsinfer.engine.spec_graphs import SpecGraphs
 from dsinfer.engine.spec_verify import (
     SpeculativeOutput,
     judge_batched,
@@ -45,6 +52,8 @@ from dsinfer.spec.rollback import CacheRollback
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,9 +110,21 @@ class SpeculativeExecutor:
         self.drafter = build_drafter(self.model, self.cache, config)
         hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, hasher)
+        self.steps = self.graphed_steps = 0  # steps run here since start, and those the graphs served
+        self.graphs: SpecGraphs | None = None
+        if runner.graph_sizes is not None:
+            if config.num_speculative_tokens + 1 > self.model.config.sliding_window:
+                logger.info("speculative CUDA graphs off: K + 1 positions overrun the sliding window")
+            else:
+                self.graphs = SpecGraphs(self.drafter, self.cache, runner.graph_sizes, runner.spare_slot,
+                                         runner.max_model_len, runner.capture_graphs)  # fmt: skip
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
         """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does)."""
+        self.steps += 1
+        if self.graphs is not None and self.graphs.serves(step):
+            self.graphed_steps += 1
+            return self._run_graphed(step, states)
         plan: SpeculationPlan = step.speculation
         with torch.inference_mode():
             batch = self.runner.step_batch(step)  # Engram history restored first: the snapshots see it
@@ -124,6 +145,23 @@ class SpeculativeExecutor:
         outputs = self._judge(logits, plan, states)
         with torch.inference_mode():
             self._roll_back_and_draft(step, target_hidden, plan, outputs, verifying, snapshot)
+        return outputs
+
+    def _run_graphed(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
+        """The same step from the graphs: every span snapshotted at full width, then the verify replay, the judge,
+        the rollback (filler drafts always rolled back) and the draft replay."""
+        graphs = self.graphs
+        with torch.inference_mode():
+            run = graphs.prepare(step)
+            tokens = run.token_ids if self.rollback.engram_history is not None else None
+            snapshot = self.rollback.snapshot_spans(run.spans, tokens)
+            logits = graphs.verify(run)
+        outputs = self._judge(logits, step.speculation, states)
+        with torch.inference_mode():
+            kept = [1 + output.num_accepted for output in outputs]
+            self.rollback.rollback_spans(snapshot, run.journal, kept)
+            for output, drafts in zip(outputs, graphs.draft(run, outputs), strict=True):
+                output.next_drafts = drafts
         return outputs
 
     def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, verifying, snapshot) -> None:
