@@ -1,14 +1,18 @@
 """End-to-end speed-up of speculative decoding: a checkpoint's held-out chats through the engine, plain vs drafted.
 
     python benchmarks/spec_speedup.py --device cuda --streams 1 16 --modes plain dspark:3 --rounds 3
+    python benchmarks/spec_speedup.py --device cuda --streams 1 16 --modes plain dspark:3 dspark:3:eager
 
 The chats are the trained default's held-out evaluation prompts (every skill, both thinking modes), replied to
 greedily. ``--streams N`` keeps N requests in flight (a closed loop: a finished request's place goes to the next
-prompt) on an engine of ``max_num_seqs`` N. Each mode (``plain``, or ``METHOD:K`` such as ``dspark:3``) has its
+prompt) on an engine of ``max_num_seqs`` N. Each mode (``plain``, or ``METHOD:K`` such as ``dspark:3``; a trailing
+``:eager`` turns CUDA graphs off for that engine, so graphed and eager verify steps compare in one run) has its
 own engine, built once (CUDA graphs captured, kernels compiled by ``--warmup-rounds`` untimed rounds of the whole
 workload); the rounds interleave the modes so that drift of the machine hits them alike. Reported per mode and
 stream count: median output tokens/s, the speed-up over ``plain`` (same run), τ (tokens per verify round, the
-engine's counters), and how many replies equal plain decoding's (greedy: all of them in float32).
+engine's counters), how many replies equal plain decoding's (greedy: all of them in float32), and for drafting
+modes the share of verify steps that replayed the graphs (``graphed_steps``; the rest, steps with prefill
+chunks beside them, run eagerly).
 """
 
 from __future__ import annotations
@@ -39,10 +43,16 @@ def held_out_prompts(tokenizer: Tokenizer, chats: int) -> list[list[int]]:
 
 
 def speculative_config(mode: str) -> dict | None:
-    if mode == "plain":
+    if mode.removesuffix(":eager") == "plain":
         return None
-    method, _, k = mode.partition(":")
+    method, _, k = mode.removesuffix(":eager").partition(":")
     return {"method": method, "num_speculative_tokens": int(k)}
+
+
+def graphed_steps(engine: LLMEngine) -> tuple[int, int]:
+    """(verify steps the graphs served, steps through the speculative executor) since the engine started."""
+    executor = engine.worker.speculative
+    return (0, 0) if executor is None else (executor.graphed_steps, executor.steps)
 
 
 def serve(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list]:
@@ -84,16 +94,18 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(args.device)
     for streams in args.streams:
-        engines, times, replies, stats = {}, {m: [] for m in args.modes}, {}, {}
+        engines, times, replies, stats, graphed = {}, {m: [] for m in args.modes}, {}, {}, {}
         for mode in args.modes:
             config = EngineConfig(max_num_seqs=streams, max_model_len=2048, max_num_batched_tokens=2048,
                                   device=args.device, dtype=args.dtype, cache_memory_bytes=int(args.cache_gib * 2**30),
-                                  speculative_config=speculative_config(mode))  # fmt: skip
+                                  speculative_config=speculative_config(mode),
+                                  enforce_eager=mode.endswith(":eager"))  # fmt: skip
             engines[mode] = LLMEngine(model, tokenizer, config)
             # Warm-up over the whole workload: each new batch shape (prompt lengths, decode buckets, verify widths)
             # can compile kernels, and one short request does not meet them all (a first round took 3x the second).
             for _ in range(args.warmup_rounds):
                 serve(engines[mode], prompts, streams, args.max_tokens)
+            graphed[mode] = graphed_steps(engines[mode])  # counted from here: the timed rounds' steps
         for _ in range(args.rounds):
             for mode in args.modes:
                 engine = engines[mode]
@@ -105,7 +117,8 @@ def main() -> None:
                     rounds = engine.spec_stats.num_drafts - before[0]
                     accepted = engine.spec_stats.num_accepted_tokens - before[1]
                     stats[mode] = 1 + accepted / rounds if rounds else 1.0
-        for engine in engines.values():
+        for mode, engine in engines.items():
+            graphed[mode] = [now - before for now, before in zip(graphed_steps(engine), graphed[mode], strict=True)]
             engine.close()
         plain = statistics.median(tokens / seconds for seconds, tokens in times[args.modes[0]])
         for mode in args.modes:
@@ -114,6 +127,7 @@ def main() -> None:
             row = {"streams": streams, "mode": mode, "output_tok_s": round(rate, 1),
                    "speedup": round(rate / plain, 3), "tau": round(stats[mode], 3) if mode in stats else None,
                    "replies_equal_to_first_mode": f"{same}/{len(prompts)}",
+                   "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][1]}" if graphed[mode][1] else None,
                    "seconds": [round(s, 2) for s, _ in times[mode]]}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -3,6 +3,11 @@
     python benchmarks/spec_step.py                                  # tiny V4 (MTP) and tiny V4.1 (DSpark)
     python benchmarks/spec_step.py --arch v4 --sequences 1,32 --k 1,3,5 --steps 10 --out spec_step.json
     python benchmarks/spec_step.py --device cuda --temperature 0.8  # on a GPU: phases include the device wait
+    python benchmarks/spec_step.py --device cuda --graphs eager     # the eager verify path, for comparison
+
+On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.engine.spec_graphs``) unless ``--graphs
+eager``; ``--graphs buckets`` runs their static-shape path on the CPU. ``forward`` and ``draft`` are then the
+replays (and, for ``forward``, picking the judged rows), each line says ``graphed=True``.
 
 A speculative engine over a tiny checkpoint (written to a temporary directory in the real file format) runs
 ``--sequences`` requests to steady decoding (every running sequence carries drafts), then ``--steps`` verify
@@ -100,6 +105,10 @@ class PhaseClock:
         self._wrap(drafter, "target_forward", "forward")
         self._wrap(drafter, "draft", "draft")
         self._wrap(executor, "_judge", "judge")
+        graphs = executor.graphs  # verify and draft steps in buckets (CUDA graphs, or their static path on the CPU)
+        if graphs is not None:
+            self._wrap(graphs, "verify", "forward")
+            self._wrap(graphs, "draft", "draft")
         for name in ("snapshot", "snapshot_spans"):
             self._wrap(rollback, name, "snapshot")
         for name in ("rollback", "rollback_spans"):
@@ -136,8 +145,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, temperature: float, device: str):
-    """One point: median host ms per phase and host reads per phase, per verify step."""
+def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, temperature: float, device: str,
+            graphs: str = "default"):  # fmt: skip
+    """One point: median host ms per phase and host reads per phase, per verify step.
+
+    ``graphs``: ``default`` (CUDA graphs on a GPU, eager on the CPU), ``eager`` (``enforce_eager``) or
+    ``buckets`` (buckets up to ``sequences``: on the CPU, the graphs' static path run eagerly)."""
     prompt_len, torch_device = 24, torch.device(device)
     max_model_len = prompt_len + (steps * 2 + 8) * (k + 1) + 16
     config = EngineConfig(
@@ -147,6 +160,8 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
         device=device,
         async_scheduling=False,
         speculative_config={"method": method, "num_speculative_tokens": k},
+        enforce_eager=graphs == "eager",
+        cuda_graph_sizes=(sequences,) if graphs == "buckets" else None,
     )
     engine = LLMEngine(model, tokenizer, config)
     generator = torch.Generator().manual_seed(sequences * 10 + k)
@@ -178,7 +193,9 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
     built = {phase: counter.host_tensors.get(phase, 0) for phase in PHASES}
     built["total"] = sum(built.values())
     drafted = sum(len(seq.draft_token_ids) for seq in engine.scheduler.running)
+    graphed = executor.graphs is not None
     return {"method": method, "sequences": sequences, "k": k, "temperature": temperature, "steps": steps,
+            "graphs": graphs, "graphed": graphed,
             "ms": {name: round(value, 3) for name, value in times.items()}, "host_reads": reads,
             "host_tensors": built,
             "running": len(engine.scheduler.running), "drafts_next_step": drafted}  # fmt: skip
@@ -188,7 +205,7 @@ def _line(point: dict) -> str:
     def row(values: dict, digits: int) -> str:
         return " ".join(f"{phase}={values[phase]:.{digits}f}" for phase in (*PHASES, "total"))
 
-    head = f"{point['method']:6} seqs={point['sequences']:3} K={point['k']}"
+    head = f"{point['method']:6} seqs={point['sequences']:3} K={point['k']} graphed={point['graphed']!s:5}"
     return (f"{head}  ms: {row(point['ms'], 2)}\n{head}  host reads: {row(point['host_reads'], 0)}"
             f"  | host-built tensors: {row(point['host_tensors'], 0)}")  # fmt: skip
 
@@ -202,6 +219,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
+    parser.add_argument(
+        "--graphs",
+        choices=("default", "eager", "buckets"),
+        default="default",
+        help="verify / draft steps: CUDA graphs on a GPU (default), enforce_eager, or buckets (the graphs' static "
+        "path, eager on the CPU)",
+    )
     parser.add_argument("--out", default=None, help="write the points as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -217,7 +241,8 @@ def main() -> None:
             method = "dspark" if arch == "v41" else "mtp"
             for sequences in (int(s) for s in args.sequences.split(",")):
                 for k in (int(v) for v in args.k.split(",")):
-                    point = measure(model, tokenizer, method, sequences, k, args.steps, args.temperature, args.device)
+                    point = measure(model, tokenizer, method, sequences, k, args.steps, args.temperature, args.device,
+                                    args.graphs)  # fmt: skip
                     results.append(point)
                     print(_line(point), flush=True)
     if args.out:

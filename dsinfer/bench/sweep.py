@@ -70,7 +70,8 @@ nextn, accept, speculative  decode: drafts per step and per-token acceptance giv
 measured                    decode: the measured accounting: tokens actually sampled per step per user,
                             tokens_per_s_per_user, tokens_per_s_per_gpu (equal to the headline fields); with
                             drafts also tau (1 + accepted drafts per verify round, from the engine's counters),
-                            drafts and accepted (the counts over the timed steps)
+                            drafts and accepted (the counts over the timed steps), graphed_steps (timed steps
+                            whose verify and drafting replayed CUDA graphs, or their static path on the CPU)
 assumed                     decode: the official accounting, tokens_per_step_per_user = 1 + nextn * accept
                             (tau; 3.25 for nextn 3, accept 0.75) applied to the measured step time:
                             tokens_per_s_per_user = tau / s_per_step, tokens_per_s_per_gpu = n * tau / s_per_step;
@@ -466,6 +467,7 @@ def speculative_accounting(
             "tau": 1 + drafted["accepted"] / rounds if rounds else 1.0,
             "drafts": drafted["draft_tokens"],
             "accepted": drafted["accepted"],
+            "graphed_steps": drafted.get("graphed_steps", 0),
         }
         speculative = drafted["config"]
     return {
@@ -513,6 +515,8 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     shortest = min(seq.num_tokens for seq in sequences)
     sampled_before = sum(len(seq.output_token_ids) for seq in sequences)
     stats_before = replace(engine.spec_stats) if engine.spec_stats is not None else None
+    executor = engine.worker.speculative
+    graphed_before = executor.graphed_steps if executor is not None else 0
     window = [time.monotonic()]
     timed = timed_steps(engine, args.measure_steps)
     window.append(time.monotonic())
@@ -529,6 +533,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
             "drafts": stats.num_drafts - stats_before.num_drafts,
             "draft_tokens": stats.num_draft_tokens - stats_before.num_draft_tokens,
             "accepted": stats.num_accepted_tokens - stats_before.num_accepted_tokens,
+            "graphed_steps": executor.graphed_steps - graphed_before,
         }
     accounting = speculative_accounting(args.nextn, args.accept, num_requests, measured, drafted)
     if drafted is not None:  # the headline counts output tokens, not the verified positions
@@ -636,6 +641,9 @@ def _describe(record: dict[str, Any]) -> str:
         line += f", {record['tokens_per_s_per_user']:8.1f} tokens/s/user"
         if record["nextn"] > 0:
             line += f" (assumed accounting: {record['assumed']['tokens_per_s_per_user']:.1f})"
+        real = record.get("measured", {})
+        if "graphed_steps" in real:
+            line += f", tau {real['tau']:.2f}, {real['graphed_steps']}/{record['steps']} steps graphed"
     utilization = (record.get("telemetry") or {}).get("columns", {}).get("gpu_util_percent")
     if utilization is not None:
         line += f", GPU busy {utilization['mean']:.0f}% ({record['telemetry']['samples']} samples)"
