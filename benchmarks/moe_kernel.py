@@ -38,8 +38,11 @@ import torch
 BACKENDS = ("triton", "triton-graph", "triton-dense", "reference", "grouped_mm")
 
 SWEEP_CONFIGS = {
-    "decode": [  # a few slots per expert: (block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)
+    "decode": [  # few slots per expert: (block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first,
+        # split_k)
         (16, 64, 128, 4, 4, False, True),
+        (16, 64, 128, 4, 4, False, True, 2),
+        (16, 64, 128, 4, 4, False, True, 4),
         (16, 64, 128, 4, 4, False, False),
         (16, 32, 128, 4, 4, False, True),
         (16, 64, 64, 4, 4, False, True),

@@ -272,6 +272,41 @@ def test_triton_program_orders_compute_the_same(monkeypatch):
     assert float((rows_first.float() - truth).abs().max()) <= 1.5 * reference_error + 2**-8 * float(truth.abs().max())
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "form"), [(1, 6, "fp4"), (3, 2, "fp4"), (5, 1, "dense")])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_triton_split_k_matches_reference(monkeypatch, tokens, top_k, form, split_k):
+    """K split over programs (fp32 partial sums, then the SwiGLU and combine kernels): the same function as the
+    unsplit kernels within their bounds, for bf16 (FP4 dot) and fp32 activations, with K tails (H = 160 is not
+    a whole number of BLOCK_K = 64 steps per split)."""
+    _interpret(monkeypatch)
+    hidden, inter, experts = 160, 128, 8
+    weights = (_fp4_weights if form == "fp4" else _dense_weights)(experts, hidden, inter, seed=41 + tokens)
+    ids, mix = _routing(tokens, top_k, experts, seed=42 + tokens)
+    x = torch.randn(tokens, hidden, generator=_generator(43 + tokens))
+    config = moe_triton.KernelConfig(16, 32, 64, 4, 1, split_k=split_k)
+    truth = routed_moe_reference(x, weights, ids, mix, LIMIT)
+    out = moe_triton.routed_moe_triton(x, weights, ids, mix, LIMIT, config=config)
+    assert out.shape == truth.shape and out.dtype == torch.float32
+    assert float((out - truth).abs().max()) <= 1e-5 * float(truth.abs().max()) + 1e-6
+    xb = x.bfloat16()
+    truth_bf16_input = routed_moe_reference(xb.float(), weights, ids, mix, LIMIT)
+    reference_error = float((routed_moe_reference(xb, weights, ids, mix, LIMIT).float() - truth_bf16_input).abs().max())
+    out_bf16 = moe_triton.routed_moe_triton(xb, weights, ids, mix, LIMIT, config=config)
+    assert out_bf16.dtype == torch.bfloat16
+    kernel_error = float((out_bf16.float() - truth_bf16_input).abs().max())
+    assert kernel_error <= 1.5 * reference_error + 2**-8 * float(truth.abs().max())
+
+
+def test_decode_split_only_splits_steps_too_small_for_the_gpu():
+    config = moe_triton.choose_config(6, 256)
+    assert moe_triton.decode_split(6, 256, config, 2048, 4096) == 4  # one token: 6 blocks x 32 tiles
+    assert moe_triton.decode_split(12, 256, config, 2048, 4096) == 2
+    assert moe_triton.decode_split(192, 256, config, 2048, 4096) == 1  # 32 tokens fill the GPU
+    assert moe_triton.decode_split(6, 256, config, 256, 512) == 1  # too little K to split
+    with pytest.raises(ValueError, match="split_k"):
+        moe_triton.KernelConfig(16, 32, 64, split_k=3)
+
+
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 1, 4, 16), (1, 6, 256, 16), (37, 6, 8, 16),
                                                                      (12, 6, 256, 16), (40, 6, 8, 64)])  # fmt: skip
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
@@ -356,9 +391,10 @@ def test_triton_kernels_compile_for_hopper():
 
     for fp4, tokens in ((True, 6), (True, 24576), (False, 24576)):
         config = moe_triton.choose_config(tokens, 256, fp4_dot=fp4)
-        block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first = config
+        block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first, split_k = config
+        split_k = moe_triton.decode_split(tokens, 256, config, 2048, 4096)
         constants = dict(FP4=fp4, FP4_DOT=fp4, SWAP=swap_ab, IEEE=False, COLUMNS_FIRST=columns_first,
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+                         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
         for kernel in (moe_triton._gate_up_kernel, moe_triton._down_kernel):
             source = ASTSource(kernel, _signature(kernel, "bf16", "u8" if fp4 else "bf16"), constexprs=constants)
             options = dict(num_warps=num_warps, num_stages=num_stages)

@@ -61,6 +61,8 @@ JIT_FUNCTIONS = (
     "_load_block",
     "_gate_up_kernel",
     "_down_kernel",
+    "_swiglu_kernel",
+    "_combine_kernel",
     "_add",
     "_align_kernel",
 )
@@ -73,15 +75,21 @@ def triton_available() -> bool:
 
 
 class KernelConfig(tuple):
-    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first)``; ``block_k >= 32`` (one FP4
-    scale group, and each half-dot of the dense/fp32 path has K >= 16).
+    """``(block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first, split_k)``; ``block_k >= 32``
+    (one FP4 scale group, and each half-dot of the dense/fp32 path has K >= 16).
 
     ``swap_ab`` (FP4 weights with bf16 activations only) computes ``(W x^T)^T``: the weight tile is the MMA's
     left operand, ``BLOCK_N`` weight rows fill its M dimension and the few rows of a decode block its N. It was
     meant for decode but measured slower on the H200 at every T (Triton 3.6); kept as a tested option for
     other chips and compilers, unused by :func:`choose_config`.
 
-    ``columns_first``: the order of the programs (see ``_program_tile``)."""
+    ``columns_first``: the order of the programs (see ``_program_tile``).
+
+    ``split_k`` (a power of two): each output tile's K range is split over that many programs, which store fp32
+    partial sums; a second small kernel per GEMM adds them in split order (SwiGLU after the first GEMM; routing
+    weights and the top-k combine after the second). A decode step of one or two tokens has only a few hundred
+    (block, N tile) programs, each walking all of K one dependent load after the other; splitting K shortens
+    that chain (:func:`decode_split`)."""
 
     def __new__(
         cls,
@@ -92,15 +100,38 @@ class KernelConfig(tuple):
         num_stages: int = 3,
         swap_ab: bool = False,
         columns_first: bool = True,
+        split_k: int = 1,
     ):
         for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if block_k < 32:
             raise ValueError(f"block_k must be >= 32, got {block_k}")
-        return super().__new__(
-            cls, (block_m, block_n, block_k, num_warps, num_stages, bool(swap_ab), bool(columns_first))
-        )
+        if split_k < 1 or split_k & (split_k - 1):
+            raise ValueError(f"split_k must be a power of two >= 1, got {split_k}")
+        flags = (bool(swap_ab), bool(columns_first), int(split_k))
+        return super().__new__(cls, (block_m, block_n, block_k, num_warps, num_stages, *flags))
+
+
+SPLIT_TARGET_PROGRAMS = 512  # about four programs per SM of an H200: fewer (block, N tile) programs split K
+MAX_SPLIT_K = 8
+MIN_K_STEPS_PER_SPLIT = 4  # a split walks at least this many BLOCK_K steps
+
+
+def decode_split(num_slots: int, num_experts: int, config: KernelConfig, inter: int, hidden: int) -> int:
+    """The K split for a step too small to fill the GPU: the power of two that brings the gate/up GEMM's
+    (block, N tile) programs to about SPLIT_TARGET_PROGRAMS, keeping each split MIN_K_STEPS_PER_SPLIT steps
+    long (in the shorter K of the two GEMMs); 1 when the step fills the GPU already."""
+    block_m, block_n, block_k = config[:3]
+    programs = max_aligned_blocks(num_slots, num_experts, block_m) * -(-inter // block_n)
+    split = 1
+    while (
+        split < MAX_SPLIT_K
+        and programs * split < SPLIT_TARGET_PROGRAMS
+        and min(hidden, inter) // (2 * split * block_k) >= MIN_K_STEPS_PER_SPLIT
+    ):
+        split *= 2
+    return split
 
 
 def choose_config(num_slots: int, num_experts: int, fp4_dot: bool = True) -> KernelConfig:
@@ -260,17 +291,20 @@ if triton is not None:
         return tl.dot(a_hi, w_hi, acc)
 
     @triton.jit
-    def _program_tile(max_blocks, n_tiles, COLUMNS_FIRST: tl.constexpr):
-        """``(block, n_tile)`` of this program in the 1-D grid of ``max_blocks * n_tiles`` programs.
+    def _program_tile(max_blocks, n_tiles, COLUMNS_FIRST: tl.constexpr, SPLIT_K: tl.constexpr):
+        """``(block, n_tile, split)`` of this program in the 1-D grid of ``max_blocks * n_tiles * SPLIT_K``
+        programs (the K splits of one output tile are neighbours).
 
         ``COLUMNS_FIRST``: consecutive programs take the N tiles of one row block, so its gathered activation rows
         are read from HBM once and then from L2, and the few experts in flight keep their weights in L2 too.
         Otherwise consecutive programs take the row blocks of one N tile, and every N tile re-reads all the
         activations (at T=16384, top-6: 0.8 GB for each of gate/up's 16 N tiles)."""
         pid = tl.program_id(0)
+        split = pid % SPLIT_K
+        pid = pid // SPLIT_K
         if COLUMNS_FIRST:
-            return pid // n_tiles, pid % n_tiles
-        return pid % max_blocks, pid // max_blocks
+            return pid // n_tiles, pid % n_tiles, split
+        return pid % max_blocks, pid // max_blocks, split
 
     @triton.jit
     def _load_block(slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M: tl.constexpr):
@@ -289,6 +323,7 @@ if triton is not None:
         block_expert_ptr,
         num_blocks_ptr,
         h_ptr,
+        partial_ptr,
         num_slots,
         top_k,
         hidden,
@@ -301,17 +336,19 @@ if triton is not None:
         s_row_stride,
         max_blocks,
         n_tiles,
+        k_per_split,
         FP4: tl.constexpr,
         FP4_DOT: tl.constexpr,
         SWAP: tl.constexpr,
         IEEE: tl.constexpr,
         COLUMNS_FIRST: tl.constexpr,
+        SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one block of one expert."""
-        block, n_tile = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST)
+        block, n_tile, split = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST, SPLIT_K)
         live, expert, slots, slot_ok = _load_block(
             slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M
         )
@@ -332,7 +369,7 @@ if triton is not None:
                 up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             # No prefetching of step k0 + BLOCK_K into registers: measured slower on the H200 at every T.
             strides = (w_row_stride, s_row_stride)
-            for k0 in range(0, hidden, BLOCK_K):
+            for k0 in range(split * k_per_split, tl.minimum((split + 1) * k_per_split, hidden), BLOCK_K):
                 a = _load_a_tile(a_rows, slot_ok, k0, hidden, BLOCK_K)
                 g_w, g_s = _fp4_tiles(w_base, s_base, columns, column_ok, *strides, k0, hidden, SWAP, BLOCK_K)
                 gate = _fp4_dot(gate, a, g_w, g_s, SWAP)
@@ -344,7 +381,7 @@ if triton is not None:
         else:
             gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
+            for k0 in range(split * k_per_split, tl.minimum((split + 1) * k_per_split, hidden), BLOCK_K):
                 a_lo, a_hi = _load_a(a_rows, slot_ok, k0, hidden, FP4, BLOCK_K)
                 dtype = a_lo.dtype
                 w_lo, w_hi = _load_w(
@@ -356,11 +393,18 @@ if triton is not None:
                 )  # fmt: skip
                 gate = _half_dots(gate, a_lo, a_hi, w_lo, w_hi, IEEE)
                 up = _half_dots(up, a_lo, a_hi, u_lo, u_hi, IEEE)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        hidden_act = gate / (1.0 + tl.exp(-gate)) * up
-        out = h_ptr + slots.to(tl.int64)[:, None] * inter + columns[None, :]
-        tl.store(out, hidden_act.to(h_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+        tile_ok = slot_ok[:, None] & column_ok[None, :]
+        if SPLIT_K > 1:  # partial sums; _swiglu_kernel adds the splits and applies the activation
+            rows = (split * num_slots + tl.where(slot_ok, slots, 0)).to(tl.int64)
+            partial = partial_ptr + rows[:, None] * (2 * inter) + columns[None, :]
+            tl.store(partial, gate, mask=tile_ok)
+            tl.store(partial + inter, up, mask=tile_ok)
+        else:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            hidden_act = gate / (1.0 + tl.exp(-gate)) * up
+            out = h_ptr + slots.to(tl.int64)[:, None] * inter + columns[None, :]
+            tl.store(out, hidden_act.to(h_ptr.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
     def _down_kernel(
@@ -372,6 +416,7 @@ if triton is not None:
         num_blocks_ptr,
         route_weight_ptr,
         out_ptr,
+        partial_ptr,
         num_slots,
         hidden,
         inter,
@@ -381,17 +426,19 @@ if triton is not None:
         s_row_stride,
         max_blocks,
         n_tiles,
+        k_per_split,
         FP4: tl.constexpr,
         FP4_DOT: tl.constexpr,
         SWAP: tl.constexpr,
         IEEE: tl.constexpr,
         COLUMNS_FIRST: tl.constexpr,
+        SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """``out[slot, n] = route_weight[slot] * (h[slot] w2^T)[n]`` for one block of one expert."""
-        block, n_tile = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST)
+        block, n_tile, split = _program_tile(max_blocks, n_tiles, COLUMNS_FIRST, SPLIT_K)
         live, expert, slots, slot_ok = _load_block(
             slot_ids_ptr, block_expert_ptr, num_blocks_ptr, num_slots, block, BLOCK_M
         )
@@ -409,7 +456,7 @@ if triton is not None:
             else:
                 acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             strides = (w_row_stride, s_row_stride)
-            for k0 in range(0, inter, BLOCK_K):
+            for k0 in range(split * k_per_split, tl.minimum((split + 1) * k_per_split, inter), BLOCK_K):
                 a = _load_a_tile(a_rows, slot_ok, k0, inter, BLOCK_K)
                 w, w_s = _fp4_tiles(w_base, s_base, columns, column_ok, *strides, k0, inter, SWAP, BLOCK_K)
                 acc = _fp4_dot(acc, a, w, w_s, SWAP)
@@ -417,16 +464,64 @@ if triton is not None:
                 acc = tl.trans(acc)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
+            for k0 in range(split * k_per_split, tl.minimum((split + 1) * k_per_split, inter), BLOCK_K):
                 a_lo, a_hi = _load_a(a_rows, slot_ok, k0, inter, FP4, BLOCK_K)
                 w_lo, w_hi = _load_w(
                     w_base, s_base, columns, column_ok, w_row_stride, s_row_stride, k0, inter, a_lo.dtype, FP4, BLOCK_K
                 )
                 acc = _half_dots(acc, a_lo, a_hi, w_lo, w_hi, IEEE)
-        route_weight = tl.load(route_weight_ptr + safe_slots, mask=slot_ok, other=0.0)
-        acc = acc * route_weight[:, None]
-        out = out_ptr + safe_slots[:, None] * hidden + columns[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & column_ok[None, :])
+        tile_ok = slot_ok[:, None] & column_ok[None, :]
+        if SPLIT_K > 1:  # partial sums; _combine_kernel adds the splits, weights and combines the slots
+            rows = split * num_slots + safe_slots
+            tl.store(partial_ptr + rows[:, None] * hidden + columns[None, :], acc, mask=tile_ok)
+        else:
+            route_weight = tl.load(route_weight_ptr + safe_slots, mask=slot_ok, other=0.0)
+            acc = acc * route_weight[:, None]
+            out = out_ptr + safe_slots[:, None] * hidden + columns[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+    @triton.jit
+    def _swiglu_kernel(partial_ptr, h_ptr, num_slots, inter, limit, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``h`` of one slot and column tile from the split-K partial gate and up sums (added in split order)."""
+        slot = tl.program_id(0).to(tl.int64)
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < inter
+        rows = tl.arange(0, SPLIT_K).to(tl.int64) * num_slots + slot
+        partial = partial_ptr + rows[:, None] * (2 * inter) + columns[None, :]
+        gate = tl.reduce(tl.load(partial, mask=column_ok[None, :], other=0.0), 0, _add)
+        up = tl.reduce(tl.load(partial + inter, mask=column_ok[None, :], other=0.0), 0, _add)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        hidden_act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(h_ptr + slot * inter + columns, hidden_act.to(h_ptr.dtype.element_ty), mask=column_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        partial_ptr,
+        route_weight_ptr,
+        out_ptr,
+        num_slots,
+        top_k,
+        hidden,
+        SPLIT_K: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """One token's output tile: each of its slots' split-K partial sums added in split order, times the
+        slot's routing weight, then the slots added (all in fp32, one rounding to the output dtype)."""
+        token = tl.program_id(0).to(tl.int64)
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < hidden
+        choice = tl.arange(0, TOP_K)
+        choice_ok = choice < top_k
+        slots = token * top_k + choice
+        split = tl.arange(0, SPLIT_K).to(tl.int64)
+        rows = split[:, None] * num_slots + slots[None, :]
+        mask = choice_ok[None, :, None] & column_ok[None, None, :]
+        partial = tl.load(partial_ptr + rows[:, :, None] * hidden + columns[None, None, :], mask=mask, other=0.0)
+        route_weight = tl.load(route_weight_ptr + slots, mask=choice_ok, other=0.0)
+        out = tl.reduce(tl.reduce(partial, 0, _add) * route_weight[:, None], 0, _add)
+        tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=column_ok)
 
     @triton.jit
     def _add(a, b):
@@ -542,8 +637,11 @@ def routed_moe_triton(
     if num_slots == 0:
         return torch.zeros_like(x)
     fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16  # tl.dot_scaled takes bf16, not fp32, activations
-    config = config or choose_config(num_slots, weights.num_experts, fp4_dot)
-    block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first = config
+    if config is None:
+        config = choose_config(num_slots, weights.num_experts, fp4_dot)
+        split = decode_split(num_slots, weights.num_experts, config, inter, hidden)
+        config = KernelConfig(*config[:-1], split_k=split)
+    block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first, split_k = config
     if num_slots <= FUSED_ROUTING_SLOTS:
         aligned = align_slots_fused(expert_ids, weights.num_experts, block_m)
     else:
@@ -551,28 +649,48 @@ def routed_moe_triton(
     x = x.contiguous()
     route_weight = expert_weights.reshape(-1).contiguous()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     # Dense weights have no scales; any tensor stands in for the pointer (FP4=False never reads it).
     w13_scale = weights.w13_scale if weights.is_fp4 else weights.w13
     w2_scale = weights.w2_scale if weights.is_fp4 else weights.w2
     common = dict(
         FP4=weights.is_fp4, FP4_DOT=fp4_dot, SWAP=swap_ab and fp4_dot, IEEE=x.dtype == torch.float32,
-        COLUMNS_FIRST=columns_first, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        COLUMNS_FIRST=columns_first, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     launch = dict(num_warps=num_warps, num_stages=num_stages)
     blocks, up_tiles, down_tiles = aligned.max_blocks, triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
-    _gate_up_kernel[(blocks * up_tiles,)](
-        x, weights.w13, w13_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, h,
+
+    def per_split(k: int) -> int:  # whole BLOCK_K steps per split
+        return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+
+    if split_k > 1:
+        up_partial = torch.empty(split_k, num_slots, 2 * inter, dtype=torch.float32, device=x.device)
+        down_partial = torch.empty(split_k, num_slots, hidden, dtype=torch.float32, device=x.device)
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    else:
+        up_partial = down_partial = h  # not read without a split
+        out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks * up_tiles * split_k,)](
+        x, weights.w13, w13_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, h, up_partial,
         num_slots, top_k, hidden, inter, float(swiglu_limit), x.stride(0),
         weights.w13.stride(0), weights.w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), blocks, up_tiles,
-        **common, **launch,
+        per_split(hidden), **common, **launch,
     )  # fmt: skip
-    _down_kernel[(blocks * down_tiles,)](
+    if split_k > 1:
+        _swiglu_kernel[(num_slots, up_tiles)](
+            up_partial, h, num_slots, inter, float(swiglu_limit), SPLIT_K=split_k, BLOCK_N=block_n
+        )
+    _down_kernel[(blocks * down_tiles * split_k,)](
         h, weights.w2, w2_scale, aligned.slot_ids, aligned.block_expert, aligned.num_blocks, route_weight, out,
-        num_slots, hidden, inter,
+        down_partial, num_slots, hidden, inter,
         weights.w2.stride(0), weights.w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), blocks, down_tiles,
-        **common, **launch,
+        per_split(inter), **common, **launch,
     )  # fmt: skip
+    if split_k > 1:
+        _combine_kernel[(tokens, down_tiles)](
+            down_partial, route_weight, out, num_slots, top_k, hidden,
+            SPLIT_K=split_k, TOP_K=triton.next_power_of_2(top_k), BLOCK_N=block_n,
+        )  # fmt: skip
+        return out
     if top_k == 1:
         return out
     return out.view(tokens, top_k, hidden).sum(dim=1)
