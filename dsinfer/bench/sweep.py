@@ -499,8 +499,11 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     """Fill the engine with ``num_requests`` prompts of ``context`` tokens, then time steady-state decode steps."""
     args = bench.args
     max_model_len = decode_max_model_len(args, num_requests)
+    # The timed steps all decode num_requests sequences: one CUDA graph bucket of that size is all they replay
+    # (capturing every power of two below it would only lengthen the point's set-up).
+    graphs = {"cuda_graph_sizes": (num_requests,)} if str(args.device).startswith("cuda") else {}
     engine = make_engine(bench, max_num_seqs=num_requests, max_num_batched_tokens=max(args.prefill_chunk, num_requests),
-                         max_model_len=max_model_len, speculative_config=args.speculative)  # fmt: skip
+                         max_model_len=max_model_len, speculative_config=args.speculative, **graphs)  # fmt: skip
     check_cache_holds(engine, num_requests, max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for prompt in random_prompts(num_requests, args.context, bench.model.config.vocab_size, args.seed):
