@@ -1,20 +1,34 @@
 """Host time of an engine step: the model's forward replaced by constant logits, so only the host's work is left.
 
-    python benchmarks/host_step.py --requests 1 16                # LLMEngine.step, decode, per batch size
-    python benchmarks/host_step.py --requests 16 --serve          # the same engine behind the real HTTP server
+    python benchmarks/host_step.py --requests 1 16                        # LLMEngine.step, decode, per batch size
+    python benchmarks/host_step.py --requests 16 --overlap                # ... with the device worker, as on CUDA
+    python benchmarks/host_step.py --requests 16 --overlap --serve --client raw   # behind the real HTTP server
+    python benchmarks/host_step.py --requests 16 --device-ms 8 --serve    # a forward of 8 ms without the Python lock
 
 The engine part runs decode steps of ``--requests`` greedy requests on the tiny checkpoint (CPU) and reports the
-median ms per ``step()``: scheduling, batch preparation, sampling, token bookkeeping and detokenization, the
-work a GPU step's host side does besides launching the forward. ``--serve`` starts ``dsinfer serve``'s app on
-loopback around such an engine, streams ``--requests`` chat completions with ``dsinfer bench serve`` and reports
-the median ``engine.step`` time beside the wall time per step; profile it (``py-spy record -- python
-benchmarks/host_step.py --serve``) to see where a serving step's host time goes.
+median ms per ``step()`` and the process's CPU ms per step: scheduling, batch preparation, sampling, token
+bookkeeping and detokenization, the work a GPU step's host side does besides the forward. ``--serve`` starts
+``dsinfer serve``'s app on loopback around such an engine and streams ``--requests`` chat completions; over the
+decode steps it reports the median ``engine.step`` time, the period from one step to the next, and the CPU ms
+per step of each server thread (``dsinfer-engine``, ``dsinfer-device_0``, ``http``: uvicorn's event loop). The
+threads share one Python lock, so when the step is host-bound their sum is what a step costs; the ``http``
+thread's share is what serving adds. ``--client bench`` (the default) streams with ``dsinfer bench serve`` and
+adds its ITL and TPOT; ``--client raw`` reads the streams as bytes, which leaves the server the CPU on a small
+machine (``--client-cpus`` pins the client). Profile with ``py-spy record --threads -- python
+benchmarks/host_step.py ...`` (a thread waiting for the lock shows up in py-spy's samples; the CPU clocks do not).
+
+``--device-ms D`` stands in for a GPU: the forward sleeps D ms (a thread waiting on the device holds no Python
+lock) and the engine overlaps steps as on CUDA (implies ``--overlap``), so the engine's step is the offline decode
+step and the served period shows what the HTTP side adds to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -33,74 +47,152 @@ from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
 
-def constant_forward(model) -> None:
-    """Replace the model's forward (for every instance of its class) by one that returns fixed logits."""
+def constant_forward(model, device_ms: float = 0.0) -> None:
+    """Replace the model's forward (for every instance of its class) by one that returns fixed logits, after
+    ``device_ms`` of sleep (the device's time: no Python lock held)."""
     vocab = model.config.vocab_size
     logits = torch.full((vocab,), -5.0)
     logits[300] = 5.0
 
     def forward(self, batch, *args, logits_for=None, **kwargs):
+        if device_ms:
+            time.sleep(device_ms / 1e3)
         rows = logits_for.shape[0] if logits_for is not None else len(batch.spans)
         return logits.expand(rows, vocab).clone()
 
     type(model).forward = forward
 
 
-def engine_host_ms(model, tokenizer, requests: int, steps: int) -> float:
-    config = EngineConfig(max_num_seqs=max(requests, 1), async_scheduling=False)
-    engine = LLMEngine(model, tokenizer, config)
+def engine_config(requests: int, overlap: bool, **sizes) -> EngineConfig:
+    """``overlap``: overlap scheduling (the engine's device worker thread), as on CUDA."""
+    return EngineConfig(max_num_seqs=max(requests, 1), async_scheduling=overlap, **sizes)
+
+
+def engine_host_ms(model, tokenizer, requests: int, steps: int, input_len: int, overlap: bool) -> dict:
+    engine = LLMEngine(model, tokenizer, engine_config(requests, overlap, max_model_len=input_len + steps + 64))
     for i in range(requests):
         engine.add_request(
-            list(range(5 + i, 40 + i)), SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+            [5 + (i + j) % 200 for j in range(input_len)],
+            SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True),
         )
-    for _ in range(4):
+    for _ in range(requests + 4):  # the prefills (one step each at most), then a few decode steps
         engine.step()
-    times = []
+    times, cpu = [], time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    cpu_ms = (time.process_time() - cpu) / steps * 1e3
     engine.close()
-    return statistics.median(times) * 1e3
+    return {"engine_step_ms": statistics.median(times) * 1e3, "mean_step_ms": statistics.mean(times) * 1e3,
+            "cpu_ms_per_step": cpu_ms}  # fmt: skip
 
 
-def serve_host_ms(directory: str, requests: int, output_len: int, port: int) -> dict:
+def bench_serve(port: int, requests: int, input_len: int, output_len: int, client_cpus: list[int] | None) -> dict:
+    """``dsinfer bench serve``'s results for ``requests`` concurrent chat streams."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "serve.json"
+        subprocess.run(
+            [sys.executable, "-m", "dsinfer.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+             "--model", "tiny", "--dataset", "random", "--input-len", str(input_len), "--output-len",
+             str(output_len), "--num-prompts", str(requests), "--max-concurrency", str(requests), "--seed", "0",
+             "--disable-tqdm", "--out", str(out)],
+            check=True, capture_output=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None,
+        )  # fmt: skip
+        return json.loads(out.read_text())
+
+
+def drain_streams(port: int, requests: int, input_len: int, output_len: int, client_cpus: list[int] | None) -> None:
+    """``requests`` concurrent chat streams read as raw bytes, unparsed: a client that takes little of the CPU
+    the server's threads need (``dsinfer bench serve`` parses every chunk)."""
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
+
+    async def one(index: int) -> None:
+        body = json.dumps({
+            "model": "tiny", "messages": [{"role": "user", "content": f"{index}" + " the" * input_len}],
+            "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+        }).encode()  # fmt: skip
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"stream {index}: {status.decode().strip()} {(await reader.read(1 << 16)).decode()}")
+        while await reader.read(1 << 16):
+            pass
+        writer.close()
+
+    async def all_streams() -> None:
+        await asyncio.gather(*(one(i) for i in range(requests)))
+
+    asyncio.run(all_streams())
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds each live thread of this process has used, by thread name."""
+    return {thread.name: time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            for thread in threading.enumerate() if thread.ident is not None}  # fmt: skip
+
+
+def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int, port: int, device_ms: float,
+                  overlap: bool, client_cpus: list[int] | None = None, client: str = "bench") -> dict:  # fmt: skip
     import uvicorn
+
+    if client_cpus:  # the client's parsing of every chunk would otherwise take CPU time from the server's threads
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - set(client_cpus))
 
     from dsinfer.server.launch import ServeOptions, build_server
 
     options = ServeOptions(model=directory, port=port, served_model_name="tiny", log_level="warning")
-    app, engine = build_server(options, EngineConfig(max_num_seqs=max(requests, 1), max_model_len=1024))
-    constant_forward(engine.engine.model)
-    steps, step = [], engine.engine.step
+    config = engine_config(requests, overlap, max_model_len=input_len + output_len + 128)
+    app, engine = build_server(options, config)
+    constant_forward(engine.engine.model, device_ms)
+    # The decode steps measured: past the prefills, before the first stream ends.
+    first, last = requests + 8, requests + 8 + max(output_len - 2 * requests - 24, 8)
+    steps, starts, cpu, step = [], [], {}, engine.engine.step
 
     def timed_step():
+        if len(starts) in (first, last):
+            cpu[len(starts)] = (time.process_time(), thread_cpu_s())
         start = time.perf_counter()
         out = step()
         steps.append(time.perf_counter() - start)
+        starts.append(start)
         return out
 
     engine.engine.step = timed_step
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    threading.Thread(target=server.run, daemon=True, name="http").start()
     while not server.started:
         time.sleep(0.05)
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "serve.json"
-        subprocess.run(
-            [sys.executable, "-m", "dsinfer.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-             "--model", "tiny", "--dataset", "random", "--input-len", "32", "--output-len", str(output_len),
-             "--num-prompts", str(requests), "--max-concurrency", str(requests), "--seed", "0", "--disable-tqdm",
-             "--out", str(out)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        result = json.loads(out.read_text())
+    if client == "raw":
+        process = multiprocessing.get_context("spawn").Process(
+            target=drain_streams, args=(port, requests, input_len, output_len, client_cpus)
+        )
+        process.start()
+        process.join()
+        result = {}
+    else:
+        result = bench_serve(port, requests, input_len, output_len, client_cpus)
     server.should_exit = True
     engine.stop()
-    return {"requests": requests, "engine_step_ms": statistics.median(steps) * 1e3,
-            "wall_ms_per_step": result["duration"] / max(len(steps), 1) * 1e3,
-            "output_tokens_per_s": result["output_throughput"]}  # fmt: skip
+    # Server side, over the measured decode steps: one step's start to the next, and the CPU time the server's
+    # threads spent per step (in one process they take turns holding the Python lock).
+    periods = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=False)]
+    (process_before, threads_before), (process_after, threads_after) = cpu[first], cpu[last]
+    per_thread = {name: round((threads_after[name] - before) / (last - first) * 1e3, 3)
+                  for name, before in threads_before.items() if name in threads_after}  # fmt: skip
+    return {"requests": requests, "device_ms": device_ms, "overlap": overlap,
+            "engine_step_ms": statistics.median(steps[first:last]) * 1e3,
+            "step_period_ms": statistics.median(periods) * 1e3, "mean_step_period_ms": statistics.mean(periods) * 1e3,
+            "cpu_ms_per_step": (process_after - process_before) / (last - first) * 1e3,
+            "thread_cpu_ms_per_step": {name: ms for name, ms in per_thread.items() if ms > 0},
+            **({"wall_ms_per_step": result["duration"] / max(len(steps), 1) * 1e3,
+                "median_itl_ms": result["median_itl_ms"], "mean_tpot_ms": result["mean_tpot_ms"],
+                "output_tokens_per_s": result["output_throughput"]} if result else {})}  # fmt: skip
 
 
 def main() -> None:
@@ -109,22 +201,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed engine steps (engine mode)")
     parser.add_argument("--serve", action="store_true", help="behind the HTTP server instead")
     parser.add_argument("--output-len", type=int, default=256, help="tokens per request (--serve)")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--device-ms", type=float, default=0.0, help="the forward's stand-in device time")
+    parser.add_argument("--overlap", action="store_true", help="overlap scheduling as on CUDA (implied by --device-ms)")
+    parser.add_argument("--client-cpus", type=int, nargs="+", default=None,
+                        help="--serve: the benchmark client's CPUs (the server gets the others)")  # fmt: skip
+    parser.add_argument("--client", choices=["bench", "raw"], default="bench",
+                        help="--serve: 'dsinfer bench serve' (client ITL and TPOT too) or streams read as raw bytes "
+                        "(little client CPU: steadier server numbers on a small machine)")  # fmt: skip
     parser.add_argument("--port", type=int, default=18555)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    overlap = args.overlap or args.device_ms > 0
     with tempfile.TemporaryDirectory() as directory:
         make_tiny_checkpoint(directory, arch="v4")
         if args.serve:
             for requests in args.requests:
-                print(json.dumps(serve_host_ms(directory, requests, args.output_len, args.port)), flush=True)
+                result = serve_host_ms(directory, requests, args.output_len, args.input_len, args.port, args.device_ms,
+                                       overlap, args.client_cpus, args.client)  # fmt: skip
+                print(json.dumps(result), flush=True)
             return
         model = load_model(directory, progress=False)
-        constant_forward(model)
+        constant_forward(model, args.device_ms)
         tokenizer = Tokenizer.from_dir(directory)
         for requests in args.requests:
-            step_ms = engine_host_ms(model, tokenizer, requests, args.steps)
-            print(json.dumps({"requests": requests, "engine_step_ms": step_ms}), flush=True)
+            result = engine_host_ms(model, tokenizer, requests, args.steps, args.input_len, overlap)
+            print(json.dumps({"requests": requests, "device_ms": args.device_ms, "overlap": overlap, **result}),
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
