@@ -109,6 +109,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs to return per token, 0..20; 0: only the chosen token's
     skip_special_tokens: bool = True
+    # False: the engine keeps no text for the completion (a caller that parses the token ids itself, as the chat
+    # server does, saves the per-token detokenization); stop strings need the text, so they need True.
+    detokenize: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None  # constrain the completion to a schema / regex / grammar
 
@@ -153,9 +156,11 @@ class SamplingParams:
         self._validate_stops()
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the text: they need detokenize=True")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")
 

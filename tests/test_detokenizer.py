@@ -68,3 +68,29 @@ def test_an_unfinished_character_at_the_end_flushes_as_a_full_decode_does(tokeni
     detok = IncrementalDetokenizer(tokenizer)
     text = detok.push(partial) + detok.flush()
     assert text == tokenizer.decode(partial, skip_special_tokens=True)
+
+
+def test_without_detokenize_the_engine_keeps_no_text_and_the_same_tokens(tiny_v4_model, tokenizer):
+    """``detokenize=False`` (the chat server, which parses the ids itself): same tokens, no text kept; stop
+    strings, which are matched in the text, are refused with it."""
+    from dsinfer.config import EngineConfig
+    from dsinfer.engine.engine import LLMEngine
+    from dsinfer.sampling_params import SamplingParams
+
+    runs = {}
+    for detokenize in (True, False):
+        engine = LLMEngine(tiny_v4_model, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=128))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=detokenize)
+        engine.add_request([5, 6, 7, 8], params, request_id="r")
+        final = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                final = output
+        engine.close()
+        assert final is not None and final.finished
+        runs[detokenize] = final.outputs[0]
+    assert runs[True].token_ids == runs[False].token_ids and len(runs[False].token_ids) == 12
+    assert runs[True].text == tokenizer.decode(runs[True].token_ids, skip_special_tokens=True) != ""
+    assert runs[False].text == ""
+    with pytest.raises(ValueError, match="need detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)

@@ -370,6 +370,8 @@ class LLMEngine:
     def _update_text(self, seq: Sequence, now: float) -> None:
         """Detokenize the new token and apply stop strings (which may end the sequence)."""
         params = seq.sampling.params
+        if not params.detokenize:  # the caller reads the token ids (and has no stop strings)
+            return
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         visible = len(seq.output_token_ids) - (1 if seq.hide_last_token else 0)
