@@ -50,6 +50,10 @@ def test_chat_non_stream_and_stream_agree(client):
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # The library's chunks go out as it wrote them where nothing needs an edit: one id and date throughout, no
+    # usage before the last chunk, every choice index 0.
+    assert len({(c.id, c.created) for c in chunks}) == 1 and all(c.usage is None for c in chunks[:-1])
+    assert all(choice.index == 0 for c in chunks for choice in c.choices)
 
 
 def test_n_seed_and_stop(client):
@@ -59,6 +63,11 @@ def test_n_seed_and_stop(client):
     assert len(first.choices) == 3
     assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
     assert len({c.message.content for c in first.choices}) > 1
+    streamed: dict[int, str] = {}  # each choice's chunks carry its index (choice 0's as the library wrote them)
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {index: choice.message.content for index, choice in enumerate(first.choices)}
     text = first.choices[0].message.content
     stop = text[3:5] if len(text) > 5 and text[3:5].strip() else None
     if stop:
@@ -193,6 +202,8 @@ def test_thinking_mode_streams_reasoning(client):
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == message.reasoning_content
+    deltas = [c.choices[0].delta for c in chunks if c.choices and getattr(c.choices[0].delta, "reasoning_content", "")]
+    assert deltas and all(delta.reasoning == delta.reasoning_content for delta in deltas)  # vLLM's newer name too
 
 
 def test_tools_are_accepted_and_tool_choice_validated(server, client):

@@ -47,7 +47,7 @@ from dsinfer.server.protocol import (
     error_body,
     now,
 )
-from dsinfer.server.response_stream import ClientDisconnected
+from dsinfer.server.response_stream import ClientDisconnected, sse_frame
 from dsinfer.server.streams import last_items, merged
 from dsinfer.tokenizer import Tokenizer
 
@@ -265,13 +265,15 @@ def _text_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
 
 
 # ---- running requests --------------------------------------------------------------------------
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
+    """Server-sent events of ``chunks``: each a dict, or its JSON text already written."""
+
     async def body():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield sse_frame(None, chunk)
         except (ValueError, RequestTimeoutError, EngineDeadError, ServerShuttingDownError) as exc:
-            yield f"data: {json.dumps(error_body(str(exc), _stream_error_kind(exc)))}\n\n"
+            yield sse_frame(None, error_body(str(exc), _stream_error_kind(exc)))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -21,7 +21,7 @@ from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.server.limits import check_n
 from dsinfer.server.protocol import ChatCompletionRequest, completion_id, now
-from dsinfer.server.response_stream import ChoiceStream, Run, collect, event_json
+from dsinfer.server.response_stream import ChoiceStream, Run, collect
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
@@ -37,8 +37,9 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
         prepared = chat_format.prepare("chat", await request.json())
         prompt_ids = prepared.prompt_ids
         params = _params(body, prompt_ids, "messages", length_field, max_tokens, logprobs, settings)
-        # Stop sequences end the answer, not the reasoning: the stream processor applies them.
-        params = replace(params, stop=[], structured_output=prepared.structured_output)
+        # Stop sequences end the answer, not the reasoning: the stream processor applies them, and it turns the
+        # token ids into text itself, so the engine keeps none.
+        params = replace(params, stop=[], structured_output=prepared.structured_output, detokenize=False)
         request_id, model, created = completion_id("chatcmpl"), settings.served_model_name, now()
         choices = [
             ChoiceStream(chat_format, prepared, recipe.ChatCompletionRequest.chunk_generator(
@@ -86,9 +87,16 @@ def _merged(responses: list[recipe.ChatCompletionResponse], run: Run) -> dict[st
 
 
 async def _chunks(run: Run, include_usage: bool, request_id: str, model: str, created: int):
+    """The stream's chunks: dicts, or the library's JSON text where it needs no edit (most answer tokens)."""
+    dated = f',"created":{created},'  # the library dates its chunks itself; ours must win where they differ
     async for index, events in run:
         for event in events:
-            chunk = event_json(event)
+            text = event.to_json()
+            # Quotes inside JSON strings are escaped, so these keys cannot be matched inside generated text.
+            if index == 0 and dated in text and '"usage"' not in text and '"reasoning_content"' not in text:
+                yield text
+                continue
+            chunk = json.loads(text)
             chunk.pop("usage", None)
             chunk["created"] = created
             for choice in chunk.get("choices", []):

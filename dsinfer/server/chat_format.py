@@ -81,7 +81,8 @@ class PreparedRequest:
         """Engine sampling for a Responses or Messages request, from the library's inference options.
 
         A temperature the request gives is used as given (the library reports 1.0 in thinking mode); stop
-        sequences are not the engine's business: the stream processor applies them to answer text only.
+        sequences are not the engine's business: the stream processor applies them to answer text only, and it
+        decodes the token ids itself, so the engine keeps no text.
         """
         options = self.request.inference_options
         values: dict[str, Any] = {
@@ -91,6 +92,7 @@ class PreparedRequest:
             "seed": options.seed,
             "logprobs": (options.top_logprobs or 0) if options.logprobs else None,
             "structured_output": self.structured_output,
+            "detokenize": False,
         }
         if top_k is not None:
             values["top_k"] = top_k

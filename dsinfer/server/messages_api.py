@@ -26,9 +26,8 @@ from dsinfer.server.response_stream import (
     ClientDisconnected,
     Run,
     accumulated_document,
-    event_json,
+    event_frame,
     sse_frame,
-    usage_with_hidden,
 )
 
 
@@ -105,6 +104,6 @@ async def _events(run: Run):
         async for _, events in run:
             for event in events:
                 name = recipe.MessagesResponse.sse_event_name(event)
-                yield sse_frame(name, usage_with_hidden(event_json(event), run.choices[0].hidden_tokens))
+                yield event_frame(name, event, run.choices[0].hidden_tokens)
     except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
         yield sse_frame("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})

@@ -28,6 +28,7 @@ __all__ = [
     "ClientDisconnected",
     "Run",
     "collect",
+    "event_frame",
     "event_json",
     "sse_frame",
     "usage_with_hidden",
@@ -159,6 +160,15 @@ def event_json(event) -> dict[str, Any]:
     return json.loads(event.to_json())
 
 
+def event_frame(name: str | None, event, hidden_tokens: int) -> str:
+    """A Responses / Messages event as a server-sent event, usage counting the hidden control tokens. Only an
+    event that carries usage is parsed and written again; the others go out as the library wrote them."""
+    text = event.to_json()
+    if hidden_tokens and '"usage"' in text:  # quotes in JSON strings are escaped: this is a key, not text
+        return sse_frame(name, usage_with_hidden(json.loads(text), hidden_tokens))
+    return sse_frame(name, text)
+
+
 def usage_with_hidden(document: Any, hidden_tokens: int) -> Any:
     """Add the control tokens the parser never saw to every output-token count in a Responses / Messages
     document, so usage counts what the engine generated."""
@@ -178,6 +188,7 @@ def usage_with_hidden(document: Any, hidden_tokens: int) -> Any:
 
 
 def sse_frame(name: str | None, data: dict[str, Any] | str) -> str:
-    """One server-sent event: ``event:`` line when the protocol names its events, then the data line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One server-sent event: ``event:`` line when the protocol names its events, then the data line (``data``
+    is an object, or its JSON text)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {name}\n" if name else "") + f"data: {text}\n\n"

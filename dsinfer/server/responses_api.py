@@ -22,9 +22,8 @@ from dsinfer.server.response_stream import (
     ChoiceStream,
     Run,
     accumulated_document,
-    event_json,
+    event_frame,
     sse_frame,
-    usage_with_hidden,
 )
 
 
@@ -70,6 +69,6 @@ async def _events(run: Run):
         async for _, events in run:
             for event in events:
                 name = recipe.ResponsesResponse.sse_event_name(event)
-                yield sse_frame(name, usage_with_hidden(event_json(event), run.choices[0].hidden_tokens))
+                yield event_frame(name, event, run.choices[0].hidden_tokens)
     except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
         yield sse_frame("error", {"type": "error", "code": type(exc).__name__, "message": str(exc), "param": None})
