@@ -6,6 +6,10 @@
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
 CUDA, once with every op's chosen backend (Triton kernels, decode graphs) and once with every op forced to its
 torch reference (``DSINFER_OPS``): the greedy tokens of both engines.
+
+``--speculative K``: on CUDA, the tiny V4 with MTP drafts and the tiny V4.1 with DSpark drafts (K of them),
+verify and draft steps replayed from CUDA graphs and with ``enforce_eager``, against plain decoding's greedy
+tokens; and how many verify steps the graphs served.
 """
 
 from __future__ import annotations
@@ -45,16 +49,45 @@ def slice_check(layers: int, prompts: list[list[int]], params: SamplingParams) -
           f"{len(prompts)} prompts")  # fmt: skip
 
 
+def speculative_check(k: int, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Greedy tokens of speculative decoding on CUDA, graphed and eager, against plain decoding (fp32, tiny)."""
+    for arch, method in (("v4", "mtp"), ("v41", "dspark")):
+        spec = {"method": method, "num_speculative_tokens": k}
+        with tempfile.TemporaryDirectory() as directory:
+            make_tiny_checkpoint(directory, arch=arch)
+            options = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 400}
+            outputs, served = {}, (0, 0)
+            for name, extra in (("plain", {}), ("graphed", {"speculative_config": spec}),
+                                ("eager", {"speculative_config": spec, "enforce_eager": True})):  # fmt: skip
+                with LLM(directory, device="cuda", **options, **extra) as llm:
+                    outputs[name] = llm.generate(prompts, params, use_tqdm=False)
+                    executor = llm.engine.worker.speculative
+                    if name == "graphed":
+                        served = (executor.graphed_steps, executor.steps)
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
+        for name in ("graphed", "eager"):
+            same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+                       for a, b in zip(outputs[name], outputs["plain"], strict=True))  # fmt: skip
+            note = f" ({served[0]} of {served[1]} verify steps graphed)" if name == "graphed" else ""
+            print(f"{arch} {method} K={k} {name}: greedy tokens equal plain decoding's for {same} of "
+                  f"{len(prompts)} prompts{note}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slice-layers", type=int, default=0, help="also check the V4-Flash-width slice")
     parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K", help="also check speculative decoding")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (24,))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     if args.slice_layers:
         slice_check(args.slice_layers, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    if args.speculative:
+        speculative_check(args.speculative, prompts, params)
     for arch in () if args.skip_tiny else ("v4", "v41"):
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch=arch)
