@@ -116,9 +116,9 @@ def test_other_vocab_sizes(tmp_path: Path, vocab_size: int) -> None:
 
 
 def test_word_fillers_decode_to_text_and_back(tmp_path: Path) -> None:
-    """``filler="words"`` (the slice's tokenizer): the ids the corpus leaves over are ordinary tokens, so random
-    ids decode to text, as a stream shows it (special tokens skipped), and that text encodes back to the same ids;
-    placeholders are special reserved slots and show nothing."""
+    """``filler="words"`` (what the slice's tokenizer starts from): the ids the corpus leaves over are non-special
+    added tokens, so random ids decode to text (special tokens skipped) and that text encodes back to the same
+    ids; placeholders are special reserved slots and show nothing."""
     words, placeholders = tmp_path / "words", tmp_path / "placeholders"
     build_tiny_tokenizer(words, 4096, filler="words")
     build_tiny_tokenizer(placeholders, 4096)

@@ -187,8 +187,10 @@ def build_tiny_tokenizer(
     ``corpus`` (lines; default :data:`TINY_CORPUS`) is what the merges are learned from; ``digit_group`` is
     the longest run of digits one pre-token holds (DeepSeek: 3; 1 gives one token per digit). ``filler`` says
     what the ids the corpus leaves over become: ``placeholders``, reserved special slots as DeepSeek has them
-    (they decode to nothing), or ``words``, ordinary tokens that each decode to a word of their own (a model
-    with random weights over a large vocabulary then streams text at every token, as a real one does).
+    (they decode to nothing), or ``words``, non-special added tokens that each decode to a word of their own and
+    encode back to their ids. The server streams no added token (it takes each for a control token), so the
+    slice's tokenizer then moves the words into the BPE vocabulary (``dsinfer.bench.shapes.words_into_vocabulary``),
+    where a model with random weights streams text at every token, as a real one does.
     """
     if filler not in FILLERS:
         raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
