@@ -174,7 +174,7 @@ class ModelRunner:
             known = count - item.num_draft_tokens  # the drafts run behind the sequence's own tokens
             if seq.images:
                 pieces += image_pieces(seq.images, start, count, offset)
-            own = seq.token_ids[start : start + known]
+            own = seq.tokens_between(start, start + known)
             if len(own) < known:  # the newest token is still being sampled: filled on the device
                 if pending_rows is None or id(seq) not in pending_rows or len(own) != known - 1:
                     raise RuntimeError(f"sequence {seq.request_id}: its step needs tokens the host does not have")
@@ -190,7 +190,8 @@ class ModelRunner:
                 sample_rows += range(offset + known - 1, offset + count)  # the last token's row and the drafts'
             offset += count
             drafts.append(list(seq.draft_token_ids[: item.num_draft_tokens]))
-            following.append(None if item.completes_sequence else seq.token_ids[start + count])
+            after = start + count
+            following.append(None if item.completes_sequence else seq.tokens_between(after, after + 1)[0])
         return StepInput(
             host_to_device(ids, torch.long, self.device),
             host_to_device(list(positions), torch.long, self.device),
@@ -243,7 +244,7 @@ class ModelRunner:
         if not entering:
             return None
         width = self._engram_width
-        earlier = [seq.token_ids[max(0, seq.num_computed - width) : seq.num_computed] for seq in entering]
+        earlier = [seq.tokens_between(max(0, seq.num_computed - width), seq.num_computed) for seq in entering]
         return EngramResume([seq.slot for seq in entering], earlier)
 
     def _restore_engram_history(self, resume: EngramResume) -> None:

@@ -65,6 +65,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without joining the whole prompt and output first (a decode step reads one
+        token of a sequence whose prompt may be thousands long)."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
