@@ -30,6 +30,7 @@ import torch
 
 from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.config import ModelConfig, QuantizationConfig
+from dsinfer.engine.decode_graphs import capture_graph
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
 from dsinfer.models.deepseek_v4 import DeepseekV4
@@ -139,15 +140,7 @@ def decode_checks(model, config, sequences: int, context: int, device, repeats: 
         torch.cuda.set_sync_debug_mode("default")
     row["eager_ms"] = statistics.median(cuda_ms(lambda: model(batch), repeats))
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = model(batch)
+        graph, captured = capture_graph(lambda: model(batch))
         graph.replay()
         torch.cuda.synchronize()
         row["graph_max_abs_diff"] = float((captured - eager).abs().max())
@@ -208,14 +201,7 @@ def fit_layers(cache_gib: float, device, repeats: int, context: int) -> dict:
     batch = prefill_and_decode_batch(model, cache, sequences, context, device)
     row["decode_requests"], row["decode_context"] = sequences, context
     row["decode_ms"] = statistics.median(cuda_ms(lambda: model(batch), repeats))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        model(batch)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        model(batch)
+    graph, _ = capture_graph(lambda: model(batch))
     row["decode_graph_ms"] = statistics.median(cuda_ms(graph.replay, repeats))
     row["gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ced_drift_v41 import slice_config, synthetic_hasher  # noqa: E402
 from fast_path_checks import cuda_ms, prefill_and_decode_batch  # noqa: E402
 
+from dsinfer.engine.decode_graphs import capture_graph  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
 from dsinfer.models.expert_packing import weight_bytes  # noqa: E402
 from dsinfer.models.native_random import build_native_model  # noqa: E402
@@ -58,15 +59,7 @@ def check(model, sequences: int, context: int, quantized: bool, device, repeats:
         torch.cuda.set_sync_debug_mode("default")
     row["eager_ms"] = statistics.median(cuda_ms(step, repeats))
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         row["graph_equal"] = bool(torch.equal(captured, eager))

@@ -14,6 +14,16 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (tiny matmuls: more threads only add contention), then as it was. Modules
+    of tiny-model tests take it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """The embedded-default-sized V4 checkpoint: FP8 / FP4 weights, three shards, real tokenizer."""

@@ -26,12 +26,7 @@ def model(tiny_v41_vision_checkpoint):
     return load_model(tiny_v41_vision_checkpoint, progress=False).set_fake_quantization(False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def picture(width: int, height: int, seed: int) -> bytes:

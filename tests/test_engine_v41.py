@@ -39,12 +39,7 @@ def tokenizer(tiny_v41_checkpoint):
     return Tokenizer.from_dir(tiny_v41_checkpoint)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -42,12 +42,7 @@ def _placement_from_arguments_only(monkeypatch):
     monkeypatch.delenv(PLACEMENT_ENV, raising=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -163,11 +163,8 @@ def models(tiny_v41_checkpoint) -> dict[torch.dtype, object]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_rounding_on(request):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
+def _one_thread_and_rounding_on(request, one_torch_thread):
     yield
-    torch.set_num_threads(threads)
     if "models" in request.fixturenames:
         for model in request.getfixturevalue("models").values():
             model.set_fake_quantization(True)

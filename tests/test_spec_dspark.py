@@ -57,12 +57,7 @@ def tokenizer(checkpoint):
     return Tokenizer.from_dir(checkpoint)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(model, tokenizer, k: int | None = None, threshold: float = 0.0, **options) -> LLMEngine:

@@ -27,12 +27,7 @@ BUCKETS = {"cuda_graph_sizes": (1, 2, 4)}
 GREEDY = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
