@@ -123,7 +123,9 @@ def kernel_profile(fn, top: int = 25) -> dict:
     }
 
 
-def decode_checks(model, config, sequences: int, context: int, device, repeats: int, profile: bool = False) -> dict:
+def decode_checks(
+    model, config, sequences: int, context: int, device, repeats: int, profile: bool = False, top: int = 25
+) -> dict:
     cache = fresh_cache(config, sequences, context, device)
     batch = prefill_and_decode_batch(model, cache, sequences, context, device)
     torch.cuda.synchronize()
@@ -149,11 +151,11 @@ def decode_checks(model, config, sequences: int, context: int, device, repeats: 
     except Exception as exc:  # report, do not hide: the row says the capture failed and why
         row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     if profile:
-        row["profile"] = kernel_profile(lambda: model(batch))
+        row["profile"] = kernel_profile(lambda: model(batch), top)
     return row
 
 
-def prefill_point(model, tokens: int, device, repeats: int, profile: bool = False) -> dict:
+def prefill_point(model, tokens: int, device, repeats: int, profile: bool = False, top: int = 25) -> dict:
     cache = fresh_cache(model.config, 1, tokens, device)
     ids = host_to_device([(7 * i) % model.config.vocab_size for i in range(tokens)], torch.long, device)
     positions = host_to_device(list(range(tokens)), torch.long, device)
@@ -166,7 +168,7 @@ def prefill_point(model, tokens: int, device, repeats: int, profile: bool = Fals
     row = {"tokens": tokens, "ms": statistics.median(cuda_ms(run, repeats))}
     row["tokens_per_s"] = tokens / row["ms"] * 1e3
     if profile:
-        row["profile"] = kernel_profile(run)
+        row["profile"] = kernel_profile(run, top)
     return row
 
 
@@ -219,6 +221,7 @@ def main() -> None:
     parser.add_argument("--long-decode", nargs="*", default=[], metavar="REQUESTS:CONTEXT",
                         help="more decode points, e.g. 256:4096")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="kernel profile of each decode and prefill point")
+    parser.add_argument("--profile-top", type=int, default=25, help="costliest kernels listed per profile")
     parser.add_argument("--out")
     args = parser.parse_args()
     try:
@@ -242,10 +245,12 @@ def main() -> None:
         results["decode"] = []
         for sequences, context in points:
             results["decode"].append(decode_checks(model, config, sequences, context, device, args.repeats,
-                                                   profile=args.profile))  # fmt: skip
+                                                   profile=args.profile, top=args.profile_top))  # fmt: skip
             print(json.dumps({k: v for k, v in results["decode"][-1].items() if k != "profile"}), flush=True)
             torch.cuda.empty_cache()
-        results["prefill"] = [prefill_point(model, t, device, args.repeats, args.profile) for t in args.prefill_tokens]
+        results["prefill"] = [
+            prefill_point(model, t, device, args.repeats, args.profile, args.profile_top) for t in args.prefill_tokens
+        ]
         del model
         torch.cuda.empty_cache()
         if args.fit_layers:

@@ -71,8 +71,10 @@ for name in "$@"; do
         ops) stage ops python3 -m pytest tests/ops -q -k "not interpret" -p no:cacheprovider ;;
         peer) LAYERS=4 stage peer python3 "${PEER:-../shared/bench/hf_v4_peer.py}" ;;
         fast) stage fast python3 benchmarks/fast_path_checks.py --layers 4 --decode-batches 1 32 \
-                  --long-decode 256:4096 --prefill-tokens 4096 16384 --profile --out "$OUT/fast.json" ;;
-        v41) stage v41 python3 benchmarks/v41_decode_checks.py --experts 384 --batches 1 32 --context 256 ;;
+                  --long-decode 256:4096 --prefill-tokens 4096 16384 --profile --profile-top "${PROFILE_TOP:-25}" \
+                  --out "$OUT/fast.json" ;;
+        v41) stage v41 python3 benchmarks/v41_decode_checks.py --experts 384 --batches 1 32 --context 256 \
+                 --profile "${PROFILE_TOP:-25}" --out "$OUT/v41.json" ;;
         ep) stage ep python3 benchmarks/ep_overhead.py --flash-layers 4 --device cuda --dtype bfloat16 \
                 --batches 1,16,64 --context 1024 --rounds 3 --steps 20 --cache-gib 4 \
                 --modes single,single-eager,ep1-graph,ep1-graph-local ;;
@@ -82,8 +84,9 @@ for name in "$@"; do
                      --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds "${SPEEDUP_ROUNDS:-2}" \
                      --out "$OUT/speedup.json" ;;
         prefill) stage prefill python3 -m dsinfer.cli bench sweep prefill --flash-layers 4 --context 16384 \
-                     --points 4096,16384 --cache-gib 16 --telemetry-interval 0.5 --tag prefill ;;
-        engine) stage engine python3 benchmarks/cuda_engine_check.py --slice-layers 4 ;;
+                     --points 4096,16384 --cache-gib 16 --telemetry-interval 0.25 \
+                     --measure-steps "${PREFILL_STEPS:-48}" --tag prefill ;;
+        engine) stage engine python3 benchmarks/cuda_engine_check.py --slice-layers 4 ${ENGINE_ARGS:-} ;;
         long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;

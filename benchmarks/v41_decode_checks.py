@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ced_drift_v41 import slice_config, synthetic_hasher  # noqa: E402
-from fast_path_checks import cuda_ms, prefill_and_decode_batch  # noqa: E402
+from fast_path_checks import cuda_ms, kernel_profile, prefill_and_decode_batch  # noqa: E402
 
 from dsinfer.engine.decode_graphs import capture_graph  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
@@ -33,7 +33,7 @@ from dsinfer.models.native_random import build_native_model  # noqa: E402
 
 
 @torch.inference_mode()
-def check(model, sequences: int, context: int, quantized: bool, device, repeats: int) -> dict:
+def check(model, sequences: int, context: int, quantized: bool, device, repeats: int, profile: int = 0) -> dict:
     config = model.config
     block_tokens = block_tokens_for_v41(config)
     blocks = sequences * math.ceil((context + 64) / block_tokens)
@@ -68,6 +68,8 @@ def check(model, sequences: int, context: int, quantized: bool, device, repeats:
         row["graph_ms_per_layer"] = row["graph_ms"] / config.num_hidden_layers
     except Exception as exc:  # report, do not hide: the row says the capture failed and why
         row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    if profile:
+        row["profile"] = kernel_profile(step, profile)
     return row
 
 
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="kernel profile of each eager step, listing its TOP costliest kernels")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -88,9 +92,9 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for quantized in (False, True):
         for sequences in args.batches:
-            row = check(model, sequences, args.context, quantized, device, args.repeats)
+            row = check(model, sequences, args.context, quantized, device, args.repeats, args.profile)
             result["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
