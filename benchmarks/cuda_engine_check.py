@@ -27,6 +27,10 @@ from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.ops.registry import reference_table
 from dsinfer.sampling_params import SamplingParams
 
+TINY_OPTIONS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 400}
+# A fixed cache for the tiny models: sized from free memory, it would depend on what earlier checks left allocated.
+TINY_CACHE_BYTES = 1 << 30
+
 
 def slice_check(layers: int, prompts: list[list[int]], params: SamplingParams) -> None:
     """Greedy tokens of the slice with the fast path and with every op's reference, fp32 on CUDA."""
@@ -55,7 +59,7 @@ def speculative_check(k: int, prompts: list[list[int]], params: SamplingParams) 
         spec = {"method": method, "num_speculative_tokens": k}
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch=arch)
-            options = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 400}
+            options = {**TINY_OPTIONS, "cache_memory_bytes": TINY_CACHE_BYTES}
             outputs, served = {}, (0, 0)
             for name, extra in (("plain", {}), ("graphed", {"speculative_config": spec}),
                                 ("eager", {"speculative_config": spec, "enforce_eager": True})):  # fmt: skip
@@ -91,9 +95,9 @@ def main() -> None:
     for arch in () if args.skip_tiny else ("v4", "v41"):
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch=arch)
-            options = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 400}
             outputs = {}
             for device in ("cpu", "cuda"):
+                options = TINY_OPTIONS if device == "cpu" else {**TINY_OPTIONS, "cache_memory_bytes": TINY_CACHE_BYTES}
                 with LLM(directory, device=device, **options) as llm:
                     outputs[device] = llm.generate(prompts, params, use_tqdm=False)
                 del llm
