@@ -1,10 +1,10 @@
 """Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
 
 # Each import registers the op's reference and any faster backends beside it.
-import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference
+import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference, triton (CUDA)
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
-import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference
+import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton

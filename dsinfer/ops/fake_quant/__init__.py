@@ -1,6 +1,7 @@
 """V4.1's trained-in fake quantization as ops: ``fake_quant_fp8(x, block)`` and ``fake_quant_fp4(x, block,
 e4m3_scales)``, plus the :class:`ActivationQuantizer` the model rounds its activations through."""
 
+from dsinfer.ops.fake_quant import triton  # noqa: F401  (registers the Triton backends)
 from dsinfer.ops.fake_quant.reference import (
     COMPRESSED_KV_BLOCK,
     FP4_E4M3_AMAX_FLOOR,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.quant import E2M1_VALUES, FP4_MAX, FP8_MAX, device_constant, round_to_e2m1_codes
-from dsinfer.ops.registry import REFERENCE, register
+from dsinfer.ops.registry import REFERENCE, register, resolve
 
 WINDOW_KV_BLOCK = 32
 COMPRESSED_KV_BLOCK = 16
@@ -131,19 +131,24 @@ class ActivationQuantizer:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
 
+    @staticmethod
+    def _ops(x: torch.Tensor):
+        """The op table of ``x``'s device and dtype (chosen once per setting): the Triton kernels on CUDA."""
+        return resolve(x.device, x.dtype)
+
     def window_kv(self, x: torch.Tensor, layer: object, positions: torch.Tensor) -> torch.Tensor:
         """x [T, head_dim] post-RoPE window keys (= values) at ``positions``."""
-        return fake_quant_window_kv(x) if self.enabled else x
+        return self._ops(x).fake_quant_fp8(x, WINDOW_KV_BLOCK) if self.enabled else x
 
     def compressed_kv(self, x: torch.Tensor, layer: object, entry_ids: torch.Tensor) -> torch.Tensor:
         """x [g, head_dim] post-RoPE compressed entries of one sequence (a decode step: one row per sequence,
         ``entry_ids`` -1 for the rows of unfinished windows, which go to the trash block)."""
-        return fake_quant_compressed_kv(x) if self.enabled else x
+        return self._ops(x).fake_quant_fp4(x, COMPRESSED_KV_BLOCK, True) if self.enabled else x
 
     def index_keys(self, x: torch.Tensor, layer: object, entry_ids: torch.Tensor) -> torch.Tensor:
         """x [g, index_head_dim] post-RoPE index keys of one sequence."""
-        return fake_quant_index(x) if self.enabled else x
+        return self._ops(x).fake_quant_fp4(x, INDEX_BLOCK, False) if self.enabled else x
 
     def index_queries(self, x: torch.Tensor, layer: object, positions: torch.Tensor) -> torch.Tensor:
         """x [n, index_heads, index_head_dim] post-RoPE indexer queries of one sequence."""
-        return fake_quant_index(x) if self.enabled else x
+        return self._ops(x).fake_quant_fp4(x, INDEX_BLOCK, False) if self.enabled else x

@@ -1,0 +1,215 @@
+"""V4.1's cache codecs in Triton: ``cache_encode`` and ``cache_decode``, one kernel each per call.
+
+The torch reference encodes a compressed-KV row through some forty kernels (seven candidate scales tried at once,
+every e2m1 rounding as compares) and decodes through a table gather, casts and a multiply; a decode step with
+``quantized_storage`` encodes every new window row, entry and index key and decodes every ring and entry it reads.
+Here each program handles a tile of blocks in registers and reads or writes the bytes the cache stores.
+
+The rounding is the fake quantizer's Triton arithmetic (:mod:`dsinfer.ops.fake_quant.triton`), so codes and
+scales are the reference's bit for bit: FP8 codes are written as e4m3 bit patterns (sign, 4-bit exponent with
+bias 7, 3-bit mantissa; the subnormal binade below ``2**-6``), ue8m0 scales as their exponent byte, e4m3 scales
+(compressed KV) by the reference's lossless search: the rule's scale, then ``amax / m`` for each smaller e2m1
+magnitude ``m``, the first that is an e4m3 value under which every element is a code. Decoding forms
+``value * scale`` in float32 (exact) and rounds once to the output dtype, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.fake_quant.triton import fake_quant_triton_available
+from dsinfer.ops.registry import register
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.fake_quant.triton import (
+        block_scale,
+        e2m1_count,
+        e2m1_magnitude,
+        pow2,
+        pow2_ceil_exponent,
+        round_e4m3,
+        with_sign_of,
+    )
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+ELEMENTS_PER_PROGRAM = 4096
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# element, scale -> the kernels' KIND (the fake quantizer's numbering)
+KINDS = {("e4m3", "ue8m0"): 0, ("e2m1", "e4m3"): 1, ("e2m1", "ue8m0"): 2}
+
+if triton is not None:
+
+    @triton.jit
+    def e4m3_bits(v):
+        """The e4m3fn byte (int32) of ``v``, a float32 that is an e4m3 value."""
+        magnitude = tl.abs(v)
+        bits = magnitude.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127
+        normal = (exponent + 7) * 8 + ((bits >> 20) & 0x7)
+        subnormal = (magnitude * 512.0).to(tl.int32)  # 2**-9 quanta
+        code = tl.where(magnitude >= 0.015625, normal, subnormal)
+        return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+
+    @triton.jit
+    def e4m3_value(code):
+        """The float32 value of e4m3fn byte ``code`` (int32)."""
+        exponent = (code >> 3) & 0xF
+        mantissa = (code & 0x7).to(tl.float32)
+        magnitude = tl.where(exponent == 0, mantissa * 0.001953125, (8.0 + mantissa) * pow2(exponent - 10))
+        return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+
+    @triton.jit
+    def ue8m0_value(byte):
+        """``2**(byte - 127)`` (float32; byte 0 is the subnormal ``2**-127``)."""
+        return tl.where(byte == 0, 5.877471754111438e-39, pow2(tl.maximum(byte, 1) - 127))
+
+    @triton.jit
+    def _exact_under(x, candidate):
+        """Whether ``candidate`` [R] is a positive e4m3 value under which every element of ``x`` [R, C] is a code."""
+        usable = (candidate > 0) & (round_e4m3(tl.minimum(candidate, 448.0)) == candidate)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, candidate[:, None]), -6.0), 6.0)
+        back = with_sign_of(e2m1_magnitude(e2m1_count(tl.abs(v))), v) * candidate[:, None]
+        return usable & (tl.sum((back != x).to(tl.int32), axis=1) == 0)
+
+    @triton.jit
+    def _try_scale(x, amax, magnitude, chosen, found):
+        """The search's next candidate ``amax / magnitude``, taken if nothing before it was exact and it is."""
+        candidate = tl.math.div_rn(amax, tl.full(amax.shape, magnitude, tl.float32))
+        take = (found == 0) & _exact_under(x, candidate)
+        return tl.where(take, candidate, chosen), found | take.to(tl.int32)
+
+    @triton.jit
+    def _lossless_e4m3_scale(x, amax):
+        """The reference's choice of e4m3 scale for FP4 rows on the grid (rule first, then amax / m)."""
+        chosen, unused = block_scale(amax, 1)
+        found = _exact_under(x, chosen).to(tl.int32)
+        chosen, found = _try_scale(x, amax, 4.0, chosen, found)
+        chosen, found = _try_scale(x, amax, 3.0, chosen, found)
+        chosen, found = _try_scale(x, amax, 2.0, chosen, found)
+        chosen, found = _try_scale(x, amax, 1.5, chosen, found)
+        chosen, found = _try_scale(x, amax, 1.0, chosen, found)
+        chosen, found = _try_scale(x, amax, 0.5, chosen, found)
+        return chosen
+
+    @triton.jit
+    def _encode_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                       KIND: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = rows < n_blocks
+        if KIND == 0:
+            channels = tl.arange(0, BLOCK)
+            offsets = rows[:, None] * BLOCK + channels[None, :]
+            x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=1)
+            exponent = pow2_ceil_exponent(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+            v = tl.minimum(tl.maximum(x * pow2(-exponent)[:, None], -448.0), 448.0)
+            tl.store(codes_ptr + offsets, e4m3_bits(round_e4m3(v)).to(tl.uint8), mask=row_ok[:, None])
+            tl.store(scales_ptr + rows, (exponent + 127).to(tl.uint8), mask=row_ok)
+        else:
+            HALF: tl.constexpr = BLOCK // 2
+            pairs = tl.arange(0, HALF)
+            offsets = rows[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
+            x = tl.load(x_ptr + offsets, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+            if KIND == 1:
+                scale = _lossless_e4m3_scale(tl.reshape(x, [ROWS, BLOCK]), amax)
+                v = tl.math.div_rn(x, scale[:, None, None])
+                scale_byte = e4m3_bits(scale)
+            else:
+                exponent = pow2_ceil_exponent(tl.maximum(amax, 6.0 * 2.0**-126) * (1.0 / 6.0))
+                v = x * pow2(-exponent)[:, None, None]
+                scale_byte = exponent + 127
+            v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+            code = e2m1_count(tl.abs(v)) | ((v.to(tl.int32, bitcast=True) >> 28) & 0x8)
+            low, high = tl.split(code)
+            packed = rows[:, None] * HALF + pairs[None, :]
+            tl.store(codes_ptr + packed, (low | (high << 4)).to(tl.uint8), mask=row_ok[:, None])
+            tl.store(scales_ptr + rows, scale_byte.to(tl.uint8), mask=row_ok)
+
+    @triton.jit
+    def _decode_kernel(codes_ptr, scales_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                       KIND: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = rows < n_blocks
+        byte = tl.load(scales_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+        if KIND == 1:
+            scale = e4m3_value(byte)
+        else:
+            scale = ue8m0_value(byte)
+        if KIND == 0:
+            offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            code = tl.load(codes_ptr + offsets, mask=row_ok[:, None], other=0).to(tl.int32)
+            values = e4m3_value(code) * scale[:, None]
+            tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            HALF: tl.constexpr = BLOCK // 2
+            pairs = tl.arange(0, HALF)
+            packed = tl.load(codes_ptr + rows[:, None] * HALF + pairs[None, :], mask=row_ok[:, None], other=0)
+            packed = packed.to(tl.int32)
+            code = tl.join(packed & 0xF, (packed >> 4) & 0xF)  # [R, HALF, 2]: channel 2j low, 2j + 1 high
+            magnitude = e2m1_magnitude(code & 0x7)
+            values = tl.where((code & 0x8) != 0, -magnitude, magnitude) * scale[:, None, None]
+            offsets = rows[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
+            tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None, None])
+
+
+def _rows_per_program(block: int, n_blocks: int) -> int:
+    return min(max(1, ELEMENTS_PER_PROGRAM // block), triton.next_power_of_2(max(n_blocks, 1)))
+
+
+def _kind(element: str, block: int, scale: str) -> int | None:
+    kind = KINDS.get((element, scale))
+    if kind is None or block < 2 or block & (block - 1):
+        return None
+    return kind
+
+
+@register("cache_encode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+def cache_encode_triton(
+    values: torch.Tensor, element: str, block: int, scale: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract and bytes as the reference; formats or inputs the kernel does not take go to it."""
+    kind = _kind(element, block, scale)
+    if kind is None or values.dtype not in OUT_DTYPES or values.dim() < 1 or values.shape[-1] % block:
+        from dsinfer.ops.cache_codec.reference import cache_encode_reference
+
+        return cache_encode_reference(values, element, block, scale)
+    source = values.contiguous()
+    channels = values.shape[-1]
+    width = channels if element == "e4m3" else channels // 2
+    codes = torch.empty(*values.shape[:-1], width, dtype=torch.uint8, device=values.device)
+    scales = torch.empty(*values.shape[:-1], channels // block, dtype=torch.uint8, device=values.device)
+    n_blocks = source.numel() // block
+    if n_blocks:
+        rows = _rows_per_program(block, n_blocks)
+        _encode_kernel[(triton.cdiv(n_blocks, rows),)](source, codes, scales, n_blocks, BLOCK=block, ROWS=rows,
+                                                        KIND=kind, num_warps=4)  # fmt: skip
+    if element == "e4m3":
+        codes = codes.view(torch.float8_e4m3fn)
+    return codes, scales.view(torch.float8_e4m3fn) if scale == "e4m3" else scales
+
+
+@register("cache_decode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+def cache_decode_triton(
+    codes: torch.Tensor, scales: torch.Tensor, element: str, block: int, scale: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Same contract and values as the reference; formats or inputs the kernel does not take go to it."""
+    kind = _kind(element, block, scale)
+    if kind is None or dtype not in OUT_DTYPES or codes.dim() < 1:
+        from dsinfer.ops.cache_codec.reference import cache_decode_reference
+
+        return cache_decode_reference(codes, scales, element, block, scale, dtype)
+    channels = codes.shape[-1] * (1 if element == "e4m3" else 2)
+    out = torch.empty(*codes.shape[:-1], channels, dtype=dtype, device=codes.device)
+    n_blocks = out.numel() // block
+    if n_blocks:
+        rows = _rows_per_program(block, n_blocks)
+        code_bytes, scale_bytes = codes.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)
+        _decode_kernel[(triton.cdiv(n_blocks, rows),)](code_bytes, scale_bytes, out, n_blocks, BLOCK=block,
+                                                        ROWS=rows, KIND=kind, num_warps=4)  # fmt: skip
+    return out
