@@ -79,6 +79,8 @@ class PackedBatch:
     image_splice: ImageSplice | None = None  # V4.1: image-span embeddings replacing the placeholder rows
     _slices: list[slice] = field(default_factory=list, repr=False)
     _device_spans: DeviceSpans | None = field(default=None, repr=False)
+    # RoPE angles the layers share within one forward (dsinfer.layers.rotary.step_rope_angles); emptied per forward
+    rope_angle_memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         offset = 0

@@ -25,7 +25,7 @@ from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.norm import RMSNorm, rms_normalize
-from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.layers.rotary import apply_rope, step_rope_angles
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
@@ -98,7 +98,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
         layer_cache = batch.cache.layers[layer_id]
-        cos, sin = rope_angles(batch.positions, inv_freq)
+        cos, sin = step_rope_angles(batch, inv_freq)
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops)
@@ -127,17 +127,14 @@ class Attention(nn.Module):
         choice in CSA layers, every visible entry in HCA layers; what a sequence may not see is masked.
         """
         spans, positions = batch.device_spans, batch.positions
-        trash = batch.cache.trash_block
         ring = layer_cache.window
         ring[spans.slots, positions % self.window] = kv.to(ring.dtype)
         entries, indices = None, None
         if self.compressor is not None:
-            self.compressor.update_decode(x, positions, spans, layer_cache.compressor, inv_freq, trash)
+            self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq)
             entries = layer_cache.compressor.entries
             if self.indexer is not None:
-                chosen, real = self.indexer.select_decode(
-                    x, q_latent, positions, spans, layer_cache.indexer, inv_freq, trash
-                )
+                chosen, real = self.indexer.select_decode(x, q_latent, batch, layer_cache.indexer, inv_freq)
             else:
                 chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(q.shape[0], -1)
                 real = chosen < visible_entries(positions, self.compress_ratio)[:, None]

@@ -16,12 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.kv.batch import DeviceSpans, SequenceSpan
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, rope_angles
-from dsinfer.ops.compressor import compressor_pool_reference
+from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
+from dsinfer.ops.compressor import (
+    compressor_decode_reference,
+    compressor_decode_store_reference,
+    compressor_pool_reference,
+)
+from dsinfer.ops.compressor import decode_entry_location as entry_location_on_device
 from dsinfer.ops.registry import OpTable
 
 
@@ -154,43 +159,39 @@ class Compressor(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One new token per sequence (``x`` [B, hidden]), all at once and with no host reads.
 
-        Every token joins its slot's unfinished window and every window is pooled, finished or not: the
-        pre-RoPE entries [B, dim], their entry ids [B], and which tokens completed their window [B] (only
-        those entries are real). The same math as :meth:`latents` on a span of one token.
+        Every token joins its slot's unfinished window: the pre-RoPE entries [B, dim], their entry ids [B], and
+        which tokens completed their window [B] (only those entries are real; the others are unspecified). The
+        same math as :meth:`latents` on a span of one token (the ``compressor_decode`` op).
         """
         if self.wgate is None:  # ratio 1: the token is its entry
             return self.norm(self.wkv(x)), positions, torch.ones_like(positions, dtype=torch.bool)
-        ratio, slots = self.ratio, spans.slots
-        values, gates = self.project(x, positions)
-        offset = positions % ratio
-        cache.pending_values[slots, offset] = values.to(cache.pending_values.dtype)
-        cache.pending_gates[slots, offset] = gates.to(cache.pending_gates.dtype)
-        window_values, window_gates = cache.pending_values[slots], cache.pending_gates[slots]  # [B, ratio, width]
-        first = positions - offset
-        complete = offset == ratio - 1
-        if self.overlap:
-            has_previous = (first >= ratio) & (first - ratio >= spans.window_from)
-            previous_gates = cache.previous_gates[slots][..., : self.dim]
-            previous_gates = previous_gates.masked_fill(~has_previous[:, None, None], float("-inf"))
-            previous_values = cache.previous_values[slots][..., : self.dim] * has_previous[:, None, None]
-            pool_values = torch.cat([previous_values, window_values[..., self.dim :]], dim=1)
-            pool_gates = torch.cat([previous_gates, window_gates[..., self.dim :]], dim=1)
-            keep = complete[:, None, None]
-            cache.previous_values[slots] = torch.where(keep, window_values, cache.previous_values[slots])
-            cache.previous_gates[slots] = torch.where(keep, window_gates, cache.previous_gates[slots])
-        else:
-            pool_values, pool_gates = window_values, window_gates
-        return self._pool(pool_values, pool_gates, x.dtype), first // ratio, complete
+        decode = self.ops.compressor_decode if self.ops is not None else compressor_decode_reference
+        return decode(*self._decode_inputs(x, positions, spans, cache), x.dtype)
 
     def update_decode(
-        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache: CompressorCache, inv_freq, trash: int
+        self, x: torch.Tensor, batch: PackedBatch, cache: CompressorCache, inv_freq: torch.Tensor
     ) -> None:
-        """:meth:`decode_latents`, RoPE'd and written to V4's cache: the entry goes to the sequence's block when
-        the token completed its window, to the trash block otherwise."""
-        latents, entry, complete = self.decode_latents(x, positions, spans, cache)
-        cos, sin = rope_angles(entry * self.ratio, inv_freq)
-        block, row = decode_entry_location(spans, entry, complete, cache.entries.shape[1], trash)
-        cache.entries[block, row] = apply_rope(latents, cos, sin, ops=self.ops).to(cache.entries.dtype)
+        """:meth:`decode_latents`, RoPE'd and written to V4's cache block of each token that completed its window
+        (the ``compressor_decode_store`` op; a backend may send the others to the trash block or nowhere)."""
+        positions, spans = batch.positions, batch.device_spans
+        cos, sin = step_rope_angles(batch, inv_freq, self.ratio)
+        store = self.ops.compressor_decode_store if self.ops is not None else compressor_decode_store_reference
+        store(
+            *self._decode_inputs(x, positions, spans, cache), x.dtype, cos, sin, cache.entries, spans.block_tables,
+            batch.cache.trash_block,
+        )  # fmt: skip
+
+    def _decode_inputs(self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache) -> tuple:
+        """The decode ops' arguments up to the norm's: projections (the slot bias left to the op), state tensors."""
+        if self.pool_in_fp32:
+            values, gates = self.project(x, positions)
+        else:
+            values, gates = self.wkv(x), self.wgate(x)
+        previous = (cache.previous_values, cache.previous_gates) if self.overlap else (None, None)
+        return (
+            values, gates, self.ape if not self.pool_in_fp32 else None, positions, spans.slots, spans.window_from,
+            cache.pending_values, cache.pending_gates, *previous, self.norm.weight, self.norm.eps,
+        )  # fmt: skip
 
     def _pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], then RMSNorm (pre-RoPE entries)."""
@@ -221,9 +222,7 @@ def decode_entry_location(
     spans: DeviceSpans, entry: torch.Tensor, complete: torch.Tensor, per_block: int, trash: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, row) of each sequence's decode entry [B]: its block-table block if ``complete``, else the trash."""
-    column = (entry // per_block).clamp(max=spans.max_blocks - 1)
-    block = spans.block_tables.gather(1, column[:, None]).squeeze(1)
-    return torch.where(complete, block, torch.full_like(block, trash)), entry % per_block
+    return entry_location_on_device(spans.block_tables, entry, complete, per_block, trash)
 
 
 def _entry_location(cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor):

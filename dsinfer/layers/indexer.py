@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig, ModelConfigBase
-from dsinfer.kv.batch import DeviceSpans, SequenceSpan
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
-from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.index_scores import index_scores_reference, top_k_in_order
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
@@ -69,9 +69,12 @@ class IndexScorer(nn.Module):
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
         round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H]."""
-        cos, sin = rope_angles(positions, inv_freq)
+        """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H].
+
+        ``angles``: the positions' cos and sin when the caller has them already (else computed here)."""
+        cos, sin = angles if angles is not None else rope_angles(positions, inv_freq)
         q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
         if round_queries is not None:
             q = round_queries(q)
@@ -112,19 +115,18 @@ class Indexer(IndexScorer):
         self,
         x: torch.Tensor,
         q_latent: torch.Tensor,
-        positions: torch.Tensor,
-        spans: DeviceSpans,
+        batch: PackedBatch,
         cache: CompressorCache,
         inv_freq: torch.Tensor,
-        trash: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One query per sequence: the chosen entries [B, k] (ascending) and which of them are real [B, k].
 
         The keys of every block-table slot are scored and the invisible ones masked, so shapes depend only on
         the block tables' width, never on a value read from the device.
         """
-        self.compressor.update_decode(x, positions, spans, cache, inv_freq, trash)
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq)
+        positions, spans = batch.positions, batch.device_spans
+        self.compressor.update_decode(x, batch, cache, inv_freq)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=step_rope_angles(batch, inv_freq))
         ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
         visible = visible_entries(positions, self.ratio)
         return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)

@@ -9,7 +9,7 @@ from torch import nn
 from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
-from dsinfer.ops.topk import topk_indices
+from dsinfer.ops.router import moe_route_reference
 
 
 class Expert(nn.Module):
@@ -62,6 +62,7 @@ class Router(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if image_bias else None
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None
@@ -71,17 +72,15 @@ class Router(nn.Module):
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
         scores = F.softplus(logits).sqrt()
+        bias, fixed = None, None
         if self.hash_routed:
-            experts = self.tid2eid[input_ids].long()
+            fixed = self.tid2eid[input_ids]
         else:
             bias = self.bias.float()
             if image_mask is not None and self.bias_vl is not None:  # per token on the device: no host read
                 bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias.expand_as(scores))
-            experts = topk_indices(scores + bias, self.top_k)
-        weights = scores.gather(1, experts)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, weights * self.scaling
+        route = self.ops.moe_route if self.ops is not None else moe_route_reference
+        return route(scores, bias, fixed, self.top_k, self.normalize, self.scaling)
 
 
 class MoE(nn.Module):

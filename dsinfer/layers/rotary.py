@@ -45,6 +45,22 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return freqs.cos(), freqs.sin()
 
 
+def step_rope_angles(batch, inv_freq: torch.Tensor, ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of a batch's positions (``ratio`` 1), or of the first position of each token's ``ratio``-token
+    window (a compressor's entry angles), computed once per forward and shared by every layer that asks.
+
+    The model's forward empties ``batch.rope_angle_memo`` when it starts; the key holds the positions tensor and
+    ``inv_freq`` themselves, so their ids cannot be reused while the entry lives.
+    """
+    positions = batch.positions
+    key = (id(positions), id(inv_freq), ratio)
+    memo = batch.rope_angle_memo
+    if key not in memo:
+        first = positions if ratio == 1 else positions - positions % ratio
+        memo[key] = (positions, inv_freq, rope_angles(first, inv_freq))
+    return memo[key][2]
+
+
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, ops: OpTable | None = None
 ) -> torch.Tensor:

@@ -85,6 +85,7 @@ class DeepseekV4(DeepseekModel):
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""
         self.ensure_cache(batch)
+        batch.rope_angle_memo.clear()  # angles of an earlier forward may be of other positions
         streams = self.copy_into_streams(self.embed(batch.input_ids))
         for layer in self.layers:
             streams = layer(streams, batch, self.rope.for_ratio(layer.attn.compress_ratio), batch.input_ids)

@@ -1,5 +1,18 @@
-"""``compressor_pool(values, gates, norm_weight, eps, dtype)``: a compressor's gated pooling of complete windows."""
+"""A compressor's arithmetic: ``compressor_pool`` (gated pooling of complete windows, prefill),
+``compressor_decode`` (one decode token per sequence through its state slot) and ``compressor_decode_store``
+(the same with V4's RoPE and the entry's write into its cache block)."""
 
-from dsinfer.ops.compressor.reference import compressor_pool_reference
+from dsinfer.ops.compressor import decode_triton  # noqa: F401  (registers the Triton backends)
+from dsinfer.ops.compressor.reference import (
+    compressor_decode_reference,
+    compressor_decode_store_reference,
+    compressor_pool_reference,
+    decode_entry_location,
+)
 
-__all__ = ["compressor_pool_reference"]
+__all__ = [
+    "compressor_decode_reference",
+    "compressor_decode_store_reference",
+    "compressor_pool_reference",
+    "decode_entry_location",
+]
