@@ -19,6 +19,7 @@ from torch import nn
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
+from dsinfer.layers.joined_linear import join_linears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.compressor import (
@@ -91,6 +92,12 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if slot_bias else None
         self.norm = RMSNorm(dim, norm_eps)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.joined_projection: torch.Tensor | None = None  # inference: wkv and wgate stacked (join_projections)
+
+    def join_projections(self) -> None:
+        """Decode projects values and gates in one GEMM (inference; see ``join_linears``)."""
+        if self.wgate is not None:
+            self.joined_projection = join_linears(self.wkv, self.wgate)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's value and gate [n, width] (fp32 when the variant pools in fp32)."""
@@ -183,7 +190,11 @@ class Compressor(nn.Module):
 
     def _decode_inputs(self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache) -> tuple:
         """The decode ops' arguments up to the norm's: projections (the slot bias left to the op), state tensors."""
-        if self.pool_in_fp32:
+        if self.joined_projection is not None:
+            joined = self.joined_projection
+            both = F.linear(x.float(), joined.float()) if self.pool_in_fp32 else F.linear(x, joined)
+            values, gates = both.split(self.wkv.weight.shape[0], dim=1)  # views: the op reads their row stride
+        elif self.pool_in_fp32:
             values, gates = self.project(x, positions)
         else:
             values, gates = self.wkv(x), self.wgate(x)

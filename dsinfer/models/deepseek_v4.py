@@ -45,6 +45,13 @@ class DeepseekModel(nn.Module):
         """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
         bind_ops(self, ops)
 
+    def join_projections(self) -> None:
+        """Inference: projections of one input run as one GEMM (each module's ``join_projections``); the loaders
+        call this once the weights are in place, training does not."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "join_projections"):
+                module.join_projections()
+
     def ensure_cache(self, batch: PackedBatch) -> None:
         """A batch without an engine cache gets a throw-away one (whole sequences from position 0)."""
         if batch.cache is None:

@@ -362,6 +362,7 @@ def load_model(
         raise CheckpointError(f"{directory}: {exc}") from None
     model.rope = RopeTables(config).to(device)
     model.use_ops(resolve(device, dtype))
+    model.join_projections()
     if has_engram:
         model.attach_engram_hasher(engram_hasher_for(directory, config))
         if placement in TABLES_OUTSIDE_MODEL:

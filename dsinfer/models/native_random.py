@@ -81,4 +81,5 @@ def build_native_model(
         moe.pack(random_fp4_experts(moe.n_experts, hidden, config.moe_intermediate_size, device, generator))
     model.rope = RopeTables(config).to(device)
     model.use_ops(resolve(device, dtype))
+    model.join_projections()
     return model.requires_grad_(False).eval()

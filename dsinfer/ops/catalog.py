@@ -14,6 +14,7 @@ import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope: refer
 import dsinfer.ops.router  # noqa: F401  moe_route: reference, triton
 import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.sparse_attention  # noqa: F401  sparse_attention_decode, _prefill: reference, triton
+import dsinfer.ops.swiglu  # noqa: F401  clamped_swiglu: reference, triton
 import dsinfer.ops.topk.packed_key  # noqa: F401
 import dsinfer.ops.topk.reference  # noqa: F401
 import dsinfer.ops.vision  # noqa: F401  vision_attention: reference (per-image SDPA)
