@@ -11,6 +11,7 @@ from dsinfer.layers.joined_linear import join_linears
 from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.router import moe_route_reference
+from dsinfer.ops.router_logits import bf16_parts, router_logits_reference
 from dsinfer.ops.swiglu import clamped_swiglu_reference
 
 
@@ -74,12 +75,19 @@ class Router(nn.Module):
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if image_bias else None
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.weight_parts: torch.Tensor | None = None  # inference: the weight as exact bf16 parts (join_projections)
+
+    def join_projections(self) -> None:
+        """Split the weight into exact bf16 parts once, for the ``router_logits`` op's tensor-core backend."""
+        if self.weight.dtype in (torch.float32, torch.bfloat16):
+            self.weight_parts = bf16_parts(self.weight.detach())
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
-        logits = F.linear(x.float(), self.weight.float())
+        router_logits = self.ops.router_logits if self.ops is not None else router_logits_reference
+        logits = router_logits(x, self.weight, self.weight_parts)
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
         scores = F.softplus(logits).sqrt()

@@ -12,6 +12,7 @@ import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weigh
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
 import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope: reference, triton (CUDA)
 import dsinfer.ops.router  # noqa: F401  moe_route: reference, triton
+import dsinfer.ops.router_logits  # noqa: F401  router_logits: reference, bf16_parts (CUDA)
 import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.sparse_attention  # noqa: F401  sparse_attention_decode, _prefill: reference, triton
 import dsinfer.ops.swiglu  # noqa: F401  clamped_swiglu: reference, triton
