@@ -2,7 +2,7 @@
 dequantised to the compute dtype on load, by policy.
 
 ``keep`` holds half the bytes of bf16; ``dequantize`` is what Hopper servers do when no fused FP8 kernel beats a
-bf16 GEMM at the shapes served. docs/perf.md records the measurement behind the default.
+bf16 GEMM at the shapes served. docs/perf-fast-path.md records the measurement behind the default.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from dsinfer.layers.fp8_linear import Fp8Linear
 
 FP8_LINEAR_POLICIES = ("keep", "dequantize")
-# Measured on the H200 (docs/perf.md, benchmarks/fp8_linear_choice.py): with no fused FP8 kernel yet, keeping
+# Measured on the H200 (docs/perf-fast-path.md, benchmarks/fp8_linear_choice.py): with no fused FP8 kernel yet, keeping
 # the codes costs 5.4x the bf16 time per decode step's linears (1.16 against 0.22 ms a layer) for 102 MiB a
 # layer saved, so CUDA dequantises once on load, as Hopper servers do. Elsewhere memory is the scarcer resource.
 DEFAULT_FP8_LINEARS = {"cuda": "dequantize"}
