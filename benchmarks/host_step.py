@@ -4,6 +4,7 @@
     python benchmarks/host_step.py --requests 16 --overlap                # ... with the device worker, as on CUDA
     python benchmarks/host_step.py --requests 16 --overlap --serve --client raw   # behind the real HTTP server
     python benchmarks/host_step.py --requests 16 --device-ms 8 --serve    # a forward of 8 ms without the Python lock
+    python benchmarks/host_step.py --requests 16 --device-ms 4 --serve --client raw --engine-process  # as served
 
 The engine part runs decode steps of ``--requests`` greedy requests on the tiny checkpoint (CPU) and reports the
 median ms per ``step()`` and the process's CPU ms per step: scheduling, batch preparation, sampling, token
@@ -16,6 +17,12 @@ thread's share is what serving adds. ``--client bench`` (the default) streams wi
 adds its ITL and TPOT; ``--client raw`` reads the streams as bytes, which leaves the server the CPU on a small
 machine (``--client-cpus`` pins the client). Profile with ``py-spy record --threads -- python
 benchmarks/host_step.py ...`` (a thread waiting for the lock shows up in py-spy's samples; the CPU clocks do not).
+
+``--engine-process`` runs the engine in a process of its own, as ``dsinfer serve`` does by default (without it,
+in the server's process, as ``--engine-in-process``): the constant forward reaches it through this script, which
+multiprocessing imports in the engine process (:func:`patch_engine_process`). The period is then from one
+delivery of a step's outputs to the server's engine thread to the next (what the streams see), beside the engine
+process's own median step and step period and its CPU ms per step.
 
 ``--device-ms D`` stands in for a GPU: the forward sleeps D ms (a thread waiting on the device holds no Python
 lock) and the engine overlaps steps as on CUDA (implies ``--overlap``), so the engine's step is the offline decode
@@ -41,26 +48,29 @@ import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
 
-def constant_forward(model, device_ms: float = 0.0) -> None:
-    """Replace the model's forward (for every instance of its class) by one that returns fixed logits, after
-    ``device_ms`` of sleep (the device's time: no Python lock held)."""
-    vocab = model.config.vocab_size
-    logits = torch.full((vocab,), -5.0)
-    logits[300] = 5.0
+def constant_forward(model_class: type, device_ms: float = 0.0) -> None:
+    """Replace a model class's forward by one that returns fixed logits (token 300 wins), after ``device_ms`` of
+    sleep (the device's time: no Python lock held)."""
+    logits_of: dict[int, torch.Tensor] = {}  # by vocabulary size
 
     def forward(self, batch, *args, logits_for=None, **kwargs):
         if device_ms:
             time.sleep(device_ms / 1e3)
+        vocab = self.config.vocab_size
+        if vocab not in logits_of:
+            logits_of[vocab] = torch.full((vocab,), -5.0)
+            logits_of[vocab][300] = 5.0
         rows = logits_for.shape[0] if logits_for is not None else len(batch.spans)
-        return logits.expand(rows, vocab).clone()
+        return logits_of[vocab].expand(rows, vocab).clone()
 
-    type(model).forward = forward
+    model_class.forward = forward
 
 
 def engine_config(requests: int, overlap: bool, **sizes) -> EngineConfig:
@@ -137,7 +147,8 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int, port: int, device_ms: float,
-                  overlap: bool, client_cpus: list[int] | None = None, client: str = "bench") -> dict:  # fmt: skip
+                  overlap: bool, client_cpus: list[int] | None = None, client: str = "bench",
+                  engine_process: bool = False, threads: int = 1) -> dict:  # fmt: skip
     import uvicorn
 
     if client_cpus:  # the client's parsing of every chunk would otherwise take CPU time from the server's threads
@@ -145,21 +156,30 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
 
     from dsinfer.server.launch import ServeOptions, build_server
 
-    options = ServeOptions(model=directory, port=port, served_model_name="tiny", log_level="warning")
+    records = tempfile.mkdtemp(prefix="host-step-")
+    if engine_process:  # read by the engine process when it imports this script (see patch_engine_process)
+        os.environ[ENGINE_PROCESS_ENV] = json.dumps({"device_ms": device_ms, "threads": threads, "out": records})
+    options = ServeOptions(model=directory, port=port, served_model_name="tiny", log_level="warning",
+                           engine_process=engine_process)  # fmt: skip
     config = engine_config(requests, overlap, max_model_len=input_len + output_len + 128)
     app, engine = build_server(options, config)
-    constant_forward(engine.engine.model, device_ms)
+    if not engine_process:
+        constant_forward(type(engine.engine.model), device_ms)
     # The decode steps measured: past the prefills, before the first stream ends.
     first, last = requests + 8, requests + 8 + max(output_len - 2 * requests - 24, 8)
     steps, starts, cpu, step = [], [], {}, engine.engine.step
 
     def timed_step():
-        if len(starts) in (first, last):
-            cpu[len(starts)] = (time.process_time(), thread_cpu_s())
+        """In-process: one engine step. With an engine process: the outputs it reported since the last call,
+        timed when they reach the engine thread (a call that waited in vain counts for nothing)."""
+        if len(starts) in (first, last) and len(starts) not in cpu:
+            cpu[len(starts)] = (time.process_time(), thread_cpu_s(), engine_process_cpu_s(engine.engine))
         start = time.perf_counter()
         out = step()
+        if engine_process and not out:
+            return out
         steps.append(time.perf_counter() - start)
-        starts.append(start)
+        starts.append(time.perf_counter() if engine_process else start)
         return out
 
     engine.engine.step = timed_step
@@ -179,20 +199,76 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
         result = bench_serve(port, requests, input_len, output_len, client_cpus)
     server.should_exit = True
     engine.stop()
-    # Server side, over the measured decode steps: one step's start to the next, and the CPU time the server's
-    # threads spent per step (in one process they take turns holding the Python lock).
+    # Server side, over the measured decode steps: one step's start to the next (with an engine process: one
+    # delivery of a step's outputs to the next), and the CPU time the server's threads spent per step (in one
+    # process they take turns holding the Python lock).
     periods = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=False)]
-    (process_before, threads_before), (process_after, threads_after) = cpu[first], cpu[last]
+    process_before, threads_before, engine_before = cpu[first]
+    process_after, threads_after, engine_after = cpu[last]
     per_thread = {name: round((threads_after[name] - before) / (last - first) * 1e3, 3)
                   for name, before in threads_before.items() if name in threads_after}  # fmt: skip
-    return {"requests": requests, "device_ms": device_ms, "overlap": overlap,
-            "engine_step_ms": statistics.median(steps[first:last]) * 1e3,
-            "step_period_ms": statistics.median(periods) * 1e3, "mean_step_period_ms": statistics.mean(periods) * 1e3,
-            "cpu_ms_per_step": (process_after - process_before) / (last - first) * 1e3,
-            "thread_cpu_ms_per_step": {name: ms for name, ms in per_thread.items() if ms > 0},
-            **({"wall_ms_per_step": result["duration"] / max(len(steps), 1) * 1e3,
-                "median_itl_ms": result["median_itl_ms"], "mean_tpot_ms": result["mean_tpot_ms"],
-                "output_tokens_per_s": result["output_throughput"]} if result else {})}  # fmt: skip
+    out = {"requests": requests, "device_ms": device_ms, "overlap": overlap, "engine_process": engine_process,
+           "step_period_ms": statistics.median(periods) * 1e3, "mean_step_period_ms": statistics.mean(periods) * 1e3,
+           "cpu_ms_per_step": (process_after - process_before) / (last - first) * 1e3,
+           "thread_cpu_ms_per_step": {name: ms for name, ms in per_thread.items() if ms > 0}}  # fmt: skip
+    if engine_process:
+        out.update(engine_process_steps(records, engine.engine.pids[0], first, last))
+        out["engine_process_cpu_ms_per_step"] = (engine_after - engine_before) / (last - first) * 1e3
+    else:
+        out["engine_step_ms"] = statistics.median(steps[first:last]) * 1e3
+    if result:
+        out.update({"wall_ms_per_step": result["duration"] / max(len(steps), 1) * 1e3,
+                    "median_itl_ms": result["median_itl_ms"], "mean_tpot_ms": result["mean_tpot_ms"],
+                    "output_tokens_per_s": result["output_throughput"]})  # fmt: skip
+    return out
+
+
+def engine_process_cpu_s(engine) -> float:
+    """CPU seconds the engine process has used (0 in-process): its /proc stat's user and system ticks."""
+    pids = getattr(engine, "pids", None)
+    if not pids:
+        return 0.0
+    fields = Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_process_steps(records: str, pid: int, first: int, last: int) -> dict:
+    """The engine process's own steps over the measured ones: median ``step()`` time and start-to-start period."""
+    steps = json.loads(Path(records, f"{pid}.json").read_text())
+    starts, durations = steps["starts"], steps["durations"]
+    periods = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=False)]
+    return {"engine_step_ms": statistics.median(durations[first:last]) * 1e3,
+            "engine_process_step_period_ms": statistics.median(periods) * 1e3}  # fmt: skip
+
+
+ENGINE_PROCESS_ENV = "HOST_STEP_ENGINE_PROCESS"
+
+
+def patch_engine_process() -> None:
+    """In the engine process: the constant forward, torch's thread count, and a record of every ``step()``
+    (written when the engine closes).
+
+    multiprocessing imports the parent's main script in each child it starts by fork server or spawn (as
+    ``__mp_main__``), before the child's target runs, so the benchmark reaches the engine process without a hook
+    in dsinfer: the settings travel in ``$HOST_STEP_ENGINE_PROCESS``, set before the fork server starts."""
+    settings = json.loads(os.environ[ENGINE_PROCESS_ENV])
+    torch.set_num_threads(settings["threads"])
+    constant_forward(DeepseekV4, settings["device_ms"])
+    starts, durations = [], []
+    step, close = LLMEngine.step, LLMEngine.close
+
+    def timed_step(self):
+        start = time.perf_counter()
+        out = step(self)
+        durations.append(time.perf_counter() - start)
+        starts.append(start)
+        return out
+
+    def close_and_record(self):
+        close(self)
+        Path(settings["out"], f"{os.getpid()}.json").write_text(json.dumps({"starts": starts, "durations": durations}))
+
+    LLMEngine.step, LLMEngine.close = timed_step, close_and_record
 
 
 def main() -> None:
@@ -209,6 +285,9 @@ def main() -> None:
     parser.add_argument("--client", choices=["bench", "raw"], default="bench",
                         help="--serve: 'dsinfer bench serve' (client ITL and TPOT too) or streams read as raw bytes "
                         "(little client CPU: steadier server numbers on a small machine)")  # fmt: skip
+    parser.add_argument("--engine-process", action="store_true",
+                        help="--serve: the engine in a process of its own, as 'dsinfer serve' runs it by default "
+                        "(without it: in the server's process, as --engine-in-process)")  # fmt: skip
     parser.add_argument("--port", type=int, default=18555)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
@@ -219,11 +298,12 @@ def main() -> None:
         if args.serve:
             for requests in args.requests:
                 result = serve_host_ms(directory, requests, args.output_len, args.input_len, args.port, args.device_ms,
-                                       overlap, args.client_cpus, args.client)  # fmt: skip
+                                       overlap, args.client_cpus, args.client, args.engine_process,
+                                       args.threads)  # fmt: skip
                 print(json.dumps(result), flush=True)
             return
         model = load_model(directory, progress=False)
-        constant_forward(model, args.device_ms)
+        constant_forward(type(model), args.device_ms)
         tokenizer = Tokenizer.from_dir(directory)
         for requests in args.requests:
             result = engine_host_ms(model, tokenizer, requests, args.steps, args.input_len, overlap)
@@ -233,3 +313,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+if __name__ == "__mp_main__" and ENGINE_PROCESS_ENV in os.environ:
+    patch_engine_process()  # this script imported by the engine process (or the raw client, which never steps)

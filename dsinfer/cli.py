@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_v41_prefill(serve)
     add_speculative_config(serve)
     add_load_format(serve)
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="one rank: step the engine in the server's process (a thread there) instead of an "
+                       "engine process of its own; the server's HTTP work then shares the Python lock with the "
+                       "engine's step")  # fmt: skip
 
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
@@ -281,7 +285,10 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout, max_queue=args.max_queue, max_n=args.max_n,
         drain_timeout=args.drain_timeout,
         image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
+        engine_process=not args.engine_in_process,
     )  # fmt: skip
+    if args.engine_in_process and max(args.data_parallel_size, args.expert_parallel_size) > 1:
+        raise ConfigError("--engine-in-process runs one rank; several ranks always run in processes of their own")
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,

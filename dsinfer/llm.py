@@ -16,14 +16,14 @@ from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.deepseek_v41 import DeepseekV41
-from dsinfer.models.dummy import LOAD_FORMATS, build_dummy_model
-from dsinfer.models.loader import load_model
+from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.parallel.config import ParallelConfig
+from dsinfer.parallel.engine_loop import DTYPES, load_engine_model
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+__all__ = ["DTYPES", "LLM"]
 
 
 class LLM:
@@ -35,6 +35,9 @@ class LLM:
     one process per rank (:mod:`dsinfer.parallel`) and this process holds no weights (``self.model`` is None).
     ``load_format="dummy"`` reads only the directory's config and tokenizer and draws random weights
     (:mod:`dsinfer.models.dummy`), for measuring a shape without its checkpoint; it runs one rank.
+    ``engine_process=True`` runs one rank's engine in a process of its own too, as ``dsinfer serve`` does by
+    default (the same tokens; this process then holds no weights): offline, the engine in this process is the
+    default, since no other work here competes with its step for the Python lock.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class LLM:
         config: EngineConfig | None = None,
         parallel: ParallelConfig | None = None,
         load_format: str = "auto",
+        engine_process: bool = False,
         **options,
     ) -> None:
         if load_format not in LOAD_FORMATS:
@@ -57,24 +61,16 @@ class LLM:
         self.model = None
         if parallel.is_multi_rank and load_format == "dummy":
             raise ValueError("load_format 'dummy' runs one rank: leave out the data / expert parallel sizes")
-        if parallel.is_multi_rank:
-            from dsinfer.parallel.ranked_engine import RankedEngine  # the ranks' processes and pipes
+        if parallel.is_multi_rank or engine_process:
+            from dsinfer.parallel.ranked_engine import RankedEngine  # the engine processes and their pipes
 
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.engine = RankedEngine(
-                str(model_dir), self.tokenizer, ModelConfig.from_file(model_dir), config, parallel
-            )
+                str(model_dir), self.tokenizer, ModelConfig.from_file(model_dir), config, parallel,
+                load_format=load_format,
+            )  # fmt: skip
             return
-        if load_format == "dummy":
-            self.model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device)
-        else:
-            self.model = load_model(
-                model_dir,
-                dtype=DTYPES[config.dtype],
-                device=config.device,
-                progress=False,
-                engram_placement=config.engram_placement,
-            )
+        self.model = load_engine_model(model_dir, config, load_format)
         try:
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.engine = LLMEngine(self.model, self.tokenizer, config)

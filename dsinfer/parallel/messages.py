@@ -1,4 +1,4 @@
-"""What the API process and the rank processes send each other: plain picklable data, never live objects.
+"""What the API process and the engine processes (ranks) send each other: plain picklable data, never live objects.
 
 A request travels as its specification (token ids, :class:`~dsinfer.sampling_params.SamplingParams` with its
 seed and grammar specification, image inputs; stop strings stay in the API process, which detokenizes); the
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.outputs import RequestMetrics
+from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class RankSpec:
     rank: int
     master_port: int
     log_level: str = "WARNING"
+    load_format: str = "auto"  # 'dummy': random weights (one engine process only, as in-process)
 
 
 # ---- API process -> rank ------------------------------------------------------------------------
@@ -74,6 +76,7 @@ class RankReady:
     num_blocks: int
     block_tokens: int
     placement: str
+    engram_vocab_size: int | None = None  # V4.1: prompt token ids must lie below it (the Engram hash's vocabulary)
 
 
 @dataclass
@@ -107,6 +110,7 @@ class RankLoad:
     preemptions: int = 0
     graph_steps: int = 0  # forwards run in a decode bucket (dsinfer.parallel.graph_steps)
     padded_graph_steps: int = 0  # idle steps run as a decode bucket of padding rows
+    spec_stats: SpeculativeStats | None = None  # speculative decoding's totals (one engine process only)
 
 
 @dataclass
@@ -119,5 +123,9 @@ class StepReport:
 
 @dataclass(frozen=True)
 class RankFailed:
+    """``error``: the exception itself when it pickles, so that one engine process that fails while starting
+    raises what an in-process engine would (a bad ``--speculative-config`` stays a ``ConfigError``)."""
+
     rank: int
     message: str
+    error: BaseException | None = None

@@ -1,15 +1,17 @@
-"""The engine process of one rank: its scheduler, caches and model runner, its share of the routed experts.
+"""The entry point of an engine process, and the loop of one rank of several (its share of the routed experts).
 
-Every iteration, every rank takes the messages that arrived, then all ranks exchange two numbers over the
-control group (does anyone have work, does anyone stop) and act on the sum together: when someone has work
-every rank steps (a rank whose step runs no forward joins the others' collectives instead: a decode bucket of
-padding rows or one dummy token, :mod:`dsinfer.parallel.graph_steps` agrees which), so the EP collectives
-never wait; when nobody has work every
-rank sleeps briefly on its messages (a new request wakes them all); a stop ends every rank after the same
-iteration. The rank reports what changed after each step (:class:`dsinfer.parallel.messages.StepReport`).
+:func:`rank_main` runs the loop the layout needs: with one rank
+:class:`~dsinfer.parallel.engine_loop.EngineProcessLoop` (no peers: the engine as configured), else
+:class:`_RankLoop`. Among several ranks, every iteration every rank takes the messages that arrived, then all
+ranks exchange two numbers over the control group (does anyone have work, does anyone stop) and act on the sum
+together: when someone has work every rank steps (a rank whose step runs no forward joins the others'
+collectives instead: a decode bucket of padding rows or one dummy token, :mod:`dsinfer.parallel.graph_steps`
+agrees which), so the EP collectives never wait; when nobody has work every rank sleeps briefly on its messages
+(a new request wakes them all); a stop ends every rank after the same iteration. The rank reports what changed
+after each step (:class:`dsinfer.parallel.messages.StepReport`).
 
-A rank whose parent process disappears exits at once: it can be blocked in a collective with a dead peer,
-where no message would reach it.
+An engine process whose parent process disappears exits at once: a rank can be blocked in a collective with a
+dead peer, where no message would reach it.
 """
 
 from __future__ import annotations
@@ -28,23 +30,11 @@ import torch.distributed as dist
 
 from dsinfer.config import ModelConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.outputs import RequestOutput
+from dsinfer.parallel.engine_loop import EngineLoop, EngineProcessLoop
 from dsinfer.parallel.ep import ExpertParallel, ExpertPlacement, backbone_expert_filter
 from dsinfer.parallel.graph_steps import GraphStepAgreement
 from dsinfer.parallel.groups import destroy_rank_groups, device_for_rank, init_rank_groups
-from dsinfer.parallel.messages import (
-    AbortRequest,
-    AddRequest,
-    CompletionDelta,
-    FinishSequence,
-    RankFailed,
-    RankLoad,
-    RankReady,
-    RankSpec,
-    RequestDelta,
-    Shutdown,
-    StepReport,
-)
+from dsinfer.parallel.messages import RankFailed, RankLoad, RankSpec, StepReport
 
 log = logging.getLogger("dsinfer.rank")
 
@@ -60,7 +50,7 @@ def placement_for(spec: RankSpec, config: ModelConfig) -> ExpertPlacement:
 
 
 def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
-    """Entry point of a rank process (``conn``: its pipe to the API process; None: connect over TCP)."""
+    """Entry point of an engine process (``conn``: its pipe to the API process; None: connect over TCP)."""
     logging.basicConfig(
         level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"
     )
@@ -73,14 +63,25 @@ def rank_main(spec: RankSpec, conn: Connection | None = None) -> None:
     if conn is None:
         conn = _connect_to_api(spec)
     try:
-        _RankLoop(spec, conn).run()
+        loop = _RankLoop if spec.parallel.is_multi_rank else EngineProcessLoop
+        loop(spec, conn).run()
     except BaseException as exc:
         log.error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
-        try:
-            conn.send(RankFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
+        _report_failure(conn, spec.rank, exc)
         os._exit(1)  # peers may be blocked in a collective with us: no orderly teardown is possible
+
+
+def _report_failure(conn: Connection, rank: int, exc: BaseException) -> None:
+    """Tell the API process why, with the exception itself when it pickles (else its text alone)."""
+    message = f"{type(exc).__name__}: {exc}"
+    for error in (exc, None):
+        try:
+            conn.send(RankFailed(rank, message, error))
+            return
+        except OSError:
+            return  # the API process is gone
+        except Exception:  # the exception does not pickle: send its text alone
+            continue
 
 
 def _connect_to_api(spec: RankSpec, timeout: float = 600.0) -> Connection:
@@ -108,19 +109,20 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="dsinfer-parent-watch", daemon=True).start()
 
 
-class _RankLoop:
+class _RankLoop(EngineLoop):
+    """One rank of several: its share of the experts, and the per-step agreement with its peers."""
+
     def __init__(self, spec: RankSpec, conn: Connection) -> None:
         from dsinfer.models.deepseek_v41 import DeepseekV41
         from dsinfer.models.loader import load_model
         from dsinfer.tokenizer import Tokenizer
 
-        self.spec, self.conn, self.rank = spec, conn, spec.rank
         device = device_for_rank(spec.engine.device, spec.parallel, spec.rank)
         self.groups = init_rank_groups(spec.parallel, spec.rank, spec.master_port, device)
         torch.set_num_threads(max(1, torch.get_num_threads() // spec.parallel.ranks_per_node))
         config = ModelConfig.from_file(spec.model_dir)
         placement = placement_for(spec, config)
-        self.model = load_model(
+        model = load_model(
             spec.model_dir,
             dtype=torch.bfloat16 if spec.engine.dtype == "bfloat16" else torch.float32,
             device=device,
@@ -128,36 +130,24 @@ class _RankLoop:
             engram_placement=spec.engine.engram_placement,
             owned_experts=backbone_expert_filter(placement, spec.rank),
         )
-        self._closable = isinstance(self.model, DeepseekV41)
         groups = self.groups
         self.dispatcher = ExpertParallel(placement, spec.rank, groups.expert_group, device, groups.graph_expert_group)
-        self.dispatcher.attach(self.model)
+        self.dispatcher.attach(model)
         # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
         # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
         # eagerly, since its sharded Engram exchange reads sizes on the host.
-        eager = spec.engine.enforce_eager or self._closable
+        eager = spec.engine.enforce_eager or isinstance(model, DeepseekV41)
         engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager)
         with self.dispatcher.fixed_capacity():  # the only forwards while building are the graph captures
-            self.engine = LLMEngine(self.model, Tokenizer.from_dir(spec.model_dir), engine_config)
+            engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), engine_config)
+        super().__init__(spec, conn, model, engine)
         self.steps = GraphStepAgreement(
             self.engine.runner, self.dispatcher, self.groups.control_group, self.groups.world_size
         )
         self.device = device
-        self._sent: dict[tuple[str, int], int] = {}  # tokens already reported per completion
-        self._sequences: dict[str, list] = {}  # a request's sequences (the engine forgets finished ones)
-        self._stop = False
         if spec.rank == 0:
             log.warning("expert placement: %s", placement.describe())
-        self.conn.send(
-            RankReady(
-                spec.rank,
-                os.getpid(),
-                self.engine.max_model_len,
-                self.engine.blocks.num_blocks,
-                self.engine.runner.block_tokens,
-                placement.describe(),
-            )  # fmt: skip
-        )
+        self.send_ready(placement.describe())
 
     def run(self) -> None:
         idle = True
@@ -181,78 +171,8 @@ class _RankLoop:
                     report.load = self._load()
                     self.conn.send(report)
         finally:
-            self.engine.close()
-            if self._closable:
-                self.model.close()
+            self.close()
             destroy_rank_groups()
 
-    def _take_messages(self, timeout: float, report: StepReport) -> bool:
-        """Apply what the API process sent; True when anything arrived."""
-        arrived = False
-        try:
-            if not self.conn.poll(timeout):
-                return False
-            while self.conn.poll():
-                arrived = True
-                self._apply(self.conn.recv(), report)
-        except (EOFError, OSError):  # the API process is gone: stop with everyone else
-            self._stop = True
-        return arrived
-
-    def _apply(self, message, report: StepReport) -> None:
-        if isinstance(message, AddRequest):
-            try:
-                self.engine.add_request(
-                    message.prompt_token_ids, message.params, request_id=message.request_id,
-                    images=list(message.images) or None,
-                )  # fmt: skip
-                self._sequences[message.request_id] = self.engine.requests[message.request_id]
-            except ValueError as exc:
-                report.rejected.append((message.request_id, str(exc)))
-        elif isinstance(message, AbortRequest):
-            self.engine.abort(message.request_id)
-            self._sequences.pop(message.request_id, None)
-            for key in [key for key in self._sent if key[0] == message.request_id]:
-                del self._sent[key]
-        elif isinstance(message, FinishSequence):
-            sequences = self._sequences.get(message.request_id, [])
-            if message.index < len(sequences) and not sequences[message.index].is_finished:
-                self.engine.scheduler.finish(sequences[message.index])
-                sequences[message.index].finish_reason = "stop"
-        elif isinstance(message, Shutdown):
-            self._stop = True
-
-    def _delta(self, output: RequestOutput) -> RequestDelta:
-        """What changed in ``output`` since the last report (the API process keeps the rest)."""
-        completions = []
-        sequences = self._sequences.get(output.request_id, [])
-        for completion in output.outputs:
-            key = (output.request_id, completion.index)
-            sent = self._sent.get(key, 0)
-            if len(completion.token_ids) == sent:
-                continue
-            hidden = completion.index < len(sequences) and sequences[completion.index].hide_last_token
-            completions.append(
-                CompletionDelta(
-                    completion.index,
-                    completion.token_ids[sent:],
-                    completion.finish_reason,
-                    bool(hidden) and completion.finish_reason is not None,
-                    completion.logprobs[sent:] if completion.logprobs is not None else None,
-                    completion.top_logprobs[sent:] if completion.top_logprobs is not None else None,
-                )
-            )
-            self._sent[key] = len(completion.token_ids)
-        if output.finished:
-            self._sequences.pop(output.request_id, None)
-            for completion in output.outputs:
-                self._sent.pop((output.request_id, completion.index), None)
-        return RequestDelta(output.request_id, completions, output.finished, output.metrics)
-
     def _load(self) -> RankLoad:
-        engine = self.engine
-        return RankLoad(
-            len(engine.scheduler.waiting), len(engine.scheduler.running), engine.blocks.num_used,
-            engine.blocks.num_blocks, engine.blocks.prefix_queries, engine.blocks.prefix_hits,
-            engine.scheduler.num_preemptions, self.steps.graph_steps, self.steps.padded_graph_steps,
-        )  # fmt: skip
+        return super()._load(graph_steps=self.steps.graph_steps, padded_graph_steps=self.steps.padded_graph_steps)

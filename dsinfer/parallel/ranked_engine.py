@@ -1,11 +1,17 @@
-"""The API process's engine when there are several ranks: it starts them, routes requests, gathers outputs.
+"""The API process's engine when the engine runs in processes: it starts them, routes requests, gathers outputs.
 
-:class:`RankedEngine` offers what :class:`~dsinfer.llm.LLM` and :class:`~dsinfer.server.async_engine.AsyncEngine`
-use of :class:`~dsinfer.engine.engine.LLMEngine` (``add_request``, ``abort``, ``step``,
-``has_unfinished_requests``, ``requests``, scheduler and block counters, ``close``), so both drive one rank
-in-process or many ranks in processes alike. Requests are checked here (token ids, length, images) and sent
-to the rank :class:`~dsinfer.parallel.dp.RequestBalancer` picks; ``step`` returns the outputs the ranks
-reported since the last call, rebuilt from their token deltas (text and stop strings: :mod:`dsinfer.parallel.text`).
+Several ranks always run in processes of their own; one rank does by default under ``dsinfer serve`` (one
+engine process, :class:`~dsinfer.parallel.engine_loop.EngineProcessLoop`), so that the server's HTTP work and
+the engine's step never share a Python lock. :class:`RankedEngine` offers what :class:`~dsinfer.llm.LLM` and
+:class:`~dsinfer.server.async_engine.AsyncEngine` use of :class:`~dsinfer.engine.engine.LLMEngine`
+(``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``requests``, scheduler, block and
+speculative-decoding counters, ``close``), so both drive an engine in-process or in processes alike. Requests
+are checked here (token ids, length, images) and sent to the rank :class:`~dsinfer.parallel.dp.RequestBalancer`
+picks; ``step`` returns the outputs the ranks reported since the last call, rebuilt from their token deltas
+(text and stop strings: :mod:`dsinfer.parallel.text`).
+
+A request crosses the pipe once as its specification; each step comes back as one message holding every
+request's new tokens and the engine's counters (:class:`~dsinfer.parallel.messages.StepReport`).
 
 A receiver thread reads every rank's pipe and watches every local rank process. A rank that exits, fails or
 closes its connection makes the engine dead: every rank is killed (the others would wait in a collective
@@ -27,6 +33,7 @@ from dsinfer.config import ConfigError, EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.dp import RequestBalancer
 from dsinfer.parallel.ep import ExpertPlacement
@@ -52,6 +59,7 @@ log = logging.getLogger("dsinfer.parallel")
 
 STARTUP_TIMEOUT_SECONDS = 600.0
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
+PEER_EXIT_GRACE_SECONDS = 0.5  # a rank failing in a collective waits this long for the peer that left to show
 
 
 def rank_context(device: str):
@@ -70,7 +78,7 @@ class RankDiedError(RuntimeError):
 
 def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: EngineConfig) -> None:
     """Every layout check that needs no weights: experts over EP, GPUs per host, the placement file."""
-    if engine.speculative_config is not None:
+    if engine.speculative_config is not None and parallel.is_multi_rank:
         raise ConfigError("--speculative-config: speculative decoding runs on one rank only for now")
     parallel.check_model(model_config.n_routed_experts)
     if engine.device.startswith("cuda"):
@@ -84,10 +92,18 @@ def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: En
 
 
 @dataclass
+class _HasherVocab:
+    """What the prompt check reads of V4.1's Engram hasher: the token ids it can map."""
+
+    vocab_size: int
+
+
+@dataclass
 class _ModelInfo:
     """The model as the API process knows it (its weights live in the ranks)."""
 
     config: ModelConfig
+    engram_hasher: _HasherVocab | None = None
 
 
 @dataclass
@@ -159,6 +175,7 @@ class RankedEngine:
         config: EngineConfig,
         parallel: ParallelConfig,
         log_level: str = "WARNING",
+        load_format: str = "auto",
     ) -> None:
         check_layout(parallel, model_config, config)
         self.tokenizer, self.config, self.parallel = tokenizer, config, parallel
@@ -169,32 +186,37 @@ class RankedEngine:
         self._loads = _Loads()
         self.scheduler, self.blocks = _SchedulerView(self._loads), _BlocksView(self._loads)
         self.failure: str | None = None
-        self.spec_stats = None  # speculative decoding runs on one rank only (check_layout refuses it here)
         self._closing = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = 0
         self._conns: dict[int, Connection] = {}
         self._processes: dict[int, multiprocessing.Process] = {}
         try:
-            self._start_ranks(model_dir, log_level)
+            self._start_ranks(model_dir, log_level, load_format)
             ready = self._wait_ready()
         except BaseException:
             self._kill_ranks()
             raise
         first = ready[0]
         log.info("%d ranks ready (%s)", len(ready), first.placement)
+        # Every rank's entry exists before the receiver thread updates them (the views sum over them meanwhile).
+        self._loads.loads.update({r.rank: RankLoad(num_blocks=r.num_blocks) for r in ready})
+        if first.engram_vocab_size is not None:
+            self.model.engram_hasher = _HasherVocab(first.engram_vocab_size)
         self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
         self._receiver = threading.Thread(target=self._receive, name="dsinfer-ranks", daemon=True)
         self._receiver.start()
 
     # ---- ranks -------------------------------------------------------------------------------------
-    def _start_ranks(self, model_dir: str, log_level: str) -> None:
-        port = self.parallel.resolved_master_port()
+    def _start_ranks(self, model_dir: str, log_level: str, load_format: str) -> None:
+        # One engine process needs no rendezvous (it joins no process group).
+        port = self.parallel.resolved_master_port() if self.parallel.is_multi_rank else 0
         context = rank_context(self.config.device)
         for rank in self.parallel.local_ranks:
-            spec = RankSpec(str(model_dir), self.config, self.parallel, rank, port, log_level)
+            spec = RankSpec(str(model_dir), self.config, self.parallel, rank, port, log_level, load_format)
             ours, theirs = context.Pipe()
-            process = context.Process(target=rank_main, args=(spec, theirs), name=f"dsinfer-rank-{rank}", daemon=True)
+            name = f"dsinfer-rank-{rank}" if self.parallel.is_multi_rank else "dsinfer-engine"
+            process = context.Process(target=rank_main, args=(spec, theirs), name=name, daemon=True)
             process.start()
             theirs.close()
             self._conns[rank], self._processes[rank] = ours, process
@@ -232,6 +254,8 @@ class RankedEngine:
                 except EOFError:
                     continue  # its process sentinel says why
                 if isinstance(message, RankFailed):
+                    if message.error is not None and not self.parallel.is_multi_rank:
+                        raise message.error  # what the engine would raise in-process (a ConfigError, ...)
                     raise RankDiedError(f"rank {message.rank} failed while starting: {message.message}")
                 if isinstance(message, RankReady):
                     ready[message.rank] = message
@@ -254,22 +278,38 @@ class RankedEngine:
                     try:
                         message = item.recv()
                     except (EOFError, OSError):
-                        self._fail(rank, "closed its connection")
+                        self._fail(*self._first_to_go(rank, "closed its connection"))
                         return
                     if isinstance(message, RankFailed):
-                        self._fail(rank, f"failed: {message.message}")
+                        self._fail(*self._first_to_go(rank, f"failed: {message.message}"))
                         return
+                    # The counters now, not when the engine thread next steps: an idle server still shows them.
+                    self._loads.loads[message.rank] = message.load
                     self._inbox.put(message)
                 elif not self._closing:
-                    self._fail(rank, f"exited with code {self._processes[rank].exitcode}")
+                    self._fail(*self._first_to_go(rank, f"exited with code {self._processes[rank].exitcode}"))
                     return
+
+    def _first_to_go(self, rank: int, what: str) -> tuple[int, str]:
+        """The rank to blame when ``rank`` fails or hangs up: a peer whose process exited unasked within a moment
+        (a rank killed mid-collective makes the others fail too, sometimes before its own exit is seen)."""
+        others = {p.sentinel: r for r, p in self._processes.items() if r != rank}
+        if not others or self._processes.get(rank) is None or self._processes[rank].exitcode not in (None, 1):
+            return rank, what  # one rank, a remote rank, or one that was killed or crashed: it is the news
+        # A rank that failed in a collective reports and exits 1; the peer that left exits otherwise.
+        for sentinel in wait(list(others), timeout=PEER_EXIT_GRACE_SECONDS):
+            code = self._processes[others[sentinel]].exitcode
+            if code != 1:
+                return others[sentinel], f"exited with code {code}"
+        return rank, what
 
     def _fail(self, rank: int, what: str) -> None:
         if self._closing:
             return
         process = self._processes.get(rank)
         pid = f" (pid {process.pid})" if process is not None else ""
-        self.failure = f"rank {rank}{pid} {what}"
+        who = f"rank {rank}" if self.parallel.is_multi_rank else "the engine process"
+        self.failure = f"{who}{pid} {what}"
         log.error("%s; stopping every rank", self.failure)
         self._kill_ranks()
         self._inbox.put(None)
@@ -364,6 +404,17 @@ class RankedEngine:
             conn.close()
 
     @property
+    def spec_stats(self) -> SpeculativeStats | None:
+        """Speculative decoding's totals as the engine process last reported them (None: not speculating)."""
+        reported = [load.spec_stats for load in self._loads.loads.values() if load.spec_stats is not None]
+        return reported[0] if reported else None  # check_layout allows it with one rank only
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """The process id of each rank this host started."""
+        return {rank: process.pid for rank, process in self._processes.items()}
+
+    @property
     def rank_loads(self) -> dict[int, RankLoad]:
         """Each rank's counters as it last reported them."""
         return dict(self._loads.loads)
@@ -384,7 +435,6 @@ class RankedEngine:
             pass  # the receiver thread reports the rank that went away
 
     def _apply_report(self, report: StepReport, outputs: dict[str, RequestOutput]) -> None:
-        self._loads.loads[report.rank] = report.load
         for request_id, message in report.rejected:
             log.warning("rank %d rejected request %s: %s", report.rank, request_id, message)
             tracked = self._tracked.get(request_id)
@@ -435,7 +485,8 @@ class RankedEngine:
             for c in tracked.completions
         ]
         metrics = tracked.metrics or RequestMetrics(time.monotonic(), None, None, None)
-        return RequestOutput(request_id, list(tracked.prompt_token_ids), completions, finished, metrics)
+        # The prompt is shared, not copied, as the engine's own outputs do (nothing changes it once added).
+        return RequestOutput(request_id, tracked.prompt_token_ids, completions, finished, metrics)
 
     def _finish(self, request_id: str, tracked: _Tracked) -> RequestOutput:
         output = self._output(request_id, tracked, True)

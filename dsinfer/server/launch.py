@@ -1,4 +1,10 @@
-"""``dsinfer serve``: load the model, start the engine thread, run the HTTP server until SIGTERM / Ctrl-C.
+"""``dsinfer serve``: start the engine, start the engine thread, run the HTTP server until SIGTERM / Ctrl-C.
+
+The engine runs in a process of its own by default (one engine process per rank, :mod:`dsinfer.parallel`), as
+vLLM V1's EngineCore does: the API process then holds no weights, and its HTTP and asyncio work never competes
+with the engine's step for the Python lock. ``--engine-in-process`` keeps a single rank's engine in this process
+(its engine thread steps it directly), as :func:`build_server` does unless ``ServeOptions.engine_process``.
+A dead engine process makes /health answer 503, then the server exits 1.
 
 On SIGTERM uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish;
 after ``drain_timeout`` seconds the engine ends the rest (a stream gets an error event and ``[DONE]``,
@@ -52,6 +58,9 @@ class ServeOptions:
     drain_timeout: float = 30.0
     log_level: str = "info"
     image_limits: ImageLimits | None = None  # V4.1 with a vision tower: images per request, bytes, pixels
+    # One rank: step the engine in a process of its own (``dsinfer serve`` does unless --engine-in-process) rather
+    # than in this process's engine thread, which embedding code and tests keep by default, as LLM does.
+    engine_process: bool = False
 
 
 def check_parallelism(options: ServeOptions) -> ParallelConfig:
@@ -63,12 +72,16 @@ def check_parallelism(options: ServeOptions) -> ParallelConfig:
 
 
 def build_server(options: ServeOptions, engine_config: EngineConfig):
-    """The FastAPI app and its engine thread (not started), ready for uvicorn.
+    """The FastAPI app and its engine thread (not started), ready for uvicorn; the engine process (with
+    ``options.engine_process``, or several ranks) is started and ready.
 
     The app keeps the :class:`~dsinfer.llm.LLM` in ``app.state.llm``: close it after stopping the engine.
     """
     parallel = check_parallelism(options)
-    llm = LLM(options.model, engine_config, parallel, load_format=options.load_format)
+    llm = LLM(
+        options.model, engine_config, parallel, load_format=options.load_format,
+        engine_process=options.engine_process,
+    )  # fmt: skip
     name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
@@ -84,7 +97,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
 
 
 def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
-    """Run until SIGTERM / Ctrl-C (exit status 0) or until a rank dies (1, after /health has said 503)."""
+    """Run until SIGTERM / Ctrl-C (exit status 0) or until an engine process dies (1, after /health has said 503)."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parallel = check_parallelism(options)
     if parallel.node_rank > 0:  # this host only runs ranks; the API process lives on host 0
@@ -114,11 +127,12 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
     return 0
 
 
-DEAD_ENGINE_LINGER_SECONDS = 1.0  # /health answers 503 this long before a server whose rank died exits
+DEAD_ENGINE_LINGER_SECONDS = 1.0  # /health answers 503 this long before a server whose engine process died exits
 
 
 def _exit_when_engine_dies(server: uvicorn.Server, engine: AsyncEngine) -> None:
-    """A rank that dies leaves nothing to serve: say so on /health for a moment, then stop the server."""
+    """An engine process (a rank) that dies leaves nothing to serve: say so on /health for a moment, then stop
+    the server."""
     while not server.should_exit:
         if not engine.alive and getattr(engine.engine, "failure", None) is not None:
             time.sleep(DEAD_ENGINE_LINGER_SECONDS)
