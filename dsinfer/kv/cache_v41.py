@@ -19,7 +19,8 @@ exponent per 32; decoding gives back the rounded values bit for bit, so the logi
 needs the model's fake quantization on (:meth:`KVCacheV41.check_fake_quantization`). Unfinished groups
 (fp32), Engram ids and DSpark rings are stored as before. The layers read and write only through
 :meth:`~KVCacheV41.write_window`, :meth:`~KVCacheV41.read_window`, :meth:`~KVCacheV41.write_entries` and
-:meth:`~KVCacheV41.read_entries`, so both storages share one code path.
+:meth:`~KVCacheV41.read_entries`, so both storages share one code path; a decode step's attention reads the ring
+and entries in place through :meth:`~KVCacheV41.attend_decode`, whose op decodes codes as it loads them.
 """
 
 from __future__ import annotations
@@ -224,6 +225,49 @@ class KVCacheV41:
         entries = self._read(source.entries, source.entry_scales, self.entry_format, index)
         keys = self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
         return entries.flatten(1, 2), keys.flatten(1, 2)
+
+    def gather_index_keys(self, layer_id: int, block_tables: torch.Tensor) -> torch.Tensor:
+        """The index keys of every block-table slot, ``[B, max_blocks * per_block, index_head_dim]`` (cache dtype):
+        :meth:`gather_entries` without the entries, which a decode step's attention reads in place."""
+        source = self._source(layer_id)
+        per_block = self.block_tokens // source.ratio
+        blocks = block_tables.clamp(max=self.num_blocks - 1)[:, :, None]
+        index = (blocks, torch.arange(per_block, device=block_tables.device))
+        return self._read(source.index_keys, source.index_key_scales, self.index_key_format, index).flatten(1, 2)
+
+    def attend_decode(
+        self,
+        ops,
+        layer_id: int,
+        entries_layer: int | None,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        spans,
+        indices: torch.Tensor | None,
+        sink: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """A decode step's attention [B, H, D] over layer ``layer_id``'s window ring and the entries ``indices``
+        [B, K] (-1: none) of KV source ``entries_layer`` (None: window only), read where they are stored.
+
+        Model-dtype storage runs V4's ``sparse_attention_decode`` on the ring and the entry pool; coded storage
+        runs ``sparse_attention_decode_coded``, which decodes the FP8 ring rows and FP4 entries it reads. Both
+        take this step's row already written (:meth:`write_window`)."""
+        layer = self.layers[layer_id]
+        source = None if entries_layer is None or indices is None else self._source(entries_layer)
+        tables = spans.block_tables
+        if not self.quantized_storage:
+            entries = None if source is None else source.entries
+            return ops.sparse_attention_decode(
+                q, layer.window, spans.slots, positions, spans.window_from, entries, tables, indices, sink,
+                softmax_scale,
+            )  # fmt: skip
+        entry_codes = None if source is None else source.entries
+        entry_scales = None if source is None else source.entry_scales
+        return ops.sparse_attention_decode_coded(
+            q, layer.window, layer.window_scales, spans.slots, positions, spans.window_from, entry_codes,
+            entry_scales, tables, None if source is None else indices, sink, softmax_scale,
+        )  # fmt: skip
 
     def _source(self, layer_id: int) -> SourceCache:
         source = self.layers[layer_id].source

@@ -25,51 +25,34 @@ sources compress and the index sources choose per sequence first, then the op re
 rows, earlier positions from the ring) and its chosen entries of the reused source, through the views
 :mod:`dsinfer.layers.csa2_prefill` makes of the cache (its tensors as they are in model-dtype storage, decoded
 rings and entry blocks in coded storage).
+
+A decode step attends through :meth:`KVCacheV41.attend_decode`, which reads the ring and the chosen entries where
+they are stored: V4's ``sparse_attention_decode`` in model-dtype storage, ``sparse_attention_decode_coded`` (codes
+decoded as they load) in coded storage. Only the index keys are gathered (the scores need every slot); the index
+sources choose with ``index_topk_decode`` and the candidate source with ``candidate_block_mask``, one op each.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.layers.attention import Attention, decode_window_positions
+from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.index_scores import top_k_in_order
+from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
-from dsinfer.ops.topk import topk_indices
 
-
-def select_candidate_blocks(
-    scores: torch.Tensor, visible_counts: torch.Tensor, topk_blocks: int, block_size: int
-) -> torch.Tensor:
-    """Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks.
-
-    A block's score is the max over its ``block_size`` entries (invisible entries are -inf in ``scores``);
-    the block holding the query's newest visible entry is always kept (it is only partly filled but holds
-    the most recent tokens); blocks with no visible entry are never kept.
-    """
-    width = scores.shape[-1]
-    if width == 0:
-        return torch.zeros_like(scores, dtype=torch.bool)
-    padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
-    num_blocks = block_scores.shape[-1]
-    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
-    block_ids = torch.arange(num_blocks, device=scores.device)
-    block_scores = block_scores.masked_fill(block_ids == newest[:, None], float("inf"))
-    chosen = topk_indices(block_scores, min(topk_blocks, num_blocks))
-    finite = block_scores.gather(-1, chosen) > float("-inf")
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, chosen, finite)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+select_candidate_blocks = candidate_block_mask_reference
+"""Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks (the op's
+truth, :mod:`dsinfer.ops.index_select`): a block scores its best entry, the newest visible block always kept."""
 
 
 class IndexerV41(IndexScorer):
@@ -116,6 +99,27 @@ class IndexerV41(IndexScorer):
 
         The candidate source records its blocks in ``state``; later index sources see only inside them.
         """
+        scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
+        return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+    def decode_choice(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1; one selection op
+        over the scores, with the candidate blocks as its ``allowed`` mask."""
+        scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
+        return self._ops(x).index_topk_decode(scores, self.topk, allowed)
+
+    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: dict, quantizer):
+        """The scores [n, W] and the candidate mask that limits them (None: no limit); the candidate source
+        records its blocks in ``state``."""
 
         def round_queries(q: torch.Tensor) -> torch.Tensor:
             return quantizer.index_queries(q, self.layer_id, positions)
@@ -123,12 +127,15 @@ class IndexerV41(IndexScorer):
         scores = self.scores(x, q_latent, positions, keys, inv_freq, round_queries)
         if self.is_candidate_source:
             counts = visible_entries(positions, self.ratio)
-            state["candidates"] = select_candidate_blocks(
+            state["candidates"] = self._ops(x).candidate_block_mask(
                 scores, counts, self.candidate_topk_blocks, self.candidate_block_size
             )
         elif self.uses_candidates and "candidates" in state:
-            scores = scores.masked_fill(~state["candidates"], float("-inf"))
-        return scores
+            return scores, state["candidates"]
+        return scores, None
+
+    def _ops(self, x: torch.Tensor):
+        return self.ops if self.ops is not None else resolve(x.device, x.dtype)
 
 
 class AttentionV41(Attention):
@@ -258,44 +265,59 @@ class AttentionV41(Attention):
     def _forward_decode(
         self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
     ) -> torch.Tensor:
-        """One token per sequence, every sequence at once, from the step's device metadata (no host reads).
+        """One token per sequence, every sequence at once, from the step's device metadata (no host reads)."""
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
+        out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer)
+        return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops))
 
-        ``state`` is the batch's: a KV source publishes every block-table entry of every sequence ([B, E, ...]),
-        an index source its chosen entries [B, k] in position order; what a sequence may not see is masked.
+    def attend_decode(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        q_latent: torch.Tensor,
+        kv: torch.Tensor,
+        batch: PackedBatch,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """A decode step's attention [B, H, D] between the projections and the output rotation.
+
+        The window row goes to the ring; a KV source writes its entries and publishes which layer's entries the
+        later layers read and its index keys ([B, W, d], every block-table slot); an index source publishes its
+        chosen entries [B, k] (-1 where none). The attention op then reads the ring and the chosen entries in
+        place, through the cache (model-dtype rows, or FP8 / FP4 codes decoded inside the op): nothing gathered.
         """
         cache: KVCacheV41 = batch.cache
-        spans, positions = batch.device_spans, batch.positions
-        cos, sin, q_latent, q, kv = self._queries_and_kv(x, positions, inv_freq, quantizer)
-        cache.write_window(self.layer_id, spans.slots, positions, kv)
-        key_positions, visible = decode_window_positions(positions, spans, self.window)
-        keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
+        spans = batch.device_spans
+        cache.write_window(self.layer_id, spans.slots, batch.positions, kv)
+        indices, entries_layer = None, None
         if self.compress_ratio:
             if self.compressor is not None:
-                self._publish_decode(x, batch, cache, inv_freq, state, quantizer)
+                self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
+                state["entries_layer"] = self.layer_id
+                state["index_keys"] = cache.gather_index_keys(self.layer_id, spans.block_tables)
             if self.indexer is not None:
-                scores = self.indexer.candidate_scores(
-                    x, q_latent, positions, state["index_keys"], inv_freq, state, quantizer
+                state["indices"] = self.indexer.decode_choice(
+                    x, q_latent, batch.positions, state["index_keys"], inv_freq, state, quantizer
                 )
-                state["chosen"], state["real"] = top_k_in_order(scores, self.indexer.topk)
-            chosen = state["chosen"]
-            entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            visible = torch.cat([visible, state["real"]], dim=1)
-        out = apply_rope(self._attend_batched(q, keys, visible), cos, sin, inverse=True, ops=self.ops)
-        return self._project_out(out)
+            indices, entries_layer = state["indices"], state["entries_layer"]
+        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+        return cache.attend_decode(
+            ops, self.layer_id, entries_layer, q, batch.positions, spans, indices, self.attn_sink, self.softmax_scale
+        )
 
-    def _publish_decode(
+    def _write_decode_entries(
         self,
         x: torch.Tensor,
         batch: PackedBatch,
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
-        state: dict,
         quantizer: ActivationQuantizer,
     ) -> None:
         """Decode: every token joins its unfinished group and every group's entry is rounded and written, to the
         sequence's block where the token completed it, to the cache's trash block otherwise (fixed shapes, no
-        host data: a CUDA graph can replay it); every entry is published.
+        host data: a CUDA graph can replay it).
 
         A decode token's window always ends past ``reuse_below`` (a prefix hit covers less than the prompt), so
         no completed entry is one a prefix hit already stored."""
@@ -310,7 +332,20 @@ class AttentionV41(Attention):
             spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block
         )
         cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
-        state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, spans.block_tables)
+
+    def _publish_decode(
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCacheV41,
+        inv_freq: torch.Tensor,
+        state: dict,
+        quantizer: ActivationQuantizer,
+    ) -> None:
+        """:meth:`_write_decode_entries`, then every entry and index key of every block-table slot published as
+        ``[B, W, ...]`` tensors (the verify forward's column-by-column attention reads them)."""
+        self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
+        state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, batch.device_spans.block_tables)
 
     def _publish(
         self,

@@ -2,11 +2,13 @@
 
 # Each import registers the op's reference and any faster backends beside it.
 import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference, triton (CUDA)
+import dsinfer.ops.coded_attention  # noqa: F401  sparse_attention_decode_coded: reference, triton (CUDA)
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference; compressor_decode(_store): reference, triton
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
+import dsinfer.ops.index_select  # noqa: F401  index_topk_decode, candidate_block_mask: reference, triton (CUDA)
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
 import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights: reference, triton
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm

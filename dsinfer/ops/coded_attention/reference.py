@@ -1,0 +1,57 @@
+"""The truth for decode attention over V4.1's coded cache: decode what the step reads, then V4's decode attention.
+
+The window ring is FP8 e4m3 codes ``[slots, W, D]`` with a ue8m0 exponent byte per ``D / window_scales.shape[-1]``
+channels; entries are packed FP4 e2m1 ``[blocks, per_block, D / 2]`` with an e4m3 scale per
+``D / entry_scales.shape[-1]`` channels (the formats of :mod:`dsinfer.kv.codecs`). Decoding is exact, so the result
+is :func:`~dsinfer.ops.sparse_attention.reference.sparse_attention_decode_reference` over the decoded rows: the
+sequences' rings, and their chosen entries laid out as one block per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.cache_codec.reference import cache_decode_reference
+from dsinfer.ops.registry import REFERENCE, register
+from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+
+
+def _rows(codes: torch.Tensor, scales: torch.Tensor, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of codes and scales, indexed through byte views (float8 advanced indexing is missing on some devices)."""
+    return codes.view(torch.uint8)[index].view(codes.dtype), scales.view(torch.uint8)[index].view(scales.dtype)
+
+
+@register("sparse_attention_decode_coded", REFERENCE)
+def sparse_attention_decode_coded_reference(
+    q: torch.Tensor,
+    window_codes: torch.Tensor,
+    window_scales: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    window_from: torch.Tensor,
+    entry_codes: torch.Tensor | None,
+    entry_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence, [B, H, D] in ``q.dtype``: V4's decode contract with a coded cache."""
+    batch, head_dim = q.shape[0], q.shape[-1]
+    codes, scales = _rows(window_codes, window_scales, (slots,))
+    ring = cache_decode_reference(codes, scales, "e4m3", head_dim // scales.shape[-1], "ue8m0", q.dtype)
+    local = torch.arange(batch, device=q.device)
+    if entry_codes is None or indices is None or indices.shape[1] == 0:
+        return sparse_attention_decode_reference(
+            q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale
+        )
+    per_block, count = entry_codes.shape[1], indices.shape[1]
+    safe = indices.clamp(min=0)
+    blocks = block_tables.gather(1, torch.div(safe, per_block, rounding_mode="floor"))
+    codes, scales = _rows(entry_codes, entry_scales, (blocks, safe.remainder(per_block)))
+    entries = cache_decode_reference(codes, scales, "e2m1", head_dim // scales.shape[-1], "e4m3", q.dtype)
+    # The decoded entries as a pool of one block per sequence, [B, K, D], and their numbers in it.
+    own = torch.where(indices >= 0, torch.arange(count, device=q.device), -1)
+    return sparse_attention_decode_reference(
+        q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale
+    )

@@ -1,0 +1,260 @@
+"""Decode attention over V4.1's coded cache in Triton: V4's split-K decode kernel, decoding codes as tiles load.
+
+With ``quantized_storage`` the torch path decoded every ring row of the batch and every chosen entry into new
+model-dtype tensors (a table gather, casts, a multiply each), then attended over them. Here the split kernel of
+:mod:`dsinfer.ops.sparse_attention.triton` walks the same tiles (window ring rows at ``position % W``, then the
+chosen entries through the block table) but loads bytes: one FP8 e4m3 code per channel and the row's ue8m0
+exponent bytes for the ring, two packed e2m1 codes per byte and the row's e4m3 scales for entries. Each element's
+value is its code's value times its block's scale, formed in float32 (exact: a few significant bits times a
+scale) and rounded once to the query dtype, exactly the rows the reference decodes; the online softmax, the
+sink and the combine of the splits are V4's (its jit functions, shared). Results agree with the reference to
+the rounding of V4's kernel (``tests/ops/test_coded_attention.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.registry import register
+from dsinfer.ops.sparse_attention.triton import (
+    LOG2E,
+    choose_config,
+    choose_splits,
+    sparse_attention_triton_available,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
+    from dsinfer.ops.fake_quant.triton import e2m1_magnitude
+    from dsinfer.ops.sparse_attention.triton import _attend_tile, _decode_combine_kernel, _sm_count
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+if triton is not None:
+
+    @triton.jit
+    def _coded_split_kernel(
+        q_ptr,
+        window_ptr,
+        window_scales_ptr,
+        entries_ptr,
+        entry_scales_ptr,
+        slots_ptr,
+        positions_ptr,
+        window_from_ptr,
+        tables_ptr,
+        indices_ptr,
+        sink_ptr,
+        out_ptr,
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        n_heads,
+        n_indices,
+        tiles_per_split,
+        n_tiles,
+        stride_qb,
+        stride_qh,
+        stride_ws,
+        stride_ww,
+        stride_vs,
+        stride_vw,
+        stride_eb,
+        stride_ep,
+        stride_fb,
+        stride_fp,
+        stride_tb,
+        stride_ib,
+        stride_ob,
+        stride_oh,
+        scale_log2,
+        WINDOW: tl.constexpr,
+        WINDOW_TILES: tl.constexpr,
+        PER_BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        WINDOW_BLOCK: tl.constexpr,  # channels per ue8m0 exponent of a ring row
+        ENTRY_BLOCK: tl.constexpr,  # channels per e4m3 scale of an entry
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_ENTRIES: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        group = tl.program_id(1)
+        split = tl.program_id(2)
+        heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = heads < n_heads
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)  # fmt: skip
+        position = tl.load(positions_ptr + seq)
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        oldest = tl.maximum(tl.maximum(position - WINDOW + 1, tl.load(window_from_ptr + seq)), 0)
+        ring = window_ptr + slot * stride_ws
+        ring_scales = window_scales_ptr + slot * stride_vs
+
+        running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        first = split * tiles_per_split
+        last = tl.minimum(first + tiles_per_split, n_tiles)
+        for tile in range(first, tl.minimum(last, WINDOW_TILES)):
+            key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_position = position - WINDOW + 1 + key
+            visible = (key < WINDOW) & (key_position >= oldest)
+            row = key_position % WINDOW
+            row = tl.where(row < 0, row + WINDOW, row).to(tl.int64)
+            code = tl.load(ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None], other=0)
+            exponent = tl.load(ring_scales + row[:, None] * stride_vw + (dims // WINDOW_BLOCK)[None, :],
+                               mask=visible[:, None], other=127)  # fmt: skip
+            kv = e4m3_value(code.to(tl.int32)) * ue8m0_value(exponent.to(tl.int32))
+            running_max, running_sum, acc = _attend_tile(
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+            )
+        if HAS_ENTRIES:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            pairs = tl.arange(0, HALF)
+            for tile in range(tl.maximum(first, WINDOW_TILES), last):
+                entry = (tile - WINDOW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+                index = tl.load(indices_ptr + seq * stride_ib + entry, mask=entry < n_indices, other=-1)
+                visible = index >= 0
+                block = tl.load(tables_ptr + seq * stride_tb + index // PER_BLOCK, mask=visible, other=0).to(tl.int64)
+                in_block = (index % PER_BLOCK).to(tl.int64)
+                packed = tl.load(entries_ptr + (block * stride_eb + in_block * stride_ep)[:, None] + pairs[None, :],
+                                 mask=visible[:, None], other=0).to(tl.int32)  # fmt: skip
+                code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, HEAD_DIM])  # channel 2j: low nibble
+                magnitude = e2m1_magnitude(code & 0x7)
+                scale_byte = tl.load(
+                    entry_scales_ptr + (block * stride_fb + in_block * stride_fp)[:, None]
+                    + (dims // ENTRY_BLOCK)[None, :],
+                    mask=visible[:, None],
+                    other=0,
+                )  # fmt: skip
+                kv = tl.where((code & 0x8) != 0, -magnitude, magnitude) * e4m3_value(scale_byte.to(tl.int32))
+                running_max, running_sum, acc = _attend_tile(
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+                )
+
+        out_mask = head_ok[:, None]
+        if SPLITS == 1:
+            sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(running_max, sink)
+            weight = tl.exp2(running_max - top)
+            total = running_sum * weight + tl.exp2(sink - top)
+            result = acc * (weight / total)[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     result.to(out_ptr.dtype.element_ty), mask=out_mask)  # fmt: skip
+        else:
+            row_id = (seq * SPLITS + split) * n_heads + heads  # partials [B, SPLITS, H, (D)]
+            tl.store(part_max_ptr + row_id, running_max, mask=head_ok)
+            tl.store(part_sum_ptr + row_id, running_sum, mask=head_ok)
+            tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+
+
+def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -> bool:
+    """Whether the kernel takes these inputs (else the reference runs)."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(-1) != 1:
+        return False
+    head_dim = q.shape[-1]
+    if head_dim < 32 or head_dim & (head_dim - 1) or window_codes.shape[-1] != head_dim:
+        return False
+    if window_codes.stride(-1) != 1 or window_scales.stride(-1) != 1 or head_dim % window_scales.shape[-1]:
+        return False
+    if entry_codes is not None and indices is not None:
+        if entry_codes.shape[-1] * 2 != head_dim or entry_codes.stride(-1) != 1 or entry_scales.stride(-1) != 1:
+            return False
+        if head_dim % entry_scales.shape[-1] or indices.dim() != 2:
+            return False
+    return True
+
+
+def sparse_attention_decode_coded_launch(
+    q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables, indices,
+    sink, softmax_scale, num_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's)."""
+    batch, n_heads, head_dim = q.shape
+    config = choose_config(n_heads, q.dtype, head_dim)
+    size = window_codes.shape[1]
+    has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
+    n_indices = indices.shape[1] if has_entries else 0
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    head_groups = triton.cdiv(n_heads, config.block_h)
+    window_tiles = triton.cdiv(size, config.block_n)
+    n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
+    splits = num_splits or choose_splits(batch, head_groups, n_tiles, _sm_count(q.device))
+    splits = max(1, min(splits, n_tiles))
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    window = window_codes.view(torch.uint8)
+    window_exponents = window_scales.view(torch.uint8)
+    slots, positions, window_from, sink = (t.contiguous() for t in (slots, positions, window_from, sink))
+    if has_entries:
+        entries, entry_bytes = entry_codes.view(torch.uint8), entry_scales.view(torch.uint8)
+        indices, tables = indices.contiguous(), block_tables.contiguous()
+        per_block, entry_block = entries.shape[1], head_dim // entry_bytes.shape[-1]
+    else:  # window only: the entry pointers are never read
+        entries, entry_bytes, indices, tables, per_block, entry_block = window, window_exponents, slots, slots, 1, 16
+    if splits > 1:
+        part_out = torch.empty(batch, splits, n_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(batch, splits, n_heads, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused
+    _coded_split_kernel[(batch, head_groups, splits)](
+        q, window, window_exponents, entries, entry_bytes, slots, positions, window_from, tables, indices, sink,
+        out, part_out, part_max, part_sum, n_heads, n_indices, tiles_per_split, n_tiles,
+        q.stride(0), q.stride(1), window.stride(0), window.stride(1), window_exponents.stride(0),
+        window_exponents.stride(1), entries.stride(0) if has_entries else 0, entries.stride(1) if has_entries else 0,
+        entry_bytes.stride(0) if has_entries else 0, entry_bytes.stride(1) if has_entries else 0,
+        tables.stride(0), indices.stride(0), out.stride(0), out.stride(1), softmax_scale * LOG2E,
+        WINDOW=size, WINDOW_TILES=window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n, SPLITS=splits, HAS_ENTRIES=has_entries,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        combine_h = min(16, triton.next_power_of_2(n_heads))
+        _decode_combine_kernel[(batch, triton.cdiv(n_heads, combine_h))](
+            part_out, part_max, part_sum, sink, out, n_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_H=combine_h, SPLITS=splits, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@register(
+    "sparse_attention_decode_coded",
+    "triton",
+    devices=("cuda",),
+    available=sparse_attention_triton_available,
+    priority=10,
+)
+def sparse_attention_decode_coded_triton(
+    q: torch.Tensor,
+    window_codes: torch.Tensor,
+    window_scales: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    window_from: torch.Tensor,
+    entry_codes: torch.Tensor | None,
+    entry_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Same contract as the reference; inputs the kernel does not take go to it."""
+    args = (q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables,
+            indices, sink, softmax_scale)  # fmt: skip
+    if not serves(q, window_codes, window_scales, entry_codes, entry_scales, indices):
+        return sparse_attention_decode_coded_reference(*args)
+    return sparse_attention_decode_coded_launch(*args)

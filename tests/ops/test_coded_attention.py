@@ -1,0 +1,138 @@
+"""sparse_attention_decode_coded: the reference against V4's decode attention over the decoded cache (bit for bit),
+and the Triton kernel (interpreted on the CPU; compiled on CUDA) against the reference on random coded caches:
+one token, window-only layers, a window that wraps or starts after a prefix hit, no chosen entry, entries
+split across tiles and splits, batch mixes, head counts that do not fill a group, fp32 and bf16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from interpreted import assert_interpreted_cases_pass
+
+from dsinfer.ops import registry
+from dsinfer.ops.cache_codec.reference import cache_decode_reference, cache_encode_reference
+from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
+from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+
+
+@dataclass(frozen=True)
+class Case:
+    positions: tuple[int, ...]
+    window_from: tuple[int, ...] | None = None
+    heads: int = 8
+    dim: int = 64
+    window: int = 16
+    per_block: int = 4
+    table_width: int = 5
+    n_indices: int = 12
+    invalid: float = 0.25
+    entries: bool = True
+    dtype: torch.dtype = torch.float32
+    num_splits: int | None = None
+    seed: int = 0
+
+
+CASES = [
+    Case(positions=(0,), entries=False),  # one token, the first of its sequence: one visible key
+    Case(positions=(0,), n_indices=4, invalid=1.0),  # no chosen entry
+    Case(positions=(5, 40), invalid=1.0, num_splits=3),  # no entry, several splits (most see nothing)
+    Case(positions=(9,), window_from=(4,)),  # the ring's start after a prefix hit
+    Case(positions=(15, 16, 17, 31), n_indices=9),  # wrap-around at the window boundary
+    Case(positions=(3, 70, 129, 500, 12), window_from=(0, 60, 0, 490, 0), heads=20, seed=1),  # mixed; 20 % 16
+    Case(positions=(100, 7), n_indices=40, num_splits=1, seed=3),  # one split finishes the sink itself
+    Case(positions=(100, 7), n_indices=40, num_splits=4, seed=3),  # entries across splits and tiles
+    Case(positions=(64, 2), window=32, entries=False, num_splits=2, seed=4),  # window-only, two splits
+    Case(positions=(0,), entries=False, dtype=torch.bfloat16),
+    Case(positions=(3, 70, 129), window_from=(0, 60, 0), heads=20, dim=128, dtype=torch.bfloat16, seed=5),
+    Case(positions=(100, 7, 55), n_indices=33, num_splits=2, dtype=torch.bfloat16, seed=6),
+]
+
+
+def make_inputs(case: Case) -> dict:
+    """A coded cache (rows rounded as V4.1 rounds them, then encoded) and a step, in the op's argument order."""
+    gen = torch.Generator().manual_seed(case.seed)
+    batch = len(case.positions)
+    slot_count, block_count = batch + 2, batch * case.table_width + 3
+    ring = fake_quant_window_kv(torch.randn(slot_count, case.window, case.dim, generator=gen) * 3)
+    window_codes, window_scales = cache_encode_reference(ring, "e4m3", 32, "ue8m0")
+    pool = fake_quant_compressed_kv(torch.randn(block_count, case.per_block, case.dim, generator=gen))
+    entry_codes, entry_scales = cache_encode_reference(pool, "e2m1", 16, "e4m3")
+    tables = torch.randperm(block_count, generator=gen)[: batch * case.table_width].view(batch, -1)
+    indices = torch.randint(0, case.table_width * case.per_block, (batch, case.n_indices), generator=gen)
+    drop = torch.rand(batch, case.n_indices, generator=gen) < case.invalid
+    return {
+        "q": torch.randn(batch, case.heads, case.dim, generator=gen).to(case.dtype),
+        "window_codes": window_codes,
+        "window_scales": window_scales,
+        "slots": torch.randperm(slot_count, generator=gen)[:batch],
+        "positions": torch.tensor(case.positions),
+        "window_from": torch.tensor(case.window_from or (0,) * batch),
+        "entry_codes": entry_codes if case.entries else None,
+        "entry_scales": entry_scales if case.entries else None,
+        "block_tables": tables,
+        "indices": torch.where(drop, -1, indices) if case.entries else None,
+        "sink": torch.randn(case.heads, generator=gen),
+        "softmax_scale": case.dim**-0.5,
+    }
+
+
+def decoded(inputs: dict, dtype: torch.dtype) -> dict:
+    """V4's op's arguments: the same step over the decoded ring and entry pool."""
+    window = cache_decode_reference(inputs["window_codes"], inputs["window_scales"], "e4m3", 32, "ue8m0", dtype)
+    entries = None
+    if inputs["entry_codes"] is not None:
+        entries = cache_decode_reference(inputs["entry_codes"], inputs["entry_scales"], "e2m1", 16, "e4m3", dtype)
+    names = ("slots", "positions", "window_from", "block_tables", "indices", "sink", "softmax_scale")
+    return {"window": window, "entries": entries, "q": inputs["q"].to(dtype), **{k: inputs[k] for k in names}}
+
+
+def check_triton_case(case: Case, device: torch.device | None = None) -> str | None:
+    """The kernel against the fp32 reference on the same inputs: 2e-5 in fp32; in bf16 V4's 1.5e-2 for outputs of
+    magnitude up to 2, relative beyond (the ring rows here reach 8, and bf16 rounds the output relatively)."""
+    import dsinfer.ops.coded_attention.triton as backend
+
+    inputs = make_inputs(case)
+    if device is not None:
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if not backend.serves(inputs["q"], inputs["window_codes"], inputs["window_scales"], inputs["entry_codes"],
+                          inputs["entry_scales"], inputs["indices"]):  # fmt: skip
+        return f"{case}: the kernel does not take it"
+    got = backend.sparse_attention_decode_coded_launch(*inputs.values(), num_splits=case.num_splits)
+    if got.dtype != case.dtype or got.shape != inputs["q"].shape:
+        return f"{case}: got {got.dtype} {tuple(got.shape)}"
+    exact = sparse_attention_decode_coded_reference(**{**inputs, "q": inputs["q"].float()})
+    error = (got.float() - exact).abs().max().item()
+    limit = 2e-5 if case.dtype == torch.float32 else 1.5e-2 * max(1.0, exact.abs().max().item() / 2)
+    return None if error <= limit else f"{case}: max |triton - reference| = {error:.3g} > {limit}"
+
+
+def run_interpreted_cases() -> list[str]:
+    from test_sparse_attention import _interpret_bf16_as_hardware
+
+    _interpret_bf16_as_hardware()
+    return [message for case in CASES if (message := check_triton_case(case)) is not None]
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+def test_reference_is_v4_decode_attention_over_the_decoded_cache(case):
+    inputs = make_inputs(case)
+    want = sparse_attention_decode_reference(**decoded(inputs, case.dtype))
+    assert torch.equal(sparse_attention_decode_coded_reference(**inputs), want)
+
+
+def test_triton_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_coded_attention")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernel_matches_the_reference_on_cuda():
+    assert [m for case in CASES if (m := check_triton_case(case, torch.device("cuda"))) is not None] == []
+
+
+def test_registry_picks_the_kernel_on_cuda_only():
+    assert [b.name for b in registry.backends("sparse_attention_decode_coded")] == ["triton", "reference"]
+    assert registry.choose("sparse_attention_decode_coded", "cpu", torch.bfloat16).name == "reference"
