@@ -172,8 +172,9 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
     def timed_step():
         """In-process: one engine step. With an engine process: the outputs it reported since the last call,
         timed when they reach the engine thread (a call that waited in vain counts for nothing)."""
-        if len(starts) in (first, last) and len(starts) not in cpu:
-            cpu[len(starts)] = (time.process_time(), thread_cpu_s(), engine_process_cpu_s(engine.engine))
+        seen = len(starts)  # CPU clocks every 8 deliveries from the first measured (with an engine process, a
+        if first <= seen <= last and (seen - first) % 8 == 0 and seen not in cpu:  # delivery can hold two steps)
+            cpu[seen] = (time.perf_counter(), time.process_time(), thread_cpu_s(), engine_process_cpu_s(engine.engine))
         start = time.perf_counter()
         out = step()
         if engine_process and not out:
@@ -202,20 +203,24 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
     # Server side, over the measured decode steps: one step's start to the next (with an engine process: one
     # delivery of a step's outputs to the next), and the CPU time the server's threads spent per step (in one
     # process they take turns holding the Python lock).
-    periods = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=False)]
-    process_before, threads_before, engine_before = cpu[first]
-    process_after, threads_after, engine_after = cpu[last]
-    per_thread = {name: round((threads_after[name] - before) / (last - first) * 1e3, 3)
+    begin, end = min(cpu), max(cpu)  # the measured deliveries (fewer than planned when some held two steps)
+    periods = [b - a for a, b in zip(starts[begin:end], starts[begin + 1 : end + 1], strict=False)]
+    at_begin, process_before, threads_before, engine_before = cpu[begin]
+    at_end, process_after, threads_after, engine_after = cpu[end]
+    engine_steps = {}
+    if engine_process:  # the engine process's own steps between the same two moments
+        engine_steps = engine_process_steps(records, engine.engine.pids[0], at_begin, at_end)
+    count = engine_steps.pop("steps", end - begin)
+    per_thread = {name: round((threads_after[name] - before) / count * 1e3, 3)
                   for name, before in threads_before.items() if name in threads_after}  # fmt: skip
     out = {"requests": requests, "device_ms": device_ms, "overlap": overlap, "engine_process": engine_process,
-           "step_period_ms": statistics.median(periods) * 1e3, "mean_step_period_ms": statistics.mean(periods) * 1e3,
-           "cpu_ms_per_step": (process_after - process_before) / (last - first) * 1e3,
+           "step_period_ms": statistics.median(periods) * 1e3, "mean_step_period_ms": (at_end - at_begin) / count * 1e3,
+           "cpu_ms_per_step": (process_after - process_before) / count * 1e3, **engine_steps,
            "thread_cpu_ms_per_step": {name: ms for name, ms in per_thread.items() if ms > 0}}  # fmt: skip
     if engine_process:
-        out.update(engine_process_steps(records, engine.engine.pids[0], first, last))
-        out["engine_process_cpu_ms_per_step"] = (engine_after - engine_before) / (last - first) * 1e3
+        out["engine_process_cpu_ms_per_step"] = (engine_after - engine_before) / count * 1e3
     else:
-        out["engine_step_ms"] = statistics.median(steps[first:last]) * 1e3
+        out["engine_step_ms"] = statistics.median(steps[begin:end]) * 1e3
     if result:
         out.update({"wall_ms_per_step": result["duration"] / max(len(steps), 1) * 1e3,
                     "median_itl_ms": result["median_itl_ms"], "mean_tpot_ms": result["mean_tpot_ms"],
@@ -232,12 +237,14 @@ def engine_process_cpu_s(engine) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_process_steps(records: str, pid: int, first: int, last: int) -> dict:
-    """The engine process's own steps over the measured ones: median ``step()`` time and start-to-start period."""
+def engine_process_steps(records: str, pid: int, begin: float, end: float) -> dict:
+    """The engine process's own steps that started between ``begin`` and ``end`` (``time.perf_counter`` is the
+    system's monotonic clock, the same in both processes): how many, median ``step()`` time and period."""
     steps = json.loads(Path(records, f"{pid}.json").read_text())
-    starts, durations = steps["starts"], steps["durations"]
-    periods = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=False)]
-    return {"engine_step_ms": statistics.median(durations[first:last]) * 1e3,
+    inside = [i for i, start in enumerate(steps["starts"]) if begin <= start <= end]
+    starts = [steps["starts"][i] for i in inside]
+    periods = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return {"steps": len(inside), "engine_step_ms": statistics.median(steps["durations"][i] for i in inside) * 1e3,
             "engine_process_step_period_ms": statistics.median(periods) * 1e3}  # fmt: skip
 
 

@@ -10,6 +10,7 @@ token, and the request's timings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.outputs import RequestMetrics
@@ -88,6 +89,16 @@ class CompletionDelta:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list | None = None
 
+    def __reduce__(self):
+        """Pickled as its fields' tuple: every running request sends one each step (half the time of the
+        default, which pickles each instance's dictionary)."""
+        fields = (self.index, self.new_token_ids, self.finish_reason, self.hide_last_token, self.new_logprobs,
+                  self.new_top_logprobs)  # fmt: skip
+        return CompletionDelta, fields
+
+
+_METRICS_FIELDS = tuple(f.name for f in dataclass_fields(RequestMetrics))
+
 
 @dataclass
 class RequestDelta:
@@ -95,6 +106,15 @@ class RequestDelta:
     completions: list[CompletionDelta]
     finished: bool
     metrics: RequestMetrics
+
+    def __reduce__(self):
+        """Pickled as tuples, as :class:`CompletionDelta` is (the timings too)."""
+        metrics = tuple(getattr(self.metrics, name) for name in _METRICS_FIELDS)
+        return _request_delta, (self.request_id, self.completions, self.finished, metrics)
+
+
+def _request_delta(request_id: str, completions: list, finished: bool, metrics: tuple) -> RequestDelta:
+    return RequestDelta(request_id, completions, finished, RequestMetrics(*metrics))
 
 
 @dataclass
