@@ -40,6 +40,7 @@ import torch
 
 from dsinfer.config import engram_primes, is_prime
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
+from dsinfer.ops.engram_rows import ENGRAM_DEAD, rolling_hash
 
 __all__ = [
     "ENGRAM_DEAD",
@@ -49,10 +50,6 @@ __all__ = [
     "hash_multipliers",
     "is_prime",
 ]
-
-# Marks a look-back slot no n-gram may reach (before the sequence start, an image
-# token).  Compressed ids are never negative.
-ENGRAM_DEAD = -1
 
 
 def hash_multipliers(layer_id: int, max_ngram_size: int, compressed_vocab_size: int) -> list[int]:
@@ -297,6 +294,17 @@ class EngramHasher:
         rows = self._hash(looked.unsqueeze(1), self._multipliers, self._primes, self._offsets)
         return rows, history[:, 1:]
 
+    def decode_rows(
+        self, token_ids: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, ops
+    ) -> torch.Tensor:
+        """:meth:`decode_step` for the cache's histories [slots, w], as one op (``engram_decode_rows`` of ``ops``):
+        rows ``[B, num_engram_layers, n_columns]`` of the tokens at ``starts`` of the sequences in ``slots``, each
+        history advanced in place (a sequence at position 0 starts from none)."""
+        return ops.engram_decode_rows(
+            token_ids, history, slots, starts, self.compressed_vocabulary, self.image_token_id,
+            self.pad_compressed_id, self._multipliers, self._primes, self._offsets,
+        )  # fmt: skip
+
     def advance(self, context: EngramContext, token_ids: Sequence[int] | torch.Tensor) -> EngramContext:
         """One sequence's context moved past ``token_ids``."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64, device=self.compressed_vocabulary.device).flatten()
@@ -308,18 +316,8 @@ class EngramHasher:
     def _hash(
         tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
-        """Rolling XOR of g_k * m_k; after adding g_{n-1} the running value is the n-gram hash.
-
-        ``tokens`` [..., N] broadcasts against ``multipliers`` [..., N], ``primes`` [..., N - 1, H]
-        and ``offsets`` [..., (N - 1) * H].
-        """
-        products = tokens * multipliers  # int64, below 2**63 by the multiplier bound
-        rolling = products[..., 0]
-        columns = []
-        for n in range(1, products.shape[-1]):
-            rolling = torch.bitwise_xor(rolling, products[..., n])
-            columns.append(rolling.unsqueeze(-1) % primes[..., n - 1, :])
-        return torch.cat(columns, dim=-1) + offsets
+        """Rolling XOR of g_k * m_k (:func:`~dsinfer.ops.engram_rows.rolling_hash`, shared with the decode op)."""
+        return rolling_hash(tokens, multipliers, primes, offsets)
 
     def _check_token_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from dsinfer.config import FP8_SCALE_BLOCK, ModelConfigV41
-
-GATE_MAGNITUDE_FLOOR = 1e-6
+from dsinfer.ops.engram_gate import engram_gate_reference
+from dsinfer.ops.registry import OpTable
 
 
 class EngramTable(nn.Module):
@@ -121,18 +121,14 @@ class Engram(nn.Module):
         )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
+        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the gate's torch reference
 
     def forward(self, streams: torch.Tensor, rows: torch.Tensor, gate_mask: torch.Tensor | None) -> torch.Tensor:
         """streams [T, hc, hidden]; ``rows`` [T, columns, dim] dequantised table rows (from a fetcher);
         ``gate_mask`` [T] False shuts the gate (image tokens)."""
         rows = rows.flatten(-2).to(self.wkv.weight.dtype)
         key, value = self.wkv(rows).split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))
-        h = streams.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        key = key.unflatten(-1, (self.hc_mult, self.hidden_size))
         weight = self.q_weight.float() * self.k_weight.float()  # the checkpoint keeps both; only the product matters
-        dot = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_MAGNITUDE_FLOOR).sqrt(), dot))
-        if gate_mask is not None:
-            gate = gate.masked_fill(~gate_mask.unsqueeze(-1), 0.0)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+        gate = self.ops.engram_gate if self.ops is not None else engram_gate_reference
+        return gate(streams, key, value, weight, gate_mask, self.eps)

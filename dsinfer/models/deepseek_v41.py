@@ -44,6 +44,7 @@ from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.registry import resolve
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
@@ -339,14 +340,14 @@ class DeepseekV41(DeepseekModel):
         # From the step's device metadata and the host's lengths: no host read. The ids are not range-checked
         # here: the engine checks prompts where they enter, against the hasher's vocabulary too.
         history, spans = batch.cache.engram_history, batch.device_spans
+        if batch.is_decode:  # one token per sequence: one op, which advances the histories in place
+            ops = resolve(batch.input_ids.device, self.embed.weight.dtype)
+            return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, ops)
         fresh = (spans.starts == 0)[:, None]
         contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
-        if batch.is_decode:  # one token per sequence
-            rows, next_contexts = self.engram_hasher.decode_step(batch.input_ids, contexts)
-        else:
-            rows, next_contexts = self.engram_hasher.prefill_step(
-                batch.input_ids, batch.seq_lens, contexts, spans.token_rows + 1
-            )
+        rows, next_contexts = self.engram_hasher.prefill_step(
+            batch.input_ids, batch.seq_lens, contexts, spans.token_rows + 1
+        )
         history[spans.slots] = next_contexts
         return rows
 

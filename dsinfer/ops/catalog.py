@@ -4,7 +4,9 @@
 import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference, triton (CUDA)
 import dsinfer.ops.coded_attention  # noqa: F401  sparse_attention_decode_coded: reference, triton (CUDA)
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference; compressor_decode(_store): reference, triton
+import dsinfer.ops.engram_gate  # noqa: F401  engram_gate: reference, triton (CUDA)
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
+import dsinfer.ops.engram_rows  # noqa: F401  engram_decode_rows: reference, triton (CUDA)
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
