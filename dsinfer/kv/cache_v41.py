@@ -168,8 +168,8 @@ class KVCacheV41:
     def write_window(self, layer_id: int, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
         """Store the K=V rows ``kv [n, head_dim]`` of ``positions`` in the slot's ring (row ``position % window``)."""
         layer = self.layers[layer_id]
-        index = (slot, positions % self.config.sliding_window)
-        self._write(layer.window, layer.window_scales, self.window_format, index, kv)
+        self._write(layer.window, layer.window_scales, self.window_format, (slot, positions), kv,
+                    self.config.sliding_window)  # fmt: skip
 
     def read_window(self, layer_id: int, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """The K=V rows ``[n, head_dim]`` (cache dtype) of ``positions``, which must still be in the slot's ring."""
@@ -226,14 +226,11 @@ class KVCacheV41:
         keys = self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
         return entries.flatten(1, 2), keys.flatten(1, 2)
 
-    def gather_index_keys(self, layer_id: int, block_tables: torch.Tensor) -> torch.Tensor:
-        """The index keys of every block-table slot, ``[B, max_blocks * per_block, index_head_dim]`` (cache dtype):
-        :meth:`gather_entries` without the entries, which a decode step's attention reads in place."""
+    def index_key_pool(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A KV source's index keys as stored, ``[blocks, per_block, ...]``, and their scales (None: model dtype):
+        what a decode step's scores read in place through the block tables."""
         source = self._source(layer_id)
-        per_block = self.block_tokens // source.ratio
-        blocks = block_tables.clamp(max=self.num_blocks - 1)[:, :, None]
-        index = (blocks, torch.arange(per_block, device=block_tables.device))
-        return self._read(source.index_keys, source.index_key_scales, self.index_key_format, index).flatten(1, 2)
+        return source.index_keys, source.index_key_scales
 
     def attend_decode(
         self,
@@ -284,15 +281,24 @@ class KVCacheV41:
         return table[entry_ids // per_block], entry_ids % per_block
 
     def _write(
-        self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple, rows
+        self,
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        fmt: CacheFormat | None,
+        index: tuple,
+        rows: torch.Tensor,
+        modulus: int | None = None,
     ) -> None:
+        """Rows to ``data[index]`` (the second index modulo ``modulus`` when given), encoded in coded storage: one
+        ``cache_store`` op (the encoding, the index arithmetic and the scatters of codes and scales together)."""
+        first, second = index
+        if not isinstance(first, torch.Tensor):
+            first = torch.full_like(second, first)  # a sequence's slot: a device scalar would need a host copy
         if fmt is None:
-            data[index] = rows.to(data.dtype)
+            self.ops.cache_store(rows, data, None, first, second, modulus, None, 0, None)
             return
-        codes, row_scales = fmt.encode(rows, self.ops)
-        # Through byte views: advanced indexing of float8 tensors is missing on some devices and torch versions.
-        data.view(torch.uint8)[index] = codes.view(torch.uint8)
-        scales.view(torch.uint8)[index] = row_scales.view(torch.uint8)
+        fmt.check_channels(rows.shape[-1])
+        self.ops.cache_store(rows, data, scales, first, second, modulus, fmt.element, fmt.block, fmt.scale)
 
     def _read(
         self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple

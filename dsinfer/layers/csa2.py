@@ -28,8 +28,9 @@ rings and entry blocks in coded storage).
 
 A decode step attends through :meth:`KVCacheV41.attend_decode`, which reads the ring and the chosen entries where
 they are stored: V4's ``sparse_attention_decode`` in model-dtype storage, ``sparse_attention_decode_coded`` (codes
-decoded as they load) in coded storage. Only the index keys are gathered (the scores need every slot); the index
-sources choose with ``index_topk_decode`` and the candidate source with ``candidate_block_mask``, one op each.
+decoded as they load) in coded storage. The index sources score the source's keys in place too
+(``index_scores_paged``) and choose with ``index_topk_decode``, the candidate source with ``candidate_block_mask``:
+one op each, nothing gathered.
 """
 
 from __future__ import annotations
@@ -107,32 +108,44 @@ class IndexerV41(IndexScorer):
         x: torch.Tensor,
         q_latent: torch.Tensor,
         positions: torch.Tensor,
-        keys: torch.Tensor,
+        paged_keys: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
     ) -> torch.Tensor:
-        """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1; one selection op
-        over the scores, with the candidate blocks as its ``allowed`` mask."""
-        scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
-        return self._ops(x).index_topk_decode(scores, self.topk, allowed)
+        """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1.
 
-    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: dict, quantizer):
-        """The scores [n, W] and the candidate mask that limits them (None: no limit); the candidate source
-        records its blocks in ``state``."""
+        ``paged_keys`` is the source's key pool, its scales (coded storage) and the step's block tables: the
+        scores read the keys in place (``index_scores_paged``), one selection op chooses (``index_topk_decode``),
+        with the candidate blocks as its ``allowed`` mask."""
+        keys, key_scales, tables = paged_keys
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, self._query_rounding(quantizer, positions))
+        ops = self._ops(x)
+        visible = visible_entries(positions, self.ratio)
+        scores = ops.index_scores_paged(q, head_weights, keys, key_scales, tables, visible)
+        return ops.index_topk_decode(scores, self.topk, self._candidates(x, scores, visible, state))
 
+    def _query_rounding(self, quantizer: ActivationQuantizer, positions: torch.Tensor):
         def round_queries(q: torch.Tensor) -> torch.Tensor:
             return quantizer.index_queries(q, self.layer_id, positions)
 
-        scores = self.scores(x, q_latent, positions, keys, inv_freq, round_queries)
+        return round_queries
+
+    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: dict, quantizer):
+        """The scores [n, W] and the candidate mask that limits them (None: no limit)."""
+        scores = self.scores(x, q_latent, positions, keys, inv_freq, self._query_rounding(quantizer, positions))
+        return scores, self._candidates(x, scores, visible_entries(positions, self.ratio), state)
+
+    def _candidates(self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: dict):
+        """The candidate source records its blocks in ``state`` (and is not limited by them); later index sources
+        get the recorded mask; None: no limit."""
         if self.is_candidate_source:
-            counts = visible_entries(positions, self.ratio)
             state["candidates"] = self._ops(x).candidate_block_mask(
-                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+                scores, visible, self.candidate_topk_blocks, self.candidate_block_size
             )
         elif self.uses_candidates and "candidates" in state:
-            return scores, state["candidates"]
-        return scores, None
+            return state["candidates"]
+        return None
 
     def _ops(self, x: torch.Tensor):
         return self.ops if self.ops is not None else resolve(x.device, x.dtype)
@@ -283,9 +296,9 @@ class AttentionV41(Attention):
     ) -> torch.Tensor:
         """A decode step's attention [B, H, D] between the projections and the output rotation.
 
-        The window row goes to the ring; a KV source writes its entries and publishes which layer's entries the
-        later layers read and its index keys ([B, W, d], every block-table slot); an index source publishes its
-        chosen entries [B, k] (-1 where none). The attention op then reads the ring and the chosen entries in
+        The window row goes to the ring; a KV source writes its entries and publishes which layer's entries and
+        index keys the later layers read; an index source scores those keys where they are stored and publishes
+        its chosen entries [B, k] (-1 where none). The attention op then reads the ring and the chosen entries in
         place, through the cache (model-dtype rows, or FP8 / FP4 codes decoded inside the op): nothing gathered.
         """
         cache: KVCacheV41 = batch.cache
@@ -296,10 +309,10 @@ class AttentionV41(Attention):
             if self.compressor is not None:
                 self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
                 state["entries_layer"] = self.layer_id
-                state["index_keys"] = cache.gather_index_keys(self.layer_id, spans.block_tables)
             if self.indexer is not None:
+                paged_keys = (*cache.index_key_pool(state["entries_layer"]), spans.block_tables)
                 state["indices"] = self.indexer.decode_choice(
-                    x, q_latent, batch.positions, state["index_keys"], inv_freq, state, quantizer
+                    x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer
                 )
             indices, entries_layer = state["indices"], state["entries_layer"]
         ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)

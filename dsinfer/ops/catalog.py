@@ -10,6 +10,7 @@ import dsinfer.ops.engram_rows  # noqa: F401  engram_decode_rows: reference, tri
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
+import dsinfer.ops.index_scores_paged  # noqa: F401  index_scores_paged: reference, triton (CUDA)
 import dsinfer.ops.index_select  # noqa: F401  index_topk_decode, candidate_block_mask: reference, triton (CUDA)
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
 import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights: reference, triton

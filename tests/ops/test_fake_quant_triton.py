@@ -116,11 +116,44 @@ def check_cache_codec(device: torch.device) -> list[str]:
     return failures
 
 
+def check_cache_store(device: torch.device) -> list[str]:
+    """``cache_store``: the same pool bytes as the reference's encode-and-scatter, plain and coded, with and
+    without the ring's modulus, one row and several (distinct rows, as the cache writes)."""
+    import dsinfer.ops.cache_codec.triton as backend
+    from dsinfer.ops.cache_codec.reference import cache_store_reference
+
+    failures = []
+    generator = torch.Generator().manual_seed(2)
+    for fmt in ((None, 0, None), *FORMATS):
+        element, block, scale = fmt
+        for rows, modulus in ((1, None), (5, 16), (3, None)):
+            values = fake_quant_fp8(make_values((rows, 128), torch.bfloat16, generator, "normal"), 32)
+            width = 128 if element in (None, "e4m3") else 64
+            dtype = torch.bfloat16 if element is None else (torch.float8_e4m3fn if element == "e4m3" else torch.uint8)
+            pools = []
+            for _ in range(2):
+                data = torch.zeros(6, 16, width, dtype=torch.uint8).view(dtype) if element else torch.zeros(6, 16, 128)
+                data = data.to(torch.bfloat16) if element is None else data
+                scale_dtype = torch.float8_e4m3fn if scale == "e4m3" else torch.uint8
+                scales = None if element is None else torch.zeros(6, 16, 128 // block, dtype=torch.uint8)
+                pools.append((data.to(device), None if scales is None else scales.view(scale_dtype).to(device)))
+            first = torch.randperm(6, generator=generator)[:rows].to(device)
+            second = (torch.randperm(16, generator=generator)[:rows] + (40 if modulus else 0)).to(device)
+            args = (first, second, modulus, element, block, scale)
+            cache_store_reference(values.to(device), *pools[0], *args)
+            backend.cache_store_triton(values.to(device), *pools[1], *args)
+            for want, got in zip(pools[0], pools[1], strict=True):
+                if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
+                    failures.append(f"cache_store {fmt} rows={rows} modulus={modulus}: pool bytes differ")
+    return failures
+
+
 def run_interpreted_cases() -> list[str]:
     from test_sparse_attention import _interpret_bf16_as_hardware
 
     _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
-    return check_fake_quant(torch.device("cpu")) + check_cache_codec(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return check_fake_quant(cpu) + check_cache_codec(cpu) + check_cache_store(cpu)
 
 
 def test_triton_fake_quant_and_cache_codecs_match_the_references_in_the_interpreter():
@@ -130,10 +163,11 @@ def test_triton_fake_quant_and_cache_codecs_match_the_references_in_the_interpre
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_fake_quant_and_cache_codecs_match_the_references_on_cuda():
-    assert check_fake_quant(torch.device("cuda")) + check_cache_codec(torch.device("cuda")) == []
+    cuda = torch.device("cuda")
+    assert check_fake_quant(cuda) + check_cache_codec(cuda) + check_cache_store(cuda) == []
 
 
 def test_registry_picks_the_kernels_on_cuda_only():
-    for op in ("fake_quant_fp8", "fake_quant_fp4", "cache_encode", "cache_decode"):
+    for op in ("fake_quant_fp8", "fake_quant_fp4", "cache_encode", "cache_decode", "cache_store"):
         assert [b.name for b in registry.backends(op)][0] == "triton"
         assert registry.choose(op, "cpu", torch.bfloat16).name == "reference"

@@ -71,3 +71,28 @@ def _lossless_e4m3_scaled_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, tor
     chosen = candidates.gather(-1, choice).squeeze(-1)
     codes = codes.gather(-2, choice.unsqueeze(-1).expand(*choice.shape, blocks.shape[-1])).squeeze(-2)
     return codes, chosen
+
+
+@register("cache_store", REFERENCE)
+def cache_store_reference(
+    values: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    modulus: int | None,
+    element: str | None,
+    block: int,
+    scale: str | None,
+) -> None:
+    """Store rows ``values`` [R, channels] at rows ``(first[r], second[r] % modulus)`` of a pool ``data``
+    [N0, N1, width]: as they are (cast to the pool's dtype) when ``scales`` is None, else encoded (the format
+    ``element`` / ``block`` / ``scale``), codes into ``data`` and scale bytes into ``scales`` [N0, N1, blocks].
+    ``modulus`` None: ``second`` as it is. One op for what a cache write was: encode, index, two scatters."""
+    index = (first, second if modulus is None else second % modulus)
+    if scales is None:
+        data[index] = values.to(data.dtype)
+        return
+    codes, row_scales = cache_encode_reference(values, element, block, scale)
+    data.view(torch.uint8)[index] = codes.view(torch.uint8)
+    scales.view(torch.uint8)[index] = row_scales.view(torch.uint8)

@@ -97,23 +97,35 @@ if triton is not None:
         return chosen
 
     @triton.jit
-    def _encode_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                       KIND: tl.constexpr):  # fmt: skip
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        row_ok = rows < n_blocks
+    def _encode_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, first_ptr, second_ptr, second_size, modulus,
+                       BLOCK: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr,
+                       SCATTER: tl.constexpr, HAS_MODULUS: tl.constexpr):  # fmt: skip
+        """Blocks ``rows`` of x encoded; ``SCATTER``: value row r's blocks go to pool row (first[r], second[r])
+        (second modulo ``modulus`` when given) of a pool [first, second_size, ...], else to the same blocks."""
+        source = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = source < n_blocks
+        rows = source
+        if SCATTER:
+            value_row = source // BLOCKS_PER_ROW
+            first = tl.load(first_ptr + value_row, mask=row_ok, other=0).to(tl.int64)
+            second = tl.load(second_ptr + value_row, mask=row_ok, other=0).to(tl.int64)
+            if HAS_MODULUS:
+                second = second % modulus
+            rows = (first * second_size + second) * BLOCKS_PER_ROW + source % BLOCKS_PER_ROW
         if KIND == 0:
             channels = tl.arange(0, BLOCK)
-            offsets = rows[:, None] * BLOCK + channels[None, :]
-            x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + source[:, None] * BLOCK + channels[None, :], mask=row_ok[:, None], other=0.0)
+            x = x.to(tl.float32)
             amax = tl.max(tl.abs(x), axis=1)
             exponent = pow2_ceil_exponent(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
             v = tl.minimum(tl.maximum(x * pow2(-exponent)[:, None], -448.0), 448.0)
-            tl.store(codes_ptr + offsets, e4m3_bits(round_e4m3(v)).to(tl.uint8), mask=row_ok[:, None])
+            codes = e4m3_bits(round_e4m3(v)).to(tl.uint8)
+            tl.store(codes_ptr + rows[:, None] * BLOCK + channels[None, :], codes, mask=row_ok[:, None])
             tl.store(scales_ptr + rows, (exponent + 127).to(tl.uint8), mask=row_ok)
         else:
             HALF: tl.constexpr = BLOCK // 2
             pairs = tl.arange(0, HALF)
-            offsets = rows[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
+            offsets = source[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
             x = tl.load(x_ptr + offsets, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
             amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             if KIND == 1:
@@ -157,6 +169,22 @@ if triton is not None:
             offsets = rows[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
             tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None, None])
 
+    @triton.jit
+    def _store_rows_kernel(x_ptr, data_ptr, first_ptr, second_ptr, second_size, modulus, channels,
+                           BLOCK_C: tl.constexpr, HAS_MODULUS: tl.constexpr):  # fmt: skip
+        """Value row r (cast to the pool's dtype) to pool row (first[r], second[r] [% modulus])."""
+        row = tl.program_id(0).to(tl.int64)
+        first = tl.load(first_ptr + row).to(tl.int64)
+        second = tl.load(second_ptr + row).to(tl.int64)
+        if HAS_MODULUS:
+            second = second % modulus
+        dest = data_ptr + (first * second_size + second) * channels
+        for start in range(0, channels, BLOCK_C):
+            channel = start + tl.arange(0, BLOCK_C)
+            ok = channel < channels
+            values = tl.load(x_ptr + row * channels + channel, mask=ok)
+            tl.store(dest + channel, values.to(data_ptr.dtype.element_ty), mask=ok)
+
 
 def _rows_per_program(block: int, n_blocks: int) -> int:
     return min(max(1, ELEMENTS_PER_PROGRAM // block), triton.next_power_of_2(max(n_blocks, 1)))
@@ -187,8 +215,9 @@ def cache_encode_triton(
     n_blocks = source.numel() // block
     if n_blocks:
         rows = _rows_per_program(block, n_blocks)
-        _encode_kernel[(triton.cdiv(n_blocks, rows),)](source, codes, scales, n_blocks, BLOCK=block, ROWS=rows,
-                                                        KIND=kind, num_warps=4)  # fmt: skip
+        _encode_kernel[(triton.cdiv(n_blocks, rows),)](source, codes, scales, n_blocks, source, source, 0, 0,
+                                                        BLOCK=block, ROWS=rows, KIND=kind, BLOCKS_PER_ROW=1,
+                                                        SCATTER=False, HAS_MODULUS=False, num_warps=4)  # fmt: skip
     if element == "e4m3":
         codes = codes.view(torch.float8_e4m3fn)
     return codes, scales.view(torch.float8_e4m3fn) if scale == "e4m3" else scales
@@ -213,3 +242,42 @@ def cache_decode_triton(
         _decode_kernel[(triton.cdiv(n_blocks, rows),)](code_bytes, scale_bytes, out, n_blocks, BLOCK=block,
                                                         ROWS=rows, KIND=kind, num_warps=4)  # fmt: skip
     return out
+
+
+@register("cache_store", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+def cache_store_triton(
+    values: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    modulus: int | None,
+    element: str | None,
+    block: int,
+    scale: str | None,
+) -> None:
+    """Same contract and bytes as the reference, one launch; pools or rows the kernels do not take go to it."""
+    kind = None if scales is None else _kind(element, block, scale)
+    rows, channels = (values.shape[0], values.shape[-1]) if values.dim() == 2 else (0, 0)
+    plain_ok = scales is None and values.dim() == 2 and data.dtype in OUT_DTYPES
+    coded_ok = kind is not None and values.dim() == 2 and values.dtype in OUT_DTYPES and channels % block == 0
+    if not (plain_ok or coded_ok) or data.dim() != 3 or not data.is_contiguous() or first.shape != (rows,):
+        from dsinfer.ops.cache_codec.reference import cache_store_reference
+
+        return cache_store_reference(values, data, scales, first, second, modulus, element, block, scale)
+    if rows == 0:
+        return None
+    source, first, second = values.contiguous(), first.contiguous(), second.contiguous()
+    if scales is None:
+        block_c = min(1024, triton.next_power_of_2(channels))
+        _store_rows_kernel[(rows,)](source, data, first, second, data.shape[1], modulus or 0, channels,
+                                    BLOCK_C=block_c, HAS_MODULUS=modulus is not None, num_warps=4)  # fmt: skip
+        return None
+    n_blocks = rows * (channels // block)
+    per_program = _rows_per_program(block, n_blocks)
+    _encode_kernel[(triton.cdiv(n_blocks, per_program),)](
+        source, data.view(torch.uint8), scales.view(torch.uint8), n_blocks, first, second, data.shape[1],
+        modulus or 0, BLOCK=block, ROWS=per_program, KIND=kind, BLOCKS_PER_ROW=channels // block, SCATTER=True,
+        HAS_MODULUS=modulus is not None, num_warps=4,
+    )  # fmt: skip
+    return None
