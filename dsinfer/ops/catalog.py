@@ -1,7 +1,7 @@
 """Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
 
 # Each import registers the op's reference and any faster backends beside it.
-import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode: reference, triton (CUDA)
+import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode, cache_store: reference, triton (CUDA)
 import dsinfer.ops.coded_attention  # noqa: F401  sparse_attention_decode_coded: reference, triton (CUDA)
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference; compressor_decode(_store): reference, triton
 import dsinfer.ops.engram_gate  # noqa: F401  engram_gate: reference, triton (CUDA)
