@@ -307,6 +307,7 @@ def compressor_decode_store_triton(values, gates, slot_bias, positions, slots, w
     angles_ok = cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape
     angles_ok = angles_ok and cos.shape[0] == values.shape[0] and cos.stride(1) == sin.stride(1) == 1
     entries_ok = entries.dim() == 3 and entries.stride(2) == 1 and entries.shape[2] >= 2 * cos.shape[-1]
-    if not (serves(*args[:2], slot_bias, *args[6:10]) and angles_ok and entries_ok and block_tables.stride(1) == 1):
+    kernel_takes = serves(values, gates, slot_bias, pending_values, pending_gates, previous_values, previous_gates)
+    if not (kernel_takes and angles_ok and entries_ok and block_tables.stride(1) == 1):
         return compressor_decode_store_reference(*args, cos, sin, entries, block_tables, trash)
     _launch(*args, store=(cos, sin, entries, block_tables))
