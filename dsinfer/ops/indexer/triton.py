@@ -1,4 +1,4 @@
-"""The lightning indexer's decode scores in one Triton kernel; the top-k is the reference's.
+"""The lightning indexer's decode step in two launches: the scores in one Triton kernel, the top-k in another.
 
 The reference gathers every entry slot of every block table into a [B, W, d] tensor, then forms the per-head
 products [B, nh, W] in memory before weighting and summing them. Here one program per (sequence, tile of
@@ -7,6 +7,11 @@ products [B, nh, W] in memory before weighting and summing them. Here one progra
 the 1 / sqrt(d) scale and the head weights, and writes only the summed scores, -inf past the visible entries.
 A tile with no visible slot writes -inf without reading a key. The sums over d and heads run in another order
 than torch's, so scores agree to fp32 rounding (``tests/ops/test_indexer.py``).
+
+The choice is ``index_topk_decode``'s one-program-per-row selection (the reference's packed-key top-k, gather and
+sort took about fifteen launches, among them an int64 ``topk`` and a radix sort): the same entries in the same
+order, the lowest entry on ties. Where a slot is not real its entry number is -1 here (the reference leaves some
+unseen slot's number there); the attention reads only the real ones.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import os
 
 import torch
 
-from dsinfer.ops.indexer.reference import indexer_topk_decode_reference, select_visible_topk
+from dsinfer.ops.index_select.triton import index_topk_decode_triton
+from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 from dsinfer.ops.registry import register
 
 try:
@@ -134,6 +140,13 @@ _COMPILED: set[tuple] = set()
 _FAILED: set[tuple] = set()
 
 
+def choose_visible(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's ``select_visible_topk`` on scores that are -inf past each row's visible entries: the chosen
+    entries [B, min(k, W)] in position order (-1 where not real) and which are real."""
+    chosen = index_topk_decode_triton(scores, k)
+    return chosen, chosen >= 0
+
+
 @register(
     "indexer_topk_decode",
     "triton",
@@ -157,7 +170,7 @@ def indexer_topk_decode_triton(
     if setting in _FAILED:
         return indexer_topk_decode_reference(*args)
     if setting in _COMPILED:
-        return select_visible_topk(indexer_scores_launch(q, head_weights, keys, block_tables, visible), visible, k)
+        return choose_visible(indexer_scores_launch(q, head_weights, keys, block_tables, visible), k)
     try:
         scores = indexer_scores_launch(q, head_weights, keys, block_tables, visible)
     except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
@@ -167,4 +180,4 @@ def indexer_topk_decode_triton(
         _FAILED.add(setting)
         return indexer_topk_decode_reference(*args)
     _COMPILED.add(setting)
-    return select_visible_topk(scores, visible, k)
+    return choose_visible(scores, k)
