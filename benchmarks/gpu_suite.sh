@@ -84,7 +84,7 @@ for name in "$@"; do
                      --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds "${SPEEDUP_ROUNDS:-2}" \
                      --out "$OUT/speedup.json" ;;
         prefill) stage prefill python3 -m dsinfer.cli bench sweep prefill --flash-layers 4 --context 16384 \
-                     --points 4096,16384 --cache-gib 16 --telemetry-interval 0.25 \
+                     --points 4096,16384 --cache-gib 16 --telemetry-interval 0.25 --warmup-steps "${PREFILL_WARMUP:-8}" \
                      --measure-steps "${PREFILL_STEPS:-48}" --tag prefill ;;
         engine) stage engine python3 benchmarks/cuda_engine_check.py --slice-layers 4 ${ENGINE_ARGS:-} ;;
         long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \

@@ -173,3 +173,18 @@ def test_summarize_inside_a_window_keeps_only_its_rows(tmp_path):
     assert inside["samples"] == 2 and inside["columns"]["gpu_util_percent"] == {"mean": 97.0, "max": 98.0}
     assert summarize(path, (4.0, 5.0))["samples"] == 0
     assert summarize(path)["columns"]["gpu_util_percent"]["mean"] == 49.75
+
+
+def test_summarize_leaves_out_rows_whose_reading_reaches_back_before_the_window(tmp_path):
+    """NVML's utilisation is the busy share of the period before a reading: the row taken 0.1 s into a window
+    sampled every 0.25 s describes mostly the idle time before the window opened."""
+    path = tmp_path / "telemetry.csv"
+    path.write_text(
+        ",".join(COLUMNS) + "\n"
+        "2026-11-29T10:00:00+00:00,1.10,0,H200,17,5,200.0,1980,2000,50\n"
+        "2026-11-29T10:00:00+00:00,1.35,0,H200,100,5,600.0,1980,2000,50\n"
+        "2026-11-29T10:00:00+00:00,1.60,0,H200,100,5,650.0,1980,2000,50\n"
+    )
+    assert summarize(path, (1.0, 2.0))["columns"]["gpu_util_percent"]["mean"] == 72.33333333333333
+    steady = summarize(path, (1.0, 2.0), lookback_s=0.25)
+    assert steady["samples"] == 2 and steady["columns"]["gpu_util_percent"] == {"mean": 100.0, "max": 100.0}

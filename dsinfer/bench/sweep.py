@@ -683,9 +683,10 @@ def run_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         for point in args.points:
             try:
                 record = run_point(bench, point)
-                if sampler is not None and sampler.active:  # the GPU while this point's timed steps ran
+                if sampler is not None and sampler.active:  # the GPU while this point's timed steps ran (rows
+                    # whose reading reaches back before the window, i.e. taken in its first interval, left out)
                     start, end = (t - sampler.started_at for t in record["timed_window"])
-                    record["telemetry"] = summarize(sampler.path, (start, end))
+                    record["telemetry"] = summarize(sampler.path, (start, end), lookback_s=args.telemetry_interval)
             except PointSkipped as exc:
                 print(f"{args.mode} point {point:>6}: skipped, {exc}", file=sys.stderr)
                 skipped.append({"point": point, "reason": str(exc)})

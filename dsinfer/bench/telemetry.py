@@ -210,18 +210,21 @@ class TelemetrySampler:
             return None
 
 
-def summarize(path: str | Path, window: tuple[float, float] | None = None) -> dict[str, Any]:
+def summarize(path: str | Path, window: tuple[float, float] | None = None, lookback_s: float = 0.0) -> dict[str, Any]:
     """Mean and max of every measured column of a telemetry CSV, over all rows (all GPUs together).
 
     ``window`` (seconds since the sampler started, the ``elapsed_s`` column): only the rows sampled inside it,
-    e.g. a sweep point's timed steps. Returns ``{"samples": rows, "gpus": [indices], "duration_s": last elapsed,
+    e.g. a sweep point's timed steps. ``lookback_s``: how far back a row's reading reaches. NVML's utilisation is
+    the busy share of the sample period before the reading, so a row taken just after the window opened still
+    describes the time before it; with ``lookback_s`` (the sampling interval) only rows whose whole look-back lies
+    inside the window count. Returns ``{"samples": rows, "gpus": [indices], "duration_s": last elapsed,
     "columns": {column: {"mean": x, "max": y}}}``; empty cells are skipped, a column with none left out.
     """
     path = Path(path)
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     if window is not None:
-        rows = [row for row in rows if window[0] <= float(row["elapsed_s"] or "nan") <= window[1]]
+        rows = [row for row in rows if window[0] + lookback_s <= float(row["elapsed_s"] or "nan") <= window[1]]
     columns: dict[str, dict[str, float]] = {}
     fieldnames = [name for name in (rows[0].keys() if rows else ()) if name not in _ID_COLUMNS]
     for name in fieldnames:
