@@ -40,7 +40,7 @@ from dsinfer.ops.sparse_attention import triton as backend
 from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
 
 BLOCK_TOKENS = 128
-RATIOS = {"csa": 4, "hca": 128}
+RATIOS = {"window": 0, "csa": 4, "hca": 128}  # window: a sliding-window layer, no compressed entries
 SWEEP_CONFIGS = [  # (block_h, block_n, num_warps, num_stages); all build for sm_90 without register spills
     (16, 16, 8, 2),
     (16, 32, 8, 2),
@@ -50,7 +50,7 @@ SWEEP_CONFIGS = [  # (block_h, block_n, num_warps, num_stages); all build for sm
     (32, 32, 8, 3),
     (32, 16, 4, 2),
 ]
-SWEEP_SPLITS = [None, 1, 2, 4, 8]  # None: choose_splits
+SWEEP_SPLITS = [None, 1, 2, 4, 8, 16, 32]  # None: choose_splits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_step(args, layer: str, batch: int, context: int, device, gen: torch.Generator) -> dict:
     """The decode step's tensors in the op's argument order (every sequence at ``context``, its own blocks)."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    ratio = RATIOS[layer]
+    ratio = RATIOS[layer] or BLOCK_TOKENS  # a window layer: entry tensors of some shape, none of them indexed
     per_block = BLOCK_TOKENS // ratio
     blocks_per_seq = math.ceil((context + 1) / BLOCK_TOKENS)
-    visible = (context + 1) // ratio  # entries the step's query (position ``context``) may see
+    visible = (context + 1) // ratio if RATIOS[layer] else 0  # entries the query (position ``context``) may see
     q = torch.randn(batch, args.heads, args.head_dim, device=device, generator=gen, dtype=dtype)
     window = torch.randn(batch, args.window, args.head_dim, device=device, generator=gen, dtype=dtype)
     entries = torch.randn(batch * blocks_per_seq, per_block, args.head_dim, device=device, generator=gen, dtype=dtype)
@@ -91,6 +91,8 @@ def make_step(args, layer: str, batch: int, context: int, device, gen: torch.Gen
         scores[:, visible:] = -1.0
         chosen = scores.topk(min(k, scores.shape[1]), dim=1).indices.sort(dim=1).values
         indices = torch.where(chosen < visible, chosen, -1)
+    elif layer == "window":
+        indices = torch.empty(batch, 0, dtype=torch.long, device=device)
     else:
         slots = torch.arange(blocks_per_seq * per_block, device=device).expand(batch, -1)
         indices = torch.where(slots < visible, slots, -1).contiguous()
