@@ -19,6 +19,7 @@ from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import (
     LOG2E,
+    DecodeConfig,
     choose_config,
     choose_splits,
     sparse_attention_triton_available,
@@ -157,6 +158,11 @@ if triton is not None:
             tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
+def choose_coded_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512) -> DecodeConfig:
+    """The launch configuration: V4's (:func:`choose_config`) for now."""
+    return choose_config(n_heads, dtype, head_dim)
+
+
 def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -> bool:
     """Whether the kernel takes these inputs (else the reference runs)."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(-1) != 1:
@@ -176,11 +182,12 @@ def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -
 
 def sparse_attention_decode_coded_launch(
     q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables, indices,
-    sink, softmax_scale, num_splits: int | None = None,
+    sink, softmax_scale, num_splits: int | None = None, config: DecodeConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's)."""
+    """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's; ``config`` None:
+    :func:`choose_coded_config`)."""
     batch, n_heads, head_dim = q.shape
-    config = choose_config(n_heads, q.dtype, head_dim)
+    config = config or choose_coded_config(n_heads, q.dtype, head_dim)
     size = window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
