@@ -62,10 +62,17 @@ def step_rope_angles(batch, inv_freq: torch.Tensor, ratio: int = 1) -> tuple[tor
 
 
 def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, ops: OpTable | None = None
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    ops: OpTable | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles (the ``rope`` op).
 
-    ``cos``/``sin`` are [N, rope_dim // 2]; they broadcast over any axes between N and the channels.
+    ``cos``/``sin`` are [N, rope_dim // 2]; they broadcast over any axes between N and the channels. ``in_place``
+    (for a fresh ``x`` the caller owns, outside autograd): ``x``'s rope channels are rewritten and ``x`` returned.
     """
-    return (ops.rope if ops is not None else rope_reference)(x, cos, sin, inverse)
+    in_place = in_place and not (torch.is_grad_enabled() and x.requires_grad)
+    return (ops.rope if ops is not None else rope_reference)(x, cos, sin, inverse, in_place)

@@ -3,7 +3,8 @@
 The kernel must equal the reference bit for bit in both dtypes (it rotates in float32 with the reference's
 roundings and no fused multiply-add), on every layout the model calls it with: keys [N, dim], queries
 [N, H, dim], a rank-4 x, the indexer's dim 128, a rope slice that is the whole row, strided views, the
-angles of one token shared by all, and the inverse rotation.
+angles of one token shared by all, and the inverse rotation; in place (only the rope channels of x rewritten)
+as well as into a new tensor.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def check_cases(device: torch.device) -> list[str]:
         elif not torch.equal(got, expected):
             differ = (got != expected).sum().item()
             failures.append(f"{label}: {differ} elements differ, max |diff| {(got - expected).abs().max():.3g}")
+        owned = x.clone() if layout == "contiguous" else x.clone().transpose(0, -1).contiguous().transpose(0, -1)
+        owned.copy_(x)  # in place: a tensor the caller owns (strided layouts go to the reference's in-place path)
+        got = backend.rope_triton(owned, cos, sin, inverse, True)
+        if got is not owned or not torch.equal(owned, expected):
+            failures.append(f"{label}: in place, not the reference's result in x itself")
     return failures
 
 

@@ -24,11 +24,15 @@ def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @register("rope", REFERENCE)
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
+) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ([N, ..., dim]) by per-row angles.
 
     Channel pairs (0, 1), (2, 3)... of the rope slice rotate together; ``cos`` / ``sin`` are [N, rope_dim // 2] and
     broadcast over any axes between N and the channels; ``inverse`` rotates back (the output's rope slice).
+    ``in_place``: the rope slice of ``x`` itself is overwritten and ``x`` returned (the caller owns ``x``; the
+    nope channels are not touched, so a prefill's queries are not copied once more).
     """
     rope_dim = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
@@ -38,4 +42,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invers
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    if in_place:
+        x[..., -rope_dim:] = rotated.to(x.dtype)
+        return x
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

@@ -12,6 +12,9 @@ with fusion the compiler contracts ``a * b - c * d`` into a fused multiply-add, 
 change the last float32 bit (and, rarely, the bf16 result). The kernel is memory-bound, so the unfused
 multiplies cost nothing measurable.
 
+With ``in_place`` (a contiguous x the caller owns) the kernel rewrites only the rope channels of x: a prefill's
+[T, 64, 512] queries are then read and written at 64 of their 512 channels instead of copied whole.
+
 Rows are x's leading axes flattened: [N, ..., dim] is viewed as [N, M, dim] (a view where the strides allow,
 else one copy), and the angles of token ``n`` are shared by its M rows. Inputs the kernel does not take (an
 x of rank < 2, angles that are not float32 [N, rope_dim // 2] or [1, rope_dim // 2], float64 x, tensors on
@@ -110,18 +113,21 @@ def serves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return half > 0 and x.shape[-1] >= 2 * half and cos.shape[0] in (x.shape[0], 1)
 
 
-def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """The kernel on inputs :func:`serves` accepts: a new contiguous tensor shaped and typed like ``x``."""
+def rope_launch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
+) -> torch.Tensor:
+    """The kernel on inputs :func:`serves` accepts: a new contiguous tensor shaped and typed like ``x``, or with
+    ``in_place`` (``x`` contiguous) ``x`` itself with only its rope channels rewritten."""
     tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
     heads = math.prod(x.shape[1:-1])
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = tokens * heads
     if rows == 0 or dim == 0:
         return out
     x3 = x.reshape(tokens, heads, dim)  # a view where the strides allow it, else one copy
     cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
     nope = dim - 2 * half
-    block_nope = triton.next_power_of_2(nope) if nope else 0
+    block_nope = triton.next_power_of_2(nope) if nope and not in_place else 0  # in place: the nope stays
     block_half = triton.next_power_of_2(half)
     width = max(block_nope, 2 * block_half)
     block_r = min(max(1, ELEMENTS_PER_PROGRAM // width), triton.next_power_of_2(rows))
@@ -153,10 +159,13 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 
 
 @register("rope", "triton", devices=("cuda",), available=rope_triton_available, priority=10)
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Same contract and results as ``rope_reference``; inputs the kernel does not take go to the reference."""
-    if not serves(x, cos, sin):
+def rope_triton(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
+) -> torch.Tensor:
+    """Same contract and results as ``rope_reference``; inputs the kernel does not take (and in-place calls on a
+    non-contiguous ``x``) go to the reference."""
+    if not serves(x, cos, sin) or (in_place and not x.is_contiguous()):
         from dsinfer.ops.norm_rope.reference import rope_reference
 
-        return rope_reference(x, cos, sin, inverse)
-    return rope_launch(x, cos, sin, inverse)
+        return rope_reference(x, cos, sin, inverse, in_place)
+    return rope_launch(x, cos, sin, inverse, in_place)
