@@ -1,48 +1,176 @@
-"""Joined projections (``DeepseekModel.join_projections``): one GEMM for the shared expert's gate and up and for each
-compressor's values and gates, with the parameters left as views of the stacked weight."""
+"""Joined projections (``DeepseekModel.join_projections``): one GEMM for the shared expert's gate and up, one for
+every projection of an attention's input (``wq_a``, ``wkv``, the compressors' values and gates, the indexer's
+``weights_proj``) and one for both projections of the low-rank query, with the parameters left as views of the
+stacked weights.
+
+Tolerance: a joined GEMM computes each output element as the same dot product over the same input row and weight
+row as the separate GEMMs; only the blocking the BLAS library picks for the wider output may change the order of
+the float32 sums, so the logits may differ by float32 rounding (relative 1e-5 here), never by a misrouted slice
+(which moves them by order one).
+"""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 
+import pytest
 import torch
 
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
+from dsinfer.layers.attention import Attention
+from dsinfer.layers.compressor import Compressor
+from dsinfer.layers.joined_linear import JoinedLinears
+from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import build_random_model, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-def _decode_logits(model, steps: int = 6) -> torch.Tensor:
-    """Greedy logits of a short prompt prefilled then decoded token by token (compressors' decode path)."""
-    torch.manual_seed(0)
+PROMPTS = (37, 21)  # two sequences: packed prefill, then decode steps of both at once (strided views of B rows)
+
+
+def _logits(model, steps: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits of two packed prompts, then the logits of ``steps`` decode steps of both sequences."""
     config = model.config
     cache = KVCache(
         config, attention_layer_ratios(config, False), 2, 16, block_tokens_for(config), torch.float32, "cpu"
     )
-    prompt = torch.randint(3, 200, (37,)).tolist()
-    model(PackedBatch(torch.tensor(prompt), torch.arange(37), [SequenceSpan(0, 37, 0, list(range(8)))], cache))
-    out = []
+    tables = [list(range(8)), list(range(8, 16))]
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (length,), generator=generator) for length in PROMPTS]
+    spans = [SequenceSpan(0, length, slot, tables[slot]) for slot, length in enumerate(PROMPTS)]
+    positions = torch.cat([torch.arange(length) for length in PROMPTS])
+    prefill = model(PackedBatch(torch.cat(prompts), positions, spans, cache))
+    decoded = []
     for step in range(steps):
-        position = 37 + step
-        token = torch.tensor([(position * 7) % 200])
-        decode = PackedBatch(token, torch.tensor([position]), [SequenceSpan(position, 1, 0, list(range(8)))], cache)
-        out.append(model(decode))
-    return torch.cat(out)
+        positions = torch.tensor([length + step for length in PROMPTS])
+        tokens = (positions * 7) % 200
+        spans = [SequenceSpan(int(p), 1, slot, tables[slot]) for slot, p in enumerate(positions)]
+        decoded.append(model(PackedBatch(tokens, positions, spans, cache)))
+    return prefill, torch.cat(decoded)
+
+
+def _assert_close(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def _attentions(model) -> list[Attention]:
+    return [module for module in model.modules() if isinstance(module, Attention)]
+
+
+def _unjoin_attentions(model) -> None:
+    """The projections as before the attention stacks: each GEMM on its own (the compressors keep theirs)."""
+    for attn in _attentions(model):
+        attn.joined_inputs = attn.joined_queries = None
+
+
+def _storage_bytes(modules) -> int:
+    """Bytes of every distinct storage the modules' parameters, buffers and tensor attributes (stacks) use."""
+    storages = {}
+    for top in modules:
+        for module in top.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+                elif isinstance(value, JoinedLinears):
+                    tensors.append(value.weight)
+            for tensor in tensors:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _assert_views(joined: JoinedLinears) -> None:
+    """Each linear of each group is the stack's rows at its offset, in order, and nothing else is in the stack."""
+    start = 0
+    for linears in joined.groups.values():
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            assert linear.weight.data_ptr() == joined.weight[start].data_ptr()
+            assert torch.equal(linear.weight, joined.weight[start : start + rows])
+            start += rows
+    assert start == joined.weight.shape[0]
 
 
 def test_joined_model_decodes_as_the_separate_projections_and_keeps_its_parameters():
     config = replace(tiny_config(), num_nextn_predict_layers=0)
     model = build_random_model(config, torch.float32, "cpu", seed=3)
-    expected = _decode_logits(model)
+    expected = _logits(model)
     names = sorted(name for name, _ in model.named_parameters())
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    attentions = _attentions(model)
+    storage = _storage_bytes(attentions)
+    weights = [weakref.ref(p) for attn in attentions for p in attn.parameters() if p.dim() == 2]
     model.join_projections()
     shared = model.layers[1].ffn.shared_experts
-    compressor = model.layers[1].attn.compressor
-    assert shared.joined_gate_up is not None and compressor.joined_projection is not None
+    attn = model.layers[1].attn  # CSA: compressor and indexer
+    assert shared.joined_gate_up is not None and attn.joined_inputs is not None
+    assert attn.joined_inputs.names == ["q_a", "kv", "compressor", "index_compressor", "index_weights"]
+    assert attn.joined_queries.names == ["q", "index_q"]
+    assert model.layers[2].attn.joined_inputs.names == ["q_a", "kv", "compressor"]  # HCA
+    assert model.layers[2].attn.joined_queries is None
+    assert model.layers[0].attn.joined_inputs.names == ["q_a", "kv"]  # window only
+    for joined in (attn.joined_inputs, attn.joined_queries, model.layers[2].attn.joined_inputs):
+        _assert_views(joined)
+    for compressor in (attn.compressor, attn.indexer.compressor):  # the compressors' stacks are the layer's rows
+        assert compressor.joined_projection.untyped_storage().data_ptr() == (
+            attn.joined_inputs.weight.untyped_storage().data_ptr()
+        )
     assert sorted(name for name, _ in model.named_parameters()) == names
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    gc.collect()  # the weights replaced by views are gone (nothing stale holds the separate copies)
+    current = {id(p) for attn in attentions for p in attn.parameters()}
+    assert all(ref() is None or id(ref()) in current for ref in weights)
+    joined = sum(
+        len(group) for a in attentions for j in (a.joined_inputs, a.joined_queries) if j for group in j.groups.values()
+    )
+    assert sum(ref() is None for ref in weights) == joined
+    assert _storage_bytes(attentions) == storage  # no second copy of any weight
     assert shared.w3.weight.data_ptr() == shared.joined_gate_up[shared.w1.weight.shape[0] :].data_ptr()
-    got = _decode_logits(model)
-    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    _assert_close(_logits(model), expected)
     with torch.no_grad():  # the stack follows in-place updates of the parameters (a state-dict load)
         shared.w1.weight.mul_(0)
+        attn.indexer.weights_proj.weight.mul_(0)
     assert bool((shared.joined_gate_up[: shared.w1.weight.shape[0]] == 0).all())
+    assert bool((attn.joined_inputs.group_weight("index_weights") == 0).all())
+
+
+def test_joining_twice_keeps_the_stacks():
+    model = build_random_model(replace(tiny_config(), num_nextn_predict_layers=0), torch.float32, "cpu", seed=4)
+    model.join_projections()
+    attn = model.layers[1].attn
+    stacks = (attn.joined_inputs, attn.joined_queries, attn.compressor.joined_projection)
+    storage = _storage_bytes(_attentions(model))
+    model.join_projections()
+    assert attn.joined_inputs is stacks[0] and attn.joined_queries is stacks[1]
+    assert attn.compressor.joined_projection.data_ptr() == stacks[2].data_ptr()  # the same rows of the same stack
+    assert _storage_bytes(_attentions(model)) == storage
+
+
+@pytest.mark.parametrize("fp8_linears", ["dequantize", "keep"])
+def test_tiny_checkpoint_joined_equals_separate_projections(tiny_checkpoint, fp8_linears):
+    """The loader joins; the same weights run projection by projection give the same logits. FP8 linears kept as
+    stored (not ``nn.Linear``) stay on their own, the other projections of the input still share a GEMM."""
+    model = load_model(tiny_checkpoint, progress=False, fp8_linears=fp8_linears)
+    csa = next(attn for attn in _attentions(model) if attn.indexer is not None)
+    hca = next(attn for attn in _attentions(model) if attn.compressor is not None and attn.indexer is None)
+    if fp8_linears == "dequantize":
+        assert csa.joined_inputs.names == ["q_a", "kv", "compressor", "index_compressor", "index_weights"]
+        assert csa.joined_queries.names == ["q", "index_q"]
+        assert hca.joined_inputs.names == ["q_a", "kv", "compressor"]
+    else:  # wq_a, wkv, wq_b and the indexer's wq_b are FP8 linears
+        assert csa.joined_inputs.names == ["compressor", "index_compressor", "index_weights"]
+        assert csa.joined_queries is None and hca.joined_inputs is None
+    joined = _logits(model)
+    _unjoin_attentions(model)
+    _assert_close(joined, _logits(model))
+    for module in model.modules():  # nothing joined at all
+        if isinstance(module, Compressor):
+            module.joined_projection = None
+        if hasattr(module, "joined_gate_up"):
+            module.joined_gate_up = None
+    _assert_close(joined, _logits(model))

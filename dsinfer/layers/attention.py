@@ -24,6 +24,7 @@ from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_dev
 from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.indexer import Indexer
+from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm, rms_normalize
 from dsinfer.layers.rotary import apply_rope, step_rope_angles
 from dsinfer.ops.registry import OpTable, resolve
@@ -94,20 +95,68 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
+        # Inference (join_projections): the projections of the layer input, and of the low-rank query, stacked.
+        self.joined_inputs: JoinedLinears | None = None
+        self.joined_queries: JoinedLinears | None = None
+
+    def join_projections(self) -> None:
+        """Inference: every projection of the layer input in one GEMM, every projection of the low-rank query in
+        another (see ``JoinedLinears``); the parameters become views of the stacks' rows, names unchanged.
+
+        Input rows, in order: ``q_a`` (``wq_a``), ``kv`` (``wkv``), ``compressor`` (its ``wkv`` then ``wgate``),
+        and with V4's indexer ``index_compressor`` (likewise) and ``index_weights`` (``weights_proj``); query rows:
+        ``q`` (``wq_b``), ``index_q`` (the indexer's ``wq_b``). Projections of another kind or dtype (FP8 kept as
+        stored, a compressor pooling in fp32) stay on their own. The compressors' ``joined_projection`` becomes
+        the view of their rows, so their own ``join_projections`` (after this one: parents first) keeps it."""
+        compressor = getattr(self, "compressor", None)
+        indexer = getattr(self, "indexer", None)
+        indexer = indexer if isinstance(indexer, Indexer) else None  # V4.1's scorers project on their own
+        groups: dict[str, tuple[nn.Module, ...]] = {"q_a": (self.wq_a,), "kv": (self.wkv,)}
+        if compressor is not None and compressor.joins_with_input:
+            groups["compressor"] = (compressor.wkv, compressor.wgate)
+        if indexer is not None:
+            if indexer.compressor.joins_with_input:
+                groups["index_compressor"] = (indexer.compressor.wkv, indexer.compressor.wgate)
+            groups["index_weights"] = (indexer.weights_proj,)
+        self.joined_inputs = JoinedLinears.join(groups, self.joined_inputs)
+        for name, owner in (("compressor", compressor), ("index_compressor", indexer and indexer.compressor)):
+            if self.joined_inputs is not None and name in self.joined_inputs.groups:
+                owner.joined_projection = self.joined_inputs.group_weight(name)
+        queries = {"q": (self.wq_b,), "index_q": (indexer.wq_b,)} if indexer is not None else {}
+        self.joined_queries = JoinedLinears.join(queries, self.joined_queries)
+
+    def _input_projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer input's projections by name (see :meth:`join_projections`): ``q_a`` and ``kv`` always, the
+        compressors' and indexer's when joined (else their modules project on their own)."""
+        projected = self.joined_inputs(x) if self.joined_inputs is not None else {}
+        if "q_a" not in projected:
+            projected["q_a"] = self.wq_a(x)
+        if "kv" not in projected:
+            projected["kv"] = self.wkv(x)
+        return projected
+
+    def _query_projections(self, q_latent: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The low-rank query's projections: ``q`` [T, heads * head_dim] always, ``index_q`` when joined."""
+        projected = self.joined_queries(q_latent) if self.joined_queries is not None else {}
+        if "q" not in projected:
+            projected["q"] = self.wq_b(q_latent)
+        return projected
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = step_rope_angles(batch, inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        projected = self._input_projections(x)
+        q_latent = self.q_norm(projected.pop("q_a"))
+        projected.update(self._query_projections(q_latent))
+        q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops)
+        kv = apply_rope(self.kv_norm(projected.pop("kv")), cos, sin, ops=self.ops)
 
         if batch.is_decode:
-            out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq)
+            out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
         else:
-            out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq)
+            out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
@@ -120,21 +169,29 @@ class Attention(nn.Module):
         batch: PackedBatch,
         layer_cache: LayerCache,
         inv_freq: torch.Tensor,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One token per sequence, every sequence at once, driven by the step's device tensors (no host reads).
 
         Keys are the window (``window`` ring rows, oldest first) and then the compressed entries: the indexer's
         choice in CSA layers, every visible entry in HCA layers; what a sequence may not see is masked.
+
+        ``projected``: the forward's joined projections other than q and kv, by name (see
+        :meth:`join_projections`). None (a caller that projected q and kv itself): the compressors' and the
+        indexer's rows of the input stack in one GEMM here, when joined.
         """
+        if projected is None and self.joined_inputs is not None:
+            projected = self.joined_inputs(x, ("compressor", "index_compressor", "index_weights"))
+        projected = projected or {}
         spans, positions = batch.device_spans, batch.positions
         ring = layer_cache.window
         ring[spans.slots, positions % self.window] = kv.to(ring.dtype)
         entries, indices = None, None
         if self.compressor is not None:
-            self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq)
+            self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, projected.get("compressor"))
             entries = layer_cache.compressor.entries
             if self.indexer is not None:
-                chosen, real = self.indexer.select_decode(x, q_latent, batch, layer_cache.indexer, inv_freq)
+                chosen, real = self.indexer.select_decode(x, q_latent, batch, layer_cache.indexer, inv_freq, projected)
             else:
                 chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(q.shape[0], -1)
                 real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
@@ -160,12 +217,15 @@ class Attention(nn.Module):
         batch: PackedBatch,
         layer_cache: LayerCache,
         inv_freq: torch.Tensor,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Prefill and mixed steps: every new token of the packed batch in one ``sparse_attention_prefill``.
 
         The compressors (and, CSA, the indexer's choice) run per sequence first; the op reads each sequence's
         window from its new rows and, for positions before the step, its ring, which takes the newest rows after.
+        ``projected``: as for :meth:`_attend_decode`, every row of the batch (each sequence takes its rows).
         """
+        projected = projected or {}
         spans = batch.device_spans
         tables = spans.block_tables
         entries, indices = None, None
@@ -173,11 +233,13 @@ class Attention(nn.Module):
             chosen = []
             for index, (span, tokens) in enumerate(zip(batch.spans, batch.sequence_slices(), strict=True)):
                 positions = batch.positions[tokens]
-                self.compressor.update(x[tokens], positions, span, layer_cache.compressor, inv_freq, tables[index])
+                rows = {name: value[tokens] for name, value in projected.items()}
+                self.compressor.update(x[tokens], positions, span, layer_cache.compressor, inv_freq, tables[index],
+                                       rows.get("compressor"))  # fmt: skip
                 if self.indexer is not None:
                     chosen.append(
                         self.indexer(x[tokens], q_latent[tokens], positions, span, layer_cache.indexer, inv_freq,
-                                     tables[index])
+                                     tables[index], rows)
                     )  # fmt: skip
             entries = layer_cache.compressor.entries
             if self.indexer is not None:

@@ -19,7 +19,7 @@ from torch import nn
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
-from dsinfer.layers.joined_linear import join_linears
+from dsinfer.layers.joined_linear import join_linears, joined_views
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.compressor import (
@@ -95,12 +95,28 @@ class Compressor(nn.Module):
         self.joined_projection: torch.Tensor | None = None  # inference: wkv and wgate stacked (join_projections)
 
     def join_projections(self) -> None:
-        """Decode projects values and gates in one GEMM (inference; see ``join_linears``)."""
-        if self.wgate is not None:
+        """Decode projects values and gates in one GEMM (inference; see ``join_linears``). Nothing to do when they
+        are joined already (V4's attention stacks them with its other projections of the same input)."""
+        if self.wgate is not None and not joined_views(self.joined_projection, self.wkv, self.wgate):
             self.joined_projection = join_linears(self.wkv, self.wgate)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's value and gate [n, width] (fp32 when the variant pools in fp32)."""
+    @property
+    def joins_with_input(self) -> bool:
+        """Whether values and gates may come from a caller's GEMM over a stack of the input's projections
+        (``projected``): model-dtype projections (not pooled in fp32) with a gate."""
+        return self.wgate is not None and not self.pool_in_fp32
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, projected: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's value and gate [n, width] (fp32 when the variant pools in fp32).
+
+        ``projected``: ``x`` through ``joined_projection`` (values then gates) already, from the caller's GEMM."""
+        if projected is not None:
+            values, gates = projected.split(self.wkv.weight.shape[0], dim=-1)
+            if self.ape is not None:
+                gates = gates + self.ape[positions % self.ratio].to(values.dtype)
+            return values, gates
         if self.pool_in_fp32:
             return F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())
         values = self.wkv(x)
@@ -110,17 +126,22 @@ class Compressor(nn.Module):
         return values, gates
 
     def latents(
-        self, x: torch.Tensor, positions: torch.Tensor, span: SequenceSpan, cache
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        span: SequenceSpan,
+        cache,
+        projected: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE entries [c, dim] of the windows one sequence's new tokens complete, and their entry ids [c].
 
         ``cache`` holds the slot's unfinished window (``pending_values`` / ``pending_gates``) and, overlapping,
-        the last complete window (``previous_values`` / ``previous_gates``).
+        the last complete window (``previous_values`` / ``previous_gates``). ``projected``: see :meth:`project`.
         """
         if self.wgate is None:  # ratio 1: every token is its own entry, no pooling state
             return self.norm(self.wkv(x)), positions
         ratio, slot = self.ratio, span.slot
-        values, gates = self.project(x, positions)
+        values, gates = self.project(x, positions, projected)
         if span.journal is not None:  # speculative decoding rolls the unfinished window back from this record
             pending = span.start % ratio
             joined_values = torch.cat([cache.pending_values[slot, :pending], values.to(cache.pending_values.dtype)])
@@ -152,9 +173,12 @@ class Compressor(nn.Module):
         cache: CompressorCache,
         inv_freq: torch.Tensor,
         block_table: torch.Tensor | None = None,
+        projected: torch.Tensor | None = None,
     ) -> None:
-        """Add one sequence's new tokens [n, hidden]; write every entry whose window they complete (V4's cache)."""
-        latents, entry_ids = self.latents(x, positions, span, cache)
+        """Add one sequence's new tokens [n, hidden]; write every entry whose window they complete (V4's cache).
+
+        ``projected``: the tokens' values and gates from the caller's GEMM (see :meth:`project`)."""
+        latents, entry_ids = self.latents(x, positions, span, cache, projected)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.ratio, inv_freq)
             keep = kept_entries(span.start // self.ratio, span.reuse_below, self.ratio)
@@ -176,24 +200,40 @@ class Compressor(nn.Module):
         return decode(*self._decode_inputs(x, positions, spans, cache), x.dtype)
 
     def update_decode(
-        self, x: torch.Tensor, batch: PackedBatch, cache: CompressorCache, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        cache: CompressorCache,
+        inv_freq: torch.Tensor,
+        projected: torch.Tensor | None = None,
     ) -> None:
         """:meth:`decode_latents`, RoPE'd and written to V4's cache block of each token that completed its window
-        (the ``compressor_decode_store`` op; a backend may send the others to the trash block or nowhere)."""
+        (the ``compressor_decode_store`` op; a backend may send the others to the trash block or nowhere).
+
+        ``projected``: ``x`` through ``joined_projection`` already [B, 2 * width], from the caller's GEMM (a view
+        of its columns: the op reads the row stride)."""
         positions, spans = batch.positions, batch.device_spans
         cos, sin = step_rope_angles(batch, inv_freq, self.ratio)
         store = self.ops.compressor_decode_store if self.ops is not None else compressor_decode_store_reference
         store(
-            *self._decode_inputs(x, positions, spans, cache), x.dtype, cos, sin, cache.entries, spans.block_tables,
-            batch.cache.trash_block,
+            *self._decode_inputs(x, positions, spans, cache, projected), x.dtype, cos, sin, cache.entries,
+            spans.block_tables, batch.cache.trash_block,
         )  # fmt: skip
 
-    def _decode_inputs(self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache) -> tuple:
+    def _decode_inputs(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        spans: DeviceSpans,
+        cache,
+        projected: torch.Tensor | None = None,
+    ) -> tuple:
         """The decode ops' arguments up to the norm's: projections (the slot bias left to the op), state tensors."""
-        if self.joined_projection is not None:
+        if projected is None and self.joined_projection is not None:
             joined = self.joined_projection
-            both = F.linear(x.float(), joined.float()) if self.pool_in_fp32 else F.linear(x, joined)
-            values, gates = both.split(self.wkv.weight.shape[0], dim=1)  # views: the op reads their row stride
+            projected = F.linear(x.float(), joined.float()) if self.pool_in_fp32 else F.linear(x, joined)
+        if projected is not None:
+            values, gates = projected.split(self.wkv.weight.shape[0], dim=1)  # views: the op reads their row stride
         elif self.pool_in_fp32:
             values, gates = self.project(x, positions)
         else:

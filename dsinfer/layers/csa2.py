@@ -269,9 +269,11 @@ class AttentionV41(Attention):
     def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
         """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
         cos, sin = rope_angles(positions, inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, ops=self.ops)
+        projected = self._input_projections(x)  # wq_a and wkv in one GEMM once joined (join_projections)
+        q_latent = self.q_norm(projected["q_a"])
+        q = self._query_projections(q_latent)["q"]
+        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
+        kv = apply_rope(self.kv_norm(projected["kv"]), cos, sin, ops=self.ops)
         kv = quantizer.window_kv(kv, self.layer_id, positions)
         return cos, sin, q_latent, q, kv
 

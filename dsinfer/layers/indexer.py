@@ -53,12 +53,14 @@ class IndexScorer(nn.Module):
         keys: torch.Tensor,
         inv_freq: torch.Tensor,
         round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """score [n, W] against keys [W, d] shared, or [n, W, d] per query, invisible entries -inf.
 
-        ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding).
+        ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding);
+        ``projected``: see :meth:`queries`.
         """
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries, projected=projected)
         score = self.ops.index_scores if self.ops is not None else index_scores_reference
         return score(q, keys, head_weights, visible_entries(positions, self.ratio))
 
@@ -70,15 +72,21 @@ class IndexScorer(nn.Module):
         inv_freq: torch.Tensor,
         round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H].
 
-        ``angles``: the positions' cos and sin when the caller has them already (else computed here)."""
+        ``angles``: the positions' cos and sin when the caller has them already (else computed here).
+        ``projected``: outputs of the caller's joined GEMMs, ``index_q`` (``wq_b(q_latent)``) and ``index_weights``
+        (``weights_proj(x)``); those present stand in for this scorer's own."""
+        projected = projected or {}
         cos, sin = angles if angles is not None else rope_angles(positions, inv_freq)
-        q = apply_rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
+        q = projected["index_q"] if "index_q" in projected else self.wq_b(q_latent)
+        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
         if round_queries is not None:
             q = round_queries(q)
-        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+        weights = projected["index_weights"] if "index_weights" in projected else self.weights_proj(x)
+        return q, weights.float() * self.n_heads**-0.5
 
 
 class Indexer(IndexScorer):
@@ -99,16 +107,22 @@ class Indexer(IndexScorer):
         cache: CompressorCache,
         inv_freq: torch.Tensor,
         block_table: torch.Tensor | None = None,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The compressed entries each new query of one sequence attends to: [n, min(k, W)] entry numbers in
-        ascending order, -1 after the real ones (a query with fewer than k visible entries)."""
-        self.compressor.update(x, positions, span, cache, inv_freq, block_table)
+        ascending order, -1 after the real ones (a query with fewer than k visible entries).
+
+        ``projected``: the attention's joined GEMMs' outputs for these tokens (:meth:`select_decode`)."""
+        projected = projected or {}
+        compressor_input = projected.get("index_compressor")
+        self.compressor.update(x, positions, span, cache, inv_freq, block_table, compressor_input)
         n_entries = (span.start + span.length) // self.ratio
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries)  # the cache's dtype: the op widens what it must
-        chosen, real = top_k_in_order(self.scores(x, q_latent, positions, keys, inv_freq), self.topk)
+        scores = self.scores(x, q_latent, positions, keys, inv_freq, projected=projected)
+        chosen, real = top_k_in_order(scores, self.topk)
         return torch.where(real, chosen, -1)
 
     def select_decode(
@@ -118,15 +132,23 @@ class Indexer(IndexScorer):
         batch: PackedBatch,
         cache: CompressorCache,
         inv_freq: torch.Tensor,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One query per sequence: the chosen entries [B, k] (ascending) and which of them are real [B, k].
 
         The keys of every block-table slot are scored and the invisible ones masked, so shapes depend only on
         the block tables' width, never on a value read from the device.
+
+        ``projected``: outputs of the attention's joined GEMMs, by name: ``index_compressor`` (the compressor's
+        values and gates, ``x`` through its ``joined_projection``), ``index_weights`` and ``index_q`` (see
+        :meth:`queries`); what is missing is projected here.
         """
+        projected = projected or {}
         positions, spans = batch.positions, batch.device_spans
-        self.compressor.update_decode(x, batch, cache, inv_freq)
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=step_rope_angles(batch, inv_freq))
+        self.compressor.update_decode(x, batch, cache, inv_freq, projected.get("index_compressor"))
+        q, head_weights = self.queries(
+            x, q_latent, positions, inv_freq, angles=step_rope_angles(batch, inv_freq), projected=projected
+        )
         ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
         visible = visible_entries(positions, self.ratio)
         return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)
