@@ -3,6 +3,8 @@
     python benchmarks/moe_kernel.py                       # V4-Flash widths, T = 1 32 1024 4096
     python benchmarks/moe_kernel.py --tokens 1 32 --backends triton triton-graph
     python benchmarks/moe_kernel.py --sweep                # time candidate block configurations (graph replay)
+    python benchmarks/moe_kernel.py --decode-gemv          # T = 1 2: the GEMV path against the grouped kernels
+    python benchmarks/moe_kernel.py --decode-gemv --sweep  # time GEMV_SWEEP_CONFIGS (graph replay)
 
 Random experts at V4-Flash widths (hidden 4096, intermediate 2048, 256 experts, top-6), FP4 packed with ue8m0
 scales as the checkpoint stores them; the dense bf16 experts are their exact dequantisation, so every backend
@@ -20,6 +22,11 @@ Backends:
 ``--sweep`` instead times every candidate ``KernelConfig`` of ``SWEEP_CONFIGS`` for the FP4 path, captured in a
 CUDA graph, and the routing layout alone (one fused launch against the torch ops); the winners are what
 ``dsinfer.ops.moe.triton.choose_config`` hard-codes by slots per expert.
+
+``--decode-gemv`` times, per token count (default 1 and 2), the GEMV path of ``dsinfer.ops.moe.decode_triton``
+against the grouped kernels, both captured in a CUDA graph, and checks both against the reference; with
+``--sweep`` it times ``GEMV_SWEEP_CONFIGS`` instead: each kernel's candidates with the other kernel at its
+default, then the two winners together (the pair to write into ``DECODE_GEMV_CONFIG``).
 
 For each token count: the median over ``--iters`` timed calls (CUDA events) after ``--warmup`` calls, the weight
 bytes of the experts the step touches in the form the backend reads (FP4 + scales, or bf16), the effective
@@ -69,6 +76,37 @@ SWEEP_CONFIGS = {
 }
 """Candidates per regime: ``decode`` for under 4 slots per expert, ``prefill`` above."""
 
+GEMV_SWEEP_CONFIGS = {
+    "gate_up": [  # (block_n, block_k, num_warps, num_stages); programs at T = 1: 6 * 2048 / block_n
+        (32, 512, 4, 1),
+        (16, 512, 4, 1),
+        (64, 512, 4, 1),
+        (32, 256, 4, 1),
+        (32, 1024, 4, 1),
+        (16, 1024, 4, 1),
+        (64, 256, 4, 1),
+        (32, 512, 8, 1),
+        (64, 512, 8, 1),
+        (16, 256, 2, 1),
+        (32, 512, 4, 2),
+        (32, 512, 4, 3),
+    ],
+    "down": [  # programs at T = 1: 4096 / block_n
+        (16, 512, 4, 1),
+        (8, 512, 4, 1),
+        (32, 512, 4, 1),
+        (16, 256, 4, 1),
+        (16, 1024, 4, 1),
+        (8, 1024, 4, 1),
+        (4, 1024, 4, 1),
+        (16, 512, 8, 1),
+        (8, 256, 2, 1),
+        (16, 512, 4, 2),
+        (16, 512, 4, 3),
+    ],
+}
+"""Candidate launches of the two GEMV kernels (``--decode-gemv --sweep``)."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,7 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-iters", type=int, default=3, help="timed calls of the (slow) reference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true", help="time SWEEP_CONFIGS instead of the backends")
+    parser.add_argument("--decode-gemv", action="store_true",
+                        help="the GEMV path against the grouped kernels (T = 1 2 unless --tokens)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.decode_gemv and "--tokens" not in (argv if argv is not None else sys.argv[1:]):
+        args.tokens = [1, 2]
     if args.hidden % 32 or args.inter % 32:
         parser.error("--hidden and --inter must be multiples of 32 (one FP4 scale per 32 inputs)")
     if not 1 <= args.top_k <= args.experts:
@@ -200,6 +242,60 @@ def sweep(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> 
                 print(f"| {tokens} | routing {name} | {time_calls(graph.replay, args.warmup, args.iters):.4f} | |")
 
 
+def _timed_row(args: argparse.Namespace, tokens: int, label: str, fn, gigabytes: float, reference) -> float | None:
+    """Print one table row for ``fn`` captured in a CUDA graph: median ms, GB/s and deviation from ``reference``."""
+    try:
+        graph, out = graphed(fn, args.warmup)
+        ms = time_calls(graph.replay, args.warmup, args.iters)
+    except Exception as error:  # a launch that does not compile or fit is a row, not the end
+        print(f"| {tokens} | {label} | failed: {type(error).__name__}: {str(error)[:80]} | | | |", flush=True)
+        return None
+    deviation = float((out.float() - reference).abs().max()) / max(float(reference.abs().max()), 1e-30)
+    print(f"| {tokens} | {label} | {ms:.4f} | {gigabytes:.3f} | {gigabytes / (ms / 1e3):.0f} | {deviation:.2e} |",
+          flush=True)  # fmt: skip
+    return ms
+
+
+def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> None:
+    """The GEMV path against the grouped kernels per token count (graph replay), or the GEMV launch sweep."""
+    from dsinfer.ops.moe.decode_triton import DECODE_GEMV_CONFIG, DecodeGemvConfig, GemvConfig, routed_moe_decode_gemv
+    from dsinfer.ops.moe.reference import routed_moe_reference
+    from dsinfer.ops.moe.triton import routed_moe_triton
+
+    device = fp4.w13.device
+    per_expert = fp4.nbytes / args.experts
+    print("| T | path / launch | graph ms | weight GB read | GB/s | max dev / max ref |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for tokens in args.tokens:
+        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
+        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
+        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
+        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
+        step = (x, fp4, expert_ids, expert_weights, limit)
+        # The GEMV reads every slot's expert; the grouped kernels each distinct expert once.
+        slots_gb = expert_ids.numel() * per_expert / 1e9
+        touched_gb = int(torch.unique(expert_ids).numel()) * per_expert / 1e9
+        if not args.sweep:
+            _timed_row(args, tokens, "grouped", partial(routed_moe_triton, *step, gemv=False), touched_gb, reference)
+            label = f"gemv {tuple(map(tuple, DECODE_GEMV_CONFIG))}"
+            _timed_row(args, tokens, label, partial(routed_moe_decode_gemv, *step), slots_gb, reference)
+            continue
+        best = {}
+        for part in ("gate_up", "down"):
+            results = []
+            for candidate in GEMV_SWEEP_CONFIGS[part]:
+                config = DECODE_GEMV_CONFIG._replace(**{part: GemvConfig(*candidate)})
+                fn = partial(routed_moe_decode_gemv, *step, config=config)
+                ms = _timed_row(args, tokens, f"{part} {candidate}", fn, slots_gb, reference)
+                if ms is not None:
+                    results.append((ms, candidate))
+            best[part] = GemvConfig(*min(results)[1]) if results else getattr(DECODE_GEMV_CONFIG, part)
+        config = DecodeGemvConfig(**best)
+        fn = partial(routed_moe_decode_gemv, *step, config=config)
+        _timed_row(args, tokens, f"best {tuple(map(tuple, config))}", fn, slots_gb, reference)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -218,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = f"FP4 experts {fp4.nbytes / 2**30:.2f} GiB, bf16 {dense.nbytes / 2**30:.2f} GiB"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; H={args.hidden} I={args.inter} "
           f"E={args.experts} k={args.top_k}; {sizes}")  # fmt: skip
+    if args.decode_gemv:
+        decode_gemv(args, fp4, gen, limit)
+        return 0
     if args.sweep:
         sweep(args, fp4, gen, limit)
         return 0

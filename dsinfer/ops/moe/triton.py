@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.ops.moe import decode_triton
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
@@ -620,17 +621,26 @@ def routed_moe_triton(
     swiglu_limit: float,
     *,
     config: KernelConfig | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in ``x.dtype`` (bf16 or fp32 activations; FP4 or dense weights).
 
     ``config`` overrides the block sizes (tests use small ones); by default :func:`choose_config` picks them
     from host-known sizes. Allocates ``[T*k, I]`` and ``[T*k, H]`` scratch in ``x.dtype``.
+
+    ``gemv``: steps of at most ``decode_triton.DECODE_GEMV_MAX_TOKENS`` tokens over FP4 experts (and no
+    ``config``) take the two GEMV kernels of :mod:`dsinfer.ops.moe.decode_triton` instead; ``False`` forces
+    the grouped kernels, ``True`` the GEMV path.
     """
     if triton is None:
         raise RuntimeError("the triton routed_moe backend needs Triton installed")
     check_inputs(x, weights, expert_ids, expert_weights)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the triton routed_moe backend takes bf16 or fp32 activations, got {x.dtype}")
+    if gemv is None:
+        gemv = config is None and decode_triton.use_decode_gemv(x, weights, expert_ids)
+    if gemv:
+        return decode_triton.routed_moe_decode_gemv(x, weights, expert_ids, expert_weights, swiglu_limit)
     tokens, top_k = expert_ids.shape
     num_slots = tokens * top_k
     hidden, inter = weights.hidden_size, weights.intermediate_size

@@ -1,0 +1,311 @@
+"""The routed-experts op for decode steps of one or two tokens: two GEMV kernels over the packed FP4 experts.
+
+Why a separate path: at ``T = 1`` (top-6 of 256, hidden 4096, intermediate 2048) the grouped kernels of
+:mod:`dsinfer.ops.moe.triton` spend ~4x the time it takes to read the six experts' FP4 bytes: their
+``tl.dot`` tiles have at least 16 rows for one or two real ones, and the split-K path adds launches for the
+routing layout, the SwiGLU and the combine. Here each weight is read once, decoded in registers and multiplied
+on the CUDA cores (fp32 multiply-add, no ``tl.dot``), in two launches and without any routing layout:
+
+* :func:`_gate_up_gemv_kernel`: one program per (slot, tile of ``BLOCK_N`` intermediate columns). It reads the
+  slot's expert id from ``expert_ids`` on the device (no host read, no sort: CUDA-graph safe), walks ``K =
+  hidden`` in ``BLOCK_K`` steps over the gate rows and the matching up rows of the tile and writes the slot's
+  ``h = clamped_swiglu(gate, up)`` in ``x.dtype``.
+* :func:`_down_gemv_kernel`: one program per (token, tile of ``BLOCK_N`` hidden columns). It walks the token's
+  ``k`` slots in slot order (deterministic, no atomics), multiplies each slot's ``h w2^T`` by its routing
+  weight and adds it to the token's fp32 sum, then stores the row tile in ``x.dtype`` once.
+
+The decode, and why it is not the grouped kernels' ``_e2m1_values``: a GEMV has one multiply-add per weight,
+so the per-weight integer work of the decode sets the speed. The codes are read as ``int32`` words (eight
+e2m1 codes, inputs ``8q .. 8q+7``: byte ``b`` holds input ``8q+2b`` in its low nibble, the checkpoint's order;
+code ``n`` of a word sits at bits ``4n .. 4n+3``). Codes ``p`` and ``p+4`` of a word are moved together, with
+one shift and one mask each for the magnitude and the sign, into the two halves of a word as float16 bit
+patterns (magnitude bits at 9..11, sign at 15). Read as float16, ``e1 e0 m`` at the low exponent and top
+mantissa bits is exactly ``e2m1 * 2**-14``: the e2m1 subnormal (code 1, 0.5) becomes the float16 subnormal
+``2**-15``, and the float16 -> float32 conversion is exact. The ``2**14`` goes into the activations (``x *
+16384`` once per K step, exact), and the ue8m0 scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``,
+255 is NaN) multiplies each 32-input group's sum. That is about two integer operations, one conversion and one
+fp32 multiply-add per weight, where the bit arithmetic of ``_e2m1_values`` takes about a dozen.
+
+Loads: a K step of a tile is ``[BLOCK_N, BLOCK_K / 32, 4]`` words, each row's 16 bytes of one scale group
+contiguous (one 16-byte load per thread and group, a warp's groups side by side along the row); a group's
+scale byte is one more load, and the activations are read from L1 once per group and thread.
+
+Numerics, against :func:`dsinfer.ops.moe.reference.routed_moe_reference`: the products and sums are fp32
+(exact weights; only the order of the fp32 additions differs). The first kernel rounds like the reference
+(``F.linear`` output rounded to ``x.dtype``, clamped, SiLU rounded, product rounded: the rounding of the
+``clamped_swiglu`` op); the second keeps each slot's sum, its routing weight and the sum over slots in fp32
+and rounds once, like the grouped backend's ``_combine_kernel`` (the reference rounds after each expert's
+``index_add_``). Expert ids outside ``0 .. E-1`` are never read: such a slot contributes zeros.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dsinfer.ops.moe.reference import check_inputs
+from dsinfer.ops.moe.weights import ExpertWeights
+
+try:  # Triton is optional: CPU-only installs use the reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = [
+    "DECODE_GEMV_CONFIG",
+    "DECODE_GEMV_MAX_TOKENS",
+    "DecodeGemvConfig",
+    "GemvConfig",
+    "routed_moe_decode_gemv",
+    "use_decode_gemv",
+]
+
+DECODE_GEMV_MAX_TOKENS = 2
+"""Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``.
+
+Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
+kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
+
+
+class GemvConfig(NamedTuple):
+    """One GEMV kernel's launch: ``block_n`` output rows per program (a power of two), ``block_k`` inputs per K
+    step (a power of two >= 32, whole scale groups), ``num_warps`` and ``num_stages``."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def validate(self) -> None:
+        if self.block_n < 1 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two, got {self.block_n}")
+        if self.block_k < 32 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 32, got {self.block_k}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two and num_stages >= 1, got {self}")
+
+
+class DecodeGemvConfig(NamedTuple):
+    """The two kernels' launches (``benchmarks/moe_kernel.py --decode-gemv --sweep`` times candidates)."""
+
+    gate_up: GemvConfig
+    down: GemvConfig
+
+
+DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(32, 512, 4, 1), GemvConfig(16, 512, 4, 1))
+"""Default launches. At V4-Flash widths and T = 1: 6 x 2048 / 32 = 384 gate/up programs and 4096 / 16 = 256 down
+programs for the H200's 132 SMs. Not yet timed on the GPU: pick with the sweep."""
+
+
+def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
+    """Whether ``routed_moe_triton`` takes the GEMV path: 1 .. DECODE_GEMV_MAX_TOKENS tokens, FP4 experts."""
+    return weights.is_fp4 and 0 < expert_ids.shape[0] <= DECODE_GEMV_MAX_TOKENS and expert_ids.shape[1] > 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _x_codes(x_row, inputs, word_ok):
+        """The activations of one K step as eight ``[1, G, 4]`` float32 tensors, times 2**14 (undoing the decode's
+        ``2**-14``): tensor ``p`` holds input ``8q + p`` for word ``q`` (``inputs``: ``8q`` for each word)."""
+        x0 = tl.load(x_row + inputs, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x1 = tl.load(x_row + inputs + 1, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x2 = tl.load(x_row + inputs + 2, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x3 = tl.load(x_row + inputs + 3, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x4 = tl.load(x_row + inputs + 4, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x5 = tl.load(x_row + inputs + 5, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x6 = tl.load(x_row + inputs + 6, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        x7 = tl.load(x_row + inputs + 7, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+        return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
+
+    @triton.jit
+    def _gemv_step(acc, w_rows, s_rows, row_ok, words, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7):
+        """``acc [N, G]`` plus one K step of one weight tile: each 32-input group's ``sum(e2m1 * x)`` times its
+        scale. ``w_rows`` / ``s_rows``: each row's first code word / scale byte; ``words`` ``[G, 4]`` and
+        ``group`` ``[G]``: the step's word and group offsets; ``x_p`` from :func:`_x_codes`.
+
+        Codes ``p`` and ``p + 4`` of a word land in its low and high half-word as float16 bits: magnitude ``e1 e0
+        m`` at bits 9..11 (float16's two lowest exponent bits and top mantissa bit), sign at bit 15; the constant
+        ``-0x7FFF8000`` is the mask 0x80008000 as an int32. Inlined (not a helper per pair) because the
+        interpreter pays for every call."""
+        packed = tl.load(w_rows[:, None, None] + words[None, :, :], mask=row_ok[:, None, None] & word_ok[None], other=0)
+        exponents = tl.load(s_rows[:, None] + group[None, :], mask=row_ok[:, None] & group_ok[None, :], other=127)
+        exponents = exponents.to(tl.int32)  # ue8m0: 2**(byte - 127); byte 0 is the subnormal 2**-127, 255 NaN
+        scale = tl.where(exponents == 0, 0x00400000, exponents << 23)
+        scale = tl.where(exponents == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
+        halves = ((packed << 9) & 0x0E000E00) | ((packed << 12) & -0x7FFF8000)  # codes 0 and 4
+        part = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x0
+        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x4
+        halves = ((packed << 5) & 0x0E000E00) | ((packed << 8) & -0x7FFF8000)  # codes 1 and 5
+        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x1
+        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x5
+        halves = ((packed << 1) & 0x0E000E00) | ((packed << 4) & -0x7FFF8000)  # codes 2 and 6
+        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x2
+        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x6
+        halves = ((packed >> 3) & 0x0E000E00) | (packed & -0x7FFF8000)  # codes 3 and 7 (sign-fill bits masked off)
+        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x3
+        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x7
+        return acc + tl.sum(part, axis=2) * scale
+
+    @triton.jit
+    def _gate_up_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        ids_ptr,
+        h_ptr,
+        top_k,
+        hidden,
+        inter,
+        num_experts,
+        limit,
+        x_row_stride,
+        w_expert_stride,
+        w_row_stride,
+        s_expert_stride,
+        s_row_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
+
+        ``w_ptr``: the ``w13`` codes as int32 words ``[E, 2I, H/8]``; ``s_ptr``: the scale bytes ``[E, 2I, H/32]``."""
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        n_tile = tl.program_id(0)
+        slot = tl.program_id(1)
+        expert = tl.load(ids_ptr + slot)
+        expert_ok = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(expert_ok, expert, 0)
+        x_row = x_ptr + (slot // top_k).to(tl.int64) * x_row_stride
+        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < inter
+        row_ok = columns < tl.where(expert_ok, inter, 0)  # no rows of a bad expert id
+        gate_words = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
+        up_words = gate_words + inter * w_row_stride
+        gate_scales = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
+        up_scales = gate_scales + inter * s_row_stride
+        g = tl.arange(0, GROUPS)
+        first_inputs = 32 * g[:, None] + 8 * tl.arange(0, 4)[None, :]  # [G, 4]: input 8q of each word q
+        gate = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+        up = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            group = k0 // 32 + g
+            group_ok = group < hidden // 32
+            inputs = k0 + first_inputs
+            word_ok = inputs < hidden
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_codes(x_row, inputs, word_ok)
+            step = (inputs // 8, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7)
+            gate = _gemv_step(gate, gate_words, gate_scales, row_ok, *step)
+            up = _gemv_step(up, up_words, up_scales, row_ok, *step)
+        # As the reference rounds: each F.linear output, the clamps, the SiLU and the product in x.dtype.
+        dtype = h_ptr.dtype.element_ty
+        gate = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(up, axis=1).to(dtype).to(tl.float32)
+        gate = tl.minimum(gate, limit).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + slot.to(tl.int64) * inter + columns, (activated * up).to(dtype), mask=column_ok)
+
+    @triton.jit
+    def _down_gemv_kernel(
+        h_ptr,
+        w_ptr,
+        s_ptr,
+        ids_ptr,
+        route_weight_ptr,
+        out_ptr,
+        top_k,
+        hidden,
+        inter,
+        num_experts,
+        w_expert_stride,
+        w_row_stride,
+        s_expert_stride,
+        s_row_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``out[token, n] = sum over the token's slots, in order, of route_weight * (h[slot] w2^T)[n]``.
+
+        ``w_ptr``: the ``w2`` codes as int32 words ``[E, H, I/8]``; ``s_ptr``: the scale bytes ``[E, H, I/32]``."""
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        n_tile = tl.program_id(0)
+        token = tl.program_id(1).to(tl.int64)
+        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_ok = columns < hidden
+        g = tl.arange(0, GROUPS)
+        first_inputs = 32 * g[:, None] + 8 * tl.arange(0, 4)[None, :]
+        out = tl.zeros((BLOCK_N,), tl.float32)
+        for choice in range(top_k):
+            slot = token * top_k + choice
+            expert = tl.load(ids_ptr + slot)
+            expert_ok = (expert >= 0) & (expert < num_experts)
+            expert = tl.where(expert_ok, expert, 0)
+            route_weight = tl.load(route_weight_ptr + slot)
+            row_ok = columns < tl.where(expert_ok, hidden, 0)
+            w_rows = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
+            s_rows = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
+            h_row = h_ptr + slot * inter
+            acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                group = k0 // 32 + g
+                group_ok = group < inter // 32
+                inputs = k0 + first_inputs
+                word_ok = inputs < inter
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_codes(h_row, inputs, word_ok)
+                step = (inputs // 8, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7)
+                acc = _gemv_step(acc, w_rows, s_rows, row_ok, *step)
+            out += tl.sum(acc, axis=1) * route_weight
+        tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=column_ok)
+
+
+def routed_moe_decode_gemv(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    config: DecodeGemvConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` in ``x.dtype`` through the two GEMV kernels (FP4 experts only;
+    bf16 or fp32 activations). Meant for ``T <= DECODE_GEMV_MAX_TOKENS`` but correct at any ``T``.
+
+    Allocates ``[T*k, I]`` scratch in ``x.dtype``; never reads a device value on the host."""
+    if triton is None:
+        raise RuntimeError("the GEMV routed_moe path needs Triton installed")
+    check_inputs(x, weights, expert_ids, expert_weights)
+    if not weights.is_fp4:
+        raise ValueError("the GEMV routed_moe path takes packed FP4 experts only")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the GEMV routed_moe path takes bf16 or fp32 activations, got {x.dtype}")
+    config = DECODE_GEMV_CONFIG if config is None else config
+    for part in config:
+        part.validate()
+    tokens, top_k = expert_ids.shape
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    if tokens * top_k == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    ids = expert_ids.contiguous()
+    route_weight = expert_weights.reshape(-1).contiguous()
+    w13 = weights.w13.view(torch.int32)  # [E, 2I, H/8]: eight codes a word (hidden is a multiple of 32)
+    w2 = weights.w2.view(torch.int32)  # [E, H, I/8]
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = config.gate_up
+    _gate_up_gemv_kernel[(triton.cdiv(inter, block_n), tokens * top_k)](
+        x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
+        x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    block_n, block_k, num_warps, num_stages = config.down
+    _down_gemv_kernel[(triton.cdiv(hidden, block_n), tokens)](
+        h, w2, weights.w2_scale, ids, route_weight, out, top_k, hidden, inter, weights.num_experts,
+        w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
