@@ -150,14 +150,14 @@ class Attention(nn.Module):
         q_latent = self.q_norm(projected.pop("q_a"))
         projected.update(self._query_projections(q_latent))
         q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops)
-        kv = apply_rope(self.kv_norm(projected.pop("kv")), cos, sin, ops=self.ops)
+        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops, in_place=True)
+        kv = apply_rope(self.kv_norm(projected.pop("kv")), cos, sin, ops=self.ops, in_place=True)
 
         if batch.is_decode:
             out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
         else:
             out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
-        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
+        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)  # fresh tensors: rope in place
         return self._project_out(out)
 
     def _attend_decode(

@@ -199,7 +199,7 @@ class AttentionV41(Attention):
                 x, q_latent, batch, cache, inv_freq, shared, quantizer
             )
         out = self._attend_packed(q, kv, batch, cache, entries, tables, indices, ratio)
-        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops)
+        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)
         return self._project_out(out)
 
     def _sources_prefill(
@@ -283,7 +283,7 @@ class AttentionV41(Attention):
         """One token per sequence, every sequence at once, from the step's device metadata (no host reads)."""
         cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
         out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer)
-        return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops))
+        return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
     def attend_decode(
         self,
