@@ -11,8 +11,8 @@ on the CUDA cores (fp32 multiply-add, no ``tl.dot``), in two launches and withou
   hidden`` in ``BLOCK_K`` steps over the gate rows and the matching up rows of the tile and writes the slot's
   ``h = clamped_swiglu(gate, up)`` in ``x.dtype``.
 * :func:`_down_gemv_kernel`: one program per (token, tile of ``BLOCK_N`` hidden columns). It walks the token's
-  ``k`` slots in slot order (deterministic, no atomics), multiplies each slot's ``h w2^T`` by its routing
-  weight and adds it to the token's fp32 sum, then stores the row tile in ``x.dtype`` once.
+  ``k`` slots in slot order (deterministic, no atomics) and ``K = intermediate`` in one flat loop, adds each
+  slot's ``h w2^T`` times its routing weight into one fp32 sum and stores the row tile in ``x.dtype`` once.
 
 The decode, and why it is not the grouped kernels' ``_e2m1_values``: a GEMV has one multiply-add per weight,
 so the per-weight integer work of the decode sets the speed. The codes are read as ``int32`` words (eight
@@ -21,21 +21,25 @@ code ``n`` of a word sits at bits ``4n .. 4n+3``). Codes ``p`` and ``p+4`` of a 
 one shift and one mask each for the magnitude and the sign, into the two halves of a word as float16 bit
 patterns (magnitude bits at 9..11, sign at 15). Read as float16, ``e1 e0 m`` at the low exponent and top
 mantissa bits is exactly ``e2m1 * 2**-14``: the e2m1 subnormal (code 1, 0.5) becomes the float16 subnormal
-``2**-15``, and the float16 -> float32 conversion is exact. The ``2**14`` goes into the activations (``x *
-16384`` once per K step, exact), and the ue8m0 scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``,
-255 is NaN) multiplies each 32-input group's sum. That is about two integer operations, one conversion and one
-fp32 multiply-add per weight, where the bit arithmetic of ``_e2m1_values`` takes about a dozen.
+``2**-15``, and the float16 -> float32 conversion is exact. Each 32-input group's sum is multiplied by
+``2**14`` and by its ue8m0 scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``, 255 is NaN), both exact.
+That is about two integer operations, one conversion and one fp32 multiply-add per weight (sm_90 SASS: ~5
+instructions a weight in the loop, all in), where the bit arithmetic of ``_e2m1_values`` takes about a dozen.
 
 Loads: a K step of a tile is ``[BLOCK_N, BLOCK_K / 32, 4]`` words, each row's 16 bytes of one scale group
 contiguous (one 16-byte load per thread and group, a warp's groups side by side along the row); a group's
-scale byte is one more load, and the activations are read from L1 once per group and thread.
+scale byte is one more load, and each thread reads the activations of its group once per step for all of its
+rows. Every step's loads are issued one step ahead, in registers. Keep ``BLOCK_K <= 256 * num_warps``: with
+more, a step's activation planes (``BLOCK_K / 8`` elements each) have as many elements as the program has
+threads, Triton stops loading them in the layout that uses them and converts them through shared memory.
 
 Numerics, against :func:`dsinfer.ops.moe.reference.routed_moe_reference`: the products and sums are fp32
 (exact weights; only the order of the fp32 additions differs). The first kernel rounds like the reference
 (``F.linear`` output rounded to ``x.dtype``, clamped, SiLU rounded, product rounded: the rounding of the
-``clamped_swiglu`` op); the second keeps each slot's sum, its routing weight and the sum over slots in fp32
-and rounds once, like the grouped backend's ``_combine_kernel`` (the reference rounds after each expert's
-``index_add_``). Expert ids outside ``0 .. E-1`` are never read: such a slot contributes zeros.
+``clamped_swiglu`` op); the second keeps the routing-weighted sum over slots in fp32 and rounds once, like the
+grouped backend's ``_combine_kernel`` (the reference rounds after each expert's ``index_add_``); its routing
+weight multiplies each group's partial sum rather than the slot's total, a difference of fp32 rounding only.
+Expert ids outside ``0 .. E-1`` are never read: such a slot contributes zeros.
 """
 
 from __future__ import annotations
@@ -108,32 +112,46 @@ def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.T
 if triton is not None:
 
     @triton.jit
-    def _x_codes(x_row, inputs, word_ok):
-        """The activations of one K step as eight ``[1, G, 4]`` float32 tensors, times 2**14 (undoing the decode's
-        ``2**-14``): tensor ``p`` holds input ``8q + p`` for word ``q`` (``inputs``: ``8q`` for each word)."""
-        x0 = tl.load(x_row + inputs, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x1 = tl.load(x_row + inputs + 1, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x2 = tl.load(x_row + inputs + 2, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x3 = tl.load(x_row + inputs + 3, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x4 = tl.load(x_row + inputs + 4, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x5 = tl.load(x_row + inputs + 5, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x6 = tl.load(x_row + inputs + 6, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
-        x7 = tl.load(x_row + inputs + 7, mask=word_ok, other=0.0).to(tl.float32) * 16384.0
+    def _load_tile(w_rows, s_rows, row_ok, q0, K, GROUPS: tl.constexpr):
+        """One K step of one weight tile from word ``q0`` on: the code words ``[N, G, 4]`` (one 16-byte load per
+        row and scale group) and the scale bytes ``[N, G]`` as int32. Past ``K`` (and for rows not ``row_ok``)
+        nothing is read: zero codes, scale byte 127."""
+        g = tl.arange(0, GROUPS)
+        group_ok = (q0 // 4 + g) < K // 32
+        words = q0 + 4 * g[:, None] + tl.arange(0, 4)[None, :]  # contiguous per row
+        mask = row_ok[:, None, None] & group_ok[None, :, None]  # constant along a group's 4 words
+        packed = tl.load(w_rows[:, None, None] + words[None, :, :], mask=mask, other=0)
+        exponents = tl.load(
+            s_rows[:, None] + (q0 // 4 + g)[None, :], mask=row_ok[:, None] & group_ok[None, :], other=127
+        )
+        return packed, exponents.to(tl.int32)
+
+    @triton.jit
+    def _load_x(x_row, q0, K, GROUPS: tl.constexpr):
+        """The activations of one K step as eight ``[1, G, 4]`` float32 tensors: tensor ``p`` holds input
+        ``8q + p`` for each word ``q`` of the step (zeros past ``K``)."""
+        g = tl.arange(0, GROUPS)
+        ok = ((q0 // 4 + g) < K // 32)[:, None]
+        inputs = x_row + 8 * (q0 + 4 * g[:, None] + tl.arange(0, 4)[None, :])
+        x0 = tl.load(inputs, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(inputs + 1, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(inputs + 2, mask=ok, other=0.0).to(tl.float32)
+        x3 = tl.load(inputs + 3, mask=ok, other=0.0).to(tl.float32)
+        x4 = tl.load(inputs + 4, mask=ok, other=0.0).to(tl.float32)
+        x5 = tl.load(inputs + 5, mask=ok, other=0.0).to(tl.float32)
+        x6 = tl.load(inputs + 6, mask=ok, other=0.0).to(tl.float32)
+        x7 = tl.load(inputs + 7, mask=ok, other=0.0).to(tl.float32)
         return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
 
     @triton.jit
-    def _gemv_step(acc, w_rows, s_rows, row_ok, words, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7):
-        """``acc [N, G]`` plus one K step of one weight tile: each 32-input group's ``sum(e2m1 * x)`` times its
-        scale. ``w_rows`` / ``s_rows``: each row's first code word / scale byte; ``words`` ``[G, 4]`` and
-        ``group`` ``[G]``: the step's word and group offsets; ``x_p`` from :func:`_x_codes`.
+    def _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7):
+        """``acc [N, G]`` plus ``weight`` times one K step of one tile: each 32-input group's ``sum(e2m1 * x)``
+        times its ue8m0 scale (``2**(byte - 127)``; byte 0 is the subnormal 2**-127, 255 NaN).
 
         Codes ``p`` and ``p + 4`` of a word land in its low and high half-word as float16 bits: magnitude ``e1 e0
         m`` at bits 9..11 (float16's two lowest exponent bits and top mantissa bit), sign at bit 15; the constant
-        ``-0x7FFF8000`` is the mask 0x80008000 as an int32. Inlined (not a helper per pair) because the
-        interpreter pays for every call."""
-        packed = tl.load(w_rows[:, None, None] + words[None, :, :], mask=row_ok[:, None, None] & word_ok[None], other=0)
-        exponents = tl.load(s_rows[:, None] + group[None, :], mask=row_ok[:, None] & group_ok[None, :], other=127)
-        exponents = exponents.to(tl.int32)  # ue8m0: 2**(byte - 127); byte 0 is the subnormal 2**-127, 255 NaN
+        ``-0x7FFF8000`` is the mask 0x80008000 as an int32. Written out, not a helper per pair: the interpreter
+        pays for every call."""
         scale = tl.where(exponents == 0, 0x00400000, exponents << 23)
         scale = tl.where(exponents == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
         halves = ((packed << 9) & 0x0E000E00) | ((packed << 12) & -0x7FFF8000)  # codes 0 and 4
@@ -148,7 +166,8 @@ if triton is not None:
         halves = ((packed >> 3) & 0x0E000E00) | (packed & -0x7FFF8000)  # codes 3 and 7 (sign-fill bits masked off)
         part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x3
         part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x7
-        return acc + tl.sum(part, axis=2) * scale
+        # 2**14 undoes the decode's 2**-14 exactly; scale * weight is exact (a power of two times the weight).
+        return acc + (tl.sum(part, axis=2) * 16384.0) * (scale * weight)
 
     @triton.jit
     def _gate_up_gemv_kernel(
@@ -172,8 +191,11 @@ if triton is not None:
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
 
-        ``w_ptr``: the ``w13`` codes as int32 words ``[E, 2I, H/8]``; ``s_ptr``: the scale bytes ``[E, 2I, H/32]``."""
+        ``w_ptr``: the ``w13`` codes as int32 words ``[E, 2I, H/8]``; ``s_ptr``: the scale bytes ``[E, 2I, H/32]``.
+        Each K step's loads are issued one step ahead (registers, no shared memory), so a program keeps two
+        steps of weight bytes in flight while it decodes one."""
         GROUPS: tl.constexpr = BLOCK_K // 32
+        WORDS: tl.constexpr = BLOCK_K // 8
         n_tile = tl.program_id(0)
         slot = tl.program_id(1)
         expert = tl.load(ids_ptr + slot)
@@ -181,25 +203,24 @@ if triton is not None:
         expert = tl.where(expert_ok, expert, 0)
         x_row = x_ptr + (slot // top_k).to(tl.int64) * x_row_stride
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        column_ok = columns < inter
         row_ok = columns < tl.where(expert_ok, inter, 0)  # no rows of a bad expert id
         gate_words = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
         up_words = gate_words + inter * w_row_stride
         gate_scales = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
         up_scales = gate_scales + inter * s_row_stride
-        g = tl.arange(0, GROUPS)
-        first_inputs = 32 * g[:, None] + 8 * tl.arange(0, 4)[None, :]  # [G, 4]: input 8q of each word q
         gate = tl.zeros((BLOCK_N, GROUPS), tl.float32)
         up = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            group = k0 // 32 + g
-            group_ok = group < hidden // 32
-            inputs = k0 + first_inputs
-            word_ok = inputs < hidden
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_codes(x_row, inputs, word_ok)
-            step = (inputs // 8, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7)
-            gate = _gemv_step(gate, gate_words, gate_scales, row_ok, *step)
-            up = _gemv_step(up, up_words, up_scales, row_ok, *step)
+        gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, 0, hidden, GROUPS)
+        up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, 0, hidden, GROUPS)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, 0, hidden, GROUPS)
+        for q0 in range(0, hidden // 8, WORDS):  # the K step's first word
+            gate_packed, gate_exp, up_packed, up_exp = gate_next, gate_exp_next, up_next, up_exp_next
+            xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+            gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, q0 + WORDS, hidden, GROUPS)
+            up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, q0 + WORDS, hidden, GROUPS)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, q0 + WORDS, hidden, GROUPS)
+            gate = _accumulate(gate, gate_packed, gate_exp, 1.0, *xs)
+            up = _accumulate(up, up_packed, up_exp, 1.0, *xs)
         # As the reference rounds: each F.linear output, the clamps, the SiLU and the product in x.dtype.
         dtype = h_ptr.dtype.element_ty
         gate = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
@@ -207,7 +228,27 @@ if triton is not None:
         gate = tl.minimum(gate, limit).to(dtype).to(tl.float32)
         up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(h_ptr + slot.to(tl.int64) * inter + columns, (activated * up).to(dtype), mask=column_ok)
+        tl.store(h_ptr + slot.to(tl.int64) * inter + columns, (activated * up).to(dtype), mask=columns < inter)
+
+    @triton.jit
+    def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, step, k_steps, top_k, hidden, inter,
+                   num_experts, columns, w_expert_stride, w_row_stride, s_expert_stride, s_row_stride,
+                   GROUPS: tl.constexpr):  # fmt: skip
+        """The loads of flat step ``step`` (slot ``step // k_steps`` of the token, K step ``step % k_steps``):
+        ``(words, scale bytes, routing weight, x0 .. x7)``; past the token's last slot nothing is read."""
+        choice = step // k_steps
+        q0 = (step % k_steps) * (GROUPS * 4)
+        slot = token * top_k + tl.minimum(choice, top_k - 1)
+        expert = tl.load(ids_ptr + slot)
+        expert_ok = (expert >= 0) & (expert < num_experts) & (choice < top_k)
+        expert = tl.where(expert_ok, expert, 0)
+        route_weight = tl.load(route_weight_ptr + slot)
+        row_ok = columns < tl.where(expert_ok, hidden, 0)
+        w_rows = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
+        s_rows = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
+        packed, exponents = _load_tile(w_rows, s_rows, row_ok, q0, inter, GROUPS)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(h_ptr + slot * inter, q0, tl.where(choice < top_k, inter, 0), GROUPS)
+        return packed, exponents, route_weight, x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
     def _down_gemv_kernel(
@@ -228,38 +269,28 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """``out[token, n] = sum over the token's slots, in order, of route_weight * (h[slot] w2^T)[n]``.
+        """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
-        ``w_ptr``: the ``w2`` codes as int32 words ``[E, H, I/8]``; ``s_ptr``: the scale bytes ``[E, H, I/32]``."""
+        ``w_ptr``: the ``w2`` codes as int32 words ``[E, H, I/8]``; ``s_ptr``: the scale bytes ``[E, H, I/32]``.
+        One flat loop over (slot, K step), slots in order, each step's loads issued one step ahead: a program
+        covers all ``k`` slots of its columns, and the next slot's first bytes are in flight while the last step
+        of a slot is decoded."""
         GROUPS: tl.constexpr = BLOCK_K // 32
         n_tile = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        column_ok = columns < hidden
-        g = tl.arange(0, GROUPS)
-        first_inputs = 32 * g[:, None] + 8 * tl.arange(0, 4)[None, :]
-        out = tl.zeros((BLOCK_N,), tl.float32)
-        for choice in range(top_k):
-            slot = token * top_k + choice
-            expert = tl.load(ids_ptr + slot)
-            expert_ok = (expert >= 0) & (expert < num_experts)
-            expert = tl.where(expert_ok, expert, 0)
-            route_weight = tl.load(route_weight_ptr + slot)
-            row_ok = columns < tl.where(expert_ok, hidden, 0)
-            w_rows = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
-            s_rows = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
-            h_row = h_ptr + slot * inter
-            acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                group = k0 // 32 + g
-                group_ok = group < inter // 32
-                inputs = k0 + first_inputs
-                word_ok = inputs < inter
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_codes(h_row, inputs, word_ok)
-                step = (inputs // 8, word_ok, group, group_ok, x0, x1, x2, x3, x4, x5, x6, x7)
-                acc = _gemv_step(acc, w_rows, s_rows, row_ok, *step)
-            out += tl.sum(acc, axis=1) * route_weight
-        tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=column_ok)
+        k_steps = tl.cdiv(inter, BLOCK_K)
+        strides = (w_expert_stride, w_row_stride, s_expert_stride, s_row_stride)
+        common = (h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token)
+        sizes = (k_steps, top_k, hidden, inter, num_experts, columns)
+        acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+        loads = _down_step(*common, 0, *sizes, *strides, GROUPS)
+        for step in range(0, top_k * k_steps):
+            packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7 = loads
+            loads = _down_step(*common, step + 1, *sizes, *strides, GROUPS)
+            acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7)
+        out = tl.sum(acc, axis=1)
+        tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=columns < hidden)
 
 
 def routed_moe_decode_gemv(
