@@ -62,6 +62,57 @@ def test_greedy_text_logprobs_and_streams_equal_the_in_process_engine(served, ex
     assert metric_value(base, "dsinfer:generation_tokens_total") >= 6 * 8
 
 
+def _stop_cases(text: str) -> list[SamplingParams]:
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cases = [dict(stop=[stop]), dict(stop=[stop], include_stop_str_in_output=True),
+             dict(stop=[stop, "zz"], n=2, temperature=1.0, seed=3), dict(stop=[stop], logprobs=1)]  # fmt: skip
+    return [SamplingParams(**{"temperature": 0, "max_tokens": 8, "ignore_eos": True, **case}) for case in cases]
+
+
+def test_stop_strings_are_found_in_the_api_process_as_in_process(tiny_checkpoint, expected):
+    """The engine process makes no text (it runs every request with detokenize=False and no stop strings): this
+    process detokenizes, finds stop strings (kept or not, n > 1 with a seed, with logprobs) and ends the request
+    in the engine process."""
+    cases = _stop_cases(expected[1][0])
+    with LLM(tiny_checkpoint, CONFIG) as llm:
+        want = [llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs for params in cases]
+    with LLM(tiny_checkpoint, CONFIG, engine_process=True) as llm:
+        sent, send = [], llm.engine._send
+        llm.engine._send = lambda rank, message: (sent.append(message), send(rank, message))
+        got = [llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs for params in cases]
+        deadline = time.monotonic() + 10  # a stop string's abort reaches the engine process after the last report
+        while llm.engine.scheduler.running or llm.engine.blocks.num_used:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not llm.engine.requests
+    for case, mine, theirs in zip(cases, got, want, strict=True):
+        assert [(c.text, c.token_ids, c.finish_reason) for c in mine] == [
+            (c.text, c.token_ids, c.finish_reason) for c in theirs
+        ], case
+        assert [c.logprobs for c in mine] == [c.logprobs for c in theirs]
+    assert any(c.finish_reason == "stop" for outputs in want for c in outputs)  # a stop string did end one early
+    adds = [m for m in sent if type(m).__name__ == "AddRequest"]
+    assert len(adds) == len(cases) and all(not m.params.detokenize and not m.params.stop for m in adds)
+
+
+def test_served_stop_strings_stream_as_in_process(served, tiny_checkpoint, expected):
+    base, _, client = served
+    for params in _stop_cases(expected[1][0])[::2]:
+        with LLM(tiny_checkpoint, CONFIG) as llm:
+            want = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs
+        body = {"n": params.n, "temperature": params.temperature, "seed": params.seed, "stop": params.stop,
+                "ignore_eos": True}  # fmt: skip
+        reply = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, extra_body=body)
+        got = sorted(reply.choices, key=lambda c: c.index)
+        assert [(c.text, c.finish_reason) for c in got] == [(w.text, w.finish_reason) for w in want], params
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, stream=True, extra_body=body)
+        streamed = [""] * params.n
+        for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == [w.text for w in want], params
+
+
 def test_a_client_that_leaves_frees_its_request_in_the_engine_process(served):
     base, engine, client = served
     generated = metric_value(base, "dsinfer:generation_tokens_total")

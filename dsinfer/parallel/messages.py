@@ -5,10 +5,17 @@ seed and grammar specification, image inputs; stop strings stay in the API proce
 rank builds the generators and grammar matchers itself. A rank answers each step with what changed: per
 completion the new token ids (and logprobs), the finish reason and whether the last token is a hidden stop
 token, and the request's timings.
+
+:class:`FrameReader` reads a connection's messages without blocking, for the API process's event loop: it takes
+whatever bytes have arrived and unpickles the messages that are whole, keeping a part-arrived one for later.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import socket
+import struct
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 
@@ -149,3 +156,68 @@ class RankFailed:
     rank: int
     message: str
     error: BaseException | None = None
+
+
+# ---- reading a connection in an event loop ------------------------------------------------------
+
+_SIZE, _LONG_SIZE = struct.Struct("!i"), struct.Struct("!Q")
+_READ_BYTES = 1 << 18
+
+
+class FrameReader:
+    """The messages of a :class:`multiprocessing.connection.Connection`, read without blocking.
+
+    ``read()`` takes the bytes the socket holds now (``MSG_DONTWAIT``: the connection's own blocking ``send`` is
+    untouched) and returns every message they complete, in the connection's framing (a 4-byte big-endian size,
+    ``-1`` then an 8-byte size for a message of 2 GiB or more, then the pickle); a message that has arrived in
+    part stays buffered until the rest comes. It raises ``EOFError`` once the peer has closed and every whole
+    message has been returned. A connection that is no socket (a one-way pipe) is read with ``recv``, one
+    message per readable event."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self._buffer, self._closed = conn, bytearray(), False
+        try:
+            self._sock: socket.socket | None = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:
+            self._sock = None
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def read(self) -> list:
+        if self._sock is None:
+            return [self.conn.recv()] if self.conn.poll() else []
+        buffer = self._buffer
+        while not self._closed:
+            try:
+                chunk = self._sock.recv(_READ_BYTES, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # reset by a peer that died
+                chunk = b""
+            if not chunk:
+                self._closed = True
+                break
+            buffer += chunk
+            if len(chunk) < _READ_BYTES:
+                break
+        messages, start, end = [], 0, len(buffer)
+        while end - start >= 4:
+            (size,), head = _SIZE.unpack_from(buffer, start), 4
+            if size == -1:
+                if end - start < 12:
+                    break
+                (size,), head = _LONG_SIZE.unpack_from(buffer, start + 4), 12
+            if end - start < head + size:
+                break
+            messages.append(pickle.loads(buffer[start + head : start + head + size]))
+            start += head + size
+        del buffer[:start]
+        if self._closed and not messages:
+            raise EOFError("the connection was closed")
+        return messages
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

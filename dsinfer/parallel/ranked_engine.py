@@ -13,9 +13,16 @@ picks; ``step`` returns the outputs the ranks reported since the last call, rebu
 A request crosses the pipe once as its specification; each step comes back as one message holding every
 request's new tokens and the engine's counters (:class:`~dsinfer.parallel.messages.StepReport`).
 
-A receiver thread reads every rank's pipe and watches every local rank process. A rank that exits, fails or
-closes its connection makes the engine dead: every rank is killed (the others would wait in a collective
-forever), and the next ``step`` / ``has_unfinished_requests`` raises :class:`RankDiedError` naming the rank.
+The ranks send token ids only (with logprobs, finish reasons and timings): text, incremental detokenization and
+stop strings live here, as vLLM's frontend detokenizes what its EngineCore reports. A stop string found here ends
+the completion in the rank too (``FinishSequence``, or ``AbortRequest`` once every completion has ended).
+
+The API server reads the pipes in its event loop (:meth:`RankedEngine.attach`: one wake-up per report, handled as
+it arrives, no thread between the pipe and the streams); ``step`` (the offline :class:`~dsinfer.llm.LLM`) starts a
+receiver thread instead. Either watches every local rank process. A rank that exits, fails or closes its
+connection makes the engine dead: every rank is killed (the others would wait in a collective forever), and the
+next ``step`` / ``has_unfinished_requests`` raises :class:`RankDiedError` naming the rank (an attached loop is
+told at once).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dsinfer.parallel.messages import (
     AbortRequest,
     AddRequest,
     FinishSequence,
+    FrameReader,
     RankFailed,
     RankLoad,
     RankReady,
@@ -104,6 +112,16 @@ class _ModelInfo:
 
     config: ModelConfig
     engram_hasher: _HasherVocab | None = None
+
+
+@dataclass
+class _Attached:
+    """An event loop that reads the ranks' pipes (:meth:`RankedEngine.attach`)."""
+
+    loop: object
+    deliver: object
+    failed: object
+    readers: dict[int, FrameReader]
 
 
 @dataclass
@@ -204,8 +222,9 @@ class RankedEngine:
         if first.engram_vocab_size is not None:
             self.model.engram_hasher = _HasherVocab(first.engram_vocab_size)
         self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
-        self._receiver = threading.Thread(target=self._receive, name="dsinfer-ranks", daemon=True)
-        self._receiver.start()
+        # Reports are read by a receiver thread (``step``) or in an asyncio event loop (``attach``), never both.
+        self._receiver: threading.Thread | None = None
+        self._attached: _Attached | None = None
 
     # ---- ranks -------------------------------------------------------------------------------------
     def _start_ranks(self, model_dir: str, log_level: str, load_format: str) -> None:
@@ -267,6 +286,63 @@ class RankedEngine:
                     raise RankDiedError(f"rank {rank} exited with code {process.exitcode} while starting")
         return [ready[r] for r in sorted(ready)]
 
+    def attach(self, loop, deliver, failed) -> None:
+        """Read the ranks' reports in ``loop`` (the API server's event loop) instead of a receiver thread: each
+        time a pipe has data, the whole reports it holds are applied at once and ``deliver`` gets their outputs
+        (one call per wake-up, what ``step`` would have returned); a rank that fails, closes its pipe or exits
+        calls ``failed`` with the reason, once. Call from ``loop``'s thread; a second call moves to a new loop."""
+        if self._receiver is not None:
+            raise RuntimeError("the reports are already read by step()'s receiver thread")
+        self.detach()
+        attached = _Attached(loop, deliver, failed, {rank: FrameReader(conn) for rank, conn in self._conns.items()})
+        self._attached = attached
+        for rank, reader in attached.readers.items():
+            loop.add_reader(reader.fileno(), self._on_readable, rank, reader)
+        for rank, process in self._processes.items():
+            loop.add_reader(process.sentinel, self._on_exit, rank)
+        if self.failure is not None:
+            self._detach_and_report(self.failure)
+
+    def detach(self) -> None:
+        """Stop reading in the attached loop (a loop already closed has nothing left to remove)."""
+        attached, self._attached = self._attached, None
+        if attached is None:
+            return
+        if not attached.loop.is_closed():
+            for reader in attached.readers.values():
+                attached.loop.remove_reader(reader.fileno())
+            for process in self._processes.values():
+                attached.loop.remove_reader(process.sentinel)
+        for reader in attached.readers.values():
+            reader.close()
+
+    def _on_readable(self, rank: int, reader: FrameReader) -> None:
+        try:
+            messages = reader.read()
+        except (EOFError, OSError):
+            self._fail(*self._first_to_go(rank, "closed its connection"))
+            return
+        outputs: dict[str, RequestOutput] = {}
+        for message in messages:
+            if isinstance(message, RankFailed):
+                self._fail(*self._first_to_go(rank, f"failed: {message.message}"))
+                return
+            self._loads.loads[message.rank] = message.load
+            self._apply_report(message, outputs)
+        attached = self._attached
+        if attached is not None and messages:
+            attached.deliver(list(outputs.values()))
+
+    def _on_exit(self, rank: int) -> None:
+        if not self._closing:
+            self._fail(*self._first_to_go(rank, f"exited with code {self._processes[rank].exitcode}"))
+
+    def _detach_and_report(self, failure: str) -> None:
+        attached = self._attached
+        self.detach()
+        if attached is not None:
+            attached.failed(failure)
+
     def _receive(self) -> None:
         """Forward every rank's reports to the inbox; the first rank that goes away ends them all."""
         ranks_of = {conn: rank for rank, conn in self._conns.items()}
@@ -313,6 +389,7 @@ class RankedEngine:
         log.error("%s; stopping every rank", self.failure)
         self._kill_ranks()
         self._inbox.put(None)
+        self._detach_and_report(self.failure)
 
     def _kill_ranks(self) -> None:
         for process in self._processes.values():
@@ -347,7 +424,8 @@ class RankedEngine:
         self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, texts, tokens)
         self.requests[request_id] = [_CompletionView(c) for c in completions]
         self.balancer.assign(rank, prompt_ids, tokens)
-        rank_params = replace(params, stop=[]) if params.stop else params  # stop strings are applied here
+        # Text is made here only: the rank sends token ids, this process detokenizes and applies stop strings.
+        rank_params = replace(params, stop=[], detokenize=False) if params.stop or params.detokenize else params
         self._send(rank, AddRequest(request_id, prompt_ids, rank_params, images))
         for other in self._conns:
             if other != rank:
@@ -370,6 +448,11 @@ class RankedEngine:
     def step(self, timeout: float = 0.05) -> list[RequestOutput]:
         """The outputs the ranks reported since the last call (waits up to ``timeout`` for the first)."""
         self._check_alive()
+        if self._receiver is None:
+            if self._attached is not None:
+                raise RuntimeError("the reports are read in an event loop (attach): step() has none")
+            self._receiver = threading.Thread(target=self._receive, name="dsinfer-ranks", daemon=True)
+            self._receiver.start()
         try:
             reports = [self._inbox.get(timeout=timeout)]
         except queue.Empty:
@@ -391,6 +474,7 @@ class RankedEngine:
         if self._closing:
             return
         self._closing = True
+        self.detach()
         for rank in self._conns:
             self._send(rank, Shutdown())
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS

@@ -1,5 +1,9 @@
 """Text in the API process: the ranks send token ids, this turns them into text and applies stop strings.
 
+Only here are tokens turned into text (the ranks run with ``detokenize=False``), once, and only for requests that
+want it: a request with ``detokenize=False`` (chat, Responses, Messages: the protocol library decodes the ids)
+keeps its ids alone.
+
 The rules are the single-rank engine's (:meth:`dsinfer.engine.engine.LLMEngine._update_text`), applied token
 by token in the order the rank produced them: a stop token the rank marks hidden stays out of the text, a
 stop string is searched only where a new match can start, and a stop string found with the last allowed
@@ -42,9 +46,16 @@ class CompletionText:
         output, params = self.output, self.params
         output.token_ids.append(token_id)
         if logprob is not None:
-            output.logprobs = [*(output.logprobs or []), logprob]
+            if output.logprobs is None:
+                output.logprobs = []
+            output.logprobs.append(logprob)
         if top_logprobs is not None:
-            output.top_logprobs = [*(output.top_logprobs or []), top_logprobs]
+            if output.top_logprobs is None:
+                output.top_logprobs = []
+            output.top_logprobs.append(top_logprobs)
+        if not params.detokenize:  # the caller decodes the ids itself (chat): no text, no stop strings
+            output.finish_reason = finish_reason
+            return False
         visible = len(output.token_ids) - (1 if hide else 0)
         searched_from = len(output.text)
         text = output.text + self.detokenizer.push(output.token_ids[len(self.detokenizer.ids) : visible])

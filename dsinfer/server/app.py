@@ -9,6 +9,7 @@ keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -74,7 +75,12 @@ class APIError(Exception):
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="dsinfer", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        engine.attach()  # an engine in other processes: its pipes are read in this event loop from now on
+        yield
+
+    app = FastAPI(title="dsinfer", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
     reader = ImageReader(settings.vision, settings.image_limits) if settings.vision is not None else None
     chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name, image_reader=reader)

@@ -1,9 +1,15 @@
-"""The engine in its own thread, fed by the HTTP side through a command queue, answering through asyncio queues.
+"""The HTTP side's engine: requests in, each request's outputs out through an asyncio queue.
 
-HTTP handlers never call the engine directly: they post "add" and "abort" commands and await their request's
-channel. The engine thread applies commands between steps, steps while there is work, delivers each
-request's outputs to its channel, ends requests past their deadline, and keeps the metrics current. A client
-that goes away aborts its request, which frees its cache before the next step.
+With the engine in this process (``--engine-in-process``, embedding code, tests) it runs in its own thread, fed by
+a command queue: HTTP handlers post "add" and "abort" commands and await their request's channel. The engine thread
+applies commands between steps, steps while there is work, delivers each request's outputs to its channel, ends
+requests past their deadline, and keeps the metrics current. A client that goes away aborts its request, which
+frees its cache before the next step.
+
+With the engine in processes of its own (``dsinfer serve``'s default, :class:`~dsinfer.parallel.ranked_engine.
+RankedEngine`) there is no engine thread: the event loop sends a request to the engine process as the handler
+asks, and reads the engine's pipe itself (:meth:`AsyncEngine.attach`, at the app's startup), so each step's report
+becomes every stream's output in the one wake-up that reads it; deadlines are timers of the loop.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class _Channel:
     deadline: float | None
     last_token_time: dict[int, float] = field(default_factory=dict)
     tokens_seen: dict[int, int] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None  # the deadline, with the engine in other processes
 
 
 class AsyncEngine:
@@ -72,18 +79,35 @@ class AsyncEngine:
         self._exported_spec = SpeculativeStats()  # speculative-decoding counters already added
         self.alive = False
         self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
+        # An engine in other processes is read in the event loop instead (no engine thread): see attach().
+        self.loop_driven = callable(getattr(engine, "attach", None))
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self.alive = True
-        self.thread.start()
+        if not self.loop_driven:
+            self.thread.start()
+
+    def attach(self) -> None:
+        """Read an engine in other processes in the running event loop (the app's startup calls this; the
+        first request does where nothing did). Nothing to do for an engine in this process."""
+        loop = asyncio.get_running_loop()
+        if not self.loop_driven or self._loop is loop:
+            return
+        self._loop = loop
+        self.engine.attach(loop, self._on_outputs, self._on_engine_failure)
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.engine.close()  # the device worker finishes a step still in flight, then exits
+        if self.loop_driven:
+            self.engine.detach()
+            self.engine.close()  # the engine processes finish the step in progress, then exit
+        else:
+            self.thread.join(timeout=30)
+            if not self.thread.is_alive():
+                self.engine.close()  # the device worker finishes a step still in flight, then exits
         self.alive = False
 
     @property
@@ -102,9 +126,22 @@ class AsyncEngine:
         request_id = f"req-{next(self._ids)}"
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue(), deadline)
-        self._channels[request_id] = channel
-        self._pending_adds += 1
-        self._post(("add", request_id, prompt, params, images))
+        if self.loop_driven:
+            self.attach()
+            if self._shutdown_message is not None:
+                raise ServerShuttingDownError(self._shutdown_message)
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id, images=images)  # ValueError: a 4xx
+            except RuntimeError as exc:  # the engine processes are gone (RankDiedError)
+                raise EngineDeadError(f"the engine failed: {exc}") from exc
+            self._pending_adds += 1  # waiting until the engine's next report counts it
+            if self.request_timeout is not None:
+                channel.timer = channel.loop.call_later(self.request_timeout, self._expire, request_id)
+            self._channels[request_id] = channel
+        else:
+            self._channels[request_id] = channel
+            self._pending_adds += 1
+            self._post(("add", request_id, prompt, params, images))
         finished = False
         try:
             while True:
@@ -117,13 +154,46 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if channel.timer is not None:
+                channel.timer.cancel()
             if not finished:
-                self._post(("abort", request_id))
+                if self.loop_driven:
+                    self._abort(request_id)
+                else:
+                    self._post(("abort", request_id))
             self._channels.pop(request_id, None)
 
     def cut_all(self, message: str) -> None:
-        """End every request now (the drain deadline passed): each stream gets ``ServerShuttingDownError``."""
-        self._post(("cut", message))
+        """End every request now (the drain deadline passed): each stream gets ``ServerShuttingDownError``.
+        Any thread may call it."""
+        if not self.loop_driven:
+            self._post(("cut", message))
+        elif self._loop is None or self._loop.is_closed():
+            self._shutdown_message = message  # nothing in flight: no stream was ever read
+        else:
+            self._loop.call_soon_threadsafe(self._cut_all, message)
+
+    # ---- an engine in other processes, read in the event loop ------------------------------------
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A wake-up's reports (usually one step's), on the event loop: counters first, then every stream."""
+        self._pending_adds = 0
+        self._update_gauges()
+        self._deliver_outputs(outputs, in_loop=True)
+
+    def _on_engine_failure(self, failure: str) -> None:
+        log.error("engine failed: %s", failure)
+        self.alive = False
+        for channel in list(self._channels.values()):
+            channel.queue.put_nowait(EngineDeadError(f"the engine failed: {failure}"))
+
+    def _expire(self, request_id: str) -> None:
+        channel = self._channels.get(request_id)
+        if channel is not None and request_id in self.engine.requests:
+            self.engine.abort(request_id)
+            channel.queue.put_nowait(
+                RequestTimeoutError(f"request exceeded --request-timeout ({self.request_timeout} s)")
+            )
+            self.metrics.finished("timeout").inc()
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
@@ -185,7 +255,8 @@ class AsyncEngine:
         for request_id, channel in list(self._channels.items()):
             if request_id in self.engine.requests:
                 self._abort(request_id)
-                self._send(channel, ServerShuttingDownError(message))
+                error = ServerShuttingDownError(message)
+                channel.queue.put_nowait(error) if self.loop_driven else self._send(channel, error)
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
@@ -197,9 +268,10 @@ class AsyncEngine:
                 )
                 self.metrics.finished("timeout").inc()
 
-    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Count the step's tokens and hand every output to its request's channel, with one wake-up of the event
-        loop for the whole step (a wake-up per request made the loop take the Python lock once per stream)."""
+    def _deliver_outputs(self, outputs: list[RequestOutput], in_loop: bool = False) -> None:
+        """Count the step's tokens and hand every output to its request's channel: from the engine thread with one
+        wake-up of the event loop for the whole step (a wake-up per request made the loop take the Python lock
+        once per stream), or straight into the queues when called in the loop (``in_loop``)."""
         m, now = self.metrics, time.monotonic()
         deliveries: list[tuple[_Channel, RequestOutput]] = []
         new_tokens = 0
@@ -220,7 +292,11 @@ class AsyncEngine:
             if channel is not None:
                 deliveries.append((channel, output))
         m.series.generation_tokens.inc(new_tokens)
-        self._send_all(deliveries)
+        if in_loop:
+            for channel, item in deliveries:
+                channel.queue.put_nowait(item)
+        else:
+            self._send_all(deliveries)
 
     def _record_finished(self, output: RequestOutput) -> None:
         m, metrics = self.metrics, output.metrics
