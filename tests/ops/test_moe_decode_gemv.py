@@ -218,7 +218,9 @@ def test_dispatch_takes_the_gemv_path_for_small_fp4_steps(monkeypatch):
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_gemv_kernels_compile_for_hopper_without_spills():
     """The interpreter never compiles: build both kernels to sm_90 cubins (Triton's bundled ptxas, no GPU) in
-    the default launches at V4-Flash widths; neither may spill registers to local memory."""
+    the default launches, specialised as a launch at V4-Flash widths is (pointers and the sizes and strides
+    that are multiples of 16 marked so); neither may spill registers to local memory, and the code words must
+    load 16 bytes at a time (a layout that loses that reads them 4 bytes at a time)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -234,8 +236,11 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
         constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k)
         for name in constants:
             signature[name] = "constexpr"
-        source = ASTSource(kernel, signature, constexprs=constants)
+        aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+                   if name.endswith("_ptr") or name.endswith("_stride") or name in ("hidden", "inter")}  # fmt: skip
+        source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
         options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm["cubin"], kernel.fn.__name__
         assert "ld.local" not in compiled.asm["ptx"], kernel.fn.__name__
+        assert "ld.global.v4.b32" in compiled.asm["ptx"], kernel.fn.__name__

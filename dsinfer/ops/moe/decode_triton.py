@@ -113,26 +113,27 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(w_rows, s_rows, row_ok, q0, K, GROUPS: tl.constexpr):
-        """One K step of one weight tile from word ``q0`` on: the code words ``[N, G, 4]`` (one 16-byte load per
-        row and scale group) and the scale bytes ``[N, G]`` as int32. Past ``K`` (and for rows not ``row_ok``)
-        nothing is read: zero codes, scale byte 127."""
+        """One K step of one weight tile from word ``q0`` on: the code words ``[N, 4G]`` (each row's step
+        contiguous: 16-byte loads, a warp's threads side by side along the row) and the scale bytes ``[N, G]``
+        as int32. Past ``K`` (and for rows not ``row_ok``) nothing is read: zero codes, scale byte 127."""
         g = tl.arange(0, GROUPS)
-        group_ok = (q0 // 4 + g) < K // 32
-        words = q0 + 4 * g[:, None] + tl.arange(0, 4)[None, :]  # contiguous per row
-        mask = row_ok[:, None, None] & group_ok[None, :, None]  # constant along a group's 4 words
-        packed = tl.load(w_rows[:, None, None] + words[None, :, :], mask=mask, other=0)
+        words = q0 + tl.arange(0, 4 * GROUPS)
+        mask = row_ok[:, None] & (words // 4 < K // 32)[None, :]  # by scale group: constant over 16 bytes
+        packed = tl.load(w_rows[:, None] + words[None, :], mask=mask, other=0)
         exponents = tl.load(
-            s_rows[:, None] + (q0 // 4 + g)[None, :], mask=row_ok[:, None] & group_ok[None, :], other=127
+            s_rows[:, None] + (q0 // 4 + g)[None, :],
+            mask=row_ok[:, None] & ((q0 // 4 + g) < K // 32)[None, :],
+            other=127,
         )
         return packed, exponents.to(tl.int32)
 
     @triton.jit
     def _load_x(x_row, q0, K, GROUPS: tl.constexpr):
-        """The activations of one K step as eight ``[1, G, 4]`` float32 tensors: tensor ``p`` holds input
+        """The activations of one K step as eight ``[1, 4G]`` float32 tensors: tensor ``p`` holds input
         ``8q + p`` for each word ``q`` of the step (zeros past ``K``)."""
-        g = tl.arange(0, GROUPS)
-        ok = ((q0 // 4 + g) < K // 32)[:, None]
-        inputs = x_row + 8 * (q0 + 4 * g[:, None] + tl.arange(0, 4)[None, :])
+        words = q0 + tl.arange(0, 4 * GROUPS)
+        ok = words < K // 8
+        inputs = x_row + 8 * words
         x0 = tl.load(inputs, mask=ok, other=0.0).to(tl.float32)
         x1 = tl.load(inputs + 1, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(inputs + 2, mask=ok, other=0.0).to(tl.float32)
@@ -145,8 +146,9 @@ if triton is not None:
 
     @triton.jit
     def _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7):
-        """``acc [N, G]`` plus ``weight`` times one K step of one tile: each 32-input group's ``sum(e2m1 * x)``
-        times its ue8m0 scale (``2**(byte - 127)``; byte 0 is the subnormal 2**-127, 255 NaN).
+        """``acc [N, G]`` plus ``weight`` times one K step of one tile (``packed`` ``[N, 4G]`` words): each
+        32-input group's ``sum(e2m1 * x)`` times its ue8m0 scale (``2**(byte - 127)``; byte 0 is the subnormal
+        2**-127, 255 NaN).
 
         Codes ``p`` and ``p + 4`` of a word land in its low and high half-word as float16 bits: magnitude ``e1 e0
         m`` at bits 9..11 (float16's two lowest exponent bits and top mantissa bit), sign at bit 15; the constant
@@ -167,7 +169,8 @@ if triton is not None:
         part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x3
         part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x7
         # 2**14 undoes the decode's 2**-14 exactly; scale * weight is exact (a power of two times the weight).
-        return acc + (tl.sum(part, axis=2) * 16384.0) * (scale * weight)
+        groups = tl.sum(tl.reshape(part, (part.shape[0], part.shape[1] // 4, 4)), axis=2)  # a group: 4 words
+        return acc + (groups * 16384.0) * (scale * weight)
 
     @triton.jit
     def _gate_up_gemv_kernel(
