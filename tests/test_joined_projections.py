@@ -174,3 +174,22 @@ def test_tiny_checkpoint_joined_equals_separate_projections(tiny_checkpoint, fp8
         if hasattr(module, "joined_gate_up"):
             module.joined_gate_up = None
     _assert_close(joined, _logits(model))
+
+
+def test_decode_without_handed_projections_projects_the_entries_in_one_gemm(monkeypatch):
+    """A caller that projects q and kv itself (speculative verification) hands no projections to
+    ``_attend_decode``: the compressors' and indexer's rows of the input stack run there, with the same result."""
+    model = build_random_model(replace(tiny_config(), num_nextn_predict_layers=0), torch.float32, "cpu", seed=5)
+    model.join_projections()
+    expected = _logits(model)
+    attend_decode = Attention._attend_decode
+    calls = []
+
+    def without_projections(self, *args):
+        calls.append(self.joined_inputs(args[0], ("compressor", "index_compressor", "index_weights")).keys())
+        return attend_decode(self, *args[:7])
+
+    monkeypatch.setattr(Attention, "_attend_decode", without_projections)
+    _assert_close(_logits(model), expected)
+    assert ["compressor", "index_compressor", "index_weights"] in [list(names) for names in calls]
+    assert ["compressor"] in [list(names) for names in calls]  # HCA
