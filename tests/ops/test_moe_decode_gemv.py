@@ -232,15 +232,16 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     kernels = ((decode_triton._gate_up_gemv_kernel, DECODE_GEMV_CONFIG.gate_up),
                (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down))  # fmt: skip
     for kernel, launch in kernels:
-        signature = {name: pointers.get(name, "fp32" if name == "limit" else "i32") for name in kernel.arg_names}
-        constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k)
-        for name in constants:
-            signature[name] = "constexpr"
         aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
                    if name.endswith("_ptr") or name.endswith("_stride") or name in ("hidden", "inter")}  # fmt: skip
-        source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
-        options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        assert compiled.asm["cubin"], kernel.fn.__name__
-        assert "ld.local" not in compiled.asm["ptx"], kernel.fn.__name__
-        assert "ld.global.v4.b32" in compiled.asm["ptx"], kernel.fn.__name__
+        for even in (True, False):  # V4-Flash widths are whole tiles; the masked form serves other widths
+            signature = {name: pointers.get(name, "fp32" if name == "limit" else "i32") for name in kernel.arg_names}
+            constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even)
+            signature.update({name: "constexpr" for name in constants})
+            source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
+            options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            name = (kernel.fn.__name__, even)
+            assert compiled.asm["cubin"], name
+            assert "ld.local" not in compiled.asm["ptx"], name
+            assert "ld.global.v4.b32" in compiled.asm["ptx"], name

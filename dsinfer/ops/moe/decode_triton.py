@@ -112,12 +112,16 @@ def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.T
 if triton is not None:
 
     @triton.jit
-    def _load_tile(w_rows, s_rows, row_ok, q0, K, GROUPS: tl.constexpr):
+    def _load_tile(w_rows, s_rows, row_ok, q0, K, GROUPS: tl.constexpr, EVEN: tl.constexpr):
         """One K step of one weight tile from word ``q0`` on: the code words ``[N, 4G]`` (each row's step
         contiguous: 16-byte loads, a warp's threads side by side along the row) and the scale bytes ``[N, G]``
-        as int32. Past ``K`` (and for rows not ``row_ok``) nothing is read: zero codes, scale byte 127."""
+        as int32. Past ``K`` (and for rows not ``row_ok``) nothing is read: zero codes, scale byte 127. ``EVEN``
+        (every tile and step whole, the caller keeps ``q0`` inside ``K``): no masks, no predicated loads."""
         g = tl.arange(0, GROUPS)
         words = q0 + tl.arange(0, 4 * GROUPS)
+        if EVEN:
+            packed = tl.load(w_rows[:, None] + words[None, :])
+            return packed, tl.load(s_rows[:, None] + (q0 // 4 + g)[None, :]).to(tl.int32)
         mask = row_ok[:, None] & (words // 4 < K // 32)[None, :]  # by scale group: constant over 16 bytes
         packed = tl.load(w_rows[:, None] + words[None, :], mask=mask, other=0)
         exponents = tl.load(
@@ -128,11 +132,11 @@ if triton is not None:
         return packed, exponents.to(tl.int32)
 
     @triton.jit
-    def _load_x(x_row, q0, K, GROUPS: tl.constexpr):
+    def _load_x(x_row, q0, K, GROUPS: tl.constexpr, EVEN: tl.constexpr):
         """The activations of one K step as eight ``[1, 4G]`` float32 tensors: tensor ``p`` holds input
-        ``8q + p`` for each word ``q`` of the step (zeros past ``K``)."""
+        ``8q + p`` for each word ``q`` of the step (zeros past ``K``; ``EVEN``: unmasked, as in :func:`_load_tile`)."""
         words = q0 + tl.arange(0, 4 * GROUPS)
-        ok = words < K // 8
+        ok = (words < K // 8) | EVEN
         inputs = x_row + 8 * words
         x0 = tl.load(inputs, mask=ok, other=0.0).to(tl.float32)
         x1 = tl.load(inputs + 1, mask=ok, other=0.0).to(tl.float32)
@@ -191,12 +195,15 @@ if triton is not None:
         s_row_stride,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
 
         ``w_ptr``: the ``w13`` codes as int32 words ``[E, 2I, H/8]``; ``s_ptr``: the scale bytes ``[E, 2I, H/32]``.
         Each K step's loads are issued one step ahead (registers, no shared memory), so a program keeps two
-        steps of weight bytes in flight while it decodes one."""
+        steps of weight bytes in flight while it decodes one. ``EVEN`` (``inter % BLOCK_N == 0`` and ``hidden %
+        BLOCK_K == 0``): no masks; the look-ahead past the last step re-reads it, and a bad expert id reads
+        expert 0 and stores zeros."""
         GROUPS: tl.constexpr = BLOCK_K // 32
         WORDS: tl.constexpr = BLOCK_K // 8
         n_tile = tl.program_id(0)
@@ -213,15 +220,18 @@ if triton is not None:
         up_scales = gate_scales + inter * s_row_stride
         gate = tl.zeros((BLOCK_N, GROUPS), tl.float32)
         up = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, 0, hidden, GROUPS)
-        up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, 0, hidden, GROUPS)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, 0, hidden, GROUPS)
+        gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, 0, hidden, GROUPS, EVEN)
+        up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, 0, hidden, GROUPS, EVEN)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, 0, hidden, GROUPS, EVEN)
         for q0 in range(0, hidden // 8, WORDS):  # the K step's first word
             gate_packed, gate_exp, up_packed, up_exp = gate_next, gate_exp_next, up_next, up_exp_next
             xs = (x0, x1, x2, x3, x4, x5, x6, x7)
-            gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, q0 + WORDS, hidden, GROUPS)
-            up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, q0 + WORDS, hidden, GROUPS)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, q0 + WORDS, hidden, GROUPS)
+            ahead = q0 + WORDS
+            if EVEN:
+                ahead = tl.minimum(ahead, hidden // 8 - WORDS)
+            gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, ahead, hidden, GROUPS, EVEN)
+            up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, ahead, hidden, GROUPS, EVEN)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, ahead, hidden, GROUPS, EVEN)
             gate = _accumulate(gate, gate_packed, gate_exp, 1.0, *xs)
             up = _accumulate(up, up_packed, up_exp, 1.0, *xs)
         # As the reference rounds: each F.linear output, the clamps, the SiLU and the product in x.dtype.
@@ -231,26 +241,31 @@ if triton is not None:
         gate = tl.minimum(gate, limit).to(dtype).to(tl.float32)
         up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(h_ptr + slot.to(tl.int64) * inter + columns, (activated * up).to(dtype), mask=columns < inter)
+        h = tl.where(expert_ok, activated * up, 0.0)
+        tl.store(h_ptr + slot.to(tl.int64) * inter + columns, h.to(dtype), mask=columns < inter)
 
     @triton.jit
     def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, step, k_steps, top_k, hidden, inter,
                    num_experts, columns, w_expert_stride, w_row_stride, s_expert_stride, s_row_stride,
-                   GROUPS: tl.constexpr):  # fmt: skip
+                   GROUPS: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
         """The loads of flat step ``step`` (slot ``step // k_steps`` of the token, K step ``step % k_steps``):
-        ``(words, scale bytes, routing weight, x0 .. x7)``; past the token's last slot nothing is read."""
+        ``(words, scale bytes, routing weight, x0 .. x7)``; past the token's last slot nothing is read (``EVEN``:
+        the last step is read again). A bad expert id's routing weight is zero."""
+        if EVEN:
+            step = tl.minimum(step, top_k * k_steps - 1)
         choice = step // k_steps
         q0 = (step % k_steps) * (GROUPS * 4)
         slot = token * top_k + tl.minimum(choice, top_k - 1)
         expert = tl.load(ids_ptr + slot)
         expert_ok = (expert >= 0) & (expert < num_experts) & (choice < top_k)
         expert = tl.where(expert_ok, expert, 0)
-        route_weight = tl.load(route_weight_ptr + slot)
+        route_weight = tl.where(expert_ok, tl.load(route_weight_ptr + slot), 0.0)
         row_ok = columns < tl.where(expert_ok, hidden, 0)
         w_rows = w_ptr + expert * w_expert_stride + columns.to(tl.int64) * w_row_stride
         s_rows = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
-        packed, exponents = _load_tile(w_rows, s_rows, row_ok, q0, inter, GROUPS)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(h_ptr + slot * inter, q0, tl.where(choice < top_k, inter, 0), GROUPS)
+        packed, exponents = _load_tile(w_rows, s_rows, row_ok, q0, inter, GROUPS, EVEN)
+        h_row = h_ptr + slot * inter
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(h_row, q0, tl.where(choice < top_k, inter, 0), GROUPS, EVEN)
         return packed, exponents, route_weight, x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
@@ -271,13 +286,14 @@ if triton is not None:
         s_row_stride,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
         """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
         ``w_ptr``: the ``w2`` codes as int32 words ``[E, H, I/8]``; ``s_ptr``: the scale bytes ``[E, H, I/32]``.
         One flat loop over (slot, K step), slots in order, each step's loads issued one step ahead: a program
         covers all ``k`` slots of its columns, and the next slot's first bytes are in flight while the last step
-        of a slot is decoded."""
+        of a slot is decoded. ``EVEN``: ``hidden % BLOCK_N == 0`` and ``inter % BLOCK_K == 0``, no masks."""
         GROUPS: tl.constexpr = BLOCK_K // 32
         n_tile = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
@@ -287,10 +303,10 @@ if triton is not None:
         common = (h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token)
         sizes = (k_steps, top_k, hidden, inter, num_experts, columns)
         acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        loads = _down_step(*common, 0, *sizes, *strides, GROUPS)
+        loads = _down_step(*common, 0, *sizes, *strides, GROUPS, EVEN)
         for step in range(0, top_k * k_steps):
             packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7 = loads
-            loads = _down_step(*common, step + 1, *sizes, *strides, GROUPS)
+            loads = _down_step(*common, step + 1, *sizes, *strides, GROUPS, EVEN)
             acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7)
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=columns < hidden)
@@ -334,12 +350,14 @@ def routed_moe_decode_gemv(
     _gate_up_gemv_kernel[(triton.cdiv(inter, block_n), tokens * top_k)](
         x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=inter % block_n == 0 and hidden % block_k == 0,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
     _down_gemv_kernel[(triton.cdiv(hidden, block_n), tokens)](
         h, w2, weights.w2_scale, ids, route_weight, out, top_k, hidden, inter, weights.num_experts,
         w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
