@@ -16,7 +16,6 @@ from interpreted import assert_interpreted_cases_pass
 from dsinfer.ops.moe import ExpertWeights, routed_moe_reference
 from dsinfer.ops.moe.decode_triton import (
     DECODE_GEMV_CONFIG,
-    DECODE_GEMV_MAX_TOKENS,
     DecodeGemvConfig,
     GemvConfig,
     use_decode_gemv,
@@ -192,21 +191,26 @@ def test_gemv_path_replays_in_a_cuda_graph():
 
 
 def test_dispatch_takes_the_gemv_path_for_small_fp4_steps(monkeypatch):
-    """``routed_moe_triton`` hands steps of 1 .. DECODE_GEMV_MAX_TOKENS tokens over FP4 experts to the GEMV path
-    unless a grouped ``config`` or ``gemv=False`` is given; dense experts and bigger steps stay grouped."""
+    """``routed_moe_triton`` hands steps of 1 .. DECODE_GEMV_MAX_TOKENS tokens (0: none) over FP4 experts to the
+    GEMV path unless a grouped ``config`` or ``gemv=False`` is given; dense experts and bigger steps stay grouped."""
     pytest.importorskip("triton")
     import dsinfer.ops.moe.decode_triton as decode
     import dsinfer.ops.moe.triton as moe_triton
 
     calls = []
     monkeypatch.setattr(decode, "routed_moe_decode_gemv", lambda *args, **kwargs: calls.append(args) or "gemv")
+    limit = 2  # DSINFER_MOE_GEMV_MAX_TOKENS=2
+    monkeypatch.setattr(decode, "DECODE_GEMV_MAX_TOKENS", limit)
     weights = random_experts(4, 64, 32, seed=0)
-    for tokens in range(1, DECODE_GEMV_MAX_TOKENS + 1):
+    for tokens in range(1, limit + 1):
         ids, mix = routing(tokens, 2, 4, seed=tokens)
         x = torch.randn(tokens, 64)
         assert moe_triton.routed_moe_triton(x, weights, ids, mix, 1.0) == "gemv"
-    assert len(calls) == DECODE_GEMV_MAX_TOKENS
-    ids, mix = routing(DECODE_GEMV_MAX_TOKENS + 1, 2, 4, seed=0)
+    assert len(calls) == limit
+    monkeypatch.setattr(decode, "DECODE_GEMV_MAX_TOKENS", 0)  # the path off: every step grouped
+    assert not use_decode_gemv(torch.randn(1, 64), weights, routing(1, 2, 4, seed=1)[0])
+    monkeypatch.setattr(decode, "DECODE_GEMV_MAX_TOKENS", limit)
+    ids, mix = routing(limit + 1, 2, 4, seed=0)
     assert not use_decode_gemv(torch.randn(len(ids), 64), weights, ids)
     dense = ExpertWeights(torch.zeros(4, 64, 64), None, torch.zeros(4, 64, 32), None, 32, False)
     assert not use_decode_gemv(torch.randn(1, 64), dense, ids[:1])

@@ -44,6 +44,7 @@ Expert ids outside ``0 .. E-1`` are never read: such a slot contributes zeros.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -67,8 +68,10 @@ __all__ = [
     "use_decode_gemv",
 ]
 
-DECODE_GEMV_MAX_TOKENS = 2
-"""Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``.
+DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "0"))
+"""Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
+(``DSINFER_MOE_GEMV_MAX_TOKENS``; 0, the default, turns the path off: on the H200 its first version took 0.134 ms
+at one token against the grouped kernels' 0.083, ``benchmarks/moe_kernel.py --decode-gemv``).
 
 Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
 kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
