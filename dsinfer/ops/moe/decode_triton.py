@@ -248,16 +248,14 @@ if triton is not None:
         tl.store(h_ptr + slot.to(tl.int64) * inter + columns, h.to(dtype), mask=columns < inter)
 
     @triton.jit
-    def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, step, k_steps, top_k, hidden, inter,
+    def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, choice, q0, top_k, hidden, inter,
                    num_experts, columns, w_expert_stride, w_row_stride, s_expert_stride, s_row_stride,
                    GROUPS: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-        """The loads of flat step ``step`` (slot ``step // k_steps`` of the token, K step ``step % k_steps``):
-        ``(words, scale bytes, routing weight, x0 .. x7)``; past the token's last slot nothing is read (``EVEN``:
-        the last step is read again). A bad expert id's routing weight is zero."""
+        """The loads of the K step from word ``q0`` of the token's slot ``choice``: ``(words, scale bytes,
+        routing weight, x0 .. x7)``. Past the token's last slot (``choice == top_k``) nothing is read (``EVEN``:
+        the last slot's first step is read again, with a zero weight); a bad expert id's routing weight is zero."""
         if EVEN:
-            step = tl.minimum(step, top_k * k_steps - 1)
-        choice = step // k_steps
-        q0 = (step % k_steps) * (GROUPS * 4)
+            q0 = tl.where(choice < top_k, q0, 0)
         slot = token * top_k + tl.minimum(choice, top_k - 1)
         expert = tl.load(ids_ptr + slot)
         expert_ok = (expert >= 0) & (expert < num_experts) & (choice < top_k)
@@ -301,15 +299,21 @@ if triton is not None:
         n_tile = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_steps = tl.cdiv(inter, BLOCK_K)
+        WORDS: tl.constexpr = BLOCK_K // 8
         strides = (w_expert_stride, w_row_stride, s_expert_stride, s_row_stride)
         common = (h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token)
-        sizes = (k_steps, top_k, hidden, inter, num_experts, columns)
+        sizes = (top_k, hidden, inter, num_experts, columns)
         acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        loads = _down_step(*common, 0, *sizes, *strides, GROUPS, EVEN)
-        for step in range(0, top_k * k_steps):
+        choice = 0  # of the step loaded ahead; counted, not divided out of a flat index (a division a step)
+        q0 = 0
+        loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
+        for _ in range(0, top_k * tl.cdiv(inter, BLOCK_K)):
             packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7 = loads
-            loads = _down_step(*common, step + 1, *sizes, *strides, GROUPS, EVEN)
+            q0 += WORDS
+            next_slot = q0 >= inter // 8
+            choice += next_slot.to(tl.int32)
+            q0 = tl.where(next_slot, 0, q0)
+            loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
             acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7)
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=columns < hidden)
