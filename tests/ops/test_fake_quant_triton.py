@@ -105,7 +105,9 @@ def check_cache_codec(device: torch.device) -> list[str]:
                         if not torch.equal(got_scales.view(torch.uint8), want_scales.view(torch.uint8)):
                             failures.append(f"{label}: scales differ")
                         for out_dtype in (torch.bfloat16, torch.float32):
-                            want = cache_decode_reference(want_codes, want_scales, element, block, scale, out_dtype)
+                            want = cache_decode_reference(  # on the CPU: the truth, not CUDA's float8 cast
+                                want_codes.cpu(), want_scales.cpu(), element, block, scale, out_dtype
+                            ).to(device)
                             got = backend.cache_decode_triton(want_codes, want_scales, element, block, scale, out_dtype)
                             if (
                                 got.dtype != want.dtype

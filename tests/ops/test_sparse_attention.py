@@ -263,12 +263,23 @@ def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatc
 def test_split_count_depends_on_shapes_only():
     import dsinfer.ops.sparse_attention.triton as backend
 
-    # V4-Flash CSA decode: 128 window rows + 512 entries = 20 tiles of 32; at least 4 tiles per split.
-    assert backend.choose_splits(batch=1, head_groups=1, n_tiles=20, sm_count=132) == 5
+    # V4-Flash CSA decode: 128 window rows + 512 entries = 20 tiles of 32; two programs per SM, a split per tile
+    # at most.
+    assert backend.choose_splits(batch=1, head_groups=1, n_tiles=20, sm_count=132) == 20
+    assert backend.choose_splits(batch=32, head_groups=2, n_tiles=20, sm_count=132) == 5
     assert backend.choose_splits(batch=256, head_groups=1, n_tiles=20, sm_count=132) == 2
     assert backend.choose_splits(batch=512, head_groups=1, n_tiles=20, sm_count=132) == 1
     assert backend.choose_splits(batch=100, head_groups=1, n_tiles=20, sm_count=132) == 3
-    assert backend.choose_splits(batch=1, head_groups=1, n_tiles=7, sm_count=132) == 1
+    assert backend.choose_splits(batch=1, head_groups=1, n_tiles=7, sm_count=132) == 7
+
+
+def test_a_small_step_takes_sixteen_heads_a_program():
+    import dsinfer.ops.sparse_attention.triton as backend
+
+    assert backend.choose_config(64, torch.bfloat16, 512, batch=1).block_h == 16
+    assert backend.choose_config(64, torch.bfloat16, 512, batch=2).block_h == 16
+    assert backend.choose_config(64, torch.bfloat16, 512, batch=32).block_h == 32
+    assert backend.choose_config(64, torch.bfloat16, 512).block_h == 32
 
 
 def _signature(kernel, activation: str) -> dict[str, str]:
@@ -318,8 +329,12 @@ def test_triton_kernels_compile_for_hopper():
     import dsinfer.ops.sparse_attention.triton as backend
 
     target = GPUTarget("cuda", 90, 32)
-    for dtype, activation, precision in ((torch.bfloat16, "bf16", "tf32"), (torch.float32, "fp32", "ieee")):
-        config = backend.choose_config(64, dtype, 512)
+    for dtype, activation, precision, batch in (
+        (torch.bfloat16, "bf16", "tf32", None),
+        (torch.bfloat16, "bf16", "tf32", 1),
+        (torch.float32, "fp32", "ieee", None),
+    ):
+        config = backend.choose_config(64, dtype, 512, batch)
         constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512, BLOCK_D=512,
                          BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
                          PRECISION=precision)  # fmt: skip

@@ -27,7 +27,11 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-BLOCK_T = 32  # tokens per program
+# Tokens per program and warps: one warp of 8 tokens keeps the n x n reductions of the twenty serial Sinkhorn rounds
+# inside a warp. H200, one call, CUDA graph: 3.2 us at 1 token and 3.5 us at 4,096 against 8.8 and 9.4 us with 32
+# tokens on 4 warps (the Sinkhorn's chain of dependent sums is the cost, not the bytes).
+BLOCK_T = 8
+NUM_WARPS = 1
 
 
 if triton is not None:
@@ -104,6 +108,6 @@ def hc_weights_triton(
     if tokens:
         _weights_kernel[(triton.cdiv(tokens, BLOCK_T),)](
             flat, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, tokens, float(hc_eps),
-            ITERATIONS=iterations, N=n, BLOCK=BLOCK_T, enable_fp_fusion=False,
+            ITERATIONS=iterations, N=n, BLOCK=BLOCK_T, enable_fp_fusion=False, num_warps=NUM_WARPS,
         )  # fmt: skip
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)

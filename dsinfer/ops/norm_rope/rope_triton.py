@@ -130,7 +130,9 @@ def rope_launch(
     block_nope = triton.next_power_of_2(nope) if nope and not in_place else 0  # in place: the nope stays
     block_half = triton.next_power_of_2(half)
     width = max(block_nope, 2 * block_half)
-    block_r = min(max(1, ELEMENTS_PER_PROGRAM // width), triton.next_power_of_2(rows))
+    # at least eight programs where there are eight rows (a decode step's 64 query heads, in place, would
+    # otherwise be one program)
+    block_r = min(max(1, ELEMENTS_PER_PROGRAM // width), max(1, triton.next_power_of_2(rows) // 8))
     grid = (triton.cdiv(rows, block_r),)
     _rope_kernel[grid](
         x3,

@@ -59,22 +59,27 @@ class DecodeConfig:
 
 
 TARGET_WAVES = 2  # aim for this many programs per SM when choosing the split count
-MIN_TILES_PER_SPLIT = 4  # a split's fp32 partial output (H x D) must stay small beside the keys it reads
+MIN_TILES_PER_SPLIT = 1  # a split may be one tile: at a step of one or two sequences the chain of tiles is the cost
+FEW_QUERY_HEADS = 128  # sequences x heads up to this: 16 heads a program (more programs for a small step)
 
 
-def choose_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512) -> DecodeConfig:
-    """The launch configuration by head count, dtype and width (``benchmarks/attention_decode.py --sweep``).
+def choose_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512, batch: int | None = None) -> DecodeConfig:
+    """The launch configuration by head count, dtype, width and (``batch``) sequences in the step
+    (``benchmarks/attention_decode.py --sweep``).
 
     The fp32 accumulator of a program is ``block_h x head_dim``: with 512-d heads, 64 heads in one program need
     128 registers per thread for it alone at 8 warps and spill, so bf16 / fp16 take 32 heads per program
     (2 programs per sequence share each K=V tile through L2) and 8 warps; fewer heads, groups of 16 (the
-    smallest MMA). fp32: the IEEE products run on CUDA cores; 16 x 16 tiles keep them in registers.
+    smallest MMA). fp32: the IEEE products run on CUDA cores; 16 x 16 tiles keep them in registers. A step of
+    few query heads in all (``batch * n_heads <= FEW_QUERY_HEADS``: one or two V4 sequences) takes 16 heads a
+    program, twice the programs: on the H200 at one sequence and 256 context a layer's call took 9.5 / 13.6 /
+    11.2 us (window / CSA / HCA) against 14.0 / 25.0 / 17.8 us with 32 heads and at least four tiles a split.
     (sm_90 builds of these: no spills, ``tests/ops/test_sparse_attention.py``.)
     """
     wide = head_dim >= 256
     if dtype == torch.float32:
         return DecodeConfig(block_h=16, block_n=16, num_warps=8 if wide else 4, num_stages=2)
-    if n_heads >= 32:
+    if n_heads >= 32 and not (batch is not None and batch * n_heads <= FEW_QUERY_HEADS):
         return DecodeConfig(block_h=32, block_n=32, num_warps=8 if wide else 4, num_stages=2)
     return DecodeConfig(block_h=16, block_n=32, num_warps=8 if wide else 4, num_stages=2)
 
@@ -305,7 +310,7 @@ def sparse_attention_decode_launch(
     """The kernels, no fallback: ``config`` (default :func:`choose_config`) and ``num_splits`` (default: from the
     shapes and the SM count) fix the launch."""
     batch, n_heads, head_dim = q.shape
-    config = config or choose_config(n_heads, q.dtype, head_dim)
+    config = config or choose_config(n_heads, q.dtype, head_dim, batch)
     size = window.shape[1]
     has_entries = entries is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
