@@ -77,32 +77,32 @@ SWEEP_CONFIGS = {
 """Candidates per regime: ``decode`` for under 4 slots per expert, ``prefill`` above."""
 
 GEMV_SWEEP_CONFIGS = {
-    "gate_up": [  # (block_n, block_k, num_warps, num_stages); programs at T = 1: 6 * 2048 / block_n
-        (32, 512, 4, 1),
-        (16, 512, 4, 1),
-        (64, 512, 4, 1),
-        (32, 256, 4, 1),
-        (32, 1024, 4, 1),
-        (16, 1024, 4, 1),
+    # (block_n, block_k, num_warps, num_stages). Kept to block_k < 256 * num_warps (else Triton converts each
+    # step's activations through shared memory). Static counts for sm_90 (Triton 3.6): loop instructions per
+    # weight and registers; programs at T = 1 are 6 * 2048 / block_n (gate/up) and 4096 / block_n (down).
+    "gate_up": [
+        (32, 512, 4, 1),  # 5.6 a weight, 128 registers, 384 programs
+        (16, 512, 4, 1),  # 5.5, 96, 768
+        (64, 512, 4, 1),  # 5.3, 255, 192
+        (32, 256, 4, 1),  # 5.5, 96, 384
         (64, 256, 4, 1),
-        (32, 512, 8, 1),
-        (64, 512, 8, 1),
-        (16, 256, 2, 1),
-        (32, 512, 4, 2),
-        (32, 512, 4, 3),
+        (16, 256, 2, 1),  # 5.5, 96, 768
+        (32, 256, 2, 1),
+        (32, 512, 8, 1),  # 5.3, 126, 384
+        (64, 1024, 8, 1),
+        (32, 1024, 8, 1),
+        (32, 512, 4, 2),  # num_stages: the loads are already issued a step ahead by hand
     ],
-    "down": [  # programs at T = 1: 4096 / block_n
-        (16, 512, 4, 1),
-        (8, 512, 4, 1),
-        (32, 512, 4, 1),
-        (16, 256, 4, 1),
-        (16, 1024, 4, 1),
-        (8, 1024, 4, 1),
-        (4, 1024, 4, 1),
-        (16, 512, 8, 1),
-        (8, 256, 2, 1),
+    "down": [
+        (16, 512, 4, 1),  # 6.8 a weight, 72 registers, 256 programs
+        (32, 512, 4, 1),  # 6.2, 96, 128
+        (64, 512, 4, 1),  # 5.7, 128, 64
+        (32, 256, 4, 1),
+        (16, 256, 2, 1),
+        (32, 256, 2, 1),
+        (16, 1024, 8, 1),
+        (32, 1024, 8, 1),
         (16, 512, 4, 2),
-        (16, 512, 4, 3),
     ],
 }
 """Candidate launches of the two GEMV kernels (``--decode-gemv --sweep``)."""

@@ -23,10 +23,11 @@ patterns (magnitude bits at 9..11, sign at 15). Read as float16, ``e1 e0 m`` at 
 mantissa bits is exactly ``e2m1 * 2**-14``: the e2m1 subnormal (code 1, 0.5) becomes the float16 subnormal
 ``2**-15``, and the float16 -> float32 conversion is exact. Each 32-input group's sum is multiplied by
 ``2**14`` and by its ue8m0 scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``, 255 is NaN), both exact.
-That is about two integer operations, one conversion and one fp32 multiply-add per weight (sm_90 SASS: ~5
-instructions a weight in the loop, all in), where the bit arithmetic of ``_e2m1_values`` takes about a dozen.
+That is about two integer operations, one conversion and one fp32 multiply-add per weight; with the loads,
+the group sums and the loop, sm_90 SASS of the default launches has ~5.5 (gate/up) and ~6.8 (down)
+instructions a weight in the loops, where the bit arithmetic of ``_e2m1_values`` alone takes about a dozen.
 
-Loads: a K step of a tile is ``[BLOCK_N, BLOCK_K / 32, 4]`` words, each row's 16 bytes of one scale group
+Loads: a K step of a tile is ``[BLOCK_N, BLOCK_K / 8]`` words, each row's 16 bytes of one scale group
 contiguous (one 16-byte load per thread and group, a warp's groups side by side along the row); a group's
 scale byte is one more load, and each thread reads the activations of its group once per step for all of its
 rows. Every step's loads are issued one step ahead, in registers. Keep ``BLOCK_K <= 256 * num_warps``: with
@@ -103,8 +104,10 @@ class DecodeGemvConfig(NamedTuple):
 
 
 DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(32, 512, 4, 1), GemvConfig(16, 512, 4, 1))
-"""Default launches. At V4-Flash widths and T = 1: 6 x 2048 / 32 = 384 gate/up programs and 4096 / 16 = 256 down
-programs for the H200's 132 SMs. Not yet timed on the GPU: pick with the sweep."""
+"""Default launches. At V4-Flash widths and T = 1: 6 x 2048 / 32 = 384 gate/up programs (128 registers: all
+resident at once on the H200's 132 SMs) and 4096 / 16 = 256 down programs. Chosen from static sm_90 counts
+(instructions a weight, registers, no spills, no shared-memory conversions in the loop), not yet timed on the
+GPU: pick with ``benchmarks/moe_kernel.py --decode-gemv --sweep``."""
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
