@@ -24,7 +24,8 @@ CUDA graph, and the routing layout alone (one fused launch against the torch ops
 ``dsinfer.ops.moe.triton.choose_config`` hard-codes by slots per expert.
 
 ``--decode-gemv`` times, per token count (default 1 and 2), the GEMV path of ``dsinfer.ops.moe.decode_triton``
-against the grouped kernels, both captured in a CUDA graph, and checks both against the reference; with
+against the grouped kernels, both captured in a CUDA graph, checks both against the reference and lists each
+path's kernels with their mean device time (torch.profiler over eager calls); with
 ``--sweep`` it times ``GEMV_SWEEP_CONFIGS`` instead: each kernel's candidates with the other kernel at its
 default, then the two winners together (the pair to write into ``DECODE_GEMV_CONFIG``).
 
@@ -256,6 +257,24 @@ def _timed_row(args: argparse.Namespace, tokens: int, label: str, fn, gigabytes:
     return ms
 
 
+def _kernel_rows(args: argparse.Namespace, tokens: int, label: str, fn) -> None:
+    """Print each device kernel of ``fn`` with its mean time over ``--iters`` eager calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        for _ in range(args.iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in recorded.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1e3
+    for name, total_ms in sorted(kernels.items(), key=lambda item: -item[1]):
+        print(f"| {tokens} | {label} kernel {name[:60]} | {total_ms / args.iters:.4f} | | | |", flush=True)
+
+
 def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> None:
     """The GEMV path against the grouped kernels per token count (graph replay), or the GEMV launch sweep."""
     from dsinfer.ops.moe.decode_triton import DECODE_GEMV_CONFIG, DecodeGemvConfig, GemvConfig, routed_moe_decode_gemv
@@ -277,9 +296,12 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
         slots_gb = expert_ids.numel() * per_expert / 1e9
         touched_gb = int(torch.unique(expert_ids).numel()) * per_expert / 1e9
         if not args.sweep:
-            _timed_row(args, tokens, "grouped", partial(routed_moe_triton, *step, gemv=False), touched_gb, reference)
-            label = f"gemv {tuple(map(tuple, DECODE_GEMV_CONFIG))}"
-            _timed_row(args, tokens, label, partial(routed_moe_decode_gemv, *step), slots_gb, reference)
+            grouped = partial(routed_moe_triton, *step, gemv=False)
+            gemv = partial(routed_moe_decode_gemv, *step)
+            _timed_row(args, tokens, "grouped", grouped, touched_gb, reference)
+            _timed_row(args, tokens, f"gemv {tuple(map(tuple, DECODE_GEMV_CONFIG))}", gemv, slots_gb, reference)
+            _kernel_rows(args, tokens, "grouped", grouped)  # eager: per-kernel device time, no launch gaps
+            _kernel_rows(args, tokens, "gemv", gemv)
             continue
         best = {}
         for part in ("gate_up", "down"):
