@@ -159,7 +159,7 @@ def test_gemv_kernels_match_reference_on_cuda_at_flash_widths(tokens):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).cuda()
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        got = routed_moe_triton(xd, weights, ids, mix, 10.0)  # dispatched to the GEMV path
+        got = routed_moe_triton(xd, weights, ids, mix, 10.0, gemv=True)  # whatever DECODE_GEMV_MAX_TOKENS says
         want_fp32 = routed_moe_reference(xd.float(), weights, ids, mix, 10.0)
         want_dtype = routed_moe_reference(xd, weights, ids, mix, 10.0)
         assert bound_failures(f"T={tokens}", got, want_fp32, want_dtype, dtype) == []
@@ -176,10 +176,10 @@ def test_gemv_path_replays_in_a_cuda_graph():
     weights = random_experts(16, 256, 128, seed=1, device="cuda")
     ids, mix = routing(1, 4, 16, seed=2, device="cuda")
     x = torch.randn(1, 256, device="cuda").bfloat16()
-    routed_moe_triton(x, weights, ids, mix, 4.0)  # compile outside the capture
+    routed_moe_triton(x, weights, ids, mix, 4.0, gemv=True)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = routed_moe_triton(x, weights, ids, mix, 4.0)
+        out = routed_moe_triton(x, weights, ids, mix, 4.0, gemv=True)
     new_ids, new_mix = routing(1, 4, 16, seed=3, device="cuda")
     ids.copy_(new_ids)
     mix.copy_(new_mix)
