@@ -185,7 +185,8 @@ class Attention(nn.Module):
         projected = projected or {}
         spans, positions = batch.device_spans, batch.positions
         ring = layer_cache.window
-        ring[spans.slots, positions % self.window] = kv.to(ring.dtype)
+        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
+        ops.cache_store(kv, ring, None, spans.slots, positions, self.window, None, 0, None)  # row position % window
         entries, indices = None, None
         if self.compressor is not None:
             self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, projected.get("compressor"))
@@ -196,7 +197,6 @@ class Attention(nn.Module):
                 chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(q.shape[0], -1)
                 real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
             indices = torch.where(real, chosen, -1)
-        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
         return ops.sparse_attention_decode(
             q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
             self.attn_sink, self.softmax_scale,
