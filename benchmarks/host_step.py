@@ -21,8 +21,9 @@ benchmarks/host_step.py ...`` (a thread waiting for the lock shows up in py-spy'
 ``--engine-process`` runs the engine in a process of its own, as ``dsinfer serve`` does by default (without it,
 in the server's process, as ``--engine-in-process``): the constant forward reaches it through this script, which
 multiprocessing imports in the engine process (:func:`patch_engine_process`). The period is then from one
-delivery of a step's outputs to the server's engine thread to the next (what the streams see), beside the engine
-process's own median step and step period and its CPU ms per step.
+delivery of a step's outputs to the streams to the next (the event loop reads the engine's pipe itself; older
+code: its engine thread), beside the engine process's own median step and step period and its CPU ms per step.
+See also benchmarks/serve_host_cost.py (each side's host cost per step, ITL against the offline step).
 
 ``--device-ms D`` stands in for a GPU: the forward sleeps D ms (a thread waiting on the device holds no Python
 lock) and the engine overlaps steps as on CUDA (implies ``--overlap``), so the engine's step is the offline decode
@@ -183,7 +184,24 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
         starts.append(time.perf_counter() if engine_process else start)
         return out
 
-    engine.engine.step = timed_step
+    if getattr(engine, "loop_driven", False):  # the event loop reads the engine process's reports itself
+        deliver = engine._on_outputs
+
+        def timed_delivery(outputs):
+            """One wake-up's outputs from the engine process, timed when the event loop has handed them over."""
+            seen = len(starts)
+            if first <= seen <= last and (seen - first) % 8 == 0 and seen not in cpu:
+                cpu[seen] = (time.perf_counter(), time.process_time(), thread_cpu_s(),
+                             engine_process_cpu_s(engine.engine))  # fmt: skip
+            start = time.perf_counter()
+            deliver(outputs)
+            if outputs:
+                steps.append(time.perf_counter() - start)
+                starts.append(time.perf_counter())
+
+        engine._on_outputs = timed_delivery
+    else:
+        engine.engine.step = timed_step
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True, name="http").start()
