@@ -6,6 +6,8 @@ offline step.
     python benchmarks/serve_host_cost.py e2e              # the server on loopback: ITL against the offline step
     python benchmarks/serve_host_cost.py e2e --device-ms 3.4   # the forward as 3.4 ms without the Python lock
     python benchmarks/serve_host_cost.py client           # dsinfer bench serve's own CPU per chunk
+    python benchmarks/serve_host_cost.py itl --base-url http://127.0.0.1:8123 --model slice --input-len 8192 \
+        --output-len 1024                                 # ITL of a running server, read by the light client
     PYTHONPATH=../older-checkout python benchmarks/serve_host_cost.py engine api   # the same against other code
 
 All parts use the tiny checkpoint (written to a temporary directory) and ``--requests`` greedy requests (16) that
@@ -38,6 +40,9 @@ a core of its own, as a GPU host does.
 ``client``: ``dsinfer bench serve``'s own request function (openai's client over httpx, a pydantic chunk each)
 reading ``--requests`` streams of ``--output-len`` chat chunks served from memory: its CPU per chunk, against
 what 16 streams at one decode step each need (16 / 3.38 ms = 4,700 chunks/s).
+
+``itl``: the light client of ``e2e`` against a server already running at ``--base-url``: ITL as vLLM counts it,
+without the openai client's parsing between the socket and the clock.
 """
 
 from __future__ import annotations
@@ -292,20 +297,21 @@ def api_side(args, directory: str) -> dict:
 
 # ---- end to end --------------------------------------------------------------------------------
 def _read_streams(port: int, endpoint: str, requests: int, input_len: int, output_len: int,
-                  results: Connection) -> None:  # fmt: skip
-    """Stream every request and time its chunks as vLLM's client does: a gap per chunk that carries choices."""
+                  results: Connection | None, host: str = "127.0.0.1", model: str = "tiny") -> list:  # fmt: skip
+    """Stream every request and time its chunks as vLLM's client does: a gap per chunk that carries choices (all
+    the chunks one read of the socket returns share its time)."""
 
     async def one(index: int) -> list[float]:
-        fields = {"model": "tiny", "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+        fields = {"model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True}
         if endpoint == "completions":
             fields["prompt"] = prompts(requests, input_len)[index]
         else:  # about input_len tokens of text
             fields["messages"] = [{"role": "user", "content": f"{index}" + " the" * (input_len - 8)}]
         body = json.dumps(fields).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection(host, port)
         path = b"/v1/completions" if endpoint == "completions" else b"/v1/chat/completions"
-        writer.write(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (path, len(body), body))  # fmt: skip
+        writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (path, host.encode(), len(body), body))  # fmt: skip
         times, pending = [], b""
         while data := await reader.read(1 << 16):
             now = time.perf_counter()
@@ -321,7 +327,26 @@ def _read_streams(port: int, endpoint: str, requests: int, input_len: int, outpu
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(requests)))
 
-    results.send(asyncio.run(run()))
+    streams = asyncio.run(run())
+    if results is not None:
+        results.send(streams)
+    return streams
+
+
+def itl_of_server(args, directory: str) -> dict:
+    """ITL of a server already running at ``--base-url`` (e.g. the H200 slice), read by the light client."""
+    host, _, port = args.base_url.removeprefix("http://").rstrip("/").partition(":")
+    start = time.perf_counter()
+    streams = _read_streams(int(port or 80), args.endpoint, args.requests, args.input_len, args.output_len, None,
+                            host, args.model)  # fmt: skip
+    gaps = [b - a for times in streams for a, b in zip(times, times[1:], strict=False)]
+    tenths = statistics.quantiles(gaps, n=10)
+    return {"part": "itl", "endpoint": args.endpoint, "requests": args.requests, "input_len": args.input_len,
+            "output_len": args.output_len, "chunks": sum(map(len, streams)),
+            "itl_ms": {"median": round(statistics.median(gaps) * 1e3, 3), "mean": round(statistics.mean(gaps) * 1e3, 3),
+                       "p10": round(tenths[0] * 1e3, 3), "p90": round(tenths[-1] * 1e3, 3)},
+            "gaps_under_1ms": round(sum(g < 1e-3 for g in gaps) / len(gaps), 3),
+            "duration_s": round(time.perf_counter() - start, 2)}  # fmt: skip
 
 
 def offline_step_ms(args, directory: str, overlap: bool) -> float:
@@ -437,7 +462,9 @@ def client_side(args, directory: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("parts", nargs="+", choices=["engine", "api", "e2e", "client"])
+    parser.add_argument("parts", nargs="+", choices=["engine", "api", "e2e", "client", "itl"])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="itl: the running server")
+    parser.add_argument("--model", default="tiny", help="itl: the served model name")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                         help="the requests' endpoint (chat: as 'dsinfer bench serve' by default)")  # fmt: skip
@@ -455,7 +482,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         make_tiny_checkpoint(directory, arch="v4")
         for part in args.parts:
-            run = {"engine": engine_side, "api": api_side, "e2e": end_to_end, "client": client_side}[part]
+            parts = {"engine": engine_side, "api": api_side, "e2e": end_to_end, "client": client_side,
+                     "itl": itl_of_server}  # fmt: skip
+            run = parts[part]
             print(json.dumps(run(args, directory)), flush=True)
 
 
