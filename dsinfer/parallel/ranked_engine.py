@@ -294,7 +294,10 @@ class RankedEngine:
         if self._receiver is not None:
             raise RuntimeError("the reports are already read by step()'s receiver thread")
         self.detach()
-        attached = _Attached(loop, deliver, failed, {rank: FrameReader(conn) for rank, conn in self._conns.items()})
+        # The readers outlive a move to another loop: one may hold the first part of a report.
+        readers = getattr(self, "_readers", None) or {rank: FrameReader(conn) for rank, conn in self._conns.items()}
+        self._readers = readers
+        attached = _Attached(loop, deliver, failed, readers)
         self._attached = attached
         for rank, reader in attached.readers.items():
             loop.add_reader(reader.fileno(), self._on_readable, rank, reader)
@@ -313,8 +316,6 @@ class RankedEngine:
                 attached.loop.remove_reader(reader.fileno())
             for process in self._processes.values():
                 attached.loop.remove_reader(process.sentinel)
-        for reader in attached.readers.values():
-            reader.close()
 
     def _on_readable(self, rank: int, reader: FrameReader) -> None:
         try:
@@ -475,6 +476,8 @@ class RankedEngine:
             return
         self._closing = True
         self.detach()
+        for reader in getattr(self, "_readers", {}).values():
+            reader.close()
         for rank in self._conns:
             self._send(rank, Shutdown())
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
