@@ -71,10 +71,12 @@ __all__ = [
 
 DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "0"))
 """Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
-(``DSINFER_MOE_GEMV_MAX_TOKENS``; 0, the default, turns the path off: on the H200 its first version took 0.134 ms
-at one token against the grouped kernels' 0.083, ``benchmarks/moe_kernel.py --decode-gemv``. That version read
-the codes 4 bytes at a time across rows under Triton 3.6, with no look-ahead; the kernels here load 16 bytes
-along each row a step ahead and take ~30% fewer instructions a weight: time them again before turning it on).
+(``DSINFER_MOE_GEMV_MAX_TOKENS``; 0, the default, turns the path off). On the H200
+(``benchmarks/moe_kernel.py --decode-gemv``, CUDA graph, V4-Flash widths, top-6 of 256) the first version took
+0.134 ms at one token against the grouped kernels' 0.083 (it read the codes 4 bytes at a time across rows under
+Triton 3.6, with no look-ahead); the kernels here, 16-byte loads along each row a step ahead, take 0.0797 ms
+against 0.0840 at one token and tie at two (0.1451 / 0.1450 ms). Five percent of one op did not justify a
+second path in the measured engine, so it stays off; both paths read ~1 TB/s, a quarter of the H200's.
 
 Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
 kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
