@@ -160,6 +160,15 @@ def random_fp4_experts(experts: int, hidden: int, inter: int, device: torch.devi
     )
 
 
+def random_step(args: argparse.Namespace, tokens: int, device: torch.device, gen: torch.Generator):
+    """A step's bf16 activations [tokens, H], top-k expert ids of random scores and positive routing weights."""
+    scores = torch.rand(tokens, args.experts, device=device, generator=gen)
+    expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
+    expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
+    x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+    return x, expert_ids, expert_weights
+
+
 def dense_copy(weights, dtype: torch.dtype):
     """The exact dequantisation of every expert, stacked in the dense layout."""
     from dsinfer.ops.moe import ExpertWeights, dequantize_expert
@@ -210,10 +219,7 @@ def sweep(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> 
     print("| T | config | graph ms | max dev / max ref |")
     print("| ---: | --- | ---: | ---: |")
     for tokens in args.tokens:
-        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
-        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
-        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
-        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        x, expert_ids, expert_weights = random_step(args, tokens, device, gen)
         reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
         ref_max = float(reference.abs().max())
         slots = tokens * args.top_k
@@ -290,10 +296,7 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
     print("| T | path / launch | graph ms | weight GB read | GB/s | max dev / max ref |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for tokens in args.tokens:
-        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
-        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
-        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
-        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        x, expert_ids, expert_weights = random_step(args, tokens, device, gen)
         reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
         step = (x, fp4, expert_ids, expert_weights, limit)
         # The GEMV reads every slot's expert; the grouped kernels each distinct expert once.
@@ -349,10 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| T | backend | median ms | experts touched | weight GB read | GB/s | max dev / max ref |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for tokens in args.tokens:
-        scores = torch.rand(tokens, args.experts, device=device, generator=gen)
-        expert_ids = torch.topk(scores, args.top_k, dim=-1).indices
-        expert_weights = torch.rand(tokens, args.top_k, device=device, generator=gen) + 0.1
-        x = torch.randn(tokens, args.hidden, device=device, generator=gen).bfloat16()
+        x, expert_ids, expert_weights = random_step(args, tokens, device, gen)
         touched = int(torch.unique(expert_ids).numel())
         reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
         ref_max = float(reference.abs().max())
