@@ -158,16 +158,6 @@ if triton is not None:
             tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
-def choose_coded_config(
-    n_heads: int, dtype: torch.dtype, head_dim: int = 512, batch: int | None = None
-) -> DecodeConfig:
-    """The launch configuration: V4's (:func:`choose_config`). H200, 64 heads x 512, 256 context, one sequence
-    (CUDA graph): 48.6 us with entries and 16.8 us over the window alone at 16 heads a program and 8 splits,
-    against 70.9 and 46.6 us at 32 heads and the old split rule; at 32 sequences 32 heads a program stays best
-    (171 us). Tiles of 16 keys did worse or drifted further from the reference."""
-    return choose_config(n_heads, dtype, head_dim, batch)
-
-
 def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -> bool:
     """Whether the kernel takes these inputs (else the reference runs)."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(-1) != 1:
@@ -190,9 +180,12 @@ def sparse_attention_decode_coded_launch(
     sink, softmax_scale, num_splits: int | None = None, config: DecodeConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's; ``config`` None:
-    :func:`choose_coded_config`)."""
+    V4's :func:`choose_config`, which also serves this kernel best on the H200: one sequence at 256 context, 48.6
+    us with entries and 16.8 us over the window alone at 16 heads a program and 8 splits, against 70.9 and 46.6 us
+    at 32 heads and the old split rule; 32 sequences stay best at 32 heads a program, 171 us; tiles of 16 keys
+    did worse or drifted further from the reference)."""
     batch, n_heads, head_dim = q.shape
-    config = config or choose_coded_config(n_heads, q.dtype, head_dim, batch)
+    config = config or choose_config(n_heads, q.dtype, head_dim, batch)
     size = window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
