@@ -34,14 +34,16 @@ def bench(tmp_path, *options: str) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_random_run_records_consistent_metrics(base_url, tmp_path, capsys, endpoint):
+@pytest.mark.parametrize(("endpoint", "client"), [("chat", "light"), ("completions", "light"), ("chat", "openai")])
+def test_random_run_records_consistent_metrics(base_url, tmp_path, capsys, endpoint, client):
     options = ["--base-url", base_url, "--endpoint", endpoint, "--input-len", "24", "--output-len", str(OUTPUT_LEN),
                "--num-prompts", str(PROMPTS), "--max-concurrency", "2", "--request-rate", "40",
-               "--seed", "1"]  # fmt: skip
+               "--seed", "1", "--client", client, "--offline-step-ms", "2.5"]  # fmt: skip
     code, result = bench(tmp_path, *options)
     assert code == 0
-    assert "TTFT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "ITL decode-only" in out and "Mean TPOT / offline step:" in out
+    assert result["client"] == client
     records = result["requests"]
     assert [r["status"] for r in records] == ["successful"] * PROMPTS
     for record in records:
@@ -82,6 +84,18 @@ def test_random_run_records_consistent_metrics(base_url, tmp_path, capsys, endpo
         assert result[f"median_{metric}_ms"] == result[f"p50_{metric}_ms"]
         assert result[f"p50_{metric}_ms"] <= result[f"p95_{metric}_ms"] <= result[f"p99_{metric}_ms"]
     assert result["output_lens"] == [OUTPUT_LEN] * PROMPTS and result["errors"] == [""] * PROMPTS
+    # Every pooled ITL gap is either decode-only or with-prefill; the ratios use the means.
+    gaps = sorted(g for r in records for g in r["itl_s"])
+    assert result["itl_decode_only_count"] + result["itl_with_prefill_count"] == len(gaps)
+    for kind in ("decode_only", "with_prefill"):
+        if result[f"itl_{kind}_count"]:
+            assert gaps[0] <= result[f"median_itl_{kind}_ms"] / 1000 <= gaps[-1]
+        else:
+            assert result[f"mean_itl_{kind}_ms"] is None
+    assert result["offline_step_ms"] == 2.5
+    assert result["tpot_over_offline_step"] == pytest.approx(result["mean_tpot_ms"] / 2.5)
+    if result["itl_decode_only_count"]:
+        assert result["itl_decode_only_over_offline_step"] == pytest.approx(result["mean_itl_decode_only_ms"] / 2.5)
 
 
 def test_jsonl_prompts_and_messages_with_their_own_output_lengths(base_url, tmp_path):
@@ -109,26 +123,43 @@ def test_reasoning_stream_counts_as_generated_text(base_url, tmp_path):
     assert record["generated_text"] and 0 < record["ttft_s"] < record["e2el_s"]
 
 
-def test_unreachable_server_counts_every_request_as_errored(tmp_path, capsys):
+@pytest.mark.parametrize(("client", "error"), [("light", "ConnectError"), ("openai", "APIConnectionError")])
+def test_unreachable_server_counts_every_request_as_errored(tmp_path, capsys, client, error):
     closed = f"http://127.0.0.1:{free_port()}"  # bound and released: nothing listens there
-    code, result = bench(tmp_path, "--base-url", closed, "--input-len", "8", "--output-len", "4", "--num-prompts", "4")
+    code, result = bench(tmp_path, "--base-url", closed, "--input-len", "8", "--output-len", "4", "--num-prompts", "4",
+                         "--client", client)  # fmt: skip
     assert code == 1  # nothing succeeded; the JSON is still written
     assert result["request_errored"] == result["failed"] == result["request_total"] == 4
     assert result["completed"] == result["request_successful"] == 0
     assert result["mean_ttft_ms"] is None and result["time_to_first_token_mean"] is None
-    assert all(error.startswith("APIConnectionError") for error in result["errors"])
+    assert all(message.startswith(error) for message in result["errors"])
+    assert result["offline_step_ms"] is None and result["itl_decode_only_over_offline_step"] is None
     assert "no usable /tokenize" in result["dataset_note"]
     assert "errored / incomplete:" in capsys.readouterr().out
 
 
-def test_request_timeout_counts_incomplete(base_url, tmp_path):
+@pytest.mark.parametrize("client", ["light", "openai"])
+def test_request_timeout_counts_incomplete(base_url, tmp_path, client):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"prompt": "slow", "output_len": 64}) + "\n")
     code, result = bench(tmp_path, "--base-url", base_url, "--dataset", "jsonl", "--dataset-path", str(data),
-                         "--endpoint", "completions", "--request-timeout", "0.05")  # fmt: skip
+                         "--endpoint", "completions", "--request-timeout", "0.05", "--client", client)  # fmt: skip
     assert code == 1
     assert result["request_incomplete"] == 1 and result["request_errored"] == 0
     assert result["requests"][0]["error"].startswith("timed out")
+
+
+@pytest.mark.parametrize("client", ["light", "openai"])
+def test_http_error_carries_the_servers_message(base_url, tmp_path, client):
+    """A request the server refuses (here: a prompt longer than the context) is errored, with the server's words."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "the " * 2000, "output_len": 4}) + "\n")
+    code, result = bench(tmp_path, "--base-url", base_url, "--dataset", "jsonl", "--dataset-path", str(data),
+                         "--endpoint", "completions", "--client", client)  # fmt: skip
+    assert code == 1
+    assert result["request_errored"] == 1
+    error = result["requests"][0]["error"]
+    assert error.startswith("HTTP 400: ") and "{" not in error, error
 
 
 def test_arrivals_are_seeded_gamma_with_mean_one_over_rate():
@@ -183,6 +214,8 @@ def test_jsonl_line_errors(tmp_path, line, endpoint, message):
         (["--base-url", "http://h", "--model", "m", "--num-prompts", "x"], "--num-prompts: must be a positive"),
         (["--base-url", "http://h", "--model", "m", "--dataset", "jsonl"], "needs --dataset-path"),
         (["--base-url", "http://h", "--model", "m", "--extra-body", "[1]"], "--extra-body must be a JSON object"),
+        (["--base-url", "http://h", "--model", "m", "--client", "aiohttp"], "--client: invalid choice"),
+        (["--base-url", "http://h", "--model", "m", "--offline-step-ms", "0"], "--offline-step-ms: must be a positive"),
     ],
 )
 def test_argument_errors(capsys, argv, message):

@@ -5,10 +5,17 @@ a Poisson process), as vLLM's ``bench serve`` does, optionally capped at ``--max
 Each request streams with ``stream_options.include_usage`` and records, with one clock (perf_counter):
 
 * TTFT: first chunk that carries generated text (content, reasoning or tool-call text) minus send time;
-* ITL: gaps between consecutive text-carrying chunks, pooled over all successful requests;
+* ITL: gaps between consecutive text-carrying chunks, pooled over all successful requests (vLLM's ITL), and the
+  same gaps split in two (:mod:`dsinfer.bench.serving_itl`): *decode-only* gaps, during which no request of the
+  run was prefilling (from its send time until its first text chunk; a request that got no text, until its
+  end), and *with-prefill* gaps, which other requests' prompts may have lengthened;
 * E2EL: send time to the last chunk of the stream (the usage chunk where the server sends one);
 * TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token;
 * output tokens from ``usage.completion_tokens`` (the count of text chunks if the server sends no usage).
+
+The default client (``--client light``, :mod:`dsinfer.bench.serving_client`) streams with httpx and parses
+the server-sent events itself, so that its CPU per chunk stays far below a decode step's share per stream;
+``--client openai`` uses the openai SDK instead. Every chunk of one network read carries that read's time.
 
 Outcomes: *successful* (text arrived and a ``finish_reason`` ended the stream), *errored* (an exception,
 an HTTP error, an error event in the stream, or a stream without any generated text), *incomplete* (cut off
@@ -19,7 +26,12 @@ JSON is written either way), 2 for bad arguments or dataset files.
 The JSON carries vLLM ``bench serve`` names (``completed``, ``mean_ttft_ms``, ...), the GPUStack benchmark
 fields (guidellm's definitions: ``request_latency_mean`` in seconds; ``time_per_output_token_mean`` is E2EL /
 output tokens, first token included; ``inter_token_latency_mean`` is the per-request decode time per token,
-equal to vLLM's mean TPOT), and one record per request.
+equal to vLLM's mean TPOT), and one record per request. Beyond vLLM's: ``mean / median / std / p50 / p90 / p95 /
+p99_itl_decode_only_ms`` and ``..._itl_with_prefill_ms``, ``itl_decode_only_count`` and ``itl_with_prefill_count``
+(gaps of each kind), and, with ``--offline-step-ms`` (the offline engine's decode step at the same batch),
+``itl_decode_only_over_offline_step`` (mean decode-only ITL / step) and ``tpot_over_offline_step`` (mean TPOT /
+step); without it they are null. Means, because a client that reads two steps' chunks at once halves the median
+gap but leaves the mean as it was.
 """
 
 from __future__ import annotations
@@ -31,37 +43,37 @@ import json
 import math
 import os
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from tqdm import tqdm
 
 from dsinfer.arg_types import positive_int
-
-try:  # the client side needs openai + httpx (the 'test' extra); main() says so instead of a traceback
-    import httpx
-    import openai
-
-    from dsinfer.bench.datasets import (
-        BenchRequest,
-        DatasetError,
-        ServerTokenCounter,
-        load_jsonl,
-        random_requests,
-        repeat_to,
-    )
-    from dsinfer.bench.spec_metrics import acceptance, scrape_spec_counters
-except ImportError as exc:
-    _MISSING_CLIENT: ImportError | None = exc
-else:
-    _MISSING_CLIENT = None
+from dsinfer.bench.datasets import (
+    BenchRequest,
+    DatasetError,
+    ServerTokenCounter,
+    load_jsonl,
+    random_requests,
+    repeat_to,
+)
+from dsinfer.bench.serving_client import CLIENTS, RequestRecord, make_client
+from dsinfer.bench.serving_itl import split_itl
+from dsinfer.bench.spec_metrics import acceptance, scrape_spec_counters
 
 PERCENTILES = (50, 90, 95, 99)
-LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT (excl. 1st token)"), ("itl", "ITL"), ("e2el", "E2EL"))
+LATENCY_METRICS = (
+    ("ttft", "TTFT"),
+    ("tpot", "TPOT (excl. 1st token)"),
+    ("itl", "ITL"),
+    ("itl_decode_only", "  ITL decode-only"),
+    ("itl_with_prefill", "  ITL with prefill"),
+    ("e2el", "E2EL"),
+)
 GPUSTACK_FIELDS = (
     "requests_per_second_mean",
     "request_latency_mean",
@@ -162,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a request may take in all; slower ones count as incomplete",
     )
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="light",
+        help="light (default): httpx and a server-sent-events parser of its own, a few tens of us of CPU a chunk; "
+        "openai: the openai SDK, several times that (one core falls behind at thousands of chunks a second)",
+    )
+    parser.add_argument(
+        "--offline-step-ms",
+        type=_finite_positive_float,
+        default=None,
+        help="the offline engine's decode step at the same batch (ms): adds ITL decode-only / step and TPOT / step",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return parser
@@ -185,6 +210,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--extra-body is not valid JSON: {exc.msg}")
         if not isinstance(args.extra_body, dict):
             parser.error("--extra-body must be a JSON object")
+    if args.client == "openai":
+        try:
+            import openai  # noqa: F401
+        except ImportError as exc:
+            parser.error(f"--client openai needs the openai package ({exc})")
     if args.api_key is None:
         args.api_key = os.environ.get("OPENAI_API_KEY")
     args.server_url, args.api_url = split_base_url(args.base_url)
@@ -225,115 +255,6 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, s
     return offsets
 
 
-# ---- one request -------------------------------------------------------------------------------
-@dataclass
-class RequestRecord:
-    """What one request did; times are seconds, ``start_s`` / ``end_s`` relative to the benchmark start."""
-
-    index: int
-    status: str = "errored"  # successful | errored | incomplete
-    error: str = ""
-    scheduled_s: float = 0.0
-    start_s: float = 0.0
-    end_s: float = 0.0
-    ttft_s: float | None = None
-    e2el_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    prompt_tokens: int | None = None
-    output_tokens: int = 0
-    output_tokens_source: str = "none"  # usage | chunks | none
-    expected_output_len: int = 0
-    finish_reason: str | None = None
-    generated_text: str = ""
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.status != "successful" or self.output_tokens <= 1:
-            return None
-        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def _chunk_text(choice: Any, endpoint: str) -> str:
-    """Generated text in one streamed choice: answer, reasoning (two spellings) or tool-call arguments."""
-    if endpoint == "completions":
-        return choice.text or ""
-    delta = choice.delta
-    if delta is None:
-        return ""
-    extra = delta.model_extra or {}
-    # Servers that send both reasoning spellings (vLLM's and DeepSeek's) send the same text twice.
-    parts = [delta.content, extra.get("reasoning_content") or extra.get("reasoning")]
-    for call in delta.tool_calls or []:
-        if call.function is not None:
-            parts += [call.function.name or "", call.function.arguments or ""]
-    return "".join(p for p in parts if isinstance(p, str))
-
-
-def _request_kwargs(args: argparse.Namespace, request: BenchRequest) -> dict[str, Any]:
-    extra_body = {"ignore_eos": True} if args.ignore_eos else {}
-    extra_body.update(args.extra_body or {})
-    kwargs: dict[str, Any] = {
-        "model": args.model, "stream": True, "stream_options": {"include_usage": True},
-        "max_tokens": request.output_len, "temperature": args.temperature, "extra_body": extra_body,
-    }  # fmt: skip
-    if args.endpoint == "chat":
-        kwargs["messages"] = request.chat_messages()
-        kwargs["max_completion_tokens"] = request.output_len
-    else:
-        kwargs["prompt"] = request.prompt
-    return kwargs
-
-
-async def send_request(client: Any, args: argparse.Namespace, request: BenchRequest, record: RequestRecord,
-                       bench_start: float) -> RequestRecord:  # fmt: skip
-    """Stream one request and fill ``record``; every failure is caught and classified, never raised."""
-    record.expected_output_len, record.prompt_tokens = request.output_len, request.prompt_tokens
-    create = client.chat.completions.create if args.endpoint == "chat" else client.completions.create
-    token_times, pieces, usage = [], [], None
-    start = last = time.perf_counter()
-    record.start_s = start - bench_start
-    try:
-        async with asyncio.timeout(args.request_timeout):
-            stream = await create(**_request_kwargs(args, request))
-            async with stream:  # closing the connection on a timeout lets the server abort the request
-                async for chunk in stream:
-                    last = time.perf_counter()
-                    usage = chunk.usage or usage
-                    for choice in chunk.choices:
-                        text = _chunk_text(choice, args.endpoint)
-                        if text:
-                            token_times.append(last)
-                            pieces.append(text)
-                        record.finish_reason = choice.finish_reason or record.finish_reason
-    except (TimeoutError, openai.APITimeoutError) as exc:
-        record.status, record.error = "incomplete", f"timed out: {type(exc).__name__}"
-    except openai.APIStatusError as exc:
-        message = exc.message.removeprefix(f"Error code: {exc.status_code} - ")
-        record.status, record.error = "errored", f"HTTP {exc.status_code}: {message}"
-    except Exception as exc:  # noqa: BLE001 - a benchmark counts failures of any kind and keeps going
-        record.status, record.error = "errored", f"{type(exc).__name__}: {exc}"
-    else:
-        if not token_times:
-            record.status, record.error = "errored", "the stream carried no generated text"
-        elif record.finish_reason is None:
-            record.status, record.error = "incomplete", "the stream ended without a finish_reason"
-        else:
-            record.status = "successful"
-    end = time.perf_counter() if record.status != "successful" else last
-    record.end_s = end - bench_start
-    record.generated_text = "".join(pieces)
-    if token_times:
-        record.ttft_s = token_times[0] - start
-        record.itl_s = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
-        record.e2el_s = last - start
-    if usage is not None and usage.completion_tokens is not None:
-        record.output_tokens, record.output_tokens_source = usage.completion_tokens, "usage"
-        record.prompt_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else record.prompt_tokens
-    elif token_times:
-        record.output_tokens, record.output_tokens_source = len(token_times), "chunks"
-    return record
-
-
 # ---- the run -----------------------------------------------------------------------------------
 async def prepare_requests(args: argparse.Namespace, headers: dict[str, str]) -> tuple[list[BenchRequest], str]:
     if args.dataset == "jsonl":
@@ -352,15 +273,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestRecord], 
     counters_before = await scrape_spec_counters(args.server_url, headers)
     offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
     in_flight = args.max_concurrency or len(requests)
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    client = openai.AsyncOpenAI(
-        base_url=args.api_url,
-        api_key=args.api_key or "EMPTY",
-        max_retries=0,  # a retried request would hide a failure and distort its latency
-        timeout=httpx.Timeout(600.0, connect=10.0),
-        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
-    )
-    _ = client.chat.completions, client.completions  # import openai's lazy resources before the clock starts
+    client = make_client(args, in_flight)
     gate = asyncio.Semaphore(in_flight)
     progress = tqdm(total=len(requests), desc="requests", unit="req", disable=args.disable_tqdm)
     bench_start = time.perf_counter()
@@ -369,7 +282,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestRecord], 
         await asyncio.sleep(max(0.0, bench_start + offsets[index] - time.perf_counter()))
         async with gate:
             record = RequestRecord(index=index, scheduled_s=offsets[index])
-            await send_request(client, args, requests[index], record, bench_start)
+            await client.send(args, requests[index], record, bench_start)
         progress.update(1)
         return record
 
@@ -407,6 +320,10 @@ def concurrency(records: list[RequestRecord], duration: float) -> tuple[float, i
     return busy / duration, peak
 
 
+def _ratio(value_ms: float | None, step_ms: float | None) -> float | None:
+    return None if value_ms is None or step_ms is None else value_ms / step_ms
+
+
 def summarize(records: list[RequestRecord], duration: float, args: argparse.Namespace, dataset_note: str) -> dict:
     """The results JSON: run settings, vLLM ``bench serve`` fields, GPUStack fields, per-request records."""
     ok = [r for r in records if r.status == "successful"]
@@ -424,7 +341,7 @@ def summarize(records: list[RequestRecord], duration: float, args: argparse.Name
         "input_len": args.input_len if args.dataset == "random" else None, "output_len": args.output_len,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-        "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos, "temperature": args.temperature, "client": args.client,
         # vLLM bench serve
         "duration": duration, "completed": len(ok), "failed": errored + incomplete,
         "total_input_tokens": total_input, "total_output_tokens": total_output,
@@ -436,6 +353,15 @@ def summarize(records: list[RequestRecord], duration: float, args: argparse.Name
     result |= _stats_ms("tpot", tpots)
     result |= _stats_ms("itl", [gap for r in ok for gap in r.itl_s])
     result |= _stats_ms("e2el", [r.e2el_s for r in ok])
+    decode_only, with_prefill = split_itl(records)  # see dsinfer.bench.serving_itl
+    result |= _stats_ms("itl_decode_only", decode_only) | _stats_ms("itl_with_prefill", with_prefill)
+    result |= {"itl_decode_only_count": len(decode_only), "itl_with_prefill_count": len(with_prefill)}
+    step = args.offline_step_ms
+    result |= {
+        "offline_step_ms": step,
+        "itl_decode_only_over_offline_step": _ratio(result["mean_itl_decode_only_ms"], step),
+        "tpot_over_offline_step": _ratio(result["mean_tpot_ms"], step),
+    }
     result |= {
         "input_lens": [r.prompt_tokens or 0 for r in records],
         "output_lens": [r.output_tokens if r.status == "successful" else 0 for r in records],
@@ -493,6 +419,16 @@ def format_table(result: dict) -> str:
             f"{label:<24}"
             + "".join(f"{'-' if v is None else f'{v:.2f}':>{w}}" for v, w in zip(cells, (9, 10, 9, 10), strict=True))
         )
+    lines.append(
+        f"{'ITL gaps decode-only / with prefill:':<40}{result['itl_decode_only_count']} / "
+        f"{result['itl_with_prefill_count']}"
+    )
+    if result["offline_step_ms"] is not None:
+        lines.append(f"{'Offline decode step (ms):':<40}{result['offline_step_ms']:.2f}")
+        for key, label in (("itl_decode_only_over_offline_step", "Mean ITL decode-only / offline step:"),
+                           ("tpot_over_offline_step", "Mean TPOT / offline step:")):  # fmt: skip
+            value = result[key]
+            lines.append(f"{label:<40}{'-' if value is None else f'{value:.3f}x'}")
     if result.get("spec_decode_acceptance_length") is not None:
         lines.append(f"{'Spec decode acceptance length:':<40}{result['spec_decode_acceptance_length']:.2f}")
         rate = result["spec_decode_acceptance_rate"]
@@ -518,10 +454,6 @@ def _notes(result: dict, records: list[RequestRecord]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if _MISSING_CLIENT is not None:
-        print(f"dsinfer bench serve: error: needs the openai client ({_MISSING_CLIENT}); pip install openai",
-              file=sys.stderr)  # fmt: skip
-        return 2
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # argparse printed the message; hand its exit code back
