@@ -48,7 +48,8 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
     if [ $ready = 1 ]; then
         python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
             --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
-            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 16 --seed 0 --disable-tqdm --out "$OUT/serve.json"
+            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 16 --seed 0 --disable-tqdm --out "$OUT/serve.json" \
+            ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}  # the `long` stage's step, exported
     else
         echo "the server did not answer /health"; tail -n 30 "$OUT/server.log"
     fi

@@ -5,7 +5,7 @@ offline step.
     python benchmarks/serve_host_cost.py api              # the API process's side, fed recorded reports
     python benchmarks/serve_host_cost.py e2e              # the server on loopback: ITL against the offline step
     python benchmarks/serve_host_cost.py e2e --device-ms 3.4   # the forward as 3.4 ms without the Python lock
-    python benchmarks/serve_host_cost.py client           # dsinfer bench serve's own CPU per chunk
+    python benchmarks/serve_host_cost.py client           # dsinfer bench serve's own CPU per chunk, each client
     python benchmarks/serve_host_cost.py itl --base-url http://127.0.0.1:8123 --model slice --input-len 8192 \
         --output-len 1024                                 # ITL of a running server, read by the light client
     PYTHONPATH=../older-checkout python benchmarks/serve_host_cost.py engine api   # the same against other code
@@ -37,9 +37,10 @@ engine overlaps steps as on CUDA), so the ratio shows what serving adds to a GPU
 cores the engine process, the server and the client take CPU from each other; ``--pin`` gives the engine process
 a core of its own, as a GPU host does.
 
-``client``: ``dsinfer bench serve``'s own request function (openai's client over httpx, a pydantic chunk each)
-reading ``--requests`` streams of ``--output-len`` chat chunks served from memory: its CPU per chunk, against
-what 16 streams at one decode step each need (16 / 3.38 ms = 4,700 chunks/s).
+``client``: ``dsinfer bench serve``'s own request function, for each of ``--clients`` (``light``: httpx and its own
+server-sent-events parser, the default; ``openai``: openai's client over httpx, a pydantic chunk each), reading
+``--requests`` streams of ``--output-len`` chat chunks served from memory, one chunk per read: its CPU per chunk,
+against what 16 streams at one decode step each need (16 / 3.19 ms = 5,000 chunks/s).
 
 ``itl``: the light client of ``e2e`` against a server already running at ``--base-url``: ITL as vLLM counts it,
 without the openai client's parsing between the socket and the clock.
@@ -419,45 +420,52 @@ def end_to_end(args, directory: str) -> dict:
 
 # ---- the benchmark client -----------------------------------------------------------------------
 def client_side(args, directory: str) -> dict:
-    """``dsinfer bench serve``'s CPU per chunk: its own request function over ``--requests`` concurrent streams of
-    ``--output-len`` chat chunks each, served from memory (no server, no network), as fast as it reads them."""
+    """``dsinfer bench serve``'s CPU per chunk: its request function (each client of ``--clients``) over
+    ``--requests`` concurrent streams of ``--output-len`` chat chunks each, served from memory (no server, no
+    network) one chunk per read, as a server that sends a chunk per step delivers them, as fast as it reads."""
     import httpx
-    import openai
 
     from dsinfer.bench.datasets import BenchRequest
-    from dsinfer.bench.serving import RequestRecord, parse_args, send_request
+    from dsinfer.bench.serving import parse_args
+    from dsinfer.bench.serving_client import RequestRecord, make_client
 
-    chunk = ('data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny","choices":'
-             '[{"index":0,"delta":{"content":"ke"},"logprobs":null,"finish_reason":null}]}\n\n')  # fmt: skip
+    chunk = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny","choices":'
+             b'[{"index":0,"delta":{"content":"ke"},"logprobs":null,"finish_reason":null}]}\n\n')  # fmt: skip
     last = ('data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny","choices":'
             '[{"index":0,"delta":{"content":"ke"},"logprobs":null,"finish_reason":"length"}]}\n\n'
             'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[],'
             '"usage":{"prompt_tokens":8,"completion_tokens":%d,"total_tokens":%d}}\n\ndata: [DONE]\n\n')  # fmt: skip
-    body = (chunk * (args.output_len - 1) + last % (args.output_len, args.output_len + 8)).encode()
+    last = (last % (args.output_len, args.output_len + 8)).encode()
+
+    async def reads():
+        for _ in range(args.output_len - 1):
+            yield chunk
+            await asyncio.sleep(0)  # the next read waits for the event loop, as a socket's does
+        yield last
 
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=reads())
 
-    bench_args = parse_args(["--base-url", "http://bench.local", "--model", "tiny", "--output-len",
-                             str(args.output_len), "--disable-tqdm"])  # fmt: skip
+    results = {"part": "client", "streams": args.requests, "chunks": args.requests * args.output_len}
+    for name in args.clients.split(","):
+        bench_args = parse_args(["--base-url", "http://bench.local", "--model", "tiny", "--output-len",
+                                 str(args.output_len), "--disable-tqdm", "--client", name])  # fmt: skip
 
-    async def run() -> list:
-        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        client = openai.AsyncOpenAI(base_url="http://bench.local/v1", api_key="x", max_retries=0, http_client=http)
-        request = BenchRequest(None, [{"role": "user", "content": "Hi"}], args.output_len)
-        records = [RequestRecord(index=i) for i in range(args.requests)]
-        await asyncio.gather(*(send_request(client, bench_args, request, r, 0.0) for r in records))
-        await client.close()
-        return records
+        async def run() -> list:
+            client = make_client(bench_args, args.requests, transport=httpx.MockTransport(handler))  # noqa: B023
+            request = BenchRequest(None, [{"role": "user", "content": "Hi"}], args.output_len)
+            records = [RequestRecord(index=i) for i in range(args.requests)]
+            await asyncio.gather(*(client.send(bench_args, request, r, 0.0) for r in records))  # noqa: B023
+            await client.close()
+            return records
 
-    start, cpu = time.perf_counter(), time.process_time()
-    records = asyncio.run(run())
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    chunks = args.requests * args.output_len
-    assert all(r.status == "successful" and r.output_tokens == args.output_len for r in records), records[0]
-    return {"part": "client", "streams": args.requests, "chunks": chunks,
-            "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1),
-            "chunks_per_s_one_core": round(chunks / cpu), "wall_s": round(wall, 2)}  # fmt: skip
+        start, cpu = time.perf_counter(), time.process_time()
+        records = asyncio.run(run())
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        assert all(r.status == "successful" and r.output_tokens == args.output_len for r in records), records[0]
+        results[name] = {"cpu_us_per_chunk": round(cpu / results["chunks"] * 1e6, 1),
+                         "chunks_per_s_one_core": round(results["chunks"] / cpu), "wall_s": round(wall, 2)}  # fmt: skip
+    return results
 
 
 def main() -> None:
@@ -477,6 +485,8 @@ def main() -> None:
                         help="e2e: the engine process alone on the last CPU (on a GPU host it has a core of its "
                         "own), the server and the client on the others; the offline engine on that CPU")  # fmt: skip
     parser.add_argument("--port", type=int, default=18561)
+    parser.add_argument("--clients", default="light,openai",
+                        help="client: dsinfer bench serve's --client values to measure, comma-separated")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as directory:
