@@ -3,8 +3,8 @@
 The kernel must equal the reference bit for bit in both dtypes (it rotates in float32 with the reference's
 roundings and no fused multiply-add), on every layout the model calls it with: keys [N, dim], queries
 [N, H, dim], a rank-4 x, the indexer's dim 128, a rope slice that is the whole row, strided views, the
-angles of one token shared by all, and the inverse rotation; in place (only the rope channels of x rewritten)
-as well as into a new tensor.
+angles of one token shared by all, and the inverse rotation; in place (only the rope channels of x rewritten,
+also on a column slice of a wider buffer, as a joined GEMM's output is) as well as into a new tensor.
 """
 
 from __future__ import annotations
@@ -79,6 +79,16 @@ def check_cases(device: torch.device) -> list[str]:
         got = backend.rope_triton(owned, cos, sin, inverse, True)
         if got is not owned or not torch.equal(owned, expected):
             failures.append(f"{label}: in place, not the reference's result in x itself")
+        # in place on a column slice of a wider buffer (a joined GEMM's output): the kernel, not the reference
+        width = x[:1].numel() if tokens else 0
+        buffer = torch.full((tokens, width + 16), 7.0, dtype=dtype, device=device)
+        sliced = buffer[:, :width].view(x.shape)
+        sliced.copy_(x)
+        if backend.token_rows(sliced) is None:
+            failures.append(f"{label}: a column slice is not taken in place")
+        got = backend.rope_triton(sliced, cos, sin, inverse, True)
+        if got is not sliced or not torch.equal(sliced, expected) or not bool((buffer[:, width:] == 7.0).all()):
+            failures.append(f"{label}: in place on a column slice, not the reference's result (or past the slice)")
     return failures
 
 

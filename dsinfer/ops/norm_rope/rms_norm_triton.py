@@ -34,24 +34,25 @@ def rms_norm_triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(src, weight, dst, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(src, weight, dst, rows, width, src_stride, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
         offsets = row.to(tl.int64)[:, None] * width + column[None, :]
-        x = tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(src + row.to(tl.int64)[:, None] * src_stride + column[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
         scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
         w = tl.load(weight + column, mask=column < width, other=0.0).to(tl.float32)
         y = w[None, :] * (x * scale[:, None])
         tl.store(dst + offsets, y.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rms_normalize_kernel(src, dst, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_normalize_kernel(src, dst, rows, width, src_stride, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
         offsets = row.to(tl.int64)[:, None] * width + column[None, :]
-        x = tl.load(src + offsets, mask=mask, other=0.0)
+        x = tl.load(src + row.to(tl.int64)[:, None] * src_stride + column[None, :], mask=mask, other=0.0)
         x32 = x.to(tl.float32)
         # The reference rounds the scale to the rows' dtype and multiplies in it (one rounding of the product).
         scale = (1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / width + eps)).to(x.dtype).to(tl.float32)
@@ -59,9 +60,10 @@ if triton is not None:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as contiguous rows of its last axis."""
+    """``x`` as rows of its last axis with unit channel stride: a view where the strides allow (a column slice of
+    a wider GEMM output keeps its row stride; the kernels read it in place), else one copy."""
     flat = x.reshape(-1, x.shape[-1])
-    return flat if flat.stride(-1) == 1 and flat.stride(0) == x.shape[-1] else flat.contiguous()
+    return flat if flat.stride(-1) == 1 or flat.shape[-1] == 1 else flat.contiguous()
 
 
 def _launch_shape(width: int) -> tuple[int, int, int]:
@@ -77,12 +79,12 @@ def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     if width > MAX_ROW or width == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return rms_normalize_reference(x, eps)
     flat = _rows(x)
-    out = torch.empty_like(flat)
+    out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
     if flat.shape[0]:
         block, per_program, warps = _launch_shape(width)
         grid = (triton.cdiv(flat.shape[0], per_program),)
-        _rms_normalize_kernel[grid](flat, out, flat.shape[0], width, eps, ROWS=per_program, BLOCK=block,
-                                    num_warps=warps)  # fmt: skip
+        _rms_normalize_kernel[grid](flat, out, flat.shape[0], width, flat.stride(0), eps, ROWS=per_program,
+                                    BLOCK=block, num_warps=warps)  # fmt: skip
     return out.view(x.shape)
 
 
@@ -93,10 +95,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if width > MAX_ROW or width == 0 or weight.shape != (width,):
         return rms_norm_reference(x, weight, eps)
     flat = _rows(x)
-    out = torch.empty_like(flat)
+    out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
     if flat.shape[0]:
         block, per_program, warps = _launch_shape(width)
         grid = (triton.cdiv(flat.shape[0], per_program),)
-        _rms_norm_kernel[grid](flat, weight.contiguous(), out, flat.shape[0], width, eps, ROWS=per_program,
-                               BLOCK=block, num_warps=warps)  # fmt: skip
+        _rms_norm_kernel[grid](flat, weight.contiguous(), out, flat.shape[0], width, flat.stride(0), eps,
+                               ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
     return out.view(x.shape)

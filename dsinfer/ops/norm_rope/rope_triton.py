@@ -2,8 +2,9 @@
 
 The torch reference slices, casts, multiplies, stacks, flattens and concatenates: about ten kernels per call,
 and the concatenation copies every query and key once more. In a prefill the queries are [T, 64 heads, 512]
-bf16 with a 64-channel rope slice, so that traffic, not the arithmetic, is the cost. Here each program reads a
-block of rows once and writes the whole output row: the nope channels unchanged, the rope channel pairs rotated.
+bf16 with a 64-channel rope slice, so that traffic, not the arithmetic, is the cost. Here each program takes
+one token's angles once and a block of that token's rows (heads): it writes the nope channels unchanged and the
+rope channel pairs rotated, the pairs' even and odd channels as two tiles.
 
 Bit-identical to the reference: the pairs are rotated in float32 as ``even * cos - odd * sin`` and
 ``even * sin + odd * cos`` (``sin`` negated for ``inverse``, which is exact), each product and sum rounded to
@@ -12,11 +13,13 @@ with fusion the compiler contracts ``a * b - c * d`` into a fused multiply-add, 
 change the last float32 bit (and, rarely, the bf16 result). The kernel is memory-bound, so the unfused
 multiplies cost nothing measurable.
 
-With ``in_place`` (a contiguous x the caller owns) the kernel rewrites only the rope channels of x: a prefill's
-[T, 64, 512] queries are then read and written at 64 of their 512 channels instead of copied whole.
+With ``in_place`` (an x the caller owns, viewable as [N, M, dim]: contiguous, or a column slice of a wider
+GEMM output) the kernel rewrites only the rope channels of x: a prefill's [T, 64, 512] queries are then read and
+written at 64 of their 512 channels instead of copied whole.
 
-Rows are x's leading axes flattened: [N, ..., dim] is viewed as [N, M, dim] (a view where the strides allow,
-else one copy), and the angles of token ``n`` are shared by its M rows. Inputs the kernel does not take (an
+Rows are x's middle axes flattened: [N, ..., dim] is viewed as [N, M, dim] (a view where the strides allow,
+else one copy, out of place only), and the angles of token ``n`` are shared by its M rows. The grid is
+(tokens, blocks of heads): no division per row, no angle loads per row. Inputs the kernel does not take (an
 x of rank < 2, angles that are not float32 [N, rope_dim // 2] or [1, rope_dim // 2], float64 x, tensors on
 other devices) go to the reference inside :func:`rope_triton`, so the op's contract is the reference's.
 """
@@ -37,7 +40,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-ELEMENTS_PER_PROGRAM = 4096  # rows x padded channels one program moves: ~8 KiB of bf16 in, the same out
+ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x 2 x BLOCK_HALF)
+NOPE_CHUNK = 128  # nope channels one program copies per step (out of place)
+TARGET_PROGRAMS = 1024  # fewer heads a program until a launch has about this many programs (decode steps)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -53,52 +58,53 @@ if triton is not None:
         cos_ptr,
         sin_ptr,
         out_ptr,
-        rows,  # N * M
         heads,  # M: rows per token (they share the token's angles)
         stride_xn,
         stride_xm,
         stride_xc,
+        stride_on,
+        stride_om,
+        stride_oc,
         stride_cn,
         stride_cc,
         stride_sn,
         stride_sc,
-        NOPE: tl.constexpr,  # channels copied unchanged
+        NOPE: tl.constexpr,  # channels copied unchanged (out of place) or left alone (in place)
         HALF: tl.constexpr,  # rope_dim // 2 channel pairs
-        BLOCK_R: tl.constexpr,
-        BLOCK_NOPE: tl.constexpr,  # next power of two of NOPE (0 when there is none)
+        BLOCK_H: tl.constexpr,  # heads of one token per program
+        BLOCK_NOPE: tl.constexpr,  # NOPE rounded up to a multiple of CHUNK (0: nothing to copy)
+        CHUNK: tl.constexpr,  # nope channels copied per step
         BLOCK_HALF: tl.constexpr,  # next power of two of HALF
         INVERSE: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        row = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        row_ok = row < rows
-        token = row // heads
-        head = row - token * heads
-        x_row = x_ptr + token * stride_xn + head * stride_xm  # [BLOCK_R] pointers
-        out_row = out_ptr + row * (NOPE + 2 * HALF)
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = head < heads
+        x_row = x_ptr + token * stride_xn + head.to(tl.int64) * stride_xm  # [BLOCK_H] pointers
+        out_row = out_ptr + token * stride_on + head.to(tl.int64) * stride_om
 
-        if BLOCK_NOPE > 0:
-            c = tl.arange(0, BLOCK_NOPE)
-            mask = row_ok[:, None] & (c < NOPE)[None, :]
+        for start in tl.static_range(0, BLOCK_NOPE, CHUNK):
+            c = start + tl.arange(0, CHUNK)
+            mask = head_ok[:, None] & (c < NOPE)[None, :]
             nope = tl.load(x_row[:, None] + c[None, :] * stride_xc, mask=mask)
-            tl.store(out_row[:, None] + c[None, :], nope, mask=mask)
+            tl.store(out_row[:, None] + c[None, :] * stride_oc, nope, mask=mask)
 
-        # The rope slice as [rows, pairs, 2]: contiguous in memory, split into the even and odd channels.
+        # One token's angles, loaded once for all its heads; the pairs as two [BLOCK_H, BLOCK_HALF] tiles.
         j = tl.arange(0, BLOCK_HALF)
-        k = tl.arange(0, 2)
-        channel = NOPE + 2 * j[None, :, None] + k[None, None, :]
-        mask = row_ok[:, None, None] & (j < HALF)[None, :, None]
-        pairs = tl.load(x_row[:, None, None] + channel * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        even, odd = tl.split(pairs)
-        angle_mask = row_ok[:, None] & (j < HALF)[None, :]
-        cos = tl.load(cos_ptr + token[:, None] * stride_cn + j[None, :] * stride_cc, mask=angle_mask, other=0.0)
-        sin = tl.load(sin_ptr + token[:, None] * stride_sn + j[None, :] * stride_sc, mask=angle_mask, other=0.0)
-        cos = cos.to(tl.float32)
-        sin = sin.to(tl.float32)
+        pair_ok = j < HALF
+        cos = tl.load(cos_ptr + token * stride_cn + j * stride_cc, mask=pair_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_sn + j * stride_sc, mask=pair_ok, other=0.0).to(tl.float32)
         if INVERSE:
             sin = -sin
-        rotated = tl.join(even * cos - odd * sin, even * sin + odd * cos)
-        tl.store(out_row[:, None, None] + channel, rotated.to(out_ptr.dtype.element_ty), mask=mask)
+        mask = head_ok[:, None] & pair_ok[None, :]
+        even_channel = (NOPE + 2 * j)[None, :]
+        even = tl.load(x_row[:, None] + even_channel * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(x_row[:, None] + (even_channel + 1) * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        rotated_even = even * cos[None, :] - odd * sin[None, :]
+        rotated_odd = even * sin[None, :] + odd * cos[None, :]
+        out_type = out_ptr.dtype.element_ty
+        tl.store(out_row[:, None] + even_channel * stride_oc, rotated_even.to(out_type), mask=mask)
+        tl.store(out_row[:, None] + (even_channel + 1) * stride_oc, rotated_odd.to(out_type), mask=mask)
 
 
 def serves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -113,48 +119,65 @@ def serves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return half > 0 and x.shape[-1] >= 2 * half and cos.shape[0] in (x.shape[0], 1)
 
 
+def token_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` [N, ..., dim] as a [N, M, dim] view of its own storage, or None where the strides allow no view."""
+    try:
+        return x.view(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def launch_shape(tokens: int, heads: int, half: int) -> tuple[int, int, int]:
+    """(heads a program, block of pairs, warps): up to ROPE_ELEMENTS_PER_PROGRAM rope channels a program, fewer
+    heads a program where the launch would otherwise have under TARGET_PROGRAMS programs (a decode step's 64
+    query heads are then 64 programs of one head, not one program)."""
+    block_half = triton.next_power_of_2(half)
+    cap = max(1, ROPE_ELEMENTS_PER_PROGRAM // (2 * block_half))
+    wanted = triton.next_power_of_2(max(1, -(-tokens * heads // TARGET_PROGRAMS)))
+    block_h = max(1, min(cap, wanted, triton.next_power_of_2(heads)))
+    warps = max(1, min(4, block_h * block_half // 128))
+    return block_h, block_half, warps
+
+
 def rope_launch(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
 ) -> torch.Tensor:
     """The kernel on inputs :func:`serves` accepts: a new contiguous tensor shaped and typed like ``x``, or with
-    ``in_place`` (``x`` contiguous) ``x`` itself with only its rope channels rewritten."""
+    ``in_place`` (``x`` viewable as [N, M, dim], see :func:`token_rows`) ``x`` itself with only its rope
+    channels rewritten."""
     tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
     heads = math.prod(x.shape[1:-1])
     out = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = tokens * heads
-    if rows == 0 or dim == 0:
+    if tokens * heads == 0 or dim == 0:
         return out
-    x3 = x.reshape(tokens, heads, dim)  # a view where the strides allow it, else one copy
+    x3 = token_rows(x)
+    if x3 is None:  # only out of place (rope_triton sends in-place calls on such x to the reference)
+        x3 = x.reshape(tokens, heads, dim)
+    out3 = x3 if in_place else out.view(tokens, heads, dim)
     cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
     nope = dim - 2 * half
-    block_nope = triton.next_power_of_2(nope) if nope and not in_place else 0  # in place: the nope stays
-    block_half = triton.next_power_of_2(half)
-    width = max(block_nope, 2 * block_half)
-    # at least eight programs where there are eight rows (a decode step's 64 query heads, in place, would
-    # otherwise be one program)
-    block_r = min(max(1, ELEMENTS_PER_PROGRAM // width), max(1, triton.next_power_of_2(rows) // 8))
-    grid = (triton.cdiv(rows, block_r),)
+    chunk = min(NOPE_CHUNK, triton.next_power_of_2(max(nope, 1)))
+    block_nope = 0 if in_place or nope == 0 else triton.cdiv(nope, chunk) * chunk  # in place: the nope stays
+    block_h, block_half, warps = launch_shape(tokens, heads, half)
+    grid = (tokens, triton.cdiv(heads, block_h))
     _rope_kernel[grid](
         x3,
         cos,
         sin,
-        out,
-        rows,
+        out3,
         heads,
-        x3.stride(0),
-        x3.stride(1),
-        x3.stride(2),
-        cos.stride(0),
-        cos.stride(1),
-        sin.stride(0),
-        sin.stride(1),
+        *x3.stride(),
+        *out3.stride(),
+        *cos.stride(),
+        *sin.stride(),
         NOPE=nope,
         HALF=half,
-        BLOCK_R=block_r,
+        BLOCK_H=block_h,
         BLOCK_NOPE=block_nope,
+        CHUNK=chunk,
         BLOCK_HALF=block_half,
         INVERSE=bool(inverse),
-        num_warps=4,
+        num_warps=warps,
         enable_fp_fusion=False,  # no fused multiply-add: the reference's roundings, bit for bit
     )
     return out
@@ -164,9 +187,9 @@ def rope_launch(
 def rope_triton(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
 ) -> torch.Tensor:
-    """Same contract and results as ``rope_reference``; inputs the kernel does not take (and in-place calls on a
-    non-contiguous ``x``) go to the reference."""
-    if not serves(x, cos, sin) or (in_place and not x.is_contiguous()):
+    """Same contract and results as ``rope_reference``; inputs the kernel does not take (and in-place calls on an
+    ``x`` that is no [N, M, dim] view) go to the reference."""
+    if not serves(x, cos, sin) or (in_place and token_rows(x) is None):
         from dsinfer.ops.norm_rope.reference import rope_reference
 
         return rope_reference(x, cos, sin, inverse, in_place)
