@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--client",
         choices=CLIENTS,
         default="light",
-        help="light (default): httpx and a server-sent-events parser of its own, a few tens of us of CPU a chunk; "
-        "openai: the openai SDK, several times that (one core falls behind at thousands of chunks a second)",
+        help="light (default): httpx and a server-sent-events parser of its own; openai: the openai SDK, about 10x "
+        "the CPU per chunk (one core of it falls behind at several thousand chunks a second)",
     )
     parser.add_argument(
         "--offline-step-ms",
