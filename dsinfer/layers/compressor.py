@@ -186,18 +186,23 @@ class Compressor(nn.Module):
             write_entries(cache, table, entry_ids[keep], apply_rope(latents, cos, sin, ops=self.ops)[keep])
 
     def decode_latents(
-        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache
+        self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache, projected: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One new token per sequence (``x`` [B, hidden]), all at once and with no host reads.
 
         Every token joins its slot's unfinished window: the pre-RoPE entries [B, dim], their entry ids [B], and
         which tokens completed their window [B] (only those entries are real; the others are unspecified). The
         same math as :meth:`latents` on a span of one token (the ``compressor_decode`` op).
+
+        ``projected``: ``x`` through the projections already (``wkv``, then ``wgate`` when there is one: see
+        :meth:`_decode_inputs`), from the caller's GEMM (V4.1's attention stacks a ratio-1 source's ``wkv`` with
+        its other projections of the input).
         """
         if self.wgate is None:  # ratio 1: the token is its entry
-            return self.norm(self.wkv(x)), positions, torch.ones_like(positions, dtype=torch.bool)
+            values = self.wkv(x) if projected is None else projected
+            return self.norm(values), positions, torch.ones_like(positions, dtype=torch.bool)
         decode = self.ops.compressor_decode if self.ops is not None else compressor_decode_reference
-        return decode(*self._decode_inputs(x, positions, spans, cache), x.dtype)
+        return decode(*self._decode_inputs(x, positions, spans, cache, projected), x.dtype)
 
     def update_decode(
         self,

@@ -45,8 +45,9 @@ from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
 from dsinfer.layers.indexer import IndexScorer
+from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
@@ -112,16 +113,23 @@ class IndexerV41(IndexScorer):
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
+        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1.
 
         ``paged_keys`` is the source's key pool, its scales (coded storage) and the step's block tables: the
         scores read the keys in place (``index_scores_paged``), one selection op chooses (``index_topk_decode``),
-        with the candidate blocks as its ``allowed`` mask."""
+        with the candidate blocks as its ``allowed`` mask. ``angles``: the positions' cos and sin, when the caller
+        has them (else computed here); ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
+        (see :meth:`queries`). ``state`` (the step's) also keeps how many entries each query sees, per ratio."""
         keys, key_scales, tables = paged_keys
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, self._query_rounding(quantizer, positions))
+        rounding = self._query_rounding(quantizer, positions)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rounding, angles, projected)
         ops = self._ops(x)
-        visible = visible_entries(positions, self.ratio)
+        visible = state.get(("visible", self.ratio))  # entries each query sees: once per step and ratio
+        if visible is None:
+            visible = state[("visible", self.ratio)] = visible_entries(positions, self.ratio)
         scores = ops.index_scores_paged(q, head_weights, keys, key_scales, tables, visible)
         return ops.index_topk_decode(scores, self.topk, self._candidates(x, scores, visible, state))
 
@@ -167,6 +175,26 @@ class AttentionV41(Attention):
             )  # fmt: skip
         self.indexer = IndexerV41(config, layer_id) if config.is_index_source(layer_id) else None
 
+    def join_projections(self) -> None:
+        """Inference: every projection of the layer input in one GEMM, every projection of the low-rank query in
+        another (see ``JoinedLinears``); the parameters become views of the stacks' rows, names unchanged.
+
+        Input rows, in order: ``q_a`` (``wq_a``), ``kv`` (``wkv``), a ratio-1 KV source's ``compressor`` (its
+        ``wkv``: no gate, model dtype), an index source's ``index_weights`` (the scorer's ``weights_proj``); query
+        rows: ``q`` (``wq_b``), ``index_q`` (the scorer's ``wq_b``). A ratio-2 source's compressor pools in fp32
+        and projects on its own (its ``join_projections`` stacks its values and gates). Projections of another
+        kind or dtype (FP8 kept as stored) stay on their own. Prefill multiplies only the ``q_a`` and ``kv`` rows
+        (and ``q``): its sources and scorers project per sequence; a decode step uses every row."""
+        compressor, indexer = self.compressor, self.indexer
+        groups: dict[str, tuple[nn.Module, ...]] = {"q_a": (self.wq_a,), "kv": (self.wkv,)}
+        if compressor is not None and compressor.wgate is None:
+            groups["compressor"] = (compressor.wkv,)
+        if indexer is not None:
+            groups["index_weights"] = (indexer.weights_proj,)
+        self.joined_inputs = JoinedLinears.join(groups, self.joined_inputs)
+        queries = {"q": (self.wq_b,), "index_q": (indexer.wq_b,)} if indexer is not None else {}
+        self.joined_queries = JoinedLinears.join(queries, self.joined_queries)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -192,7 +220,8 @@ class AttentionV41(Attention):
             for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             return None
-        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
+        angles = step_rope_angles(batch, inv_freq)  # one computation per forward, shared by the layers
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer, angles)
         entries, tables, indices, ratio = None, batch.device_spans.block_tables, None, 0
         if self.compress_ratio:
             entries, tables, indices, ratio = self._sources_prefill(
@@ -266,23 +295,45 @@ class AttentionV41(Attention):
         write_windows(cache, self.layer_id, kv, batch, self.window)
         return out
 
-    def _queries_and_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq, quantizer: ActivationQuantizer):
-        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]."""
-        cos, sin = rope_angles(positions, inv_freq)
-        projected = self._input_projections(x)  # wq_a and wkv in one GEMM once joined (join_projections)
-        q_latent = self.q_norm(projected["q_a"])
-        q = self._query_projections(q_latent)["q"]
+    def _queries_and_kv(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        quantizer: ActivationQuantizer,
+        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: dict[str, torch.Tensor] | None = None,
+    ):
+        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D].
+
+        ``angles``: the positions' cos and sin when the caller has them (a forward's memo), else computed here.
+        ``projected`` (a decode step): a dict that gets every joined projection by name (see
+        :meth:`join_projections`), the sources' and scorer's too, for :meth:`attend_decode`. None: the stacks
+        multiply only the rows of ``q_a``, ``kv`` and ``q``."""
+        cos, sin = angles if angles is not None else rope_angles(positions, inv_freq)
+        every = projected is not None
+        projected = {} if projected is None else projected
+        projected.update(_joined(self.joined_inputs, x, None if every else ("q_a", "kv")))
+        q_a = projected["q_a"] if "q_a" in projected else self.wq_a(x)
+        kv = projected["kv"] if "kv" in projected else self.wkv(x)
+        q_latent = self.q_norm(q_a)
+        projected.update(_joined(self.joined_queries, q_latent, None if every else ("q",)))
+        q = projected["q"] if "q" in projected else self.wq_b(q_latent)
         q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        kv = apply_rope(self.kv_norm(projected["kv"]), cos, sin, ops=self.ops)
+        kv = apply_rope(self.kv_norm(kv), cos, sin, ops=self.ops)
         kv = quantizer.window_kv(kv, self.layer_id, positions)
         return cos, sin, q_latent, q, kv
 
     def _forward_decode(
         self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
     ) -> torch.Tensor:
-        """One token per sequence, every sequence at once, from the step's device metadata (no host reads)."""
-        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer)
-        out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer)
+        """One token per sequence, every sequence at once, from the step's device metadata (no host reads).
+
+        The RoPE angles (of the positions, and of each compressor group's first position) are the forward's,
+        computed by the first layer that asks (``step_rope_angles``)."""
+        angles, projected = step_rope_angles(batch, inv_freq), {}
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer, angles, projected)
+        out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer, projected)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
     def attend_decode(
@@ -295,6 +346,7 @@ class AttentionV41(Attention):
         inv_freq: torch.Tensor,
         state: dict,
         quantizer: ActivationQuantizer,
+        projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step's attention [B, H, D] between the projections and the output rotation.
 
@@ -302,19 +354,24 @@ class AttentionV41(Attention):
         index keys the later layers read; an index source scores those keys where they are stored and publishes
         its chosen entries [B, k] (-1 where none). The attention op then reads the ring and the chosen entries in
         place, through the cache (model-dtype rows, or FP8 / FP4 codes decoded inside the op): nothing gathered.
+
+        ``projected``: the step's joined projections by name (:meth:`_queries_and_kv`); the source's and scorer's
+        projections missing from it are computed by their modules.
         """
+        projected = projected or {}
         cache: KVCacheV41 = batch.cache
         spans = batch.device_spans
         cache.write_window(self.layer_id, spans.slots, batch.positions, kv)
         indices, entries_layer = None, None
         if self.compress_ratio:
             if self.compressor is not None:
-                self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
+                self._write_decode_entries(x, batch, cache, inv_freq, quantizer, projected.get("compressor"))
                 state["entries_layer"] = self.layer_id
             if self.indexer is not None:
                 paged_keys = (*cache.index_key_pool(state["entries_layer"]), spans.block_tables)
+                angles = step_rope_angles(batch, inv_freq)
                 state["indices"] = self.indexer.decode_choice(
-                    x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer
+                    x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer, angles, projected
                 )
             indices, entries_layer = state["indices"], state["entries_layer"]
         ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
@@ -329,18 +386,21 @@ class AttentionV41(Attention):
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
         quantizer: ActivationQuantizer,
+        projected: torch.Tensor | None = None,
     ) -> None:
         """Decode: every token joins its unfinished group and every group's entry is rounded and written, to the
         sequence's block where the token completed it, to the cache's trash block otherwise (fixed shapes, no
         host data: a CUDA graph can replay it).
 
         A decode token's window always ends past ``reuse_below`` (a prefix hit covers less than the prompt), so
-        no completed entry is one a prefix hit already stored."""
+        no completed entry is one a prefix hit already stored. ``projected``: ``x`` through the compressor's
+        projection already (a ratio-1 source's ``wkv`` row of the input stack), else the compressor projects."""
         spans, ratio = batch.device_spans, self.compress_ratio
         source = cache.layers[self.layer_id].source
-        latents, entry_ids, complete = self.compressor.decode_latents(x, batch.positions, spans, source)
-        cos, sin = rope_angles(entry_ids * ratio, inv_freq)
-        real_ids = torch.where(complete, entry_ids, -1)  # the quantizer's entry ids: -1 for the trash writes
+        latents, entry_ids, complete = self.compressor.decode_latents(x, batch.positions, spans, source, projected)
+        cos, sin = step_rope_angles(batch, inv_freq, ratio)  # at the group's first position: entry id * ratio
+        # The quantizer's entry ids: -1 for the trash writes (at ratio 1 every token completes its entry).
+        real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
         entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, real_ids)
         keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids)
         blocks, block_rows = decode_entry_location(
@@ -385,3 +445,8 @@ class AttentionV41(Attention):
             cache.write_entries(self.layer_id, block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
         state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, block_table, count)
+
+
+def _joined(stack: JoinedLinears | None, x: torch.Tensor, names: tuple[str, ...] | None) -> dict[str, torch.Tensor]:
+    """The stack's outputs by name (all groups, or the run of groups covering ``names``); none without a stack."""
+    return stack(x, names) if stack is not None else {}

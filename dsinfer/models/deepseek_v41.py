@@ -316,8 +316,11 @@ class DeepseekV41(DeepseekModel):
         return streams, pre_mix
 
     def context(self, batch: PackedBatch, capture: bool = False) -> ForwardContext:
-        """Scratch cache if needed, Engram rows (advancing each sequence's Engram history), token masks."""
+        """Scratch cache if needed, Engram rows (advancing each sequence's Engram history), token masks; the
+        batch's RoPE angle memo emptied (``step_rope_angles``: an earlier forward's angles may be of other
+        positions)."""
         self.ensure_cache(batch)
+        batch.rope_angle_memo.clear()
         shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
         ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
         image_id = self.config.image_token_id
