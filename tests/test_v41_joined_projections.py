@@ -1,0 +1,138 @@
+"""V4.1's decode step with joined projections (``AttentionV41.join_projections``) and RoPE angles computed once per
+forward (``step_rope_angles``): the same logits, bit for bit, as every projection on its own.
+
+A layer's input feeds one GEMM (``wq_a``, ``wkv``, a ratio-1 source's compressor ``wkv``, an index source's
+``weights_proj``), its low-rank query another (``wq_b`` and the scorer's ``wq_b``); the parameters stay views of the
+stacks. In bfloat16 a CPU GEMM computes each output element over the same row of the input and the weight whatever
+the output's width, so joining changes no bit here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsinfer.layers.rotary as rotary
+from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.layers.csa2 import AttentionV41
+from dsinfer.layers.joined_linear import JoinedLinears
+from dsinfer.models.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK_TOKENS = 8
+PROMPTS = (29, 18)  # odd and even: the ratio-2 groups complete on alternate decode steps, not together
+
+
+@pytest.fixture(params=["dequantize", "keep"])
+def model(request, tiny_v41_checkpoint):
+    """FP8 linears dequantized (every projection an ``nn.Linear``), or kept as stored (not joined: the others are)."""
+    return load_model(tiny_v41_checkpoint, dtype=torch.bfloat16, progress=False, fp8_linears=request.param)
+
+
+def _plain(model) -> bool:
+    return type(model.layers[0].attn.wq_a) is torch.nn.Linear
+
+
+def _attentions(model) -> list[AttentionV41]:
+    return [layer.attn for layer in model.layers]
+
+
+class Run:
+    """Two packed prompts in a fresh cache, then decode steps of both at once."""
+
+    def __init__(self, model, steps: int = 5) -> None:
+        self.model, self.steps = model, 0
+        per_sequence = -(-(max(PROMPTS) + steps) // BLOCK_TOKENS)
+        self.cache = KVCacheV41(model.config, 2, 2 * per_sequence, BLOCK_TOKENS, torch.bfloat16, "cpu")
+        self.tables = [list(range(s * per_sequence, (s + 1) * per_sequence)) for s in range(2)]
+        self.generator = torch.Generator().manual_seed(0)
+
+    def prefill(self) -> torch.Tensor:
+        ids = torch.randint(3, 500, (sum(PROMPTS),), generator=self.generator)
+        spans = [SequenceSpan(0, length, slot, self.tables[slot]) for slot, length in enumerate(PROMPTS)]
+        batch = PackedBatch(ids, torch.cat([torch.arange(length) for length in PROMPTS]), spans, self.cache)
+        return self.model(batch, logits_for=batch.device_spans.token_rows)
+
+    def decode(self) -> torch.Tensor:
+        positions = torch.tensor([length + self.steps for length in PROMPTS])
+        spans = [SequenceSpan(int(p), 1, slot, self.tables[slot]) for slot, p in enumerate(positions)]
+        ids = torch.randint(3, 500, (2,), generator=self.generator)
+        self.steps += 1
+        return self.model(PackedBatch(ids, positions, spans, self.cache))
+
+
+def _logits(model, steps: int = 5) -> list[torch.Tensor]:
+    run = Run(model, steps)
+    return [run.prefill()] + [run.decode() for _ in range(steps)]
+
+
+def _assert_views(joined: JoinedLinears) -> None:
+    start = 0
+    for linears in joined.groups.values():
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            assert linear.weight.data_ptr() == joined.weight[start].data_ptr()
+            start += rows
+    assert start == joined.weight.shape[0]
+
+
+def test_each_layer_role_stacks_its_projections(model):
+    config = model.config
+    for layer_id, attn in enumerate(_attentions(model)):
+        inputs = ["q_a", "kv"] if _plain(model) else []  # wq_a and wkv (and wq_b) are FP8 in the checkpoint
+        if config.is_kv_source(layer_id) and config.compress_ratios[layer_id] == 1:
+            inputs.append("compressor")  # no gate, model dtype: a row block of the input stack
+        if config.is_index_source(layer_id):
+            inputs.append("index_weights")
+        if len(inputs) < 2:  # one group: nothing to join
+            assert attn.joined_inputs is None, layer_id
+            continue
+        assert attn.joined_inputs.names == inputs, layer_id
+        _assert_views(attn.joined_inputs)
+        if config.is_index_source(layer_id) and _plain(model):
+            assert attn.joined_queries.names == ["q", "index_q"]
+            _assert_views(attn.joined_queries)
+        else:
+            assert attn.joined_queries is None
+        if attn.compressor is not None and attn.compressor.wgate is not None:  # ratio 2 pools in fp32: on its own
+            assert attn.compressor.joined_projection.untyped_storage().data_ptr() != (
+                attn.joined_inputs.weight.untyped_storage().data_ptr()
+            )
+    names = {name for name, _ in model.named_parameters()}
+    assert {"layers.5.attn.compressor.wkv.weight", "layers.7.attn.indexer.weights_proj.weight"} <= names
+
+
+def test_joined_logits_are_bit_identical_to_separate_projections(model):
+    joined = _logits(model)
+    for attn in _attentions(model):
+        attn.joined_inputs = attn.joined_queries = None
+    separate = _logits(model)
+    for step, (got, want) in enumerate(zip(joined, separate, strict=True)):
+        assert torch.equal(got, want), step
+    model.join_projections()  # joining again finds the weights still views of the stacks
+    assert torch.equal(_logits(model)[-1], joined[-1])
+
+
+def test_a_decode_step_computes_each_set_of_angles_once(model, monkeypatch):
+    """The positions' angles under the window frequencies and under the compressed ones, and the ratio-2 groups'
+    first positions' angles: three sets for every layer of a decode step, computed again in the next step."""
+    calls = []
+    angles = rotary.rope_angles
+
+    def counted(positions, inv_freq):
+        calls.append((positions, inv_freq))
+        return angles(positions, inv_freq)
+
+    for module in ("dsinfer.layers.rotary", "dsinfer.layers.csa2", "dsinfer.layers.indexer"):
+        monkeypatch.setattr(f"{module}.rope_angles", counted)
+    run = Run(model)
+    run.prefill()
+    for _ in range(2):
+        calls.clear()
+        run.decode()
+        assert len(calls) == 3
+        (window, window_freq), (compressed, compressed_freq), (starts, starts_freq) = calls
+        assert window is compressed and window_freq is model.rope.window and compressed_freq is model.rope.compressed
+        assert starts_freq is model.rope.compressed and torch.equal(starts, window - window % 2)
