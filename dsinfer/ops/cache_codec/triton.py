@@ -56,12 +56,19 @@ if triton is not None:
         return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
 
     @triton.jit
+    def with_sign_bit(magnitude, negative):
+        """``magnitude`` (non-negative float32) with its sign bit set where ``negative``: -0 stays -0 (on CUDA,
+        ``tl.where(negative, -magnitude, magnitude)`` gave +0 for the negative-zero code)."""
+        sign = negative.to(tl.int32) << 31
+        return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def e4m3_value(code):
         """The float32 value of e4m3fn byte ``code`` (int32)."""
         exponent = (code >> 3) & 0xF
         mantissa = (code & 0x7).to(tl.float32)
         magnitude = tl.where(exponent == 0, mantissa * 0.001953125, (8.0 + mantissa) * pow2(exponent - 10))
-        return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+        return with_sign_bit(magnitude, (code & 0x80) != 0)
 
     @triton.jit
     def ue8m0_value(byte):
@@ -165,7 +172,7 @@ if triton is not None:
             packed = packed.to(tl.int32)
             code = tl.join(packed & 0xF, (packed >> 4) & 0xF)  # [R, HALF, 2]: channel 2j low, 2j + 1 high
             magnitude = e2m1_magnitude(code & 0x7)
-            values = tl.where((code & 0x8) != 0, -magnitude, magnitude) * scale[:, None, None]
+            values = with_sign_bit(magnitude, (code & 0x8) != 0) * scale[:, None, None]
             offsets = rows[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
             tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None, None])
 

@@ -4,7 +4,7 @@ The torch reference slices, casts, multiplies, stacks, flattens and concatenates
 and the concatenation copies every query and key once more. In a prefill the queries are [T, 64 heads, 512]
 bf16 with a 64-channel rope slice, so that traffic, not the arithmetic, is the cost. Here each program takes
 one token's angles once and a block of that token's rows (heads): it writes the nope channels unchanged and the
-rope channel pairs rotated, the pairs' even and odd channels as two tiles.
+rope channels rotated, read as one contiguous tile plus each channel's pair partner (no split of the pairs).
 
 Bit-identical to the reference: the pairs are rotated in float32 as ``even * cos - odd * sin`` and
 ``even * sin + odd * cos`` (``sin`` negated for ``inverse``, which is exact), each product and sum rounded to
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x 2 x BLOCK_HALF)
+ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x BLOCK_ROPE)
 NOPE_CHUNK = 128  # nope channels one program copies per step (out of place)
 TARGET_PROGRAMS = 1024  # fewer heads a program until a launch has about this many programs (decode steps)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,7 +74,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,  # heads of one token per program
         BLOCK_NOPE: tl.constexpr,  # NOPE rounded up to a multiple of CHUNK (0: nothing to copy)
         CHUNK: tl.constexpr,  # nope channels copied per step
-        BLOCK_HALF: tl.constexpr,  # next power of two of HALF
+        BLOCK_ROPE: tl.constexpr,  # next power of two of 2 * HALF
         INVERSE: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
@@ -89,22 +89,24 @@ if triton is not None:
             nope = tl.load(x_row[:, None] + c[None, :] * stride_xc, mask=mask)
             tl.store(out_row[:, None] + c[None, :] * stride_oc, nope, mask=mask)
 
-        # One token's angles, loaded once for all its heads; the pairs as two [BLOCK_H, BLOCK_HALF] tiles.
-        j = tl.arange(0, BLOCK_HALF)
-        pair_ok = j < HALF
-        cos = tl.load(cos_ptr + token * stride_cn + j * stride_cc, mask=pair_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + token * stride_sn + j * stride_sc, mask=pair_ok, other=0.0).to(tl.float32)
+        # The rope channels of each row as one contiguous tile, and each channel's pair partner (channel ^ 1) as a
+        # second load of the same lines: even channels become x * cos - partner * sin, odd ones
+        # partner * sin + x * cos (the reference's even * sin + odd * cos, the same float32 sum).
+        c = tl.arange(0, BLOCK_ROPE)
+        rope_ok = c < 2 * HALF
+        pair = c // 2
+        cos = tl.load(cos_ptr + token * stride_cn + pair * stride_cc, mask=rope_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_sn + pair * stride_sc, mask=rope_ok, other=0.0).to(tl.float32)
         if INVERSE:
             sin = -sin
-        mask = head_ok[:, None] & pair_ok[None, :]
-        even_channel = (NOPE + 2 * j)[None, :]
-        even = tl.load(x_row[:, None] + even_channel * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(x_row[:, None] + (even_channel + 1) * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        rotated_even = even * cos[None, :] - odd * sin[None, :]
-        rotated_odd = even * sin[None, :] + odd * cos[None, :]
-        out_type = out_ptr.dtype.element_ty
-        tl.store(out_row[:, None] + even_channel * stride_oc, rotated_even.to(out_type), mask=mask)
-        tl.store(out_row[:, None] + (even_channel + 1) * stride_oc, rotated_odd.to(out_type), mask=mask)
+        mask = head_ok[:, None] & rope_ok[None, :]
+        channel = (NOPE + c)[None, :]
+        x = tl.load(x_row[:, None] + channel * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(x_row[:, None] + (NOPE + (c ^ 1))[None, :] * stride_xc, mask=mask, other=0.0)
+        x_cos = x * cos[None, :]
+        partner_sin = partner.to(tl.float32) * sin[None, :]
+        rotated = tl.where((c % 2 == 0)[None, :], x_cos - partner_sin, partner_sin + x_cos)
+        tl.store(out_row[:, None] + channel * stride_oc, rotated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def serves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -128,15 +130,15 @@ def token_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def launch_shape(tokens: int, heads: int, half: int) -> tuple[int, int, int]:
-    """(heads a program, block of pairs, warps): up to ROPE_ELEMENTS_PER_PROGRAM rope channels a program, fewer
+    """(heads a program, block of rope channels, warps): up to ROPE_ELEMENTS_PER_PROGRAM rope channels a program, fewer
     heads a program where the launch would otherwise have under TARGET_PROGRAMS programs (a decode step's 64
     query heads are then 64 programs of one head, not one program)."""
-    block_half = triton.next_power_of_2(half)
-    cap = max(1, ROPE_ELEMENTS_PER_PROGRAM // (2 * block_half))
+    block_rope = triton.next_power_of_2(2 * half)
+    cap = max(1, ROPE_ELEMENTS_PER_PROGRAM // block_rope)
     wanted = triton.next_power_of_2(max(1, -(-tokens * heads // TARGET_PROGRAMS)))
     block_h = max(1, min(cap, wanted, triton.next_power_of_2(heads)))
-    warps = max(1, min(4, block_h * block_half // 128))
-    return block_h, block_half, warps
+    warps = max(1, min(4, block_h * block_rope // 256))
+    return block_h, block_rope, warps
 
 
 def rope_launch(
@@ -158,7 +160,7 @@ def rope_launch(
     nope = dim - 2 * half
     chunk = min(NOPE_CHUNK, triton.next_power_of_2(max(nope, 1)))
     block_nope = 0 if in_place or nope == 0 else triton.cdiv(nope, chunk) * chunk  # in place: the nope stays
-    block_h, block_half, warps = launch_shape(tokens, heads, half)
+    block_h, block_rope, warps = launch_shape(tokens, heads, half)
     grid = (tokens, triton.cdiv(heads, block_h))
     _rope_kernel[grid](
         x3,
@@ -175,7 +177,7 @@ def rope_launch(
         BLOCK_H=block_h,
         BLOCK_NOPE=block_nope,
         CHUNK=chunk,
-        BLOCK_HALF=block_half,
+        BLOCK_ROPE=block_rope,
         INVERSE=bool(inverse),
         num_warps=warps,
         enable_fp_fusion=False,  # no fused multiply-add: the reference's roundings, bit for bit
