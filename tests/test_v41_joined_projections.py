@@ -136,3 +136,17 @@ def test_a_decode_step_computes_each_set_of_angles_once(model, monkeypatch):
         (window, window_freq), (compressed, compressed_freq), (starts, starts_freq) = calls
         assert window is compressed and window_freq is model.rope.window and compressed_freq is model.rope.compressed
         assert starts_freq is model.rope.compressed and torch.equal(starts, window - window % 2)
+
+
+def test_fp32_pooling_keeps_an_fp32_copy_of_its_stack_that_follows_the_weights(model):
+    """A ratio-2 source projects in float32: its stack's fp32 copy is made once (at join time), not every step, and
+    made again after an in-place update of the weights."""
+    compressor = model.layers[1].attn.compressor
+    assert compressor.pool_in_fp32 and compressor.wgate is not None
+    fp32 = compressor._joined_in_fp32()
+    assert fp32.dtype == torch.float32 and compressor._joined_in_fp32() is fp32
+    assert torch.equal(fp32, compressor.joined_projection.float())
+    with torch.no_grad():
+        compressor.wgate.weight.mul_(2)
+    updated = compressor._joined_in_fp32()
+    assert updated is not fp32 and torch.equal(updated, compressor.joined_projection.float())

@@ -93,12 +93,28 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, norm_eps)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
         self.joined_projection: torch.Tensor | None = None  # inference: wkv and wgate stacked (join_projections)
+        self._joined_fp32: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (stack, its version, fp32 copy)
 
     def join_projections(self) -> None:
         """Decode projects values and gates in one GEMM (inference; see ``join_linears``). Nothing to do when they
-        are joined already (V4's attention stacks them with its other projections of the same input)."""
+        are joined already (V4's attention stacks them with its other projections of the same input). Pooling in
+        fp32, the stack's fp32 copy is made here too (with the weights, before a cache takes the free memory)."""
         if self.wgate is not None and not joined_views(self.joined_projection, self.wkv, self.wgate):
             self.joined_projection = join_linears(self.wkv, self.wgate)
+        if self.pool_in_fp32 and self.joined_projection is not None:
+            self._joined_in_fp32()
+
+    def _joined_in_fp32(self) -> torch.Tensor:
+        """``joined_projection`` in float32 (the fp32 pooling's GEMM): converted once, and again only when the stack
+        changed (another stack, or its weights updated in place: its version counter moved), not every step.
+        A stack made under inference mode counts no versions: it is converted at every call."""
+        joined = self.joined_projection
+        if joined.dtype == torch.float32 or joined.is_inference():
+            return joined.float()
+        kept = self._joined_fp32
+        if kept is None or kept[0] is not joined or kept[1] != joined._version:
+            kept = self._joined_fp32 = (joined, joined._version, joined.float())
+        return kept[2]
 
     @property
     def joins_with_input(self) -> bool:
@@ -236,7 +252,7 @@ class Compressor(nn.Module):
         """The decode ops' arguments up to the norm's: projections (the slot bias left to the op), state tensors."""
         if projected is None and self.joined_projection is not None:
             joined = self.joined_projection
-            projected = F.linear(x.float(), joined.float()) if self.pool_in_fp32 else F.linear(x, joined)
+            projected = F.linear(x.float(), self._joined_in_fp32()) if self.pool_in_fp32 else F.linear(x, joined)
         if projected is not None:
             values, gates = projected.split(self.wkv.weight.shape[0], dim=1)  # views: the op reads their row stride
         elif self.pool_in_fp32:
