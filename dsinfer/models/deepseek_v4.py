@@ -116,5 +116,12 @@ class DeepseekV4(DeepseekModel):
         return self.logits(hidden)
 
     def forward(self, batch: PackedBatch, logits_for: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``."""
-        return self.logits(self.final_hidden(self.hidden_streams(batch)), logits_for)
+        """Logits [T, vocab] for every token, or only for the token indices in ``logits_for``.
+
+        The head (stream collapse, norm, projection) works token by token, so where ``logits_for`` asks for fewer
+        rows than the batch has (a prefill chunk's last token) only those rows reach it.
+        """
+        streams = self.hidden_streams(batch)
+        if logits_for is not None and logits_for.shape[0] < streams.shape[0]:
+            return self.logits(self.final_hidden(streams[logits_for]))
+        return self.logits(self.final_hidden(streams), logits_for)
