@@ -34,12 +34,15 @@ def rms_norm_triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(src, weight, dst, rows, width, src_stride, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        src, weight, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
         offsets = row.to(tl.int64)[:, None] * width + column[None, :]
-        x = tl.load(src + row.to(tl.int64)[:, None] * src_stride + column[None, :], mask=mask, other=0.0)
+        start = (row // inner).to(tl.int64) * stride_outer + (row % inner).to(tl.int64) * stride_inner
+        x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
         w = tl.load(weight + column, mask=column < width, other=0.0).to(tl.float32)
@@ -47,23 +50,37 @@ if triton is not None:
         tl.store(dst + offsets, y.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rms_normalize_kernel(src, dst, rows, width, src_stride, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_normalize_kernel(
+        src, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
         offsets = row.to(tl.int64)[:, None] * width + column[None, :]
-        x = tl.load(src + row.to(tl.int64)[:, None] * src_stride + column[None, :], mask=mask, other=0.0)
+        start = (row // inner).to(tl.int64) * stride_outer + (row % inner).to(tl.int64) * stride_inner
+        x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
         x32 = x.to(tl.float32)
         # The reference rounds the scale to the rows' dtype and multiplies in it (one rounding of the product).
         scale = (1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / width + eps)).to(x.dtype).to(tl.float32)
         tl.store(dst + offsets, (x32 * scale[:, None]).to(dst.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as rows of its last axis with unit channel stride: a view where the strides allow (a column slice of
-    a wider GEMM output keeps its row stride; the kernels read it in place), else one copy."""
-    flat = x.reshape(-1, x.shape[-1])
-    return flat if flat.stride(-1) == 1 or flat.shape[-1] == 1 else flat.contiguous()
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``x`` as (source, rows per outer index, outer stride, inner stride): its rows of the last axis read in
+    place where they have unit channel stride and two uniform strides (a column slice of a wider GEMM output,
+    or that slice viewed as [T, heads, head_dim]), else from one contiguous copy."""
+    width = x.shape[-1]
+    if x.stride(-1) == 1 or width == 1:
+        if x.dim() <= 2:
+            flat = x.reshape(-1, width)
+            return flat, 1, flat.stride(0), 0
+        try:
+            rows3 = x.view(x.shape[0], -1, width)
+            return rows3, rows3.shape[1], rows3.stride(0), rows3.stride(1)
+        except RuntimeError:
+            pass
+    flat = x.contiguous().view(-1, width)
+    return flat, 1, width, 0
 
 
 def _launch_shape(width: int) -> tuple[int, int, int]:
@@ -78,14 +95,15 @@ def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return rms_normalize_reference(x, eps)
-    flat = _rows(x)
-    out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
-    if flat.shape[0]:
+    source, inner, stride_outer, stride_inner = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // width
+    if rows:
         block, per_program, warps = _launch_shape(width)
-        grid = (triton.cdiv(flat.shape[0], per_program),)
-        _rms_normalize_kernel[grid](flat, out, flat.shape[0], width, flat.stride(0), eps, ROWS=per_program,
-                                    BLOCK=block, num_warps=warps)  # fmt: skip
-    return out.view(x.shape)
+        grid = (triton.cdiv(rows, per_program),)
+        _rms_normalize_kernel[grid](source, out, rows, width, max(inner, 1), stride_outer, stride_inner, eps,
+                                    ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
+    return out
 
 
 @register("rms_norm", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
@@ -94,11 +112,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or weight.shape != (width,):
         return rms_norm_reference(x, weight, eps)
-    flat = _rows(x)
-    out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
-    if flat.shape[0]:
+    source, inner, stride_outer, stride_inner = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // width
+    if rows:
         block, per_program, warps = _launch_shape(width)
-        grid = (triton.cdiv(flat.shape[0], per_program),)
-        _rms_norm_kernel[grid](flat, weight.contiguous(), out, flat.shape[0], width, flat.stride(0), eps,
-                               ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
-    return out.view(x.shape)
+        grid = (triton.cdiv(rows, per_program),)
+        _rms_norm_kernel[grid](source, weight.contiguous(), out, rows, width, max(inner, 1), stride_outer,
+                               stride_inner, eps, ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
+    return out
