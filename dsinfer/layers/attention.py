@@ -25,8 +25,8 @@ from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
-from dsinfer.layers.norm import RMSNorm, rms_normalize
-from dsinfer.layers.rotary import apply_rope, step_rope_angles
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, step_rope_angles
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         q_latent = self.q_norm(projected.pop("q_a"))
         projected.update(self._query_projections(q_latent))
         q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.config.rms_norm_eps, self.ops), cos, sin, ops=self.ops, in_place=True)
+        q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)
         kv = apply_rope(self.kv_norm(projected.pop("kv")), cos, sin, ops=self.ops, in_place=True)
 
         if batch.is_decode:

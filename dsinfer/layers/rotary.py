@@ -12,7 +12,7 @@ import math
 import torch
 
 from dsinfer.config import YarnScaling
-from dsinfer.ops.norm_rope import rope_reference
+from dsinfer.ops.norm_rope import rms_normalize_rope_reference, rope_reference
 from dsinfer.ops.registry import OpTable
 
 
@@ -83,3 +83,12 @@ def apply_rope(
     """
     in_place = in_place and not (torch.is_grad_enabled() and x.requires_grad)
     return (ops.rope if ops is not None else rope_reference)(x, cos, sin, inverse, in_place)
+
+
+def normalize_and_rope(
+    x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, ops: OpTable | None = None
+) -> torch.Tensor:
+    """Weightless RMSNorm of ``x``'s rows, then :func:`apply_rope` on the result (the per-head query chain), as
+    one op (``rms_normalize_rope``): a new tensor."""
+    return (ops.rms_normalize_rope if ops is not None else rms_normalize_rope_reference)(x, eps, cos, sin)
+

@@ -46,3 +46,11 @@ def rope_reference(
         x[..., -rope_dim:] = rotated.to(x.dtype)
         return x
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+@register("rms_normalize_rope", REFERENCE)
+def rms_normalize_rope_reference(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The per-head query chain: :func:`rms_normalize_reference`, then :func:`rope_reference` on its (fresh)
+    result, in place. A new tensor shaped and typed like ``x``."""
+    normed = rms_normalize_reference(x, eps)
+    return rope_reference(normed, cos, sin, in_place=not (torch.is_grad_enabled() and normed.requires_grad))

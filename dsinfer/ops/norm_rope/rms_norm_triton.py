@@ -65,7 +65,7 @@ if triton is not None:
         tl.store(dst + offsets, (x32 * scale[:, None]).to(dst.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+def row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """``x`` as (source, rows per outer index, outer stride, inner stride): its rows of the last axis read in
     place where they have unit channel stride and two uniform strides (a column slice of a wider GEMM output,
     or that slice viewed as [T, heads, head_dim]), else from one contiguous copy."""
@@ -83,7 +83,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return flat, 1, width, 0
 
 
-def _launch_shape(width: int) -> tuple[int, int, int]:
+def norm_launch_shape(width: int) -> tuple[int, int, int]:
     """(block, rows per program, warps): narrow rows (head norms) take several rows a program."""
     block = triton.next_power_of_2(width)
     return block, max(1, min(16, 2048 // block)), 4 if block <= 2048 else 8
@@ -95,11 +95,11 @@ def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return rms_normalize_reference(x, eps)
-    source, inner, stride_outer, stride_inner = _rows(x)
+    source, inner, stride_outer, stride_inner = row_layout(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = out.numel() // width
     if rows:
-        block, per_program, warps = _launch_shape(width)
+        block, per_program, warps = norm_launch_shape(width)
         grid = (triton.cdiv(rows, per_program),)
         _rms_normalize_kernel[grid](source, out, rows, width, max(inner, 1), stride_outer, stride_inner, eps,
                                     ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
@@ -112,11 +112,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or weight.shape != (width,):
         return rms_norm_reference(x, weight, eps)
-    source, inner, stride_outer, stride_inner = _rows(x)
+    source, inner, stride_outer, stride_inner = row_layout(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = out.numel() // width
     if rows:
-        block, per_program, warps = _launch_shape(width)
+        block, per_program, warps = norm_launch_shape(width)
         grid = (triton.cdiv(rows, per_program),)
         _rms_norm_kernel[grid](source, weight.contiguous(), out, rows, width, max(inner, 1), stride_outer,
                                stride_inner, eps, ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
