@@ -88,18 +88,13 @@ class Router(nn.Module):
         """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
         router_logits = self.ops.router_logits if self.ops is not None else router_logits_reference
         logits = router_logits(x, self.weight, self.weight_parts)
-        if self.gate_temp != 1.0:
-            logits = logits / self.gate_temp
-        scores = F.softplus(logits).sqrt()
-        bias, fixed = None, None
-        if self.hash_routed:
-            fixed = self.tid2eid[input_ids]
-        else:
-            bias = self.bias.float()
-            if image_mask is not None and self.bias_vl is not None:  # per token on the device: no host read
-                bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias.expand_as(scores))
         route = self.ops.moe_route if self.ops is not None else moe_route_reference
-        return route(scores, bias, fixed, self.top_k, self.normalize, self.scaling)
+        if self.hash_routed:
+            bias, bias_vl, table, token_ids = None, None, self.tid2eid, input_ids
+        else:  # image tokens pick with bias_vl: per token on the device, no host read
+            bias, bias_vl, table, token_ids = self.bias, self.bias_vl, None, None
+        pick = (self.top_k, self.normalize, self.scaling)
+        return route(logits, self.gate_temp, bias, bias_vl, image_mask, table, token_ids, *pick)
 
 
 class MoE(nn.Module):

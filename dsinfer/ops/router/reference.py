@@ -1,36 +1,56 @@
-"""The truth for the MoE router's pick: the top-k experts by score plus bias (or a token's fixed experts), and
-their mixing weights from the unbiased scores, normalised over the pick and scaled.
+"""The truth for the MoE router's pick, from the router's logits: the scores ``sqrt(softplus(logits / gate_temp))``,
+the top-k experts by score plus bias (the image bias for image tokens; or a token's fixed experts from the hash
+table), and their mixing weights from the unbiased scores, normalised over the pick and scaled.
 
-The scores themselves (``sqrt(softplus(logits))``) stay with the router: they are two elementwise kernels, and
-computing them in torch keeps every backend's selection on exactly the same numbers.
+This is the arithmetic the router always ran in torch (a division, softplus, a square root, the bias's float copy
+and the per-token bias choice, then the pick); a backend takes the whole chain so that it is one kernel after the
+logits' GEMM.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.topk import topk_indices
 
 
+def route_scores(logits: torch.Tensor, gate_temp: float) -> torch.Tensor:
+    """``sqrt(softplus(logits / gate_temp))`` (no division when ``gate_temp`` is 1)."""
+    if gate_temp != 1.0:
+        logits = logits / gate_temp
+    return F.softplus(logits).sqrt()
+
+
 @register("moe_route", REFERENCE)
 def moe_route_reference(
-    scores: torch.Tensor,
+    logits: torch.Tensor,
+    gate_temp: float,
     bias: torch.Tensor | None,
-    fixed_experts: torch.Tensor | None,
+    bias_vl: torch.Tensor | None,
+    image_mask: torch.Tensor | None,
+    hash_table: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
     k: int,
     normalize: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, k] (int64) and float32 weights [T, k] from ``scores`` [T, E] (float32).
+    """Expert ids [T, k] (int64) and float32 weights [T, k] from the router's ``logits`` [T, E] (float32).
 
-    ``fixed_experts`` [T, k] (hash routing) replaces the pick; otherwise the k best of ``scores + bias`` (``bias``
-    [E], or [T, E] per token), best first, equal values lowest expert first. The weights are the picked experts'
-    unbiased scores, divided by their sum (plus 1e-20) when ``normalize``, times ``scaling``.
+    ``hash_table`` [V, k] (hash routing, with the tokens' ``token_ids`` [T]) replaces the pick by
+    ``hash_table[token_ids]``; otherwise the k best of ``scores + bias`` (``bias`` [E], any float dtype; where
+    ``image_mask`` [T] is set and ``bias_vl`` [E] is given, ``bias_vl`` instead), best first, equal values lowest
+    expert first. The weights are the picked experts' unbiased scores, divided by their sum (plus 1e-20) when
+    ``normalize``, times ``scaling``.
     """
-    if fixed_experts is not None:
-        experts = fixed_experts.long()
+    scores = route_scores(logits, gate_temp)
+    if hash_table is not None:
+        experts = hash_table[token_ids].long()
     else:
+        bias = bias.float()
+        if image_mask is not None and bias_vl is not None:  # per token on the device: no host read
+            bias = torch.where(image_mask[:, None], bias_vl.float(), bias.expand_as(scores))
         experts = topk_indices(scores + bias, k)
     weights = scores.gather(1, experts)
     if normalize:
