@@ -152,6 +152,11 @@ def _interpret(monkeypatch, dot_scaled: bool = True) -> None:
 
     for name in moe_triton.JIT_FUNCTIONS:
         monkeypatch.setattr(moe_triton, name, interpreter.InterpretedFunction(getattr(moe_triton, name).fn))
+    from dsinfer.ops.moe import combine_triton
+
+    monkeypatch.setattr(
+        combine_triton, "_sum_slots_kernel", interpreter.InterpretedFunction(combine_triton._sum_slots_kernel.fn)
+    )
     builder = interpreter.interpreter_builder
     create_dot = builder.create_dot
 

@@ -22,8 +22,9 @@ Why this shape:
 * **SwiGLU in the first kernel's epilogue.** Each program accumulates a gate tile (``w13`` rows ``n``) and the
   matching up tile (rows ``I + n``), applies DeepSeek's clamps and ``silu(gate) * up`` in fp32, and stores the
   intermediate ``[T*k, I]`` by slot. The second kernel multiplies by ``w2``, scales by the routing weight and
-  stores ``[T*k, H]`` by slot; the combine is ``view(T, k, H).sum(1)`` in torch: no atomics, and each slot is
-  written by exactly one program, so the result does not depend on scheduling.
+  stores ``[T*k, H]`` by slot; the combine sums each token's k rows in one pass (``combine_triton.sum_slots``,
+  torch's ``view(T, k, H).sum(1)`` in slot order): no atomics, and each slot is written by exactly one program,
+  so the result does not depend on scheduling.
 
 Numerics against the reference: fp32 accumulation in a different order, SwiGLU in fp32 before one rounding to
 the activation dtype, and the k outputs of a token summed in fp32 once (the reference rounds after each add in
@@ -35,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.moe import decode_triton
+from dsinfer.ops.moe.combine_triton import sum_slots
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
@@ -703,4 +705,4 @@ def routed_moe_triton(
         return out
     if top_k == 1:
         return out
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    return sum_slots(out, tokens, top_k)
