@@ -44,6 +44,18 @@ class IndexScorer(nn.Module):
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
+        self.head_scale: torch.Tensor | None = None  # float32 [H] of n_heads^-0.5, on the weights' device
+
+    def scaled_head_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights.float() * n_heads^-0.5`` in one kernel: the product with a float32 [H] vector of the scale
+        promotes to float32 and multiplies the widened weights by the same float32 scale, bit for bit."""
+        if weights.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return weights.float() * self.n_heads**-0.5
+        scale = self.head_scale
+        if scale is None or scale.device != weights.device:
+            scale = torch.full((self.n_heads,), self.n_heads**-0.5, dtype=torch.float32, device=weights.device)
+            self.head_scale = scale
+        return weights * scale
 
     def scores(
         self,
@@ -86,7 +98,7 @@ class IndexScorer(nn.Module):
         if round_queries is not None:
             q = round_queries(q)
         weights = projected["index_weights"] if "index_weights" in projected else self.weights_proj(x)
-        return q, weights.float() * self.n_heads**-0.5
+        return q, self.scaled_head_weights(weights)
 
 
 class Indexer(IndexScorer):
