@@ -203,12 +203,13 @@ class Compressor(nn.Module):
 
     def decode_latents(
         self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache, projected: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One new token per sequence (``x`` [B, hidden]), all at once and with no host reads.
 
         Every token joins its slot's unfinished window: the pre-RoPE entries [B, dim], their entry ids [B], and
-        which tokens completed their window [B] (only those entries are real; the others are unspecified). The
-        same math as :meth:`latents` on a span of one token (the ``compressor_decode`` op).
+        which tokens completed their window [B] (only those entries are real; the others are unspecified; None at
+        ratio 1, where every token completes its own). The same math as :meth:`latents` on a span of one token
+        (the ``compressor_decode`` op).
 
         ``projected``: ``x`` through the projections already (``wkv``, then ``wgate`` when there is one: see
         :meth:`_decode_inputs`), from the caller's GEMM (V4.1's attention stacks a ratio-1 source's ``wkv`` with
@@ -216,7 +217,7 @@ class Compressor(nn.Module):
         """
         if self.wgate is None:  # ratio 1: the token is its entry
             values = self.wkv(x) if projected is None else projected
-            return self.norm(values), positions, torch.ones_like(positions, dtype=torch.bool)
+            return self.norm(values), positions, None
         decode = self.ops.compressor_decode if self.ops is not None else compressor_decode_reference
         return decode(*self._decode_inputs(x, positions, spans, cache, projected), x.dtype)
 
@@ -291,10 +292,17 @@ class Compressor(nn.Module):
 
 
 def decode_entry_location(
-    spans: DeviceSpans, entry: torch.Tensor, complete: torch.Tensor, per_block: int, trash: int
+    spans: DeviceSpans,
+    entry: torch.Tensor,
+    complete: torch.Tensor | None,
+    per_block: int,
+    trash: int,
+    ops: OpTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, row) of each sequence's decode entry [B]: its block-table block if ``complete``, else the trash."""
-    return entry_location_on_device(spans.block_tables, entry, complete, per_block, trash)
+    """(block, row) of each sequence's decode entry [B]: its block-table block if ``complete`` (None: all are),
+    else the trash (the ``decode_entry_location`` op of ``ops``; None: the reference)."""
+    locate = ops.decode_entry_location if ops is not None else entry_location_on_device
+    return locate(spans.block_tables, entry, complete, per_block, trash)
 
 
 def _entry_location(cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor):
@@ -321,6 +329,8 @@ def read_entries(cache: CompressorCache, block_table: list[int] | torch.Tensor, 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """How many compressed entries each query position may see: entry w needs all of its window."""
+    if ratio == 1:  # every position is its own entry (no division kernel)
+        return positions + 1
     return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 

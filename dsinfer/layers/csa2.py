@@ -404,7 +404,7 @@ class AttentionV41(Attention):
         entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, real_ids)
         keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids)
         blocks, block_rows = decode_entry_location(
-            spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block
+            spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block, self.ops
         )
         cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
 

@@ -3,7 +3,7 @@
 # Each import registers the op's reference and any faster backends beside it.
 import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode, cache_store: reference, triton (CUDA)
 import dsinfer.ops.coded_attention  # noqa: F401  sparse_attention_decode_coded: reference, triton (CUDA)
-import dsinfer.ops.compressor  # noqa: F401  compressor_pool: reference; compressor_decode(_store): reference, triton
+import dsinfer.ops.compressor  # noqa: F401  compressor_pool; compressor_decode(_store), decode_entry_location: triton
 import dsinfer.ops.engram_gate  # noqa: F401  engram_gate: reference, triton (CUDA)
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
 import dsinfer.ops.engram_rows  # noqa: F401  engram_decode_rows: reference, triton (CUDA)

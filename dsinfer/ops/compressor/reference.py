@@ -81,14 +81,18 @@ def compressor_decode_reference(
     return compressor_pool_reference(pool_values, pool_gates, norm_weight, eps, dtype), first // ratio, complete
 
 
+@register("decode_entry_location", REFERENCE)
 def decode_entry_location(
-    block_tables: torch.Tensor, entry: torch.Tensor, complete: torch.Tensor, per_block: int, trash: int
+    block_tables: torch.Tensor, entry: torch.Tensor, complete: torch.Tensor | None, per_block: int, trash: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, row) of each sequence's decode entry [B]: its block-table block if ``complete``, else ``trash``.
+    """(block, row) of each sequence's decode entry [B] (entry ids >= 0): its block-table block if ``complete``,
+    else ``trash``; ``complete`` None: every entry is complete (a ratio-1 source: each token is its entry).
 
     Fixed shapes and no host read: the destination is chosen on the device, so a CUDA graph can replay it."""
     column = (entry // per_block).clamp(max=block_tables.shape[1] - 1)
     block = block_tables.gather(1, column[:, None]).squeeze(1)
+    if complete is None:
+        return block, entry % per_block
     return torch.where(complete, block, torch.full_like(block, trash)), entry % per_block
 
 
