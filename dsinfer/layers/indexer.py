@@ -19,7 +19,8 @@ from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
-from dsinfer.ops.index_scores import index_scores_reference, top_k_in_order
+from dsinfer.ops.index_scores import index_scores_reference
+from dsinfer.ops.index_select.reference import index_topk_decode_reference
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
 
@@ -134,8 +135,10 @@ class Indexer(IndexScorer):
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries)  # the cache's dtype: the op widens what it must
         scores = self.scores(x, q_latent, positions, keys, inv_freq, projected=projected)
-        chosen, real = top_k_in_order(scores, self.topk)
-        return torch.where(real, chosen, -1)
+        # the one-program selection per query (``index_topk_decode``: its contract is this list's) instead of a
+        # top-k over packed keys and two sorts
+        select = self.ops.index_topk_decode if self.ops is not None else index_topk_decode_reference
+        return select(scores, self.topk)
 
     def select_decode(
         self,
