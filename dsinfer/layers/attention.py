@@ -291,8 +291,11 @@ class Attention(nn.Module):
         groups = self.config.o_groups
         grouped = out.reshape(out.shape[0], groups, -1)
         weight = self.wo_a.weight.view(groups, -1, grouped.shape[-1])
-        # one batched GEMM per group written straight into [T, groups, rank] (an einsum's [groups, T, rank]
-        # result would be copied into that layout: 0.34 ms of a 4,096-token chunk on the slice)
-        mixed = torch.empty(out.shape[0], groups, weight.shape[1], dtype=out.dtype, device=out.device)
-        torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2), out=mixed.transpose(0, 1))
+        if out.is_cuda and not (torch.is_grad_enabled() and (out.requires_grad or weight.requires_grad)):
+            # one batched GEMM per group written straight into [T, groups, rank] (an einsum's [groups, T, rank]
+            # result would be copied into that layout: 0.34 ms of a 4,096-token chunk on the slice)
+            mixed = torch.empty(out.shape[0], groups, weight.shape[1], dtype=out.dtype, device=out.device)
+            torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2), out=mixed.transpose(0, 1))
+        else:  # the CPU (where the strided output is no cheaper) and autograd (no out= there)
+            mixed = torch.einsum("tgi,goi->tgo", grouped, weight)
         return self.wo_b(mixed.flatten(1))

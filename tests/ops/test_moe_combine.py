@@ -1,5 +1,6 @@
-"""The routed experts' combine (``sum_slots``): each token's k slot rows summed, against torch's
-``view(T, k, H).sum(1)`` (in Triton's interpreter on the CPU; bit for bit against torch's CUDA sum on CUDA)."""
+"""The routed experts' combine (``sum_slots``): each token's k slot rows summed in float32 in slot order, rounded
+once (Triton's interpreter on the CPU, compiled on CUDA); in bf16 on CUDA also bit for bit torch's
+``view(T, k, H).sum(1)``, which the engine ran before (torch's float32 sum on CUDA takes another order)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def check_cases(device: torch.device, exact: bool) -> list[str]:
             label = f"T={tokens} k={top_k} H={hidden} {dtype}"
             if got.shape != want.shape or got.dtype != want.dtype:
                 failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}")
-            elif exact and not torch.equal(got, want):
+            elif exact and dtype == torch.bfloat16 and not torch.equal(got, want):
                 failures.append(f"{label}: {(got != want).sum().item()} elements differ from torch's sum")
-            elif not exact:  # the sum of float32 values in slot order, rounded once
+            else:  # the sum of float32 values in slot order, rounded once (torch's float32 sum takes another order)
                 rows = slots.view(tokens, top_k, hidden).float()
                 truth = rows[:, 0]
                 for j in range(1, top_k):

@@ -1,6 +1,7 @@
 """``rms_normalize_rope``: the fused query norm + RoPE kernel (in Triton's interpreter on the CPU, compiled on
-CUDA) bit for bit against the unfused kernels (``rms_normalize`` then ``rope``), and against the reference within
-the norm kernel's tolerance (its sum of squares runs in another order than torch's mean).
+CUDA) against the unfused kernels (``rms_normalize`` then ``rope``): bit for bit in bf16 and fp16, where the scale
+is rounded to the dtype (in float32 the compiler may order the row's sum of squares differently); and against the
+reference within the norm kernel's tolerance (its sum runs in another order than torch's mean).
 
 Layouts: [N, H, dim] queries (contiguous, a [T, heads, head_dim] view of a wider GEMM output's columns, and a
 layout no view can flatten, which the kernel reads from a copy), [N, dim] rows, the indexer's dim 128, a width
@@ -67,7 +68,7 @@ def check_cases(device: torch.device) -> list[str]:
         step = {torch.float32: 2**-22, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
         if got.dtype != expected.dtype or got.shape != expected.shape:
             failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}, want {expected.dtype} {expected.shape}")
-        elif not torch.equal(got, unfused):
+        elif dtype != torch.float32 and not torch.equal(got, unfused):
             differ = (got != unfused).sum().item()
             failures.append(f"{label}: {differ} elements differ from the unfused kernels")
         elif not ((got.float() - expected.float()).abs() <= (expected.float().abs() + 8) * step).all():

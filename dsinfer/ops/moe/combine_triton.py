@@ -4,7 +4,8 @@ The down kernel stores one weighted row per slot ([T*k, H], slot ``t*k + j``); t
 torch's ``view(T, k, H).sum(1)`` reduces over a strided middle axis at about half the copy bandwidth (106 us of
 a 4,096-token chunk per layer on an H200, top-6). Here each program reads the ``k`` rows of one token's column
 block and writes the sum once: float32 accumulation in slot order from the first slot, one rounding to the
-output dtype, the order torch's reduction takes, so the results are the same.
+output dtype. In bf16 (the engine's activations) that equals torch's sum on the H200 bit for bit; float32 sums
+can differ from torch's in the last bit (its CUDA reduction takes another order).
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ and written again by the rotation (about 75 us of a 4,096-token chunk per layer 
 loads whole rows (one head each) once, normalises them, rotates the rope channels of the normalised rows and
 stores each row once.
 
-Bit-identical to the unfused Triton kernels (``rms_normalize`` then ``rope``), and so within the norm kernel's
-tolerance of the reference: the sum of squares runs as the norm kernel's does, the scale is rounded to x's dtype,
-the row multiplied by it and rounded (the norm's output), and the rope pairs of that rounded row rotated in
-float32 without fused multiply-adds (``enable_fp_fusion=False``), as the ``rope`` kernel does. Rows are read
-at their strides (a [T, heads, head_dim] view of a joined GEMM's columns is not copied); the output is a new
-contiguous tensor. Inputs the kernel does not take go to the reference.
+In bf16 and fp16 (the engine's dtypes) the unfused Triton kernels' results bit for bit (measured on the H200),
+and in every dtype within the norm kernel's tolerance of the reference: the sum of squares in float32, the scale
+rounded to x's dtype, the row multiplied by it and rounded (the norm's output), and the rope pairs of that
+rounded row rotated in float32 without fused multiply-adds (``enable_fp_fusion=False``), as the ``rope`` kernel
+does. In float32 the compiler may order the row's sum differently from the norm kernel's (last-bit differences).
+
+Rows are read at their strides (a [T, heads, head_dim] view of a joined GEMM's columns is not copied); the output
+is a new contiguous tensor. Inputs the kernel does not take go to the reference.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 @register("rms_normalize_rope", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
 def rms_normalize_rope_triton(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`rms_normalize_rope_reference`; the unfused Triton kernels' results."""
+    """Same contract as :func:`rms_normalize_rope_reference`; in bf16 / fp16 the unfused Triton kernels' results."""
     if not takes(x, cos, sin):
         return rms_normalize_rope_reference(x, eps, cos, sin)
     width, half = x.shape[-1], cos.shape[-1]
