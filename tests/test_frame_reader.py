@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from dsinfer.engine.outputs import RequestMetrics
-from dsinfer.parallel.messages import CompletionDelta, FrameReader, RankLoad, RequestDelta, StepReport
+from dsinfer.parallel.messages import CompletionDelta, FrameReader, FrameWriter, RankLoad, RequestDelta, StepReport
 
 
 def report(step: int) -> StepReport:
@@ -92,3 +92,55 @@ def test_read_in_an_event_loop():
 
     got = asyncio.run(main())
     assert [m.deltas[0].completions[0].new_token_ids[0] for m in got] == list(range(20))
+
+
+def _read_all(conn, count: int, got: list) -> None:
+    for _ in range(count):
+        got.append(conn.recv())
+
+
+def test_a_writer_on_a_full_nonblocking_pipe_loses_nothing_and_never_blocks_its_loop():
+    """uvloop leaves a watched descriptor non-blocking: ``Connection.send`` on a full pipe then fails part-way.
+    The writer keeps what the pipe cannot take and writes it, in order, when the loop sees the pipe writable."""
+    ours, theirs = multiprocessing.Pipe()
+    os.set_blocking(ours.fileno(), False)  # as uvloop's add_reader leaves it
+    writer = FrameWriter(ours)
+    messages = [("add", i, list(range(5000 + i))) for i in range(40)]  # ~1 MB: far more than the pipe holds
+    got: list = []
+
+    async def main() -> None:
+        writer.attach(asyncio.get_running_loop())
+        for message in messages:
+            writer.send(message)  # returns at once, the pipe full or not
+        assert writer.pending > 0
+        reading = threading.Thread(target=_read_all, args=(theirs, len(messages), got))
+        reading.start()
+        while writer.pending:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(reading.join, 30)
+
+    asyncio.run(main())
+    assert got == messages
+    writer.detach()
+    assert os.get_blocking(ours.fileno())  # blocking again, for a receiver thread's recv and close()
+    ours.close()
+    theirs.close()
+
+
+def test_a_writer_without_a_loop_waits_for_a_full_nonblocking_pipe():
+    ours, theirs = multiprocessing.Pipe()
+    os.set_blocking(ours.fileno(), False)  # left so by a loop that read it before
+    messages = [("add", i, list(range(20000))) for i in range(10)]
+    got: list = []
+    reading = threading.Thread(target=_read_all, args=(theirs, len(messages), got))
+    reading.start()
+    writer = FrameWriter(ours)
+    for message in messages:
+        writer.send(message)
+    reading.join(30)
+    assert got == messages and writer.pending == 0
+    theirs.close()
+    with pytest.raises(OSError):  # the peer is gone: the sender hears of it (RankedEngine leaves it to the reader)
+        for _ in range(100):
+            writer.send(messages[0])
+    ours.close()

@@ -8,16 +8,21 @@ token, and the request's timings.
 
 :class:`FrameReader` reads a connection's messages without blocking, for the API process's event loop: it takes
 whatever bytes have arrived and unpickles the messages that are whole, keeping a part-arrived one for later.
+:class:`FrameWriter` writes them from that loop without blocking it and without losing any: what the pipe cannot
+take yet waits, in order, until the loop sees it writable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import selectors
 import socket
 import struct
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
+from multiprocessing.reduction import ForkingPickler
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.outputs import RequestMetrics
@@ -252,3 +257,91 @@ class FrameReader:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class FrameWriter:
+    """Messages to a :class:`multiprocessing.connection.Connection`, written whole and in order, never lost.
+
+    ``Connection.send`` assumes a blocking descriptor. The API process's end of an engine pipe is not always one:
+    uvloop makes every descriptor it watches non-blocking (libuv's poll handle), and the event loop watches the
+    pipe for the engine's reports. On a full pipe (a burst of long prompts while the engine is in a step) ``send``
+    then raised ``BlockingIOError`` after writing nothing or part of a message, and the request was lost. Here a
+    message is framed as ``Connection.send`` frames it (what the peer's ``recv`` reads) and written as far as the
+    pipe takes it; while :meth:`attach`-ed to an event loop (which makes the descriptor non-blocking, whatever the
+    loop) the rest waits for the loop to see the pipe writable, so the loop never blocks on the engine either;
+    otherwise it waits for the pipe right here. Write from one thread at a time."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self._pending, self._loop = conn, bytearray(), None
+
+    @property
+    def pending(self) -> int:
+        """Bytes not yet written."""
+        return len(self._pending)
+
+    def send(self, message) -> None:
+        """Queue ``message`` and write what the pipe takes; ``OSError`` once the peer is gone (nothing pending
+        then)."""
+        payload = ForkingPickler.dumps(message)
+        size = len(payload)
+        header = _SIZE.pack(size) if size <= 0x7FFFFFFF else _SIZE.pack(-1) + _LONG_SIZE.pack(size)
+        waiting = bool(self._pending)
+        self._pending += header
+        self._pending += payload
+        if self._loop is None:
+            self._write_all()
+        elif not waiting:  # else the loop is already waiting for the pipe to drain
+            self._write_some()
+
+    def attach(self, loop) -> None:
+        """Write from ``loop`` from now on, never blocking it (call in the loop's thread)."""
+        self.detach()
+        os.set_blocking(self.conn.fileno(), False)
+        self._loop = loop
+        if self._pending:
+            self._write_some()
+
+    def detach(self) -> None:
+        """Write blocking again (the rest of a pending message first)."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if not loop.is_closed():
+            loop.remove_writer(self.conn.fileno())
+        os.set_blocking(self.conn.fileno(), True)
+        with contextlib.suppress(OSError):  # a peer that is gone is reported by its reader or its process
+            self._write_all()
+
+    def _write_some(self) -> None:
+        """In the loop: write what the pipe takes now; watch it for the rest."""
+        try:
+            written = self._write_now()
+        except OSError:  # the peer is gone: its reader reports it
+            self._pending.clear()
+            written = True
+        if written:
+            self._loop.remove_writer(self.conn.fileno())
+        else:
+            self._loop.add_writer(self.conn.fileno(), self._write_some)
+
+    def _write_all(self) -> None:
+        """Without a loop: write everything, waiting for the pipe as long as it takes."""
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.conn.fileno(), selectors.EVENT_WRITE)
+                while not self._write_now():
+                    selector.select()
+        except OSError:
+            self._pending.clear()
+            raise
+
+    def _write_now(self) -> bool:
+        """Write until done (True) or the pipe is full (False)."""
+        fd = self.conn.fileno()
+        while self._pending:
+            try:
+                written = os.write(fd, self._pending)
+            except BlockingIOError:
+                return False
+            del self._pending[:written]
+        return True

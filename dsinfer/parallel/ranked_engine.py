@@ -49,6 +49,7 @@ from dsinfer.parallel.messages import (
     AddRequest,
     FinishSequence,
     FrameReader,
+    FrameWriter,
     RankFailed,
     RankLoad,
     RankReady,
@@ -219,6 +220,8 @@ class RankedEngine:
         log.info("%d ranks ready (%s)", len(ready), first.placement)
         # Every rank's entry exists before the receiver thread updates them (the views sum over them meanwhile).
         self._loads.loads.update({r.rank: RankLoad(num_blocks=r.num_blocks) for r in ready})
+        # Every message to a rank goes through its writer: never lost on a full pipe, never blocking an attached loop.
+        self._writers = {rank: FrameWriter(conn) for rank, conn in self._conns.items()}
         if first.engram_vocab_size is not None:
             self.model.engram_hasher = _HasherVocab(first.engram_vocab_size)
         self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
@@ -301,6 +304,8 @@ class RankedEngine:
         self._attached = attached
         for rank, reader in attached.readers.items():
             loop.add_reader(reader.fileno(), self._on_readable, rank, reader)
+        for writer in self._writers.values():
+            writer.attach(loop)
         for rank, process in self._processes.items():
             loop.add_reader(process.sentinel, self._on_exit, rank)
         if self.failure is not None:
@@ -316,6 +321,8 @@ class RankedEngine:
                 attached.loop.remove_reader(reader.fileno())
             for process in self._processes.values():
                 attached.loop.remove_reader(process.sentinel)
+        for writer in self._writers.values():
+            writer.detach()  # blocking again, for step()'s thread and close(); what was pending is written first
 
     def _on_readable(self, rank: int, reader: FrameReader) -> None:
         try:
@@ -517,9 +524,9 @@ class RankedEngine:
 
     def _send(self, rank: int, message) -> None:
         try:
-            self._conns[rank].send(message)
+            self._writers[rank].send(message)
         except OSError:
-            pass  # the receiver thread reports the rank that went away
+            pass  # the receiver thread (or the attached loop) reports the rank that went away
 
     def _apply_report(self, report: StepReport, outputs: dict[str, RequestOutput]) -> None:
         for request_id, message in report.rejected:
