@@ -327,9 +327,9 @@ class FrameWriter:
     def _write_all(self) -> None:
         """Without a loop: write everything, waiting for the pipe as long as it takes."""
         try:
-            with selectors.DefaultSelector() as selector:
-                selector.register(self.conn.fileno(), selectors.EVENT_WRITE)
-                while not self._write_now():
+            while not self._write_now():  # only a non-blocking descriptor gets here (one a loop left so)
+                with selectors.DefaultSelector() as selector:
+                    selector.register(self.conn.fileno(), selectors.EVENT_WRITE)
                     selector.select()
         except OSError:
             self._pending.clear()
