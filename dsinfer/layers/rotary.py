@@ -91,4 +91,3 @@ def normalize_and_rope(
     """Weightless RMSNorm of ``x``'s rows, then :func:`apply_rope` on the result (the per-head query chain), as
     one op (``rms_normalize_rope``): a new tensor."""
     return (ops.rms_normalize_rope if ops is not None else rms_normalize_rope_reference)(x, eps, cos, sin)
-
