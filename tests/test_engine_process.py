@@ -89,7 +89,9 @@ def test_stop_strings_are_found_in_the_api_process_as_in_process(tiny_checkpoint
         assert [(c.text, c.token_ids, c.finish_reason) for c in mine] == [
             (c.text, c.token_ids, c.finish_reason) for c in theirs
         ], case
-        assert [c.logprobs for c in mine] == [c.logprobs for c in theirs]
+        for a, b in zip([c.logprobs for c in mine], [c.logprobs for c in theirs], strict=True):
+            # another process: float32 logits may differ in the last bits (the thread split of a CPU matmul)
+            assert (a is None and b is None) or a == pytest.approx(b, abs=1e-5)
     assert any(c.finish_reason == "stop" for outputs in want for c in outputs)  # a stop string did end one early
     adds = [m for m in sent if type(m).__name__ == "AddRequest"]
     assert len(adds) == len(cases) and all(not m.params.detokenize and not m.params.stop for m in adds)
