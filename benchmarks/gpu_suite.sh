@@ -9,14 +9,16 @@
 # default, 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU,
 # and the slice's fast path vs its reference path), long (engine decode of 16 requests at 8k context), serve
 # (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it).
-# Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s) so one hang cannot
-# eat the rest.
+# Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
+# default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
+# cannot eat the rest.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LIMIT=${STAGE_SECONDS:-150}
+: "${LIMIT_serve:=300}" "${LIMIT_engine:=300}"
 SLICE="--flash-layers 4 --context 256 --points 1,32 --measure-steps 10 --cache-gib 16"
 
 stage() {  # stage NAME COMMAND...: run with the limit, keep the log, say how it ended
