@@ -35,7 +35,7 @@ def check_cases(device: torch.device) -> list[str]:
                 x = torch.cat([x, x], dim=-2)[..., ::2, :]
             elif shape[0] % 3 == 0:  # a column slice of a wider buffer (a joined GEMM's output): read in place
                 x = column_slice(x)
-                if backend.row_layout(x)[0].data_ptr() != x.data_ptr():
+                if backend.row_layout(x).data_ptr() != x.data_ptr():
                     failures.append(f"{shape} {dtype}: a column slice was copied")
             expected = rms_norm_reference(x, weight, 1e-6)
             got = backend.rms_norm_triton(x, weight, 1e-6)
@@ -61,7 +61,7 @@ def check_weightless_cases(device: torch.device) -> list[str]:
                 x = column_slice(x)
             elif len(shape) == 3:  # [T, heads, head_dim] of a column slice (a joined GEMM's queries): in place
                 x = column_slice(x.reshape(shape[0], -1)).view(shape)
-                if backend.row_layout(x)[0].data_ptr() != x.data_ptr():
+                if backend.row_layout(x).data_ptr() != x.data_ptr():
                     failures.append(f"rms_normalize {shape} {dtype}: a [T, heads, head_dim] slice was copied")
             expected = rms_normalize_reference(x, 1e-6)
             got = backend.rms_normalize_triton(x, 1e-6)

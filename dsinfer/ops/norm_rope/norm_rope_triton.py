@@ -17,13 +17,11 @@ is a new contiguous tensor. Inputs the kernel does not take go to the reference.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, rms_norm_triton_available, row_layout
-from dsinfer.ops.norm_rope.rope_triton import DTYPES, serves
+from dsinfer.ops.norm_rope.rope_triton import serves
 from dsinfer.ops.registry import register
 
 try:
@@ -85,8 +83,7 @@ if triton is not None:
 def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs: [N, ..., dim] rows of an even width up to MAX_ROW with an even
     nope part, angles the ``rope`` kernel would take for one token each."""
-    width = x.shape[-1] if x.dim() else 0
-    return serves(x, cos, sin) and x.dtype in DTYPES and 0 < width <= MAX_ROW and width % 2 == 0
+    return serves(x, cos, sin) and 0 < x.shape[-1] <= MAX_ROW and x.shape[-1] % 2 == 0
 
 
 @register("rms_normalize_rope", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
@@ -100,13 +97,11 @@ def rms_normalize_rope_triton(x: torch.Tensor, eps: float, cos: torch.Tensor, si
     if rows == 0:
         return out
     tokens = x.shape[0]
-    source, inner, stride_outer, stride_inner = row_layout(x)
-    if inner == 1 and math.prod(x.shape[1:-1]) > 1:  # rows from a copy: a token's rows are consecutive
-        inner, stride_outer, stride_inner = math.prod(x.shape[1:-1]), stride_outer * math.prod(x.shape[1:-1]), width
+    rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
     cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
     block, per_program, warps = norm_launch_shape(width)
     _normalize_rope_kernel[(triton.cdiv(rows, per_program),)](
-        source, cos, sin, out, rows, width, max(inner, 1), stride_outer, stride_inner,
+        rows3, cos, sin, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
         NOPE=width - 2 * half, ROWS=per_program, BLOCK=block, num_warps=warps,
         enable_fp_fusion=False,  # no fused multiply-add: the rope kernel's roundings, bit for bit

@@ -10,6 +10,7 @@ mean, so float32 results may differ in the last bits; after rounding to bf16 the
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -65,22 +66,18 @@ if triton is not None:
         tl.store(dst + offsets, (x32 * scale[:, None]).to(dst.dtype.element_ty), mask=mask)
 
 
-def row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """``x`` as (source, rows per outer index, outer stride, inner stride): its rows of the last axis read in
-    place where they have unit channel stride and two uniform strides (a column slice of a wider GEMM output,
-    or that slice viewed as [T, heads, head_dim]), else from one contiguous copy."""
+def row_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [N, M, width] rows of its last axis (M: its middle axes, 1 for a 2-D x), unit channel stride: a
+    view of ``x`` where its strides allow (a column slice of a wider GEMM output, or that slice viewed as [T, heads,
+    head_dim]; the kernels read it in place), else one contiguous copy. A token's M rows stay together."""
     width = x.shape[-1]
+    shape = (x.shape[0] if x.dim() > 1 else 1, math.prod(x.shape[1:-1]), width)
     if x.stride(-1) == 1 or width == 1:
-        if x.dim() <= 2:
-            flat = x.reshape(-1, width)
-            return flat, 1, flat.stride(0), 0
         try:
-            rows3 = x.view(x.shape[0], -1, width)
-            return rows3, rows3.shape[1], rows3.stride(0), rows3.stride(1)
+            return x.view(shape)
         except RuntimeError:
             pass
-    flat = x.contiguous().view(-1, width)
-    return flat, 1, width, 0
+    return x.contiguous().view(shape)
 
 
 def norm_launch_shape(width: int) -> tuple[int, int, int]:
@@ -89,21 +86,28 @@ def norm_launch_shape(width: int) -> tuple[int, int, int]:
     return block, max(1, min(16, 2048 // block)), 4 if block <= 2048 else 8
 
 
+def _normalize_rows(kernel, x: torch.Tensor, eps: float, *weight: torch.Tensor) -> torch.Tensor:
+    """Launch ``kernel`` (either norm) over ``x``'s rows as :func:`row_layout` gives them; a new contiguous tensor."""
+    width = x.shape[-1]
+    rows3 = row_layout(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // width
+    if rows:
+        block, per_program, warps = norm_launch_shape(width)
+        kernel[(triton.cdiv(rows, per_program),)](
+            rows3, *weight, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1), eps,
+            ROWS=per_program, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return out
+
+
 @register("rms_normalize", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
 def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as :func:`rms_normalize_reference`; rows wider than ``MAX_ROW`` go to it."""
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return rms_normalize_reference(x, eps)
-    source, inner, stride_outer, stride_inner = row_layout(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = out.numel() // width
-    if rows:
-        block, per_program, warps = norm_launch_shape(width)
-        grid = (triton.cdiv(rows, per_program),)
-        _rms_normalize_kernel[grid](source, out, rows, width, max(inner, 1), stride_outer, stride_inner, eps,
-                                    ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
-    return out
+    return _normalize_rows(_rms_normalize_kernel, x, eps)
 
 
 @register("rms_norm", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
@@ -112,12 +116,4 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     width = x.shape[-1]
     if width > MAX_ROW or width == 0 or weight.shape != (width,):
         return rms_norm_reference(x, weight, eps)
-    source, inner, stride_outer, stride_inner = row_layout(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = out.numel() // width
-    if rows:
-        block, per_program, warps = norm_launch_shape(width)
-        grid = (triton.cdiv(rows, per_program),)
-        _rms_norm_kernel[grid](source, weight.contiguous(), out, rows, width, max(inner, 1), stride_outer,
-                               stride_inner, eps, ROWS=per_program, BLOCK=block, num_warps=warps)  # fmt: skip
-    return out
+    return _normalize_rows(_rms_norm_kernel, x, eps, weight.contiguous())
