@@ -47,11 +47,15 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
         kill -0 $server 2>/dev/null || break
         sleep 1
     done
+    local long=sweeps/long/results.jsonl  # the `long` stage's offline step at the same batch, unless given
+    if [ -z "${SERVE_OFFLINE_STEP_MS:-}" ] && [ -f $long ]; then
+        SERVE_OFFLINE_STEP_MS=$(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])['ms_per_step'])" $long)
+    fi
     if [ $ready = 1 ]; then
         python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
             --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
             --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 16 --seed 0 --disable-tqdm --out "$OUT/serve.json" \
-            ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}  # the `long` stage's step, exported
+            ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}
     else
         echo "the server did not answer /health"; tail -n 30 "$OUT/server.log"
     fi
