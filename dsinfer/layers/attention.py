@@ -26,7 +26,7 @@ from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, normalize_and_rope, step_rope_angles
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         projected.update(self._query_projections(q_latent))
         q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
         q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)
-        kv = apply_rope(self.kv_norm(projected.pop("kv")), cos, sin, ops=self.ops, in_place=True)
+        kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm)  # the norm and RoPE: one op
 
         if batch.is_decode:
             out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)

@@ -47,7 +47,7 @@ from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choi
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
+from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
@@ -84,8 +84,9 @@ class IndexerV41(IndexScorer):
         entry_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
-        keys = apply_rope(self.k_norm(self.wk(latents)), cos, sin, ops=self.ops)
-        return quantizer.index_keys(keys, layer_id, entry_ids)
+        return rope_and_round(
+            self.wk(latents), cos, sin, self.ops, self.k_norm, quantizer, "index_keys", layer_id, entry_ids
+        )
 
     def candidate_scores(
         self,
@@ -124,8 +125,8 @@ class IndexerV41(IndexScorer):
         has them (else computed here); ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
         (see :meth:`queries`). ``state`` (the step's) also keeps how many entries each query sees, per ratio."""
         keys, key_scales, tables = paged_keys
-        rounding = self._query_rounding(quantizer, positions)
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rounding, angles, projected)
+        rotation = self._query_rotation(quantizer, positions)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotation, angles, projected)
         ops = self._ops(x)
         visible = state.get(("visible", self.ratio))  # entries each query sees: once per step and ratio
         if visible is None:
@@ -133,15 +134,17 @@ class IndexerV41(IndexScorer):
         scores = ops.index_scores_paged(q, head_weights, keys, key_scales, tables, visible)
         return ops.index_topk_decode(scores, self.topk, self._candidates(x, scores, visible, state))
 
-    def _query_rounding(self, quantizer: ActivationQuantizer, positions: torch.Tensor):
-        def round_queries(q: torch.Tensor) -> torch.Tensor:
-            return quantizer.index_queries(q, self.layer_id, positions)
+    def _query_rotation(self, quantizer: ActivationQuantizer, positions: torch.Tensor):
+        """The queries' RoPE and rounding (``index_queries``) at ``positions``, one op on the fast path."""
 
-        return round_queries
+        def rotate_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return rope_and_round(q, cos, sin, self.ops, None, quantizer, "index_queries", self.layer_id, positions)
+
+        return rotate_queries
 
     def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: dict, quantizer):
         """The scores [n, W] and the candidate mask that limits them (None: no limit)."""
-        scores = self.scores(x, q_latent, positions, keys, inv_freq, self._query_rounding(quantizer, positions))
+        scores = self.scores(x, q_latent, positions, keys, inv_freq, self._query_rotation(quantizer, positions))
         return scores, self._candidates(x, scores, visible_entries(positions, self.ratio), state)
 
     def _candidates(self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: dict):
@@ -320,8 +323,7 @@ class AttentionV41(Attention):
         projected.update(_joined(self.joined_queries, q_latent, None if every else ("q",)))
         q = projected["q"] if "q" in projected else self.wq_b(q_latent)
         q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        kv = apply_rope(self.kv_norm(kv), cos, sin, ops=self.ops)
-        kv = quantizer.window_kv(kv, self.layer_id, positions)
+        kv = rope_and_round(kv, cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", self.layer_id, positions)
         return cos, sin, q_latent, q, kv
 
     def _forward_decode(
@@ -401,7 +403,7 @@ class AttentionV41(Attention):
         cos, sin = step_rope_angles(batch, inv_freq, ratio)  # at the group's first position: entry id * ratio
         # The quantizer's entry ids: -1 for the trash writes (at ratio 1 every token completes its entry).
         real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
-        entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, real_ids)
+        entries = rope_and_round(latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, real_ids)
         keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids)
         blocks, block_rows = decode_entry_location(
             spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block, self.ops
@@ -439,7 +441,9 @@ class AttentionV41(Attention):
         latents, entry_ids = self.compressor.latents(x, positions, span, cache.layers[self.layer_id].source)
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
-            entries = quantizer.compressed_kv(apply_rope(latents, cos, sin, ops=self.ops), self.layer_id, entry_ids)
+            entries = rope_and_round(
+                latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, entry_ids
+            )
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
             cache.write_entries(self.layer_id, block_table, entry_ids[keep], entries[keep], keys[keep])

@@ -65,15 +65,15 @@ class IndexScorer(nn.Module):
         positions: torch.Tensor,
         keys: torch.Tensor,
         inv_freq: torch.Tensor,
-        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        rotate_queries: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """score [n, W] against keys [W, d] shared, or [n, W, d] per query, invisible entries -inf.
 
-        ``round_queries`` is V4.1's trained-in rounding of the RoPE'd queries (None: V4, no rounding);
-        ``projected``: see :meth:`queries`.
+        ``rotate_queries(q, cos, sin)``: V4.1's RoPE and trained-in rounding of the queries (None: V4, the RoPE
+        alone); ``projected``: see :meth:`queries`.
         """
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, round_queries, projected=projected)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotate_queries, projected=projected)
         score = self.ops.index_scores if self.ops is not None else index_scores_reference
         return score(q, keys, head_weights, visible_entries(positions, self.ratio))
 
@@ -83,21 +83,21 @@ class IndexScorer(nn.Module):
         q_latent: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        round_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        rotate_queries: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H].
 
+        ``rotate_queries(q, cos, sin)``: V4.1's RoPE and rounding of the projected queries (None: the RoPE alone).
         ``angles``: the positions' cos and sin when the caller has them already (else computed here).
         ``projected``: outputs of the caller's joined GEMMs, ``index_q`` (``wq_b(q_latent)``) and ``index_weights``
         (``weights_proj(x)``); those present stand in for this scorer's own."""
         projected = projected or {}
         cos, sin = angles if angles is not None else rope_angles(positions, inv_freq)
         q = projected["index_q"] if "index_q" in projected else self.wq_b(q_latent)
-        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        if round_queries is not None:
-            q = round_queries(q)
+        q = q.view(-1, self.n_heads, self.head_dim)
+        q = rotate_queries(q, cos, sin) if rotate_queries is not None else apply_rope(q, cos, sin, ops=self.ops)
         weights = projected["index_weights"] if "index_weights" in projected else self.weights_proj(x)
         return q, self.scaled_head_weights(weights)
 

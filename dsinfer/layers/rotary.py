@@ -12,6 +12,7 @@ import math
 import torch
 
 from dsinfer.config import YarnScaling
+from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.norm_rope import rms_normalize_rope_reference, rope_reference
 from dsinfer.ops.registry import OpTable
 
@@ -91,3 +92,28 @@ def normalize_and_rope(
     """Weightless RMSNorm of ``x``'s rows, then :func:`apply_rope` on the result (the per-head query chain), as
     one op (``rms_normalize_rope``): a new tensor."""
     return (ops.rms_normalize_rope if ops is not None else rms_normalize_rope_reference)(x, eps, cos, sin)
+
+
+def rope_and_round(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ops: OpTable | None,
+    norm: torch.nn.Module | None = None,
+    quantizer: ActivationQuantizer | None = None,
+    point: str = "",
+    layer: object = None,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``norm(x)`` (an ``RMSNorm``; None: ``x``) through :func:`apply_rope`, then ``quantizer``'s rounding at
+    ``point`` (one of its methods, called with ``layer`` and ``ids``; no quantizer: no rounding): a new tensor.
+
+    With an op table the chain is one op (``rope_and_round``) wherever the quantizer rounds the point as its
+    class's base does; otherwise (the reference path, a quantizer that overrides the point) the steps run one
+    after the other, each as before."""
+    rounding = (None, 0) if quantizer is None else quantizer.fusable_rounding(point)
+    if ops is not None and rounding is not None and (norm is not None or rounding[0] is not None):
+        weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        return ops.rope_and_round(x, cos, sin, weight, eps, *rounding)
+    y = apply_rope(norm(x) if norm is not None else x, cos, sin, ops=ops)
+    return getattr(quantizer, point)(y, layer, ids) if quantizer is not None else y

@@ -136,6 +136,22 @@ class ActivationQuantizer:
         """The op table of ``x``'s device and dtype (chosen once per setting): the Triton kernels on CUDA."""
         return resolve(x.device, x.dtype)
 
+    # each point's rounding as (format, block), the names the ``rope_and_round`` op takes
+    POINT_ROUNDINGS = {
+        "window_kv": ("fp8", WINDOW_KV_BLOCK),
+        "compressed_kv": ("fp4_e4m3", COMPRESSED_KV_BLOCK),
+        "index_keys": ("fp4_ue8m0", INDEX_BLOCK),
+        "index_queries": ("fp4_ue8m0", INDEX_BLOCK),
+    }
+
+    def fusable_rounding(self, point: str) -> tuple[str | None, int] | None:
+        """``point``'s rounding as (format, block) for an op that fuses it with the RoPE before it ((None, 0)
+        while rounding is off), or None where this quantizer's class overrides the point: its own method must
+        see every value (a test's replay, training's straight-through rounding)."""
+        if getattr(type(self), point) is not getattr(ActivationQuantizer, point):
+            return None
+        return self.POINT_ROUNDINGS[point] if self.enabled else (None, 0)
+
     def window_kv(self, x: torch.Tensor, layer: object, positions: torch.Tensor) -> torch.Tensor:
         """x [T, head_dim] post-RoPE window keys (= values) at ``positions``."""
         return self._ops(x).fake_quant_fp8(x, WINDOW_KV_BLOCK) if self.enabled else x

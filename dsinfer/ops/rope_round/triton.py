@@ -1,0 +1,162 @@
+"""``rope_and_round`` in one Triton pass: each program loads whole rows once, applies the weighted RMSNorm (if
+any), rotates the rope channels, rounds the rows through V4.1's block format (if any) and stores each row once.
+
+A V4.1 decode step ran these chains as 17 launches more than it needed (``kv_norm``, RoPE and the FP8 rounding of
+the window K=V in every layer; RoPE and the FP4 rounding of the compressed entries, index keys and index
+queries): each a microsecond or two of a step whose cost is its launches.
+
+Each stage rounds as its own kernel does, so the result is the unfused Triton kernels' bit for bit wherever those
+agree with each other's reductions:
+
+* the norm: the sum of squares in float32, ``weight * (x * scale)`` rounded once to x's dtype (as
+  :mod:`~dsinfer.ops.norm_rope.rms_norm_triton`; the sum's order may differ from torch's in the last float32
+  bits, within the norm's tolerance of the reference);
+* RoPE: the pairs of the normalised (rounded) rows rotated in float32 without fused multiply-adds, rounded to
+  x's dtype (as :mod:`~dsinfer.ops.norm_rope.rope_triton`, bit-identical to the reference);
+* the rounding: the helpers of :mod:`dsinfer.ops.fake_quant.triton` (bit-identical to the reference) on the
+  rotated rows read back as float32, as the reference reads its bf16 input.
+
+Rows are read at their strides (a column slice of a joined GEMM's output, or its [T, heads, head_dim] view, is
+not copied); the result is a new contiguous tensor. Inputs the kernel does not take go to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP8
+from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, rms_norm_triton_available, row_layout
+from dsinfer.ops.norm_rope.rope_triton import serves
+from dsinfer.ops.registry import register
+from dsinfer.ops.rope_round.reference import rope_and_round_reference
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.fake_quant.triton import (
+        block_scale,
+        e2m1_count,
+        e2m1_magnitude,
+        round_e4m3,
+        scaled,
+        with_sign_of,
+    )
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+KINDS = {None: -1, "fp8": KIND_FP8, "fp4_e4m3": KIND_FP4_E4M3, "fp4_ue8m0": KIND_FP4_UE8M0}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_round_kernel(
+        src,
+        weight,
+        cos_ptr,
+        sin_ptr,
+        dst,
+        rows,
+        width,
+        inner,  # rows per token (heads): a token's rows share its angles
+        stride_outer,
+        stride_inner,
+        stride_cn,
+        stride_cc,
+        stride_sn,
+        stride_sc,
+        eps,
+        NOPE: tl.constexpr,  # channels before the rope slice (even)
+        HAS_WEIGHT: tl.constexpr,
+        KIND: tl.constexpr,  # -1: no rounding, else the fake-quant kernel's kind
+        QUANT_BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,  # next power of two of width
+    ):
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = row < rows
+        column = tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (column < width)[None, :]
+        token = (row // inner).to(tl.int64)
+        start = token * stride_outer + (row % inner).to(tl.int64) * stride_inner
+        x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
+        y = x.to(tl.float32)
+        if HAS_WEIGHT:
+            scale = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / width + eps)
+            w = tl.load(weight + column, mask=column < width, other=0.0).to(tl.float32)
+            y = (w[None, :] * (y * scale[:, None])).to(x.dtype).to(tl.float32)  # the norm's output, as stored
+
+        # Channel pairs (2j, 2j + 1); pairs from NOPE // 2 on rotate by the token's angle j - NOPE // 2.
+        even, odd = tl.split(tl.reshape(y, [ROWS, BLOCK // 2, 2]))
+        pair = tl.arange(0, BLOCK // 2)
+        rotates = (pair >= NOPE // 2) & (2 * pair < width)
+        angle = tl.where(rotates, pair - NOPE // 2, 0)
+        angle_mask = row_ok[:, None] & rotates[None, :]
+        cos = tl.load(cos_ptr + token[:, None] * stride_cn + angle[None, :] * stride_cc, mask=angle_mask, other=1.0)
+        sin = tl.load(sin_ptr + token[:, None] * stride_sn + angle[None, :] * stride_sc, mask=angle_mask, other=0.0)
+        new_even = tl.where(rotates[None, :], even * cos - odd * sin, even)
+        new_odd = tl.where(rotates[None, :], even * sin + odd * cos, odd)
+        out = tl.reshape(tl.join(new_even, new_odd), [ROWS, BLOCK]).to(x.dtype).to(tl.float32)  # the rope's output
+
+        if KIND >= 0:  # each row's blocks of QUANT_BLOCK channels through the format (the fake-quant kernel's math)
+            blocks = tl.reshape(out, [ROWS * (BLOCK // QUANT_BLOCK), QUANT_BLOCK])
+            block_max, inverse = block_scale(tl.max(tl.abs(blocks), axis=1), KIND)
+            v = scaled(blocks, block_max[:, None], inverse[:, None], KIND)
+            if KIND == 0:
+                v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+                blocks = round_e4m3(v) * block_max[:, None]
+            else:
+                v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+                blocks = with_sign_of(e2m1_magnitude(e2m1_count(tl.abs(v))), v) * block_max[:, None]
+            out = tl.reshape(blocks, [ROWS, BLOCK])
+        offsets = row.to(tl.int64)[:, None] * width + column[None, :]
+        tl.store(dst + offsets, out.to(dst.dtype.element_ty), mask=mask)
+
+
+def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight, rounding, block: int) -> bool:
+    """Whether the kernel takes these inputs: rows of an even width up to MAX_ROW with an even nope part, angles
+    the ``rope`` kernel would take, a float32-convertible weight of the row's width, and whole power-of-two
+    rounding blocks."""
+    width = x.shape[-1] if x.dim() else 0
+    if not serves(x, cos, sin) or not 0 < width <= MAX_ROW or width % 2 or rounding not in KINDS:
+        return False
+    if weight is not None and (weight.shape != (width,) or weight.device != x.device or weight.requires_grad):
+        return False
+    if rounding is not None and (block <= 0 or block & (block - 1) or width % block):
+        return False
+    return True
+
+
+@register("rope_and_round", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+def rope_and_round_triton(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    rounding: str | None = None,
+    block: int = 0,
+) -> torch.Tensor:
+    """Same contract as :func:`rope_and_round_reference`; inputs the kernel does not take go to it."""
+    if not takes(x, cos, sin, weight, rounding, block):
+        return rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
+    width, half = x.shape[-1], cos.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // width
+    if rows == 0:
+        return out
+    tokens = x.shape[0]
+    rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
+    cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
+    row_block, per_program, warps = norm_launch_shape(width)
+    weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
+    _rope_round_kernel[(triton.cdiv(rows, per_program),)](
+        rows3, weight_arg, cos, sin, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
+        NOPE=width - 2 * half, HAS_WEIGHT=weight is not None, KIND=KINDS[rounding],
+        QUANT_BLOCK=block if rounding is not None else 1, ROWS=per_program, BLOCK=row_block, num_warps=warps,
+        enable_fp_fusion=False,  # no fused multiply-add: each stage's roundings, bit for bit
+    )  # fmt: skip
+    return out

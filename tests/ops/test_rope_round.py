@@ -1,0 +1,152 @@
+"""``rope_and_round``: a row's weighted RMSNorm, RoPE and V4.1 rounding in one kernel (Triton's interpreter on the
+CPU, compiled on CUDA) against the unfused Triton kernels (``rms_norm``, ``rope``, ``fake_quant_*``) and against
+the reference.
+
+Without a norm the op is bit-identical to the reference (RoPE and the rounding are). With one, in bf16 and fp16
+it equals the unfused kernels bit for bit; in float32 the compiler may sum a row's squares in another order than
+the norm kernel, and a last-bit difference can move a value across a rounding boundary, so there at least 99% of
+the elements must agree. The chains are V4.1's (window K=V: norm, FP8 in blocks of 32; compressed entries: FP4
+with e4m3 scales in blocks of 16; index keys: norm, FP4 with ue8m0 scales in blocks of 32; index queries [N,
+heads, 128]), V4's ``kv_norm`` and RoPE without rounding, and a width that is no power of two; layouts:
+contiguous rows, the columns of a wider GEMM output, one token's angles shared by all; zero tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import assert_interpreted_cases_pass
+
+from dsinfer.ops import registry
+from dsinfer.ops.rope_round.reference import rope_and_round_reference, round_rows
+
+TOKENS = (0, 1, 5, 33)
+# (middle axes, dim, rope_dim, has weight, rounding, block)
+CHAINS = (
+    ((), 512, 64, True, "fp8", 32),  # V4.1 window K=V
+    ((), 512, 64, False, "fp4_e4m3", 16),  # V4.1 compressed entries
+    ((), 128, 64, True, "fp4_ue8m0", 32),  # V4.1 index keys
+    ((4,), 128, 64, False, "fp4_ue8m0", 32),  # V4.1 index queries
+    ((), 512, 64, True, None, 0),  # V4 kv_norm + RoPE
+    ((), 96, 32, True, "fp8", 32),  # a width that is no power of two
+)
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+LAYOUTS = ("contiguous", "columns", "shared")
+
+
+def make_inputs(tokens, middle, dim, rope_dim, has_weight, dtype, layout, generator, device):
+    shape = (tokens, *middle, dim)
+    x = (torch.randn(*shape, generator=generator) * 3 + 0.2).to(dtype)
+    if layout == "columns":  # the first columns of a wider buffer (a joined GEMM), viewed as [N, ..., dim]
+        row = x[0].numel() if tokens else 0
+        buffer = torch.full((tokens, row + 24), 1e3, dtype=dtype)
+        buffer[:, :row] = x.reshape(tokens, row)
+        x = buffer[:, :row].view(shape)
+    angles = torch.rand(1 if layout == "shared" else tokens, rope_dim // 2, generator=generator) * 2e3
+    weight = torch.rand(dim, generator=generator) + 0.5 if has_weight else None
+    to = (lambda t: t.to(device)) if device.type != "cpu" else (lambda t: t)
+    return to(x), to(angles.cos()), to(angles.sin()), (to(weight) if weight is not None else None)
+
+
+def cases():
+    for tokens in TOKENS:
+        for chain in CHAINS:
+            for dtype in DTYPES:
+                for layout in LAYOUTS:
+                    yield tokens, chain, dtype, layout
+
+
+def unfused(x, cos, sin, weight, rounding, block):
+    """The chain as the separate Triton kernels run it."""
+    from dsinfer.ops.fake_quant.triton import fake_quant_fp4_triton, fake_quant_fp8_triton
+    from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton
+    from dsinfer.ops.norm_rope.rope_triton import rope_triton
+
+    y = rms_norm_triton(x, weight, 1e-6) if weight is not None else x
+    y = rope_triton(y, cos, sin, False, False)
+    if rounding == "fp8":
+        return fake_quant_fp8_triton(y, block)
+    if rounding is not None:
+        return fake_quant_fp4_triton(y, block, rounding == "fp4_e4m3")
+    return y
+
+
+def check_cases(device: torch.device) -> list[str]:
+    import dsinfer.ops.rope_round.triton as backend
+
+    failures = []
+    generator = torch.Generator().manual_seed(0)
+    for tokens, (middle, dim, rope_dim, has_weight, rounding, block), dtype, layout in cases():
+        label = f"N={tokens} middle={middle} dim={dim} weight={has_weight} {rounding}/{block} {dtype} {layout}"
+        x, cos, sin, weight = make_inputs(tokens, middle, dim, rope_dim, has_weight, dtype, layout, generator, device)
+        if not backend.takes(x, cos, sin, weight, rounding, block):
+            failures.append(f"{label}: the kernel does not take it")
+            continue
+        before = x.clone()
+        got = backend.rope_and_round_triton(x, cos, sin, weight, 1e-6, rounding, block)
+        want = unfused(x, cos, sin, weight, rounding, block)
+        if got.dtype != x.dtype or got.shape != x.shape or not got.is_contiguous():
+            failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}, want {x.dtype} {tuple(x.shape)}")
+            continue
+        if weight is None:  # RoPE and the rounding are the reference's bits
+            reference = rope_and_round_reference(x, cos, sin, None, 1e-6, rounding, block)
+            if not torch.equal(got, reference):
+                failures.append(f"{label}: {(got != reference).sum().item()} elements differ from the reference")
+        elif dtype != torch.float32 and not torch.equal(got, want):
+            failures.append(f"{label}: {(got != want).sum().item()} elements differ from the unfused kernels")
+        elif got.numel() and (got == want).float().mean().item() < 0.99:
+            failures.append(f"{label}: only {(got == want).float().mean().item():.3f} equal the unfused kernels")
+        if not torch.equal(x, before):
+            failures.append(f"{label}: the input changed")
+    return failures
+
+
+def run_interpreted_cases() -> list[str]:
+    """Every case through the interpreter (TRITON_INTERPRET=1 must be set before Triton loads)."""
+    from test_sparse_attention import _interpret_bf16_as_hardware
+
+    _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
+    return check_cases(torch.device("cpu"))
+
+
+def test_triton_rope_and_round_matches_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_rope_round")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_rope_and_round_matches_on_cuda():
+    assert check_cases(torch.device("cuda")) == []
+
+
+def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
+    assert registry.choose("rope_and_round", "cpu", torch.float32).name == "reference"
+    if torch.cuda.is_available():
+        assert registry.choose("rope_and_round", "cuda", torch.bfloat16).name == "triton"
+
+
+def test_inputs_the_kernel_does_not_take_go_to_the_reference():
+    import dsinfer.ops.rope_round.triton as backend
+
+    angles = torch.rand(3, 8)
+    x = torch.randn(3, 48)
+    assert not backend.takes(x, angles.cos(), angles.sin(), None, "fp8", 32)  # 48 channels: no whole blocks
+    got = backend.rope_and_round_triton(x, angles.cos(), angles.sin(), None, 1e-6, "fp8", 32)
+    assert torch.equal(got, rope_and_round_reference(x, angles.cos(), angles.sin(), None, 1e-6, "fp8", 32))
+    assert torch.equal(got[:, :32], x[:, :32])  # the reference passes a row of no whole block through unrounded
+
+
+def test_reference_is_norm_then_rope_then_rounding():
+    from dsinfer.ops.fake_quant.reference import fake_quant_fp8
+    from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
+
+    x, weight, angles = torch.randn(4, 64).bfloat16(), torch.rand(64) + 0.5, torch.rand(4, 8)
+    got = rope_and_round_reference(x, angles.cos(), angles.sin(), weight, 1e-6, "fp8", 32)
+    want = fake_quant_fp8(rope_reference(rms_norm_reference(x, weight, 1e-6), angles.cos(), angles.sin()), 32)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, rope_reference(rms_norm_reference(x, weight, 1e-6), angles.cos(), angles.sin()))
+
+
+def test_unknown_rounding_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="fp6"):
+        round_rows(torch.randn(2, 32), "fp6", 32)
