@@ -58,6 +58,9 @@ CASES = [
     Case(positions=(300, 9, 77), heads=64, dim=32, n_indices=40, dtype=torch.bfloat16, block_h=0, seed=8),  # 64 x 1
     Case(positions=(300, 9), heads=20, dim=32, n_indices=40, block_h=32, block_n=32, seed=9),  # 20 of a 32 group
     Case(positions=(30, 2), heads=4, dim=8, window=4, per_block=2, n_indices=3, seed=10),  # D < 16: padded to 16
+    # forced splits where the combine also splits the channels (choose_combine: blocks of 64 channels)
+    Case(positions=(90,), heads=5, dim=200, n_indices=20, num_splits=3, seed=11),  # 4 blocks, the last masked
+    Case(positions=(70, 300), heads=20, dim=256, n_indices=24, num_splits=5, block_n=32, dtype=torch.bfloat16),
 ]
 
 
@@ -143,10 +146,73 @@ def _interpret_bf16_as_hardware() -> None:
         builder.cast_impl = rounding_cast
 
 
+# The combine alone on random partials: (sequences, heads, head_dim, splits, output dtype, seed).
+COMBINE_CASES = [
+    (1, 64, 512, 8, torch.bfloat16, 0),  # V4-Flash at one sequence: 64 programs of 8 x 64
+    (3, 5, 48, 4, torch.float32, 1),  # odd heads, a head_dim that is no power of two
+    (2, 20, 200, 7, torch.bfloat16, 2),  # 20 % 16 heads; 200 = 3 x 64 + 8 channels
+    (4, 1, 16, 2, torch.float32, 3),  # one head
+]
+
+
+def _random_partials(batch: int, heads: int, dim: int, splits: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Split kernel outputs as the combine reads them: (max, sum) in the exp2 domain, some splits empty."""
+    gen = torch.Generator().manual_seed(seed)
+    part_max = torch.randn(batch, splits, heads, generator=gen) * 4
+    part_sum = torch.rand(batch, splits, heads, generator=gen) * 30 + 1
+    part_out = torch.randn(batch, splits, heads, dim, generator=gen) * part_sum[..., None]
+    empty = torch.rand(batch, splits, heads, generator=gen) < 0.2  # a split that saw no visible key
+    part_max = torch.where(empty, -1.0e30, part_max)
+    part_sum = torch.where(empty, 0.0, part_sum)
+    part_out = torch.where(empty[..., None], 0.0, part_out)
+    sink = torch.randn(heads, generator=gen)
+    return part_out, part_max, part_sum, sink
+
+
+def check_combine_blocks(batch: int, heads: int, dim: int, splits: int, dtype: torch.dtype, seed: int) -> str | None:
+    """The combine launched as choose_combine picks and as other head x channel blocks, against one program
+    per (sequence, 16 heads) over the whole padded row (the arrangement before channel blocks): bit for bit;
+    that one against a float64 merge of the same partials to rounding."""
+    import triton
+
+    import dsinfer.ops.sparse_attention.triton as backend
+
+    part_out, part_max, part_sum, sink = _random_partials(batch, heads, dim, splits, seed)
+
+    def combined(launch):
+        out = torch.full((batch, heads, dim), float("nan"), dtype=dtype)  # a channel left unwritten stays NaN
+        backend.combine_splits(part_out, part_max, part_sum, sink, out, launch)
+        return out
+
+    whole_h = min(16, triton.next_power_of_2(heads))
+    whole = backend.CombineLaunch(whole_h, triton.next_power_of_2(dim), (batch, triton.cdiv(heads, whole_h), 1))
+    expected = combined(whole)
+    launches = [backend.choose_combine(batch, heads, dim)]
+    for block_h, block_d in ((whole_h, 16), (max(1, whole_h // 4), 32)):
+        grid = (batch, triton.cdiv(heads, block_h), triton.cdiv(dim, block_d))
+        launches.append(backend.CombineLaunch(block_h, block_d, grid))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    shape = (batch, heads, dim, splits, dtype)
+    for launch in launches:
+        if not torch.equal(combined(launch).view(bits), expected.view(bits)):
+            return f"combine {shape}: {launch} differs from {whole}"
+    sink_log2 = sink.double()[None, :, None] * 1.4426950408889634
+    top = torch.maximum(part_max.double().amax(1), sink_log2[..., 0])
+    weights = torch.exp2(part_max.double() - top[:, None])
+    total = (part_sum.double() * weights).sum(1) + torch.exp2(sink_log2[..., 0] - top)
+    exact = (part_out.double() * weights[..., None]).sum(1) / total[..., None]
+    error = (expected.double() - exact).abs().max().item()
+    limit = 1e-5 if dtype == torch.float32 else 1.6e-2
+    if not error <= limit:
+        return f"combine {shape}: max |combine - float64 merge| = {error:.3g} > {limit}"
+    return None
+
+
 def run_interpreted_cases() -> list[str]:
     """Every case through the interpreter (TRITON_INTERPRET=1 must be set before Triton loads)."""
     _interpret_bf16_as_hardware()
-    return [message for message in map(check_triton_case, CASES) if message]
+    messages = list(map(check_triton_case, CASES)) + [check_combine_blocks(*case) for case in COMBINE_CASES]
+    return [message for message in messages if message]
 
 
 def test_triton_kernels_match_reference_in_the_interpreter():
@@ -273,6 +339,23 @@ def test_split_count_depends_on_shapes_only():
     assert backend.choose_splits(batch=1, head_groups=1, n_tiles=7, sm_count=132) == 7
 
 
+def test_combine_splits_the_channels_of_a_small_step():
+    import dsinfer.ops.sparse_attention.triton as backend
+
+    def programs(launch) -> int:
+        return launch.grid[0] * launch.grid[1] * launch.grid[2]
+
+    one, some, many = (backend.choose_combine(batch, 64, 512) for batch in (1, 32, 256))
+    assert (one.block_h, one.block_d, one.grid) == (8, 64, (1, 8, 8))
+    assert (some.block_h, some.block_d, programs(some)) == (16, 256, 256)
+    assert (many.block_h, many.block_d, programs(many)) == (16, 512, 1024)
+    for batch, heads, dim in ((1, 5, 48), (2, 20, 200), (3, 64, 512), (1, 1, 8), (600, 128, 512)):
+        launch = backend.choose_combine(batch, heads, dim)  # every (head, channel) in exactly one program
+        assert launch.grid == (batch, -(-heads // launch.block_h), -(-dim // launch.block_d))
+        assert launch.block_d <= max(64, dim) and launch.block_d & (launch.block_d - 1) == 0
+        assert (launch.grid[1] - 1) * launch.block_h < heads and (launch.grid[2] - 1) * launch.block_d < dim
+
+
 def test_a_small_step_takes_sixteen_heads_a_program():
     import dsinfer.ops.sparse_attention.triton as backend
 
@@ -346,9 +429,12 @@ def test_triton_kernels_compile_for_hopper():
         assert compiled.metadata.shared <= 227 * 1024, (activation, compiled.metadata.shared)
         assert _register_spills(compiled.asm["cubin"]) in (0, None), activation
     kernel = backend._decode_combine_kernel
-    constants = dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_H=16, SPLITS=4)
-    compiled = triton.compile(ASTSource(kernel, _signature(kernel, "bf16"), constexprs=constants), target=target)
-    assert compiled.asm["cubin"] and _register_spills(compiled.asm["cubin"]) in (0, None)
+    for batch in (1, 32, 256):  # the blocks choose_combine picks for 64 heads x 512
+        launch = backend.choose_combine(batch, 64, 512)
+        constants = dict(HEAD_DIM=512, BLOCK_D=launch.block_d, BLOCK_H=launch.block_h, SPLITS=20)
+        source = ASTSource(kernel, _signature(kernel, "bf16"), constexprs=constants)
+        compiled = triton.compile(source, target=target, options=dict(num_warps=4))
+        assert compiled.asm["cubin"] and _register_spills(compiled.asm["cubin"]) in (0, None), launch
 
 
 # The tiny V4 model's decode step with both decode ops on their Triton backends (interpreted) against the same

@@ -31,7 +31,7 @@ try:
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
     from dsinfer.ops.fake_quant.triton import e2m1_magnitude
-    from dsinfer.ops.sparse_attention.triton import _attend_tile, _decode_combine_kernel, _sm_count
+    from dsinfer.ops.sparse_attention.triton import _attend_tile, _sm_count, combine_splits
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -228,11 +228,7 @@ def sparse_attention_decode_coded_launch(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
-        combine_h = min(16, triton.next_power_of_2(n_heads))
-        _decode_combine_kernel[(batch, triton.cdiv(n_heads, combine_h))](
-            part_out, part_max, part_sum, sink, out, n_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_H=combine_h, SPLITS=splits, num_warps=4,
-        )  # fmt: skip
+        combine_splits(part_out, part_max, part_sum, sink, out)
     return out
 
 
