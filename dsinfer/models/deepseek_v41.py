@@ -171,6 +171,7 @@ class DeepseekV41(DeepseekModel):
         self.quantizer = ActivationQuantizer(enabled=True)
         self.prefill_mode = "exact"
         self.replay_tokens = DEFAULT_REPLAY_TOKENS
+        self._first_mix_rows: torch.Tensor | None = None  # see _first_mix
 
     # ---- settings ----------------------------------------------------------------------------------
     def attach_engram_hasher(self, hasher: EngramHasher) -> DeepseekV41:
@@ -230,13 +231,15 @@ class DeepseekV41(DeepseekModel):
         """Where this forward reads Engram rows: the attached fetcher, else the layers' own tables."""
         if self.engram_fetcher is not None:
             return self.engram_fetcher
-        tables = {block.layer_id: block.engram.embed for block in self.layers if block.engram is not None}
+        engrams = {block.layer_id: block.engram for block in self.layers if block.engram is not None}
+        tables = {layer_id: engram.embed for layer_id, engram in engrams.items()}
         if any(table is None for table in tables.values()):
             raise RuntimeError(
                 "this model's Engram tables live outside it (host or sharded placement) and no fetcher is attached "
                 "(closed?); load it again, or attach one with attach_engram_fetcher()"
             )
-        return EngramTableFetcher(tables)
+        # Rows in the layers' GEMM dtype: the layers then convert nothing (the same numbers, see EngramTable).
+        return EngramTableFetcher(tables, next(iter(engrams.values())).compute_dtype)
 
     def close(self) -> None:
         """Release what the model holds outside itself: the Engram fetcher and its shared memory. Idempotent."""
@@ -299,14 +302,32 @@ class DeepseekV41(DeepseekModel):
 
     def embed_streams(self, input_ids: torch.Tensor, splice=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams [T, hc, hidden] (the embedding copied, image spans spliced in) and the first site's mix:
-        one-hot on stream 0."""
-        embedded = self.embed(input_ids)
-        if splice is not None:
-            embedded = embedded.index_copy(0, splice.rows, splice.values.to(embedded.dtype))
-        streams = self.copy_into_streams(embedded)
-        pre_mix = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
-        pre_mix[:, 0] = 1.0
-        return streams, pre_mix
+        one-hot on stream 0 (read-only: rows of a block the model keeps, see :meth:`_first_mix`).
+
+        Without images and outside autograd the streams are one gather of the embedding rows (each token's id
+        once per stream), not the embedding and then a copy into the streams: the same values."""
+        weight = self.embed.weight
+        if splice is None and not (torch.is_grad_enabled() and weight.requires_grad):
+            streams = weight[input_ids.unsqueeze(1).expand(-1, self.config.hc_mult)]
+        else:
+            embedded = self.embed(input_ids)
+            if splice is not None:
+                embedded = embedded.index_copy(0, splice.rows, splice.values.to(embedded.dtype))
+            streams = self.copy_into_streams(embedded)
+        return streams, self._first_mix(streams.shape[0], streams.device)
+
+    def _first_mix(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """[tokens, hc] float32, one-hot on stream 0: the first rows of a kept block (nothing writes to the mix),
+        made again (rows rounded up to a power of two) only for more tokens or another device, and not kept when
+        made while a CUDA graph is captured (its contents exist only at replay)."""
+        kept = self._first_mix_rows
+        if kept is None or kept.shape[0] < tokens or kept.device != device:
+            rows = 1 << max(tokens - 1, 0).bit_length()
+            kept = torch.zeros(rows, self.config.hc_mult, dtype=torch.float32, device=device)
+            kept[:, 0] = 1.0
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._first_mix_rows = kept
+        return kept[:tokens]
 
     def run_range(
         self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext, first: int, stop: int
