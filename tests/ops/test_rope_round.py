@@ -4,8 +4,10 @@ the reference.
 
 Without a norm the op is bit-identical to the reference (RoPE and the rounding are). With one, in bf16 and fp16
 it equals the unfused kernels bit for bit; in float32 the compiler may sum a row's squares in another order than
-the norm kernel, and a last-bit difference can move a value across a rounding boundary, so there at least 99% of
-the elements must agree. The chains are V4.1's (window K=V: norm, FP8 in blocks of 32; compressed entries: FP4
+the norm kernel (on the H200 about 5% of the float32 elements of a norm and RoPE without rounding differ in their
+last bits), so there the result must be within the norm's tolerance of the unfused kernels, and after a rounding,
+where a last-bit difference can move a value across a rounding boundary, at least 99% of the elements must agree.
+The chains are V4.1's (window K=V: norm, FP8 in blocks of 32; compressed entries: FP4
 with e4m3 scales in blocks of 16; index keys: norm, FP4 with ue8m0 scales in blocks of 32; index queries [N,
 heads, 128]), V4's ``kv_norm`` and RoPE without rounding, and a width that is no power of two; layouts:
 contiguous rows, the columns of a wider GEMM output, one token's angles shared by all; zero tokens.
@@ -94,7 +96,9 @@ def check_cases(device: torch.device) -> list[str]:
                 failures.append(f"{label}: {(got != reference).sum().item()} elements differ from the reference")
         elif dtype != torch.float32 and not torch.equal(got, want):
             failures.append(f"{label}: {(got != want).sum().item()} elements differ from the unfused kernels")
-        elif got.numel() and (got == want).float().mean().item() < 0.99:
+        elif rounding is None and not ((got - want).abs() <= (want.abs() + 8) * 2**-22).all():
+            failures.append(f"{label}: max |diff| from the unfused kernels {(got - want).abs().max():.3g}")
+        elif rounding is not None and got.numel() and (got == want).float().mean().item() < 0.99:
             failures.append(f"{label}: only {(got == want).float().mean().item():.3f} equal the unfused kernels")
         if not torch.equal(x, before):
             failures.append(f"{label}: the input changed")
