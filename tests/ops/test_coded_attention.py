@@ -33,6 +33,8 @@ class Case:
     dtype: torch.dtype = torch.float32
     num_splits: int | None = None
     seed: int = 0
+    spread: bool = False  # every scale block of a row at its own magnitude (a scale on wrong channels shows)
+    hardware_fp8: bool | None = None  # the kernel's e4m3 decode: the float8 cast (True) or arithmetic (False)
 
 
 CASES = [
@@ -48,6 +50,9 @@ CASES = [
     Case(positions=(0,), entries=False, dtype=torch.bfloat16),
     Case(positions=(3, 70, 129), window_from=(0, 60, 0), heads=20, dim=128, dtype=torch.bfloat16, seed=5),
     Case(positions=(100, 7, 55), n_indices=33, num_splits=2, dtype=torch.bfloat16, seed=6),
+    Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, seed=7),
+    Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, hardware_fp8=False, seed=7),
+    Case(positions=(70, 9), heads=16, dim=128, n_indices=24, spread=True, dtype=torch.bfloat16, seed=8),
 ]
 
 
@@ -56,9 +61,15 @@ def make_inputs(case: Case) -> dict:
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.positions)
     slot_count, block_count = batch + 2, batch * case.table_width + 3
-    ring = fake_quant_window_kv(torch.randn(slot_count, case.window, case.dim, generator=gen) * 3)
+    ring = torch.randn(slot_count, case.window, case.dim, generator=gen) * 3
+    pool = torch.randn(block_count, case.per_block, case.dim, generator=gen)
+    if case.spread:  # 2**-3 .. 2**4 by scale block, in an order that is not monotone in the channel
+        channel = torch.arange(case.dim)
+        ring = ring * 2.0 ** ((channel // 32 * 5) % 8 - 3).float()
+        pool = pool * 2.0 ** ((channel // 16 * 3) % 8 - 3).float()
+    ring = fake_quant_window_kv(ring)
     window_codes, window_scales = cache_encode_reference(ring, "e4m3", 32, "ue8m0")
-    pool = fake_quant_compressed_kv(torch.randn(block_count, case.per_block, case.dim, generator=gen))
+    pool = fake_quant_compressed_kv(pool)
     entry_codes, entry_scales = cache_encode_reference(pool, "e2m1", 16, "e4m3")
     tables = torch.randperm(block_count, generator=gen)[: batch * case.table_width].view(batch, -1)
     indices = torch.randint(0, case.table_width * case.per_block, (batch, case.n_indices), generator=gen)
@@ -100,7 +111,8 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
     if not backend.serves(inputs["q"], inputs["window_codes"], inputs["window_scales"], inputs["entry_codes"],
                           inputs["entry_scales"], inputs["indices"]):  # fmt: skip
         return f"{case}: the kernel does not take it"
-    got = backend.sparse_attention_decode_coded_launch(*inputs.values(), num_splits=case.num_splits)
+    got = backend.sparse_attention_decode_coded_launch(*inputs.values(), num_splits=case.num_splits,
+                                                       hardware_fp8=case.hardware_fp8)  # fmt: skip
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
     exact = sparse_attention_decode_coded_reference(**{**inputs, "q": inputs["q"].float()})
@@ -109,11 +121,50 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
     return None if error <= limit else f"{case}: max |triton - reference| = {error:.3g} > {limit}"
 
 
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.cache_codec.triton import e4m3_value
+    from dsinfer.ops.coded_attention.triton import e2m1_scaled, e4m3_decode
+
+    @triton.jit
+    def _decode_all_codes(codes_ptr, cast_ptr, arithmetic_ptr, nibbles_ptr):
+        byte = tl.load(codes_ptr + tl.arange(0, 256))
+        tl.store(cast_ptr + tl.arange(0, 256), e4m3_decode(byte, True))
+        tl.store(arithmetic_ptr + tl.arange(0, 256), e4m3_value(byte.to(tl.int32)))
+        tl.store(nibbles_ptr + tl.arange(0, 16), e2m1_scaled(tl.arange(0, 16).to(tl.uint8)))
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def check_code_decoders(device: torch.device | None = None) -> str | None:
+    """The kernel's decoders on every code: the float8 cast of each of the 254 non-NaN e4m3fn bytes against the
+    arithmetic :func:`e4m3_value` and torch's float8 (bit for bit, -0 included), and ``e2m1_scaled`` of each of
+    the 16 e2m1 nibbles against ``2**-14`` times the e2m1 values (-0 included)."""
+    from dsinfer.ops.quant import E2M1_VALUES
+
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    cast, arithmetic = torch.empty(256, device=device), torch.empty(256, device=device)
+    nibbles = torch.empty(16, device=device)
+    _decode_all_codes[(1,)](codes, cast, arithmetic, nibbles)
+    finite = torch.tensor([c not in (0x7F, 0xFF) for c in range(256)], device=device)
+    want = codes.view(torch.float8_e4m3fn).float()
+    for name, got in (("float8 cast", cast), ("arithmetic", arithmetic)):
+        if not torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32)):
+            return f"e4m3 by the {name}: {got[finite]} != {want[finite]}"
+    e2m1 = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device) * 2.0**-14
+    if not torch.equal(nibbles.view(torch.int32), e2m1.view(torch.int32)):
+        return f"e2m1_scaled: {nibbles} != {e2m1}"
+    return None
+
+
 def run_interpreted_cases() -> list[str]:
     from test_sparse_attention import _interpret_bf16_as_hardware
 
     _interpret_bf16_as_hardware()
-    return [message for case in CASES if (message := check_triton_case(case)) is not None]
+    failures = [message for case in CASES if (message := check_triton_case(case)) is not None]
+    return failures + [message for message in [check_code_decoders()] if message is not None]
 
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
@@ -133,6 +184,53 @@ def test_triton_kernel_matches_the_reference_on_cuda():
     assert [m for case in CASES if (m := check_triton_case(case, torch.device("cuda"))) is not None] == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_code_decoders_on_cuda():
+    assert check_code_decoders(torch.device("cuda")) is None
+
+
 def test_registry_picks_the_kernel_on_cuda_only():
     assert [b.name for b in registry.backends("sparse_attention_decode_coded")] == ["triton", "reference"]
     assert registry.choose("sparse_attention_decode_coded", "cpu", torch.bfloat16).name == "reference"
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_kernel_compiles_for_hopper():
+    """sm_90 cubins with Triton's bundled ptxas (no GPU needed) at V4-Flash shapes (64 heads x 512, window 128,
+    top-k 512) in the configurations choose_config picks for bf16 at 1 and 32 sequences, the float8 cast on and
+    pointers and strides 16-divisible as the launch specializes them: within the H200's 227 KiB of shared memory
+    per block and without register spills."""
+    triton = pytest.importorskip("triton")
+    from test_sparse_attention import _register_spills
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.coded_attention.triton as backend
+    from dsinfer.ops.sparse_attention.triton import choose_config
+
+    kernel = backend._coded_split_kernel
+    codes = ("window_ptr", "window_scales_ptr", "entries_ptr", "entry_scales_ptr")
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name.isupper():
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            kind = "bf16" if name in ("q_ptr", "out_ptr") else "u8" if name in codes else "fp32"
+            signature[name] = "*" + ("fp32" if "part" in name or "sink" in name else kind)
+            if name in ("slots_ptr", "positions_ptr", "window_from_ptr", "tables_ptr", "indices_ptr"):
+                signature[name] = "*i64"
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+        if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_tb"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for batch in (1, 32):
+        config = choose_config(64, torch.bfloat16, 512, batch)
+        constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512, WINDOW_BLOCK=32,
+                         ENTRY_BLOCK=16, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
+                         PRECISION="tf32", HARDWARE_FP8=True)  # fmt: skip
+        source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], batch
+        assert compiled.metadata.shared <= 227 * 1024, (batch, compiled.metadata.shared)
+        assert _register_spills(compiled.asm["cubin"]) in (0, None), batch

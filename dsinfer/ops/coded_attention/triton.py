@@ -4,11 +4,16 @@ With ``quantized_storage`` the torch path decoded every ring row of the batch an
 model-dtype tensors (a table gather, casts, a multiply each), then attended over them. Here the split kernel of
 :mod:`dsinfer.ops.sparse_attention.triton` walks the same tiles (window ring rows at ``position % W``, then the
 chosen entries through the block table) but loads bytes: one FP8 e4m3 code per channel and the row's ue8m0
-exponent bytes for the ring, two packed e2m1 codes per byte and the row's e4m3 scales for entries. Each element's
-value is its code's value times its block's scale, formed in float32 (exact: a few significant bits times a
-scale) and rounded once to the query dtype, exactly the rows the reference decodes; the online softmax, the
-sink and the combine of the splits are V4's (its jit functions, shared). Results agree with the reference to
-the rounding of V4's kernel (``tests/ops/test_coded_attention.py``).
+exponent bytes for the ring, two packed e2m1 codes per byte and the row's e4m3 scales for entries. A tile loads
+one scale byte per block of channels ([BLOCK_N, HEAD_DIM // block]) and broadcasts it over the block's values
+([BLOCK_N, HEAD_DIM // block, block]). e4m3 bytes (ring codes, entry scales) are decoded by the float8 cast
+where Triton has it (sm_89 and later, and the interpreter; exact for every finite code), else by the cache
+codec's arithmetic; an e2m1 nibble's fields are placed in a float16 bit pattern, ``2**-14`` times its value,
+and the entry's scale carries the ``2**14`` back (exact: powers of two). Each element's value is its code's
+value times its block's scale, formed in float32 (exact: a few significant bits times a scale) and rounded
+once to the query dtype, exactly the rows the reference decodes; the online softmax, the sink and the combine
+of the splits are V4's (its jit functions, shared). Results agree with the reference to the rounding of V4's
+kernel (``tests/ops/test_coded_attention.py``).
 """
 
 from __future__ import annotations
@@ -30,13 +35,30 @@ try:
     import triton.language as tl
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-    from dsinfer.ops.fake_quant.triton import e2m1_magnitude
     from dsinfer.ops.sparse_attention.triton import _attend_tile, _sm_count, combine_splits
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
 if triton is not None:
+
+    @triton.jit
+    def e4m3_decode(byte, HARDWARE_FP8: tl.constexpr):
+        """The float32 value of e4m3fn ``byte`` (uint8, not a NaN code): by the float8 cast (exact for every finite
+        code, subnormals included), else by :func:`e4m3_value`'s arithmetic."""
+        if HARDWARE_FP8:
+            return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return e4m3_value(byte.to(tl.int32))
+
+    @triton.jit
+    def e2m1_scaled(nibble):
+        """``2**-14`` times the value of e2m1 code ``nibble`` (uint8, low four bits; sign, 2-bit exponent, 1-bit
+        mantissa), in float32: the nibble's fields are placed where float16 keeps its sign, the low exponent bits
+        and the top mantissa bit (exponent bias 15 against e2m1's 1; the subnormal 0.5 becomes float16's
+        subnormal ``2**-15``), exact in both formats."""
+        bits = nibble.to(tl.int16)
+        half = ((bits & 0x7) << 9) | ((bits & 0x8) << 12)
+        return half.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _coded_split_kernel(
@@ -85,6 +107,7 @@ if triton is not None:
         SPLITS: tl.constexpr,
         HAS_ENTRIES: tl.constexpr,
         PRECISION: tl.constexpr,
+        HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
     ):
         seq = tl.program_id(0)
         group = tl.program_id(1)
@@ -99,6 +122,8 @@ if triton is not None:
         oldest = tl.maximum(tl.maximum(position - WINDOW + 1, tl.load(window_from_ptr + seq)), 0)
         ring = window_ptr + slot * stride_ws
         ring_scales = window_scales_ptr + slot * stride_vs
+        WINDOW_BLOCKS: tl.constexpr = HEAD_DIM // WINDOW_BLOCK
+        window_blocks = tl.arange(0, WINDOW_BLOCKS)
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -111,33 +136,34 @@ if triton is not None:
             visible = (key < WINDOW) & (key_position >= oldest)
             row = key_position % WINDOW
             row = tl.where(row < 0, row + WINDOW, row).to(tl.int64)
+            # one exponent per block of WINDOW_BLOCK channels, broadcast over the block's codes
             code = tl.load(ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None], other=0)
-            exponent = tl.load(ring_scales + row[:, None] * stride_vw + (dims // WINDOW_BLOCK)[None, :],
-                               mask=visible[:, None], other=127)  # fmt: skip
-            kv = e4m3_value(code.to(tl.int32)) * ue8m0_value(exponent.to(tl.int32))
+            exponent = tl.load(ring_scales + row[:, None] * stride_vw + window_blocks[None, :], mask=visible[:, None],
+                               other=127)  # fmt: skip
+            value = tl.reshape(e4m3_decode(code, HARDWARE_FP8), [BLOCK_N, WINDOW_BLOCKS, WINDOW_BLOCK])
+            value = value * ue8m0_value(exponent.to(tl.int32))[:, :, None]
+            kv = tl.reshape(value, [BLOCK_N, HEAD_DIM])
             running_max, running_sum, acc = _attend_tile(
                 q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
             )
         if HAS_ENTRIES:
-            HALF: tl.constexpr = HEAD_DIM // 2
-            pairs = tl.arange(0, HALF)
+            ENTRY_BLOCKS: tl.constexpr = HEAD_DIM // ENTRY_BLOCK
+            PAIRS: tl.constexpr = ENTRY_BLOCK // 2  # packed bytes of a block
+            entry_blocks = tl.arange(0, ENTRY_BLOCKS)
+            pairs = entry_blocks[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
             for tile in range(tl.maximum(first, WINDOW_TILES), last):
                 entry = (tile - WINDOW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
                 index = tl.load(indices_ptr + seq * stride_ib + entry, mask=entry < n_indices, other=-1)
                 visible = index >= 0
                 block = tl.load(tables_ptr + seq * stride_tb + index // PER_BLOCK, mask=visible, other=0).to(tl.int64)
                 in_block = (index % PER_BLOCK).to(tl.int64)
-                packed = tl.load(entries_ptr + (block * stride_eb + in_block * stride_ep)[:, None] + pairs[None, :],
-                                 mask=visible[:, None], other=0).to(tl.int32)  # fmt: skip
-                code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, HEAD_DIM])  # channel 2j: low nibble
-                magnitude = e2m1_magnitude(code & 0x7)
-                scale_byte = tl.load(
-                    entry_scales_ptr + (block * stride_fb + in_block * stride_fp)[:, None]
-                    + (dims // ENTRY_BLOCK)[None, :],
-                    mask=visible[:, None],
-                    other=0,
-                )  # fmt: skip
-                kv = tl.where((code & 0x8) != 0, -magnitude, magnitude) * e4m3_value(scale_byte.to(tl.int32))
+                packed = tl.load(entries_ptr + (block * stride_eb + in_block * stride_ep)[:, None, None]
+                                 + pairs[None, :, :], mask=visible[:, None, None], other=0)  # fmt: skip
+                scale_byte = tl.load(entry_scales_ptr + (block * stride_fb + in_block * stride_fp)[:, None]
+                                     + entry_blocks[None, :], mask=visible[:, None], other=0)  # fmt: skip
+                scale = e4m3_decode(scale_byte, HARDWARE_FP8) * 16384.0  # the 2**14 e2m1_scaled leaves out
+                value = tl.join(e2m1_scaled(packed & 0xF), e2m1_scaled(packed >> 4))  # channel 2j: low nibble
+                kv = tl.reshape(value * scale[:, :, None, None], [BLOCK_N, HEAD_DIM])
                 running_max, running_sum, acc = _attend_tile(
                     q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
                 )
@@ -158,6 +184,12 @@ if triton is not None:
             tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
+def fp8_cast_available(device: torch.device) -> bool:
+    """Whether the kernel decodes e4m3 bytes by the float8 cast: Triton has it from sm_89 (and in the interpreter,
+    which runs on the CPU); older GPUs take the arithmetic."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -> bool:
     """Whether the kernel takes these inputs (else the reference runs)."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(-1) != 1:
@@ -170,7 +202,7 @@ def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -
     if entry_codes is not None and indices is not None:
         if entry_codes.shape[-1] * 2 != head_dim or entry_codes.stride(-1) != 1 or entry_scales.stride(-1) != 1:
             return False
-        if head_dim % entry_scales.shape[-1] or indices.dim() != 2:
+        if head_dim % entry_scales.shape[-1] or head_dim == entry_scales.shape[-1] or indices.dim() != 2:
             return False
     return True
 
@@ -178,17 +210,19 @@ def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -
 def sparse_attention_decode_coded_launch(
     q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables, indices,
     sink, softmax_scale, num_splits: int | None = None, config: DecodeConfig | None = None,
+    hardware_fp8: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's; ``config`` None:
     V4's :func:`choose_config`, which also serves this kernel best on the H200: one sequence at 256 context, 48.6
     us with entries and 16.8 us over the window alone at 16 heads a program and 8 splits, against 70.9 and 46.6 us
     at 32 heads and the old split rule; 32 sequences stay best at 32 heads a program, 171 us; tiles of 16 keys
-    did worse or drifted further from the reference)."""
+    did worse or drifted further from the reference). ``hardware_fp8`` None: :func:`fp8_cast_available`."""
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
     size = window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
+    fp8_cast = fp8_cast_available(q.device) if hardware_fp8 is None else hardware_fp8
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -224,7 +258,7 @@ def sparse_attention_decode_coded_launch(
         WINDOW=size, WINDOW_TILES=window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, SPLITS=splits, HAS_ENTRIES=has_entries,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
