@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreted import assert_interpreted_cases_pass
+from test_norm_rope_triton import make_inputs as rows_and_angles
 
 from dsinfer.ops import registry
 from dsinfer.ops.rope_round.reference import rope_and_round_reference, round_rows
@@ -37,17 +38,10 @@ LAYOUTS = ("contiguous", "columns", "shared")
 
 
 def make_inputs(tokens, middle, dim, rope_dim, has_weight, dtype, layout, generator, device):
-    shape = (tokens, *middle, dim)
-    x = (torch.randn(*shape, generator=generator) * 3 + 0.2).to(dtype)
-    if layout == "columns":  # the first columns of a wider buffer (a joined GEMM), viewed as [N, ..., dim]
-        row = x[0].numel() if tokens else 0
-        buffer = torch.full((tokens, row + 24), 1e3, dtype=dtype)
-        buffer[:, :row] = x.reshape(tokens, row)
-        x = buffer[:, :row].view(shape)
-    angles = torch.rand(1 if layout == "shared" else tokens, rope_dim // 2, generator=generator) * 2e3
-    weight = torch.rand(dim, generator=generator) + 0.5 if has_weight else None
-    to = (lambda t: t.to(device)) if device.type != "cpu" else (lambda t: t)
-    return to(x), to(angles.cos()), to(angles.sin()), (to(weight) if weight is not None else None)
+    """The norm and RoPE test's rows and angles (:func:`test_norm_rope_triton.make_inputs`), and a norm weight."""
+    x, cos, sin = rows_and_angles(tokens, middle, dim, rope_dim, dtype, layout, generator, device)
+    weight = (torch.rand(dim, generator=generator) + 0.5).to(device) if has_weight else None
+    return x, cos, sin, weight
 
 
 def cases():
@@ -154,3 +148,35 @@ def test_reference_is_norm_then_rope_then_rounding():
 def test_unknown_rounding_is_an_error_naming_it():
     with pytest.raises(ValueError, match="fp6"):
         round_rows(torch.randn(2, 32), "fp6", 32)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_kernel_compiles_for_hopper_in_every_variant():
+    """The interpreter never compiles: build the row-chain kernel to sm_90 cubins with Triton's bundled ptxas (no GPU
+    needed) in the variants the models launch (rows of 512 and 128 channels, 64 rope channels; no norm, the
+    weighted and the weightless norm; no rounding and each format), without register spills."""
+    triton = pytest.importorskip("triton")
+    from test_sparse_attention import _register_spills
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.rope_round.triton as backend
+    from dsinfer.ops.norm_rope.rms_norm_triton import norm_launch_shape
+
+    kernel = backend._rope_round_kernel
+    pointers = {"src": "*bf16", "dst": "*bf16", "weight": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    signature = {
+        name: "constexpr" if name.isupper() else pointers.get(name, "fp32" if name == "eps" else "i64")
+        for name in kernel.arg_names
+    }
+    variants = [(512, norm, rounding, block) for norm in (0, 1, 2) for rounding, block in ((None, 1), ("fp8", 32))]
+    variants += [(512, 0, "fp4_e4m3", 16), (128, 1, "fp4_ue8m0", 32), (128, 0, "fp4_ue8m0", 32)]
+    for width, norm, rounding, block in variants:
+        row_block, per_program, warps = norm_launch_shape(width)
+        constants = dict(NOPE=width - 64, NORM=norm, KIND=backend.KINDS[rounding], QUANT_BLOCK=block,
+                         ROWS=per_program, BLOCK=row_block)  # fmt: skip
+        source = ASTSource(kernel, signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        label = (width, norm, rounding)
+        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], label
+        assert _register_spills(compiled.asm["cubin"]) in (0, None), label

@@ -1,23 +1,26 @@
-"""``rope_and_round`` in one Triton pass: each program loads whole rows once, applies the weighted RMSNorm (if
-any), rotates the rope channels, rounds the rows through V4.1's block format (if any) and stores each row once.
+"""Row chains in one Triton pass: ``rope_and_round`` (a weighted RMSNorm if any, RoPE, V4.1's rounding if any)
+and ``rms_normalize_rope`` (the query's weightless norm and RoPE). Each program loads whole rows once, runs the
+chain in registers and stores each row once.
 
-A V4.1 decode step ran these chains as 17 launches more than it needed (``kv_norm``, RoPE and the FP8 rounding of
-the window K=V in every layer; RoPE and the FP4 rounding of the compressed entries, index keys and index
-queries): each a microsecond or two of a step whose cost is its launches.
+A V4.1 decode step ran its rounding chains as 17 launches more than it needed (``kv_norm``, RoPE and the FP8
+rounding of the window K=V in every layer; RoPE and the FP4 rounding of the compressed entries, index keys and
+index queries): each a microsecond or two of a step whose cost is its launches. A prefill's [T, 64, 512] queries
+were read and written by the norm, then their rope channels read and written again by the rotation.
 
 Each stage rounds as its own kernel does, so the result is the unfused Triton kernels' bit for bit wherever those
-agree with each other's reductions:
+agree with each other's reductions (in bf16 and fp16 on the H200):
 
-* the norm: the sum of squares in float32, ``weight * (x * scale)`` rounded once to x's dtype (as
-  :mod:`~dsinfer.ops.norm_rope.rms_norm_triton`; the sum's order may differ from torch's in the last float32
-  bits, within the norm's tolerance of the reference);
+* the weighted norm: the sum of squares in float32, ``weight * (x * scale)`` rounded once to x's dtype (as
+  :mod:`~dsinfer.ops.norm_rope.rms_norm_triton`); the weightless norm: the scale rounded to x's dtype, the row
+  multiplied by it and rounded (as the reference). The sum's order may differ from torch's, and in float32 from
+  the norm kernel's, in the last bits, within the norm's tolerance of the reference;
 * RoPE: the pairs of the normalised (rounded) rows rotated in float32 without fused multiply-adds, rounded to
   x's dtype (as :mod:`~dsinfer.ops.norm_rope.rope_triton`, bit-identical to the reference);
 * the rounding: the helpers of :mod:`dsinfer.ops.fake_quant.triton` (bit-identical to the reference) on the
   rotated rows read back as float32, as the reference reads its bf16 input.
 
 Rows are read at their strides (a column slice of a joined GEMM's output, or its [T, heads, head_dim] view, is
-not copied); the result is a new contiguous tensor. Inputs the kernel does not take go to the reference.
+not copied); the result is a new contiguous tensor. Inputs the kernel does not take go to the references.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP8
+from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, rms_norm_triton_available, row_layout
 from dsinfer.ops.norm_rope.rope_triton import serves
 from dsinfer.ops.registry import register
@@ -47,6 +51,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 KINDS = {None: -1, "fp8": KIND_FP8, "fp4_e4m3": KIND_FP4_E4M3, "fp4_ue8m0": KIND_FP4_UE8M0}
+NO_NORM, WEIGHTED_NORM, WEIGHTLESS_NORM = 0, 1, 2
 
 
 if triton is not None:
@@ -69,7 +74,7 @@ if triton is not None:
         stride_sc,
         eps,
         NOPE: tl.constexpr,  # channels before the rope slice (even)
-        HAS_WEIGHT: tl.constexpr,
+        NORM: tl.constexpr,  # NO_NORM, WEIGHTED_NORM or WEIGHTLESS_NORM
         KIND: tl.constexpr,  # -1: no rounding, else the fake-quant kernel's kind
         QUANT_BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
@@ -83,10 +88,13 @@ if triton is not None:
         start = token * stride_outer + (row % inner).to(tl.int64) * stride_inner
         x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
         y = x.to(tl.float32)
-        if HAS_WEIGHT:
+        if NORM == 1:  # the norm's output as its kernel stores it
             scale = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / width + eps)
             w = tl.load(weight + column, mask=column < width, other=0.0).to(tl.float32)
-            y = (w[None, :] * (y * scale[:, None])).to(x.dtype).to(tl.float32)  # the norm's output, as stored
+            y = (w[None, :] * (y * scale[:, None])).to(x.dtype).to(tl.float32)
+        elif NORM == 2:  # the scale rounded to the rows' dtype, the product rounded (the reference's two roundings)
+            scale = (1.0 / tl.sqrt(tl.sum(y * y, axis=1) / width + eps)).to(x.dtype).to(tl.float32)
+            y = (y * scale[:, None]).to(x.dtype).to(tl.float32)
 
         # Channel pairs (2j, 2j + 1); pairs from NOPE // 2 on rotate by the token's angle j - NOPE // 2.
         even, odd = tl.split(tl.reshape(y, [ROWS, BLOCK // 2, 2]))
@@ -115,7 +123,7 @@ if triton is not None:
         tl.store(dst + offsets, out.to(dst.dtype.element_ty), mask=mask)
 
 
-def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight, rounding, block: int) -> bool:
+def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight=None, rounding=None, block: int = 0) -> bool:
     """Whether the kernel takes these inputs: rows of an even width up to MAX_ROW with an even nope part, angles
     the ``rope`` kernel would take, a float32-convertible weight of the row's width, and whole power-of-two
     rounding blocks."""
@@ -127,6 +135,28 @@ def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight, roundin
     if rounding is not None and (block <= 0 or block & (block - 1) or width % block):
         return False
     return True
+
+
+def launch(x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int) -> torch.Tensor:
+    """The kernel over ``x``'s rows (inputs :func:`takes` accepts): a new contiguous tensor shaped like ``x``."""
+    width, half = x.shape[-1], cos.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // width
+    if rows == 0:
+        return out
+    tokens = x.shape[0]
+    rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
+    cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
+    row_block, per_program, warps = norm_launch_shape(width)
+    weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
+    _rope_round_kernel[(triton.cdiv(rows, per_program),)](
+        rows3, weight_arg, cos, sin, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
+        NOPE=width - 2 * half, NORM=norm, KIND=KINDS[rounding], QUANT_BLOCK=block if rounding is not None else 1,
+        ROWS=per_program, BLOCK=row_block, num_warps=warps,
+        enable_fp_fusion=False,  # no fused multiply-add: each stage's roundings, bit for bit
+    )  # fmt: skip
+    return out
 
 
 @register("rope_and_round", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
@@ -142,21 +172,12 @@ def rope_and_round_triton(
     """Same contract as :func:`rope_and_round_reference`; inputs the kernel does not take go to it."""
     if not takes(x, cos, sin, weight, rounding, block):
         return rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
-    width, half = x.shape[-1], cos.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = out.numel() // width
-    if rows == 0:
-        return out
-    tokens = x.shape[0]
-    rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
-    cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
-    row_block, per_program, warps = norm_launch_shape(width)
-    weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
-    _rope_round_kernel[(triton.cdiv(rows, per_program),)](
-        rows3, weight_arg, cos, sin, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
-        NOPE=width - 2 * half, HAS_WEIGHT=weight is not None, KIND=KINDS[rounding],
-        QUANT_BLOCK=block if rounding is not None else 1, ROWS=per_program, BLOCK=row_block, num_warps=warps,
-        enable_fp_fusion=False,  # no fused multiply-add: each stage's roundings, bit for bit
-    )  # fmt: skip
-    return out
+    return launch(x, cos, sin, weight, eps, NO_NORM if weight is None else WEIGHTED_NORM, rounding, block)
+
+
+@register("rms_normalize_rope", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+def rms_normalize_rope_triton(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`rms_normalize_rope_reference`; in bf16 / fp16 the unfused Triton kernels' results."""
+    if not takes(x, cos, sin):
+        return rms_normalize_rope_reference(x, eps, cos, sin)
+    return launch(x, cos, sin, None, eps, WEIGHTLESS_NORM, None, 0)
