@@ -53,17 +53,33 @@ def test_each_point_fuses_with_its_own_format_and_block():
     assert calls[0][0] is norm.weight and calls[0][1] == norm.eps
 
 
-def test_rounding_off_fuses_the_norm_alone_and_leaves_a_bare_rope_to_the_rope_op():
+def test_rounding_off_leaves_the_norm_and_rope_in_the_one_op():
     x, cos, sin, norm = inputs()
     calls = []
     ops = recording_table(calls)
     off = ActivationQuantizer(enabled=False)
     got = rope_and_round(x, cos, sin, ops, norm, off, "window_kv", 0, torch.arange(5))
     assert torch.equal(got, apply_rope(norm(x), cos, sin)) and calls[-1][2] is None
-    calls.clear()
     assert torch.equal(rope_and_round(x, cos, sin, ops, None, off, "index_queries", 0, None), apply_rope(x, cos, sin))
     assert torch.equal(rope_and_round(x, cos, sin, ops, None), apply_rope(x, cos, sin))
-    assert calls == []  # nothing to fuse: the rope op ran
+    assert [call[0] is None and call[2] is None for call in calls] == [False, True, True]
+
+
+def test_a_new_rotated_tensor_comes_from_the_row_op_and_in_place_or_inverse_from_the_rope_op():
+    x, cos, sin, _ = inputs()
+    calls, table = [], resolve("cpu", torch.bfloat16)
+    rope_calls = []
+
+    def rope(*args):
+        rope_calls.append(args[3:])
+        return table.rope(*args)
+
+    ops = SimpleNamespace(rope_and_round=recording_table(calls).rope_and_round, rope=rope)
+    assert torch.equal(apply_rope(x, cos, sin, ops=ops), apply_rope(x, cos, sin))
+    assert len(calls) == 1 and rope_calls == []
+    assert torch.equal(apply_rope(x, cos, sin, inverse=True, ops=ops), apply_rope(x, cos, sin, inverse=True))
+    assert torch.equal(apply_rope(x.clone(), cos, sin, ops=ops, in_place=True), apply_rope(x, cos, sin))
+    assert len(calls) == 1 and rope_calls == [(True, False), (False, True)]
 
 
 def test_a_quantizer_that_overrides_the_point_sees_the_rotated_rows():
@@ -79,7 +95,7 @@ def test_a_quantizer_that_overrides_the_point_sees_the_rotated_rows():
     x, cos, sin, norm = inputs()
     quantizer, calls = Recording(), []
     got = rope_and_round(x, cos, sin, recording_table(calls), norm, quantizer, "window_kv", 3, torch.arange(5))
-    assert calls == [] and len(quantizer.seen) == 1
+    assert calls == [()] and len(quantizer.seen) == 1  # the op only rotated (no norm, no rounding)
     rotated, layer = quantizer.seen[0]
     assert layer == 3 and torch.equal(rotated, apply_rope(norm(x), cos, sin))
     assert torch.equal(got, fake_quant_fp8(rotated, 32))

@@ -23,8 +23,7 @@ from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.layers.attention import decode_window_positions
-from dsinfer.layers.norm import rms_normalize
-from dsinfer.layers.rotary import apply_rope, rope_angles
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, rope_angles
 from dsinfer.ops.index_scores import top_k_in_order
 
 
@@ -167,8 +166,8 @@ def attention_by_columns(
     cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
     q_latent = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(q_latent).view(-1, attn.n_heads, attn.head_dim)
-    q = apply_rope(rms_normalize(q, attn.config.rms_norm_eps, attn.ops), cos, sin, ops=attn.ops)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin, ops=attn.ops)
+    q = normalize_and_rope(q, attn.config.rms_norm_eps, cos, sin, attn.ops)  # the chains of Attention.forward
+    kv = rope_and_round(attn.wkv(x), cos, sin, attn.ops, attn.kv_norm)
     states = [state for state in (layer_cache.compressor, layer_cache.indexer) if state is not None]
     if states and journal is None:
         raise ValueError("a compressed layer's fixed-width forward needs a journal (the rollback reads it)")

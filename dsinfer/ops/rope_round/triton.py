@@ -30,7 +30,7 @@ import torch
 from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP8
 from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, rms_norm_triton_available, row_layout
-from dsinfer.ops.norm_rope.rope_triton import serves
+from dsinfer.ops.norm_rope.rope_triton import rope_triton, serves
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import rope_and_round_reference
 
@@ -169,8 +169,11 @@ def rope_and_round_triton(
     rounding: str | None = None,
     block: int = 0,
 ) -> torch.Tensor:
-    """Same contract as :func:`rope_and_round_reference`; inputs the kernel does not take go to it."""
+    """Same contract as :func:`rope_and_round_reference`; inputs the kernel does not take go to it (a bare RoPE to
+    the ``rope`` kernel, which takes wider rows)."""
     if not takes(x, cos, sin, weight, rounding, block):
+        if weight is None and rounding is None:
+            return rope_triton(x, cos, sin)
         return rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
     return launch(x, cos, sin, weight, eps, NO_NORM if weight is None else WEIGHTED_NORM, rounding, block)
 
