@@ -18,7 +18,7 @@ import torch
 from dsinfer.ops.norm_rope.reference import rms_normalize_reference, rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import rms_normalize_triton
 from dsinfer.ops.norm_rope.rope_triton import rope_launch
-from dsinfer.ops.rope_round.triton import rms_normalize_rope_triton
+from dsinfer.ops.norm_rope.row_chain_triton import rms_normalize_rope_triton
 
 SHAPES = ((64, 512), (1, 512), (64, 128))  # (heads, dim): V4 queries, keys, indexer queries; rope_dim 64
 

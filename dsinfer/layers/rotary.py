@@ -83,10 +83,6 @@ def apply_rope(
     (for a fresh ``x`` the caller owns, outside autograd): ``x``'s rope channels are rewritten and ``x`` returned.
     """
     in_place = in_place and not (torch.is_grad_enabled() and x.requires_grad)
-    if ops is not None and not (in_place or inverse):
-        # A new tensor: the row-chain op's kernel, whole rows a program, writes it faster than the rope kernel at
-        # every shape measured on the H200 (docs/perf-fast-path-pass6.md); the values are the same.
-        return ops.rope_and_round(x, cos, sin)
     return (ops.rope if ops is not None else rope_reference)(x, cos, sin, inverse, in_place)
 
 

@@ -47,7 +47,7 @@ def cases():
 
 
 def check_cases(device: torch.device) -> list[str]:
-    import dsinfer.ops.rope_round.triton as backend
+    import dsinfer.ops.norm_rope.row_chain_triton as backend
     from dsinfer.ops.norm_rope.rms_norm_triton import rms_normalize_triton
     from dsinfer.ops.norm_rope.rope_triton import rope_triton
 
@@ -103,7 +103,7 @@ def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
 
 
 def test_inputs_the_kernel_does_not_take_go_to_the_reference(monkeypatch):
-    import dsinfer.ops.rope_round.triton as backend
+    import dsinfer.ops.norm_rope.row_chain_triton as backend
 
     x = torch.randn(3, 2, 15)  # odd width
     angles = torch.rand(3, 4)

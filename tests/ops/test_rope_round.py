@@ -59,7 +59,7 @@ def unfused(x, cos, sin, weight, rounding, block):
     from dsinfer.ops.norm_rope.rope_triton import rope_triton
 
     y = rms_norm_triton(x, weight, 1e-6) if weight is not None else x
-    y = rope_triton(y, cos, sin, False, False)
+    y = rope_triton(y.clone() if weight is None else y, cos, sin, False, True)  # in place: the rope kernel itself
     if rounding == "fp8":
         return fake_quant_fp8_triton(y, block)
     if rounding is not None:
@@ -160,10 +160,10 @@ def test_kernel_compiles_for_hopper_in_every_variant():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import dsinfer.ops.rope_round.triton as backend
+    import dsinfer.ops.norm_rope.row_chain_triton as backend
     from dsinfer.ops.norm_rope.rms_norm_triton import norm_launch_shape
 
-    kernel = backend._rope_round_kernel
+    kernel = backend._row_chain_kernel
     pointers = {"src": "*bf16", "dst": "*bf16", "weight": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     signature = {
         name: "constexpr" if name.isupper() else pointers.get(name, "fp32" if name == "eps" else "i64")
