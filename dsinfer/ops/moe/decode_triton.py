@@ -69,14 +69,13 @@ __all__ = [
     "use_decode_gemv",
 ]
 
-DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "0"))
+DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "1"))
 """Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
-(``DSINFER_MOE_GEMV_MAX_TOKENS``; 0, the default, turns the path off). On the H200
-(``benchmarks/moe_kernel.py --decode-gemv``, CUDA graph, V4-Flash widths, top-6 of 256) the first version took
-0.134 ms at one token against the grouped kernels' 0.083 (it read the codes 4 bytes at a time across rows under
-Triton 3.6, with no look-ahead); the kernels here, 16-byte loads along each row a step ahead, take 0.0797 ms
-against 0.0840 at one token and tie at two (0.1451 / 0.1450 ms). Five percent of one op did not justify a
-second path in the measured engine, so it stays off; both paths read ~1 TB/s, a quarter of the H200's.
+(``DSINFER_MOE_GEMV_MAX_TOKENS``; 0 turns the path off). On the H200 (``benchmarks/moe_kernel.py --decode-gemv
+[--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6) one token takes 0.0578 ms with
+:data:`DECODE_GEMV_CONFIG` against the grouped kernels' 0.0837 (1.39 against 0.96 TB/s of expert bytes). The
+first launches (four-warp programs of 32 and 16 rows) took 0.0801: smaller programs, more of them, gained 28%.
+At two tokens those first launches tied with the grouped kernels (0.139 ms each), so the default stops at one.
 
 Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
 kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
@@ -107,11 +106,12 @@ class DecodeGemvConfig(NamedTuple):
     down: GemvConfig
 
 
-DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(32, 512, 4, 1), GemvConfig(16, 512, 4, 1))
-"""Default launches. At V4-Flash widths and T = 1: 6 x 2048 / 32 = 384 gate/up programs (128 registers: all
-resident at once on the H200's 132 SMs) and 4096 / 16 = 256 down programs. Chosen from static sm_90 counts
-(instructions a weight, registers, no spills, no shared-memory conversions in the loop), not yet timed on the
-GPU: pick with ``benchmarks/moe_kernel.py --decode-gemv --sweep``."""
+DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(16, 512, 2, 1), GemvConfig(8, 512, 1, 1))
+"""Default launches, the fastest pair of ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one
+token (each kernel's candidates timed with the other at its previous default, then the two winners together):
+6 x 2048 / 16 = 768 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs. Both step 512 inputs,
+more than ``256 * num_warps``, so their activation planes go through shared memory; with one or two warps that
+costs less than what the smaller programs gain."""
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
