@@ -123,6 +123,40 @@ def kernel_profile(fn, top: int = 25) -> dict:
     }
 
 
+def graph_timeline(replay, top: int = 10) -> dict:
+    """Where a replayed CUDA graph's time goes: its kernels' summed time (``busy_ms``), the span from the first
+    kernel's start to the last one's end, the idle time between kernels, and the ``top`` largest gaps with the
+    kernels on either side. The profiler sees each kernel of a replay; the graph's own timing is ``graph_ms``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return {"kernels": 0}
+    gaps, end = [], spans[0][1]
+    for (_, _, before), (start, stop, after) in zip(spans, spans[1:], strict=False):
+        gaps.append((max(0.0, start - end), before, after))  # after everything so far has ended
+        end = max(end, stop)
+    gaps.sort(reverse=True)
+    return {
+        "kernels": len(spans),
+        "span_ms": (max(stop for _, stop, _ in spans) - spans[0][0]) / 1e3,
+        "busy_ms": sum(stop - start for start, stop, _ in spans) / 1e3,
+        "idle_ms": sum(gap for gap, _, _ in gaps) / 1e3,
+        "gaps": [
+            {"us": round(gap, 2), "before": before[:80], "after": after[:80]} for gap, before, after in gaps[:top]
+        ],
+    }
+
+
 def decode_checks(
     model, config, sequences: int, context: int, device, repeats: int, profile: bool = False, top: int = 25
 ) -> dict:
@@ -148,6 +182,8 @@ def decode_checks(
         row["graph_max_abs_diff"] = float((captured - eager).abs().max())
         row["graph_equal"] = bool(torch.equal(captured, eager))
         row["graph_ms"] = statistics.median(cuda_ms(graph.replay, repeats))
+        if profile:
+            row["graph_timeline"] = graph_timeline(graph.replay)
     except Exception as exc:  # report, do not hide: the row says the capture failed and why
         row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     if profile:
