@@ -69,13 +69,14 @@ __all__ = [
     "use_decode_gemv",
 ]
 
-DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "1"))
+DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "2"))
 """Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
 (``DSINFER_MOE_GEMV_MAX_TOKENS``; 0 turns the path off). On the H200 (``benchmarks/moe_kernel.py --decode-gemv
-[--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6) one token takes 0.0578 ms with
-:data:`DECODE_GEMV_CONFIG` against the grouped kernels' 0.0837 (1.39 against 0.96 TB/s of expert bytes). The
-first launches (four-warp programs of 32 and 16 rows) took 0.0801: smaller programs, more of them, gained 28%.
-At two tokens those first launches tied with the grouped kernels (0.139 ms each), so the default stops at one.
+[--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6):
+
+* one token: 0.0475 ms with :data:`DECODE_GEMV_CONFIG` against the grouped kernels' 0.0816 (1.69 against 0.98
+  TB/s of expert bytes); the first launches (four-warp programs of 32 and 16 rows) took 0.0801;
+* two tokens: 0.0908 ms with the sweep's first winners, (16, 512, 2, 1) and (8, 512, 1, 1), against 0.1399.
 
 Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
 kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
@@ -106,12 +107,13 @@ class DecodeGemvConfig(NamedTuple):
     down: GemvConfig
 
 
-DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(16, 512, 2, 1), GemvConfig(8, 512, 1, 1))
+DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(8, 1024, 1, 1))
 """Default launches, the fastest pair of ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one
 token (each kernel's candidates timed with the other at its previous default, then the two winners together):
-6 x 2048 / 16 = 768 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs. Both step 512 inputs,
-more than ``256 * num_warps``, so their activation planes go through shared memory; with one or two warps that
-costs less than what the smaller programs gain."""
+6 x 2048 / 8 = 1536 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs. Smaller programs, more
+of them, were faster: four-warp programs of 32 and 16 rows took 0.0801 ms, two- and one-warp programs of 16 and
+8 rows 0.0532, these 0.0475. Both step more than ``256 * num_warps`` inputs, so their activation planes go
+through shared memory; with one or two warps that costs less than what the smaller programs gain."""
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
