@@ -335,3 +335,45 @@ def test_flash_widths_quantized_storage_is_about_a_quarter_of_bf16():
     rest = 3 * 2 * 2 * 512 * 4 + 3 * 8 + 3 * 128 * 512 * 2
     assert plain.slot_bytes() == 40 * 128 * 512 * 2 + rest == 5_660_696
     assert quantized.slot_bytes() == 40 * 128 * (512 + 16) + rest == 3_121_176
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "coded"])
+def test_a_row_chain_writes_the_bytes_its_rows_would(quantized):
+    """A decode step hands the window row, entries and index keys to the cache as :class:`RowChain`s: the pools
+    must hold what writing the chains' rows gives (``rope_round_store`` against ``rope_and_round`` + store)."""
+    from dsinfer.ops.rope_round import RowChain
+
+    config = tiny_config_v41()
+    caches = [KVCacheV41(config, 2, 6, BLOCK_TOKENS, torch.bfloat16, "cpu", quantized_storage=quantized)
+              for _ in range(2)]  # fmt: skip
+    ops = caches[0].ops
+    generator = torch.Generator().manual_seed(7)
+    rope = config.qk_rope_head_dim // 2
+
+    def chain(rows: int, width: int, norm: bool, rounding: str, block: int) -> RowChain:
+        x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
+        angles = torch.rand(rows, rope, generator=generator) * 100
+        weight = torch.rand(width, generator=generator) + 0.5 if norm else None
+        return RowChain(ops, x, angles.cos(), angles.sin(), weight, 1e-6, rounding, block)
+
+    window = chain(3, config.head_dim, True, "fp8", 32)
+    source = next(layer_id for layer_id, layer in enumerate(caches[0].layers) if layer.source is not None)
+    entries = chain(2, config.head_dim, False, "fp4_e4m3", 16)
+    keys = chain(2, config.index_head_dim, True, "fp4_ue8m0", 32)
+    blocks, rows = torch.tensor([4, 1]), torch.tensor([0, 1])
+    for cache, computed in zip(caches, (True, False), strict=True):
+        written = [part.rows() if computed else part for part in (window, entries, keys)]
+        cache.write_window(0, 1, torch.tensor([5, 6, 7 + config.sliding_window]), written[0])
+        cache.write_entries_at(source, blocks, rows, written[1], written[2])
+    for want, got in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(_bytes(want.window), _bytes(got.window))
+        if quantized:
+            assert torch.equal(_bytes(want.window_scales), _bytes(got.window_scales))
+    want, got = caches[0].layers[source].source, caches[1].layers[source].source
+    for name in ("entries", "index_keys", *(("entry_scales", "index_key_scales") if quantized else ())):
+        assert torch.equal(_bytes(getattr(want, name)), _bytes(getattr(got, name))), name
+    assert _bytes(got.entries).any()  # the writes happened
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)

@@ -11,6 +11,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_and_round
 from dsinfer.ops.fake_quant import ActivationQuantizer, fake_quant_fp4, fake_quant_fp8
 from dsinfer.ops.registry import resolve
+from dsinfer.ops.rope_round import RowChain
 
 
 def inputs():
@@ -88,3 +89,22 @@ def test_without_an_op_table_the_steps_run_as_references():
     x, cos, sin, norm = inputs()
     got = rope_and_round(x, cos, sin, None, norm, ActivationQuantizer(), "index_keys", 0, torch.arange(5))
     assert torch.equal(got, fake_quant_fp4(apply_rope(norm(x), cos, sin), 32, False))
+
+
+def test_defer_hands_the_one_op_to_the_cache_write_as_a_row_chain():
+    """``defer``: where the chain is the one op, its arguments come back (the cache write runs them with its
+    store); where it is not (no op table, a quantizer overriding the point), the rows themselves."""
+    x, cos, sin, norm = inputs()
+    ops, quantizer, positions = resolve("cpu", torch.bfloat16), ActivationQuantizer(), torch.arange(5)
+    chain = rope_and_round(x, cos, sin, ops, norm, quantizer, "window_kv", 0, positions, defer=True)
+    assert isinstance(chain, RowChain) and chain.ops is ops and chain.shape == x.shape
+    assert chain.weight is norm.weight and (chain.rounding, chain.block) == ("fp8", 32)
+    assert torch.equal(chain.rows(), rope_and_round(x, cos, sin, ops, norm, quantizer, "window_kv", 0, positions))
+
+    class Overriding(ActivationQuantizer):
+        def window_kv(self, x, layer, positions):
+            return super().window_kv(x, layer, positions)
+
+    for table, rounding in ((None, quantizer), (ops, Overriding())):
+        rows = rope_and_round(x, cos, sin, table, norm, rounding, "window_kv", 0, positions, defer=True)
+        assert isinstance(rows, torch.Tensor) and torch.equal(rows, chain.rows())

@@ -35,6 +35,7 @@ from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
 from dsinfer.ops.registry import resolve
+from dsinfer.ops.rope_round import RowChain
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -165,8 +166,9 @@ class KVCacheV41:
                 "cache with quantized_storage=False"
             )
 
-    def write_window(self, layer_id: int, slot: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store the K=V rows ``kv [n, head_dim]`` of ``positions`` in the slot's ring (row ``position % window``)."""
+    def write_window(self, layer_id: int, slot: int, positions: torch.Tensor, kv: torch.Tensor | RowChain) -> None:
+        """Store the K=V rows ``kv [n, head_dim]`` of ``positions`` in the slot's ring (row ``position % window``);
+        ``kv`` a :class:`RowChain`: the rows its chain gives, computed by the write."""
         layer = self.layers[layer_id]
         self._write(layer.window, layer.window_scales, self.window_format, (slot, positions), kv,
                     self.config.sliding_window)  # fmt: skip
@@ -204,9 +206,15 @@ class KVCacheV41:
         return entries, self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
 
     def write_entries_at(
-        self, layer_id: int, blocks: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, keys: torch.Tensor
+        self,
+        layer_id: int,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        entries: torch.Tensor | RowChain,
+        keys: torch.Tensor | RowChain,
     ) -> None:
-        """Store entries ``[n, head_dim]`` and index keys of a KV source at (block, row) pairs (a decode step's)."""
+        """Store entries ``[n, head_dim]`` and index keys of a KV source at (block, row) pairs (a decode step's;
+        either may be a :class:`RowChain` the write computes)."""
         source = self._source(layer_id)
         self._write(source.entries, source.entry_scales, self.entry_format, (blocks, rows), entries)
         self._write(source.index_keys, source.index_key_scales, self.index_key_format, (blocks, rows), keys)
@@ -286,19 +294,24 @@ class KVCacheV41:
         scales: torch.Tensor | None,
         fmt: CacheFormat | None,
         index: tuple,
-        rows: torch.Tensor,
+        rows: torch.Tensor | RowChain,
         modulus: int | None = None,
     ) -> None:
         """Rows to ``data[index]`` (the second index modulo ``modulus`` when given), encoded in coded storage: one
-        ``cache_store`` op (the encoding, the index arithmetic and the scatters of codes and scales together)."""
+        ``cache_store`` op (the encoding, the index arithmetic and the scatters of codes and scales together).
+        ``rows`` a :class:`RowChain` (a decode step's rows not computed yet): the chain and the store as one op."""
         first, second = index
         if not isinstance(first, torch.Tensor):
             first = torch.full_like(second, first)  # a sequence's slot: a device scalar would need a host copy
-        if fmt is None:
-            self.ops.cache_store(rows, data, None, first, second, modulus, None, 0, None)
-            return
-        fmt.check_channels(rows.shape[-1])
-        self.ops.cache_store(rows, data, scales, first, second, modulus, fmt.element, fmt.block, fmt.scale)
+        if fmt is not None:
+            fmt.check_channels(rows.shape[-1])
+        pool = (data, None, first, second, modulus, None, 0, None)
+        if fmt is not None:
+            pool = (data, scales, first, second, modulus, fmt.element, fmt.block, fmt.scale)
+        if isinstance(rows, RowChain):
+            rows.store(*pool)
+        else:
+            self.ops.cache_store(rows, *pool)
 
     def _read(
         self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple

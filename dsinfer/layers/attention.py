@@ -28,6 +28,7 @@ from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
 from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
 __all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
@@ -151,7 +152,8 @@ class Attention(nn.Module):
         projected.update(self._query_projections(q_latent))
         q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
         q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)
-        kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm)  # the norm and RoPE: one op
+        # The norm and RoPE: one op; at decode the row's only use is the ring's write, which runs it with the store.
+        kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm, defer=batch.is_decode)
 
         if batch.is_decode:
             out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
@@ -165,7 +167,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         q: torch.Tensor,
         q_latent: torch.Tensor,
-        kv: torch.Tensor,
+        kv: torch.Tensor | RowChain,
         batch: PackedBatch,
         layer_cache: LayerCache,
         inv_freq: torch.Tensor,
@@ -186,7 +188,11 @@ class Attention(nn.Module):
         spans, positions = batch.device_spans, batch.positions
         ring = layer_cache.window
         ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
-        ops.cache_store(kv, ring, None, spans.slots, positions, self.window, None, 0, None)  # row position % window
+        ring_rows = (ring, None, spans.slots, positions, self.window, None, 0, None)  # row position % window
+        if isinstance(kv, RowChain):
+            kv.store(*ring_rows)
+        else:
+            ops.cache_store(kv, *ring_rows)
         entries, indices = None, None
         if self.compressor is not None:
             self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, projected.get("compressor"))

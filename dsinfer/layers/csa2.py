@@ -51,6 +51,7 @@ from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
+from dsinfer.ops.rope_round import RowChain
 
 select_candidate_blocks = candidate_block_mask_reference
 """Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks (the op's
@@ -82,10 +83,12 @@ class IndexerV41(IndexScorer):
         quantizer: ActivationQuantizer,
         layer_id: int,
         entry_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded."""
+        defer: bool = False,
+    ) -> torch.Tensor | RowChain:
+        """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded
+        (``defer``: as :func:`rope_and_round`'s, for a cache write)."""
         return rope_and_round(
-            self.wk(latents), cos, sin, self.ops, self.k_norm, quantizer, "index_keys", layer_id, entry_ids
+            self.wk(latents), cos, sin, self.ops, self.k_norm, quantizer, "index_keys", layer_id, entry_ids, defer
         )
 
     def candidate_scores(
@@ -306,8 +309,10 @@ class AttentionV41(Attention):
         quantizer: ActivationQuantizer,
         angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
+        defer_kv: bool = False,
     ):
-        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D].
+        """RoPE angles, the low-rank query, the RoPE'd queries [T, H, D] and the rounded window K=V [T, D]
+        (``defer_kv``: its :class:`RowChain` where it has one, for the ring's write to compute).
 
         ``angles``: the positions' cos and sin when the caller has them (a forward's memo), else computed here.
         ``projected`` (a decode step): a dict that gets every joined projection by name (see
@@ -323,7 +328,9 @@ class AttentionV41(Attention):
         projected.update(_joined(self.joined_queries, q_latent, None if every else ("q",)))
         q = projected["q"] if "q" in projected else self.wq_b(q_latent)
         q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
-        kv = rope_and_round(kv, cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", self.layer_id, positions)
+        kv = rope_and_round(
+            kv, cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", self.layer_id, positions, defer_kv
+        )
         return cos, sin, q_latent, q, kv
 
     def _forward_decode(
@@ -334,7 +341,10 @@ class AttentionV41(Attention):
         The RoPE angles (of the positions, and of each compressor group's first position) are the forward's,
         computed by the first layer that asks (``step_rope_angles``)."""
         angles, projected = step_rope_angles(batch, inv_freq), {}
-        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer, angles, projected)
+        # The window row's only use is the ring's write: its chain runs there, with the store.
+        cos, sin, q_latent, q, kv = self._queries_and_kv(
+            x, batch.positions, inv_freq, quantizer, angles, projected, defer_kv=True
+        )
         out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer, projected)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
@@ -343,7 +353,7 @@ class AttentionV41(Attention):
         x: torch.Tensor,
         q: torch.Tensor,
         q_latent: torch.Tensor,
-        kv: torch.Tensor,
+        kv: torch.Tensor | RowChain,
         batch: PackedBatch,
         inv_freq: torch.Tensor,
         state: dict,
@@ -403,8 +413,11 @@ class AttentionV41(Attention):
         cos, sin = step_rope_angles(batch, inv_freq, ratio)  # at the group's first position: entry id * ratio
         # The quantizer's entry ids: -1 for the trash writes (at ratio 1 every token completes its entry).
         real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
-        entries = rope_and_round(latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, real_ids)
-        keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids)
+        # Entries and keys are only written: their chains run in the writes (one op each with its store).
+        entries = rope_and_round(
+            latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, real_ids, defer=True
+        )
+        keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids, defer=True)
         blocks, block_rows = decode_entry_location(
             spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block, self.ops
         )

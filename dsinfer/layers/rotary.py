@@ -15,6 +15,7 @@ from dsinfer.config import YarnScaling
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.norm_rope import rms_normalize_rope_reference, rope_reference
 from dsinfer.ops.registry import OpTable
+from dsinfer.ops.rope_round import RowChain
 
 
 def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -104,16 +105,20 @@ def rope_and_round(
     point: str = "",
     layer: object = None,
     ids: torch.Tensor | None = None,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | RowChain:
     """``norm(x)`` (an ``RMSNorm``; None: ``x``) through :func:`apply_rope`, then ``quantizer``'s rounding at
     ``point`` (one of its methods, called with ``layer`` and ``ids``; no quantizer: no rounding): a new tensor.
 
     With an op table the chain is one op (``rope_and_round``) wherever the quantizer rounds the point as its
     class's base does; otherwise (the reference path, a quantizer that overrides the point) the steps run one
-    after the other, each as before."""
+    after the other, each as before. ``defer`` (rows whose only use is a cache write): where the chain would be
+    that one op, its arguments come back as a :class:`RowChain` instead, for the write to run with its store."""
     rounding = (None, 0) if quantizer is None else quantizer.fusable_rounding(point)
     if ops is not None and rounding is not None:
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        if defer:
+            return RowChain(ops, x, cos, sin, weight, eps, *rounding)
         return ops.rope_and_round(x, cos, sin, weight, eps, *rounding)
     y = apply_rope(norm(x) if norm is not None else x, cos, sin, ops=ops)
     return getattr(quantizer, point)(y, layer, ids) if quantizer is not None else y

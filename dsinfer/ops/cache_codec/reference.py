@@ -89,6 +89,8 @@ def cache_store_reference(
     [N0, N1, width]: as they are (cast to the pool's dtype) when ``scales`` is None, else encoded (the format
     ``element`` / ``block`` / ``scale``), codes into ``data`` and scale bytes into ``scales`` [N0, N1, blocks].
     ``modulus`` None: ``second`` as it is. One op for what a cache write was: encode, index, two scatters."""
+    if values.numel() == 0:  # nothing to write (and no blocks to encode)
+        return
     index = (first, second if modulus is None else second % modulus)
     if scales is None:
         data[index] = values.to(data.dtype)

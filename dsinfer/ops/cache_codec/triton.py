@@ -104,6 +104,33 @@ if triton is not None:
         return chosen
 
     @triton.jit
+    def encode_fp8_blocks(x):
+        """float32 blocks ``x [N, B]`` -> their e4m3 code bytes ``[N, B]`` and ue8m0 scale bytes ``[N]`` (uint8)."""
+        amax = tl.max(tl.abs(x), axis=1)
+        exponent = pow2_ceil_exponent(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+        v = tl.minimum(tl.maximum(x * pow2(-exponent)[:, None], -448.0), 448.0)
+        return e4m3_bits(round_e4m3(v)).to(tl.uint8), (exponent + 127).to(tl.uint8)
+
+    @triton.jit
+    def encode_fp4_blocks(x, KIND: tl.constexpr):
+        """float32 blocks as channel pairs ``x [N, B/2, 2]`` -> packed e2m1 bytes ``[N, B/2]`` (channel ``2j`` in
+        the low nibble of byte ``j``) and scale bytes ``[N]`` (uint8): e4m3 by the lossless search (``KIND`` 1)
+        or ue8m0 (``KIND`` 2)."""
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+        if KIND == 1:
+            scale = _lossless_e4m3_scale(tl.reshape(x, [x.shape[0], x.shape[1] * 2]), amax)
+            v = tl.math.div_rn(x, scale[:, None, None])
+            scale_byte = e4m3_bits(scale)
+        else:
+            exponent = pow2_ceil_exponent(tl.maximum(amax, 6.0 * 2.0**-126) * (1.0 / 6.0))
+            v = x * pow2(-exponent)[:, None, None]
+            scale_byte = exponent + 127
+        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+        code = e2m1_count(tl.abs(v)) | ((v.to(tl.int32, bitcast=True) >> 28) & 0x8)
+        low, high = tl.split(code)
+        return (low | (high << 4)).to(tl.uint8), scale_byte.to(tl.uint8)
+
+    @triton.jit
     def _encode_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, first_ptr, second_ptr, second_size, modulus,
                        BLOCK: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr,
                        SCATTER: tl.constexpr, HAS_MODULUS: tl.constexpr):  # fmt: skip
@@ -122,33 +149,16 @@ if triton is not None:
         if KIND == 0:
             channels = tl.arange(0, BLOCK)
             x = tl.load(x_ptr + source[:, None] * BLOCK + channels[None, :], mask=row_ok[:, None], other=0.0)
-            x = x.to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
-            exponent = pow2_ceil_exponent(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-            v = tl.minimum(tl.maximum(x * pow2(-exponent)[:, None], -448.0), 448.0)
-            codes = e4m3_bits(round_e4m3(v)).to(tl.uint8)
+            codes, scale_bytes = encode_fp8_blocks(x.to(tl.float32))
             tl.store(codes_ptr + rows[:, None] * BLOCK + channels[None, :], codes, mask=row_ok[:, None])
-            tl.store(scales_ptr + rows, (exponent + 127).to(tl.uint8), mask=row_ok)
         else:
             HALF: tl.constexpr = BLOCK // 2
             pairs = tl.arange(0, HALF)
             offsets = source[:, None, None] * BLOCK + 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]
             x = tl.load(x_ptr + offsets, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
-            amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-            if KIND == 1:
-                scale = _lossless_e4m3_scale(tl.reshape(x, [ROWS, BLOCK]), amax)
-                v = tl.math.div_rn(x, scale[:, None, None])
-                scale_byte = e4m3_bits(scale)
-            else:
-                exponent = pow2_ceil_exponent(tl.maximum(amax, 6.0 * 2.0**-126) * (1.0 / 6.0))
-                v = x * pow2(-exponent)[:, None, None]
-                scale_byte = exponent + 127
-            v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-            code = e2m1_count(tl.abs(v)) | ((v.to(tl.int32, bitcast=True) >> 28) & 0x8)
-            low, high = tl.split(code)
-            packed = rows[:, None] * HALF + pairs[None, :]
-            tl.store(codes_ptr + packed, (low | (high << 4)).to(tl.uint8), mask=row_ok[:, None])
-            tl.store(scales_ptr + rows, scale_byte.to(tl.uint8), mask=row_ok)
+            packed, scale_bytes = encode_fp4_blocks(x, KIND)
+            tl.store(codes_ptr + rows[:, None] * HALF + pairs[None, :], packed, mask=row_ok[:, None])
+        tl.store(scales_ptr + rows, scale_bytes, mask=row_ok)
 
     @triton.jit
     def _decode_kernel(codes_ptr, scales_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,

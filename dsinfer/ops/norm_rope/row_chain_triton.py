@@ -58,15 +58,14 @@ NO_NORM, WEIGHTED_NORM, WEIGHTLESS_NORM = 0, 1, 2
 if triton is not None:
 
     @triton.jit
-    def _row_chain_kernel(
+    def chain_rows(
         src,
         weight,
         cos_ptr,
         sin_ptr,
-        dst,
         rows,
         width,
-        inner,  # rows per token (heads): a token's rows share its angles
+        inner,
         stride_outer,
         stride_inner,
         stride_cn,
@@ -74,13 +73,15 @@ if triton is not None:
         stride_sn,
         stride_sc,
         eps,
-        NOPE: tl.constexpr,  # channels before the rope slice (even)
-        NORM: tl.constexpr,  # NO_NORM, WEIGHTED_NORM or WEIGHTLESS_NORM
-        KIND: tl.constexpr,  # -1: no rounding, else the fake-quant kernel's kind
+        NOPE: tl.constexpr,
+        NORM: tl.constexpr,
+        KIND: tl.constexpr,
         QUANT_BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,  # next power of two of width
+        BLOCK: tl.constexpr,
     ):
+        """This program's ``ROWS`` rows through the chain: ``(out, row, mask)``, ``out`` the result [ROWS, BLOCK] in
+        float32 (before its cast to the rows' dtype), ``row`` the row numbers, ``mask`` the live elements."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_ok = row < rows
         column = tl.arange(0, BLOCK)
@@ -120,7 +121,37 @@ if triton is not None:
                 v = tl.minimum(tl.maximum(v, -6.0), 6.0)
                 blocks = with_sign_of(e2m1_magnitude(e2m1_count(tl.abs(v))), v) * block_max[:, None]
             out = tl.reshape(blocks, [ROWS, BLOCK])
-        offsets = row.to(tl.int64)[:, None] * width + column[None, :]
+        return out, row, mask
+
+    @triton.jit
+    def _row_chain_kernel(
+        src,
+        weight,
+        cos_ptr,
+        sin_ptr,
+        dst,
+        rows,
+        width,
+        inner,  # rows per token (heads): a token's rows share its angles
+        stride_outer,
+        stride_inner,
+        stride_cn,
+        stride_cc,
+        stride_sn,
+        stride_sc,
+        eps,
+        NOPE: tl.constexpr,  # channels before the rope slice (even)
+        NORM: tl.constexpr,  # NO_NORM, WEIGHTED_NORM or WEIGHTLESS_NORM
+        KIND: tl.constexpr,  # -1: no rounding, else the fake-quant kernel's kind
+        QUANT_BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,  # next power of two of width
+    ):
+        out, row, mask = chain_rows(
+            src, weight, cos_ptr, sin_ptr, rows, width, inner, stride_outer, stride_inner, stride_cn, stride_cc,
+            stride_sn, stride_sc, eps, NOPE, NORM, KIND, QUANT_BLOCK, ROWS, BLOCK,
+        )  # fmt: skip
+        offsets = row.to(tl.int64)[:, None] * width + tl.arange(0, BLOCK)[None, :]
         tl.store(dst + offsets, out.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -152,25 +183,35 @@ def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight=None, ro
     return True
 
 
-def launch(x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int) -> torch.Tensor:
-    """The kernel over ``x``'s rows (inputs :func:`takes` accepts): a new contiguous tensor shaped like ``x``."""
+def launch_chain(kernel, x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int, *outputs,
+                 rows_per_program: int | None = None, **constants) -> None:  # fmt: skip
+    """``kernel`` (this module's or one built on :func:`chain_rows`) over ``x``'s rows, inputs :func:`takes`
+    accepts: the chain's arguments, then ``outputs`` (the kernel's arguments after ``sin_ptr``'s chain arguments:
+    pointers and sizes) and its extra ``constants``; ``rows_per_program`` (a power of two) overrides the norm
+    kernels' choice."""
     width, half = x.shape[-1], cos.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = out.numel() // width
+    rows = x.numel() // width
     if rows == 0:
-        return out
+        return
     tokens = x.shape[0]
     rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
     cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
     row_block, per_program, warps = norm_launch_shape(width)
+    per_program = rows_per_program or per_program
     weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
-    _row_chain_kernel[(triton.cdiv(rows, per_program),)](
-        rows3, weight_arg, cos, sin, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
+    kernel[(triton.cdiv(rows, per_program),)](
+        rows3, weight_arg, cos, sin, *outputs, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
         NOPE=width - 2 * half, NORM=norm, KIND=KINDS[rounding], QUANT_BLOCK=block if rounding is not None else 1,
-        ROWS=per_program, BLOCK=row_block, num_warps=warps,
+        ROWS=per_program, BLOCK=row_block, num_warps=warps, **constants,
         enable_fp_fusion=False,  # no fused multiply-add: each stage's roundings, bit for bit
     )  # fmt: skip
+
+
+def launch(x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int) -> torch.Tensor:
+    """The kernel over ``x``'s rows (inputs :func:`takes` accepts): a new contiguous tensor shaped like ``x``."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_chain(_row_chain_kernel, x, cos, sin, weight, eps, norm, rounding, block, out)
     return out
 
 

@@ -1,4 +1,5 @@
-"""The truth for ``rope_and_round``: the norm, rotary and fake-quantization references, one after the other.
+"""The truth for ``rope_and_round`` (the norm, rotary and fake-quantization references, one after the other) and
+``rope_round_store`` (that chain, then the cache write of its rows: ``cache_store``).
 
 V4.1 rounds four activations right after their RoPE (see :mod:`dsinfer.ops.fake_quant`): the window K=V after
 ``kv_norm``, the compressed entries, the index keys after ``k_norm`` and the index queries. Unfused, each chain
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.ops.cache_codec.reference import cache_store_reference
 from dsinfer.ops.fake_quant.reference import fake_quant_fp4, fake_quant_fp8
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
 from dsinfer.ops.registry import REFERENCE, register
@@ -47,3 +49,28 @@ def rope_and_round_reference(
     y = x if weight is None else rms_norm_reference(x, weight, eps)
     y = rope_reference(y, cos, sin, in_place=y is not x and not (torch.is_grad_enabled() and y.requires_grad))
     return round_rows(y, rounding, block)
+
+
+@register("rope_round_store", REFERENCE)
+def rope_round_store_reference(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    rounding: str | None,
+    block: int,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    modulus: int | None,
+    element: str | None,
+    code_block: int,
+    scale: str | None,
+) -> None:
+    """``cache_store(rope_and_round(x, cos, sin, weight, eps, rounding, block), data, scales, first, second,
+    modulus, element, code_block, scale)``: a decode step's rows computed and written to the cache in one op, so a
+    backend can do both in one pass (the rows themselves are not kept)."""
+    rows = rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
+    cache_store_reference(rows, data, scales, first, second, modulus, element, code_block, scale)

@@ -1,0 +1,203 @@
+"""``rope_round_store``: a decode step's row chain (norm, RoPE, V4.1 rounding) and its cache write in one kernel
+(Triton's interpreter on the CPU, compiled on CUDA), against the two ops it joins (``rope_and_round`` then
+``cache_store``): the pools must hold the same bytes as after the two ops' Triton backends, and as after their
+references wherever ``rope_and_round``'s kernel is the reference's bit for bit (bf16, or no norm: in float32 a
+row's sum of squares may be added in another order, which tests/ops/test_rope_round.py bounds).
+
+The cases are the step's writes: V4.1's window K=V (norm, FP8 rounding in blocks of 32, stored as e4m3 codes with
+ue8m0 scales, in a ring: the modulus), compressed entries (FP4 with e4m3 scales in blocks of 16) and index keys
+(norm, FP4 with ue8m0 scales in blocks of 32), each in model-dtype storage too, and V4's ``kv_norm`` and RoPE into
+its ring; rows contiguous or the columns of a wider GEMM output, one token's angles or each row's own; 0, 1 and 5
+rows (distinct pool rows, as the cache writes). A pool the kernel does not take runs the two ops' backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import assert_interpreted_cases_pass
+from test_rope_round import make_inputs
+
+from dsinfer.ops import registry
+from dsinfer.ops.cache_codec.reference import cache_store_reference
+from dsinfer.ops.rope_round import RowChain, rope_round_store_reference
+from dsinfer.ops.rope_round.reference import rope_and_round_reference
+
+POOL_ROWS = (6, 16)  # pool [first, second, width]
+# (dim, has weight, rounding, block, (element, code_block, scale) or None for model-dtype storage, modulus)
+WRITES = (
+    (512, True, "fp8", 32, ("e4m3", 32, "ue8m0"), 16),  # V4.1 window K=V into the ring
+    (512, False, "fp4_e4m3", 16, ("e2m1", 16, "e4m3"), None),  # V4.1 compressed entries
+    (128, True, "fp4_ue8m0", 32, ("e2m1", 32, "ue8m0"), None),  # V4.1 index keys
+    (512, True, "fp8", 32, None, 16),  # the window K=V in model-dtype storage
+    (128, True, None, 0, None, None),  # rounding off
+    (512, True, None, 0, None, 16),  # V4's kv_norm and RoPE into its ring
+)
+ROWS = (0, 1, 5)
+DTYPES = (torch.bfloat16, torch.float32)
+LAYOUTS = ("contiguous", "columns", "shared")
+
+
+def make_pool(dim: int, dtype: torch.dtype, store, device):
+    """An empty pool (and scale pool) of the write's format, filled with a byte no write gives."""
+    if store is None:
+        return torch.full((*POOL_ROWS, dim), 7.0, dtype=dtype, device=device), None
+    element, code_block, scale = store
+    width = dim if element == "e4m3" else dim // 2
+    data = torch.full((*POOL_ROWS, width), 0x5A, dtype=torch.uint8, device=device)
+    scales = torch.full((*POOL_ROWS, dim // code_block), 0x5A, dtype=torch.uint8, device=device)
+    data = data.view(torch.float8_e4m3fn) if element == "e4m3" else data
+    return data, scales.view(torch.float8_e4m3fn) if scale == "e4m3" else scales
+
+
+def check_cases(device: torch.device) -> list[str]:
+    import dsinfer.ops.rope_round.store_triton as backend
+
+    failures = []
+    generator = torch.Generator().manual_seed(3)
+    for rows in ROWS:
+        for dim, has_weight, rounding, block, store, modulus in WRITES:
+            for dtype in DTYPES:
+                for layout in LAYOUTS:
+                    label = f"rows={rows} dim={dim} {rounding}/{block} store={store} {dtype} {layout}"
+                    x, cos, sin, weight = make_inputs(rows, (), dim, 64, has_weight, dtype, layout, generator, device)
+                    first = torch.randperm(POOL_ROWS[0], generator=generator)[:rows].to(device)
+                    second = torch.randperm(POOL_ROWS[1], generator=generator)[:rows]
+                    second = (second + (3 * POOL_ROWS[1] if modulus else 0)).to(device)  # positions past the ring
+                    element, code_block, scale = store if store is not None else (None, 0, None)
+                    pools = [make_pool(dim, dtype, store, device) for _ in range(3)]
+                    chain = (x, cos, sin, weight, 1e-6, rounding, block)
+                    where = (first, second, modulus, element, code_block, scale)
+                    if not backend.fused_store_takes(*chain[:4], *chain[5:], *pools[1], first, second, *where[3:]):
+                        failures.append(f"{label}: the kernel does not take it")
+                        continue
+                    backend.rope_round_store_triton(*chain, *pools[1], *where)
+                    unfused = backend.rope_and_round_triton(*chain)
+                    backend.cache_store_triton(unfused, *pools[2], *where)
+                    truths = [("the two Triton ops", pools[2])]
+                    if dtype == torch.bfloat16 or weight is None:
+                        rope_round_store_reference(*chain, *pools[0], *where)
+                        truths.append(("the reference", pools[0]))
+                    for name, truth in truths:
+                        for want, got in zip(truth, pools[1], strict=True):
+                            if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
+                                differ = (want.view(torch.uint8) != got.view(torch.uint8)).sum().item()
+                                failures.append(f"{label}: {differ} pool bytes differ from {name}")
+    return failures
+
+
+def run_interpreted_cases() -> list[str]:
+    """Every case through the interpreter (TRITON_INTERPRET=1 must be set before Triton loads)."""
+    from test_sparse_attention import _interpret_bf16_as_hardware
+
+    _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
+    return check_cases(torch.device("cpu"))
+
+
+def test_triton_rope_round_store_matches_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_rope_round_store")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_rope_round_store_matches_on_cuda():
+    assert check_cases(torch.device("cuda")) == []
+
+
+def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
+    assert registry.choose("rope_round_store", "cpu", torch.float32).name == "reference"
+    if torch.cuda.is_available():
+        assert registry.choose("rope_round_store", "cuda", torch.bfloat16).name == "triton"
+
+
+def test_reference_is_rope_and_round_then_cache_store():
+    generator = torch.Generator().manual_seed(4)
+    x, cos, sin, weight = make_inputs(3, (), 128, 64, True, torch.bfloat16, "contiguous", generator, "cpu")
+    store = ("e2m1", 32, "ue8m0")
+    first, second = torch.tensor([0, 2, 5]), torch.tensor([1, 9, 4])
+    pools = [make_pool(128, torch.bfloat16, store, "cpu") for _ in range(2)]
+    rope_round_store_reference(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32, *pools[0], first, second, None, *store)
+    rows = rope_and_round_reference(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32)
+    cache_store_reference(rows, *pools[1], first, second, None, *store)
+    for want, got in zip(pools[0], pools[1], strict=True):
+        assert torch.equal(want, got)
+    assert not torch.equal(pools[0][0], make_pool(128, torch.bfloat16, store, "cpu")[0])  # the write happened
+
+
+def test_row_chain_runs_its_op_table():
+    """A :class:`RowChain` computes its rows and stores them through the table it carries."""
+    generator = torch.Generator().manual_seed(5)
+    x, cos, sin, weight = make_inputs(2, (), 512, 64, True, torch.float32, "contiguous", generator, "cpu")
+    ops = registry.resolve(torch.device("cpu"), torch.float32)
+    chain = RowChain(ops, x, cos, sin, weight, 1e-6, "fp8", 32)
+    assert chain.shape == x.shape
+    assert torch.equal(chain.rows(), rope_and_round_reference(x, cos, sin, weight, 1e-6, "fp8", 32))
+    pool = torch.zeros(2, 4, 512)
+    chain.store(pool, None, torch.tensor([1, 0]), torch.tensor([2, 3]), None, None, 0, None)
+    assert torch.equal(pool[1, 2], chain.rows()[0]) and torch.equal(pool[0, 3], chain.rows()[1])
+
+
+def test_pools_the_kernel_does_not_take_run_the_two_ops():
+    """A pool that is not contiguous goes to ``rope_and_round`` then ``cache_store`` (same bytes)."""
+    import dsinfer.ops.rope_round.store_triton as backend
+
+    generator = torch.Generator().manual_seed(6)
+    x, cos, sin, weight = make_inputs(2, (), 64, 32, True, torch.float32, "contiguous", generator, "cpu")
+    pool = torch.zeros(4, 3, 128)[:, :, :64]  # a column slice: not contiguous
+    first, second = torch.tensor([1, 3]), torch.tensor([0, 2])
+    assert not backend.fused_store_takes(x, cos, sin, weight, None, 0, pool, None, first, second, None, 0, None)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_kernel_compiles_for_hopper_in_the_models_writes():
+    """The interpreter never compiles: build the store kernel to sm_90 cubins (Triton's bundled ptxas, no GPU) in
+    the writes a V4.1 decode step makes, coded and in model dtype, without register spills: no local loads or
+    stores in the machine code (the FP4 / e4m3 scale search's divisions call a slow-path routine, whose return
+    address alone gives the kernel an 8-byte stack)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.rope_round.store_triton as backend
+    from dsinfer.ops.cache_codec.triton import _kind
+    from dsinfer.ops.norm_rope.rms_norm_triton import norm_launch_shape
+    from dsinfer.ops.norm_rope.row_chain_triton import KINDS
+
+    kernel = backend._chain_store_kernel
+    for dim, has_weight, rounding, block, store, modulus in WRITES:
+        pointers = {"src": "*bf16", "weight": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                    "data_ptr": "*bf16" if store is None else "*u8", "scales_ptr": "*u8", "first_ptr": "*i64",
+                    "second_ptr": "*i64"}  # fmt: skip
+        signature = {
+            name: "constexpr" if name.isupper() else pointers.get(name, "fp32" if name == "eps" else "i64")
+            for name in kernel.arg_names
+        }
+        row_block, _, warps = norm_launch_shape(dim)
+        constants = dict(NOPE=dim - 64, NORM=int(has_weight), KIND=KINDS[rounding], QUANT_BLOCK=max(block, 1),
+                         ROWS=backend.ROWS_PER_PROGRAM, BLOCK=row_block, ENCODE=-1 if store is None else _kind(*store),
+                         CODE_BLOCK=1 if store is None else store[1], HAS_MODULUS=modulus is not None)  # fmt: skip
+        source = ASTSource(kernel, signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        label = (dim, rounding, store)
+        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], label
+        sass = _machine_code(compiled.asm["cubin"])
+        assert sass is None or not any(f" {op}" in sass for op in ("STL", "LDL")), label
+
+
+def _machine_code(cubin: bytes) -> str | None:
+    """The cubin's SASS from Triton's bundled cuobjdump (None without it)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        return subprocess.run([tool, "-sass", handle.name], capture_output=True, text=True, check=True).stdout
