@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ced_drift_v41 import slice_config, synthetic_hasher  # noqa: E402
-from fast_path_checks import cuda_ms, graph_timeline, kernel_profile, prefill_and_decode_batch  # noqa: E402
+from fast_path_checks import cuda_ms, graph_timeline, kernel_profile, pipelined_ms, prefill_and_decode_batch  # noqa: E402
 
 from dsinfer.engine.decode_graphs import capture_graph  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
@@ -72,6 +72,7 @@ def check(model, sequences: int, context: int, quantized: bool, device, repeats:
         row["graph_max_abs_diff"] = float((captured.float() - eager.float()).abs().max())
         row["graph_ms"] = statistics.median(cuda_ms(graph.replay, repeats))
         row["graph_ms_per_layer"] = row["graph_ms"] / config.num_hidden_layers
+        row["graph_pipelined_ms"] = pipelined_ms(graph.replay, repeats)
         if profile:
             row["graph_timeline"] = graph_timeline(graph.replay)
     except Exception as exc:  # report, do not hide: the row says the capture failed and why

@@ -234,7 +234,8 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     pointers = {"x_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8",
                 "ids_ptr": "*i64", "route_weight_ptr": "*fp32"}  # fmt: skip
     kernels = ((decode_triton._gate_up_gemv_kernel, DECODE_GEMV_CONFIG.gate_up),
-               (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down))  # fmt: skip
+               (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down),
+               (decode_triton._down_gemv_kernel, decode_triton.PARTIAL_STEP_DOWN))  # fmt: skip
     for kernel, launch in kernels:
         aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
                    if name.endswith("_ptr") or name.endswith("_stride") or name in ("hidden", "inter")}  # fmt: skip
@@ -249,3 +250,13 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
             assert compiled.asm["cubin"], name
             assert "ld.local" not in compiled.asm["ptx"], name
             assert "ld.global.v4.b32" in compiled.asm["ptx"], name
+
+
+def test_down_launch_follows_the_intermediate_size():
+    """Whole 1024-input steps (V4-Flash's 2048) keep the default launches; V4.1-Flash's 2304 takes the launch the
+    sweep measured fastest there, and the kernels compute the same function with either (the interpreter cases)."""
+    from dsinfer.ops.moe.decode_triton import PARTIAL_STEP_DOWN, decode_gemv_config
+
+    assert decode_gemv_config(2048) == DECODE_GEMV_CONFIG
+    assert decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down=PARTIAL_STEP_DOWN)
+    assert decode_gemv_config(2304).gate_up == DECODE_GEMV_CONFIG.gate_up

@@ -1,8 +1,11 @@
 """``rope_round_store``: a decode step's row chain (norm, RoPE, V4.1 rounding) and its cache write in one kernel
 (Triton's interpreter on the CPU, compiled on CUDA), against the two ops it joins (``rope_and_round`` then
-``cache_store``): the pools must hold the same bytes as after the two ops' Triton backends, and as after their
-references wherever ``rope_and_round``'s kernel is the reference's bit for bit (bf16, or no norm: in float32 a
-row's sum of squares may be added in another order, which tests/ops/test_rope_round.py bounds).
+``cache_store``): the pools must hold the same bytes as after the two ops' Triton backends and as after their
+references, wherever ``rope_and_round``'s kernel is bit for bit the reference's and itself: in bf16, or without a
+norm. In float32 a norm's sum of squares may be added in another order (the fused kernel takes one row a program,
+``rope_and_round``'s up to sixteen; on the H200 97 of the bytes of five 128-channel rows differed in their last
+bits), so there the rows stored must be within the norm's tolerance of the two Triton ops', and coded rows, where
+a last-bit difference can cross a rounding boundary, must have at least 99% of their bytes equal.
 
 The cases are the step's writes: V4.1's window K=V (norm, FP8 rounding in blocks of 32, stored as e4m3 codes with
 ue8m0 scales, in a ring: the modulus), compressed entries (FP4 with e4m3 scales in blocks of 16) and index keys
@@ -74,16 +77,30 @@ def check_cases(device: torch.device) -> list[str]:
                     backend.rope_round_store_triton(*chain, *pools[1], *where)
                     unfused = backend.rope_and_round_triton(*chain)
                     backend.cache_store_triton(unfused, *pools[2], *where)
-                    truths = [("the two Triton ops", pools[2])]
-                    if dtype == torch.bfloat16 or weight is None:
-                        rope_round_store_reference(*chain, *pools[0], *where)
-                        truths.append(("the reference", pools[0]))
-                    for name, truth in truths:
+                    if dtype == torch.float32 and weight is not None:
+                        failures += _close(label, pools[2], pools[1])
+                        continue
+                    rope_round_store_reference(*chain, *pools[0], *where)
+                    for name, truth in (("the two Triton ops", pools[2]), ("the reference", pools[0])):
                         for want, got in zip(truth, pools[1], strict=True):
                             if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
                                 differ = (want.view(torch.uint8) != got.view(torch.uint8)).sum().item()
                                 failures.append(f"{label}: {differ} pool bytes differ from {name}")
     return failures
+
+
+def _close(label: str, want: tuple, got: tuple) -> list[str]:
+    """A float32 chain with a norm: rows within the norm's tolerance (model-dtype storage), or at least 99% of the
+    code and scale bytes equal (coded storage)."""
+    (want_data, want_scales), (got_data, _) = want, got
+    if want_scales is None:
+        if not ((got_data - want_data).abs() <= (want_data.abs() + 8) * 2**-22).all():
+            return [f"{label}: max |diff| from the two Triton ops {(got_data - want_data).abs().max():.3g}"]
+        return []
+    equal = torch.cat([(w.view(torch.uint8) == g.view(torch.uint8)).flatten() for w, g in zip(want, got, strict=True)])
+    if equal.float().mean().item() < 0.99:
+        return [f"{label}: only {equal.float().mean().item():.3f} of the bytes equal the two Triton ops'"]
+    return []
 
 
 def run_interpreted_cases() -> list[str]:

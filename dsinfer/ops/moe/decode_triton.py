@@ -65,21 +65,30 @@ __all__ = [
     "DECODE_GEMV_MAX_TOKENS",
     "DecodeGemvConfig",
     "GemvConfig",
+    "PARTIAL_STEP_DOWN",
+    "decode_gemv_config",
     "routed_moe_decode_gemv",
     "use_decode_gemv",
 ]
 
-DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "2"))
+DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "8"))
 """Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
 (``DSINFER_MOE_GEMV_MAX_TOKENS``; 0 turns the path off). On the H200 (``benchmarks/moe_kernel.py --decode-gemv
-[--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6):
+[--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6), the GEMV with :data:`DECODE_GEMV_CONFIG`
+against the grouped kernels:
 
-* one token: 0.0475 ms with :data:`DECODE_GEMV_CONFIG` against the grouped kernels' 0.0816 (1.69 against 0.98
-  TB/s of expert bytes); the first launches (four-warp programs of 32 and 16 rows) took 0.0801;
-* two tokens: 0.0908 ms with the sweep's first winners, (16, 512, 2, 1) and (8, 512, 1, 1), against 0.1399.
+======  ==========  ==========  ====================================
+tokens  GEMV ms     grouped ms  expert bytes read (GEMV / grouped)
+======  ==========  ==========  ====================================
+1       0.0476      0.0810      1.69 / 0.99 TB/s
+2       0.0839      0.1380      1.91 / 1.16 TB/s
+4       0.1593      0.2485      2.01 / 1.13 TB/s
+8       0.2858      0.4341      2.25 / 1.39 TB/s
+======  ==========  ==========  ====================================
 
-Each slot's experts are read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped
-kernels read each distinct expert once: past a few tokens (or with many shared experts) the grouped path wins."""
+The first launches (four-warp programs of 32 and 16 rows) took 0.0801 ms at one token. Each slot's experts are
+read once per slot, so the GEMV reads the bytes of ``T * k`` experts where the grouped kernels read each distinct
+expert once: past some tens of tokens (or with many shared experts) the grouped path wins; 8 is the most measured."""
 
 
 class GemvConfig(NamedTuple):
@@ -109,11 +118,26 @@ class DecodeGemvConfig(NamedTuple):
 
 DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(8, 1024, 1, 1))
 """Default launches, the fastest pair of ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one
-token (each kernel's candidates timed with the other at its previous default, then the two winners together):
-6 x 2048 / 8 = 1536 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs. Smaller programs, more
-of them, were faster: four-warp programs of 32 and 16 rows took 0.0801 ms, two- and one-warp programs of 16 and
-8 rows 0.0532, these 0.0475. Both step more than ``256 * num_warps`` inputs, so their activation planes go
-through shared memory; with one or two warps that costs less than what the smaller programs gain."""
+token and V4-Flash widths (each kernel's candidates timed with the other at its previous default, then the two
+winners together): 6 x 2048 / 8 = 1536 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs.
+Smaller programs, more of them, were faster: four-warp programs of 32 and 16 rows took 0.0801 ms, two- and
+one-warp programs of 16 and 8 rows 0.0532, these 0.0475. Both step more than ``256 * num_warps`` inputs, so their
+activation planes go through shared memory; with one or two warps that costs less than what the smaller
+programs gain. :func:`decode_gemv_config` adapts the down launch to intermediate sizes of no whole 1024-input
+steps."""
+
+PARTIAL_STEP_DOWN = GemvConfig(4, 512, 1, 1)
+"""The down launch where the intermediate size is no multiple of 1024 (V4.1-Flash: 2304). The sweep at V4.1
+widths (hidden 5120, 384 experts, one token) timed it at 0.0719 ms with the default gate/up launch, against 0.0828
+with the default down launch, whose last 1024-input step is three quarters masked."""
+
+
+def decode_gemv_config(inter: int) -> DecodeGemvConfig:
+    """The launches for experts of intermediate size ``inter``: :data:`DECODE_GEMV_CONFIG`, with
+    :data:`PARTIAL_STEP_DOWN` where ``inter`` is no whole number of the default down launch's steps."""
+    if inter % DECODE_GEMV_CONFIG.down.block_k:
+        return DECODE_GEMV_CONFIG._replace(down=PARTIAL_STEP_DOWN)
+    return DECODE_GEMV_CONFIG
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
@@ -348,7 +372,7 @@ def routed_moe_decode_gemv(
         raise ValueError("the GEMV routed_moe path takes packed FP4 experts only")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the GEMV routed_moe path takes bf16 or fp32 activations, got {x.dtype}")
-    config = DECODE_GEMV_CONFIG if config is None else config
+    config = decode_gemv_config(weights.intermediate_size) if config is None else config
     for part in config:
         part.validate()
     tokens, top_k = expert_ids.shape
