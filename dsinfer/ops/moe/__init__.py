@@ -5,7 +5,7 @@ swiglu_limit: float) -> [T, H]`` in ``x.dtype``. Backends: ``reference`` (torch,
 ``triton`` (CUDA: fused grouped GEMMs, FP4 dequantised in the kernel, no host synchronisation) and
 ``grouped_mm`` (CUDA, dense bf16 experts only, opt-in). The weight layout is in :mod:`dsinfer.ops.moe.weights`.
 
-Inside the ``triton`` backend, decode steps of at most ``DECODE_GEMV_MAX_TOKENS`` tokens (default 2) over packed
+Inside the ``triton`` backend, decode steps of at most ``DECODE_GEMV_MAX_TOKENS`` tokens (default 8) over packed
 FP4 experts take a GEMV path instead (:mod:`dsinfer.ops.moe.decode_triton`): one kernel for gate/up and the
 clamped SwiGLU per (slot, column tile), one for down, the routing weights and the combine per (token, column
 tile), the e2m1 codes decoded in registers and multiplied on the CUDA cores; the expert ids are read on the

@@ -1,8 +1,8 @@
-"""The routed-experts op for decode steps of one or two tokens: two GEMV kernels over the packed FP4 experts.
+"""The routed-experts op for decode steps of a few tokens: two GEMV kernels over the packed FP4 experts.
 
 Why a separate path: at ``T = 1`` (top-6 of 256, hidden 4096, intermediate 2048) the grouped kernels of
 :mod:`dsinfer.ops.moe.triton` spend ~4x the time it takes to read the six experts' FP4 bytes: their
-``tl.dot`` tiles have at least 16 rows for one or two real ones, and the split-K path adds launches for the
+``tl.dot`` tiles have at least 16 rows for a few real ones, and the split-K path adds launches for the
 routing layout, the SwiGLU and the combine. Here each weight is read once, decoded in registers and multiplied
 on the CUDA cores (fp32 multiply-add, no ``tl.dot``), in two launches and without any routing layout:
 
