@@ -172,6 +172,7 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
     stores in the machine code (the FP4 / e4m3 scale search's divisions call a slow-path routine, whose return
     address alone gives the kernel an 8-byte stack)."""
     triton = pytest.importorskip("triton")
+    from test_sparse_attention import _cuobjdump
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -197,24 +198,5 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         label = (dim, rounding, store)
         assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], label
-        sass = _machine_code(compiled.asm["cubin"])
+        sass = _cuobjdump(compiled.asm["cubin"], "-sass")
         assert sass is None or not any(f" {op}" in sass for op in ("STL", "LDL")), label
-
-
-def _machine_code(cubin: bytes) -> str | None:
-    """The cubin's SASS from Triton's bundled cuobjdump (None without it)."""
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if tool is None:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        return subprocess.run([tool, "-sass", handle.name], capture_output=True, text=True, check=True).stdout

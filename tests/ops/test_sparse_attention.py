@@ -380,9 +380,8 @@ def _signature(kernel, activation: str) -> dict[str, str]:
     return types
 
 
-def _register_spills(cubin: bytes) -> int | None:
-    """Bytes of stack (register spills) of the cubin's kernel, from Triton's bundled cuobjdump (None without it)."""
-    import re
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """Triton's bundled cuobjdump (or one on the PATH) run on ``cubin`` with ``flag``; None without the tool."""
     import shutil
     import tempfile
 
@@ -395,8 +394,15 @@ def _register_spills(cubin: bytes) -> int | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        usage = subprocess.run([tool, "-res-usage", handle.name], capture_output=True, text=True).stdout
-    found = re.search(r"STACK:(\d+)", usage)
+        return subprocess.run([tool, flag, handle.name], capture_output=True, text=True).stdout
+
+
+def _register_spills(cubin: bytes) -> int | None:
+    """Bytes of stack (register spills) of the cubin's kernel, from cuobjdump (None without it)."""
+    import re
+
+    usage = _cuobjdump(cubin, "-res-usage")
+    found = re.search(r"STACK:(\d+)", usage) if usage is not None else None
     return int(found.group(1)) if found else None
 
 
