@@ -303,10 +303,10 @@ class KVCacheV41:
         first, second = index
         if not isinstance(first, torch.Tensor):
             first = torch.full_like(second, first)  # a sequence's slot: a device scalar would need a host copy
-        if fmt is not None:
+        if fmt is None:
+            pool = (data, None, first, second, modulus, None, 0, None)
+        else:
             fmt.check_channels(rows.shape[-1])
-        pool = (data, None, first, second, modulus, None, 0, None)
-        if fmt is not None:
             pool = (data, scales, first, second, modulus, fmt.element, fmt.block, fmt.scale)
         if isinstance(rows, RowChain):
             rows.store(*pool)
