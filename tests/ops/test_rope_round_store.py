@@ -86,7 +86,27 @@ def check_cases(device: torch.device) -> list[str]:
                             if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
                                 differ = (want.view(torch.uint8) != got.view(torch.uint8)).sum().item()
                                 failures.append(f"{label}: {differ} pool bytes differ from {name}")
+    failures += _fallback_cases(device, generator)
     return failures
+
+
+def _fallback_cases(device: torch.device, generator: torch.Generator) -> list[str]:
+    """A pool the kernel does not take (a column slice of a wider one) still gets the reference's rows, through
+    ``rope_and_round`` then ``cache_store``."""
+    import dsinfer.ops.rope_round.store_triton as backend
+
+    x, cos, sin, weight = make_inputs(3, (), 128, 64, True, torch.bfloat16, "columns", generator, device)
+    first, second = torch.tensor([1, 3, 0], device=device), torch.tensor([0, 2, 2], device=device)
+    pools = [torch.zeros(4, 3, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    where = (first, second, None, None, 0, None)
+    chain = (x, cos, sin, weight, 1e-6, "fp8", 32)
+    if backend.fused_store_takes(*chain[:4], *chain[5:], pools[1][:, :, :128], None, first, second, None, 0, None):
+        return ["fallback: the kernel takes a pool that is not contiguous"]
+    rope_round_store_reference(*chain, pools[0][:, :, :128], None, *where)
+    backend.rope_round_store_triton(*chain, pools[1][:, :, :128], None, *where)
+    if not torch.equal(pools[0], pools[1]) or not pools[1].any():
+        return ["fallback: the pool differs from the reference's"]
+    return []
 
 
 def _close(label: str, want: tuple, got: tuple) -> list[str]:
@@ -154,8 +174,8 @@ def test_row_chain_runs_its_op_table():
     assert torch.equal(pool[1, 2], chain.rows()[0]) and torch.equal(pool[0, 3], chain.rows()[1])
 
 
-def test_pools_the_kernel_does_not_take_run_the_two_ops():
-    """A pool that is not contiguous goes to ``rope_and_round`` then ``cache_store`` (same bytes)."""
+def test_pools_the_kernel_does_not_take_are_refused():
+    """A pool that is not contiguous is not the kernel's (``check_cases`` stores into one through the fallback)."""
     import dsinfer.ops.rope_round.store_triton as backend
 
     generator = torch.Generator().manual_seed(6)
@@ -177,7 +197,7 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
     from triton.compiler import ASTSource
 
     import dsinfer.ops.rope_round.store_triton as backend
-    from dsinfer.ops.cache_codec.triton import _kind
+    from dsinfer.ops.cache_codec.triton import encoding_kind
     from dsinfer.ops.norm_rope.rms_norm_triton import norm_launch_shape
     from dsinfer.ops.norm_rope.row_chain_triton import KINDS
 
@@ -192,7 +212,8 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
         }
         row_block, _, warps = norm_launch_shape(dim)
         constants = dict(NOPE=dim - 64, NORM=int(has_weight), KIND=KINDS[rounding], QUANT_BLOCK=max(block, 1),
-                         ROWS=backend.ROWS_PER_PROGRAM, BLOCK=row_block, ENCODE=-1 if store is None else _kind(*store),
+                         ROWS=backend.ROWS_PER_PROGRAM, BLOCK=row_block,
+                         ENCODE=-1 if store is None else encoding_kind(*store),
                          CODE_BLOCK=1 if store is None else store[1], HAS_MODULUS=modulus is not None)  # fmt: skip
         source = ASTSource(kernel, signature, constexprs=constants)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

@@ -207,7 +207,8 @@ def _rows_per_program(block: int, n_blocks: int) -> int:
     return min(max(1, ELEMENTS_PER_PROGRAM // block), triton.next_power_of_2(max(n_blocks, 1)))
 
 
-def _kind(element: str, block: int, scale: str) -> int | None:
+def encoding_kind(element: str, block: int, scale: str) -> int | None:
+    """The encode kernels' KIND for a format (:data:`KINDS`), None for one they do not take."""
     kind = KINDS.get((element, scale))
     if kind is None or block < 2 or block & (block - 1):
         return None
@@ -219,7 +220,7 @@ def cache_encode_triton(
     values: torch.Tensor, element: str, block: int, scale: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract and bytes as the reference; formats or inputs the kernel does not take go to it."""
-    kind = _kind(element, block, scale)
+    kind = encoding_kind(element, block, scale)
     if kind is None or values.dtype not in OUT_DTYPES or values.dim() < 1 or values.shape[-1] % block:
         from dsinfer.ops.cache_codec.reference import cache_encode_reference
 
@@ -245,7 +246,7 @@ def cache_decode_triton(
     codes: torch.Tensor, scales: torch.Tensor, element: str, block: int, scale: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """Same contract and values as the reference; formats or inputs the kernel does not take go to it."""
-    kind = _kind(element, block, scale)
+    kind = encoding_kind(element, block, scale)
     if kind is None or dtype not in OUT_DTYPES or codes.dim() < 1:
         from dsinfer.ops.cache_codec.reference import cache_decode_reference
 
@@ -274,7 +275,7 @@ def cache_store_triton(
     scale: str | None,
 ) -> None:
     """Same contract and bytes as the reference, one launch; pools or rows the kernels do not take go to it."""
-    kind = None if scales is None else _kind(element, block, scale)
+    kind = None if scales is None else encoding_kind(element, block, scale)
     rows, channels = (values.shape[0], values.shape[-1]) if values.dim() == 2 else (0, 0)
     plain_ok = scales is None and values.dim() == 2 and data.dtype in OUT_DTYPES
     coded_ok = kind is not None and values.dim() == 2 and values.dtype in OUT_DTYPES and channels % block == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.cache_codec.triton import OUT_DTYPES, _kind, cache_store_triton
+from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
 from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton_available
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch_chain, takes
 from dsinfer.ops.registry import register
@@ -130,7 +130,7 @@ def fused_store_takes(
         return False
     if scales is None:
         return data.dtype in OUT_DTYPES and data.shape[-1] == width
-    kind = _kind(element, code_block, scale)
+    kind = encoding_kind(element, code_block, scale)
     if kind is None or width & (width - 1) or width % code_block or not scales.is_contiguous():
         return False
     return data.shape[-1] == (width if kind == 0 else width // 2) and scales.shape[-1] == width // code_block
@@ -160,7 +160,7 @@ def rope_round_store_triton(
     if not fused_store_takes(x, cos, sin, weight, rounding, block, *store):
         rows = rope_and_round_triton(x, cos, sin, weight, eps, rounding, block)
         return cache_store_triton(rows, data, scales, first, second, modulus, element, code_block, scale)
-    encode = PLAIN if scales is None else _kind(element, code_block, scale)
+    encode = PLAIN if scales is None else encoding_kind(element, code_block, scale)
     norm = NO_NORM if weight is None else WEIGHTED_NORM
     pool = data.view(torch.uint8) if scales is not None else data
     scale_bytes = scales.view(torch.uint8) if scales is not None else pool  # never read in model-dtype storage
