@@ -1,0 +1,273 @@
+"""``fp8_linear`` in Triton: the weight is read as its e4m3 codes (one byte an element, half of bf16's) and its ue8m0
+block scales, never dequantised into memory, for the few-token GEMMs of a decode step.
+
+A program owns ``BLOCK_N`` weight rows (output columns) and every token of the step (``BLOCK_M`` >= the tokens,
+at most :data:`MAX_KERNEL_TOKENS`). It walks the input in ``BLOCK_K`` columns, one scale block at a time: the
+codes are cast to the compute dtype (exact: e4m3 values are bf16 / fp16 values), one ``tl.dot`` forms the
+block's partial sums in float32, and the partial is multiplied by the rows' block scales (powers of two: exact)
+before it joins the accumulator. So the result differs from the reference (dequantise, then ``F.linear``) only in
+the order of float32 additions. A grouped projection (``groups`` > 1, the attention's ``wo_a``) reads each run of
+rows against its own run of input columns.
+
+Steps of more tokens are GEMMs that tensor cores serve better from a bf16 weight: :func:`dequantize_fp8_triton`
+writes it (one pass: a byte read, two written an element) and cuBLAS multiplies.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
+from dsinfer.ops.registry import register
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+# Steps of up to this many tokens read the codes in the kernel; more go through a dequantised weight and cuBLAS
+# ($DSINFER_FP8_KERNEL_MAX_TOKENS, 0: never the kernel). docs/perf-fast-path-pass8.md has the measurement.
+MAX_KERNEL_TOKENS = 64
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8KernelConfig:
+    """One launch shape: weight rows per program, input columns per step (divides the scale block), warps,
+    pipeline stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def triton_available() -> bool:
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def kernel_max_tokens() -> int:
+    return int(os.environ.get("DSINFER_FP8_KERNEL_MAX_TOKENS", MAX_KERNEL_TOKENS))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(rows: int, rows_per_group: int, block: tuple[int, int], device: torch.device) -> Fp8KernelConfig:
+    """The widest program (64, 32 or 16 rows) that still gives every SM two programs, dividing the group's rows;
+    128 input columns a step (one scale block of the checkpoint's 128 x 128), four warps, four stages."""
+    programs_wanted = 2 * (_sm_count(device.index or 0) if device.type == "cuda" else 132)
+    block_k = step_columns(block)
+    for block_n in (64, 32, 16):
+        if rows_per_group % block_n == 0 and triton.cdiv(rows, block_n) >= programs_wanted:
+            return Fp8KernelConfig(block_n, block_k, 4, 4)
+    return Fp8KernelConfig(16, block_k, 4, 4)
+
+
+def step_columns(block: tuple[int, int]) -> int:
+    """Input columns a kernel step takes: the largest power of two up to 128 that divides the scale block's
+    columns (so a step reads one scale a row)."""
+    columns = 128
+    while block[1] % columns:
+        columns //= 2
+    return columns
+
+
+def serves(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block, dtype, groups: int) -> bool:
+    """Whether the kernel takes this call (else the reference's contract is served another way)."""
+    if x.dtype != dtype or dtype not in _COMPUTE_DTYPES or x.requires_grad or codes.dim() != 2:
+        return False
+    if codes.dtype != torch.float8_e4m3fn or not codes.is_contiguous() or not scale.is_contiguous():
+        return False
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.float32) or x.device != codes.device:
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False  # the e4m3 cast is Triton's from sm_89
+    return step_columns(block) >= 16 and (codes.shape[0] // groups) % 16 == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_linear_kernel(
+        x_ptr,
+        codes_ptr,  # uint8 [N, K]: e4m3 bytes
+        scale_ptr,  # [ceil(N / SCALE_ROWS), scale_cols]: ue8m0 bytes or float32
+        out_ptr,
+        M,
+        N,
+        K,
+        rows_per_group,
+        stride_xm,
+        stride_om,
+        scale_cols,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_ROWS: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+        SCALE_BYTES: tl.constexpr,  # ue8m0 scales (else float32)
+        HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
+        IEEE: tl.constexpr,  # float32 inputs: a full-precision dot, not TF32
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < N
+        token_ok = tokens < M
+        group = (pid_n * BLOCK_N) // rows_per_group
+        dtype = x_ptr.dtype.element_ty
+        x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + group * K
+        code_rows = codes_ptr + rows.to(tl.int64)[:, None] * K
+        scale_rows = scale_ptr + (rows // SCALE_ROWS) * scale_cols
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            a = tl.load(x_rows + cols[None, :], mask=token_ok[:, None] & col_ok[None, :], other=0.0)
+            byte = tl.load(code_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+            if HARDWARE_FP8:
+                w = byte.to(tl.float8e4nv, bitcast=True).to(dtype)
+            else:
+                w = e4m3_value(byte.to(tl.int32)).to(dtype)
+            s = tl.load(scale_rows + k0 // SCALE_COLS, mask=row_ok, other=0)
+            if SCALE_BYTES:
+                s = ue8m0_value(s.to(tl.int32))
+            if IEEE:
+                part = tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(a, tl.trans(w))
+            acc += part * s[None, :]
+        out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _dequantize_kernel(
+        codes_ptr,
+        scale_ptr,
+        out_ptr,
+        N,
+        K,
+        scale_cols,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        SCALE_ROWS: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+        SCALE_BYTES: tl.constexpr,
+        HARDWARE_FP8: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = (rows < N)[:, None] & (cols < K)[None, :]
+        at = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        byte = tl.load(codes_ptr + at, mask=ok, other=0)
+        if HARDWARE_FP8:
+            value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            value = e4m3_value(byte.to(tl.int32))
+        s = tl.load(scale_ptr + (rows // SCALE_ROWS)[:, None] * scale_cols + (cols // SCALE_COLS)[None, :], mask=ok)
+        if SCALE_BYTES:
+            s = ue8m0_value(s.to(tl.int32))
+        tl.store(out_ptr + at, (value * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8), True
+    return scale, False
+
+
+def _hardware_fp8(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear_kernel(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    groups: int = 1,
+    config: Fp8KernelConfig | None = None,
+) -> torch.Tensor:
+    """The kernel's ``fp8_linear`` for any number of tokens (callers keep it to few); ``config`` for sweeps."""
+    check_groups(x, codes, groups)
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[-1] and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    tokens, (rows, inputs) = flat.shape[0], codes.shape
+    out = torch.empty(tokens, rows, dtype=dtype, device=x.device)
+    if tokens == 0 or rows == 0:
+        return out.reshape(*lead, rows)
+    if inputs == 0:
+        return out.zero_().reshape(*lead, rows)
+    rows_per_group = rows // groups
+    config = config or choose_config(rows, rows_per_group, block, x.device)
+    block_m = min(64, max(16, triton.next_power_of_2(tokens)))
+    scale_operand, scale_bytes = _scale_operand(scale)
+    grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m))
+    _fp8_linear_kernel[grid](
+        flat, codes.view(torch.uint8), scale_operand, out, tokens, rows, inputs, rows_per_group, flat.stride(0),
+        out.stride(0), scale.shape[1], BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes, HARDWARE_FP8=_hardware_fp8(x.device),
+        IEEE=dtype == torch.float32, num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return out.reshape(*lead, rows)
+
+
+def dequantize_fp8_triton(
+    codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``dequantize_fp8_blockwise`` of a 2-D weight in one pass (the same values: exact products, one rounding)."""
+    rows, inputs = codes.shape
+    out = torch.empty(rows, inputs, dtype=dtype, device=codes.device)
+    if out.numel() == 0:
+        return out
+    scale_operand, scale_bytes = _scale_operand(scale)
+    grid = (triton.cdiv(rows, 32), triton.cdiv(inputs, 128))
+    _dequantize_kernel[grid](
+        codes.view(torch.uint8), scale_operand, out, rows, inputs, scale.shape[1], BLOCK_R=32, BLOCK_C=128,
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
+        HARDWARE_FP8=_hardware_fp8(codes.device), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@register("fp8_linear", "triton", devices=("cuda",), available=triton_available, priority=10)
+def fp8_linear_triton(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    groups: int = 1,
+) -> torch.Tensor:
+    """Same contract as ``fp8_linear_reference``: few tokens through the kernel, more through a dequantised
+    weight (one Triton pass) and ``F.linear``; inputs neither takes go to the reference."""
+    check_groups(x, codes, groups)
+    if not serves(x, codes, scale, block, dtype, groups):
+        return fp8_linear_reference(x, codes, scale, block, dtype, groups)
+    tokens = x.numel() // max(1, x.shape[-1])
+    if tokens <= kernel_max_tokens():
+        return fp8_linear_kernel(x, codes, scale, block, dtype, groups)
+    weight = dequantize_fp8_triton(codes, scale, block, dtype)
+    if groups == 1:
+        return F.linear(x, weight)
+    lead = x.shape[:-1]
+    grouped = x.reshape(-1, groups, codes.shape[1]).transpose(0, 1)
+    mixed = torch.empty(grouped.shape[1], groups, codes.shape[0] // groups, dtype=dtype, device=x.device)
+    torch.bmm(grouped, weight.view(groups, -1, codes.shape[1]).transpose(1, 2), out=mixed.transpose(0, 1))
+    return mixed.reshape(*lead, codes.shape[0])

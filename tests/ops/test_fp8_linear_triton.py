@@ -1,0 +1,180 @@
+"""The ``fp8_linear`` Triton backend (dsinfer.ops.fp8_linear.triton) against the reference: the kernel in Triton's
+CPU interpreter on small shapes (one token, a token tail in one block, two token blocks, row and column tails,
+several scale blocks, grouped projections, ue8m0 and float32 scales, codes at both ends of e4m3 and subnormal),
+the one-pass dequantisation bit for bit, the dispatch (few tokens: the kernel; more: the dequantised weight),
+clear errors for bad shapes, and the kernel compiled for sm_90 without register spills.
+
+Bounds: the kernel differs from the reference only in the order of float32 additions. fp32: ``1e-5 max|ref| +
+1e-6``. bf16 / fp16 outputs: within 1.5x the dtype reference's own error against the float32 truth plus one unit
+of the dtype's rounding at the output's scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import assert_interpreted_cases_pass
+
+from dsinfer.ops.fp8_linear import fp8_linear_reference
+from dsinfer.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
+
+# (label, tokens, rows, inputs, groups, block, config (block_n, block_k, warps, stages) or None)
+CASES = [
+    ("one token", 1, 48, 96, 1, (32, 32), (16, 32, 1, 1)),
+    ("token tail", 5, 32, 64, 1, (16, 32), (16, 32, 1, 1)),
+    ("two token blocks", 70, 16, 32, 1, (16, 32), (16, 32, 1, 1)),
+    ("row and column tails", 3, 40, 72, 1, (32, 32), (32, 32, 1, 1)),
+    ("scale steps wider than a step", 2, 32, 128, 1, (16, 64), (16, 32, 1, 1)),
+    ("grouped", 3, 64, 2 * 48, 2, (16, 16), (16, 16, 1, 1)),
+    ("grouped, chosen launch", 2, 4 * 32, 4 * 64, 4, (32, 64), None),
+]
+
+
+def random_weight(rows: int, inputs: int, block, scale_dtype, seed: int):
+    """Codes from a random weight with block magnitudes spread over 2**-12 .. 2**4 (so the scales differ per block
+    and some codes are e4m3 subnormals), plus the codes +-448 and the smallest subnormal planted."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, inputs, generator=gen)
+    spread = torch.randint(-12, 5, (-(-rows // block[0]), -(-inputs // block[1])), generator=gen).float().exp2()
+    weight = weight * spread.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :inputs]
+    codes, scale = quantize_fp8_blockwise(weight, block, scale_dtype)
+    flat = codes.view(torch.uint8).view(-1)
+    flat[:3] = torch.tensor([0x7E, 0xFE, 0x01], dtype=torch.uint8)  # 448, -448, 2**-9
+    return codes, scale
+
+
+def bound_failures(label, got, x, codes, scale, block, dtype, groups) -> list[str]:
+    want = fp8_linear_reference(x, codes, scale, block, dtype, groups)
+    truth = fp8_linear_reference(x.float(), codes, scale, block, torch.float32, groups)
+    if got.shape != want.shape or got.dtype != dtype:
+        return [f"{label} {dtype}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {dtype}"]
+    magnitude = float(truth.abs().max())
+    error = float((got.float() - truth).abs().max())
+    if dtype == torch.float32:
+        bound = 1e-5 * magnitude + 1e-6
+    else:
+        bound = 1.5 * float((want.float() - truth).abs().max()) + torch.finfo(dtype).eps * magnitude
+    return [] if error <= bound else [f"{label} {dtype}: max error {error:.3g} over the bound {bound:.3g}"]
+
+
+def check(device: str) -> list[str]:
+    from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, dequantize_fp8_triton, fp8_linear_kernel
+
+    failures = []
+    for index, (label, tokens, rows, inputs, groups, block, config) in enumerate(CASES):
+        for scale_dtype in (torch.float8_e8m0fnu, torch.float32):
+            codes, scale = random_weight(rows, inputs // groups, block, scale_dtype, seed=index)
+            codes, scale = codes.to(device), scale.to(device)
+            x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(index + 50)).to(device)
+            launch = Fp8KernelConfig(*config) if config else None
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                got = fp8_linear_kernel(x.to(dtype), codes, scale, block, dtype, groups, config=launch)
+                failures += bound_failures(f"{label} ({scale_dtype})", got.cpu(), x.to(dtype).cpu(), codes.cpu(),
+                                           scale.cpu(), block, dtype, groups)  # fmt: skip
+            for dtype in (torch.float32, torch.bfloat16):
+                got = dequantize_fp8_triton(codes, scale, block, dtype)
+                want = dequantize_fp8_blockwise(codes, scale, block, dtype=dtype)
+                if not torch.equal(got, want):
+                    failures.append(f"{label} ({scale_dtype}) dequantise {dtype}: not bit for bit")
+    # Lead dimensions and a strided input (a column slice) keep the reference's shape.
+    codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=99)
+    wide = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(7)).to(device)
+    got = fp8_linear_kernel(wide[..., :64], codes.to(device), scale.to(device), (32, 32), torch.float32,
+                            config=Fp8KernelConfig(16, 32, 1, 1))  # fmt: skip
+    failures += bound_failures("strided lead dims", got.cpu(), wide[..., :64].cpu(), codes, scale, (32, 32),
+                               torch.float32, 1)  # fmt: skip
+    return failures
+
+
+def run_interpreted_cases() -> list[str]:
+    from test_sparse_attention import _interpret_bf16_as_hardware
+
+    _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
+    return check("cpu")
+
+
+def test_fp8_linear_kernel_matches_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_fp8_linear_triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_linear_kernel_matches_reference_on_cuda():
+    assert check("cuda") == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 64, 65, 300])
+def test_fp8_linear_backend_on_cuda_at_flash_widths(tokens, monkeypatch):
+    """The backend at V4-Flash's wo_b and grouped wo_a shapes: the kernel up to 64 tokens, the dequantised weight
+    above; both within the bf16 bound of the truth."""
+    from dsinfer.ops.fp8_linear.triton import fp8_linear_triton
+
+    for rows, inputs, groups in ((4096, 8192, 1), (8192, 8 * 4096, 8)):
+        codes, scale = random_weight(rows, inputs // groups, (128, 128), torch.float8_e8m0fnu, seed=tokens)
+        codes, scale = codes.cuda(), scale.cuda()
+        x = torch.randn(tokens, inputs, device="cuda", dtype=torch.bfloat16)
+        got = fp8_linear_triton(x, codes, scale, (128, 128), torch.bfloat16, groups)
+        failures = bound_failures("flash", got, x, codes, scale, (128, 128), torch.bfloat16, groups)
+        assert failures == []
+
+
+def test_dispatch_and_errors(monkeypatch):
+    """Few tokens take the kernel, more the dequantised weight, and inputs the kernel does not take the reference;
+    a grouped call whose shapes do not cut into the groups is one clear error on every backend."""
+    pytest.importorskip("triton")
+    from dsinfer.ops.fp8_linear import triton as backend
+
+    calls = []
+    monkeypatch.setattr(backend, "fp8_linear_kernel", lambda *a, **k: calls.append("kernel") or "k")
+    monkeypatch.setattr(backend, "dequantize_fp8_triton", lambda codes, scale, block, dtype: calls.append("dequant")
+                        or dequantize_fp8_blockwise(codes, scale, block, dtype=dtype))  # fmt: skip
+    codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=3)
+    few, many = torch.randn(backend.MAX_KERNEL_TOKENS, 64), torch.randn(backend.MAX_KERNEL_TOKENS + 1, 64)
+    assert backend.fp8_linear_triton(few, codes, scale, (32, 32), torch.float32) == "k"
+    out = backend.fp8_linear_triton(many, codes, scale, (32, 32), torch.float32)
+    torch.testing.assert_close(out, fp8_linear_reference(many, codes, scale, (32, 32), torch.float32))
+    monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")
+    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    assert calls == ["kernel", "dequant", "dequant"]
+    grouped = torch.randn(3, 2 * 64)
+    out = backend.fp8_linear_triton(grouped, codes, scale, (32, 32), torch.float32, groups=2)
+    torch.testing.assert_close(out, fp8_linear_reference(grouped, codes, scale, (32, 32), torch.float32, groups=2))
+    # A dtype other than the compute dtype is the reference's to handle (it raises as F.linear would).
+    assert not backend.serves(few.double(), codes, scale, (32, 32), torch.float32, 1)
+    assert not backend.serves(few, codes, scale, (32, 32), torch.float32, 32)  # one row a group: no 16-row tile
+    for fn in (fp8_linear_reference, backend.fp8_linear_triton):
+        with pytest.raises(ValueError, match="do not split into 3 groups"):
+            fn(grouped, codes, scale, (32, 32), torch.float32, 3)
+        with pytest.raises(ValueError, match="expected 2 groups x 64 = 128"):
+            fn(torch.randn(3, 100), codes, scale, (32, 32), torch.float32, 2)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
+    """The interpreter never compiles: build the kernel to an sm_90 cubin (Triton's bundled ptxas, no GPU) for
+    every token block at the launch choose_config gives V4-Flash's shapes, and the dequantiser; no register may
+    spill to the stack."""
+    triton = pytest.importorskip("triton")
+    from test_sparse_attention import _register_spills
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsinfer.ops.fp8_linear import triton as backend
+
+    config = backend.choose_config(4096, 4096, (128, 128), torch.device("cpu"))
+    kernels = [(backend._fp8_linear_kernel, dict(BLOCK_M=m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                                 IEEE=False), config.warps, config.stages) for m in (16, 32, 64)]
+    kernels.append((backend._dequantize_kernel, dict(BLOCK_R=32, BLOCK_C=128), 4, 1))
+    for kernel, constants, warps, stages in kernels:
+        constants.update(SCALE_ROWS=128, SCALE_COLS=128, SCALE_BYTES=True, HARDWARE_FP8=True)
+        pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16"}
+        signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+        signature.update({name: "constexpr" for name in constants})
+        aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+                   if name.endswith("_ptr") or name in ("K", "N", "stride_xm", "stride_om")}  # fmt: skip
+        source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        spills = _register_spills(compiled.asm["cubin"])
+        assert spills in (None, 0), (kernel.fn.__name__, constants.get("BLOCK_M"), spills)
