@@ -1,74 +1,133 @@
 """Keep the FP8 linears as FP8 or dequantise them to bf16 on load? Both timed at V4-Flash's linear shapes.
 
-    python benchmarks/fp8_linear_choice.py --tokens 1 32 1024 4096
+    python benchmarks/fp8_linear_choice.py --tokens 1 2 8 32 64 256 4096
+    python benchmarks/fp8_linear_choice.py --sweep --tokens 1 32
 
-For each of an attention layer's FP8 linears (and the shared expert's) the median time of: ``bf16`` (the weight
-dequantised once, then ``F.linear``: the ``dequantize`` policy) and ``fp8`` (the ``fp8_linear`` op the model
-would run with the ``keep`` policy: today its backend is the torch reference, which dequantises on every call).
-Sums per layer are what the policy changes in a step; the weight bytes are what it changes in memory.
+For each of an attention layer's FP8 linears (and the shared expert's) the time of: ``bf16`` (the weight
+dequantised once, then ``F.linear``: the ``dequantize`` policy) and ``fp8`` (the ``fp8_linear`` op the model runs
+with the ``keep`` policy: the Triton kernel that reads the codes up to ``MAX_KERNEL_TOKENS`` tokens, a one-pass
+dequantisation and cuBLAS above). Each op is captured ``--calls`` times in one CUDA graph and timed by replays,
+so a launch's host cost does not count, as in the engine's decode graphs. Sums per layer are what the policy
+changes in a step; the weight bytes are what it changes in memory. ``--sweep`` times the kernel's launch shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import statistics
 
 import torch
+import torch.nn.functional as F
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
+from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
 from dsinfer.ops.quant import quantize_fp8_blockwise
 from dsinfer.ops.registry import resolve
 
-# (name, out, in) at V4-Flash widths: hidden 4096, q_lora 1024, 64 x 512 heads, 8 x 1024 output groups.
+BLOCK = (128, 128)
+# (name, out, in, groups) at V4-Flash widths: hidden 4096, q_lora 1024, 64 x 512 heads, 8 x 1024 output groups.
 SHAPES = (
-    ("wq_a", 1024, 4096),
-    ("wq_b", 32768, 1024),
-    ("wkv", 512, 4096),
-    ("wo_b", 4096, 8192),
-    ("indexer.wq_b", 8192, 1024),
-    ("shared w1", 2048, 4096),
-    ("shared w3", 2048, 4096),
-    ("shared w2", 4096, 2048),
+    ("wq_a+wkv", 1536, 4096, 1),
+    ("wq_b+idx", 32768 + 8192, 1024, 1),
+    ("wo_a", 8192, 4096, 8),
+    ("wo_b", 4096, 8192, 1),
+    ("shared w1+w3", 4096, 4096, 1),
+    ("shared w2", 4096, 2048, 1),
 )
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm up: the first call compiles and allocates
-    return statistics.median(cuda_ms(fn, repeats))
+def graph_ms(fn, calls: int, repeats: int) -> float:
+    """Median device time of one ``fn`` call, from replays of a graph of ``calls`` calls."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    return statistics.median(cuda_ms(graph.replay, repeats)) / calls
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 1024, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 8, 32, 64, 256, 4096])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=10, help="calls of the op per graph")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_linear_choice needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
     ops = resolve(device, dtype)
     weights = {}
-    for name, rows, cols in SHAPES:
+    for name, rows, cols, _groups in SHAPES:
         dense = torch.randn(rows, cols, device=device) * cols**-0.5
-        codes, scale = quantize_fp8_blockwise(dense, (128, 128))
+        codes, scale = quantize_fp8_blockwise(dense, BLOCK)
         weights[name] = (codes, scale, dense.to(dtype))
-    print(f"fp8_linear backend: {ops.chosen['fp8_linear'].name}")
-    print("| T | policy | " + " | ".join(name for name, _, _ in SHAPES) + " | layer sum ms |")
-    print("| ---: | --- | " + " | ".join("---:" for _ in SHAPES) + " | ---: |")
+    print(f"fp8_linear backend: {ops.chosen['fp8_linear'].name}; device {torch.cuda.get_device_name()}")
+    if args.sweep:
+        return sweep(args, weights, dtype)
+    names = [name for name, *_ in SHAPES]
+    print("| T | policy | " + " | ".join(names) + " | layer sum ms | weight TB/s |")
+    print("| ---: | --- | " + " | ".join("---:" for _ in SHAPES) + " | ---: | ---: |")
     for tokens in args.tokens:
-        x = torch.randn(tokens, 8192, device=device, dtype=dtype)
         rows = {"bf16": [], "fp8": []}
-        for name, _, cols in SHAPES:
+        for name, _out, cols, groups in SHAPES:
             codes, scale, dense = weights[name]
-            inputs = x[:, :cols].contiguous()
-            rows["bf16"].append(median_ms(lambda i=inputs, w=dense: torch.nn.functional.linear(i, w), args.repeats))
-            rows["fp8"].append(
-                median_ms(lambda i=inputs, c=codes, s=scale: ops.fp8_linear(i, c, s, (128, 128), dtype), args.repeats)
-            )
+            x = torch.randn(tokens, cols * groups, device=device, dtype=dtype)
+            bf16 = functools.partial(grouped_bf16, x, dense, groups)
+            fp8 = functools.partial(ops.fp8_linear, x, codes, scale, BLOCK, dtype, groups)
+            rows["bf16"].append(graph_ms(bf16, args.calls, args.repeats))
+            rows["fp8"].append(graph_ms(fp8, args.calls, args.repeats))
         for policy, times in rows.items():
-            cells = " | ".join(f"{t:.3f}" for t in times)
-            print(f"| {tokens} | {policy} | {cells} | {sum(times):.3f} |")
-    bf16_bytes = sum(rows * cols * 2 for _, rows, cols in SHAPES)
+            total_bytes = sum(out * cols for _, out, cols, _ in SHAPES) * (2 if policy == "bf16" else 1)
+            cells = " | ".join(f"{t:.4f}" for t in times)
+            print(f"| {tokens} | {policy} | {cells} | {sum(times):.4f} | {total_bytes / sum(times) / 1e9:.2f} |")
+    bf16_bytes = sum(out * cols * 2 for _, out, cols, _ in SHAPES)
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
+
+
+def grouped_bf16(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """The bf16 model's projection: ``F.linear``, or the attention's grouped bmm for ``wo_a``."""
+    if groups == 1:
+        return F.linear(x, weight)
+    grouped = x.reshape(x.shape[0], groups, -1)
+    out = torch.empty(x.shape[0], groups, weight.shape[0] // groups, dtype=x.dtype, device=x.device)
+    torch.bmm(grouped.transpose(0, 1), weight.view(groups, -1, grouped.shape[-1]).transpose(1, 2),
+              out=out.transpose(0, 1))  # fmt: skip
+    return out
+
+
+def sweep(args, weights, dtype) -> None:
+    """Every launch shape at every shape and token count; the chosen one marked, the best printed."""
+    print("| T | shape | block_n | block_k | warps | stages | ms | TB/s | chosen |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for tokens, (name, out, cols, groups) in itertools.product(args.tokens, SHAPES):
+        codes, scale, _ = weights[name]
+        x = torch.randn(tokens, cols * groups, device="cuda", dtype=dtype)
+        chosen = choose_config(out, out // groups, BLOCK, x.device)
+        results = []
+        for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4, 6)):
+            config = Fp8KernelConfig(block_n, block_k, warps, stages)
+            try:
+                launch = functools.partial(fp8_linear_kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
+                ms = graph_ms(launch, args.calls, args.repeats)
+            except Exception as error:  # a launch the GPU cannot take (shared memory): skip it
+                print(f"| {tokens} | {name} | {config} | - | - | {type(error).__name__} |")
+                continue
+            results.append((ms, config))
+        for ms, config in sorted(results, key=lambda r: r[0])[:3] + [r for r in results if r[1] == chosen]:
+            mark = "yes" if config == chosen else ""
+            print(
+                f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {config.stages} "
+                f"| {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"
+            )
 
 
 if __name__ == "__main__":
