@@ -111,7 +111,7 @@ def sweep(args, weights, dtype) -> None:
     for tokens, (name, out, cols, groups) in itertools.product(args.tokens, SHAPES):
         codes, scale, _ = weights[name]
         x = torch.randn(tokens, cols * groups, device="cuda", dtype=dtype)
-        chosen = choose_config(out, out // groups, BLOCK, x.device)
+        chosen = choose_config(out, out // groups, BLOCK, tokens)
         results = []
         for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6)):
             config = Fp8KernelConfig(block_n, block_k, warps, stages)

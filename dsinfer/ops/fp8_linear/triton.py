@@ -15,7 +15,6 @@ writes it (one pass: a byte read, two written an element) and cuBLAS multiplies.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -35,8 +34,9 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 # Steps of up to this many tokens read the codes in the kernel; more go through a dequantised weight and cuBLAS
-# ($DSINFER_FP8_KERNEL_MAX_TOKENS, 0: never the kernel). docs/perf-fast-path-pass8.md has the measurement.
-MAX_KERNEL_TOKENS = 64
+# ($DSINFER_FP8_KERNEL_MAX_TOKENS, 0: never the kernel). On the H200 the kernel's layer of linears took 0.122 ms
+# at 32 tokens against 0.180 at 64, where the dequantised weight and cuBLAS take less (docs/perf-fast-path-pass8.md).
+MAX_KERNEL_TOKENS = 32
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,20 +59,21 @@ def kernel_max_tokens() -> int:
     return int(os.environ.get("DSINFER_FP8_KERNEL_MAX_TOKENS", MAX_KERNEL_TOKENS))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_config(rows: int, rows_per_group: int, block: tuple[int, int], device: torch.device) -> Fp8KernelConfig:
-    """The widest program (64, 32 or 16 rows) that still gives every SM two programs, dividing the group's rows;
-    128 input columns a step (one scale block of the checkpoint's 128 x 128), four warps, four stages."""
-    programs_wanted = 2 * (_sm_count(device.index or 0) if device.type == "cuda" else 132)
+def choose_config(rows: int, rows_per_group: int, block: tuple[int, int], tokens: int) -> Fp8KernelConfig:
+    """The launch the sweep (``benchmarks/fp8_linear_choice.py --sweep``, H200) measured fastest at V4-Flash's
+    shapes: steps of one 16-token block take programs of 32 weight rows; longer steps programs of 16 rows, or of
+    64 rows and 64-column steps for the widest weights (the joined query projections); four warps, three stages.
+    A width that does not divide the group's rows falls to 16 rows a program."""
     block_k = step_columns(block)
-    for block_n in (64, 32, 16):
-        if rows_per_group % block_n == 0 and triton.cdiv(rows, block_n) >= programs_wanted:
-            return Fp8KernelConfig(block_n, block_k, 4, 4)
-    return Fp8KernelConfig(16, block_k, 4, 4)
+    if tokens <= 16:
+        block_n = 32
+    elif rows >= 32768:
+        block_n, block_k = 64, min(block_k, 64)
+    else:
+        block_n = 16
+    if rows_per_group % block_n:
+        block_n = 16
+    return Fp8KernelConfig(block_n, block_k, 4, 3)
 
 
 def step_columns(block: tuple[int, int]) -> int:
@@ -215,7 +216,7 @@ def fp8_linear_kernel(
     if inputs == 0:
         return out.zero_().reshape(*lead, rows)
     rows_per_group = rows // groups
-    config = config or choose_config(rows, rows_per_group, block, x.device)
+    config = config or choose_config(rows, rows_per_group, block, tokens)
     block_m = min(64, max(16, triton.next_power_of_2(tokens)))
     scale_operand, scale_bytes = _scale_operand(scale)
     grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m))
