@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="kernel profile of each eager step, listing its TOP costliest kernels")  # fmt: skip
+    parser.add_argument("--fp8-linears", choices=["dequantize", "keep"], default="dequantize",
+                        help="the release's FP8 linears as bf16 (as served on Hopper) or kept as codes and scales")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--op-map", action="store_true", help="count one decode step's ops on the CPU (no GPU)")
     parser.add_argument("--quantized", action="store_true", help="--op-map with FP8 / FP4 cache storage")
@@ -169,7 +171,7 @@ def main() -> None:
         return
     device = torch.device("cuda")
     config = slice_config(args.experts)
-    model = build_native_model(config, torch.bfloat16, device)
+    model = build_native_model(config, torch.bfloat16, device, fp8_linears=args.fp8_linears)
     model.attach_engram_hasher(synthetic_hasher(config))
     result = {"device": torch.cuda.get_device_name(device), "layers": config.num_hidden_layers,
               "experts": args.experts, "weight_gib": weight_bytes(model)["all"] / 2**30, "rows": []}  # fmt: skip

@@ -154,7 +154,8 @@ def test_joining_twice_keeps_the_stacks():
 @pytest.mark.parametrize("fp8_linears", ["dequantize", "keep"])
 def test_tiny_checkpoint_joined_equals_separate_projections(tiny_checkpoint, fp8_linears):
     """The loader joins; the same weights run projection by projection give the same logits. FP8 linears kept as
-    stored (not ``nn.Linear``) stay on their own, the other projections of the input still share a GEMM."""
+    stored (not ``nn.Linear``) join a stack of their own (codes and scales), the other projections of the input
+    still share a GEMM, and a kind with one group stays on its own."""
     model = load_model(tiny_checkpoint, progress=False, fp8_linears=fp8_linears)
     csa = next(attn for attn in _attentions(model) if attn.indexer is not None)
     hca = next(attn for attn in _attentions(model) if attn.compressor is not None and attn.indexer is None)
@@ -162,9 +163,11 @@ def test_tiny_checkpoint_joined_equals_separate_projections(tiny_checkpoint, fp8
         assert csa.joined_inputs.names == ["q_a", "kv", "compressor", "index_compressor", "index_weights"]
         assert csa.joined_queries.names == ["q", "index_q"]
         assert hca.joined_inputs.names == ["q_a", "kv", "compressor"]
-    else:  # wq_a, wkv, wq_b and the indexer's wq_b are FP8 linears
+    else:  # wq_a, wkv, wq_b and the indexer's wq_b are FP8 linears; the tiny model's are no whole 128-row blocks
+        assert csa.wq_a.out_features % 128 and hca.joined_inputs is None
+        assert csa.wq_b.out_features % 128 == 0 == csa.indexer.wq_b.out_features % 128
+        assert csa.joined_queries.names == ["q", "index_q"] and csa.joined_queries.weight is None  # an FP8 stack
         assert csa.joined_inputs.names == ["compressor", "index_compressor", "index_weights"]
-        assert csa.joined_queries is None and hca.joined_inputs is None
     joined = _logits(model)
     _unjoin_attentions(model)
     _assert_close(joined, _logits(model))

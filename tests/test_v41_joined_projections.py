@@ -69,8 +69,10 @@ def _logits(model, steps: int = 5) -> list[torch.Tensor]:
 
 
 def _assert_views(joined: JoinedLinears) -> None:
+    """The plain stack's linears are its rows at their offsets, in order, and nothing else is in it."""
     start = 0
-    for linears in joined.groups.values():
+    plain = next(stack for stack in joined.stacks if stack.weight is joined.weight)
+    for linears in plain.groups.values():
         for linear in linears:
             rows = linear.weight.shape[0]
             assert linear.weight.data_ptr() == joined.weight[start].data_ptr()
@@ -81,22 +83,28 @@ def _assert_views(joined: JoinedLinears) -> None:
 def test_each_layer_role_stacks_its_projections(model):
     config = model.config
     for layer_id, attn in enumerate(_attentions(model)):
-        inputs = ["q_a", "kv"] if _plain(model) else []  # wq_a and wkv (and wq_b) are FP8 in the checkpoint
+        inputs = ["q_a", "kv"] if _plain(model) else []
+        fp8 = [] if _plain(model) else ["q_a", "kv"]  # wq_a and wkv (and wq_b) are FP8 in the checkpoint: a stack
         if config.is_kv_source(layer_id) and config.compress_ratios[layer_id] == 1:
             inputs.append("compressor")  # no gate, model dtype: a row block of the input stack
         if config.is_index_source(layer_id):
             inputs.append("index_weights")
-        if len(inputs) < 2:  # one group: nothing to join
+        stacks = [names for names in (fp8, inputs) if len(names) >= 2]  # one group of a kind: nothing to join
+        if not stacks:
             assert attn.joined_inputs is None, layer_id
             continue
-        assert attn.joined_inputs.names == inputs, layer_id
-        _assert_views(attn.joined_inputs)
-        if config.is_index_source(layer_id) and _plain(model):
+        assert [stack.names for stack in attn.joined_inputs.stacks] == stacks, layer_id
+        if len(inputs) >= 2:
+            _assert_views(attn.joined_inputs)
+        if config.is_index_source(layer_id):
             assert attn.joined_queries.names == ["q", "index_q"]
-            _assert_views(attn.joined_queries)
+            assert (attn.joined_queries.weight is not None) == _plain(model)  # else an FP8 stack
+            if _plain(model):
+                _assert_views(attn.joined_queries)
         else:
             assert attn.joined_queries is None
-        if attn.compressor is not None and attn.compressor.wgate is not None:  # ratio 2 pools in fp32: on its own
+        if attn.compressor is not None and attn.compressor.wgate is not None and len(inputs) >= 2:
+            # ratio 2 pools in fp32: on its own
             assert attn.compressor.joined_projection.untyped_storage().data_ptr() != (
                 attn.joined_inputs.weight.untyped_storage().data_ptr()
             )

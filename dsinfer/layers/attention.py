@@ -23,6 +23,7 @@ from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.layers.compressor import Compressor, visible_entries
+from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
@@ -295,6 +296,8 @@ class Attention(nn.Module):
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: each head group through its own slice of ``wo_a``."""
         groups = self.config.o_groups
+        if isinstance(self.wo_a, Fp8Linear):  # FP8 kept as stored: the op reads the codes group by group
+            return self.wo_b(self.wo_a(out.reshape(out.shape[0], -1), groups=groups))
         grouped = out.reshape(out.shape[0], groups, -1)
         weight = self.wo_a.weight.view(groups, -1, grouped.shape[-1])
         if out.is_cuda and not (torch.is_grad_enabled() and (out.requires_grad or weight.requires_grad)):

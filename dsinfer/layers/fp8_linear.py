@@ -36,10 +36,70 @@ class Fp8Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         return dequantize_fp8_blockwise(self.codes, self.scale, self.block, dtype=self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """``x @ W.T``; ``groups`` > 1: a grouped projection (``x`` [..., groups * in], see the op)."""
         if self.ops is None:
             self.ops = resolve(x.device, self.compute_dtype)
-        return self.ops.fp8_linear(x, self.codes, self.scale, self.block, self.compute_dtype)
+        return self.ops.fp8_linear(x, self.codes, self.scale, self.block, self.compute_dtype, groups)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, fp8"
+
+
+class Fp8Stack:
+    """FP8 linears that read one input, their codes and scales stacked (theirs become views of its rows), so one
+    kernel gives every output: :func:`~dsinfer.layers.joined_linear.join_linears` for FP8 kept as stored.
+
+    Not a module: the stack is no buffer, so the state dict keeps only the linears' own names."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
+        self.codes, self.scale, self.block, self.compute_dtype = codes, scale, tuple(block), dtype
+        self.ops: OpTable | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @classmethod
+    def join(cls, *linears: nn.Module | None) -> Fp8Stack | None:
+        """None (nothing changed) unless every linear is an :class:`Fp8Linear` of one block, compute dtype, device
+        and input width, each with whole scale blocks of rows (so every linear's rows keep their own scales)."""
+        if not linears or any(type(linear) is not Fp8Linear for linear in linears):
+            return None
+        first = linears[0]
+        kinds = {(linear.block, linear.compute_dtype, linear.codes.device, linear.in_features) for linear in linears}
+        if len(kinds) != 1 or any(linear.out_features % first.block[0] for linear in linears):
+            return None
+        with torch.no_grad():
+            codes = torch.cat([linear.codes for linear in linears])
+            stack = cls(codes, torch.cat([linear.scale for linear in linears]), first.block, first.compute_dtype)
+            start = 0
+            for linear in linears:
+                linear.codes, linear.scale = stack.rows(start, start + linear.out_features)
+                start += linear.out_features
+        return stack
+
+    def holds(self, *linears: nn.Module) -> bool:
+        """Whether the linears' codes are still this stack's consecutive rows (what :meth:`join` left)."""
+        start = 0
+        for linear in linears:
+            if type(linear) is not Fp8Linear or start >= self.out_features:
+                return False
+            if linear.codes.data_ptr() != self.codes[start].data_ptr():
+                return False
+            start += linear.out_features
+        return start == self.out_features
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales of rows ``start:stop`` (whole scale blocks)."""
+        block_rows = self.block[0]
+        if start % block_rows or stop % block_rows:
+            raise ValueError(f"rows {start}:{stop} do not start and end on {block_rows}-row scale blocks")
+        return self.codes[start:stop], self.scale[start // block_rows : stop // block_rows]
+
+    def __call__(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Output columns ``start:stop`` (default: all) of the stacked projection."""
+        if self.ops is None:
+            self.ops = resolve(x.device, self.compute_dtype)
+        codes, scale = self.rows(start, self.out_features if stop is None else stop)
+        return self.ops.fp8_linear(x, codes, scale, self.block, self.compute_dtype)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfig, ModelConfigBase
+from dsinfer.layers.fp8_linear import Fp8Stack
 from dsinfer.layers.joined_linear import join_linears
 from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
@@ -25,16 +26,21 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)  # down
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)  # up
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
-        self.joined_gate_up: torch.Tensor | None = None  # inference: w1 and w3 stacked (join_projections)
+        # inference: w1 and w3 stacked (join_projections), a weight or FP8 codes and scales kept as stored
+        self.joined_gate_up: torch.Tensor | Fp8Stack | None = None
 
     def join_projections(self) -> None:
         """Gate and up in one GEMM, activated by the ``clamped_swiglu`` op (inference; see ``join_linears``)."""
-        self.joined_gate_up = join_linears(self.w1, self.w3)
+        if isinstance(self.joined_gate_up, Fp8Stack) and self.joined_gate_up.holds(self.w1, self.w3):
+            return
+        self.joined_gate_up = join_linears(self.w1, self.w3) or Fp8Stack.join(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.joined_gate_up is not None:
             swiglu = self.ops.clamped_swiglu if self.ops is not None else clamped_swiglu_reference
-            return self.w2(swiglu(F.linear(x, self.joined_gate_up), self.limit))
+            joined = self.joined_gate_up
+            gate_up = joined(x) if isinstance(joined, Fp8Stack) else F.linear(x, joined)
+            return self.w2(swiglu(gate_up, self.limit))
         gate = self.w1(x).clamp(max=self.limit)
         up = self.w3(x).clamp(min=-self.limit, max=self.limit)
         return self.w2(F.silu(gate) * up)

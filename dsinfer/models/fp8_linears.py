@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from dsinfer.layers.fp8_linear import Fp8Linear
+from dsinfer.ops.quant import quantize_fp8_blockwise
 
 FP8_LINEAR_POLICIES = ("keep", "dequantize")
 # Measured on the H200 (docs/perf-fast-path.md, benchmarks/fp8_linear_choice.py): with no fused FP8 kernel yet, keeping
@@ -67,6 +69,20 @@ class Fp8LinearCollector:
             parent, child = _parent(model, name)
             setattr(parent, child, Fp8Linear(codes.to(device), scale.to(device), self.block, self.dtype))
         self._kept.clear()
+
+
+@torch.no_grad()
+def keep_as_fp8_(model: nn.Module, is_fp8: Callable[[str], bool], block: tuple[int, int], dtype: torch.dtype) -> int:
+    """Quantise in place each plain linear whose weight's name ``is_fp8`` (the release's FP8 linears) to an
+    :class:`Fp8Linear` of its block-scaled codes: what the loader's ``keep`` makes of a checkpoint, for models
+    built with random weights and no checkpoint. Returns how many linears it replaced."""
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and is_fp8(f"{name}.weight")]
+    for name in names:
+        parent, child = _parent(model, f"{name}.weight")
+        weight = getattr(parent, child).weight
+        codes, scale = quantize_fp8_blockwise(weight.float(), block)
+        setattr(parent, child, Fp8Linear(codes, scale, block, dtype))
+    return len(names)
 
 
 def _parent(model: nn.Module, weight_name: str) -> tuple[nn.Module, str]:

@@ -1,21 +1,23 @@
 """Random models built straight on the device in the release formats: routed experts as packed FP4 with ue8m0
 scales, everything else in the compute dtype (the FP8 linears as their bf16 dequantisation, as served on
-Hopper). No checkpoint is written and no dequantised copy of an expert ever exists, so a model of release depth
-can be measured on one GPU.
+Hopper, or kept as codes and scales on request). No checkpoint is written and no dequantised copy of an expert
+ever exists, so a model of release depth can be measured on one GPU.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from dsinfer.config import ModelConfig, ModelConfigV41
+from dsinfer.config import ModelConfig, ModelConfigV41, QuantizationConfig
 from dsinfer.layers.moe import MoE
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
+from dsinfer.models.fp8_linears import FP8_LINEAR_POLICIES, keep_as_fp8_
 from dsinfer.models.loader import parameter_dtype
-from dsinfer.models.tiny import randomize_, randomize_v41_
+from dsinfer.models.tiny import randomize_, randomize_v41_, storage_format, storage_format_v41
 from dsinfer.ops.moe import ExpertWeights
 from dsinfer.ops.quant import E2M1_VALUES, FP4_GROUP
 from dsinfer.ops.registry import resolve
@@ -55,10 +57,15 @@ def build_native_model(
     device: torch.device | str = "cuda",
     seed: int = 0,
     with_mtp: bool = False,
+    fp8_linears: str = "dequantize",
 ) -> DeepseekV4 | DeepseekV41:
     """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert.
 
-    ``with_mtp`` gives a V4 model its ``num_nextn_predict_layers`` MTP layers (to time speculative decoding)."""
+    ``with_mtp`` gives a V4 model its ``num_nextn_predict_layers`` MTP layers (to time speculative decoding).
+    ``fp8_linears="keep"`` keeps the linears the release stores as FP8 as codes and scales (``Fp8Linear``), as the
+    loader's ``keep`` policy does; ``dequantize`` (default) leaves them in ``dtype``, as served on Hopper."""
+    if fp8_linears not in FP8_LINEAR_POLICIES:
+        raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {fp8_linears!r}")
     v41 = isinstance(config, ModelConfigV41)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -79,6 +86,11 @@ def build_native_model(
         shared = moe.shared_experts
         hidden = shared.w1.weight.shape[1] if shared is not None else config.hidden_size
         moe.pack(random_fp4_experts(moe.n_experts, hidden, config.moe_intermediate_size, device, generator))
+    if fp8_linears == "keep":  # the release's formats (a config without a quantization block takes the release's)
+        storage = storage_format_v41 if v41 else storage_format
+        stored = config if config.quantization is not None else replace(config, quantization=QuantizationConfig())
+        block = stored.quantization.weight_block_size
+        keep_as_fp8_(model, lambda name: storage(name, stored) == "fp8", block, dtype)
     model.rope = RopeTables(config).to(device)
     model.use_ops(resolve(device, dtype))
     model.join_projections()
