@@ -237,7 +237,7 @@ def fit_layers(cache_gib: float, device, repeats: int, context: int) -> dict:
     config = replace(full, num_hidden_layers=layers, compress_ratios=full.compress_ratios[:layers],
                      num_nextn_predict_layers=0)  # fmt: skip
     start = time.perf_counter()
-    model = build_native_model(config, torch.bfloat16, device, fp8_linears=args.fp8_linears)
+    model = build_native_model(config, torch.bfloat16, device)
     torch.cuda.synchronize()
     row = {"layers": layers, "of": full.num_hidden_layers, "build_s": time.perf_counter() - start,
            "weight_gib": weight_bytes(model)["all"] / 2**30}  # fmt: skip
@@ -273,8 +273,12 @@ def main() -> None:
                         help="more decode points, e.g. 256:4096")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="kernel profile of each decode and prefill point")
     parser.add_argument("--profile-top", type=int, default=25, help="costliest kernels listed per profile")
-    parser.add_argument("--fp8-linears", choices=["dequantize", "keep"], default="dequantize",
-                        help="the release's FP8 linears as bf16 (as served on Hopper) or kept as codes and scales")
+    parser.add_argument(
+        "--fp8-linears",
+        choices=["dequantize", "keep"],
+        default="dequantize",
+        help="the release's FP8 linears as bf16 (as served on Hopper) or kept as codes and scales",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     try:

@@ -160,8 +160,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="kernel profile of each eager step, listing its TOP costliest kernels")  # fmt: skip
-    parser.add_argument("--fp8-linears", choices=["dequantize", "keep"], default="dequantize",
-                        help="the release's FP8 linears as bf16 (as served on Hopper) or kept as codes and scales")
+    parser.add_argument(
+        "--fp8-linears",
+        choices=["dequantize", "keep"],
+        default="dequantize",
+        help="the release's FP8 linears as bf16 (as served on Hopper) or kept as codes and scales",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--op-map", action="store_true", help="count one decode step's ops on the CPU (no GPU)")
     parser.add_argument("--quantized", action="store_true", help="--op-map with FP8 / FP4 cache storage")
