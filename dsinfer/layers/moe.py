@@ -33,7 +33,8 @@ class Expert(nn.Module):
         """Gate and up in one GEMM, activated by the ``clamped_swiglu`` op (inference; see ``join_linears``)."""
         if isinstance(self.joined_gate_up, Fp8Stack) and self.joined_gate_up.holds(self.w1, self.w3):
             return
-        self.joined_gate_up = join_linears(self.w1, self.w3) or Fp8Stack.join(self.w1, self.w3)
+        joined = join_linears(self.w1, self.w3)
+        self.joined_gate_up = joined if joined is not None else Fp8Stack.join(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.joined_gate_up is not None:
