@@ -1,9 +1,10 @@
 """A linear layer that keeps its checkpoint's block-scaled FP8 weight (codes + ue8m0 scales) as stored.
 
 The loader puts one in place of an ``nn.Linear`` whose checkpoint tensor is FP8 when the FP8 linears are kept
-(``fp8_linears="keep"``): half the bytes of bf16. ``weight`` is the dequantised weight in the compute dtype for
-code that reads weights directly (the grouped output projection); ``forward`` goes through the ``fp8_linear``
-op so a kernel that reads the codes can take over.
+(``fp8_linears="keep"``): half the bytes of bf16. ``forward`` goes through the ``fp8_linear`` op (a grouped
+projection such as the attention's ``wo_a`` too), whose Triton backend reads the codes; ``weight`` is the
+dequantised weight in the compute dtype for code that reads weights directly. :class:`Fp8Stack` joins FP8
+linears that read one input into one call.
 """
 
 from __future__ import annotations
