@@ -17,8 +17,11 @@ from interpreted import assert_interpreted_cases_pass
 from dsinfer.ops.fp8_linear import fp8_linear_reference
 from dsinfer.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
-# (label, tokens, rows, inputs, groups, block, config (block_n, block_k, warps, stages) or None)
+# (label, tokens, rows, inputs, groups, block, config (block_n, block_k, warps, stages[, splits]) or None)
 CASES = [
+    ("split in three, a short last split", 3, 32, 80, 1, (16, 16), (16, 16, 1, 1, 3)),
+    ("split, two token blocks and a row tail", 20, 40, 64, 1, (16, 32), (16, 16, 1, 1, 2)),
+    ("split, grouped", 2, 2 * 32, 2 * 64, 2, (32, 32), (32, 32, 1, 1, 2)),
     ("one token", 1, 48, 96, 1, (32, 32), (16, 32, 1, 1)),
     ("token tail", 5, 32, 64, 1, (16, 32), (16, 32, 1, 1)),
     ("two token blocks", 70, 16, 32, 1, (16, 32), (16, 32, 1, 1)),
@@ -75,6 +78,12 @@ def check(device: str) -> list[str]:
                 want = dequantize_fp8_blockwise(codes, scale, block, dtype=dtype)
                 if not torch.equal(got, want):
                     failures.append(f"{label} ({scale_dtype}) dequantise {dtype}: not bit for bit")
+    # Every split launch set its tiles' counts back to zero for the next launch.
+    from dsinfer.ops.fp8_linear.triton import _ARRIVALS
+
+    counts = _ARRIVALS.get(torch.device(device))
+    if counts is None or int(counts.abs().sum()) != 0:
+        failures.append(f"split launches left counts {None if counts is None else int(counts.abs().sum())}")
     # Lead dimensions and a strided input (a column slice) keep the reference's shape.
     codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=99)
     wide = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(7)).to(device)
@@ -152,8 +161,8 @@ def test_dispatch_and_errors(monkeypatch):
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
     """The interpreter never compiles: build the kernel to an sm_90 cubin (Triton's bundled ptxas, no GPU) for
-    the launches choose_config gives V4-Flash's shapes at 1 and 32 tokens, and the dequantiser; no register may
-    spill to the stack."""
+    the launches choose_config gives V4-Flash's shapes at 1 and 32 tokens (split and not), and the dequantiser; no
+    register may spill to the stack."""
     triton = pytest.importorskip("triton")
     from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
@@ -164,12 +173,15 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
     kernels = []
     for rows, tokens in ((4096, 1), (4096, 32), (40960, 32)):
         config = backend.choose_config(rows, rows, (128, 128), tokens)
-        constants = dict(BLOCK_M=max(16, tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=False)
-        kernels.append((backend._fp8_linear_kernel, constants, config.warps, config.stages))
+        for split in (False, True):
+            constants = dict(BLOCK_M=max(16, tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=False,
+                             SPLIT_K=split)  # fmt: skip
+            kernels.append((backend._fp8_linear_kernel, constants, config.warps, config.stages))
     kernels.append((backend._dequantize_kernel, dict(BLOCK_R=32, BLOCK_C=128), 4, 1))
     for kernel, constants, warps, stages in kernels:
         constants.update(SCALE_ROWS=128, SCALE_COLS=128, SCALE_BYTES=True, HARDWARE_FP8=True)
-        pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16"}
+        pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16",
+                    "partial_ptr": "*fp32", "arrived_ptr": "*i32"}  # fmt: skip
         signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
         signature.update({name: "constexpr" for name in constants})
         aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)

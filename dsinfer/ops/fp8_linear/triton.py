@@ -43,12 +43,14 @@ _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class Fp8KernelConfig:
     """One launch shape: weight rows per program, input columns per step (divides the scale block), warps,
-    pipeline stages."""
+    pipeline stages, and how many programs split the input columns of a row tile (0: as :func:`choose_splits`
+    says)."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
+    splits: int = 0
 
 
 def triton_available() -> bool:
@@ -106,6 +108,8 @@ if triton is not None:
         codes_ptr,  # uint8 [N, K]: e4m3 bytes
         scale_ptr,  # [ceil(N / SCALE_ROWS), scale_cols]: ue8m0 bytes or float32
         out_ptr,
+        partial_ptr,  # float32 [splits, M, N]: each split's sums (SPLIT_K)
+        arrived_ptr,  # int32 [tiles]: splits done per output tile, back to 0 when the tile is written (SPLIT_K)
         M,
         N,
         K,
@@ -113,6 +117,8 @@ if triton is not None:
         stride_xm,
         stride_om,
         scale_cols,
+        splits,
+        k_per_split,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -121,9 +127,11 @@ if triton is not None:
         SCALE_BYTES: tl.constexpr,  # ue8m0 scales (else float32)
         HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
         IEEE: tl.constexpr,  # float32 inputs: a full-precision dot, not TF32
+        SPLIT_K: tl.constexpr,  # more than one split: the last split of a tile to finish adds them up
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
@@ -134,7 +142,8 @@ if triton is not None:
         code_rows = codes_ptr + rows.to(tl.int64)[:, None] * K
         scale_rows = scale_ptr + (rows // SCALE_ROWS) * scale_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = pid_k * k_per_split
+        for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             a = tl.load(x_rows + cols[None, :], mask=token_ok[:, None] & col_ok[None, :], other=0.0)
@@ -151,8 +160,25 @@ if triton is not None:
             else:
                 part = tl.dot(a, tl.trans(w))
             acc += part * s[None, :]
-        out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+        ok = token_ok[:, None] & row_ok[None, :]
+        if SPLIT_K:
+            # Publish this split's sums, then count it in; the split that arrives last adds every split's sums in
+            # split order (the same result whichever finishes last) and sets the count back for the next call.
+            at = tokens.to(tl.int64)[:, None] * N + rows[None, :]
+            tl.store(partial_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(arrived_ptr + tile, 1) == splits - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for split in range(0, splits):
+                    part_at = partial_ptr + (split * M + tokens).to(tl.int64)[:, None] * N + rows[None, :]
+                    acc += tl.load(part_at, mask=ok, other=0.0, cache_modifier=".cg")
+                out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(arrived_ptr + tile, 0)
+        else:
+            out = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + rows[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _dequantize_kernel(
@@ -182,6 +208,32 @@ if triton is not None:
         if SCALE_BYTES:
             s = ue8m0_value(s.to(tl.int32))
         tl.store(out_ptr + at, (value * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Per device: one int32 count per output tile of a split launch, zero between launches (the last split of a tile
+# sets it back). Launches on one stream run one after another, so they share it.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_MAX_SPLIT_TILES = 1 << 14
+
+
+def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's tile counts, made (zeroed) on first use; None where they cannot be (too many tiles, or first
+    needed while a CUDA graph is being captured, where a zeroing would only be recorded): the launch then runs
+    unsplit."""
+    counts = _ARRIVALS.get(device)
+    if counts is None:
+        if tiles > _MAX_SPLIT_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        counts = _ARRIVALS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counts if tiles <= counts.numel() else None
+
+
+def choose_splits(tiles: int, inputs: int, block_k: int, device: torch.device) -> int:
+    """Splits of the input columns so that the launch has about four programs an SM (a tile's rows alone give a
+    small weight too few programs to keep enough bytes in flight), each split at least two steps long."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    wanted = triton.cdiv(4 * sms, tiles)
+    return max(1, min(wanted, inputs // (2 * block_k)))
 
 
 def _scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -218,13 +270,22 @@ def fp8_linear_kernel(
     rows_per_group = rows // groups
     config = config or choose_config(rows, rows_per_group, block, tokens)
     block_m = min(64, max(16, triton.next_power_of_2(tokens)))
+    tiles = triton.cdiv(rows, config.block_n) * triton.cdiv(tokens, block_m)
+    splits = config.splits or choose_splits(tiles, inputs, config.block_k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(inputs, config.block_k), splits) * config.block_k
+    splits = triton.cdiv(inputs, k_per_split)
+    arrived = _arrival_counts(x.device, tiles) if splits > 1 else None
+    if arrived is None:
+        splits, k_per_split = 1, inputs
+    partial = torch.empty(splits if splits > 1 else 0, tokens, rows, dtype=torch.float32, device=x.device)
     scale_operand, scale_bytes = _scale_operand(scale)
-    grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m))
+    grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m), splits)
     _fp8_linear_kernel[grid](
-        flat, codes.view(torch.uint8), scale_operand, out, tokens, rows, inputs, rows_per_group, flat.stride(0),
-        out.stride(0), scale.shape[1], BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes, HARDWARE_FP8=_hardware_fp8(x.device),
-        IEEE=dtype == torch.float32, num_warps=config.warps, num_stages=config.stages,
+        flat, codes.view(torch.uint8), scale_operand, out, partial, arrived if arrived is not None else out,
+        tokens, rows, inputs, rows_per_group, flat.stride(0), out.stride(0), scale.shape[1], splits, k_per_split,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1],
+        SCALE_BYTES=scale_bytes, HARDWARE_FP8=_hardware_fp8(x.device), IEEE=dtype == torch.float32,
+        SPLIT_K=splits > 1, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out.reshape(*lead, rows)
 
