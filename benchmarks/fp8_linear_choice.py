@@ -36,6 +36,17 @@ SHAPES = (
     ("shared w1+w3", 4096, 4096, 1),
     ("shared w2", 4096, 2048, 1),
 )
+# V4.1-Flash widths: hidden 5120, q_lora 1280, shared expert 2304, an Engram layer's wkv and the mHC main_proj.
+SHAPES_V41 = (
+    ("wq_a+wkv", 1792, 5120, 1),
+    ("wq_b+idx", 32768 + 4096, 1280, 1),
+    ("wo_a", 8192, 4096, 8),
+    ("wo_b", 5120, 8192, 1),
+    ("shared w1+w3", 4608, 5120, 1),
+    ("shared w2", 5120, 2304, 1),
+    ("engram wkv", 25600, 6144, 1),
+    ("main_proj", 5120, 15360, 1),
+)
 
 
 def graph_ms(fn, calls: int, repeats: int) -> float:
@@ -60,25 +71,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls of the op per graph")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes instead")
+    parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
     args = parser.parse_args()
+    shapes = SHAPES_V41 if args.model == "v41" else SHAPES
     if not torch.cuda.is_available():
         raise SystemExit("fp8_linear_choice needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
     ops = resolve(device, dtype)
     weights = {}
-    for name, rows, cols, _groups in SHAPES:
+    for name, rows, cols, _groups in shapes:
         dense = torch.randn(rows, cols, device=device) * cols**-0.5
         codes, scale = quantize_fp8_blockwise(dense, BLOCK)
         weights[name] = (codes, scale, dense.to(dtype))
     print(f"fp8_linear backend: {ops.chosen['fp8_linear'].name}; device {torch.cuda.get_device_name()}")
     if args.sweep:
-        return sweep(args, weights, dtype)
-    names = [name for name, *_ in SHAPES]
+        return sweep(args, shapes, weights, dtype)
+    names = [name for name, *_ in shapes]
     print("| T | policy | " + " | ".join(names) + " | layer sum ms | weight TB/s |")
-    print("| ---: | --- | " + " | ".join("---:" for _ in SHAPES) + " | ---: | ---: |")
+    print("| ---: | --- | " + " | ".join("---:" for _ in shapes) + " | ---: | ---: |")
     for tokens in args.tokens:
         rows = {"bf16": [], "fp8": []}
-        for name, _out, cols, groups in SHAPES:
+        for name, _out, cols, groups in shapes:
             codes, scale, dense = weights[name]
             x = torch.randn(tokens, cols * groups, device=device, dtype=dtype)
             bf16 = functools.partial(grouped_bf16, x, dense, groups)
@@ -86,10 +99,10 @@ def main() -> None:
             rows["bf16"].append(graph_ms(bf16, args.calls, args.repeats))
             rows["fp8"].append(graph_ms(fp8, args.calls, args.repeats))
         for policy, times in rows.items():
-            total_bytes = sum(out * cols for _, out, cols, _ in SHAPES) * (2 if policy == "bf16" else 1)
+            total_bytes = sum(out * cols for _, out, cols, _ in shapes) * (2 if policy == "bf16" else 1)
             cells = " | ".join(f"{t:.4f}" for t in times)
             print(f"| {tokens} | {policy} | {cells} | {sum(times):.4f} | {total_bytes / sum(times) / 1e9:.2f} |")
-    bf16_bytes = sum(out * cols * 2 for _, out, cols, _ in SHAPES)
+    bf16_bytes = sum(out * cols * 2 for _, out, cols, _ in shapes)
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
 
 
@@ -104,17 +117,17 @@ def grouped_bf16(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Te
     return out
 
 
-def sweep(args, weights, dtype) -> None:
+def sweep(args, shapes, weights, dtype) -> None:
     """Every launch shape at every shape and token count; the chosen one marked, the best printed."""
-    print("| T | shape | block_n | block_k | warps | stages | ms | TB/s | chosen |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for tokens, (name, out, cols, groups) in itertools.product(args.tokens, SHAPES):
+    print("| T | shape | block_n | block_k | warps | stages | splits | ms | TB/s | chosen |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for tokens, (name, out, cols, groups) in itertools.product(args.tokens, shapes):
         codes, scale, _ = weights[name]
         x = torch.randn(tokens, cols * groups, device="cuda", dtype=dtype)
         chosen = choose_config(out, out // groups, BLOCK, tokens)
         results = []
-        for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6)):
-            config = Fp8KernelConfig(block_n, block_k, warps, stages)
+        grid = itertools.product((16, 32, 64), (2, 4), (3, 4), (1, 2, 4, 8, 16))
+        for config in [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]:
             try:
                 launch = functools.partial(fp8_linear_kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
                 ms = graph_ms(launch, args.calls, args.repeats)
