@@ -139,7 +139,7 @@ def sweep(args, shapes, weights, dtype) -> None:
             mark = "yes" if config == chosen else ""
             print(
                 f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {config.stages} "
-                f"| {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"
+                f"| {config.splits or 'auto'} | {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"
             )
 
 
