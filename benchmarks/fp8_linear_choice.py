@@ -5,10 +5,11 @@
 
 For each of an attention layer's FP8 linears (and the shared expert's) the time of: ``bf16`` (the weight
 dequantised once, then ``F.linear``: the ``dequantize`` policy) and ``fp8`` (the ``fp8_linear`` op the model runs
-with the ``keep`` policy: the Triton kernel that reads the codes up to ``MAX_KERNEL_TOKENS`` tokens, a one-pass
-dequantisation and cuBLAS above). Each op is captured ``--calls`` times in one CUDA graph and timed by replays,
-so a launch's host cost does not count, as in the engine's decode graphs. Sums per layer are what the policy
-changes in a step; the weight bytes are what it changes in memory. ``--sweep`` times the kernel's launch shapes.
+with the ``keep`` policy: the one-token GEMV, the Triton kernel that reads the codes up to ``MAX_KERNEL_TOKENS``
+tokens, a one-pass dequantisation and cuBLAS above). Each op is captured ``--calls`` times in one CUDA graph and
+timed by replays, so a launch's host cost does not count, as in the engine's decode graphs. Sums per layer are
+what the policy changes in a step; the weight bytes are what it changes in memory. ``--sweep`` times the kernels'
+launch shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
+from dsinfer.ops.fp8_linear.gemv_triton import DEFAULT_GEMV, Fp8GemvConfig, fp8_gemv
 from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
 from dsinfer.ops.quant import quantize_fp8_blockwise
 from dsinfer.ops.registry import resolve
@@ -127,9 +129,15 @@ def sweep(args, shapes, weights, dtype) -> None:
         chosen = choose_config(out, out // groups, BLOCK, tokens)
         results = []
         grid = itertools.product((16, 32, 64), (2, 4), (3, 4), (1, 2, 4, 8, 16))
-        for config in [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]:
+        configs = [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
+        if tokens == 1:  # the GEMV's launches too
+            configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in
+                        itertools.product((4, 8, 16, 32), (256, 512, 1024), (1, 2, 4), (4, 8, 16))]  # fmt: skip
+            chosen = DEFAULT_GEMV
+        for config in configs:
             try:
-                launch = functools.partial(fp8_linear_kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
+                kernel = fp8_gemv if isinstance(config, Fp8GemvConfig) else fp8_linear_kernel
+                launch = functools.partial(kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
                 ms = graph_ms(launch, args.calls, args.repeats)
             except Exception as error:  # a launch the GPU cannot take (shared memory): skip it
                 print(f"| {tokens} | {name} | {config} | - | - | {type(error).__name__} |")
@@ -137,8 +145,9 @@ def sweep(args, shapes, weights, dtype) -> None:
             results.append((ms, config))
         for ms, config in sorted(results, key=lambda r: r[0])[:3] + [r for r in results if r[1] == chosen]:
             mark = "yes" if config == chosen else ""
+            stages = getattr(config, "stages", f"gemv/{config.programs_per_sm}")
             print(
-                f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {config.stages} "
+                f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {stages} "
                 f"| {config.splits or 'auto'} | {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"
             )
 

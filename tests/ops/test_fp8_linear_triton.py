@@ -45,6 +45,15 @@ def random_weight(rows: int, inputs: int, block, scale_dtype, seed: int):
     return codes, scale
 
 
+# One-token GEMV cases: (label, rows, inputs, groups, block, config (block_n, block_k, warps, splits)).
+GEMV_CASES = [
+    ("gemv, an input tail", 32, 72, 1, (16, 16), (8, 32, 1, 1)),
+    ("gemv, split in three", 16, 96, 1, (16, 32), (16, 16, 1, 3)),
+    ("gemv, grouped and split", 2 * 16, 2 * 64, 2, (16, 16), (8, 32, 1, 2)),
+    ("gemv, the default launch", 32, 1024 + 64, 1, (32, 32), None),
+]
+
+
 def bound_failures(label, got, x, codes, scale, block, dtype, groups) -> list[str]:
     want = fp8_linear_reference(x, codes, scale, block, dtype, groups)
     truth = fp8_linear_reference(x.float(), codes, scale, block, torch.float32, groups)
@@ -78,8 +87,20 @@ def check(device: str) -> list[str]:
                 want = dequantize_fp8_blockwise(codes, scale, block, dtype=dtype)
                 if not torch.equal(got, want):
                     failures.append(f"{label} ({scale_dtype}) dequantise {dtype}: not bit for bit")
+    from dsinfer.ops.fp8_linear.gemv_triton import Fp8GemvConfig, fp8_gemv
+
+    for index, (label, rows, inputs, groups, block, config) in enumerate(GEMV_CASES):
+        for scale_dtype in (torch.float8_e8m0fnu, torch.float32):
+            codes, scale = random_weight(rows, inputs // groups, block, scale_dtype, seed=index + 30)
+            x = torch.randn(1, inputs, generator=torch.Generator().manual_seed(index + 80))
+            launch = Fp8GemvConfig(*config) if config else None
+            for dtype in (torch.float32, torch.bfloat16):
+                got = fp8_gemv(x.to(dtype).to(device), codes.to(device), scale.to(device), block, dtype, groups,
+                               config=launch)  # fmt: skip
+                failures += bound_failures(f"{label} ({scale_dtype})", got.cpu(), x.to(dtype), codes, scale, block,
+                                           dtype, groups)  # fmt: skip
     # Every split launch set its tiles' counts back to zero for the next launch.
-    from dsinfer.ops.fp8_linear.triton import _ARRIVALS
+    from dsinfer.ops.fp8_linear.launch import _ARRIVALS
 
     counts = next((c for d, c in _ARRIVALS.items() if d.type == torch.device(device).type), None)
     if counts is None or int(counts.abs().sum()) != 0:
@@ -128,23 +149,25 @@ def test_fp8_linear_backend_on_cuda_at_flash_widths(tokens, monkeypatch):
 
 
 def test_dispatch_and_errors(monkeypatch):
-    """Few tokens take the kernel, more the dequantised weight, and inputs the kernel does not take the reference;
-    a grouped call whose shapes do not cut into the groups is one clear error on every backend."""
+    """One token takes the GEMV, a few the kernel, more the dequantised weight, and inputs the kernels do not take
+    the reference; a grouped call whose shapes do not cut into the groups is one clear error on every backend."""
     pytest.importorskip("triton")
     from dsinfer.ops.fp8_linear import triton as backend
 
     calls = []
     monkeypatch.setattr(backend, "fp8_linear_kernel", lambda *a, **k: calls.append("kernel") or "k")
+    monkeypatch.setattr(backend, "fp8_gemv", lambda *a, **k: calls.append("gemv") or "g")
     monkeypatch.setattr(backend, "dequantize_fp8_triton", lambda codes, scale, block, dtype: calls.append("dequant")
                         or dequantize_fp8_blockwise(codes, scale, block, dtype=dtype))  # fmt: skip
     codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=3)
     few, many = torch.randn(backend.MAX_KERNEL_TOKENS, 64), torch.randn(backend.MAX_KERNEL_TOKENS + 1, 64)
     assert backend.fp8_linear_triton(few, codes, scale, (32, 32), torch.float32) == "k"
+    assert backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32) == "g"  # one token: the GEMV
     out = backend.fp8_linear_triton(many, codes, scale, (32, 32), torch.float32)
     torch.testing.assert_close(out, fp8_linear_reference(many, codes, scale, (32, 32), torch.float32))
     monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")
     backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
-    assert calls == ["kernel", "dequant", "dequant"]
+    assert calls == ["kernel", "gemv", "dequant", "dequant"]
     grouped = torch.randn(3, 2 * 64)
     out = backend.fp8_linear_triton(grouped, codes, scale, (32, 32), torch.float32, groups=2)
     torch.testing.assert_close(out, fp8_linear_reference(grouped, codes, scale, (32, 32), torch.float32, groups=2))
@@ -160,14 +183,15 @@ def test_dispatch_and_errors(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
-    """The interpreter never compiles: build the kernel to an sm_90 cubin (Triton's bundled ptxas, no GPU) for
-    the launches choose_config gives V4-Flash's shapes at 1 and 32 tokens (split and not), and the dequantiser; no
-    register may spill to the stack."""
+    """The interpreter never compiles: build the kernels to sm_90 cubins (Triton's bundled ptxas, no GPU): the
+    launches choose_config gives V4-Flash's shapes at 1 and 32 tokens, the one-token GEMV (split and not) and the
+    dequantiser; no register may spill to the stack."""
     triton = pytest.importorskip("triton")
     from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from dsinfer.ops.fp8_linear import gemv_triton
     from dsinfer.ops.fp8_linear import triton as backend
 
     kernels = []
@@ -178,6 +202,10 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
                              SPLIT_K=split)  # fmt: skip
             kernels.append((backend._fp8_linear_kernel, constants, config.warps, config.stages))
     kernels.append((backend._dequantize_kernel, dict(BLOCK_R=32, BLOCK_C=128), 4, 1))
+    gemv = gemv_triton.DEFAULT_GEMV
+    for split in (False, True):
+        constants = dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, SPLIT_K=split)
+        kernels.append((gemv_triton._fp8_gemv_kernel, constants, gemv.warps, 1))
     for kernel, constants, warps, stages in kernels:
         constants.update(SCALE_ROWS=128, SCALE_COLS=128, SCALE_BYTES=True, HARDWARE_FP8=True)
         pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16",

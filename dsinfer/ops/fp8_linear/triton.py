@@ -1,7 +1,8 @@
 """``fp8_linear`` in Triton: the weight is read as its e4m3 codes (one byte an element, half of bf16's) and its ue8m0
 block scales, never dequantised into memory, for the few-token GEMMs of a decode step.
 
-A program owns ``BLOCK_N`` weight rows (output columns) and every token of the step (``BLOCK_M`` >= the tokens,
+One token takes the CUDA-core GEMV of :mod:`dsinfer.ops.fp8_linear.gemv_triton`. Otherwise a program owns
+``BLOCK_N`` weight rows (output columns) and every token of the step (``BLOCK_M`` >= the tokens,
 at most :data:`MAX_KERNEL_TOKENS`). It walks the input in ``BLOCK_K`` columns, one scale block at a time: the
 codes are cast to the compute dtype (exact: e4m3 values are bf16 / fp16 values), one ``tl.dot`` forms the
 block's partial sums in float32, and the partial is multiplied by the rows' block scales (powers of two: exact)
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
+from dsinfer.ops.fp8_linear.launch import arrival_counts, choose_splits, hardware_fp8, scale_operand
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.registry import register
 
@@ -210,42 +213,6 @@ if triton is not None:
         tl.store(out_ptr + at, (value * s).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# Per device: one int32 count per output tile of a split launch, zero between launches (the last split of a tile
-# sets it back). Launches on one stream run one after another, so they share it.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_MAX_SPLIT_TILES = 1 << 14
-
-
-def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's tile counts, made (zeroed) on first use; None where they cannot be (too many tiles, or first
-    needed while a CUDA graph is being captured, where a zeroing would only be recorded): the launch then runs
-    unsplit."""
-    counts = _ARRIVALS.get(device)
-    if counts is None:
-        if tiles > _MAX_SPLIT_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        counts = _ARRIVALS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return counts if tiles <= counts.numel() else None
-
-
-def choose_splits(tiles: int, inputs: int, block_k: int, device: torch.device) -> int:
-    """Splits of the input columns so that the launch has about four programs an SM (a tile's rows alone give a
-    small weight too few programs to keep enough bytes in flight), each split at least two steps long."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    wanted = triton.cdiv(4 * sms, tiles)
-    return max(1, min(wanted, inputs // (2 * block_k)))
-
-
-def _scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    if scale.dtype == torch.float8_e8m0fnu:
-        return scale.view(torch.uint8), True
-    return scale, False
-
-
-def _hardware_fp8(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def fp8_linear_kernel(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -274,17 +241,17 @@ def fp8_linear_kernel(
     splits = config.splits or choose_splits(tiles, inputs, config.block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(inputs, config.block_k), splits) * config.block_k
     splits = triton.cdiv(inputs, k_per_split)
-    arrived = _arrival_counts(x.device, tiles) if splits > 1 else None
+    arrived = arrival_counts(x.device, tiles) if splits > 1 else None
     if arrived is None:
         splits, k_per_split = 1, inputs
     partial = torch.empty(splits if splits > 1 else 0, tokens, rows, dtype=torch.float32, device=x.device)
-    scale_operand, scale_bytes = _scale_operand(scale)
+    scale_codes, scale_bytes = scale_operand(scale)
     grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m), splits)
     _fp8_linear_kernel[grid](
-        flat, codes.view(torch.uint8), scale_operand, out, partial, arrived if arrived is not None else out,
+        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived if arrived is not None else out,
         tokens, rows, inputs, rows_per_group, flat.stride(0), out.stride(0), scale.shape[1], splits, k_per_split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1],
-        SCALE_BYTES=scale_bytes, HARDWARE_FP8=_hardware_fp8(x.device), IEEE=dtype == torch.float32,
+        SCALE_BYTES=scale_bytes, HARDWARE_FP8=hardware_fp8(x.device), IEEE=dtype == torch.float32,
         SPLIT_K=splits > 1, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out.reshape(*lead, rows)
@@ -298,12 +265,12 @@ def dequantize_fp8_triton(
     out = torch.empty(rows, inputs, dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
-    scale_operand, scale_bytes = _scale_operand(scale)
+    scale_codes, scale_bytes = scale_operand(scale)
     grid = (triton.cdiv(rows, 32), triton.cdiv(inputs, 128))
     _dequantize_kernel[grid](
-        codes.view(torch.uint8), scale_operand, out, rows, inputs, scale.shape[1], BLOCK_R=32, BLOCK_C=128,
+        codes.view(torch.uint8), scale_codes, out, rows, inputs, scale.shape[1], BLOCK_R=32, BLOCK_C=128,
         SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
-        HARDWARE_FP8=_hardware_fp8(codes.device), num_warps=4,
+        HARDWARE_FP8=hardware_fp8(codes.device), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -323,6 +290,8 @@ def fp8_linear_triton(
     if not serves(x, codes, scale, block, dtype, groups):
         return fp8_linear_reference(x, codes, scale, block, dtype, groups)
     tokens = x.numel() // max(1, x.shape[-1])
+    if tokens <= kernel_max_tokens() and tokens == 1 and gemv_serves(x, codes, block, groups):
+        return fp8_gemv(x, codes, scale, block, dtype, groups)
     if tokens <= kernel_max_tokens():
         return fp8_linear_kernel(x, codes, scale, block, dtype, groups)
     weight = dequantize_fp8_triton(codes, scale, block, dtype)

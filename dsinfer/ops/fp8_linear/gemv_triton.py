@@ -1,0 +1,166 @@
+"""``fp8_linear`` for one token: a GEMV on the CUDA cores over the e4m3 codes, no ``tl.dot``.
+
+At one token the ``tl.dot`` kernel (:mod:`dsinfer.ops.fp8_linear.triton`) pads the token to a 16-row tile and stages
+every weight tile through shared memory for the tensor cores. Here a program owns ``BLOCK_N`` weight rows and walks
+its split of the input in ``BLOCK_K`` columns. Each thread loads 16 code bytes at a time, and the loads of the next
+step are issued before the current step is multiplied (one step ahead, in registers). The weight is cast to
+float32 and multiplied by the activation times its column's scale, into a ``[BLOCK_N, BLOCK_K]`` float32
+accumulator that is summed over its columns once at the end.
+
+The scale: a program's rows lie in one scale block of rows (``BLOCK_N`` divides ``SCALE_ROWS``), so a column's scale
+is the same for all of them and joins the activation: ``x * s`` is exact (a power of two), and ``w * (x * s)``
+rounds as ``(w * s) * x`` does. The result differs from the reference (dequantise, then ``F.linear``) only in the
+order of float32 additions. Splits of the input columns (small weights need them for enough programs) add up as
+in the ``tl.dot`` kernel: the last split of a tile to arrive adds the splits in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.ops.fp8_linear.launch import arrival_counts, choose_splits, hardware_fp8, scale_operand
+
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """One launch shape: weight rows per program, input columns per step, warps, splits of the input columns
+    (0: as :func:`~dsinfer.ops.fp8_linear.launch.choose_splits` says for ``programs_per_sm``)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    splits: int = 0
+    programs_per_sm: int = 8
+
+
+# Before the sweep at V4-Flash's shapes: the routed experts' GEMV found small programs, many of them, fastest.
+DEFAULT_GEMV = Fp8GemvConfig(8, 512, 2)
+
+
+def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=DEFAULT_GEMV) -> bool:
+    """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a program's rows
+    must lie in one scale block of rows and in one group."""
+    tokens = x.numel() // max(1, x.shape[-1])
+    rows_per_group = codes.shape[0] // groups
+    return tokens == 1 and block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS: tl.constexpr):
+        ok = cols < k_stop
+        byte = tl.load(code_rows + cols[None, :], mask=ok[None, :], other=0)
+        xv = tl.load(x_row + cols, mask=ok, other=0.0)
+        s = tl.load(scale_row + cols // SCALE_COLS, mask=ok, other=0)
+        return byte, xv, s
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr,
+        codes_ptr,  # uint8 [N, K]: e4m3 bytes
+        scale_ptr,  # [ceil(N / SCALE_ROWS), scale_cols]: ue8m0 bytes or float32
+        out_ptr,
+        partial_ptr,  # float32 [splits, N] (SPLIT_K)
+        arrived_ptr,  # int32 [tiles] (SPLIT_K)
+        N,
+        K,
+        rows_per_group,
+        scale_cols,
+        splits,
+        k_per_split,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_ROWS: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+        SCALE_BYTES: tl.constexpr,
+        HARDWARE_FP8: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        first_row = pid_n * BLOCK_N
+        rows = first_row + tl.arange(0, BLOCK_N)
+        group = first_row // rows_per_group
+        x_row = x_ptr + group * K
+        code_rows = codes_ptr + rows.to(tl.int64)[:, None] * K
+        scale_row = scale_ptr + (first_row // SCALE_ROWS) * scale_cols
+        k_start = pid_k * k_per_split
+        k_stop = tl.minimum(K, k_start + k_per_split)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        cols = k_start + tl.arange(0, BLOCK_K)
+        byte, xv, s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
+        for _ in range(k_start, k_stop, BLOCK_K):
+            cols += BLOCK_K
+            next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
+            if HARDWARE_FP8:
+                w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                w = e4m3_value(byte.to(tl.int32))
+            if SCALE_BYTES:
+                scaled = xv.to(tl.float32) * ue8m0_value(s.to(tl.int32))
+            else:
+                scaled = xv.to(tl.float32) * s
+            acc += w * scaled[None, :]
+            byte, xv, s = next_byte, next_xv, next_s
+        out = tl.sum(acc, axis=1)
+        if SPLIT_K:
+            tl.store(partial_ptr + pid_k.to(tl.int64) * N + rows, out)
+            tl.debug_barrier()
+            if tl.atomic_add(arrived_ptr + pid_n, 1) == splits - 1:
+                out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for split in range(0, splits):
+                    out += tl.load(partial_ptr + (split * N + rows).to(tl.int64), cache_modifier=".cg")
+                tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+                tl.atomic_xchg(arrived_ptr + pid_n, 0)
+        else:
+            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    groups: int = 1,
+    config: Fp8GemvConfig | None = None,
+) -> torch.Tensor:
+    """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
+    config = config or DEFAULT_GEMV
+    lead, (rows, inputs) = x.shape[:-1], codes.shape
+    flat = x.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(rows, dtype=dtype, device=x.device)
+    if rows == 0:
+        return out.reshape(*lead, rows)
+    if inputs == 0:
+        return out.zero_().reshape(*lead, rows)
+    tiles = rows // config.block_n
+    splits = config.splits or choose_splits(tiles, inputs, config.block_k, x.device, config.programs_per_sm)
+    k_per_split = triton.cdiv(triton.cdiv(inputs, config.block_k), splits) * config.block_k
+    splits = triton.cdiv(inputs, k_per_split)
+    arrived = arrival_counts(x.device, tiles) if splits > 1 else None
+    if arrived is None:
+        splits, k_per_split = 1, inputs
+    partial = torch.empty(splits if splits > 1 else 0, rows, dtype=torch.float32, device=x.device)
+    scale_codes, scale_bytes = scale_operand(scale)
+    _fp8_gemv_kernel[(tiles, splits)](
+        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived if arrived is not None else out, rows,
+        inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
+        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, num_warps=config.warps, num_stages=1,
+    )  # fmt: skip
+    return out.reshape(*lead, rows)
