@@ -16,6 +16,7 @@ in the ``tl.dot`` kernel: the last split of a tile to arrive adds the splits in 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +45,26 @@ class Fp8GemvConfig:
     programs_per_sm: int = 8
 
 
-# Before the sweep at V4-Flash's shapes: the routed experts' GEMV found small programs, many of them, fastest.
-DEFAULT_GEMV = Fp8GemvConfig(8, 512, 2)
+# The fastest launch of the H200 sweep on V4-Flash's joined wq_a + wkv (1536 x 4096): 0.0057 ms, against 0.0070 for
+# the split tl.dot kernel. On the larger weights the split tl.dot kernel was as fast or faster (0.0163 to 0.0230 ms
+# for the GEMV's first launch against 0.0165 to 0.0182), so the GEMV takes weights of up to GEMV_MAX_WEIGHT
+# elements ($DSINFER_FP8_GEMV_MAX_WEIGHT; 0 turns it off). docs/perf-fast-path-pass8.md has the numbers.
+DEFAULT_GEMV = Fp8GemvConfig(4, 512, 2, 0, 4)
+GEMV_MAX_WEIGHT = 1 << 23
+
+
+def gemv_max_weight() -> int:
+    return int(os.environ.get("DSINFER_FP8_GEMV_MAX_WEIGHT", GEMV_MAX_WEIGHT))
 
 
 def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=DEFAULT_GEMV) -> bool:
-    """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a program's rows
-    must lie in one scale block of rows and in one group."""
+    """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a weight of at most
+    :func:`gemv_max_weight` elements, a program's rows in one scale block of rows and in one group."""
     tokens = x.numel() // max(1, x.shape[-1])
     rows_per_group = codes.shape[0] // groups
-    return tokens == 1 and block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
+    if tokens != 1 or codes.numel() > gemv_max_weight():
+        return False
+    return block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
 
 
 if triton is not None:
