@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.fp8_linear.launch import arrival_counts, choose_splits, hardware_fp8, scale_operand
+from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, plan_splits, scale_operand
 
 try:
     import triton
@@ -160,16 +160,11 @@ def fp8_gemv(
     if inputs == 0:
         return out.zero_().reshape(*lead, rows)
     tiles = rows // config.block_n
-    splits = config.splits or choose_splits(tiles, inputs, config.block_k, x.device, config.programs_per_sm)
-    k_per_split = triton.cdiv(triton.cdiv(inputs, config.block_k), splits) * config.block_k
-    splits = triton.cdiv(inputs, k_per_split)
-    arrived = arrival_counts(x.device, tiles) if splits > 1 else None
-    if arrived is None:
-        splits, k_per_split = 1, inputs
-    partial = torch.empty(splits if splits > 1 else 0, rows, dtype=torch.float32, device=x.device)
+    wanted = config.splits or choose_splits(tiles, inputs, config.block_k, x.device, config.programs_per_sm)
+    splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (rows,))
     scale_codes, scale_bytes = scale_operand(scale)
     _fp8_gemv_kernel[(tiles, splits)](
-        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived if arrived is not None else out, rows,
+        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived, rows,
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
         HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, num_warps=config.warps, num_stages=1,

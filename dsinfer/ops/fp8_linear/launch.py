@@ -32,6 +32,23 @@ def choose_splits(tiles: int, inputs: int, block_k: int, device: torch.device, p
     return max(1, min(wanted, inputs // (2 * block_k)))
 
 
+def plan_splits(
+    device: torch.device, tiles: int, inputs: int, block_k: int, splits: int, partial_shape: tuple[int, ...]
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """A split launch's layout: ``splits`` (asked for; the launch may take fewer: whole steps per split, no
+    counts to be had), the input columns per split, the tile counts (an empty tensor when unsplit) and the float32
+    partial sums ``[splits, *partial_shape]`` (empty when unsplit)."""
+    steps = -(-inputs // block_k)
+    k_per_split = -(-steps // splits) * block_k
+    splits = -(-inputs // k_per_split)
+    arrived = arrival_counts(device, tiles) if splits > 1 else None
+    if arrived is None:
+        splits, k_per_split = 1, inputs
+        arrived = torch.empty(0, dtype=torch.int32, device=device)
+    partial = torch.empty(splits if splits > 1 else 0, *partial_shape, dtype=torch.float32, device=device)
+    return splits, k_per_split, arrived, partial
+
+
 def scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The scales as the kernels take them: ue8m0 as their exponent bytes (True), else float32 (False)."""
     if scale.dtype == torch.float8_e8m0fnu:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
-from dsinfer.ops.fp8_linear.launch import arrival_counts, choose_splits, hardware_fp8, scale_operand
+from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, plan_splits, scale_operand
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.registry import register
 
@@ -238,17 +238,12 @@ def fp8_linear_kernel(
     config = config or choose_config(rows, rows_per_group, block, tokens)
     block_m = min(64, max(16, triton.next_power_of_2(tokens)))
     tiles = triton.cdiv(rows, config.block_n) * triton.cdiv(tokens, block_m)
-    splits = config.splits or choose_splits(tiles, inputs, config.block_k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(inputs, config.block_k), splits) * config.block_k
-    splits = triton.cdiv(inputs, k_per_split)
-    arrived = arrival_counts(x.device, tiles) if splits > 1 else None
-    if arrived is None:
-        splits, k_per_split = 1, inputs
-    partial = torch.empty(splits if splits > 1 else 0, tokens, rows, dtype=torch.float32, device=x.device)
+    wanted = config.splits or choose_splits(tiles, inputs, config.block_k, x.device)
+    splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (tokens, rows))
     scale_codes, scale_bytes = scale_operand(scale)
     grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m), splits)
     _fp8_linear_kernel[grid](
-        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived if arrived is not None else out,
+        flat, codes.view(torch.uint8), scale_codes, out, partial, arrived,
         tokens, rows, inputs, rows_per_group, flat.stride(0), out.stride(0), scale.shape[1], splits, k_per_split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1],
         SCALE_BYTES=scale_bytes, HARDWARE_FP8=hardware_fp8(x.device), IEEE=dtype == torch.float32,
