@@ -125,25 +125,27 @@ def test_joined_logits_are_bit_identical_to_separate_projections(model):
 
 def test_a_decode_step_computes_each_set_of_angles_once(model, monkeypatch):
     """The positions' angles under the window frequencies and under the compressed ones, and the ratio-2 groups'
-    first positions' angles: three sets for every layer of a decode step, computed again in the next step."""
+    first positions' angles: three sets for every layer of a decode step (``rope_angles`` op calls), computed
+    again in the next step."""
     calls = []
-    angles = rotary.rope_angles
+    ops = next(attn.ops for attn in _attentions(model) if attn.ops is not None)
+    angles = ops.rope_angles
 
-    def counted(positions, inv_freq):
-        calls.append((positions, inv_freq))
-        return angles(positions, inv_freq)
+    def counted(positions, inv_freq, ratio=1):
+        calls.append((positions, inv_freq, ratio))
+        return angles(positions, inv_freq, ratio)
 
-    for module in ("dsinfer.layers.rotary", "dsinfer.layers.csa2", "dsinfer.layers.indexer"):
-        monkeypatch.setattr(f"{module}.rope_angles", counted)
+    monkeypatch.setattr(ops, "rope_angles", counted)
+    monkeypatch.setattr(rotary, "rope_angles_reference", counted)  # a layer without bound ops
     run = Run(model)
     run.prefill()
     for _ in range(2):
         calls.clear()
         run.decode()
         assert len(calls) == 3
-        (window, window_freq), (compressed, compressed_freq), (starts, starts_freq) = calls
+        (window, window_freq, one), (compressed, compressed_freq, also_one), (starts, starts_freq, two) = calls
         assert window is compressed and window_freq is model.rope.window and compressed_freq is model.rope.compressed
-        assert starts_freq is model.rope.compressed and torch.equal(starts, window - window % 2)
+        assert starts is window and starts_freq is model.rope.compressed and (one, also_one, two) == (1, 1, 2)
 
 
 def test_fp32_pooling_keeps_an_fp32_copy_of_its_stack_that_follows_the_weights(model):

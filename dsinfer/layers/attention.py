@@ -147,7 +147,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
         layer_cache = batch.cache.layers[layer_id]
-        cos, sin = step_rope_angles(batch, inv_freq)
+        cos, sin = step_rope_angles(batch, inv_freq, ops=self.ops)
         projected = self._input_projections(x)
         q_latent = self.q_norm(projected.pop("q_a"))
         projected.update(self._query_projections(q_latent))

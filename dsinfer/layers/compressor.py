@@ -235,7 +235,7 @@ class Compressor(nn.Module):
         ``projected``: ``x`` through ``joined_projection`` already [B, 2 * width], from the caller's GEMM (a view
         of its columns: the op reads the row stride)."""
         positions, spans = batch.positions, batch.device_spans
-        cos, sin = step_rope_angles(batch, inv_freq, self.ratio)
+        cos, sin = step_rope_angles(batch, inv_freq, self.ratio, self.ops)
         store = self.ops.compressor_decode_store if self.ops is not None else compressor_decode_store_reference
         store(
             *self._decode_inputs(x, positions, spans, cache, projected), x.dtype, cos, sin, cache.entries,

@@ -226,7 +226,7 @@ class AttentionV41(Attention):
             for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             return None
-        angles = step_rope_angles(batch, inv_freq)  # one computation per forward, shared by the layers
+        angles = step_rope_angles(batch, inv_freq, ops=self.ops)  # one computation per forward, shared by the layers
         cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer, angles)
         entries, tables, indices, ratio = None, batch.device_spans.block_tables, None, 0
         if self.compress_ratio:
@@ -340,7 +340,7 @@ class AttentionV41(Attention):
 
         The RoPE angles (of the positions, and of each compressor group's first position) are the forward's,
         computed by the first layer that asks (``step_rope_angles``)."""
-        angles, projected = step_rope_angles(batch, inv_freq), {}
+        angles, projected = step_rope_angles(batch, inv_freq, ops=self.ops), {}
         # The window row's only use is the ring's write: its chain runs there, with the store.
         cos, sin, q_latent, q, kv = self._queries_and_kv(
             x, batch.positions, inv_freq, quantizer, angles, projected, defer_kv=True
@@ -381,7 +381,7 @@ class AttentionV41(Attention):
                 state["entries_layer"] = self.layer_id
             if self.indexer is not None:
                 paged_keys = (*cache.index_key_pool(state["entries_layer"]), spans.block_tables)
-                angles = step_rope_angles(batch, inv_freq)
+                angles = step_rope_angles(batch, inv_freq, ops=self.ops)
                 state["indices"] = self.indexer.decode_choice(
                     x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer, angles, projected
                 )
@@ -410,7 +410,7 @@ class AttentionV41(Attention):
         spans, ratio = batch.device_spans, self.compress_ratio
         source = cache.layers[self.layer_id].source
         latents, entry_ids, complete = self.compressor.decode_latents(x, batch.positions, spans, source, projected)
-        cos, sin = step_rope_angles(batch, inv_freq, ratio)  # at the group's first position: entry id * ratio
+        cos, sin = step_rope_angles(batch, inv_freq, ratio, self.ops)  # at the group's first position: entry id * ratio
         # The quantizer's entry ids: -1 for the trash writes (at ratio 1 every token completes its entry).
         real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
         # Entries and keys are only written: their chains run in the writes (one op each with its store).

@@ -161,9 +161,8 @@ class Indexer(IndexScorer):
         projected = projected or {}
         positions, spans = batch.positions, batch.device_spans
         self.compressor.update_decode(x, batch, cache, inv_freq, projected.get("index_compressor"))
-        q, head_weights = self.queries(
-            x, q_latent, positions, inv_freq, angles=step_rope_angles(batch, inv_freq), projected=projected
-        )
+        angles = step_rope_angles(batch, inv_freq, ops=self.ops)
+        q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=angles, projected=projected)
         ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
         visible = visible_entries(positions, self.ratio)
         return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)

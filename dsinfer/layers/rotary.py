@@ -15,6 +15,7 @@ from dsinfer.config import YarnScaling
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.norm_rope import rms_normalize_rope_reference, rope_reference
 from dsinfer.ops.registry import OpTable
+from dsinfer.ops.rope_angles import rope_angles_reference
 from dsinfer.ops.rope_round import RowChain
 
 
@@ -42,21 +43,16 @@ def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | No
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [*positions.shape, rope_dim // 2], in float32.
-
-    Integer positions meet the float32 frequencies in the product itself (converted to float32 as they load, the
-    same values a separate conversion gives): one kernel fewer."""
-    if positions.is_floating_point():
-        positions = positions.to(torch.float32)
-    if inv_freq.device != positions.device or inv_freq.dtype != torch.float32:
-        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
-    freqs = positions[..., None] * inv_freq
-    return freqs.cos(), freqs.sin()
+    """cos and sin of shape [*positions.shape, rope_dim // 2], in float32 (the ``rope_angles`` op's reference)."""
+    return rope_angles_reference(positions, inv_freq)
 
 
-def step_rope_angles(batch, inv_freq: torch.Tensor, ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def step_rope_angles(
+    batch, inv_freq: torch.Tensor, ratio: int = 1, ops: OpTable | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of a batch's positions (``ratio`` 1), or of the first position of each token's ``ratio``-token
-    window (a compressor's entry angles), computed once per forward and shared by every layer that asks.
+    window (a compressor's entry angles), computed once per forward (by the ``rope_angles`` op of ``ops``, else its
+    reference) and shared by every layer that asks.
 
     The model's forward empties ``batch.rope_angle_memo`` when it starts; the key holds the positions tensor and
     ``inv_freq`` themselves, so their ids cannot be reused while the entry lives.
@@ -65,8 +61,8 @@ def step_rope_angles(batch, inv_freq: torch.Tensor, ratio: int = 1) -> tuple[tor
     key = (id(positions), id(inv_freq), ratio)
     memo = batch.rope_angle_memo
     if key not in memo:
-        first = positions if ratio == 1 else positions - positions % ratio
-        memo[key] = (positions, inv_freq, rope_angles(first, inv_freq))
+        angles = ops.rope_angles if ops is not None else rope_angles_reference
+        memo[key] = (positions, inv_freq, angles(positions, inv_freq, ratio))
     return memo[key][2]
 
 

@@ -16,6 +16,7 @@ import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
 import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights: reference, triton
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
 import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope, rms_normalize_rope: reference, triton (CUDA)
+import dsinfer.ops.rope_angles  # noqa: F401  rope_angles: reference, triton (CUDA)
 import dsinfer.ops.rope_round  # noqa: F401  rope_and_round, rope_round_store: reference, triton (CUDA)
 import dsinfer.ops.router  # noqa: F401  moe_route: reference, triton
 import dsinfer.ops.router_logits  # noqa: F401  router_logits: reference, bf16_parts (CUDA)
