@@ -3,7 +3,8 @@ interpreter (integer and float positions, group starts for ratios 4 and 128 with
 width that is no power of two, more rows than one program), bit for bit on CUDA, and the errors both share.
 
 In the interpreter ``tl.cos`` / ``tl.sin`` are numpy's, which may differ from torch's CPU functions in the last
-bit: the bound there is 2 float32 ulps of 1. On CUDA both call the CUDA math library's ``cosf`` / ``sinf``."""
+bit: the bound there is 2 float32 ulps of 1. On CUDA both call the CUDA math library's ``cosf`` / ``sinf``: the
+kernel must equal torch's CUDA kernels bit for bit (torch's CPU functions differ from them in the last bit)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def check(device: str, exact: bool) -> list[str]:
     failures = []
     for label, positions, half, ratio in CASES:
         freq = frequencies(half)
-        want = rope_angles_reference(positions, freq, ratio)
+        want = rope_angles_reference(positions.to(device), freq.to(device), ratio)  # torch on the same device
         got = rope_angles_triton(positions.to(device), freq.to(device), ratio)
         for name, g, w in zip(("cos", "sin"), got, want, strict=True):
-            g = g.cpu()
+            g, w = g.cpu(), w.cpu()
             if g.shape != w.shape or g.dtype != torch.float32:
                 failures.append(f"{label} {name}: {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)}")
             elif exact and not torch.equal(g, w):
