@@ -20,11 +20,11 @@ import itertools
 import statistics
 
 import torch
-import torch.nn.functional as F
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
 from dsinfer.ops.fp8_linear.gemv_triton import DEFAULT_GEMV, Fp8GemvConfig, fp8_gemv
 from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
+from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.quant import quantize_fp8_blockwise
 from dsinfer.ops.registry import resolve
 
@@ -96,7 +96,7 @@ def main() -> None:
         for name, _out, cols, groups in shapes:
             codes, scale, dense = weights[name]
             x = torch.randn(tokens, cols * groups, device=device, dtype=dtype)
-            bf16 = functools.partial(grouped_bf16, x, dense, groups)
+            bf16 = functools.partial(grouped_linear, x, dense, groups)
             fp8 = functools.partial(ops.fp8_linear, x, codes, scale, BLOCK, dtype, groups)
             rows["bf16"].append(graph_ms(bf16, args.calls, args.repeats))
             rows["fp8"].append(graph_ms(fp8, args.calls, args.repeats))
@@ -106,17 +106,6 @@ def main() -> None:
             print(f"| {tokens} | {policy} | {cells} | {sum(times):.4f} | {total_bytes / sum(times) / 1e9:.2f} |")
     bf16_bytes = sum(out * cols * 2 for _, out, cols, _ in shapes)
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
-
-
-def grouped_bf16(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """The bf16 model's projection: ``F.linear``, or the attention's grouped bmm for ``wo_a``."""
-    if groups == 1:
-        return F.linear(x, weight)
-    grouped = x.reshape(x.shape[0], groups, -1)
-    out = torch.empty(x.shape[0], groups, weight.shape[0] // groups, dtype=x.dtype, device=x.device)
-    torch.bmm(grouped.transpose(0, 1), weight.view(groups, -1, grouped.shape[-1]).transpose(1, 2),
-              out=out.transpose(0, 1))  # fmt: skip
-    return out
 
 
 def sweep(args, shapes, weights, dtype) -> None:

@@ -28,6 +28,7 @@ from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
+from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
@@ -295,16 +296,7 @@ class Attention(nn.Module):
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: each head group through its own slice of ``wo_a``."""
-        groups = self.config.o_groups
+        flat, groups = out.reshape(out.shape[0], -1), self.config.o_groups
         if isinstance(self.wo_a, Fp8Linear):  # FP8 kept as stored: the op reads the codes group by group
-            return self.wo_b(self.wo_a(out.reshape(out.shape[0], -1), groups=groups))
-        grouped = out.reshape(out.shape[0], groups, -1)
-        weight = self.wo_a.weight.view(groups, -1, grouped.shape[-1])
-        if out.is_cuda and not (torch.is_grad_enabled() and (out.requires_grad or weight.requires_grad)):
-            # one batched GEMM per group written straight into [T, groups, rank] (an einsum's [groups, T, rank]
-            # result would be copied into that layout: 0.34 ms of a 4,096-token chunk on the slice)
-            mixed = torch.empty(out.shape[0], groups, weight.shape[1], dtype=out.dtype, device=out.device)
-            torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2), out=mixed.transpose(0, 1))
-        else:  # the CPU (where the strided output is no cheaper) and autograd (no out= there)
-            mixed = torch.einsum("tgi,goi->tgo", grouped, weight)
-        return self.wo_b(mixed.flatten(1))
+            return self.wo_b(self.wo_a(flat, groups=groups))
+        return self.wo_b(grouped_linear(flat, self.wo_a.weight, groups))

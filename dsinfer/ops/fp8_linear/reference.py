@@ -12,8 +12,8 @@ rows of the weight.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.quant import dequantize_fp8_blockwise
 from dsinfer.ops.registry import REFERENCE, register
 
@@ -44,10 +44,4 @@ def fp8_linear_reference(
     With ``groups`` > 1, ``x`` [..., groups * in] and the result [..., out]: group ``g``'s output columns are
     ``x[..., g*in:(g+1)*in] @ W[g*out/groups:(g+1)*out/groups].T``."""
     check_groups(x, codes, groups)
-    weight = dequantize_fp8_blockwise(codes, scale, block, dtype=dtype)
-    if groups == 1:
-        return F.linear(x, weight)
-    lead = x.shape[:-1]
-    grouped = x.reshape(-1, groups, codes.shape[1])
-    mixed = torch.einsum("tgi,goi->tgo", grouped, weight.view(groups, -1, codes.shape[1]))
-    return mixed.reshape(*lead, codes.shape[0])
+    return grouped_linear(x, dequantize_fp8_blockwise(codes, scale, block, dtype=dtype), groups)

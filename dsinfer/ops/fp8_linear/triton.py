@@ -20,11 +20,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, plan_splits, scale_operand
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
+from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
 
 try:
@@ -289,11 +289,4 @@ def fp8_linear_triton(
         return fp8_gemv(x, codes, scale, block, dtype, groups)
     if tokens <= kernel_max_tokens():
         return fp8_linear_kernel(x, codes, scale, block, dtype, groups)
-    weight = dequantize_fp8_triton(codes, scale, block, dtype)
-    if groups == 1:
-        return F.linear(x, weight)
-    lead = x.shape[:-1]
-    grouped = x.reshape(-1, groups, codes.shape[1]).transpose(0, 1)
-    mixed = torch.empty(grouped.shape[1], groups, codes.shape[0] // groups, dtype=dtype, device=x.device)
-    torch.bmm(grouped, weight.view(groups, -1, codes.shape[1]).transpose(1, 2), out=mixed.transpose(0, 1))
-    return mixed.reshape(*lead, codes.shape[0])
+    return grouped_linear(x, dequantize_fp8_triton(codes, scale, block, dtype), groups)
