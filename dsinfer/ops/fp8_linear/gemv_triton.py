@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, plan_splits, scale_operand
+from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
 
 try:
     import triton
@@ -151,14 +151,9 @@ def fp8_gemv(
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
     config = config or DEFAULT_GEMV
     lead, (rows, inputs) = x.shape[:-1], codes.shape
-    flat = x.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:
-        flat = flat.contiguous()
-    out = torch.empty(rows, dtype=dtype, device=x.device)
-    if rows == 0:
+    flat, out, work = kernel_operands(x, rows, inputs, dtype)
+    if not work:
         return out.reshape(*lead, rows)
-    if inputs == 0:
-        return out.zero_().reshape(*lead, rows)
     tiles = rows // config.block_n
     wanted = config.splits or choose_splits(tiles, inputs, config.block_k, x.device, config.programs_per_sm)
     splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (rows,))

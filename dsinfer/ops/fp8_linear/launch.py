@@ -49,6 +49,20 @@ def plan_splits(
     return splits, k_per_split, arrived, partial
 
 
+def kernel_operands(
+    x: torch.Tensor, rows: int, inputs: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``x`` as rows with unit column stride ``[tokens, width]``, the output ``[tokens, rows]`` in ``dtype``, and
+    whether a kernel must run (False: the output is already the answer, empty or the zeros of no inputs)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[-1] and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(flat.shape[0], rows, dtype=dtype, device=x.device)
+    if out.numel() and inputs == 0:
+        out.zero_()
+    return flat, out, out.numel() > 0 and inputs > 0
+
+
 def scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The scales as the kernels take them: ue8m0 as their exponent bytes (True), else float32 (False)."""
     if scale.dtype == torch.float8_e8m0fnu:

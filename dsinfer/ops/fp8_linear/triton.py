@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
-from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, plan_splits, scale_operand
+from dsinfer.ops.fp8_linear.launch import (
+    choose_splits,
+    hardware_fp8,
+    kernel_operands,
+    plan_splits,
+    scale_operand,
+)
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
@@ -224,16 +230,11 @@ def fp8_linear_kernel(
 ) -> torch.Tensor:
     """The kernel's ``fp8_linear`` for any number of tokens (callers keep it to few); ``config`` for sweeps."""
     check_groups(x, codes, groups)
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[-1] and flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    tokens, (rows, inputs) = flat.shape[0], codes.shape
-    out = torch.empty(tokens, rows, dtype=dtype, device=x.device)
-    if tokens == 0 or rows == 0:
+    lead, (rows, inputs) = x.shape[:-1], codes.shape
+    flat, out, work = kernel_operands(x, rows, inputs, dtype)
+    if not work:
         return out.reshape(*lead, rows)
-    if inputs == 0:
-        return out.zero_().reshape(*lead, rows)
+    tokens = flat.shape[0]
     rows_per_group = rows // groups
     config = config or choose_config(rows, rows_per_group, block, tokens)
     block_m = min(64, max(16, triton.next_power_of_2(tokens)))
