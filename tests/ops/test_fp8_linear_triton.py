@@ -134,7 +134,7 @@ def test_fp8_linear_kernel_matches_reference_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 8, 64, 65, 300])
-def test_fp8_linear_backend_on_cuda_at_flash_widths(tokens, monkeypatch):
+def test_fp8_linear_backend_on_cuda_at_flash_widths(tokens):
     """The backend at V4-Flash's wo_b and grouped wo_a shapes: the kernel up to 64 tokens, the dequantised weight
     above; both within the bf16 bound of the truth."""
     from dsinfer.ops.fp8_linear.triton import fp8_linear_triton

@@ -286,8 +286,7 @@ def fp8_linear_triton(
     if not serves(x, codes, scale, block, dtype, groups):
         return fp8_linear_reference(x, codes, scale, block, dtype, groups)
     tokens = x.numel() // max(1, x.shape[-1])
-    if tokens <= kernel_max_tokens() and tokens == 1 and gemv_serves(x, codes, block, groups):
-        return fp8_gemv(x, codes, scale, block, dtype, groups)
     if tokens <= kernel_max_tokens():
-        return fp8_linear_kernel(x, codes, scale, block, dtype, groups)
+        kernel = fp8_gemv if tokens == 1 and gemv_serves(x, codes, block, groups) else fp8_linear_kernel
+        return kernel(x, codes, scale, block, dtype, groups)
     return grouped_linear(x, dequantize_fp8_triton(codes, scale, block, dtype), groups)
