@@ -109,6 +109,9 @@ GEMV_SWEEP_CONFIGS = {
 }
 """Candidate launches of the two GEMV kernels (``--decode-gemv --sweep``)."""
 
+GEMV_SWEEP_DOWN_SPLITS = (1, 2, 3, 6)
+"""Candidate splits of a token's slots for each down launch (``DecodeGemvConfig.down_splits``)."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -284,7 +287,7 @@ def _kernel_rows(args: argparse.Namespace, tokens: int, label: str, fn) -> None:
 
 def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> None:
     """The GEMV path against the grouped kernels per token count (graph replay), or the GEMV launch sweep."""
-    from dsinfer.ops.moe.decode_triton import DECODE_GEMV_CONFIG, DecodeGemvConfig, GemvConfig, routed_moe_decode_gemv
+    from dsinfer.ops.moe.decode_triton import GemvConfig, decode_gemv_config, routed_moe_decode_gemv
     from dsinfer.ops.moe.reference import routed_moe_reference
     from dsinfer.ops.moe.triton import routed_moe_triton
 
@@ -303,23 +306,37 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
             grouped = partial(routed_moe_triton, *step, gemv=False)
             gemv = partial(routed_moe_decode_gemv, *step)
             _timed_row(args, tokens, "grouped", grouped, touched_gb, reference)
-            _timed_row(args, tokens, f"gemv {tuple(map(tuple, DECODE_GEMV_CONFIG))}", gemv, slots_gb, reference)
+            _timed_row(args, tokens, f"gemv {describe(decode_gemv_config(args.inter))}", gemv, slots_gb, reference)
             _kernel_rows(args, tokens, "grouped", grouped)  # eager: per-kernel device time, no launch gaps
             _kernel_rows(args, tokens, "gemv", gemv)
             continue
+        default = decode_gemv_config(args.inter)
         best = {}
         for part in ("gate_up", "down"):
             results = []
+            splits = GEMV_SWEEP_DOWN_SPLITS if part == "down" else (default.down_splits,)
             for candidate in GEMV_SWEEP_CONFIGS[part]:
-                config = DECODE_GEMV_CONFIG._replace(**{part: GemvConfig(*candidate)})
-                fn = partial(routed_moe_decode_gemv, *step, config=config)
-                ms = _timed_row(args, tokens, f"{part} {candidate}", fn, slots_gb, reference)
-                if ms is not None:
-                    results.append((ms, candidate))
-            best[part] = GemvConfig(*min(results)[1]) if results else getattr(DECODE_GEMV_CONFIG, part)
-        config = DecodeGemvConfig(**best)
+                for down_splits in splits:
+                    config = default._replace(**{part: GemvConfig(*candidate)}, down_splits=down_splits)
+                    fn = partial(routed_moe_decode_gemv, *step, config=config)
+                    ms = _timed_row(args, tokens, f"{part} {describe(config)}", fn, slots_gb, reference)
+                    if ms is not None:
+                        results.append((ms, config))
+            if not results:
+                continue
+            fastest = min(results)[1]
+            if part == "gate_up":
+                best["gate_up"] = fastest.gate_up
+            else:
+                best.update(down=fastest.down, down_splits=fastest.down_splits)
+        config = default._replace(**best)
         fn = partial(routed_moe_decode_gemv, *step, config=config)
-        _timed_row(args, tokens, f"best {tuple(map(tuple, config))}", fn, slots_gb, reference)
+        _timed_row(args, tokens, f"best {describe(config)}", fn, slots_gb, reference)
+
+
+def describe(config) -> str:
+    """A decode GEMV configuration as a table cell: both launches and the down launch's splits."""
+    return f"{tuple(config.gate_up)} {tuple(config.down)} x{config.down_splits}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,8 +54,8 @@ def routing(tokens: int, top_k: int, experts: int, seed: int, ids=None, device="
     return ids.to(device), mix.to(device)
 
 
-def small(gate_up: tuple[int, int], down: tuple[int, int]) -> DecodeGemvConfig:
-    return DecodeGemvConfig(GemvConfig(*gate_up, 4, 1), GemvConfig(*down, 4, 1))
+def small(gate_up: tuple[int, int], down: tuple[int, int], down_splits: int = 1) -> DecodeGemvConfig:
+    return DecodeGemvConfig(GemvConfig(*gate_up, 4, 1), GemvConfig(*down, 4, 1), down_splits)
 
 
 # (label, tokens, top_k, experts, hidden, inter, config, limit, ids). Kept to a few programs per launch: the
@@ -69,6 +69,12 @@ CASES = [
     ("shared expert", 2, 2, 6, 64, 32, small((32, 64), (64, 32)), 4.0, [[5, 0], [2, 5]]),
     # The SwiGLU clamps bite on most of the gate and up values (checked against the reference's values).
     ("clamped", 2, 2, 4, 64, 32, small((32, 64), (64, 32)), 0.25, [[3, 1], [0, 3]]),
+    # The down launch's slots split three ways, two slots each: a column tail and a K tail in every split.
+    ("three splits", 2, 6, 8, 96, 96, small((64, 64), (64, 64), 3), 4.0, None),
+    # Four splits asked of three slots: one slot each; then two splits of five slots, the last one short (three
+    # and two), whose missing step reads nothing new.
+    ("one slot a split", 1, 3, 6, 64, 64, small((64, 64), (64, 64), 4), 4.0, None),
+    ("a short last split", 2, 5, 8, 64, 64, small((64, 64), (64, 64), 2), 4.0, None),
 ]
 LIMIT_FOR_BAD_ID = 4.0
 
@@ -122,10 +128,17 @@ def check(device: str, cases=CASES) -> list[str]:
     weights = random_experts(4, 64, 32, seed=9, device=device)
     ids, mix = routing(2, 2, 4, seed=10, ids=[[-1, 2], [1, 4]], device=device)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(11)).to(device)
-    got = routed_moe_decode_gemv(x, weights, ids, mix, LIMIT_FOR_BAD_ID, config=small((32, 64), (64, 32)))
     valid = ids.clamp(0, 3)
     want = routed_moe_reference(x, weights, valid, torch.where(ids == valid, mix, 0.0), LIMIT_FOR_BAD_ID)
-    failures += bound_failures("bad expert id", got, want, want, torch.float32)
+    for splits in (1, 2):
+        config = small((32, 64), (64, 32), splits)
+        got = routed_moe_decode_gemv(x, weights, ids, mix, LIMIT_FOR_BAD_ID, config=config)
+        failures += bound_failures(f"bad expert id, {splits} splits", got, want, want, torch.float32)
+    from dsinfer.ops.split_arrivals import ARRIVAL_COUNTS
+
+    counts = next((c for d, c in ARRIVAL_COUNTS.items() if d.type == torch.device(device).type), None)
+    if counts is None or int(counts.abs().sum()):  # every split launch sets its tiles' counts back to zero
+        failures.append(f"split counts after the launches: {None if counts is None else counts.nonzero()}")
     return failures
 
 
@@ -232,7 +245,8 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     from dsinfer.ops.moe import decode_triton
 
     pointers = {"x_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8",
-                "ids_ptr": "*i64", "route_weight_ptr": "*fp32"}  # fmt: skip
+                "ids_ptr": "*i64", "route_weight_ptr": "*fp32", "partial_ptr": "*fp32",
+                "arrived_ptr": "*i32"}  # fmt: skip
     kernels = ((decode_triton._gate_up_gemv_kernel, DECODE_GEMV_CONFIG.gate_up),
                (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down),
                (decode_triton._down_gemv_kernel, decode_triton.PARTIAL_STEP_DOWN))  # fmt: skip
@@ -242,6 +256,8 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
         for even in (True, False):  # V4-Flash widths are whole tiles; the masked form serves other widths
             signature = {name: pointers.get(name, "fp32" if name == "limit" else "i32") for name in kernel.arg_names}
             constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even)
+            if kernel is decode_triton._down_gemv_kernel:
+                constants["SPLIT"] = even  # the split launch's reduction compiles in one of the two forms
             signature.update({name: "constexpr" for name in constants})
             source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
             options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)

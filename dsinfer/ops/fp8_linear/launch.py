@@ -1,26 +1,11 @@
-"""What the ``fp8_linear`` kernels share at launch: the split-K arrival counts, the number of splits, and how the
-scales and e4m3 codes are read on a device."""
+"""What the ``fp8_linear`` kernels share at launch: the number of splits, the split layout (its arrival counts
+come from :mod:`dsinfer.ops.split_arrivals`), and how the scales and e4m3 codes are read on a device."""
 
 from __future__ import annotations
 
 import torch
 
-# Per device: one int32 count per output tile of a split launch, zero between launches (the last split of a tile
-# sets it back). Launches on one stream run one after another, so they share it.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_MAX_SPLIT_TILES = 1 << 14
-
-
-def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's tile counts, made (zeroed) on first use; None where they cannot be (too many tiles, or first
-    needed while a CUDA graph is being captured, where a zeroing would only be recorded): the launch then runs
-    unsplit."""
-    counts = _ARRIVALS.get(device)
-    if counts is None:
-        if tiles > _MAX_SPLIT_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        counts = _ARRIVALS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return counts if tiles <= counts.numel() else None
+from dsinfer.ops.split_arrivals import arrival_counts
 
 
 def choose_splits(tiles: int, inputs: int, block_k: int, device: torch.device, programs_per_sm: int = 4) -> int:

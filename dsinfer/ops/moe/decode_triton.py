@@ -52,6 +52,7 @@ import torch
 
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.weights import ExpertWeights
+from dsinfer.ops.split_arrivals import arrival_counts
 
 try:  # Triton is optional: CPU-only installs use the reference.
     import triton
@@ -110,10 +111,18 @@ class GemvConfig(NamedTuple):
 
 
 class DecodeGemvConfig(NamedTuple):
-    """The two kernels' launches (``benchmarks/moe_kernel.py --decode-gemv --sweep`` times candidates)."""
+    """The two kernels' launches (``benchmarks/moe_kernel.py --decode-gemv --sweep`` times candidates), and how
+    many splits the down launch shares a token's slots among (1: one program walks all ``k`` slots)."""
 
     gate_up: GemvConfig
     down: GemvConfig
+    down_splits: int = 1
+
+    def validate(self) -> None:
+        self.gate_up.validate()
+        self.down.validate()
+        if self.down_splits < 1:
+            raise ValueError(f"down_splits must be >= 1, got {self.down_splits}")
 
 
 DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(8, 1024, 1, 1))
@@ -132,12 +141,21 @@ widths (hidden 5120, 384 experts, one token) timed it at 0.0719 ms with the defa
 with the default down launch, whose last 1024-input step is three quarters masked."""
 
 
+DOWN_SPLITS = os.environ.get("DSINFER_MOE_DOWN_SPLITS")
+"""A number of splits of a token's slots for every down launch (``DSINFER_MOE_DOWN_SPLITS``), in place of the
+configured launches' (measurement runs set it; unset, :func:`decode_gemv_config` decides)."""
+
+
 def decode_gemv_config(inter: int) -> DecodeGemvConfig:
     """The launches for experts of intermediate size ``inter``: :data:`DECODE_GEMV_CONFIG`, with
-    :data:`PARTIAL_STEP_DOWN` where ``inter`` is no whole number of the default down launch's steps."""
+    :data:`PARTIAL_STEP_DOWN` where ``inter`` is no whole number of the default down launch's steps (and
+    :data:`DOWN_SPLITS` where set)."""
+    config = DECODE_GEMV_CONFIG
     if inter % DECODE_GEMV_CONFIG.down.block_k:
-        return DECODE_GEMV_CONFIG._replace(down=PARTIAL_STEP_DOWN)
-    return DECODE_GEMV_CONFIG
+        config = config._replace(down=PARTIAL_STEP_DOWN)
+    if DOWN_SPLITS:
+        config = config._replace(down_splits=int(DOWN_SPLITS))
+    return config
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
@@ -281,17 +299,17 @@ if triton is not None:
         tl.store(h_ptr + slot.to(tl.int64) * inter + columns, h.to(dtype), mask=columns < inter)
 
     @triton.jit
-    def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, choice, q0, top_k, hidden, inter,
+    def _down_step(h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token, choice, q0, top_k, stop, hidden, inter,
                    num_experts, columns, w_expert_stride, w_row_stride, s_expert_stride, s_row_stride,
                    GROUPS: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
         """The loads of the K step from word ``q0`` of the token's slot ``choice``: ``(words, scale bytes,
-        routing weight, x0 .. x7)``. Past the token's last slot (``choice == top_k``) nothing is read (``EVEN``:
+        routing weight, x0 .. x7)``. Past the program's last slot (``choice >= stop``) nothing is read (``EVEN``:
         the last slot's first step is read again, with a zero weight); a bad expert id's routing weight is zero."""
         if EVEN:
-            q0 = tl.where(choice < top_k, q0, 0)
-        slot = token * top_k + tl.minimum(choice, top_k - 1)
+            q0 = tl.where(choice < stop, q0, 0)
+        slot = token * top_k + tl.minimum(choice, stop - 1)
         expert = tl.load(ids_ptr + slot)
-        expert_ok = (expert >= 0) & (expert < num_experts) & (choice < top_k)
+        expert_ok = (expert >= 0) & (expert < num_experts) & (choice < stop)
         expert = tl.where(expert_ok, expert, 0)
         route_weight = tl.where(expert_ok, tl.load(route_weight_ptr + slot), 0.0)
         row_ok = columns < tl.where(expert_ok, hidden, 0)
@@ -299,7 +317,7 @@ if triton is not None:
         s_rows = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
         packed, exponents = _load_tile(w_rows, s_rows, row_ok, q0, inter, GROUPS, EVEN)
         h_row = h_ptr + slot * inter
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(h_row, q0, tl.where(choice < top_k, inter, 0), GROUPS, EVEN)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(h_row, q0, tl.where(choice < stop, inter, 0), GROUPS, EVEN)
         return packed, exponents, route_weight, x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
@@ -310,7 +328,10 @@ if triton is not None:
         ids_ptr,
         route_weight_ptr,
         out_ptr,
+        partial_ptr,
+        arrived_ptr,
         top_k,
+        slots_per_split,
         hidden,
         inter,
         num_experts,
@@ -321,26 +342,34 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
         ``w_ptr``: the ``w2`` codes as int32 words ``[E, H, I/8]``; ``s_ptr``: the scale bytes ``[E, H, I/32]``.
-        One flat loop over (slot, K step), slots in order, each step's loads issued one step ahead: a program
-        covers all ``k`` slots of its columns, and the next slot's first bytes are in flight while the last step
-        of a slot is decoded. ``EVEN``: ``hidden % BLOCK_N == 0`` and ``inter % BLOCK_K == 0``, no masks."""
+        One flat loop over (slot, K step) of the program's ``slots_per_split`` slots (program id 2 is the split),
+        slots in order, each step's loads issued one step ahead: the next slot's first bytes are in flight while
+        the last step of a slot is decoded. ``EVEN``: ``hidden % BLOCK_N == 0`` and ``inter % BLOCK_K == 0``, no
+        masks.
+
+        ``SPLIT``: each split stores its float32 sum in ``partial_ptr`` ``[splits, tokens, H]``; the last split of
+        a (token, tile) to arrive (``arrived_ptr``, one count a tile, zero between launches) adds the splits in
+        split order, stores the row tile and sets the count back."""
         GROUPS: tl.constexpr = BLOCK_K // 32
         n_tile = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         WORDS: tl.constexpr = BLOCK_K // 8
+        choice = split * slots_per_split  # the slot of the step loaded ahead; counted, not divided out of an index
+        stop = tl.minimum(choice + slots_per_split, top_k)
         strides = (w_expert_stride, w_row_stride, s_expert_stride, s_row_stride)
         common = (h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token)
-        sizes = (top_k, hidden, inter, num_experts, columns)
+        sizes = (top_k, stop, hidden, inter, num_experts, columns)
         acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        choice = 0  # of the step loaded ahead; counted, not divided out of a flat index (a division a step)
         q0 = 0
         loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
-        for _ in range(0, top_k * tl.cdiv(inter, BLOCK_K)):
+        for _ in range(0, slots_per_split * tl.cdiv(inter, BLOCK_K)):  # the same count in every program
             packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7 = loads
             q0 += WORDS
             next_slot = q0 >= inter // 8
@@ -349,7 +378,22 @@ if triton is not None:
             loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
             acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7)
         out = tl.sum(acc, axis=1)
-        tl.store(out_ptr + token * hidden + columns, out.to(out_ptr.dtype.element_ty), mask=columns < hidden)
+        row = out_ptr + token * hidden + columns
+        if SPLIT:
+            splits = tl.num_programs(2)
+            tokens = tl.num_programs(1)
+            tile = token * tl.num_programs(0) + n_tile
+            tl.store(partial_ptr + (split * tokens + token) * hidden + columns, out, mask=columns < hidden)
+            tl.debug_barrier()  # every thread's partial is written before the count says so
+            if tl.atomic_add(arrived_ptr + tile, 1) == splits - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for earlier in range(0, splits):
+                    at = partial_ptr + (earlier * tokens + token) * hidden + columns
+                    total += tl.load(at, mask=columns < hidden, other=0.0, cache_modifier=".cg")
+                tl.store(row, total.to(out_ptr.dtype.element_ty), mask=columns < hidden)
+                tl.atomic_xchg(arrived_ptr + tile, 0)
+        else:
+            tl.store(row, out.to(out_ptr.dtype.element_ty), mask=columns < hidden)
 
 
 def routed_moe_decode_gemv(
@@ -373,8 +417,7 @@ def routed_moe_decode_gemv(
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the GEMV routed_moe path takes bf16 or fp32 activations, got {x.dtype}")
     config = decode_gemv_config(weights.intermediate_size) if config is None else config
-    for part in config:
-        part.validate()
+    config.validate()
     tokens, top_k = expert_ids.shape
     hidden, inter = weights.hidden_size, weights.intermediate_size
     if tokens * top_k == 0:
@@ -394,10 +437,28 @@ def routed_moe_decode_gemv(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
-    _down_gemv_kernel[(triton.cdiv(hidden, block_n), tokens)](
-        h, w2, weights.w2_scale, ids, route_weight, out, top_k, hidden, inter, weights.num_experts,
-        w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0,
+    tiles = triton.cdiv(hidden, block_n)
+    slots_per_split, splits, arrived, partial = _plan_down_splits(config.down_splits, top_k, tokens, tiles, out)
+    _down_gemv_kernel[(tiles, tokens, splits)](
+        h, w2, weights.w2_scale, ids, route_weight, out, partial, arrived, top_k, slots_per_split, hidden, inter,
+        weights.num_experts, w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _plan_down_splits(
+    wanted: int, top_k: int, tokens: int, tiles: int, out: torch.Tensor
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The down launch's slots per split, splits, tile counts and float32 partials ``[splits, tokens, H]`` for
+    ``wanted`` splits of ``top_k`` slots: as many whole slots per split as that asks, the last split shorter where
+    they do not divide (its missing steps read nothing new, with a zero weight). Unsplit where no counts can be
+    had (:func:`dsinfer.ops.split_arrivals.arrival_counts`)."""
+    per_split = -(-top_k // max(1, min(wanted, top_k)))
+    splits = -(-top_k // per_split)
+    arrived = arrival_counts(out.device, tiles * tokens) if splits > 1 else None
+    if arrived is None:
+        return top_k, 1, out, out  # not read unsplit
+    partial = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+    return per_split, splits, arrived, partial
