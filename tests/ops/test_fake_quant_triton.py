@@ -118,6 +118,40 @@ def check_cache_codec(device: torch.device) -> list[str]:
     return failures
 
 
+def searched_rows(rows: int, width: int, block: int, generator: torch.Generator) -> torch.Tensor:
+    """FP4 rows whose e4m3 scales the encoder must search for: each block is ``c`` (an e4m3 value) times e2m1
+    values, its amax ``4c`` or ``2c``. The rule's scale, ``amax / 6`` rounded to e4m3, is then mostly not exact,
+    while ``amax / 4`` is."""
+    shape = (rows, width // block, block)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    amax = torch.where(torch.rand(*shape[:2], 1, generator=generator) < 0.5, 4.0, 2.0)
+    values = torch.minimum(grid[torch.randint(0, len(grid), shape, generator=generator)], amax)
+    values[..., :1] = amax  # the amax, at the block's first channel
+    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
+    mantissa = 1.0 + torch.randint(0, 8, (*shape[:2], 1), generator=generator).float() / 8
+    c = mantissa * torch.exp2(torch.randint(-6, 5, (*shape[:2], 1), generator=generator).float())
+    return (values * sign * c).reshape(rows, width)
+
+
+def check_lossless_search(device: torch.device) -> list[str]:
+    """FP4 / e4m3 encoding of :func:`searched_rows`: the reference's codes and scales bit for bit, where most
+    blocks' scales are not the rule's (so a search that stops at the rule, or tries the candidates in another
+    order or with other values, fails)."""
+    import dsinfer.ops.cache_codec.triton as backend
+
+    x = searched_rows(6, 512, 16, torch.Generator().manual_seed(5))
+    want_codes, want_scales = cache_encode_reference(x, "e2m1", 16, "e4m3")
+    amax = x.view(6, 32, 16).abs().amax(dim=-1)
+    rule = (amax / 6).to(torch.float8_e4m3fn)
+    searched = float((want_scales.view(torch.uint8) != rule.view(torch.uint8)).float().mean())
+    failures = [] if searched > 0.5 else [f"only {searched:.0%} of the blocks need the search"]
+    got_codes, got_scales = backend.cache_encode_triton(x.to(device), "e2m1", 16, "e4m3")
+    for name, want, got in (("codes", want_codes, got_codes), ("scales", want_scales, got_scales)):
+        if not torch.equal(want.view(torch.uint8), got.cpu().view(torch.uint8)):
+            failures.append(f"lossless search: {name} differ")
+    return failures
+
+
 def check_cache_store(device: torch.device) -> list[str]:
     """``cache_store``: the same pool bytes as the reference's encode-and-scatter, plain and coded, with and
     without the ring's modulus, one row and several (distinct rows, as the cache writes)."""
@@ -155,7 +189,7 @@ def run_interpreted_cases() -> list[str]:
 
     _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
     cpu = torch.device("cpu")
-    return check_fake_quant(cpu) + check_cache_codec(cpu) + check_cache_store(cpu)
+    return check_fake_quant(cpu) + check_cache_codec(cpu) + check_cache_store(cpu) + check_lossless_search(cpu)
 
 
 def test_triton_fake_quant_and_cache_codecs_match_the_references_in_the_interpreter():
@@ -166,7 +200,9 @@ def test_triton_fake_quant_and_cache_codecs_match_the_references_in_the_interpre
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_fake_quant_and_cache_codecs_match_the_references_on_cuda():
     cuda = torch.device("cuda")
-    assert check_fake_quant(cuda) + check_cache_codec(cuda) + check_cache_store(cuda) == []
+    assert (
+        check_fake_quant(cuda) + check_cache_codec(cuda) + check_cache_store(cuda) + check_lossless_search(cuda) == []
+    )
 
 
 def test_registry_picks_the_kernels_on_cuda_only():
