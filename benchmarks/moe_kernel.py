@@ -126,6 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-iters", type=int, default=3, help="timed calls of the (slow) reference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true", help="time SWEEP_CONFIGS instead of the backends")
+    parser.add_argument(
+        "--gemv-parts",
+        nargs="+",
+        choices=("gate_up", "down"),
+        default=["gate_up", "down"],
+        help="with --decode-gemv --sweep: the launches to sweep (the others keep their defaults)",
+    )
     parser.add_argument("--decode-gemv", action="store_true",
                         help="the GEMV path against the grouped kernels (T = 1 2 unless --tokens)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -312,7 +319,7 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
             continue
         default = decode_gemv_config(args.inter)
         best = {}
-        for part in ("gate_up", "down"):
+        for part in args.gemv_parts:
             results = []
             splits = GEMV_SWEEP_DOWN_SPLITS if part == "down" else (default.down_splits,)
             for candidate in GEMV_SWEEP_CONFIGS[part]:
