@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_linear_choice.py --tokens 1 2 8 32 64 256 4096
     python benchmarks/fp8_linear_choice.py --sweep --tokens 1 32
+    python benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1
 
 For each of an attention layer's FP8 linears (and the shared expert's) the time of: ``bf16`` (the weight
 dequantised once, then ``F.linear``: the ``dequantize`` policy) and ``fp8`` (the ``fp8_linear`` op the model runs
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls of the op per graph")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes instead")
+    parser.add_argument("--gemv-only", action="store_true", help="with --sweep: only the one-token GEMV's launches")
     parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
     args = parser.parse_args()
     shapes = SHAPES_V41 if args.model == "v41" else SHAPES
@@ -108,6 +110,11 @@ def main() -> None:
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
 
 
+GEMV_GRID = list(itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 4, 8)))
+"""The GEMV's candidate launches: (rows, columns a step, warps, programs an SM); those with over 128 accumulator
+elements a thread are left out."""
+
+
 def sweep(args, shapes, weights, dtype) -> None:
     """Every launch shape at every shape and token count; the chosen one marked, the best printed."""
     print("| T | shape | block_n | block_k | warps | stages | splits | ms | TB/s | chosen |")
@@ -118,10 +125,9 @@ def sweep(args, shapes, weights, dtype) -> None:
         chosen = choose_config(out, out // groups, BLOCK, tokens)
         results = []
         grid = itertools.product((16, 32, 64), (2, 4), (3, 4), (1, 2, 4, 8, 16))
-        configs = [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
-        if tokens == 1:  # the GEMV's launches too
-            configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in
-                        itertools.product((4, 8, 16), (512, 1024), (1, 2, 4), (4, 8, 16))]  # fmt: skip
+        configs = [] if args.gemv_only else [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
+        if tokens == 1:  # the GEMV's launches too: more bytes a step keep more in flight on the large weights
+            configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in GEMV_GRID if n * k <= 4096 * w]
             chosen = DEFAULT_GEMV
         for config in configs:
             try:
