@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.mhc import hc_collapse_reference, hc_expand_reference, hc_mixes_reference, hc_weights_reference
+from dsinfer.ops.mhc import (
+    hc_collapse_reference,
+    hc_expand_reference,
+    hc_mixes_reference,
+    hc_site_input_reference,
+    hc_weights_reference,
+)
 from dsinfer.ops.registry import OpTable
 
 
@@ -32,6 +38,27 @@ def hyper_connection_weights(
     mixes = (ops.hc_mixes if ops is not None else hc_mixes_reference)(streams, fn, norm_eps)
     weights = ops.hc_weights if ops is not None else hc_weights_reference
     return weights(mixes, base, scale, sinkhorn_iterations, hc_eps)
+
+
+def site_input(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+    carried_mix: torch.Tensor | None = None,
+    ops: OpTable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One site's block input [T, D] and its ``pre``, ``post`` and ``comb`` from its input streams [T, n, D]:
+    :func:`hyper_connection_weights`, then :func:`collapse_streams` with ``pre``, or with ``carried_mix`` where
+    given (V4.1 collapses with the previous site's ``pre``).
+
+    ``ops`` is the model's op table (its ``hc_site_input`` backend: at decode on CUDA two launches for the four
+    kernels of the separate ops); without one the torch reference runs, the same functions composed."""
+    run = ops.hc_site_input if ops is not None else hc_site_input_reference
+    return run(streams, fn, base, scale, sinkhorn_iterations, hc_eps, norm_eps, carried_mix)
 
 
 def collapse_streams(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:

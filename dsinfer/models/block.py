@@ -10,7 +10,7 @@ from torch import nn
 from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.layers.attention import Attention
-from dsinfer.layers.mhc import collapse_streams, expand_streams, hyper_connection_weights
+from dsinfer.layers.mhc import expand_streams, site_input
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.registry import OpTable
@@ -30,10 +30,11 @@ def hc_parameters(config: ModelConfigBase) -> tuple[nn.Parameter, nn.Parameter, 
 class HyperConnectedBlock(nn.Module):
     """What every block of both variants shares: an attention site and an MoE site on ``hc_mult`` streams.
 
-    Each site computes (pre, post, comb) from its input streams (:func:`hyper_connection_weights`), collapses
-    the streams into the block's input, and spreads the output back (:func:`expand_streams`). V4 collapses
-    each site with its own ``pre``; V4.1 staggers them: a site collapses with the *previous* site's ``pre``
-    (:meth:`run_sites` with ``carried_mix``). Subclasses set ``attn`` and ``ffn`` through :meth:`_build_sites`.
+    Each site computes (pre, post, comb) from its input streams and collapses them into the block's input in
+    one op (:func:`site_input`: two launches at decode on CUDA), then spreads the output back
+    (:func:`expand_streams`). V4 collapses each site with its own ``pre``; V4.1 staggers them: a site collapses
+    with the *previous* site's ``pre`` (:meth:`run_sites` with ``carried_mix``). Subclasses set ``attn`` and
+    ``ffn`` through :meth:`_build_sites`.
     """
 
     def _build_sites(self, config, attn: nn.Module, ffn: nn.Module) -> None:
@@ -46,13 +47,14 @@ class HyperConnectedBlock(nn.Module):
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
-    def site_weights(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(pre, post, comb) of site ``attn`` or ``ffn`` from its input streams."""
+    def site_input(
+        self, streams: torch.Tensor, site: str, mix: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block input, pre, post, comb) of site ``attn`` or ``ffn`` from its input streams; the streams collapse
+        with ``mix`` where given, else with the site's own ``pre``."""
         cfg = self.config
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-        return hyper_connection_weights(
-            streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, self.ops
-        )
+        return site_input(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, mix, self.ops)
 
     def run_sites(
         self,
@@ -66,13 +68,11 @@ class HyperConnectedBlock(nn.Module):
         ``carried_mix`` None: each site collapses with its own ``pre`` (V4). Given: the attention site
         collapses with it and the FFN site with the attention site's ``pre`` (V4.1's staggered mHC).
         """
-        attn_pre, post, comb = self.site_weights(streams, "attn")
-        mix = attn_pre if carried_mix is None else carried_mix
-        block_input = self.attn_norm(collapse_streams(streams, mix, self.ops))
+        collapsed, attn_pre, post, comb = self.site_input(streams, "attn", carried_mix)
+        block_input = self.attn_norm(collapsed)
         streams = expand_streams(attention(block_input), streams, post, comb, self.ops)
-        ffn_pre, post, comb = self.site_weights(streams, "ffn")
-        mix = ffn_pre if carried_mix is None else attn_pre
-        block_input = self.ffn_norm(collapse_streams(streams, mix, self.ops))
+        collapsed, ffn_pre, post, comb = self.site_input(streams, "ffn", None if carried_mix is None else attn_pre)
+        block_input = self.ffn_norm(collapsed)
         streams = expand_streams(feed_forward(block_input), streams, post, comb, self.ops)
         return streams, ffn_pre
 

@@ -13,7 +13,7 @@ import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: referen
 import dsinfer.ops.index_scores_paged  # noqa: F401  index_scores_paged: reference, triton (CUDA)
 import dsinfer.ops.index_select  # noqa: F401  index_topk_decode, candidate_block_mask: reference, triton (CUDA)
 import dsinfer.ops.indexer  # noqa: F401  indexer_topk_decode: reference, triton
-import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights: reference, triton
+import dsinfer.ops.mhc  # noqa: F401  hc_collapse, hc_expand, hc_mixes, hc_weights, hc_site_input: reference, triton
 import dsinfer.ops.moe  # noqa: F401  routed_moe: reference, triton, grouped_mm
 import dsinfer.ops.norm_rope  # noqa: F401  rms_norm, rms_normalize, rope, rms_normalize_rope: reference, triton (CUDA)
 import dsinfer.ops.rope_angles  # noqa: F401  rope_angles: reference, triton (CUDA)

@@ -8,14 +8,23 @@ streams. Both are memory-bound, so the Triton backend reads each stream row once
 Before each collapse the mixes project the RMS-normalised streams to the site's raw weights; their Triton
 backend reads the streams once too, instead of writing and re-reading a normalised float32 copy; the weights'
 backend turns each token's mixes into ``pre``, ``post`` and Sinkhorn's ``comb`` in one launch instead of ~13.
+``hc_site_input(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)`` is a site's mixes, weights
+and collapse together: at decode its backend runs them in two launches instead of four.
 """
 
-from dsinfer.ops.mhc import mixes_triton, triton, weights_triton  # noqa: F401  (register the backends)
+from dsinfer.ops.mhc import mixes_triton, site_triton, triton, weights_triton  # noqa: F401  (register the backends)
 from dsinfer.ops.mhc.reference import (
     hc_collapse_reference,
     hc_expand_reference,
     hc_mixes_reference,
+    hc_site_input_reference,
     hc_weights_reference,
 )
 
-__all__ = ["hc_collapse_reference", "hc_expand_reference", "hc_mixes_reference", "hc_weights_reference"]
+__all__ = [
+    "hc_collapse_reference",
+    "hc_expand_reference",
+    "hc_mixes_reference",
+    "hc_site_input_reference",
+    "hc_weights_reference",
+]

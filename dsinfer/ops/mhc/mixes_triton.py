@@ -156,6 +156,36 @@ def _plan(tokens: int, columns: int, split_weights: bool) -> tuple[int, int, int
     return block_t, triton.cdiv(columns, per_split), per_split
 
 
+def plan_for(streams: torch.Tensor, fn: torch.Tensor) -> tuple[int, int, int]:
+    """:func:`_plan` for these streams (at least one token) and ``fn``: tokens per program, splits and columns
+    per split."""
+    tokens = math.prod(streams.shape[:-2])
+    return _plan(tokens, fn.shape[1], streams.dtype == torch.bfloat16)
+
+
+def launch_mixes(
+    flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None, norm_eps: float, plan: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Run ``_mixes_kernel`` over the flattened streams [T, n*D] (T >= 1) with ``plan``: with one split it writes
+    the scaled mixes into ``out`` and returns None; with more it returns the partial dots [split, T, BLOCK_M] and
+    squares [split, T] for a second kernel to add (``_finish_kernel`` here, the fused site kernel in site_triton.py)
+    and ``out`` may be None."""
+    tokens, columns = flat.shape
+    m = weights.shape[0]
+    block_t, split, per_split = plan
+    block_m = max(MIN_BLOCK, triton.next_power_of_2(m))
+    if split > 1:
+        dots = torch.empty(split, tokens, block_m, dtype=torch.float32, device=flat.device)
+        squares = torch.empty(split, tokens, dtype=torch.float32, device=flat.device)
+    else:
+        dots = squares = out  # not read: the kernel scales and stores the result itself
+    _mixes_kernel[(triton.cdiv(tokens, block_t), split)](
+        flat, weights, dots if out is None else out, dots, squares, tokens, columns, per_split, float(norm_eps),
+        M=m, SPLIT=split, SPLIT_WEIGHTS=flat.dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return (dots, squares) if split > 1 else None
+
+
 @register("hc_mixes", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
 def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """Same contract as the reference; what the kernel does not take (an ``fn`` that does not match the
@@ -167,26 +197,15 @@ def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) ->
     columns, m = fn.shape[1], fn.shape[0]
     tokens = math.prod(streams.shape[:-2])
     flat = streams.contiguous().view(tokens, columns)
-    weights = fn.contiguous()
     out = torch.empty(tokens, m, dtype=torch.float32, device=streams.device)
     if tokens:
-        block_m = max(MIN_BLOCK, triton.next_power_of_2(m))
-        split_weights = flat.dtype == torch.bfloat16  # exact in bf16: the tensor-core path
-        block_t, split, per_split = _plan(tokens, columns, split_weights)
-        token_blocks = triton.cdiv(tokens, block_t)
-        if split > 1:
-            dots = torch.empty(split, tokens, block_m, dtype=torch.float32, device=streams.device)
-            squares = torch.empty(split, tokens, dtype=torch.float32, device=streams.device)
-        else:
-            dots = squares = out  # not read: the kernel scales and stores the result itself
-        eps = float(norm_eps)
-        _mixes_kernel[(token_blocks, split)](
-            flat, weights, out, dots, squares, tokens, columns, per_split, eps, M=m, SPLIT=split,
-            SPLIT_WEIGHTS=split_weights, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
-        )  # fmt: skip
-        if split > 1:
+        plan = plan_for(streams, fn)  # bf16 streams are exact in bf16: the tensor-core path
+        partials = launch_mixes(flat, fn.contiguous(), out, norm_eps, plan)
+        if partials is not None:
+            dots, squares = partials
+            split = plan[1]
             _finish_kernel[(tokens,)](
-                dots, squares, out, tokens, columns, eps, M=m, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
-                BLOCK_M=block_m,
+                dots, squares, out, tokens, columns, float(norm_eps), M=m, SPLIT=split,
+                SPLIT_P2=triton.next_power_of_2(split), BLOCK_M=dots.shape[-1],
             )  # fmt: skip
     return out.view(*streams.shape[:-2], m)

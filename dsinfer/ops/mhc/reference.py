@@ -5,7 +5,8 @@ Their dtype behaviour is part of the contract (the Triton backend is tested agai
 in the weights' float32 and rounds once to the streams' dtype; the expand casts ``post`` and ``comb`` to the
 streams' dtype first, rounds the spread product and the mixing matmul each to that dtype, then adds. The mixes
 normalise a float32 copy of the flattened streams and project it with a float32 GEMM; the weights turn the mixes
-into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the other.
+into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the other. A site's input
+(``hc_site_input``) is those three in sequence, collapsing with the site's own ``pre`` or a carried mix.
 """
 
 from __future__ import annotations
@@ -67,3 +68,24 @@ def hc_weights_reference(
     comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
     comb = sinkhorn_reference(torch.softmax(comb_logits, dim=-1) + hc_eps, iterations, hc_eps)
     return pre, post, comb
+
+
+@register("hc_site_input", REFERENCE)
+def hc_site_input_reference(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+    carried_mix: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site from its input streams [..., n, D]: the block input [..., D] (streams' dtype) and the site's
+    float32 ``pre`` [..., n], ``post`` [..., n] and ``comb`` [..., n, n]. The streams collapse with ``pre``, or
+    with ``carried_mix`` [..., n] where given (V4.1 collapses a site with the previous site's ``pre``). Exactly
+    the mixes, weights and collapse references composed, so a model on it computes what it did before the op."""
+    mixes = hc_mixes_reference(streams, fn, norm_eps)
+    pre, post, comb = hc_weights_reference(mixes, base, scale, iterations, hc_eps)
+    collapsed = hc_collapse_reference(streams, pre if carried_mix is None else carried_mix)
+    return collapsed, pre, post, comb

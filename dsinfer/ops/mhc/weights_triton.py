@@ -37,6 +37,29 @@ NUM_WARPS = 1
 if triton is not None:
 
     @triton.jit
+    def _pre_weight(raw, base, scale, eps, N: tl.constexpr):
+        """``pre`` from its raw mixes [B, N]: the sigmoid of the scaled and biased mixes, plus ``eps``. Shared with
+        the fused site kernel (site_triton.py), whose collapse programs need ``pre`` alone."""
+        return tl.sigmoid(raw * tl.load(scale) + tl.load(base + tl.arange(0, N))[None, :]) + eps
+
+    @triton.jit
+    def _post_comb_weights(post, logits, base, scale, eps, ITERATIONS: tl.constexpr, N: tl.constexpr):
+        """``post`` [B, N] and ``comb`` [B, N, N] from their raw mixes: twice a sigmoid; a row softmax plus ``eps``,
+        then Sinkhorn-Knopp, every iteration on the matrices in registers."""
+        i = tl.arange(0, N)
+        pair = i[:, None] * N + i[None, :]  # [N, N] offsets of the matrix
+        post = 2.0 * tl.sigmoid(post * tl.load(scale + 1) + tl.load(base + N + i)[None, :])
+        logits = logits * tl.load(scale + 2) + tl.load(base + 2 * N + pair)[None, :, :]
+        shifted = logits - tl.max(logits, axis=2)[:, :, None]
+        exps = tl.exp(shifted)
+        comb = exps / tl.sum(exps, axis=2)[:, :, None] + eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        for _ in tl.static_range(ITERATIONS - 1):  # the count is fixed per model: unrolled
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        return post, comb
+
+    @triton.jit
     def _weights_kernel(
         mixes,
         base,
@@ -55,23 +78,13 @@ if triton is not None:
         ok = token < tokens
         i = tl.arange(0, N)
         row = token[:, None] * M + i[None, :]
-        s_pre = tl.load(scale)
-        s_post = tl.load(scale + 1)
-        s_comb = tl.load(scale + 2)
-        pre = tl.load(mixes + row, mask=ok[:, None], other=0.0) * s_pre + tl.load(base + i)[None, :]
-        pre = tl.sigmoid(pre) + eps
-        post = tl.load(mixes + row + N, mask=ok[:, None], other=0.0) * s_post + tl.load(base + N + i)[None, :]
-        post = 2.0 * tl.sigmoid(post)
         pair = i[:, None] * N + i[None, :]  # [N, N] offsets of the matrix
-        logits = tl.load(mixes + token[:, None, None] * M + 2 * N + pair[None, :, :], mask=ok[:, None, None], other=0.0)
-        logits = logits * s_comb + tl.load(base + 2 * N + pair)[None, :, :]
-        shifted = logits - tl.max(logits, axis=2)[:, :, None]
-        exps = tl.exp(shifted)
-        comb = exps / tl.sum(exps, axis=2)[:, :, None] + eps
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-        for _ in tl.static_range(ITERATIONS - 1):  # the count is fixed per model: unrolled
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        pre = _pre_weight(tl.load(mixes + row, mask=ok[:, None], other=0.0), base, scale, eps, N)
+        post, comb = _post_comb_weights(
+            tl.load(mixes + row + N, mask=ok[:, None], other=0.0),
+            tl.load(mixes + token[:, None, None] * M + 2 * N + pair[None, :, :], mask=ok[:, None, None], other=0.0),
+            base, scale, eps, ITERATIONS, N,
+        )  # fmt: skip
         out_row = token[:, None] * N + i[None, :]
         tl.store(pre_out + out_row, pre, mask=ok[:, None])
         tl.store(post_out + out_row, post, mask=ok[:, None])

@@ -1,0 +1,215 @@
+"""A whole mHC site input (``hc_site_input``) at decode in two launches instead of four.
+
+Each site turns its input streams [T, n, D] into the block's input: the mixes (``hc_mixes``), the weights
+``pre``, ``post`` and Sinkhorn's ``comb`` (``hc_weights``), and the collapse with ``pre`` or, in V4.1, the previous
+site's ``pre`` (``hc_collapse``). At decode each of those moves a few KiB and the launches are the cost: the
+mixes split the n*D columns over programs and add the partial sums in a second kernel, so a site ran four
+kernels back to back, eight sites a step.
+
+When the mixes' plan splits the columns (few tokens: decode, small batches) this backend launches the mixes
+kernel for the partial sums, then one kernel that adds them and does the rest. Its grid is (token blocks,
+1 + column blocks) with two kinds of program, so that the collapse does not wait behind Sinkhorn's twenty serial
+rounds:
+
+* column 0 adds the token block's partials, scales them into the mixes, computes ``pre``, ``post`` and ``comb``
+  with the same jit functions as ``hc_weights``' kernel and stores them;
+* every other program collapses one block of columns: it adds the partials of ``pre``'s n mixes only (about
+  a kilobyte from L2 at one token) and computes ``pre`` with the same function and inputs as column 0 (so the
+  collapse uses the very ``pre`` that is returned), or reads the carried mix, and sums the n stream rows as
+  ``hc_collapse``'s kernel does.
+
+The partial sums are read once per program rather than once in all, which is why a program takes at most
+``MAX_PARTIALS`` (token, split) rows: the column split is finest at one token (64 splits at V4's width), where a
+program takes one token. Without a split (a prefill's token blocks fill the GPU) this backend runs the three
+existing backends in sequence: their launches are not the cost there.
+
+Numerics: the whole kernel compiles without fused multiply-adds, as ``hc_weights``' does (the weights must round
+``w * scale`` and ``+ bias`` separately, like the reference). The collapse therefore rounds each float32
+product before adding it, as the reference does (the collapse kernel may fuse them), and rounds the sum once to
+the streams' dtype. The partials are added by one reduction per token, not necessarily in the order of the
+mixes' finishing kernel, so ``pre``, ``post`` and ``comb`` equal the reference's within float32 rounding and the block
+input within one unit in its last place (tests/ops/test_mhc_site.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsinfer.ops.mhc import mixes_triton
+from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, plan_for
+from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
+from dsinfer.ops.mhc.weights_triton import hc_weights_triton
+from dsinfer.ops.registry import register
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+if triton is not None:
+    from dsinfer.ops.mhc.weights_triton import _post_comb_weights, _pre_weight
+
+# One warp per program, as hc_weights' kernel runs (its n x n reductions and Sinkhorn rounds stay in the warp).
+# The sizes follow the separate kernels' H200 tuning; the fused kernel itself is not yet timed there. Compiled
+# for sm_90 they take at most 168 registers a thread, without spills.
+NUM_WARPS = 1
+MAX_TOKENS = 8  # tokens per program, as hc_weights' kernel takes
+MAX_PARTIALS = 64  # (token, split) rows per program: column 0 holds [rows, n, n] comb partials, 32 values a thread
+COLLAPSE_ELEMENTS = 512  # tokens x columns a collapse program sums (16 values a thread per stream row)
+MIN_COLUMNS = 64  # the narrowest column block: 128-byte rows of bf16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_scale(partial_squares, part, part_ok, columns, eps):
+        """Each token's ``rsqrt(mean(x^2) + eps)`` from its partial sums of squares ([tokens, splits] rows)."""
+        squares = tl.load(partial_squares + part, mask=part_ok, other=0.0)
+        return 1.0 / tl.sqrt_rn(tl.sum(squares, axis=1) / columns + eps)
+
+    @triton.jit
+    def _mixes_slice(partial_dots, part, part_ok, first, rms, N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Mixes ``first .. first + N`` of each token [tokens, N]: the partial dots added, then scaled."""
+        i = tl.arange(0, N)
+        offsets = part[:, :, None] * BLOCK_M + first + i[None, None, :]
+        dots = tl.load(partial_dots + offsets, mask=part_ok[:, :, None], other=0.0)
+        return tl.sum(dots, axis=1) * rms[:, None]
+
+    @triton.jit
+    def _site_kernel(
+        partial_dots,
+        partial_squares,
+        base,
+        scale,
+        src,
+        carried,
+        dst,
+        pre_out,
+        post_out,
+        comb_out,
+        tokens,
+        columns,
+        D,
+        norm_eps,
+        hc_eps,
+        N: tl.constexpr,
+        ITERATIONS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        SPLIT_P2: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        CARRIED: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # T * n * D may pass 2**31
+        ok = token < tokens
+        split = tl.arange(0, SPLIT_P2)
+        part = split.to(tl.int64)[None, :] * tokens + token[:, None]  # [BLOCK_T, SPLIT_P2] rows of the partials
+        part_ok = ok[:, None] & (split < SPLIT)[None, :]
+        i = tl.arange(0, N)
+        role = tl.program_id(1)
+        if role == 0:  # the weights
+            rms = _rms_scale(partial_squares, part, part_ok, columns, norm_eps)
+            pre = _pre_weight(_mixes_slice(partial_dots, part, part_ok, 0, rms, N, BLOCK_M), base, scale, hc_eps, N)
+            post = _mixes_slice(partial_dots, part, part_ok, N, rms, N, BLOCK_M)
+            pair = i[:, None] * N + i[None, :]  # [N, N] offsets of the matrix
+            offsets = part[:, :, None, None] * BLOCK_M + 2 * N + pair[None, None, :, :]
+            dots = tl.load(partial_dots + offsets, mask=part_ok[:, :, None, None], other=0.0)
+            logits = tl.sum(dots, axis=1) * rms[:, None, None]
+            post, comb = _post_comb_weights(post, logits, base, scale, hc_eps, ITERATIONS, N)
+            out_row = token[:, None] * N + i[None, :]
+            tl.store(pre_out + out_row, pre, mask=ok[:, None])
+            tl.store(post_out + out_row, post, mask=ok[:, None])
+            tl.store(comb_out + token[:, None, None] * (N * N) + pair[None, :, :], comb, mask=ok[:, None, None])
+        else:  # one block of columns of the collapse
+            if CARRIED:
+                mix = tl.load(carried + token[:, None] * N + i[None, :], mask=ok[:, None], other=0.0)
+            else:
+                rms = _rms_scale(partial_squares, part, part_ok, columns, norm_eps)
+                mix = _pre_weight(_mixes_slice(partial_dots, part, part_ok, 0, rms, N, BLOCK_M), base, scale, hc_eps, N)
+            column = (role - 1) * BLOCK_D + tl.arange(0, BLOCK_D)
+            mask = ok[:, None] & (column < D)[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for j in tl.static_range(N):
+                weight = tl.sum(tl.where(i[None, :] == j, mix, 0.0), axis=1)  # column j, exactly (plus zeros)
+                row = tl.load(src + (token * N + j)[:, None] * D + column[None, :], mask=mask, other=0.0)
+                acc += weight[:, None] * row.to(tl.float32)
+            tl.store(dst + token[:, None] * D + column[None, :], acc.to(dst.dtype.element_ty), mask=mask)
+
+
+def _serves(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iterations: int,
+    carried_mix: torch.Tensor | None,
+) -> bool:
+    """What the three backends together take: [..., n, D] streams of a float dtype with n a power of two (2 or 4:
+    the mixes take at most ``MAX_M`` = 64 of 2n + n*n), an [2n + n*n, n * D] ``fn``, a matching ``base``, three
+    ``scale`` entries, at least one Sinkhorn iteration and a float32 [..., n] carried mix if any."""
+    if not mixes_triton._serves(streams, fn) or streams.dtype not in DTYPES or iterations < 1:
+        return False
+    n = streams.shape[-2]
+    width = 2 * n + n * n
+    if n < 2 or n & (n - 1) or fn.shape[0] != width or base.numel() != width or scale.numel() < 3:
+        return False
+    if not (base.is_floating_point() and scale.is_floating_point()):
+        return False
+    return carried_mix is None or (carried_mix.dtype == torch.float32 and carried_mix.shape == streams.shape[:-1])
+
+
+def _blocks(tokens: int, width: int, split: int) -> tuple[int, int]:
+    """Tokens and collapse columns per program: at most MAX_TOKENS tokens and MAX_PARTIALS partial rows, and
+    COLLAPSE_ELEMENTS values per stream row block (at least MIN_COLUMNS columns, at most the width)."""
+    block_t = min(MAX_TOKENS, max(1, MAX_PARTIALS // triton.next_power_of_2(split)), triton.next_power_of_2(tokens))
+    block_d = min(triton.next_power_of_2(width), max(MIN_COLUMNS, COLLAPSE_ELEMENTS // block_t))
+    return block_t, block_d
+
+
+@register("hc_site_input", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+def hc_site_input_triton(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+    carried_mix: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as the reference; what the kernels do not take goes to it."""
+    if not _serves(streams, fn, base, scale, iterations, carried_mix):
+        from dsinfer.ops.mhc.reference import hc_site_input_reference
+
+        return hc_site_input_reference(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)
+    lead, (n, width) = streams.shape[:-2], streams.shape[-2:]
+    tokens = math.prod(lead)
+    plan = plan_for(streams, fn) if tokens else None
+    if plan is None or plan[1] == 1:  # no column split: the three backends, one launch each
+        mixes = hc_mixes_triton(streams, fn, norm_eps)
+        pre, post, comb = hc_weights_triton(mixes, base, scale, iterations, hc_eps)
+        collapsed = hc_collapse_triton(streams, pre if carried_mix is None else carried_mix)
+        return collapsed, pre, post, comb
+    flat = streams.contiguous().view(tokens, n * width)
+    dots, squares = launch_mixes(flat, fn.contiguous(), None, norm_eps, plan)
+    device = streams.device
+    collapsed = torch.empty(tokens, width, dtype=streams.dtype, device=device)
+    pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
+    post = torch.empty(tokens, n, dtype=torch.float32, device=device)
+    comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
+    carried = pre if carried_mix is None else carried_mix.contiguous().view(tokens, n)  # pre: not read
+    split = plan[1]
+    block_t, block_d = _blocks(tokens, width, split)
+    grid = (triton.cdiv(tokens, block_t), 1 + triton.cdiv(width, block_d))
+    _site_kernel[grid](
+        dots, squares, base.float().contiguous(), scale.float().contiguous(), flat, carried, collapsed, pre, post,
+        comb, tokens, n * width, width, float(norm_eps), float(hc_eps), N=n, ITERATIONS=iterations, SPLIT=split,
+        SPLIT_P2=triton.next_power_of_2(split), BLOCK_M=dots.shape[-1], CARRIED=carried_mix is not None,
+        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return collapsed.view(*lead, width), pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
