@@ -26,8 +26,9 @@ CUDA graph, and the routing layout alone (one fused launch against the torch ops
 ``--decode-gemv`` times, per token count (default 1 and 2), the GEMV path of ``dsinfer.ops.moe.decode_triton``
 against the grouped kernels, both captured in a CUDA graph, checks both against the reference and lists each
 path's kernels with their mean device time (torch.profiler over eager calls); with
-``--sweep`` it times ``GEMV_SWEEP_CONFIGS`` instead: each kernel's candidates with the other kernel at its
-default, then the two winners together (the pair to write into ``DECODE_GEMV_CONFIG``).
+``--sweep`` it times ``GEMV_SWEEP_CONFIGS`` instead (the down launch's with each of ``GEMV_SWEEP_DOWN_SPLITS``;
+``--gemv-parts`` picks the launches): each kernel's candidates with the other kernel at its default, then the
+winners together (what to write into ``DECODE_GEMV_CONFIG``).
 
 For each token count: the median over ``--iters`` timed calls (CUDA events) after ``--warmup`` calls, the weight
 bytes of the experts the step touches in the form the backend reads (FP4 + scales, or bf16), the effective

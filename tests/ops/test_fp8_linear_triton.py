@@ -168,6 +168,18 @@ def test_dispatch_and_errors(monkeypatch):
     monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")
     backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
     assert calls == ["kernel", "gemv", "dequant", "dequant"]
+    # A weight over the GEMV's size limit goes to the kernel unless its rows are long; 0 turns the GEMV off.
+    from dsinfer.ops.fp8_linear import gemv_triton
+
+    monkeypatch.delenv("DSINFER_FP8_KERNEL_MAX_TOKENS")
+    monkeypatch.setenv("DSINFER_FP8_GEMV_MAX_WEIGHT", str(codes.numel() - 1))
+    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    monkeypatch.setattr(gemv_triton, "GEMV_MIN_INPUTS", codes.shape[1])
+    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    monkeypatch.setenv("DSINFER_FP8_GEMV_MAX_WEIGHT", "0")
+    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    assert calls[4:] == ["kernel", "gemv", "kernel"]
+    monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")  # the grouped calls below: the dequantised weight
     grouped = torch.randn(3, 2 * 64)
     out = backend.fp8_linear_triton(grouped, codes, scale, (32, 32), torch.float32, groups=2)
     torch.testing.assert_close(out, fp8_linear_reference(grouped, codes, scale, (32, 32), torch.float32, groups=2))

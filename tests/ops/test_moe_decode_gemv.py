@@ -248,8 +248,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
                 "ids_ptr": "*i64", "route_weight_ptr": "*fp32", "partial_ptr": "*fp32",
                 "arrived_ptr": "*i32"}  # fmt: skip
     kernels = ((decode_triton._gate_up_gemv_kernel, DECODE_GEMV_CONFIG.gate_up),
-               (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down),
-               (decode_triton._down_gemv_kernel, decode_triton.PARTIAL_STEP_DOWN))  # fmt: skip
+               (decode_triton._down_gemv_kernel, DECODE_GEMV_CONFIG.down))  # fmt: skip
     for kernel, launch in kernels:
         aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
                    if name.endswith("_ptr") or name.endswith("_stride") or name in ("hidden", "inter")}  # fmt: skip
@@ -268,11 +267,15 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
             assert "ld.global.v4.b32" in compiled.asm["ptx"], name
 
 
-def test_down_launch_follows_the_intermediate_size():
-    """Whole 1024-input steps (V4-Flash's 2048) keep the default launches; V4.1-Flash's 2304 takes the launch the
-    sweep measured fastest there, and the kernels compute the same function with either (the interpreter cases)."""
-    from dsinfer.ops.moe.decode_triton import PARTIAL_STEP_DOWN, decode_gemv_config
+def test_down_launch_serves_both_widths_and_splits_by_request(monkeypatch):
+    """V4-Flash's intermediate size (2048, whole steps) and V4.1-Flash's (2304, a masked last step) take the default
+    launches, the down launch split three ways; ``DSINFER_MOE_DOWN_SPLITS`` changes only the splits."""
+    from dsinfer.ops.moe import decode_triton
 
-    assert decode_gemv_config(2048) == DECODE_GEMV_CONFIG
-    assert decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down=PARTIAL_STEP_DOWN)
-    assert decode_gemv_config(2304).gate_up == DECODE_GEMV_CONFIG.gate_up
+    assert decode_triton.decode_gemv_config(2048) == DECODE_GEMV_CONFIG
+    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG
+    assert DECODE_GEMV_CONFIG.down_splits == 3
+    monkeypatch.setattr(decode_triton, "DOWN_SPLITS", "1")
+    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down_splits=1)
+    with pytest.raises(ValueError, match="down_splits"):
+        DECODE_GEMV_CONFIG._replace(down_splits=0).validate()

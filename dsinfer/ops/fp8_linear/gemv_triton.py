@@ -45,12 +45,16 @@ class Fp8GemvConfig:
     programs_per_sm: int = 8
 
 
-# The fastest launch of the H200 sweep on V4-Flash's joined wq_a + wkv (1536 x 4096): 0.0057 ms, against 0.0070 for
-# the split tl.dot kernel. On the larger weights the split tl.dot kernel was as fast or faster (0.0163 to 0.0230 ms
-# for the GEMV's first launch against 0.0165 to 0.0182), so the GEMV takes weights of up to GEMV_MAX_WEIGHT
-# elements ($DSINFER_FP8_GEMV_MAX_WEIGHT; 0 turns it off). docs/perf-fast-path-pass8.md has the numbers.
-DEFAULT_GEMV = Fp8GemvConfig(4, 512, 2, 0, 4)
+# The launch of the H200 sweeps (``benchmarks/fp8_linear_choice.py --sweep --gemv-only``, docs/perf-fast-path-pass9.md):
+# at V4-Flash's shapes (8, 512, 2, two programs an SM) took 0.0118 ms on wo_b (4096 x 8192, 2.85 TB/s of FP8 bytes),
+# 0.0071 on the shared expert's w1 + w3 and 0.0047 on its w2, the fastest launch on each, and was within 3% of the
+# fastest on wo_a; the split tl.dot kernel took 0.0165, 0.0104 and 0.0070 on those. The exception is a weight of
+# many short rows: on wq_b + the indexer's wq_b (40960 x 1024) the split tl.dot kernel is faster (0.0172 against
+# 0.0201). So the GEMV takes weights of up to GEMV_MAX_WEIGHT elements, and larger ones whose rows are at least
+# GEMV_MIN_INPUTS long ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns it off).
+DEFAULT_GEMV = Fp8GemvConfig(8, 512, 2, 0, 2)
 GEMV_MAX_WEIGHT = 1 << 23
+GEMV_MIN_INPUTS = 2048
 
 
 def gemv_max_weight() -> int:
@@ -59,10 +63,12 @@ def gemv_max_weight() -> int:
 
 def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=DEFAULT_GEMV) -> bool:
     """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a weight of at most
-    :func:`gemv_max_weight` elements, a program's rows in one scale block of rows and in one group."""
+    :func:`gemv_max_weight` elements, or a larger one of rows at least GEMV_MIN_INPUTS long (while that limit is
+    not 0); a program's rows in one scale block of rows and in one group."""
     tokens = x.numel() // max(1, x.shape[-1])
     rows_per_group = codes.shape[0] // groups
-    if tokens != 1 or codes.numel() > gemv_max_weight():
+    limit = gemv_max_weight()
+    if tokens != 1 or limit == 0 or (codes.numel() > limit and codes.shape[1] < GEMV_MIN_INPUTS):
         return False
     return block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
 

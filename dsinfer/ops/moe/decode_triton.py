@@ -64,9 +64,9 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = [
     "DECODE_GEMV_CONFIG",
     "DECODE_GEMV_MAX_TOKENS",
+    "DOWN_SPLITS",
     "DecodeGemvConfig",
     "GemvConfig",
-    "PARTIAL_STEP_DOWN",
     "decode_gemv_config",
     "routed_moe_decode_gemv",
     "use_decode_gemv",
@@ -125,21 +125,20 @@ class DecodeGemvConfig(NamedTuple):
             raise ValueError(f"down_splits must be >= 1, got {self.down_splits}")
 
 
-DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(8, 1024, 1, 1))
-"""Default launches, the fastest pair of ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one
-token and V4-Flash widths (each kernel's candidates timed with the other at its previous default, then the two
-winners together): 6 x 2048 / 8 = 1536 two-warp gate/up programs and 4096 / 8 = 512 one-warp down programs.
-Smaller programs, more of them, were faster: four-warp programs of 32 and 16 rows took 0.0801 ms, two- and
-one-warp programs of 16 and 8 rows 0.0532, these 0.0475. Both step more than ``256 * num_warps`` inputs, so their
-activation planes go through shared memory; with one or two warps that costs less than what the smaller
-programs gain. :func:`decode_gemv_config` adapts the down launch to intermediate sizes of no whole 1024-input
-steps."""
+DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(16, 512, 2, 1), 3)
+"""Default launches, from ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one token:
 
-PARTIAL_STEP_DOWN = GemvConfig(4, 512, 1, 1)
-"""The down launch where the intermediate size is no multiple of 1024 (V4.1-Flash: 2304). The sweep at V4.1
-widths (hidden 5120, 384 experts, one token) timed it at 0.0719 ms with the default gate/up launch, against 0.0828
-with the default down launch, whose last 1024-input step is three quarters masked."""
-
+* gate/up: 6 x 2048 / 8 = 1536 two-warp programs of 8 rows (V4-Flash widths). Smaller programs, more of them, were
+  faster: four-warp programs of 32 and 16 rows took 0.0801 ms for both kernels, two- and one-warp programs of 16
+  and 8 rows 0.0532, these 0.0475. It steps more than ``256 * num_warps`` inputs, so its activation planes go
+  through shared memory; with two warps that costs less than what the smaller programs gain.
+* down: two-warp programs of 16 rows, a token's six slots split over three programs (two slots each) whose last
+  arrival adds the three sums. Both kernels together: 0.0463 ms at V4-Flash widths against 0.0532 for one-warp
+  programs of 8 rows walking all six slots, and 0.0648 ms at V4.1-Flash's (hidden 5120, intermediate 2304, 384
+  experts) against 0.0740 for the best unsplit launch there (docs/perf-fast-path-pass9.md). One program walking
+  six slots is a long chain of dependent steps with few bytes in flight; three splits give each program a third
+  of it. The same launch serves both widths: 2304 is no whole number of 512-input steps, and the masked last step
+  costs less than the best launch of whole steps gains (0.0635 for 256-input steps, six splits)."""
 
 DOWN_SPLITS = os.environ.get("DSINFER_MOE_DOWN_SPLITS")
 """A number of splits of a token's slots for every down launch (``DSINFER_MOE_DOWN_SPLITS``), in place of the
@@ -147,12 +146,10 @@ configured launches' (measurement runs set it; unset, :func:`decode_gemv_config`
 
 
 def decode_gemv_config(inter: int) -> DecodeGemvConfig:
-    """The launches for experts of intermediate size ``inter``: :data:`DECODE_GEMV_CONFIG`, with
-    :data:`PARTIAL_STEP_DOWN` where ``inter`` is no whole number of the default down launch's steps (and
-    :data:`DOWN_SPLITS` where set)."""
+    """The launches for experts of intermediate size ``inter``: :data:`DECODE_GEMV_CONFIG` (every width the
+    sweeps measured takes it; a masked last step serves widths of no whole steps), with :data:`DOWN_SPLITS` where
+    set."""
     config = DECODE_GEMV_CONFIG
-    if inter % DECODE_GEMV_CONFIG.down.block_k:
-        config = config._replace(down=PARTIAL_STEP_DOWN)
     if DOWN_SPLITS:
         config = config._replace(down_splits=int(DOWN_SPLITS))
     return config
