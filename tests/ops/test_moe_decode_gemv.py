@@ -269,13 +269,13 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
 
 def test_down_launch_serves_both_widths_and_splits_by_request(monkeypatch):
     """V4-Flash's intermediate size (2048, whole steps) and V4.1-Flash's (2304, a masked last step) take the default
-    launches, the down launch split three ways; ``DSINFER_MOE_DOWN_SPLITS`` changes only the splits."""
+    launches, the down launch unsplit; ``DSINFER_MOE_DOWN_SPLITS`` changes only the splits."""
     from dsinfer.ops.moe import decode_triton
 
     assert decode_triton.decode_gemv_config(2048) == DECODE_GEMV_CONFIG
     assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG
-    assert DECODE_GEMV_CONFIG.down_splits == 3
-    monkeypatch.setattr(decode_triton, "DOWN_SPLITS", "1")
-    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down_splits=1)
+    assert DECODE_GEMV_CONFIG.down_splits == 1
+    monkeypatch.setattr(decode_triton, "DOWN_SPLITS", "3")
+    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down_splits=3)
     with pytest.raises(ValueError, match="down_splits"):
         DECODE_GEMV_CONFIG._replace(down_splits=0).validate()

@@ -125,20 +125,22 @@ class DecodeGemvConfig(NamedTuple):
             raise ValueError(f"down_splits must be >= 1, got {self.down_splits}")
 
 
-DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(16, 512, 2, 1), 3)
-"""Default launches, from ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one token:
+DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(16, 512, 2, 1), 1)
+"""Default launches, from ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one token
+(docs/perf-fast-path-pass9.md):
 
 * gate/up: 6 x 2048 / 8 = 1536 two-warp programs of 8 rows (V4-Flash widths). Smaller programs, more of them, were
   faster: four-warp programs of 32 and 16 rows took 0.0801 ms for both kernels, two- and one-warp programs of 16
   and 8 rows 0.0532, these 0.0475. It steps more than ``256 * num_warps`` inputs, so its activation planes go
   through shared memory; with two warps that costs less than what the smaller programs gain.
-* down: two-warp programs of 16 rows, a token's six slots split over three programs (two slots each) whose last
-  arrival adds the three sums. Both kernels together: 0.0463 ms at V4-Flash widths against 0.0532 for one-warp
-  programs of 8 rows walking all six slots, and 0.0648 ms at V4.1-Flash's (hidden 5120, intermediate 2304, 384
-  experts) against 0.0740 for the best unsplit launch there (docs/perf-fast-path-pass9.md). One program walking
-  six slots is a long chain of dependent steps with few bytes in flight; three splits give each program a third
-  of it. The same launch serves both widths: 2304 is no whole number of 512-input steps, and the masked last step
-  costs less than the best launch of whole steps gains (0.0635 for 256-input steps, six splits)."""
+* down: two-warp programs of 16 rows, each walking all of a token's slots (one launch for both widths; 2304 is no
+  whole number of 512-input steps and takes a masked last step). This is the launch the engine's greedy checks on
+  CUDA ran with (every tiny-model token equal to the CPU's with V4.1's rounding off).
+* Splitting a token's slots over programs (``down_splits``) is faster: three splits took 0.0463 ms for both
+  kernels at V4-Flash widths and 0.0648 at V4.1-Flash's, against 0.0543 and 0.0793 unsplit, and in the V4.1 slice
+  the step lost 35 us. It adds the slots' sums in another order, and with it the tiny V4.1 (rounding off) gave
+  one greedy token of 24 prompts different from the CPU's (a near tie), so it stays a choice
+  (``DSINFER_MOE_DOWN_SPLITS``) until those checks compare with a tolerance."""
 
 DOWN_SPLITS = os.environ.get("DSINFER_MOE_DOWN_SPLITS")
 """A number of splits of a token's slots for every down launch (``DSINFER_MOE_DOWN_SPLITS``), in place of the
