@@ -71,9 +71,9 @@ CASES = [
     ("clamped", 2, 2, 4, 64, 32, small((32, 64), (64, 32)), 0.25, [[3, 1], [0, 3]]),
     # The down launch's slots split three ways, two slots each: a column tail and a K tail in every split.
     ("three splits", 2, 6, 8, 96, 96, small((64, 64), (64, 64), 3), 4.0, None),
-    # Four splits asked of three slots: one slot each; then two splits of five slots, the last one short (three
-    # and two), whose missing step reads nothing new.
-    ("one slot a split", 1, 3, 6, 64, 64, small((64, 64), (64, 64), 4), 4.0, None),
+    # Four splits asked of three slots: two splits (two slots at the least), the last of one slot; then two splits
+    # of five slots, the last one short (three and two), whose missing step reads nothing new.
+    ("two slots a split at the least", 1, 3, 6, 64, 64, small((64, 64), (64, 64), 4), 4.0, None),
     ("a short last split", 2, 5, 8, 64, 64, small((64, 64), (64, 64), 2), 4.0, None),
 ]
 LIMIT_FOR_BAD_ID = 4.0
@@ -126,7 +126,7 @@ def check(device: str, cases=CASES) -> list[str]:
             failures += bound_failures(label, got, want_fp32, want_dtype, dtype)
     # A bad expert id (-1, or E) is never read: its slot adds nothing, as a zero routing weight would.
     weights = random_experts(4, 64, 32, seed=9, device=device)
-    ids, mix = routing(2, 2, 4, seed=10, ids=[[-1, 2], [1, 4]], device=device)
+    ids, mix = routing(2, 4, 4, seed=10, ids=[[-1, 2, 0, 3], [1, 4, 3, 0]], device=device)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(11)).to(device)
     valid = ids.clamp(0, 3)
     want = routed_moe_reference(x, weights, valid, torch.where(ids == valid, mix, 0.0), LIMIT_FOR_BAD_ID)
@@ -269,13 +269,18 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
 
 def test_down_launch_serves_both_widths_and_splits_by_request(monkeypatch):
     """V4-Flash's intermediate size (2048, whole steps) and V4.1-Flash's (2304, a masked last step) take the default
-    launches, the down launch unsplit; ``DSINFER_MOE_DOWN_SPLITS`` changes only the splits."""
+    launches, the down launch split three ways; ``DSINFER_MOE_DOWN_SPLITS`` changes only the splits."""
     from dsinfer.ops.moe import decode_triton
 
     assert decode_triton.decode_gemv_config(2048) == DECODE_GEMV_CONFIG
     assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG
-    assert DECODE_GEMV_CONFIG.down_splits == 1
-    monkeypatch.setattr(decode_triton, "DOWN_SPLITS", "3")
-    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down_splits=3)
+    assert DECODE_GEMV_CONFIG.down_splits == 3
+    monkeypatch.setattr(decode_triton, "DOWN_SPLITS", "1")
+    assert decode_triton.decode_gemv_config(2304) == DECODE_GEMV_CONFIG._replace(down_splits=1)
     with pytest.raises(ValueError, match="down_splits"):
         DECODE_GEMV_CONFIG._replace(down_splits=0).validate()
+    # Splits keep two slots at the least: V4's six slots go three ways, a step of two slots runs unsplit.
+    out = torch.empty(1, 64)
+    assert decode_triton._plan_down_splits(3, 6, 1, 4, out)[:2] == (2, 3)
+    assert decode_triton._plan_down_splits(6, 6, 1, 4, out)[:2] == (2, 3)
+    assert decode_triton._plan_down_splits(3, 2, 1, 4, out)[:2] == (2, 1)
