@@ -10,9 +10,11 @@ on the CUDA cores (fp32 multiply-add, no ``tl.dot``), in two launches and withou
   slot's expert id from ``expert_ids`` on the device (no host read, no sort: CUDA-graph safe), walks ``K =
   hidden`` in ``BLOCK_K`` steps over the gate rows and the matching up rows of the tile and writes the slot's
   ``h = clamped_swiglu(gate, up)`` in ``x.dtype``.
-* :func:`_down_gemv_kernel`: one program per (token, tile of ``BLOCK_N`` hidden columns). It walks the token's
-  ``k`` slots in slot order (deterministic, no atomics) and ``K = intermediate`` in one flat loop, adds each
-  slot's ``h w2^T`` times its routing weight into one fp32 sum and stores the row tile in ``x.dtype`` once.
+* :func:`_down_gemv_kernel`: one program per (token, tile of ``BLOCK_N`` hidden columns, split of the token's
+  slots). It walks its slots in slot order and ``K = intermediate`` in one flat loop and adds each slot's
+  ``h w2^T`` times its routing weight into one fp32 sum. Unsplit it stores the row tile in ``x.dtype`` once;
+  split, the last split of a tile to arrive adds the splits' fp32 sums in split order (deterministic: a count
+  per tile, no atomic additions of values) and stores it.
 
 The decode, and why it is not the grouped kernels' ``_e2m1_values``: a GEMV has one multiply-add per weight,
 so the per-weight integer work of the decode sets the speed. The codes are read as ``int32`` words (eight
