@@ -45,13 +45,15 @@ class Fp8GemvConfig:
     programs_per_sm: int = 8
 
 
-# The launch of the H200 sweeps (``benchmarks/fp8_linear_choice.py --sweep --gemv-only``, docs/perf-fast-path-pass9.md):
-# at V4-Flash's shapes (8, 512, 2, two programs an SM) took 0.0118 ms on wo_b (4096 x 8192, 2.85 TB/s of FP8 bytes),
-# 0.0071 on the shared expert's w1 + w3 and 0.0047 on its w2, the fastest launch on each, and was within 3% of the
-# fastest on wo_a; the split tl.dot kernel took 0.0165, 0.0104 and 0.0070 on those. The exception is a weight of
-# many short rows: on wq_b + the indexer's wq_b (40960 x 1024) the split tl.dot kernel is faster (0.0172 against
-# 0.0201). So the GEMV takes weights of up to GEMV_MAX_WEIGHT elements, and larger ones whose rows are at least
-# GEMV_MIN_INPUTS long ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns it off).
+# The launch of the H200 sweep (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1``,
+# docs/perf-fast-path-pass9.md): at V4-Flash's shapes (8, 512, 2, two programs an SM) took 0.0118 ms on wo_b
+# (4096 x 8192, 2.85 TB/s of FP8 bytes), 0.0071 on the shared expert's w1 + w3 and 0.0047 on its w2, the fastest
+# launch on each; on wo_a it took 0.0136 (the ``--tokens 1`` layer table) against the sweep's fastest 0.0130. The
+# eighth pass's sweep timed the split tl.dot kernel at 0.0165, 0.0104 and 0.0070 on the first three. The
+# exception is a weight of many short rows: on wq_b + the indexer's wq_b (40960 x 1024) the GEMV's best launch took
+# 0.0201 and the split tl.dot kernel 0.0176 (layer table). So the GEMV takes weights of up to GEMV_MAX_WEIGHT
+# elements, and larger ones whose rows are at least GEMV_MIN_INPUTS long ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns it
+# off).
 DEFAULT_GEMV = Fp8GemvConfig(8, 512, 2, 0, 2)
 GEMV_MAX_WEIGHT = 1 << 23
 GEMV_MIN_INPUTS = 2048
