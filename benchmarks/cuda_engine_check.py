@@ -4,9 +4,11 @@
 
 The tiny V4 must match for every prompt. The tiny V4.1 is checked twice: with its trained-in rounding off (the
 continuous math: every prompt must match) and on, where a value within float32 noise of an FP8 / FP4 rounding
-boundary can land on either side; there the count of prompts whose tokens differ between CUDA and the CPU is
-set beside the count the CPU reference itself shows between two chunkings of the same prompts (prefill chunks
-of 256 and of 32 tokens).
+boundary can land on either side. There the fast path's tokens are compared with the reference path's twice:
+the CPU's, and the same engine on CUDA with every op forced to its torch reference (``DSINFER_OPS``). Each
+count of differing prompts is set beside the count that reference shows against itself on its own device
+between two chunkings of the same prompts (prefill chunks of 256 and of 32 tokens). ``--prompts N`` sets the
+number of random prompts (24).
     python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
 
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
@@ -41,11 +43,10 @@ TINY_CACHE_BYTES = 1 << 30
 
 def slice_check(layers: int, prompts: list[list[int]], params: SamplingParams) -> None:
     """Greedy tokens of the slice with the fast path and with every op's reference, fp32 on CUDA."""
-    every_reference = ",".join(f"{op}=reference" for op in sorted(reference_table("cpu", torch.float32).chosen))
     outputs = {}
     with tempfile.TemporaryDirectory() as directory:
         path = write_slice_directory(directory, layers)
-        for path_name, forced in (("fast", ""), ("reference", every_reference)):
+        for path_name, forced in (("fast", ""), ("reference", every_reference())):
             os.environ["DSINFER_OPS"] = forced
             options = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_model_len": 512, "dtype": "float32"}
             with LLM(str(path), device="cuda", load_format="dummy", **options) as llm:
@@ -91,9 +92,12 @@ def main() -> None:
     parser.add_argument("--slice-layers", type=int, default=0, help="also check the V4-Flash-width slice")
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, metavar="K", help="also check speculative decoding")
+    parser.add_argument("--prompts", type=int, default=24, help="random prompts of the tiny checks")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (24,))]
+    prompts = [
+        torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (args.prompts,))
+    ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     if args.slice_layers:
         slice_check(args.slice_layers, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -103,24 +107,33 @@ def main() -> None:
         tiny_checks(prompts, params)
 
 
-def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = True, chunk: int = 256):
+def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = True, chunk: int = 256,
+                forced: str = ""):  # fmt: skip
     """Greedy token lists of the tiny checkpoint in ``directory`` (fp32); ``rounding`` False turns V4.1's trained-in
-    rounding off before the engine builds its cache (plain storage then); ``chunk``: prefill tokens a step."""
+    rounding off before the engine builds its cache (plain storage then); ``chunk``: prefill tokens a step;
+    ``forced``: a ``DSINFER_OPS`` value for this engine (every op's reference: :func:`every_reference`)."""
     options = {**TINY_OPTIONS, "max_num_batched_tokens": chunk}
     if device == "cuda":
         options["cache_memory_bytes"] = TINY_CACHE_BYTES
     loader = llm_module.load_engine_model
     if not rounding:  # the engine loads the model itself: turn the rounding off as it does
         llm_module.load_engine_model = lambda *args, **kwargs: loader(*args, **kwargs).set_fake_quantization(False)
+    os.environ["DSINFER_OPS"] = forced
     try:
         with LLM(directory, device=device, **options) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm_module.load_engine_model = loader
+        os.environ.pop("DSINFER_OPS", None)
     del llm
     gc.collect()
     torch.cuda.empty_cache()  # the next engine sizes its cache from free GPU memory
     return [output.outputs[0].token_ids for output in outputs]
+
+
+def every_reference() -> str:
+    """``DSINFER_OPS`` forcing every op to its torch reference."""
+    return ",".join(f"{op}=reference" for op in sorted(reference_table("cpu", torch.float32).chosen))
 
 
 def differing(first: list, second: list) -> int:
@@ -137,14 +150,28 @@ def tiny_checks(prompts, params) -> None:
         make_tiny_checkpoint(directory, arch="v41")
         off = [tiny_tokens(directory, device, prompts, params, rounding=False) for device in ("cpu", "cuda")]
         print(f"v41, rounding off: CUDA engine greedy tokens equal the CPU's for {n - differing(*off)} of {n} prompts")
-        cpu = tiny_tokens(directory, "cpu", prompts, params)
-        cuda_flips = differing(cpu, tiny_tokens(directory, "cuda", prompts, params))
-        chunk_flips = differing(cpu, tiny_tokens(directory, "cpu", prompts, params, chunk=32))
-        verdict = "within" if cuda_flips <= chunk_flips else "MORE than"
-        print(
-            f"v41, rounding on: CUDA differs from the CPU on {cuda_flips} of {n} prompts; the CPU differs from itself "
-            f"between prefill chunks of 256 and 32 tokens on {chunk_flips} ({verdict} the reference's own)"
-        )
+        rounding_on_checks(directory, prompts, params)
+
+
+def rounding_on_checks(directory: str, prompts, params) -> None:
+    """The tiny V4.1 with its rounding on: the fast path against the reference path, on CUDA and against the CPU,
+    each set beside the reference's own flips between prefill chunks of 256 and 32 tokens on the same device."""
+    n, reference = len(prompts), every_reference()
+    cpu = tiny_tokens(directory, "cpu", prompts, params)
+    cpu_chunk_flips = differing(cpu, tiny_tokens(directory, "cpu", prompts, params, chunk=32))
+    fast = tiny_tokens(directory, "cuda", prompts, params)
+    cuda_reference = tiny_tokens(directory, "cuda", prompts, params, forced=reference)
+    cuda_chunk_flips = differing(cuda_reference, tiny_tokens(directory, "cuda", prompts, params, chunk=32,
+                                                             forced=reference))  # fmt: skip
+    against = {"the CPU": (differing(cpu, fast), cpu_chunk_flips),
+               "the reference path on CUDA": (differing(cuda_reference, fast), cuda_chunk_flips)}  # fmt: skip
+    for name, (flips, own) in against.items():
+        verdict = "within" if flips <= own else "MORE than"
+        print(f"v41, rounding on: the CUDA fast path differs from {name} on {flips} of {n} prompts ({verdict} that "
+              f"reference's own {own} between chunkings)")  # fmt: skip
+    print(f"v41, rounding on: the reference path on CUDA differs from the CPU on {differing(cpu, cuda_reference)} of "
+          f"{n}; between prefill chunks of 256 and 32 tokens the reference differs from itself on {cpu_chunk_flips} "
+          f"(CPU) and {cuda_chunk_flips} (CUDA)")  # fmt: skip
 
 
 if __name__ == "__main__":
