@@ -4,6 +4,7 @@
     python benchmarks/attention_decode.py --batch 32 --context 4096 --layers csa
     python benchmarks/attention_decode.py --sweep --batch 1 32 256 --context 4096   # time launch configurations
     python benchmarks/attention_decode.py --indexer                # the lightning indexer's scores + top-k
+    python benchmarks/attention_decode.py --coded --batch 1 32 --context 4096   # V4.1's coded cache, each decode form
 
 One query token per sequence, 64 heads x 512 (one K=V row per key, shared by every head), a 128-row window ring
 per sequence and compressed entries in 128-token blocks: a CSA layer (ratio 4, 32 entries per block) attends to
@@ -21,6 +22,11 @@ CUDA graph and prints the best per point beside what ``choose_config`` / ``choos
 ``--indexer`` times the lightning indexer's decode op instead (64 index heads x 128, ratio 4: every entry slot
 of the block table scored, the top ``--topk`` kept): reference against Triton scores + the same top-k, eager
 and graph-replayed, with whether both chose the same entries and the largest score deviation.
+
+``--coded`` times V4.1's decode attention over the coded cache instead (the same steps, the window ring as FP8
+codes and the entries as FP4 codes, both rounded as V4.1 rounds them first): the reference, then the Triton op in
+each of its decode forms (``DECODES`` of :mod:`dsinfer.ops.coded_attention.triton`) eager and graph-replayed, with
+each form's graph-replay time against ``twice``'s and its largest deviation from the fp32 reference.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from functools import partial
 import torch
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
+from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, WINDOW_KV_FORMAT
+from dsinfer.ops.coded_attention import triton as coded_backend
+from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
 from dsinfer.ops.indexer import triton as indexer_backend
 from dsinfer.ops.indexer.reference import indexer_scores, indexer_topk_decode_reference
 from dsinfer.ops.sparse_attention import triton as backend
@@ -68,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner", type=int, default=20, help="calls per timed CUDA-graph replay")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--indexer", action="store_true", help="time the indexer's scores + top-k instead")
+    parser.add_argument("--coded", action="store_true", help="time V4.1's coded-cache op in each decode form instead")
     parser.add_argument("--index-heads", type=int, default=64)
     parser.add_argument("--index-dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -254,6 +265,44 @@ def indexer_point(args, batch: int, context: int, device, gen) -> None:
           f"{score_dev:>9.2e}")  # fmt: skip
 
 
+def coded_step(step: dict) -> list:
+    """The coded op's arguments for ``step``: its window ring and entries rounded as V4.1 rounds them, then coded."""
+    window_codes, window_scales = WINDOW_KV_FORMAT.encode(fake_quant_window_kv(step["window"]))
+    entry_codes, entry_scales = COMPRESSED_KV_FORMAT.encode(fake_quant_compressed_kv(step["entries"]))
+    head = [step["q"], window_codes, window_scales]
+    tail = [step[name] for name in ("block_tables", "indices", "sink", "softmax_scale")]
+    return head + [step["slots"], step["positions"], step["window_from"], entry_codes, entry_scales] + tail
+
+
+def coded_points(args, device, gen) -> list[dict]:
+    """The coded op at each (layer, batch, context): the reference, then every decode form of the Triton op."""
+    print(f"{'layer':>5} {'batch':>5} {'context':>7} {'keys':>5} {'decode':>16} {'reference ms':>12} "
+          f"{'triton ms':>10} {'graph ms':>9} {'vs twice':>8} {'ref dev':>8} {'tri dev':>8}")  # fmt: skip
+    rows = []
+    for layer in args.layers:
+        for batch in args.batch:
+            for context in args.context:
+                step = make_step(args, layer, batch, context, device, gen)
+                values = coded_step(step)
+                exact = sparse_attention_decode_coded_reference(values[0].float(), *values[1:])
+                reference = partial(sparse_attention_decode_coded_reference, *values)
+                reference_ms = median_ms(reference, args.warmup, args.iters)
+                reference_dev = deviation(reference(), exact)
+                timed = {}
+                for form in coded_backend.DECODES:
+                    call = partial(coded_backend.sparse_attention_decode_coded_launch, *values, decode=form)
+                    replay = graph_ms(call, args.warmup, args.iters, args.inner)
+                    timed[form] = (median_ms(call, args.warmup, args.iters), replay, deviation(call(), exact))
+                for form, (eager, replay, dev) in timed.items():
+                    print(f"{layer:>5} {batch:>5} {context:>7} {args.window + step['indices'].shape[1]:>5} "
+                          f"{form:>16} {reference_ms:>12.4f} {eager:>10.4f} {replay:>9.4f} "
+                          f"{timed['twice'][1] / replay:>7.2f}x {reference_dev:>8.2e} {dev:>8.2e}")  # fmt: skip
+                    rows.append({"reference_dev": reference_dev, "triton_dev": dev})
+                torch.cuda.empty_cache()
+    print("vs twice: the twice form's graph-replay ms / this form's. dev: max |x - fp32 reference on the same inputs|.")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -269,13 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.indexer:
         indexer_points(args, device, gen)
         return 0
-    rows = []
-    for layer in args.layers:
-        for batch in args.batch:
-            for context in args.context:
-                rows.append(run_point(args, layer, batch, context, device, gen))
-                torch.cuda.empty_cache()
-    print_table(rows)
+    if args.coded:
+        rows = coded_points(args, device, gen)
+    else:
+        rows = []
+        for layer in args.layers:
+            for batch in args.batch:
+                for context in args.context:
+                    rows.append(run_point(args, layer, batch, context, device, gen))
+                    torch.cuda.empty_cache()
+        print_table(rows)
     worst = max(r["triton_dev"] - 2 * r["reference_dev"] for r in rows)
     verdict = "ok" if worst <= 1e-2 else f"Triton deviates more than twice the reference (+{worst:.2e})"
     print(f"correctness: {verdict}")

@@ -1,7 +1,7 @@
 """sparse_attention_decode_coded: the reference against V4's decode attention over the decoded cache (bit for bit),
-and the Triton kernel (interpreted on the CPU; compiled on CUDA) against the reference on random coded caches:
-one token, window-only layers, a window that wraps or starts after a prefix hit, no chosen entry, entries
-split across tiles and splits, batch mixes, head counts that do not fill a group, fp32 and bf16."""
+and the Triton kernel (interpreted on the CPU; compiled on CUDA) in each of its decode forms against the reference
+on random coded caches: one token, window-only layers, a window that wraps or starts after a prefix hit, no chosen
+entry, entries split across tiles and splits, batch mixes, head counts that do not fill a group, fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -100,9 +100,10 @@ def decoded(inputs: dict, dtype: torch.dtype) -> dict:
     return {"window": window, "entries": entries, "q": inputs["q"].to(dtype), **{k: inputs[k] for k in names}}
 
 
-def check_triton_case(case: Case, device: torch.device | None = None) -> str | None:
-    """The kernel against the fp32 reference on the same inputs: 2e-5 in fp32; in bf16 V4's 1.5e-2 for outputs of
-    magnitude up to 2, relative beyond (the ring rows here reach 8, and bf16 rounds the output relatively)."""
+def check_triton_case(case: Case, device: torch.device | None = None, decode: str | None = None) -> str | None:
+    """The kernel (in form ``decode``; None: the launch's default) against the fp32 reference on the same inputs:
+    2e-5 in fp32; in bf16 V4's 1.5e-2 for outputs of magnitude up to 2, relative beyond (the ring rows here reach
+    8, and bf16 rounds the output relatively)."""
     import dsinfer.ops.coded_attention.triton as backend
 
     inputs = make_inputs(case)
@@ -112,13 +113,13 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
                           inputs["entry_scales"], inputs["indices"]):  # fmt: skip
         return f"{case}: the kernel does not take it"
     got = backend.sparse_attention_decode_coded_launch(*inputs.values(), num_splits=case.num_splits,
-                                                       hardware_fp8=case.hardware_fp8)  # fmt: skip
+                                                       hardware_fp8=case.hardware_fp8, decode=decode)  # fmt: skip
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
     exact = sparse_attention_decode_coded_reference(**{**inputs, "q": inputs["q"].float()})
     error = (got.float() - exact).abs().max().item()
     limit = 2e-5 if case.dtype == torch.float32 else 1.5e-2 * max(1.0, exact.abs().max().item() / 2)
-    return None if error <= limit else f"{case}: max |triton - reference| = {error:.3g} > {limit}"
+    return None if error <= limit else f"{case} {decode}: max |triton - reference| = {error:.3g} > {limit}"
 
 
 try:
@@ -160,6 +161,7 @@ def check_code_decoders(device: torch.device | None = None) -> str | None:
 
 
 def run_interpreted_cases() -> list[str]:
+    """Every case in the decode form ``DSINFER_CODED_ATTENTION_DECODE`` names (the launch reads it)."""
     from test_sparse_attention import _interpret_bf16_as_hardware
 
     _interpret_bf16_as_hardware()
@@ -174,14 +176,33 @@ def test_reference_is_v4_decode_attention_over_the_decoded_cache(case):
     assert torch.equal(sparse_attention_decode_coded_reference(**inputs), want)
 
 
-def test_triton_kernel_matches_the_reference_in_the_interpreter():
+DECODES = ("once", "once-heads-first", "twice")  # the kernel's forms (DECODES of its module)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_triton_kernel_matches_the_reference_in_the_interpreter(decode, monkeypatch):
     pytest.importorskip("triton")
+    monkeypatch.setenv("DSINFER_CODED_ATTENTION_DECODE", decode)  # the interpreter's process inherits it
     assert_interpreted_cases_pass("test_coded_attention")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_kernel_matches_the_reference_on_cuda():
-    assert [m for case in CASES if (m := check_triton_case(case, torch.device("cuda"))) is not None] == []
+@pytest.mark.parametrize("decode", DECODES)
+def test_triton_kernel_matches_the_reference_on_cuda(decode):
+    device = torch.device("cuda")
+    assert [m for case in CASES if (m := check_triton_case(case, device, decode)) is not None] == []
+
+
+def test_decode_form_comes_from_the_environment(monkeypatch):
+    triton_backend = pytest.importorskip("dsinfer.ops.coded_attention.triton")
+    assert triton_backend.DECODES == DECODES
+    monkeypatch.delenv("DSINFER_CODED_ATTENTION_DECODE", raising=False)
+    assert triton_backend.decode_form() == triton_backend.DECODE == "once"
+    monkeypatch.setenv("DSINFER_CODED_ATTENTION_DECODE", "twice")
+    assert triton_backend.decode_form() == "twice"
+    monkeypatch.setenv("DSINFER_CODED_ATTENTION_DECODE", "thrice")
+    with pytest.raises(ValueError, match="DSINFER_CODED_ATTENTION_DECODE"):
+        triton_backend.decode_form()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -198,8 +219,10 @@ def test_registry_picks_the_kernel_on_cuda_only():
 def test_kernel_compiles_for_hopper():
     """sm_90 cubins with Triton's bundled ptxas (no GPU needed) at V4-Flash shapes (64 heads x 512, window 128,
     top-k 512) in the configurations choose_config picks for bf16 at 1 and 32 sequences, the float8 cast on and
-    pointers and strides 16-divisible as the launch specializes them: within the H200's 227 KiB of shared memory
-    per block and without register spills."""
+    pointers and strides 16-divisible as the launch specializes them, in every decode form: within the H200's
+    227 KiB of shared memory per block and without register spills; the once forms decode each tile once (one
+    float8 cast of the ring's codes, one of the entries' scales and one float16 bitcast per nibble in the TTGIR,
+    where ``twice`` has each per product)."""
     triton = pytest.importorskip("triton")
     from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
@@ -223,14 +246,17 @@ def test_kernel_compiles_for_hopper():
             signature[name] = "fp32" if name == "scale_log2" else "i32"
         if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_tb"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    for batch in (1, 32):
+    for batch, decode in ((batch, decode) for batch in (1, 32) for decode in DECODES):
         config = choose_config(64, torch.bfloat16, 512, batch)
         constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512, WINDOW_BLOCK=32,
                          ENTRY_BLOCK=16, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
-                         PRECISION="tf32", HARDWARE_FP8=True)  # fmt: skip
+                         PRECISION="tf32", HARDWARE_FP8=True, DECODE=decode, PIN=True)  # fmt: skip
         source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], batch
-        assert compiled.metadata.shared <= 227 * 1024, (batch, compiled.metadata.shared)
-        assert _register_spills(compiled.asm["cubin"]) in (0, None), batch
+        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], (batch, decode)
+        assert compiled.metadata.shared <= 227 * 1024, (batch, decode, compiled.metadata.shared)
+        assert _register_spills(compiled.asm["cubin"]) in (0, None), (batch, decode)
+        casts = [line for line in compiled.asm["ttgir"].splitlines() if "tt.bitcast" in line]
+        fp8, fp16 = (sum(f"x{kind}," in line.split("->")[-1] for line in casts) for kind in ("f8E4M3FN", "f16"))
+        assert decode == "twice" or (fp8, fp16) == (2, 2), (batch, decode, fp8, fp16)

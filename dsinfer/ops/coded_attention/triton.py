@@ -11,12 +11,30 @@ where Triton has it (sm_89 and later, and the interpreter; exact for every finit
 codec's arithmetic; an e2m1 nibble's fields are placed in a float16 bit pattern, ``2**-14`` times its value,
 and the entry's scale carries the ``2**14`` back (exact: powers of two). Each element's value is its code's
 value times its block's scale, formed in float32 (exact: a few significant bits times a scale) and rounded
-once to the query dtype, exactly the rows the reference decodes; the online softmax, the sink and the combine
-of the splits are V4's (its jit functions, shared). Results agree with the reference to the rounding of V4's
-kernel (``tests/ops/test_coded_attention.py``).
+once to the query dtype, exactly the rows the reference decodes; the online softmax (V4's tile step, or its
+transpose), the sink and the combine of the splits are V4's. Results agree with the reference to the rounding of
+V4's kernel (``tests/ops/test_coded_attention.py``).
+
+Each tile feeds two products, ``q @ k^T`` and ``p @ k``. Handed the decoded values (the ``twice`` form of
+:data:`DECODE`), Triton's layout passes rematerialise the whole decode (the code bytes' layout conversions, the
+casts, the scale multiply) once in each product's operand layout, where warps hold repeated copies of the tile:
+the sm_90 TTGIR has every decode op twice, the PTX 114 e4m3-pair conversions where one decode needs 34, and a
+decode step of the V4.1 slice took 37 us in this kernel against 24 us for the plain kernel on the H200. The
+``once`` forms (the default) round the decoded tile to the query dtype and pass it through an identity inline-PTX
+``mov`` that is not pure, which those passes do not duplicate: the tile is decoded once, stored to shared memory
+once and both products load their operands from that copy, as V4's kernel does with a loaded tile (the ring's
+code bytes are now staged through shared memory by the software pipeliner too). The logits must then read the
+tile before q (``kv @ q^T``, keys first), or q's shared copy must be written in the tile as well
+(``once-heads-first``): with q read first, its operand loads were issued before the barrier that guards the
+tile's copy, all at once, and spilled at 32 heads a program. sm_90 builds at 64 heads x 512, bf16, with entries:
+``once`` 106 / 138 registers a thread at 16 / 32 heads a program (V4's kernel: 108 / 138) and 66,560 / 83,968
+bytes of shared memory, against 226 / 250 and 59,648 / 77,056 for ``twice``; ``once-heads-first`` 140 / 173 and
+65,536 / 81,920. The ``once`` forms are not timed on the GPU yet (``benchmarks/attention_decode.py --coded``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -59,6 +77,55 @@ if triton is not None:
         bits = nibble.to(tl.int16)
         half = ((bits & 0x7) << 9) | ((bits & 0x8) << 12)
         return half.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _pinned(kv, PIN: tl.constexpr):
+        """``kv`` unchanged; with ``PIN`` through an identity ``mov`` of inline PTX that is not pure. Triton's layout
+        passes rematerialise pure elementwise chains in each consumer's layout but never duplicate this op, so the
+        decode that produced ``kv`` stays one chain and its result goes to shared memory once."""
+        if PIN:
+            if kv.dtype == tl.float32:
+                kv = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [kv], dtype=kv.dtype, is_pure=False, pack=1)
+            else:  # two 16-bit values a register
+                kv = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [kv], dtype=kv.dtype, is_pure=False, pack=2)
+        return kv
+
+    @triton.jit
+    def _attend_tile_keys_first(q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION: tl.constexpr):
+        """V4's ``_attend_tile`` with the logits transposed: ``kv @ q^T`` [BLOCK_N, BLOCK_H], the softmax along
+        axis 0, then ``p @ kv`` with ``p`` the transposed probabilities. The first product reads the tile's shared
+        copy before q's, so the barrier after the tile's store comes before every operand load of that product
+        (with q first, its loads were issued ahead of the barrier, all at once, and spilled at 32 heads)."""
+        logits = tl.dot(kv, tl.trans(q), input_precision=PRECISION) * scale_log2
+        logits = tl.where(visible[:, None], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=0))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(logits - new_max[None, :])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=0)
+        acc = acc * rescale[:, None] + tl.dot(tl.trans(probs.to(kv.dtype)), kv, input_precision=PRECISION)
+        return new_max, running_sum, acc
+
+    @triton.jit
+    def _attend_decoded(q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION: tl.constexpr,
+                        DECODE: tl.constexpr, PIN: tl.constexpr):  # fmt: skip
+        """A decoded tile (float32 ``kv`` [BLOCK_N, HEAD_DIM]) into the running softmax, in the form :data:`DECODE`
+        names: ``twice``, V4's ``_attend_tile`` on it (each product rematerialises the decode in its own operand
+        layout); else rounded to q's dtype and pinned (:func:`_pinned`), so both products read one shared copy,
+        attended keys first (``once``) or, ``once-heads-first``, by ``_attend_tile`` (the caller pins q too)."""
+        if DECODE == "twice":
+            new_max, running_sum, acc = _attend_tile(q, kv, visible, running_max, running_sum, acc, scale_log2,
+                                                     PRECISION)  # fmt: skip
+        else:
+            kv = _pinned(kv.to(q.dtype), PIN)
+            if DECODE == "once":
+                new_max, running_sum, acc = _attend_tile_keys_first(
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+                )
+            else:
+                new_max, running_sum, acc = _attend_tile(
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+                )
+        return new_max, running_sum, acc
 
     @triton.jit
     def _coded_split_kernel(
@@ -108,6 +175,8 @@ if triton is not None:
         HAS_ENTRIES: tl.constexpr,
         PRECISION: tl.constexpr,
         HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
+        DECODE: tl.constexpr,  # "once", "once-heads-first" or "twice" (the module's DECODE)
+        PIN: tl.constexpr,  # the once forms' inline-PTX pins (not in the interpreter, which has no inline asm)
     ):
         seq = tl.program_id(0)
         group = tl.program_id(1)
@@ -131,6 +200,9 @@ if triton is not None:
         first = split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, n_tiles)
         for tile in range(first, tl.minimum(last, WINDOW_TILES)):
+            q_tile = q
+            if DECODE == "once-heads-first":  # q's shared copy written in the tile too, before the tile's
+                q_tile = _pinned(q, PIN)
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
@@ -143,8 +215,8 @@ if triton is not None:
             value = tl.reshape(e4m3_decode(code, HARDWARE_FP8), [BLOCK_N, WINDOW_BLOCKS, WINDOW_BLOCK])
             value = value * ue8m0_value(exponent.to(tl.int32))[:, :, None]
             kv = tl.reshape(value, [BLOCK_N, HEAD_DIM])
-            running_max, running_sum, acc = _attend_tile(
-                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+            running_max, running_sum, acc = _attend_decoded(
+                q_tile, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
             )
         if HAS_ENTRIES:
             ENTRY_BLOCKS: tl.constexpr = HEAD_DIM // ENTRY_BLOCK
@@ -152,6 +224,9 @@ if triton is not None:
             entry_blocks = tl.arange(0, ENTRY_BLOCKS)
             pairs = entry_blocks[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
             for tile in range(tl.maximum(first, WINDOW_TILES), last):
+                q_tile = q
+                if DECODE == "once-heads-first":  # q's shared copy written in the tile too, before the tile's
+                    q_tile = _pinned(q, PIN)
                 entry = (tile - WINDOW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
                 index = tl.load(indices_ptr + seq * stride_ib + entry, mask=entry < n_indices, other=-1)
                 visible = index >= 0
@@ -164,8 +239,8 @@ if triton is not None:
                 scale = e4m3_decode(scale_byte, HARDWARE_FP8) * 16384.0  # the 2**14 e2m1_scaled leaves out
                 value = tl.join(e2m1_scaled(packed & 0xF), e2m1_scaled(packed >> 4))  # channel 2j: low nibble
                 kv = tl.reshape(value * scale[:, :, None, None], [BLOCK_N, HEAD_DIM])
-                running_max, running_sum, acc = _attend_tile(
-                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+                running_max, running_sum, acc = _attend_decoded(
+                    q_tile, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
                 )
 
         out_mask = head_ok[:, None]
@@ -182,6 +257,33 @@ if triton is not None:
             tl.store(part_max_ptr + row_id, running_max, mask=head_ok)
             tl.store(part_sum_ptr + row_id, running_sum, mask=head_ok)
             tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+
+
+DECODES = ("once", "once-heads-first", "twice")
+DECODE = "once"
+"""How the kernel turns a tile's codes into the K=V tile both products read (one of :data:`DECODES`): ``once``
+decodes it once, rounds it to the query dtype and stores it to shared memory, where both products read it, the
+logits computed keys first (``kv @ q^T``); ``once-heads-first`` the same with V4's ``q @ kv^T``, q's shared copy
+written again in each tile (sm_90 builds at 64 heads x 512: 140 / 173 registers a thread at 16 / 32 heads a
+program against ``once``'s 106 / 138, but at 16 heads half ``once``'s MMAs in the logits, whose warps otherwise
+repeat the 16 heads' columns); ``twice`` hands V4's tile step the decoded float32 values, and Triton's layout
+passes rematerialise the whole decode once per product. The environment variable
+``DSINFER_CODED_ATTENTION_DECODE`` overrides it at each launch (``benchmarks/attention_decode.py --coded`` times
+every form in one run)."""
+
+
+def decode_form() -> str:
+    """The form launches take: ``DSINFER_CODED_ATTENTION_DECODE`` where set, else :data:`DECODE`."""
+    choice = os.environ.get("DSINFER_CODED_ATTENTION_DECODE") or DECODE
+    if choice not in DECODES:
+        raise ValueError(f"DSINFER_CODED_ATTENTION_DECODE must be one of {DECODES}, got {choice!r}")
+    return choice
+
+
+def inline_asm_available(device: torch.device) -> bool:
+    """Whether the kernel can carry inline PTX: compiled for an NVIDIA GPU (the interpreter has no inline asm)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" and torch.version.hip is None and not interpreted
 
 
 def fp8_cast_available(device: torch.device) -> bool:
@@ -210,19 +312,23 @@ def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -
 def sparse_attention_decode_coded_launch(
     q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables, indices,
     sink, softmax_scale, num_splits: int | None = None, config: DecodeConfig | None = None,
-    hardware_fp8: bool | None = None,
+    hardware_fp8: bool | None = None, decode: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's; ``config`` None:
     V4's :func:`choose_config`, which also serves this kernel best on the H200: one sequence at 256 context, 48.6
     us with entries and 16.8 us over the window alone at 16 heads a program and 8 splits, against 70.9 and 46.6 us
     at 32 heads and the old split rule; 32 sequences stay best at 32 heads a program, 171 us; tiles of 16 keys
-    did worse or drifted further from the reference). ``hardware_fp8`` None: :func:`fp8_cast_available`."""
+    did worse or drifted further from the reference; these times are the ``twice`` form's). ``hardware_fp8``
+    None: :func:`fp8_cast_available`. ``decode`` (one of :data:`DECODES`) None: :func:`decode_form`."""
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
     size = window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     fp8_cast = fp8_cast_available(q.device) if hardware_fp8 is None else hardware_fp8
+    decode = decode or decode_form()
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -258,7 +364,8 @@ def sparse_attention_decode_coded_launch(
         WINDOW=size, WINDOW_TILES=window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, SPLITS=splits, HAS_ENTRIES=has_entries,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast, DECODE=decode,
+        PIN=inline_asm_available(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
