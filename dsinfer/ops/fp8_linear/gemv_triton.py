@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch, launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
 
 try:
@@ -28,6 +29,7 @@ try:
     import triton.language as tl
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
+    from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -78,11 +80,16 @@ def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], gr
 if triton is not None:
 
     @triton.jit
-    def _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS: tl.constexpr):
+    def _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS: tl.constexpr):
         ok = cols < k_stop
         byte = tl.load(code_rows + cols[None, :], mask=ok[None, :], other=0)
-        xv = tl.load(x_row + cols, mask=ok, other=0.0)
         s = tl.load(scale_row + cols // SCALE_COLS, mask=ok, other=0)
+        return byte, s
+
+    @triton.jit
+    def _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS: tl.constexpr):
+        byte, s = _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS)
+        xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
         return byte, xv, s
 
     @triton.jit
@@ -106,7 +113,9 @@ if triton is not None:
         SCALE_BYTES: tl.constexpr,
         HARDWARE_FP8: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        PDL: tl.constexpr,  # a programmatic dependent: the first step's weight loads come before the wait
     ):
+        allow_dependents(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         first_row = pid_n * BLOCK_N
@@ -119,7 +128,9 @@ if triton is not None:
         k_stop = tl.minimum(K, k_start + k_per_split)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         cols = k_start + tl.arange(0, BLOCK_K)
-        byte, xv, s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
+        byte, s = _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS)
+        wait_for_prerequisite(PDL)
+        xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
         for _ in range(k_start, k_stop, BLOCK_K):
             cols += BLOCK_K
             next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
@@ -170,6 +181,7 @@ def fp8_gemv(
         flat, codes.view(torch.uint8), scale_codes, out, partial, arrived, rows,
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
-        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, num_warps=config.warps, num_stages=1,
+        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=dependent_launch(x.device),
+        num_warps=config.warps, num_stages=1, **launch_options(x.device),
     )  # fmt: skip
     return out.reshape(*lead, rows)

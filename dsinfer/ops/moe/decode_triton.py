@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.split_arrivals import arrival_counts
@@ -59,6 +60,8 @@ from dsinfer.ops.split_arrivals import arrival_counts
 try:  # Triton is optional: CPU-only installs use the reference.
     import triton
     import triton.language as tl
+
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -257,6 +260,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
 
@@ -265,6 +269,7 @@ if triton is not None:
         steps of weight bytes in flight while it decodes one. ``EVEN`` (``inter % BLOCK_N == 0`` and ``hidden %
         BLOCK_K == 0``): no masks; the look-ahead past the last step re-reads it, and a bad expert id reads
         expert 0 and stores zeros."""
+        allow_dependents(PDL)
         GROUPS: tl.constexpr = BLOCK_K // 32
         WORDS: tl.constexpr = BLOCK_K // 8
         n_tile = tl.program_id(0)
@@ -350,6 +355,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
         SPLIT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
@@ -362,6 +368,7 @@ if triton is not None:
         ``SPLIT``: each split stores its float32 sum in ``partial_ptr`` ``[splits, tokens, H]``; the last split of
         a (token, tile) to arrive (``arrived_ptr``, one count a tile, zero between launches) adds the splits in
         split order, stores the row tile and sets the count back."""
+        allow_dependents(PDL)
         GROUPS: tl.constexpr = BLOCK_K // 32
         n_tile = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
@@ -441,6 +448,7 @@ def routed_moe_decode_gemv(
         x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=inter % block_n == 0 and hidden % block_k == 0,
+        PDL=dependent_launch(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
@@ -450,6 +458,7 @@ def routed_moe_decode_gemv(
         h, w2, weights.w2_scale, ids, route_weight, out, partial, arrived, top_k, slots_per_split, hidden, inter,
         weights.num_experts, w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0, SPLIT=splits > 1,
+        PDL=dependent_launch(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -15,12 +15,15 @@ import os
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rms_normalize_reference
 from dsinfer.ops.registry import register
 
 try:
     import triton
     import triton.language as tl
+
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -36,8 +39,20 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        src, weight, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+        src,
+        weight,
+        dst,
+        rows,
+        width,
+        inner,
+        stride_outer,
+        stride_inner,
+        eps,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        allow_dependents(PDL)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
@@ -52,8 +67,19 @@ if triton is not None:
 
     @triton.jit
     def _rms_normalize_kernel(
-        src, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+        src,
+        dst,
+        rows,
+        width,
+        inner,
+        stride_outer,
+        stride_inner,
+        eps,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        allow_dependents(PDL)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
@@ -96,7 +122,7 @@ def _normalize_rows(kernel, x: torch.Tensor, eps: float, *weight: torch.Tensor) 
         block, per_program, warps = norm_launch_shape(width)
         kernel[(triton.cdiv(rows, per_program),)](
             rows3, *weight, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1), eps,
-            ROWS=per_program, BLOCK=block, num_warps=warps,
+            PDL=dependent_launch(x.device), ROWS=per_program, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return out
 

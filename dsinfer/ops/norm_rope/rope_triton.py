@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
@@ -40,6 +41,8 @@ from dsinfer.ops.registry import register
 try:
     import triton
     import triton.language as tl
+
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -79,7 +82,9 @@ if triton is not None:
         CHUNK: tl.constexpr,  # nope channels copied per step
         BLOCK_ROPE: tl.constexpr,  # next power of two of 2 * HALF
         INVERSE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        allow_dependents(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = head < heads
@@ -170,6 +175,7 @@ def rope_launch(
         CHUNK=chunk,
         BLOCK_ROPE=block_rope,
         INVERSE=bool(inverse),
+        PDL=dependent_launch(x.device),
         num_warps=warps,
         enable_fp_fusion=False,  # no fused multiply-add: the reference's roundings, bit for bit
     )

@@ -14,12 +14,15 @@ import os
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_angles.reference import rope_angles_reference
 
 try:
     import triton
     import triton.language as tl
+
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -37,7 +40,9 @@ if triton is not None:
     def _rope_angles_kernel(
         positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, rows, ratio, HALF: tl.constexpr, BLOCK: tl.constexpr,
         ROWS: tl.constexpr, GROUPED: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        allow_dependents(PDL)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         channel = tl.arange(0, BLOCK)
         row_ok = row < rows
@@ -74,7 +79,8 @@ def rope_angles_triton(
         grid = (triton.cdiv(flat.numel(), ROWS_PER_PROGRAM),)
         _rope_angles_kernel[grid](
             flat, inv_freq.contiguous(), cos, sin, flat.numel(), int(ratio), HALF=half,
-            BLOCK=triton.next_power_of_2(half), ROWS=ROWS_PER_PROGRAM, GROUPED=ratio > 1, num_warps=1,
+            BLOCK=triton.next_power_of_2(half), ROWS=ROWS_PER_PROGRAM, GROUPED=ratio > 1,
+            PDL=dependent_launch(positions.device), num_warps=1,
         )  # fmt: skip
     shape = (*positions.shape, half)
     return cos.view(shape), sin.view(shape)

@@ -11,11 +11,14 @@ import os
 
 import torch
 
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.registry import register
 
 try:
     import triton
     import triton.language as tl
+
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -30,7 +33,8 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _swiglu_kernel(gate_up_ptr, out_ptr, inter, stride_row, limit, BLOCK: tl.constexpr):
+    def _swiglu_kernel(gate_up_ptr, out_ptr, inter, stride_row, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        allow_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = column < inter
@@ -54,5 +58,14 @@ def clamped_swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows and inter:
         grid = (rows, triton.cdiv(inter, BLOCK))
-        _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), float(limit), BLOCK=BLOCK, num_warps=4)
+        _swiglu_kernel[grid](
+            gate_up,
+            out,
+            inter,
+            gate_up.stride(0),
+            float(limit),
+            PDL=dependent_launch(gate_up.device),
+            BLOCK=BLOCK,
+            num_warps=4,
+        )
     return out
