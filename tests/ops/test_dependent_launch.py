@@ -1,8 +1,7 @@
 """Programmatic dependent launch (``dsinfer.ops.dependent_launch``): the switch and its errors on any machine;
-on CUDA, a chain of kernels that launch as dependents (norm, FP8 GEMV, FP8 GEMV, SwiGLU, FP8 GEMV, each
-the next one's input) replayed from a
-CUDA graph with fresh inputs gives, bit for bit, the chain launched plainly: a kernel that read before its wait
-would read the previous replay's values."""
+on CUDA, a chain of kernels that launch as dependents (norm, FP8 GEMV, FP8 GEMV, SwiGLU, FP8 GEMV, each the next
+one's input) replayed from a CUDA graph with fresh inputs gives, bit for bit, the chain launched plainly: a
+kernel that read before its wait would read the previous replay's values."""
 
 from __future__ import annotations
 
