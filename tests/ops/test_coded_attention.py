@@ -176,7 +176,7 @@ def test_reference_is_v4_decode_attention_over_the_decoded_cache(case):
     assert torch.equal(sparse_attention_decode_coded_reference(**inputs), want)
 
 
-DECODES = ("once", "once-heads-first", "twice")  # the kernel's forms (DECODES of its module)
+DECODES = ("once", "twice")  # the kernel's forms (DECODES of its module)
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -220,7 +220,7 @@ def test_kernel_compiles_for_hopper():
     """sm_90 cubins with Triton's bundled ptxas (no GPU needed) at V4-Flash shapes (64 heads x 512, window 128,
     top-k 512) in the configurations choose_config picks for bf16 at 1 and 32 sequences, the float8 cast on and
     pointers and strides 16-divisible as the launch specializes them, in every decode form: within the H200's
-    227 KiB of shared memory per block and without register spills; the once forms decode each tile once (one
+    227 KiB of shared memory per block and without register spills; the once form decodes each tile once (one
     float8 cast of the ring's codes, one of the entries' scales and one float16 bitcast per nibble in the TTGIR,
     where ``twice`` has each per product)."""
     triton = pytest.importorskip("triton")

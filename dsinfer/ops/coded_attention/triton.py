@@ -18,18 +18,20 @@ V4's kernel (``tests/ops/test_coded_attention.py``).
 Each tile feeds two products, ``q @ k^T`` and ``p @ k``. Handed the decoded values (the ``twice`` form of
 :data:`DECODE`), Triton's layout passes rematerialise the whole decode (the code bytes' layout conversions, the
 casts, the scale multiply) once in each product's operand layout, where warps hold repeated copies of the tile:
-the sm_90 TTGIR has every decode op twice, the PTX 114 e4m3-pair conversions where one decode needs 34, and a
-decode step of the V4.1 slice took 37 us in this kernel against 24 us for the plain kernel on the H200. The
-``once`` forms (the default) round the decoded tile to the query dtype and pass it through an identity inline-PTX
-``mov`` that is not pure, which those passes do not duplicate: the tile is decoded once, stored to shared memory
-once and both products load their operands from that copy, as V4's kernel does with a loaded tile (the ring's
-code bytes are now staged through shared memory by the software pipeliner too). The logits must then read the
-tile before q (``kv @ q^T``, keys first), or q's shared copy must be written in the tile as well
-(``once-heads-first``): with q read first, its operand loads were issued before the barrier that guards the
-tile's copy, all at once, and spilled at 32 heads a program. sm_90 builds at 64 heads x 512, bf16, with entries:
-``once`` 106 / 138 registers a thread at 16 / 32 heads a program (V4's kernel: 108 / 138) and 66,560 / 83,968
-bytes of shared memory, against 226 / 250 and 59,648 / 77,056 for ``twice``; ``once-heads-first`` 140 / 173 and
-65,536 / 81,920. The ``once`` forms are not timed on the GPU yet (``benchmarks/attention_decode.py --coded``).
+the sm_90 TTGIR has every decode op twice, the PTX 114 e4m3-pair conversions where one decode needs 34. The
+``once`` form (the default) rounds the decoded tile to the query dtype and passes it through an identity
+inline-PTX ``mov`` that is not pure, which those passes do not duplicate: the tile is decoded once, stored to
+shared memory once and both products load their operands from that copy, as V4's kernel does with a loaded tile
+(the ring's code bytes are now staged through shared memory by the software pipeliner too). The logits then read
+the tile before q (``kv @ q^T``, keys first): with q read first, its operand loads were issued before the barrier
+that guards the tile's copy, all at once, and spilled at 32 heads a program (so did a form that wrote q's shared
+copy again in each tile, under the H200's Triton 3.6, and it was slower at 32 sequences). sm_90 builds at 64
+heads x 512, bf16, with entries: ``once`` 106 / 138 registers a thread at 16 / 32 heads a program (V4's kernel:
+108 / 138) and 66,560 / 83,968 bytes of shared memory, against 226 / 250 and 59,648 / 77,056 for ``twice``.
+
+On the H200 (``benchmarks/attention_decode.py --coded --layers csa hca window --batch 1 32 --context 256``,
+docs/perf-fast-path-pass10.md), graph replays at V4.1-Flash's shapes: one sequence 1.05-1.10x faster than
+``twice`` (CSA 11.3 against 11.8 us), 32 sequences 1.14-1.31x (CSA 28.0 against 36.8 us).
 """
 
 from __future__ import annotations
@@ -110,21 +112,16 @@ if triton is not None:
                         DECODE: tl.constexpr, PIN: tl.constexpr):  # fmt: skip
         """A decoded tile (float32 ``kv`` [BLOCK_N, HEAD_DIM]) into the running softmax, in the form :data:`DECODE`
         names: ``twice``, V4's ``_attend_tile`` on it (each product rematerialises the decode in its own operand
-        layout); else rounded to q's dtype and pinned (:func:`_pinned`), so both products read one shared copy,
-        attended keys first (``once``) or, ``once-heads-first``, by ``_attend_tile`` (the caller pins q too)."""
+        layout); ``once``, rounded to q's dtype and pinned (:func:`_pinned`), so both products read one shared
+        copy, attended keys first."""
         if DECODE == "twice":
             new_max, running_sum, acc = _attend_tile(q, kv, visible, running_max, running_sum, acc, scale_log2,
                                                      PRECISION)  # fmt: skip
         else:
             kv = _pinned(kv.to(q.dtype), PIN)
-            if DECODE == "once":
-                new_max, running_sum, acc = _attend_tile_keys_first(
-                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
-                )
-            else:
-                new_max, running_sum, acc = _attend_tile(
-                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
-                )
+            new_max, running_sum, acc = _attend_tile_keys_first(
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
+            )
         return new_max, running_sum, acc
 
     @triton.jit
@@ -175,8 +172,8 @@ if triton is not None:
         HAS_ENTRIES: tl.constexpr,
         PRECISION: tl.constexpr,
         HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
-        DECODE: tl.constexpr,  # "once", "once-heads-first" or "twice" (the module's DECODE)
-        PIN: tl.constexpr,  # the once forms' inline-PTX pins (not in the interpreter, which has no inline asm)
+        DECODE: tl.constexpr,  # "once" or "twice" (the module's DECODE)
+        PIN: tl.constexpr,  # the once form's inline-PTX pin (not in the interpreter, which has no inline asm)
     ):
         seq = tl.program_id(0)
         group = tl.program_id(1)
@@ -200,9 +197,6 @@ if triton is not None:
         first = split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, n_tiles)
         for tile in range(first, tl.minimum(last, WINDOW_TILES)):
-            q_tile = q
-            if DECODE == "once-heads-first":  # q's shared copy written in the tile too, before the tile's
-                q_tile = _pinned(q, PIN)
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
@@ -216,7 +210,7 @@ if triton is not None:
             value = value * ue8m0_value(exponent.to(tl.int32))[:, :, None]
             kv = tl.reshape(value, [BLOCK_N, HEAD_DIM])
             running_max, running_sum, acc = _attend_decoded(
-                q_tile, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
+                q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
             )
         if HAS_ENTRIES:
             ENTRY_BLOCKS: tl.constexpr = HEAD_DIM // ENTRY_BLOCK
@@ -224,9 +218,6 @@ if triton is not None:
             entry_blocks = tl.arange(0, ENTRY_BLOCKS)
             pairs = entry_blocks[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
             for tile in range(tl.maximum(first, WINDOW_TILES), last):
-                q_tile = q
-                if DECODE == "once-heads-first":  # q's shared copy written in the tile too, before the tile's
-                    q_tile = _pinned(q, PIN)
                 entry = (tile - WINDOW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
                 index = tl.load(indices_ptr + seq * stride_ib + entry, mask=entry < n_indices, other=-1)
                 visible = index >= 0
@@ -240,7 +231,7 @@ if triton is not None:
                 value = tl.join(e2m1_scaled(packed & 0xF), e2m1_scaled(packed >> 4))  # channel 2j: low nibble
                 kv = tl.reshape(value * scale[:, :, None, None], [BLOCK_N, HEAD_DIM])
                 running_max, running_sum, acc = _attend_decoded(
-                    q_tile, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
+                    q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION, DECODE, PIN
                 )
 
         out_mask = head_ok[:, None]
@@ -259,15 +250,12 @@ if triton is not None:
             tl.store(part_out_ptr + row_id.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
-DECODES = ("once", "once-heads-first", "twice")
+DECODES = ("once", "twice")
 DECODE = "once"
 """How the kernel turns a tile's codes into the K=V tile both products read (one of :data:`DECODES`): ``once``
 decodes it once, rounds it to the query dtype and stores it to shared memory, where both products read it, the
-logits computed keys first (``kv @ q^T``); ``once-heads-first`` the same with V4's ``q @ kv^T``, q's shared copy
-written again in each tile (sm_90 builds at 64 heads x 512: 140 / 173 registers a thread at 16 / 32 heads a
-program against ``once``'s 106 / 138, but at 16 heads half ``once``'s MMAs in the logits, whose warps otherwise
-repeat the 16 heads' columns); ``twice`` hands V4's tile step the decoded float32 values, and Triton's layout
-passes rematerialise the whole decode once per product. The environment variable
+logits computed keys first (``kv @ q^T``); ``twice`` hands V4's tile step the decoded float32 values, and
+Triton's layout passes rematerialise the whole decode once per product. The environment variable
 ``DSINFER_CODED_ATTENTION_DECODE`` overrides it at each launch (``benchmarks/attention_decode.py --coded`` times
 every form in one run)."""
 
