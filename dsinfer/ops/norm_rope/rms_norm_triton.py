@@ -38,54 +38,36 @@ def rms_norm_triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(
-        src,
-        weight,
-        dst,
-        rows,
-        width,
-        inner,
-        stride_outer,
-        stride_inner,
-        eps,
-        ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        allow_dependents(PDL)
+    def _program_rows(src, rows, width, inner, stride_outer, stride_inner, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's rows of ``src`` (read at their strides, masked), the mask and their offsets in the output."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, BLOCK)
         mask = (row < rows)[:, None] & (column < width)[None, :]
         offsets = row.to(tl.int64)[:, None] * width + column[None, :]
         start = (row // inner).to(tl.int64) * stride_outer + (row % inner).to(tl.int64) * stride_inner
-        x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
+        return tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0), mask, offsets
+
+    @triton.jit
+    def _rms_norm_kernel(
+        src, weight, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        allow_dependents(PDL)
+        x, mask, offsets = _program_rows(src, rows, width, inner, stride_outer, stride_inner, ROWS, BLOCK)
         x = x.to(tl.float32)
         scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
+        column = tl.arange(0, BLOCK)
         w = tl.load(weight + column, mask=column < width, other=0.0).to(tl.float32)
         y = w[None, :] * (x * scale[:, None])
         tl.store(dst + offsets, y.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_normalize_kernel(
-        src,
-        dst,
-        rows,
-        width,
-        inner,
-        stride_outer,
-        stride_inner,
-        eps,
-        ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,
+        src, dst, rows, width, inner, stride_outer, stride_inner, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
         PDL: tl.constexpr,
-    ):
+    ):  # fmt: skip
         allow_dependents(PDL)
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        column = tl.arange(0, BLOCK)
-        mask = (row < rows)[:, None] & (column < width)[None, :]
-        offsets = row.to(tl.int64)[:, None] * width + column[None, :]
-        start = (row // inner).to(tl.int64) * stride_outer + (row % inner).to(tl.int64) * stride_inner
-        x = tl.load(src + start[:, None] + column[None, :], mask=mask, other=0.0)
+        x, mask, offsets = _program_rows(src, rows, width, inner, stride_outer, stride_inner, ROWS, BLOCK)
         x32 = x.to(tl.float32)
         # The reference rounds the scale to the rows' dtype and multiplies in it (one rounding of the product).
         scale = (1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / width + eps)).to(x.dtype).to(tl.float32)
