@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.dependent_launch import dependent_launch, launch_options
+from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
 
 try:
@@ -182,11 +182,12 @@ def fp8_gemv(
     wanted = config.splits or choose_splits(tiles, inputs, config.block_k, x.device, config.programs_per_sm)
     splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (rows,))
     scale_codes, scale_bytes = scale_operand(scale)
+    dependent = launch_options(x.device)  # read once: the constexpr and the launch must agree
     _fp8_gemv_kernel[(tiles, splits)](
         flat, codes.view(torch.uint8), scale_codes, out, partial, arrived, rows,
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
-        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=dependent_launch(x.device),
-        num_warps=config.warps, num_stages=1, **launch_options(x.device),
+        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=bool(dependent),
+        num_warps=config.warps, num_stages=1, **dependent,
     )  # fmt: skip
     return out.reshape(*lead, rows)
