@@ -216,8 +216,9 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
     kernels.append((backend._dequantize_kernel, dict(BLOCK_R=32, BLOCK_C=128), 4, 1))
     gemv = gemv_triton.DEFAULT_GEMV
     for split in (False, True):
-        constants = dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, SPLIT_K=split)
-        kernels.append((gemv_triton._fp8_gemv_kernel, constants, gemv.warps, 1))
+        for ahead in (1, 2):
+            constants = dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, SPLIT_K=split, PDL=True, AHEAD=ahead)
+            kernels.append((gemv_triton._fp8_gemv_kernel, constants, gemv.warps, 1))
     for kernel, constants, warps, stages in kernels:
         constants.update(SCALE_ROWS=128, SCALE_COLS=128, SCALE_BYTES=True, HARDWARE_FP8=True)
         pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16",
@@ -225,7 +226,7 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
         signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
         signature.update({name: "constexpr" for name in constants})
         aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
-                   if name.endswith("_ptr") or name in ("K", "N", "stride_xm", "stride_om")}  # fmt: skip
+                   if name.endswith("_ptr") or name in ("K", "N", "stride_xm", "stride_om", "k_per_split")}  # fmt: skip
         source = ASTSource(kernel, signature, constexprs=constants, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages))  # fmt: skip

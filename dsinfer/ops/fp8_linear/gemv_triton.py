@@ -50,6 +50,7 @@ class Fp8GemvConfig:
     warps: int
     splits: int = 0
     programs_per_sm: int = 8
+    ahead: int = 1
 
 
 # The launch of the H200 sweep (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1``,
@@ -98,6 +99,20 @@ if triton is not None:
         return byte, xv, s
 
     @triton.jit
+    def _accumulate(acc, byte, xv, s, HARDWARE_FP8: tl.constexpr, SCALE_BYTES: tl.constexpr):
+        """``acc`` plus one step: the e4m3 weights times the activations times their columns' scales."""
+        if HARDWARE_FP8:
+            w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            w = e4m3_value(byte.to(tl.int32))
+        if SCALE_BYTES:
+            scaled = xv.to(tl.float32) * ue8m0_value(s.to(tl.int32))
+        else:
+            scaled = xv.to(tl.float32) * s
+        products = w * scaled[None, :]  # 16 columns a thread (its 16-byte load): their sum stays in the thread
+        return acc + tl.sum(tl.reshape(products, (products.shape[0], products.shape[1] // 16, 16)), axis=2)
+
+    @triton.jit
     def _fp8_gemv_kernel(
         x_ptr,
         codes_ptr,  # uint8 [N, K]: e4m3 bytes
@@ -119,6 +134,7 @@ if triton is not None:
         HARDWARE_FP8: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent: the first step's weight loads come before the wait
+        AHEAD: tl.constexpr = 1,  # steps of loads in flight ahead of the one being multiplied (1 or 2)
     ):
         allow_dependents(PDL)
         pid_n = tl.program_id(0)
@@ -131,24 +147,29 @@ if triton is not None:
         scale_row = scale_ptr + (first_row // SCALE_ROWS) * scale_cols
         k_start = pid_k * k_per_split
         k_stop = tl.minimum(K, k_start + k_per_split)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         cols = k_start + tl.arange(0, BLOCK_K)
         byte, s = _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS)
-        wait_for_prerequisite(PDL)
-        xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
-        for _ in range(k_start, k_stop, BLOCK_K):
-            cols += BLOCK_K
-            next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
-            if HARDWARE_FP8:
-                w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                w = e4m3_value(byte.to(tl.int32))
-            if SCALE_BYTES:
-                scaled = xv.to(tl.float32) * ue8m0_value(s.to(tl.int32))
-            else:
-                scaled = xv.to(tl.float32) * s
-            acc += w * scaled[None, :]
-            byte, xv, s = next_byte, next_xv, next_s
+        if AHEAD == 2:  # the second step's weights are in flight too before the wait
+            byte2, s2 = _weight_loads(code_rows, scale_row, cols + BLOCK_K, k_stop, SCALE_COLS)
+            wait_for_prerequisite(PDL)
+            xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
+            xv2 = tl.load(x_row + cols + BLOCK_K, mask=cols + BLOCK_K < k_stop, other=0.0)
+            for _ in range(k_start, k_stop, BLOCK_K):
+                cols += BLOCK_K
+                next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols + BLOCK_K, k_stop,
+                                                         SCALE_COLS)  # fmt: skip
+                acc = _accumulate(acc, byte, xv, s, HARDWARE_FP8, SCALE_BYTES)
+                byte, xv, s = byte2, xv2, s2
+                byte2, xv2, s2 = next_byte, next_xv, next_s
+        else:
+            wait_for_prerequisite(PDL)
+            xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
+            for _ in range(k_start, k_stop, BLOCK_K):
+                cols += BLOCK_K
+                next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
+                acc = _accumulate(acc, byte, xv, s, HARDWARE_FP8, SCALE_BYTES)
+                byte, xv, s = next_byte, next_xv, next_s
         out = tl.sum(acc, axis=1)
         if SPLIT_K:
             tl.store(partial_ptr + pid_k.to(tl.int64) * N + rows, out)
@@ -188,6 +209,6 @@ def fp8_gemv(
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
         HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=bool(dependent),
-        num_warps=config.warps, num_stages=1, **dependent,
+        AHEAD=config.ahead, num_warps=config.warps, num_stages=1, **dependent,
     )  # fmt: skip
     return out.reshape(*lead, rows)
