@@ -8,7 +8,8 @@ boundary can land on either side. There the fast path's tokens are compared with
 the CPU's, and the same engine on CUDA with every op forced to its torch reference (``DSINFER_OPS``). Each
 count of differing prompts is set beside the count that reference shows against itself on its own device
 between two chunkings of the same prompts (prefill chunks of 256 and of 32 tokens). ``--prompts N`` sets the
-number of random prompts (24).
+number of random prompts (24); ``--rounding-only`` runs only the rounding-on comparison. The fast path's own flips
+between the two chunkings are printed beside them.
     python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
 
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, metavar="K", help="also check speculative decoding")
     parser.add_argument("--prompts", type=int, default=24, help="random prompts of the tiny checks")
+    parser.add_argument("--rounding-only", action="store_true", help="of the tiny checks, only V4.1's rounding on")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompts = [
@@ -103,7 +105,11 @@ def main() -> None:
         slice_check(args.slice_layers, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     if args.speculative:
         speculative_check(args.speculative, prompts, params)
-    if not args.skip_tiny:
+    if args.rounding_only:
+        with tempfile.TemporaryDirectory() as directory:
+            make_tiny_checkpoint(directory, arch="v41")
+            rounding_on_checks(directory, prompts, params)
+    elif not args.skip_tiny:
         tiny_checks(prompts, params)
 
 
@@ -160,6 +166,7 @@ def rounding_on_checks(directory: str, prompts, params) -> None:
     cpu = tiny_tokens(directory, "cpu", prompts, params)
     cpu_chunk_flips = differing(cpu, tiny_tokens(directory, "cpu", prompts, params, chunk=32))
     fast = tiny_tokens(directory, "cuda", prompts, params)
+    fast_chunk_flips = differing(fast, tiny_tokens(directory, "cuda", prompts, params, chunk=32))
     cuda_reference = tiny_tokens(directory, "cuda", prompts, params, forced=reference)
     cuda_chunk_flips = differing(cuda_reference, tiny_tokens(directory, "cuda", prompts, params, chunk=32,
                                                              forced=reference))  # fmt: skip
@@ -171,7 +178,7 @@ def rounding_on_checks(directory: str, prompts, params) -> None:
               f"reference's own {own} between chunkings)")  # fmt: skip
     print(f"v41, rounding on: the reference path on CUDA differs from the CPU on {differing(cpu, cuda_reference)} of "
           f"{n}; between prefill chunks of 256 and 32 tokens the reference differs from itself on {cpu_chunk_flips} "
-          f"(CPU) and {cuda_chunk_flips} (CUDA)")  # fmt: skip
+          f"(CPU) and {cuda_chunk_flips} (CUDA), the fast path on {fast_chunk_flips}")  # fmt: skip
 
 
 if __name__ == "__main__":

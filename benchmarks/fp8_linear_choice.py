@@ -2,7 +2,7 @@
 
     python benchmarks/fp8_linear_choice.py --tokens 1 2 8 32 64 256 4096
     python benchmarks/fp8_linear_choice.py --sweep --tokens 1 32
-    python benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1
+    python benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold
 
 For each of an attention layer's FP8 linears (and the shared expert's) the time of: ``bf16`` (the weight
 dequantised once, then ``F.linear``: the ``dequantize`` policy) and ``fp8`` (the ``fp8_linear`` op the model runs
@@ -10,7 +10,8 @@ with the ``keep`` policy: the one-token GEMV, the Triton kernel that reads the c
 tokens, a one-pass dequantisation and cuBLAS above). Each op is captured ``--calls`` times in one CUDA graph and
 timed by replays, so a launch's host cost does not count, as in the engine's decode graphs. Sums per layer are
 what the policy changes in a step; the weight bytes are what it changes in memory. ``--sweep`` times the kernels'
-launch shapes.
+launch shapes. ``--cold`` has each call read another copy of its weight, so that no call finds its bytes in L2 (a
+graph of one weight called ten times reads weights under 50 MB mostly from L2, where a model's step never does).
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ SHAPES_V41 = (
 
 
 def graph_ms(fn, calls: int, repeats: int) -> float:
-    """Median device time of one ``fn`` call, from replays of a graph of ``calls`` calls."""
-    fn()
+    """Median device time of one call, from replays of a graph of ``calls`` calls: of ``fn``, or of each of a list
+    of calls in turn (copies of one weight, so that a call finds none of its bytes in L2, as in a model's step)."""
+    fns = fn if isinstance(fn, list) else [fn]
+    fns[0]()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        for each in fns:
+            each()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    calls = max(calls, len(fns))  # every copy once a replay at the least
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for call in range(calls):
+            fns[call % len(fns)]()
     graph.replay()
     return statistics.median(cuda_ms(graph.replay, repeats)) / calls
 
@@ -76,6 +81,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes instead")
     parser.add_argument("--gemv-only", action="store_true", help="with --sweep: only the one-token GEMV's launches")
     parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
+    parser.add_argument("--cold", action="store_true", help="calls read copies of the weight (COLD_BYTES): no L2 hits")
     args = parser.parse_args()
     shapes = SHAPES_V41 if args.model == "v41" else SHAPES
     if not torch.cuda.is_available():
@@ -86,7 +92,8 @@ def main() -> None:
     for name, rows, cols, _groups in shapes:
         dense = torch.randn(rows, cols, device=device) * cols**-0.5
         codes, scale = quantize_fp8_blockwise(dense, BLOCK)
-        weights[name] = (codes, scale, dense.to(dtype))
+        copies = -(-COLD_BYTES // codes.numel()) if args.cold else 1
+        weights[name] = ([(codes.clone(), scale.clone()) for _ in range(copies)], dense.to(dtype))
     print(f"fp8_linear backend: {ops.chosen['fp8_linear'].name}; device {torch.cuda.get_device_name()}")
     if args.sweep:
         return sweep(args, shapes, weights, dtype)
@@ -96,10 +103,10 @@ def main() -> None:
     for tokens in args.tokens:
         rows = {"bf16": [], "fp8": []}
         for name, _out, cols, groups in shapes:
-            codes, scale, dense = weights[name]
+            copies, dense = weights[name]
             x = torch.randn(tokens, cols * groups, device=device, dtype=dtype)
             bf16 = functools.partial(grouped_linear, x, dense, groups)
-            fp8 = functools.partial(ops.fp8_linear, x, codes, scale, BLOCK, dtype, groups)
+            fp8 = [functools.partial(ops.fp8_linear, x, codes, scale, BLOCK, dtype, groups) for codes, scale in copies]
             rows["bf16"].append(graph_ms(bf16, args.calls, args.repeats))
             rows["fp8"].append(graph_ms(fp8, args.calls, args.repeats))
         for policy, times in rows.items():
@@ -110,9 +117,11 @@ def main() -> None:
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
 
 
-GEMV_GRID = list(itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 4, 8)))
-"""The GEMV's candidate launches: (rows, columns a step, warps, programs an SM); those with over 128 accumulator
-elements a thread are left out."""
+GEMV_GRID = list(itertools.product((8, 16), (512, 1024), (2, 4), (2, 4, 8), (1, 2)))
+"""The GEMV's candidate launches: (rows, columns a step, warps, programs an SM, steps of loads ahead); those with
+more than 128 weights a thread a step are left out."""
+COLD_BYTES = 256 << 20
+"""``--cold``: bytes of weight copies a graph cycles through, five times the H200's 50 MB of L2."""
 
 
 def sweep(args, shapes, weights, dtype) -> None:
@@ -120,19 +129,20 @@ def sweep(args, shapes, weights, dtype) -> None:
     print("| T | shape | block_n | block_k | warps | stages | splits | ms | TB/s | chosen |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens, (name, out, cols, groups) in itertools.product(args.tokens, shapes):
-        codes, scale, _ = weights[name]
+        copies, _ = weights[name]
         x = torch.randn(tokens, cols * groups, device="cuda", dtype=dtype)
         chosen = choose_config(out, out // groups, BLOCK, tokens)
         results = []
         grid = itertools.product((16, 32, 64), (2, 4), (3, 4), (1, 2, 4, 8, 16))
         configs = [] if args.gemv_only else [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
         if tokens == 1:  # the GEMV's launches too: more bytes a step keep more in flight on the large weights
-            configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in GEMV_GRID if n * k <= 4096 * w]
+            configs += [Fp8GemvConfig(n, k, w, 0, p, a) for n, k, w, p, a in GEMV_GRID if n * k <= 4096 * w]
             chosen = DEFAULT_GEMV
         for config in configs:
             try:
                 kernel = fp8_gemv if isinstance(config, Fp8GemvConfig) else fp8_linear_kernel
-                launch = functools.partial(kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
+                launch = [functools.partial(kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
+                          for codes, scale in copies]  # fmt: skip
                 ms = graph_ms(launch, args.calls, args.repeats)
             except Exception as error:  # a launch the GPU cannot take (shared memory): skip it
                 print(f"| {tokens} | {name} | {config} | - | - | {type(error).__name__} |")
@@ -140,7 +150,7 @@ def sweep(args, shapes, weights, dtype) -> None:
             results.append((ms, config))
         for ms, config in sorted(results, key=lambda r: r[0])[:3] + [r for r in results if r[1] == chosen]:
             mark = "yes" if config == chosen else ""
-            stages = getattr(config, "stages", f"gemv/{config.programs_per_sm}")
+            stages = getattr(config, "stages", None) or f"gemv/{config.programs_per_sm}/ahead {config.ahead}"
             print(
                 f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {stages} "
                 f"| {config.splits or 'auto'} | {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"
