@@ -8,8 +8,8 @@ boundary can land on either side. There the fast path's tokens are compared with
 the CPU's, and the same engine on CUDA with every op forced to its torch reference (``DSINFER_OPS``). Each
 count of differing prompts is set beside the count that reference shows against itself on its own device
 between two chunkings of the same prompts (prefill chunks of 256 and of 32 tokens). ``--prompts N`` sets the
-number of random prompts (24); ``--rounding-only`` runs only the rounding-on comparison. The fast path's own flips
-between the two chunkings are printed beside them.
+number of random prompts (24); ``--rounding-only`` runs only the rounding-on comparison on CUDA (no CPU engines,
+so many more prompts fit). The fast path's own flips between the two chunkings are printed too.
     python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
 
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, metavar="K", help="also check speculative decoding")
     parser.add_argument("--prompts", type=int, default=24, help="random prompts of the tiny checks")
-    parser.add_argument("--rounding-only", action="store_true", help="of the tiny checks, only V4.1's rounding on")
+    parser.add_argument("--rounding-only", action="store_true",
+                        help="only V4.1's rounding-on check, on CUDA")  # fmt: skip
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompts = [
@@ -108,7 +109,7 @@ def main() -> None:
     if args.rounding_only:
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch="v41")
-            rounding_on_checks(directory, prompts, params)
+            rounding_on_checks(directory, prompts, params, with_cpu=False)
     elif not args.skip_tiny:
         tiny_checks(prompts, params)
 
@@ -159,26 +160,31 @@ def tiny_checks(prompts, params) -> None:
         rounding_on_checks(directory, prompts, params)
 
 
-def rounding_on_checks(directory: str, prompts, params) -> None:
-    """The tiny V4.1 with its rounding on: the fast path against the reference path, on CUDA and against the CPU,
-    each set beside the reference's own flips between prefill chunks of 256 and 32 tokens on the same device."""
+def rounding_on_checks(directory: str, prompts, params, with_cpu: bool = True) -> None:
+    """The tiny V4.1 with its rounding on: the fast path against the reference path on CUDA (and, ``with_cpu``,
+    on the CPU), each set beside that reference's own flips between prefill chunks of 256 and 32 tokens on its
+    device. Each line is printed as soon as its engines have run."""
     n, reference = len(prompts), every_reference()
-    cpu = tiny_tokens(directory, "cpu", prompts, params)
-    cpu_chunk_flips = differing(cpu, tiny_tokens(directory, "cpu", prompts, params, chunk=32))
     fast = tiny_tokens(directory, "cuda", prompts, params)
-    fast_chunk_flips = differing(fast, tiny_tokens(directory, "cuda", prompts, params, chunk=32))
     cuda_reference = tiny_tokens(directory, "cuda", prompts, params, forced=reference)
     cuda_chunk_flips = differing(cuda_reference, tiny_tokens(directory, "cuda", prompts, params, chunk=32,
                                                              forced=reference))  # fmt: skip
-    against = {"the CPU": (differing(cpu, fast), cpu_chunk_flips),
-               "the reference path on CUDA": (differing(cuda_reference, fast), cuda_chunk_flips)}  # fmt: skip
-    for name, (flips, own) in against.items():
-        verdict = "within" if flips <= own else "MORE than"
-        print(f"v41, rounding on: the CUDA fast path differs from {name} on {flips} of {n} prompts ({verdict} that "
-              f"reference's own {own} between chunkings)")  # fmt: skip
-    print(f"v41, rounding on: the reference path on CUDA differs from the CPU on {differing(cpu, cuda_reference)} of "
-          f"{n}; between prefill chunks of 256 and 32 tokens the reference differs from itself on {cpu_chunk_flips} "
-          f"(CPU) and {cuda_chunk_flips} (CUDA), the fast path on {fast_chunk_flips}")  # fmt: skip
+    report_flips("the reference path on CUDA", differing(cuda_reference, fast), cuda_chunk_flips, n)
+    fast_chunk_flips = differing(fast, tiny_tokens(directory, "cuda", prompts, params, chunk=32))
+    print(f"v41, rounding on: between prefill chunks of 256 and 32 tokens the fast path differs from itself on "
+          f"{fast_chunk_flips} of {n} prompts", flush=True)  # fmt: skip
+    if with_cpu:
+        cpu = tiny_tokens(directory, "cpu", prompts, params)
+        cpu_chunk_flips = differing(cpu, tiny_tokens(directory, "cpu", prompts, params, chunk=32))
+        report_flips("the CPU", differing(cpu, fast), cpu_chunk_flips, n)
+        print(f"v41, rounding on: the reference path on CUDA differs from the CPU on {differing(cpu, cuda_reference)} "
+              f"of {n}", flush=True)  # fmt: skip
+
+
+def report_flips(name: str, flips: int, own: int, n: int) -> None:
+    verdict = "within" if flips <= own else "MORE than"
+    print(f"v41, rounding on: the CUDA fast path differs from {name} on {flips} of {n} prompts ({verdict} that "
+          f"reference's own {own} between chunkings)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -117,9 +117,9 @@ def main() -> None:
     print(f"weight bytes per layer: bf16 {bf16_bytes / 2**20:.0f} MiB, fp8 {bf16_bytes / 2 / 2**20:.0f} MiB")
 
 
-GEMV_GRID = list(itertools.product((8, 16), (512, 1024), (2, 4), (2, 4, 8), (1, 2)))
-"""The GEMV's candidate launches: (rows, columns a step, warps, programs an SM, steps of loads ahead); those with
-more than 128 weights a thread a step are left out."""
+GEMV_GRID = list(itertools.product((8, 16), (512, 1024), (2, 4), (2, 4, 8)))
+"""The GEMV's candidate launches: (rows, columns a step, warps, programs an SM); those with more than 128 weights a
+thread a step are left out."""
 COLD_BYTES = 256 << 20
 """``--cold``: bytes of weight copies a graph cycles through, five times the H200's 50 MB of L2."""
 
@@ -136,7 +136,7 @@ def sweep(args, shapes, weights, dtype) -> None:
         grid = itertools.product((16, 32, 64), (2, 4), (3, 4), (1, 2, 4, 8, 16))
         configs = [] if args.gemv_only else [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
         if tokens == 1:  # the GEMV's launches too: more bytes a step keep more in flight on the large weights
-            configs += [Fp8GemvConfig(n, k, w, 0, p, a) for n, k, w, p, a in GEMV_GRID if n * k <= 4096 * w]
+            configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in GEMV_GRID if n * k <= 4096 * w]
             chosen = DEFAULT_GEMV
         for config in configs:
             try:
@@ -150,7 +150,7 @@ def sweep(args, shapes, weights, dtype) -> None:
             results.append((ms, config))
         for ms, config in sorted(results, key=lambda r: r[0])[:3] + [r for r in results if r[1] == chosen]:
             mark = "yes" if config == chosen else ""
-            stages = getattr(config, "stages", None) or f"gemv/{config.programs_per_sm}/ahead {config.ahead}"
+            stages = getattr(config, "stages", f"gemv/{config.programs_per_sm}")
             print(
                 f"| {tokens} | {name} | {config.block_n} | {config.block_k} | {config.warps} | {stages} "
                 f"| {config.splits or 'auto'} | {ms:.4f} | {out * cols / ms / 1e9:.2f} | {mark} |"

@@ -50,19 +50,21 @@ class Fp8GemvConfig:
     warps: int
     splits: int = 0
     programs_per_sm: int = 8
-    ahead: int = 1
 
 
-# The launch of the H200 sweep (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1``,
-# docs/perf-fast-path-pass9.md): at V4-Flash's shapes (8, 512, 2, two programs an SM) took 0.0118 ms on wo_b
-# (4096 x 8192, 2.85 TB/s of FP8 bytes), 0.0071 on the shared expert's w1 + w3 and 0.0047 on its w2, the fastest
-# launch on each; on wo_a it took 0.0136 (the ``--tokens 1`` layer table) against the sweep's fastest 0.0130. The
-# eighth pass's sweep timed the split tl.dot kernel at 0.0165, 0.0104 and 0.0070 on the first three. The
-# exception is a weight of many short rows: on wq_b + the indexer's wq_b (40960 x 1024) the GEMV's best launch took
-# 0.0201 and the split tl.dot kernel 0.0176 (layer table). So the GEMV takes weights of up to GEMV_MAX_WEIGHT
-# elements, and larger ones whose rows are at least GEMV_MIN_INPUTS long ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns it
-# off).
-DEFAULT_GEMV = Fp8GemvConfig(8, 512, 2, 0, 2)
+# The launches of the H200 sweep with every call reading a weight that is not in L2, as in a model's step
+# (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold``, docs/perf-fast-path-pass11.md):
+# four-warp programs of 8 rows and 1024-column steps (splits for two programs an SM) took V4-Flash's wo_b (4096 x 8192)
+# in 0.0118 ms against 0.0155 for the earlier (8, 512, 2 warps, two an SM), the shared expert's w1 + w3 in 0.0065
+# against 0.0086 and its w2 in 0.0040 against 0.0050; at V4.1-Flash's widths main_proj in 0.0285 against 0.0359 and
+# wo_b in 0.0167 against 0.0202. The earlier launch stays the fastest on the grouped wo_a (eight groups of 1024 x
+# 4096: 0.0114 ms), so grouped weights keep it. (The ninth pass's sweep called one weight ten times a graph; weights
+# under L2's 50 MB were then read mostly from L2 and favoured the smaller launch.) The GEMV takes weights of up to
+# GEMV_MAX_WEIGHT elements, and larger ones whose rows are at least GEMV_MIN_INPUTS long: on a weight of many short
+# rows (wq_b + the indexer's wq_b, 40960 x 1024) the split tl.dot kernel is faster
+# ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns the GEMV off).
+DEFAULT_GEMV = Fp8GemvConfig(8, 1024, 4, 0, 2)
+GROUPED_GEMV = Fp8GemvConfig(8, 512, 2, 0, 2)
 GEMV_MAX_WEIGHT = 1 << 23
 GEMV_MIN_INPUTS = 2048
 
@@ -134,7 +136,6 @@ if triton is not None:
         HARDWARE_FP8: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent: the first step's weight loads come before the wait
-        AHEAD: tl.constexpr = 1,  # steps of loads in flight ahead of the one being multiplied (1 or 2)
     ):
         allow_dependents(PDL)
         pid_n = tl.program_id(0)
@@ -150,26 +151,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         cols = k_start + tl.arange(0, BLOCK_K)
         byte, s = _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS)
-        if AHEAD == 2:  # the second step's weights are in flight too before the wait
-            byte2, s2 = _weight_loads(code_rows, scale_row, cols + BLOCK_K, k_stop, SCALE_COLS)
-            wait_for_prerequisite(PDL)
-            xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
-            xv2 = tl.load(x_row + cols + BLOCK_K, mask=cols + BLOCK_K < k_stop, other=0.0)
-            for _ in range(k_start, k_stop, BLOCK_K):
-                cols += BLOCK_K
-                next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols + BLOCK_K, k_stop,
-                                                         SCALE_COLS)  # fmt: skip
-                acc = _accumulate(acc, byte, xv, s, HARDWARE_FP8, SCALE_BYTES)
-                byte, xv, s = byte2, xv2, s2
-                byte2, xv2, s2 = next_byte, next_xv, next_s
-        else:
-            wait_for_prerequisite(PDL)
-            xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
-            for _ in range(k_start, k_stop, BLOCK_K):
-                cols += BLOCK_K
-                next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
-                acc = _accumulate(acc, byte, xv, s, HARDWARE_FP8, SCALE_BYTES)
-                byte, xv, s = next_byte, next_xv, next_s
+        wait_for_prerequisite(PDL)
+        xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
+        for _ in range(k_start, k_stop, BLOCK_K):
+            cols += BLOCK_K
+            next_byte, next_xv, next_s = _gemv_loads(x_row, code_rows, scale_row, cols, k_stop, SCALE_COLS)
+            acc = _accumulate(acc, byte, xv, s, HARDWARE_FP8, SCALE_BYTES)
+            byte, xv, s = next_byte, next_xv, next_s
         out = tl.sum(acc, axis=1)
         if SPLIT_K:
             tl.store(partial_ptr + pid_k.to(tl.int64) * N + rows, out)
@@ -194,7 +182,7 @@ def fp8_gemv(
     config: Fp8GemvConfig | None = None,
 ) -> torch.Tensor:
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
-    config = config or DEFAULT_GEMV
+    config = config or (GROUPED_GEMV if groups > 1 else DEFAULT_GEMV)
     lead, (rows, inputs) = x.shape[:-1], codes.shape
     flat, out, work = kernel_operands(x, rows, inputs, dtype)
     if not work:
@@ -209,6 +197,6 @@ def fp8_gemv(
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
         HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=bool(dependent),
-        AHEAD=config.ahead, num_warps=config.warps, num_stages=1, **dependent,
+        num_warps=config.warps, num_stages=1, **dependent,
     )  # fmt: skip
     return out.reshape(*lead, rows)
