@@ -4,8 +4,9 @@ At one token the ``tl.dot`` kernel (:mod:`dsinfer.ops.fp8_linear.triton`) pads t
 every weight tile through shared memory for the tensor cores. Here a program owns ``BLOCK_N`` weight rows and walks
 its split of the input in ``BLOCK_K`` columns. Each thread loads 16 code bytes at a time, and the loads of the next
 step are issued before the current step is multiplied (one step ahead, in registers). The weight is cast to
-float32 and multiplied by the activation times its column's scale, into a ``[BLOCK_N, BLOCK_K]`` float32
-accumulator that is summed over its columns once at the end.
+float32 and multiplied by the activation times its column's scale; each thread adds the 16 products of its load
+into a ``[BLOCK_N, BLOCK_K / 16]`` float32 accumulator (within the thread: no shuffles), which is summed over its
+columns once at the end.
 
 The scale: a program's rows lie in one scale block of rows (``BLOCK_N`` divides ``SCALE_ROWS``), so a column's scale
 is the same for all of them and joins the activation: ``x * s`` is exact (a power of two), and ``w * (x * s)``
@@ -42,8 +43,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
-    """One launch shape: weight rows per program, input columns per step, warps, splits of the input columns
-    (0: as :func:`~dsinfer.ops.fp8_linear.launch.choose_splits` says for ``programs_per_sm``)."""
+    """One launch shape: weight rows per program, input columns per step (a multiple of 16), warps, splits of the
+    input columns (0: as :func:`~dsinfer.ops.fp8_linear.launch.choose_splits` says for ``programs_per_sm``)."""
 
     block_n: int
     block_k: int
@@ -183,6 +184,8 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
     config = config or (GROUPED_GEMV if groups > 1 else DEFAULT_GEMV)
+    if config.block_k % 16:
+        raise ValueError(f"the GEMV's block_k must be a multiple of 16 (a thread's load), got {config.block_k}")
     lead, (rows, inputs) = x.shape[:-1], codes.shape
     flat, out, work = kernel_operands(x, rows, inputs, dtype)
     if not work:
