@@ -254,7 +254,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
                    if name.endswith("_ptr") or name.endswith("_stride") or name in ("hidden", "inter")}  # fmt: skip
         for even in (True, False):  # V4-Flash widths are whole tiles; the masked form serves other widths
             signature = {name: pointers.get(name, "fp32" if name == "limit" else "i32") for name in kernel.arg_names}
-            constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even)
+            constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, PDL=True, PTX=True)
             if kernel is decode_triton._down_gemv_kernel:
                 constants["SPLIT"] = even  # the split launch's reduction compiles in one of the two forms
             signature.update({name: "constexpr" for name in constants})
@@ -265,6 +265,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
             assert compiled.asm["cubin"], name
             assert "ld.local" not in compiled.asm["ptx"], name
             assert "ld.global.v4.b32" in compiled.asm["ptx"], name
+            assert "cvt.f32.f16" in compiled.asm["ptx"], name  # the decoded pairs read by inline PTX
 
 
 def test_down_launch_serves_both_widths_and_splits_by_request(monkeypatch):

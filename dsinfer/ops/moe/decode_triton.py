@@ -168,6 +168,11 @@ def decode_gemv_config(inter: int) -> DecodeGemvConfig:
     return config
 
 
+def inline_ptx(device: torch.device) -> bool:
+    """Whether the kernels may carry inline PTX: compiled for an NVIDIA GPU (the interpreter runs none)."""
+    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
     """Whether ``routed_moe_triton`` takes the GEMV path: 1 .. DECODE_GEMV_MAX_TOKENS tokens, FP4 experts."""
     return weights.is_fp4 and 0 < expert_ids.shape[0] <= DECODE_GEMV_MAX_TOKENS and expert_ids.shape[1] > 0
@@ -213,29 +218,47 @@ if triton is not None:
         return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
 
     @triton.jit
-    def _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7):
+    def _f16_halves(halves, PTX: tl.constexpr):
+        """The two float16 values of each int32 of ``halves`` (low half, high half) as float32. ``PTX``: one
+        ``mov`` of the halves and two ``cvt.f32.f16`` (inline PTX), where Triton's int16 casts cost a shift and a
+        byte permute a half."""
+        if PTX:
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                "=r,=r,r",
+                [halves],
+                dtype=(tl.float32, tl.float32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            low = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
+
+    @triton.jit
+    def _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
         """``acc [N, G]`` plus ``weight`` times one K step of one tile (``packed`` ``[N, 4G]`` words): each
         32-input group's ``sum(e2m1 * x)`` times its ue8m0 scale (``2**(byte - 127)``; byte 0 is the subnormal
         2**-127, 255 NaN).
 
         Codes ``p`` and ``p + 4`` of a word land in its low and high half-word as float16 bits: magnitude ``e1 e0
         m`` at bits 9..11 (float16's two lowest exponent bits and top mantissa bit), sign at bit 15; the constant
-        ``-0x7FFF8000`` is the mask 0x80008000 as an int32. Written out, not a helper per pair: the interpreter
-        pays for every call."""
+        ``-0x7FFF8000`` is the mask 0x80008000 as an int32 (:func:`_f16_halves` reads the two halves)."""
         scale = tl.where(exponents == 0, 0x00400000, exponents << 23)
         scale = tl.where(exponents == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
-        halves = ((packed << 9) & 0x0E000E00) | ((packed << 12) & -0x7FFF8000)  # codes 0 and 4
-        part = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x0
-        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x4
-        halves = ((packed << 5) & 0x0E000E00) | ((packed << 8) & -0x7FFF8000)  # codes 1 and 5
-        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x1
-        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x5
-        halves = ((packed << 1) & 0x0E000E00) | ((packed << 4) & -0x7FFF8000)  # codes 2 and 6
-        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x2
-        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x6
-        halves = ((packed >> 3) & 0x0E000E00) | (packed & -0x7FFF8000)  # codes 3 and 7 (sign-fill bits masked off)
-        part += halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x3
-        part += (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * x7
+        low, high = _f16_halves(((packed << 9) & 0x0E000E00) | ((packed << 12) & -0x7FFF8000), PTX)  # codes 0, 4
+        part = low * x0
+        part += high * x4
+        low, high = _f16_halves(((packed << 5) & 0x0E000E00) | ((packed << 8) & -0x7FFF8000), PTX)  # codes 1, 5
+        part += low * x1
+        part += high * x5
+        low, high = _f16_halves(((packed << 1) & 0x0E000E00) | ((packed << 4) & -0x7FFF8000), PTX)  # codes 2, 6
+        part += low * x2
+        part += high * x6
+        low, high = _f16_halves(((packed >> 3) & 0x0E000E00) | (packed & -0x7FFF8000), PTX)  # codes 3, 7
+        part += low * x3
+        part += high * x7
         # 2**14 undoes the decode's 2**-14 exactly; scale * weight is exact (a power of two times the weight).
         groups = tl.sum(tl.reshape(part, (part.shape[0], part.shape[1] // 4, 4)), axis=2)  # a group: 4 words
         return acc + (groups * 16384.0) * (scale * weight)
@@ -261,6 +284,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
         PDL: tl.constexpr,
+        PTX: tl.constexpr,  # inline PTX reads the decoded float16 pairs (compiled for NVIDIA, not interpreted)
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
 
@@ -298,8 +322,8 @@ if triton is not None:
             gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, ahead, hidden, GROUPS, EVEN)
             up_next, up_exp_next = _load_tile(up_words, up_scales, row_ok, ahead, hidden, GROUPS, EVEN)
             x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row, ahead, hidden, GROUPS, EVEN)
-            gate = _accumulate(gate, gate_packed, gate_exp, 1.0, *xs)
-            up = _accumulate(up, up_packed, up_exp, 1.0, *xs)
+            gate = _accumulate(gate, gate_packed, gate_exp, 1.0, *xs, PTX)
+            up = _accumulate(up, up_packed, up_exp, 1.0, *xs, PTX)
         # As the reference rounds: each F.linear output, the clamps, the SiLU and the product in x.dtype.
         dtype = h_ptr.dtype.element_ty
         gate = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
@@ -356,6 +380,7 @@ if triton is not None:
         EVEN: tl.constexpr,
         SPLIT: tl.constexpr,
         PDL: tl.constexpr,
+        PTX: tl.constexpr,  # inline PTX reads the decoded float16 pairs (compiled for NVIDIA, not interpreted)
     ):
         """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
@@ -390,7 +415,7 @@ if triton is not None:
             choice += next_slot.to(tl.int32)
             q0 = tl.where(next_slot, 0, q0)
             loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
-            acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7)
+            acc = _accumulate(acc, packed, exponents, weight, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
         out = tl.sum(acc, axis=1)
         row = out_ptr + token * hidden + columns
         if SPLIT:
@@ -448,7 +473,7 @@ def routed_moe_decode_gemv(
         x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=inter % block_n == 0 and hidden % block_k == 0,
-        PDL=dependent_launch(x.device),
+        PDL=dependent_launch(x.device), PTX=inline_ptx(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
@@ -458,7 +483,7 @@ def routed_moe_decode_gemv(
         h, w2, weights.w2_scale, ids, route_weight, out, partial, arrived, top_k, slots_per_split, hidden, inter,
         weights.num_experts, w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0, SPLIT=splits > 1,
-        PDL=dependent_launch(x.device),
+        PDL=dependent_launch(x.device), PTX=inline_ptx(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
