@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--gemv-only", action="store_true", help="with --sweep: only the one-token GEMV's launches")
     parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
     parser.add_argument("--cold", action="store_true", help="calls read copies of the weight (COLD_BYTES): no L2 hits")
+    parser.add_argument("--top", type=int, default=3, help="with --sweep: the fastest launches printed per shape (0: all)")
     args = parser.parse_args()
     shapes = SHAPES_V41 if args.model == "v41" else SHAPES
     if not torch.cuda.is_available():
@@ -125,7 +126,7 @@ COLD_BYTES = 256 << 20
 
 
 def sweep(args, shapes, weights, dtype) -> None:
-    """Every launch shape at every shape and token count; the chosen one marked, the best printed."""
+    """Every launch shape at every shape and token count; the chosen one marked, the ``--top`` fastest printed."""
     print("| T | shape | block_n | block_k | warps | stages | splits | ms | TB/s | chosen |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens, (name, out, cols, groups) in itertools.product(args.tokens, shapes):
@@ -148,7 +149,8 @@ def sweep(args, shapes, weights, dtype) -> None:
                 print(f"| {tokens} | {name} | {config} | - | - | {type(error).__name__} |")
                 continue
             results.append((ms, config))
-        for ms, config in sorted(results, key=lambda r: r[0])[:3] + [r for r in results if r[1] == chosen]:
+        ranked = sorted(results, key=lambda r: r[0])
+        for ms, config in (ranked[: args.top] if args.top else ranked) + [r for r in results if r[1] == chosen]:
             mark = "yes" if config == chosen else ""
             stages = getattr(config, "stages", f"gemv/{config.programs_per_sm}")
             print(
