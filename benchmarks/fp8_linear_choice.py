@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--gemv-only", action="store_true", help="with --sweep: only the one-token GEMV's launches")
     parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
     parser.add_argument("--cold", action="store_true", help="calls read copies of the weight (COLD_BYTES): no L2 hits")
-    parser.add_argument("--top", type=int, default=3, help="with --sweep: the fastest launches printed per shape (0: all)")
+    parser.add_argument("--top", type=int, default=3, help="with --sweep: launches printed a shape (0: all)")
     args = parser.parse_args()
     shapes = SHAPES_V41 if args.model == "v41" else SHAPES
     if not torch.cuda.is_available():
