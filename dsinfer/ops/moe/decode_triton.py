@@ -23,11 +23,12 @@ code ``n`` of a word sits at bits ``4n .. 4n+3``). Codes ``p`` and ``p+4`` of a 
 one shift and one mask each for the magnitude and the sign, into the two halves of a word as float16 bit
 patterns (magnitude bits at 9..11, sign at 15). Read as float16, ``e1 e0 m`` at the low exponent and top
 mantissa bits is exactly ``e2m1 * 2**-14``: the e2m1 subnormal (code 1, 0.5) becomes the float16 subnormal
-``2**-15``, and the float16 -> float32 conversion is exact. Each 32-input group's sum is multiplied by
-``2**14`` and by its ue8m0 scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``, 255 is NaN), both exact.
-That is about two integer operations, one conversion and one fp32 multiply-add per weight; with the loads,
-the group sums and the loop, sm_90 SASS of the default launches has ~5.5 (gate/up) and ~6.8 (down)
-instructions a weight in the loops, where the bit arithmetic of ``_e2m1_values`` alone takes about a dozen.
+``2**-15``, and the float16 -> float32 conversion is exact (compiled, two ``cvt.f32.f16`` of the word's halves in
+inline PTX; interpreted, int16 casts). Each 32-input group's sum is multiplied by ``2**14`` and by its ue8m0
+scale (``_ue8m0_scales``' semantics: byte 0 is ``2**-127``, 255 is NaN), both exact. That is about two integer
+operations, one conversion and one fp32 multiply-add per weight; with the loads, the group sums and the loop,
+sm_90 SASS of the default launches (Triton 3.9) has ~5.2 (gate/up) and ~5.3 (down) instructions a weight in the
+loops, where the bit arithmetic of ``_e2m1_values`` alone takes about a dozen.
 
 Loads: a K step of a tile is ``[BLOCK_N, BLOCK_K / 8]`` words, each row's 16 bytes of one scale group
 contiguous (one 16-byte load per thread and group, a warp's groups side by side along the row); a group's
