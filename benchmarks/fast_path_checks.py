@@ -11,7 +11,8 @@ For the ``--layers`` slice (random weights built on the GPU: packed FP4 experts,
 * prefill of one sequence of each ``--prefill-tokens`` and decode ms/step (eager and graph) for 1 and 32 requests;
 * ``--long-decode 256:4096``: decode points of many requests at a long context (eager and graph ms/step);
 * ``--profile``: the device kernels of one eager decode step and one prefill (count, busy time, the costliest),
-  so a step's time can be set against the sum of its kernels.
+  so a step's time can be set against the sum of its kernels. Profiles are taken after every point is timed:
+  graphs replayed after a profiler session in the same process ran 5-15% slower on the H200.
 With ``--fit-layers``: the most V4-Flash layers whose weights fit beside a ``--cache-gib`` cache, built,
 cache allocated, decode timed.
 """
@@ -39,6 +40,7 @@ from dsinfer.models.native_random import build_native_model
 from dsinfer.models.tiny import storage_format
 
 BYTES = {"bf16": 2, "fp32": 4, "int": 4}
+PROFILE_KEYS = ("graph_timeline", "profile")  # what a profiled pass adds to a timed row
 
 
 def release_checkpoint_bytes(config: ModelConfig) -> int:
@@ -301,13 +303,17 @@ def main() -> None:
         points = [(b, args.context) for b in args.decode_batches] + long_points
         results["decode"] = []
         for sequences, context in points:
-            results["decode"].append(decode_checks(model, config, sequences, context, device, args.repeats,
-                                                   profile=args.profile, top=args.profile_top))  # fmt: skip
-            print(json.dumps({k: v for k, v in results["decode"][-1].items() if k != "profile"}), flush=True)
+            results["decode"].append(decode_checks(model, config, sequences, context, device, args.repeats))
+            print(json.dumps(results["decode"][-1]), flush=True)
             torch.cuda.empty_cache()
-        results["prefill"] = [
-            prefill_point(model, t, device, args.repeats, args.profile, args.profile_top) for t in args.prefill_tokens
-        ]
+        results["prefill"] = [prefill_point(model, t, device, args.repeats) for t in args.prefill_tokens]
+        if args.profile:  # after every timing: graphs replayed after a profiler session ran 5-15% slower
+            for row, (sequences, context) in zip(results["decode"], points, strict=True):
+                profiled = decode_checks(model, config, sequences, context, device, 1, True, args.profile_top)
+                row.update({key: profiled[key] for key in PROFILE_KEYS if key in profiled})
+                torch.cuda.empty_cache()
+            for row, tokens in zip(results["prefill"], args.prefill_tokens, strict=True):
+                row["profile"] = prefill_point(model, tokens, device, 1, True, args.profile_top)["profile"]
         del model
         torch.cuda.empty_cache()
         if args.fit_layers:
