@@ -216,7 +216,7 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
     kernels.append((backend._dequantize_kernel, dict(BLOCK_R=32, BLOCK_C=128), 4, 1))
     gemv = gemv_triton.DEFAULT_GEMV
     for split in (False, True):
-        for launch in (gemv, gemv_triton.GROUPED_GEMV):
+        for launch in (gemv, gemv_triton.GROUPED_GEMV, gemv_triton.TALL_GEMV):
             constants = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT_K=split, PDL=True)
             kernels.append((gemv_triton._fp8_gemv_kernel, constants, launch.warps, 1))
     for kernel, constants, warps, stages in kernels:
@@ -236,3 +236,15 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
         # keeps one 4-byte value on the stack under Triton 3.9's split form: 16 bytes at most, nothing more.
         allowed = 16 if kernel is gemv_triton._fp8_gemv_kernel and constants["BLOCK_K"] == 1024 else 0
         assert spills is None or spills <= allowed, (kernel.fn.__name__, constants.get("BLOCK_M"), spills)
+
+
+def test_gemv_launch_by_kind_of_weight():
+    """Grouped weights, tall weights (V4.1's Engram wkv) and the rest each take the launch the H200 sweep with no
+    weight in L2 found fastest for them (docs/perf-fast-path-pass11.md)."""
+    pytest.importorskip("triton")
+    from dsinfer.ops.fp8_linear import gemv_triton
+
+    assert gemv_triton.default_gemv(4096, 1) == gemv_triton.DEFAULT_GEMV
+    assert gemv_triton.default_gemv(8192, 8) == gemv_triton.GROUPED_GEMV
+    assert gemv_triton.default_gemv(25600, 1) == gemv_triton.TALL_GEMV
+    assert gemv_triton.DEFAULT_GEMV.block_k == 1024 and gemv_triton.TALL_GEMV.block_k == 512

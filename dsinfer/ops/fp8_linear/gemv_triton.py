@@ -55,19 +55,29 @@ class Fp8GemvConfig:
 
 # The launches of the H200 sweep with every call reading a weight that is not in L2, as in a model's step
 # (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold``, docs/perf-fast-path-pass11.md):
-# four-warp programs of 8 rows and 1024-column steps (splits for two programs an SM) took V4-Flash's wo_b (4096 x 8192)
-# in 0.0118 ms against 0.0155 for the earlier (8, 512, 2 warps, two an SM), the shared expert's w1 + w3 in 0.0065
-# against 0.0086 and its w2 in 0.0040 against 0.0050; at V4.1-Flash's widths main_proj in 0.0285 against 0.0359 and
-# wo_b in 0.0167 against 0.0202. The earlier launch stays the fastest on the grouped wo_a (eight groups of 1024 x
-# 4096: 0.0114 ms), so grouped weights keep it. (The ninth pass's sweep called one weight ten times a graph; weights
-# under L2's 50 MB were then read mostly from L2 and favoured the smaller launch.) The GEMV takes weights of up to
-# GEMV_MAX_WEIGHT elements, and larger ones whose rows are at least GEMV_MIN_INPUTS long: on a weight of many short
-# rows (wq_b + the indexer's wq_b, 40960 x 1024) the split tl.dot kernel is faster
-# ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns the GEMV off).
+# four-warp programs of 8 rows and 1024-column steps (splits for two programs an SM) took V4-Flash's wo_b
+# (4096 x 8192) in 0.0118 ms against 0.0155 for the earlier (8, 512, 2 warps, two an SM), the shared expert's
+# w1 + w3 in 0.0065 against 0.0086 and its w2 in 0.0040 against 0.0050; at V4.1-Flash's widths main_proj in 0.0287
+# against 0.0359 and wo_b in 0.0167 against 0.0202. The earlier launch stays the fastest on the grouped wo_a (eight
+# groups of 1024 x 4096: 0.0114 ms), so grouped weights keep it. On V4.1's Engram wkv (25600 x 6144) the fastest
+# three launches took 512-column steps (four warps: 0.0469 ms), so weights of at least TALL_ROWS rows take that.
+# (The ninth pass's sweep called one weight ten times a graph; weights under L2's 50 MB were then read mostly from
+# L2 and favoured the smaller launch.) The GEMV takes weights of up to GEMV_MAX_WEIGHT elements, and larger ones
+# whose rows are at least GEMV_MIN_INPUTS long: on a weight of many short rows (wq_b + the indexer's wq_b,
+# 40960 x 1024) the split tl.dot kernel is faster ($DSINFER_FP8_GEMV_MAX_WEIGHT=0 turns the GEMV off).
 DEFAULT_GEMV = Fp8GemvConfig(8, 1024, 4, 0, 2)
 GROUPED_GEMV = Fp8GemvConfig(8, 512, 2, 0, 2)
+TALL_GEMV = Fp8GemvConfig(8, 512, 4, 0, 2)
+TALL_ROWS = 16384
 GEMV_MAX_WEIGHT = 1 << 23
 GEMV_MIN_INPUTS = 2048
+
+
+def default_gemv(rows: int, groups: int) -> Fp8GemvConfig:
+    """The launch for a weight of ``rows`` output rows in ``groups`` groups (the sweep's fastest for its kind)."""
+    if groups > 1:
+        return GROUPED_GEMV
+    return TALL_GEMV if rows >= TALL_ROWS else DEFAULT_GEMV
 
 
 def gemv_max_weight() -> int:
@@ -183,7 +193,7 @@ def fp8_gemv(
     config: Fp8GemvConfig | None = None,
 ) -> torch.Tensor:
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
-    config = config or (GROUPED_GEMV if groups > 1 else DEFAULT_GEMV)
+    config = config or default_gemv(codes.shape[0], groups)
     if config.block_k % 16:
         raise ValueError(f"the GEMV's block_k must be a multiple of 16 (a thread's load), got {config.block_k}")
     lead, (rows, inputs) = x.shape[:-1], codes.shape
