@@ -8,7 +8,10 @@
 # (engine decode sweep), spec (MTP verify steps, K = 1..5 or SPEC_K), speedup (DSpark K = 3 on the trained
 # default, 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU,
 # and the slice's fast path vs its reference path), long (engine decode of 16 requests at 8k context), serve
-# (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it).
+# (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it), gemv
+# (every launch of the one-token FP8 GEMV with no weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with
+# its rounding on, fast path vs the reference path on CUDA, ROUNDING_PROMPTS prompts). FP8_LINEARS=keep runs the
+# fast stage with the FP8 linears kept as stored.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
 # default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
 # cannot eat the rest.
@@ -80,7 +83,7 @@ for name in "$@"; do
         peer) LAYERS=4 stage peer python3 "${PEER:-../shared/bench/hf_v4_peer.py}" ;;
         fast) stage fast python3 benchmarks/fast_path_checks.py --layers 4 --decode-batches 1 32 \
                   --long-decode 256:4096 --prefill-tokens 4096 16384 --profile --profile-top "${PROFILE_TOP:-25}" \
-                  --out "$OUT/fast.json" ;;
+                  --fp8-linears "${FP8_LINEARS:-dequantize}" --out "$OUT/fast.json" ;;
         v41) stage v41 python3 benchmarks/v41_decode_checks.py --experts 384 --batches 1 32 --context 256 \
                  --profile "${PROFILE_TOP:-25}" --out "$OUT/v41.json" ;;
         ep) stage ep python3 benchmarks/ep_overhead.py --flash-layers 4 --device cuda --dtype bfloat16 \
@@ -98,6 +101,10 @@ for name in "$@"; do
         long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
+        gemv) stage gemv python3 benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold --top 0 \
+                  --model "${GEMV_MODEL:-v4}" ;;
+        rounding) stage rounding python3 benchmarks/cuda_engine_check.py --rounding-only \
+                      --prompts "${ROUNDING_PROMPTS:-96}" ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done
