@@ -78,7 +78,7 @@ spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of each
 
 for name in "$@"; do
     case $name in
-        ops) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${OPS_WORKERS:-8}")  # pytest-xdist if installed
+        ops) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${OPS_WORKERS:-8}" || echo "-o addopts=")  # xdist if there
              stage ops python3 -m pytest tests/ops -q -k "not interpret" -p no:cacheprovider $workers ;;
         peer) LAYERS=4 stage peer python3 "${PEER:-../shared/bench/hf_v4_peer.py}" ;;
         fast) stage fast python3 benchmarks/fast_path_checks.py --layers 4 --decode-batches 1 32 \
