@@ -24,7 +24,7 @@ import statistics
 import torch
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
-from dsinfer.ops.fp8_linear.gemv_triton import DEFAULT_GEMV, Fp8GemvConfig, fp8_gemv
+from dsinfer.ops.fp8_linear.gemv_triton import Fp8GemvConfig, default_gemv, fp8_gemv
 from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.quant import quantize_fp8_blockwise
@@ -138,7 +138,7 @@ def sweep(args, shapes, weights, dtype) -> None:
         configs = [] if args.gemv_only else [Fp8KernelConfig(n, 128, w, st, sp) for n, w, st, sp in grid] + [chosen]
         if tokens == 1:  # the GEMV's launches too: more bytes a step keep more in flight on the large weights
             configs += [Fp8GemvConfig(n, k, w, 0, p) for n, k, w, p in GEMV_GRID if n * k <= 4096 * w]
-            chosen = DEFAULT_GEMV
+            chosen = default_gemv(out, groups)
         for config in configs:
             try:
                 kernel = fp8_gemv if isinstance(config, Fp8GemvConfig) else fp8_linear_kernel

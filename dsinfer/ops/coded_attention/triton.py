@@ -41,6 +41,7 @@ import os
 import torch
 
 from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import (
     LOG2E,
@@ -268,12 +269,6 @@ def decode_form() -> str:
     return choice
 
 
-def inline_asm_available(device: torch.device) -> bool:
-    """Whether the kernel can carry inline PTX: compiled for an NVIDIA GPU (the interpreter has no inline asm)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda" and torch.version.hip is None and not interpreted
-
-
 def fp8_cast_available(device: torch.device) -> bool:
     """Whether the kernel decodes e4m3 bytes by the float8 cast: Triton has it from sm_89 (and in the interpreter,
     which runs on the CPU); older GPUs take the arithmetic."""
@@ -353,7 +348,7 @@ def sparse_attention_decode_coded_launch(
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, SPLITS=splits, HAS_ENTRIES=has_entries,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast, DECODE=decode,
-        PIN=inline_asm_available(q.device),
+        PIN=inline_ptx_available(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:

@@ -52,6 +52,10 @@ class Fp8GemvConfig:
     splits: int = 0
     programs_per_sm: int = 8
 
+    def __post_init__(self) -> None:
+        if self.block_k % 16:
+            raise ValueError(f"the GEMV's block_k must be a multiple of 16 (a thread's load), got {self.block_k}")
+
 
 # The launches of the H200 sweep with every call reading a weight that is not in L2, as in a model's step
 # (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold``, docs/perf-fast-path-pass11.md):
@@ -84,10 +88,12 @@ def gemv_max_weight() -> int:
     return int(os.environ.get("DSINFER_FP8_GEMV_MAX_WEIGHT", GEMV_MAX_WEIGHT))
 
 
-def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=DEFAULT_GEMV) -> bool:
+def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=None) -> bool:
     """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a weight of at most
     :func:`gemv_max_weight` elements, or a larger one of rows at least GEMV_MIN_INPUTS long (while that limit is
-    not 0); a program's rows in one scale block of rows and in one group."""
+    not 0); a program's rows (``config``, else the launch :func:`default_gemv` picks) in one scale block of rows and
+    in one group."""
+    config = config or default_gemv(codes.shape[0], groups)
     tokens = x.numel() // max(1, x.shape[-1])
     rows_per_group = codes.shape[0] // groups
     limit = gemv_max_weight()
@@ -194,8 +200,6 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
     config = config or default_gemv(codes.shape[0], groups)
-    if config.block_k % 16:
-        raise ValueError(f"the GEMV's block_k must be a multiple of 16 (a thread's load), got {config.block_k}")
     lead, (rows, inputs) = x.shape[:-1], codes.shape
     flat, out, work = kernel_operands(x, rows, inputs, dtype)
     if not work:

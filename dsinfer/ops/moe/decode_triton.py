@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
+from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.split_arrivals import arrival_counts
@@ -167,11 +168,6 @@ def decode_gemv_config(inter: int) -> DecodeGemvConfig:
     if DOWN_SPLITS:
         config = config._replace(down_splits=int(DOWN_SPLITS))
     return config
-
-
-def inline_ptx(device: torch.device) -> bool:
-    """Whether the kernels may carry inline PTX: compiled for an NVIDIA GPU (the interpreter runs none)."""
-    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def use_decode_gemv(x: torch.Tensor, weights: ExpertWeights, expert_ids: torch.Tensor) -> bool:
@@ -474,7 +470,7 @@ def routed_moe_decode_gemv(
         x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=inter % block_n == 0 and hidden % block_k == 0,
-        PDL=dependent_launch(x.device), PTX=inline_ptx(x.device),
+        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
@@ -484,7 +480,7 @@ def routed_moe_decode_gemv(
         h, w2, weights.w2_scale, ids, route_weight, out, partial, arrived, top_k, slots_per_split, hidden, inter,
         weights.num_experts, w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0, SPLIT=splits > 1,
-        PDL=dependent_launch(x.device), PTX=inline_ptx(x.device),
+        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
