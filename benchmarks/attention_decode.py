@@ -5,6 +5,7 @@
     python benchmarks/attention_decode.py --sweep --batch 1 32 256 --context 4096   # time launch configurations
     python benchmarks/attention_decode.py --indexer                # the lightning indexer's scores + top-k
     python benchmarks/attention_decode.py --coded --batch 1 32 --context 4096   # V4.1's coded cache, each decode form
+    python benchmarks/attention_decode.py --cold --batch 1 32 --context 4096    # graph calls read no cache from L2
 
 One query token per sequence, 64 heads x 512 (one K=V row per key, shared by every head), a 128-row window ring
 per sequence and compressed entries in 128-token blocks: a CSA layer (ratio 4, 32 entries per block) attends to
@@ -27,6 +28,13 @@ and graph-replayed, with whether both chose the same entries and the largest sco
 codes and the entries as FP4 codes, both rounded as V4.1 rounds them first): the reference, then the Triton op in
 each of its decode forms (``DECODES`` of :mod:`dsinfer.ops.coded_attention.triton`) eager and graph-replayed, with
 each form's graph-replay time against ``twice``'s and its largest deviation from the fp32 reference.
+
+By default every call of a timed graph reads the same cache, so a step's cache bytes under L2's 50 MB (one
+sequence's, at any context: about 0.7 MB for a CSA layer) are read from L2 after the first call, which a model's
+step never does. ``--cold`` (any mode) has the graph's calls cycle through copies of the cache (the window ring
+and the entries, or the indexer's keys; the query stays shared, as it would sit in L2 after the layer's
+projections), enough copies that their reads add up to 256 MiB a cycle (``cold_copies.py``); the eager times
+still read one cache.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import sys
 from functools import partial
 
 import torch
+from cold_copies import calls_over, copied_args, copy_count, cycle_graph, mode_line  # --cold (same folder)
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, WINDOW_KV_FORMAT
@@ -79,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--indexer", action="store_true", help="time the indexer's scores + top-k instead")
     parser.add_argument("--coded", action="store_true", help="time V4.1's coded-cache op in each decode form instead")
+    parser.add_argument("--cold", action="store_true", help="graph calls cycle through copies of the cache (no L2)")
     parser.add_argument("--index-heads", type=int, default=64)
     parser.add_argument("--index-dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -121,14 +131,22 @@ def make_step(args, layer: str, batch: int, context: int, device, gen: torch.Gen
     }
 
 
+CACHE_ARGS = (1, 5)
+"""The window ring and the entries among ``make_step``'s values: what ``--cold`` copies."""
+
+
+def cache_bytes(step: dict, window_row: int | None = None, entry_row: int | None = None) -> int:
+    """Bytes of the visible window rows and entries a decode attention reads (rows of ``step``'s dtype unless
+    their bytes are given)."""
+    window = step["window"]
+    row = window.shape[-1] * window.element_size()
+    window_rows = window.shape[0] * min(window.shape[1], int(step["positions"][0]) + 1)
+    return window_rows * (window_row or row) + int((step["indices"] >= 0).sum()) * (entry_row or row)
+
+
 def step_bytes(step: dict) -> int:
     """Bytes a decode attention must move: the query, the visible window rows and entries, the output."""
-    q, window = step["q"], step["window"]
-    element = q.element_size()
-    batch, _, dim = q.shape
-    context = int(step["positions"][0])
-    rows = batch * min(window.shape[1], context + 1) + int((step["indices"] >= 0).sum())
-    return 2 * q.numel() * element + rows * dim * window.element_size()
+    return 2 * step["q"].numel() * step["q"].element_size() + cache_bytes(step)
 
 
 def median_ms(fn, warmup: int, iters: int) -> float:
@@ -138,16 +156,11 @@ def median_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(cuda_ms(fn, iters))
 
 
-def graph_ms(fn, warmup: int, iters: int, inner: int) -> float:
-    """Milliseconds per call of ``fn`` replayed ``inner`` times from one CUDA graph."""
-    for _ in range(max(warmup, 1)):
-        fn()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return median_ms(graph.replay, warmup, iters) / inner
+def graph_ms(fns, warmup: int, iters: int, inner: int) -> float:
+    """Milliseconds per call of one CUDA graph of ``inner`` calls (whole cycles of ``fns``: one call, or one a copy
+    of the cache)."""
+    graph, calls, _ = cycle_graph(fns, inner, warmup)  # compiles outside the capture
+    return median_ms(graph.replay, warmup, iters) / calls
 
 
 def deviation(got: torch.Tensor, exact: torch.Tensor) -> float:
@@ -161,6 +174,7 @@ def run_point(args, layer: str, batch: int, context: int, device, gen) -> dict:
                                                 for v in values])  # fmt: skip
     reference_out = sparse_attention_decode_reference(*values)
     triton_out = backend.sparse_attention_decode_launch(*values)
+    copies = copied_args(values, CACHE_ARGS, copy_count(cache_bytes(step), args.cold))
     row = {
         "layer": layer,
         "batch": batch,
@@ -169,7 +183,7 @@ def run_point(args, layer: str, batch: int, context: int, device, gen) -> dict:
         "reference_ms": median_ms(lambda: sparse_attention_decode_reference(*values), args.warmup, args.iters),
         "triton_ms": median_ms(lambda: backend.sparse_attention_decode_launch(*values), args.warmup, args.iters),
         "graph_ms": graph_ms(
-            lambda: backend.sparse_attention_decode_launch(*values), args.warmup, args.iters, args.inner
+            calls_over(backend.sparse_attention_decode_launch, copies), args.warmup, args.iters, args.inner
         ),
         "bytes": step_bytes(step),
         "reference_dev": deviation(reference_out, exact),
@@ -202,6 +216,7 @@ def sweep(args, device, gen) -> None:
                 expected = sparse_attention_decode_reference(*values).float()
                 launch = backend.sparse_attention_decode_launch
                 n_keys = args.window + step["indices"].shape[1]
+                copies = copied_args(values, CACHE_ARGS, copy_count(cache_bytes(step), args.cold))
                 timings = {}
                 for block_h, block_n, warps, stages in SWEEP_CONFIGS:
                     config = backend.DecodeConfig(block_h, block_n, warps, stages)
@@ -211,7 +226,8 @@ def sweep(args, device, gen) -> None:
                             if deviation(call(), expected) > 5e-2:
                                 print(f"  {config} splits={splits}: wrong result", file=sys.stderr)
                                 continue
-                            timings[(block_h, block_n, warps, stages, splits)] = graph_ms(call, 2, 10, args.inner)
+                            timed = calls_over(launch, copies, config=config, num_splits=splits)
+                            timings[(block_h, block_n, warps, stages, splits)] = graph_ms(timed, 2, 10, args.inner)
                         except Exception as error:  # a configuration that does not fit: skip it
                             print(f"  {config} splits={splits}: {type(error).__name__}", file=sys.stderr)
                 chosen_config = backend.choose_config(args.heads, step["q"].dtype, args.head_dim)
@@ -257,12 +273,19 @@ def indexer_point(args, batch: int, context: int, device, gen) -> None:
     score_dev = (scores[seen] - exact[seen]).abs().max().item() if seen.any() else 0.0
     reference_ms = median_ms(reference, args.warmup, args.iters)
     triton_ms = median_ms(fast, args.warmup, args.iters)
-    replay_ms = graph_ms(fast, args.warmup, args.iters, args.inner)
-    moved = values[2].element_size() * int(values[4].sum()) * args.index_dim + 4 * values[0].numel()
+    keys = values[2].element_size() * int(values[4].sum()) * args.index_dim  # the index keys' bytes read
+    copies = copied_args(values, (2,), copy_count(keys, args.cold))
+    replay_ms = graph_ms(calls_over(indexer_backend.indexer_topk_decode_triton, copies), args.warmup, args.iters,
+                         args.inner)  # fmt: skip
+    moved = keys + 4 * values[0].numel()
     gbps = moved / (replay_ms * 1e-3) / 1e9
     print(f"{batch:>5} {context:>7} {blocks * per_block:>6} {reference_ms:>12.4f} {triton_ms:>10.4f} "
           f"{replay_ms:>9.4f} {gbps:>7.0f} {reference_ms / replay_ms:>6.1f}x {str(same):>11} "
           f"{score_dev:>9.2e}")  # fmt: skip
+
+
+CODED_CACHE_ARGS = (1, 2, 6, 7)
+"""The window ring's and the entries' codes and scales among ``coded_step``'s values: what ``--cold`` copies."""
 
 
 def coded_step(step: dict) -> list:
@@ -288,10 +311,13 @@ def coded_points(args, device, gen) -> list[dict]:
                 reference = partial(sparse_attention_decode_coded_reference, *values)
                 reference_ms = median_ms(reference, args.warmup, args.iters)
                 reference_dev = deviation(reference(), exact)
+                rows_bytes = [values[i][0, 0].nbytes + values[i + 1][0, 0].nbytes for i in CODED_CACHE_ARGS[::2]]
+                copies = copied_args(values, CODED_CACHE_ARGS, copy_count(cache_bytes(step, *rows_bytes), args.cold))
                 timed = {}
                 for form in coded_backend.DECODES:
                     call = partial(coded_backend.sparse_attention_decode_coded_launch, *values, decode=form)
-                    replay = graph_ms(call, args.warmup, args.iters, args.inner)
+                    cycle = calls_over(coded_backend.sparse_attention_decode_coded_launch, copies, decode=form)
+                    replay = graph_ms(cycle, args.warmup, args.iters, args.inner)
                     timed[form] = (median_ms(call, args.warmup, args.iters), replay, deviation(call(), exact))
                 for form, (eager, replay, dev) in timed.items():
                     print(f"{layer:>5} {batch:>5} {context:>7} {args.window + step['indices'].shape[1]:>5} "
@@ -312,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     print(f"{torch.cuda.get_device_name(device)}; heads {args.heads} x {args.head_dim}, window {args.window}, "
           f"top-k {args.topk}, {args.dtype}")  # fmt: skip
+    print(mode_line(args.cold, "indexer's keys" if args.indexer else "cache"))
     if args.sweep:
         sweep(args, device, gen)
         return 0

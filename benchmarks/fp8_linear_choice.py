@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import statistics
 
 import torch
-from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
+from cold_copies import copy_count, graph_ms, mode_line, with_copies  # --cold's copies (same folder)
 
 from dsinfer.ops.fp8_linear.gemv_triton import Fp8GemvConfig, default_gemv, fp8_gemv
 from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
@@ -53,26 +52,6 @@ SHAPES_V41 = (
 )
 
 
-def graph_ms(fn, calls: int, repeats: int) -> float:
-    """Median device time of one call, from replays of a graph of ``calls`` calls: of ``fn``, or of each of a list
-    of calls in turn (copies of one weight, so that a call finds none of its bytes in L2, as in a model's step)."""
-    fns = fn if isinstance(fn, list) else [fn]
-    fns[0]()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for each in fns:
-            each()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    calls = max(calls, len(fns))  # every copy once a replay at the least
-    with torch.cuda.graph(graph):
-        for call in range(calls):
-            fns[call % len(fns)]()
-    graph.replay()
-    return statistics.median(cuda_ms(graph.replay, repeats)) / calls
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 8, 32, 64, 256, 4096])
@@ -81,7 +60,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes instead")
     parser.add_argument("--gemv-only", action="store_true", help="with --sweep: only the one-token GEMV's launches")
     parser.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash's or V4.1-Flash's shapes")
-    parser.add_argument("--cold", action="store_true", help="calls read copies of the weight (COLD_BYTES): no L2 hits")
+    parser.add_argument("--cold", action="store_true", help="calls cycle through copies of the weight: no L2 hits")
     parser.add_argument("--top", type=int, default=3, help="with --sweep: launches printed a shape (0: all)")
     args = parser.parse_args()
     shapes = SHAPES_V41 if args.model == "v41" else SHAPES
@@ -93,9 +72,9 @@ def main() -> None:
     for name, rows, cols, _groups in shapes:
         dense = torch.randn(rows, cols, device=device) * cols**-0.5
         codes, scale = quantize_fp8_blockwise(dense, BLOCK)
-        copies = -(-COLD_BYTES // codes.numel()) if args.cold else 1
-        weights[name] = ([(codes.clone(), scale.clone()) for _ in range(copies)], dense.to(dtype))
+        weights[name] = (with_copies([codes, scale], copy_count(codes.numel(), args.cold)), dense.to(dtype))
     print(f"fp8_linear backend: {ops.chosen['fp8_linear'].name}; device {torch.cuda.get_device_name()}")
+    print(mode_line(args.cold, "FP8 weight and scales (bf16 rows: warm)"))
     if args.sweep:
         return sweep(args, shapes, weights, dtype)
     names = [name for name, *_ in shapes]
@@ -121,8 +100,6 @@ def main() -> None:
 GEMV_GRID = list(itertools.product((8, 16), (512, 1024), (2, 4), (2, 4, 8)))
 """The GEMV's candidate launches: (rows, columns a step, warps, programs an SM); those with more than 128 weights a
 thread a step are left out."""
-COLD_BYTES = 256 << 20
-"""``--cold``: bytes of weight copies a graph cycles through, five times the H200's 50 MB of L2."""
 
 
 def sweep(args, shapes, weights, dtype) -> None:

@@ -5,6 +5,7 @@
     python benchmarks/moe_kernel.py --sweep                # time candidate block configurations (graph replay)
     python benchmarks/moe_kernel.py --decode-gemv          # T = 1 2: the GEMV path against the grouped kernels
     python benchmarks/moe_kernel.py --decode-gemv --sweep  # time GEMV_SWEEP_CONFIGS (graph replay)
+    python benchmarks/moe_kernel.py --decode-gemv --cold   # each call on its own copy of the experts: none in L2
 
 Random experts at V4-Flash widths (hidden 4096, intermediate 2048, 256 experts, top-6), FP4 packed with ue8m0
 scales as the checkpoint stores them; the dense bf16 experts are their exact dequantisation, so every backend
@@ -28,7 +29,16 @@ against the grouped kernels, both captured in a CUDA graph, checks both against 
 path's kernels with their mean device time (torch.profiler over eager calls); with
 ``--sweep`` it times ``GEMV_SWEEP_CONFIGS`` instead (the down launch's with each of ``GEMV_SWEEP_DOWN_SPLITS``;
 ``--gemv-parts`` picks the launches): each kernel's candidates with the other kernel at its default, then the
-winners together (what to write into ``DECODE_GEMV_CONFIG``).
+winners together (what to write into ``DECODE_GEMV_CONFIG``). Its rows give the milliseconds a call, the expert
+bytes a call reads (every slot's expert for the GEMV, each distinct expert once for the grouped kernels) and the
+TB/s that implies. By default each replay of a graph runs the op once on the same experts, so what L2 kept of
+them from the previous replay is not read from HBM again (a model's step never finds an expert in L2). With
+``--cold`` a replay runs the op once on each of as many copies of the packed experts and their scales as make the
+touched experts' bytes add up to 256 MiB a cycle (``cold_copies.py``): every call reads its experts from HBM
+(the profiled eager calls take the copies in turn too).
+The copies are of every expert (the grouped kernels' launch depends on the number of experts), so they take
+about ``ceil(256 MiB / touched bytes)`` times the FP4 experts' size in memory (about 13 GiB at V4-Flash widths
+and one token).
 
 For each token count: the median over ``--iters`` timed calls (CUDA events) after ``--warmup`` calls, the weight
 bytes of the experts the step touches in the form the backend reads (FP4 + scales, or bf16), the effective
@@ -40,9 +50,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 from functools import partial
 
 import torch
+from cold_copies import calls_over, copy_count, cycle_graph, mode_line  # --cold's copies and graphs (same folder)
 
 BACKENDS = ("triton", "triton-graph", "triton-dense", "reference", "grouped_mm")
 
@@ -136,7 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--decode-gemv", action="store_true",
                         help="the GEMV path against the grouped kernels (T = 1 2 unless --tokens)")  # fmt: skip
+    parser.add_argument("--cold", action="store_true",
+                        help="with --decode-gemv: calls cycle through copies of the experts (none in L2)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cold and not args.decode_gemv:
+        parser.error("--cold applies to --decode-gemv")
     if args.decode_gemv and "--tokens" not in (argv if argv is not None else sys.argv[1:]):
         args.tokens = [1, 2]
     if args.hidden % 32 or args.inter % 32:
@@ -205,16 +221,17 @@ def time_calls(fn, warmup: int, iters: int) -> float:
 
 def graphed(fn, warmup: int):
     """``fn`` captured in a CUDA graph after ``warmup`` eager calls (Triton compiles outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 1)):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, _, out = cycle_graph(fn, 1, warmup)
     return graph, out
+
+
+def expert_copies(fp4, copies: int, made: list) -> list:
+    """``copies`` sets of experts: ``fp4`` and clones of its packed experts and scales (kept in ``made``, which
+    starts as ``[fp4]``, for the next token count)."""
+    while len(made) < copies:
+        made.append(replace(fp4, w13=fp4.w13.clone(), w13_scale=fp4.w13_scale.clone(), w2=fp4.w2.clone(),
+                            w2_scale=fp4.w2_scale.clone()))  # fmt: skip
+    return made[:copies]
 
 
 def sweep(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> None:
@@ -261,29 +278,31 @@ def sweep(args: argparse.Namespace, fp4, gen: torch.Generator, limit: float) -> 
                 print(f"| {tokens} | routing {name} | {time_calls(graph.replay, args.warmup, args.iters):.4f} | |")
 
 
-def _timed_row(args: argparse.Namespace, tokens: int, label: str, fn, gigabytes: float, reference) -> float | None:
-    """Print one table row for ``fn`` captured in a CUDA graph: median ms, GB/s and deviation from ``reference``."""
+def _timed_row(args: argparse.Namespace, tokens: int, label: str, fns, gigabytes: float, reference) -> float | None:
+    """Print one table row for ``fns`` (one call, or one a copy of the experts) in a CUDA graph: median ms a call,
+    the GB a call reads, the TB/s that gives and the deviation from ``reference``."""
     try:
-        graph, out = graphed(fn, args.warmup)
-        ms = time_calls(graph.replay, args.warmup, args.iters)
+        graph, calls, out = cycle_graph(fns, 1, args.warmup)
+        ms = time_calls(graph.replay, args.warmup, args.iters) / calls
     except Exception as error:  # a launch that does not compile or fit is a row, not the end
         print(f"| {tokens} | {label} | failed: {type(error).__name__}: {str(error)[:80]} | | | |", flush=True)
         return None
     deviation = float((out.float() - reference).abs().max()) / max(float(reference.abs().max()), 1e-30)
-    print(f"| {tokens} | {label} | {ms:.4f} | {gigabytes:.3f} | {gigabytes / (ms / 1e3):.0f} | {deviation:.2e} |",
+    print(f"| {tokens} | {label} | {ms:.4f} | {gigabytes:.4f} | {gigabytes / ms / 1e3:.2f} | {deviation:.2e} |",
           flush=True)  # fmt: skip
     return ms
 
 
-def _kernel_rows(args: argparse.Namespace, tokens: int, label: str, fn) -> None:
-    """Print each device kernel of ``fn`` with its mean time over ``--iters`` eager calls (torch.profiler)."""
+def _kernel_rows(args: argparse.Namespace, tokens: int, label: str, fns: list) -> None:
+    """Print each device kernel of ``fns`` (taken in turn) with its mean time over ``--iters`` eager calls
+    (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    fns[0]()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
-        for _ in range(args.iters):
-            fn()
+        for call in range(args.iters):
+            fns[call % len(fns)]()
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
     for event in recorded.events():
@@ -301,18 +320,24 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
 
     device = fp4.w13.device
     per_expert = fp4.nbytes / args.experts
-    print("| T | path / launch | graph ms | weight GB read | GB/s | max dev / max ref |")
+    made = [fp4]  # --cold's copies of the experts, kept from one token count to the next
+    print(mode_line(args.cold, "packed FP4 experts and scales"))
+    print("| T | path / launch | ms a call | weight GB a call | TB/s | max dev / max ref |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for tokens in args.tokens:
         x, expert_ids, expert_weights = random_step(args, tokens, device, gen)
         reference = routed_moe_reference(x, fp4, expert_ids, expert_weights, limit).float()
-        step = (x, fp4, expert_ids, expert_weights, limit)
         # The GEMV reads every slot's expert; the grouped kernels each distinct expert once.
         slots_gb = expert_ids.numel() * per_expert / 1e9
         touched_gb = int(torch.unique(expert_ids).numel()) * per_expert / 1e9
+        experts = expert_copies(fp4, copy_count(touched_gb * 1e9, args.cold), made)
+        if args.cold:
+            print(f"| {tokens} | {len(experts)} copies of the experts, {len(experts) * touched_gb:.3f} GB touched a "
+                  f"cycle | | | | |", flush=True)  # fmt: skip
+        steps = [[x, each, expert_ids, expert_weights, limit] for each in experts]  # one a copy of the experts
         if not args.sweep:
-            grouped = partial(routed_moe_triton, *step, gemv=False)
-            gemv = partial(routed_moe_decode_gemv, *step)
+            grouped = calls_over(routed_moe_triton, steps, gemv=False)
+            gemv = calls_over(routed_moe_decode_gemv, steps)
             _timed_row(args, tokens, "grouped", grouped, touched_gb, reference)
             _timed_row(args, tokens, f"gemv {describe(decode_gemv_config(args.inter))}", gemv, slots_gb, reference)
             _kernel_rows(args, tokens, "grouped", grouped)  # eager: per-kernel device time, no launch gaps
@@ -326,8 +351,8 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
             for candidate in GEMV_SWEEP_CONFIGS[part]:
                 for down_splits in splits:
                     config = default._replace(**{part: GemvConfig(*candidate)}, down_splits=down_splits)
-                    fn = partial(routed_moe_decode_gemv, *step, config=config)
-                    ms = _timed_row(args, tokens, f"{part} {describe(config)}", fn, slots_gb, reference)
+                    fns = calls_over(routed_moe_decode_gemv, steps, config=config)
+                    ms = _timed_row(args, tokens, f"{part} {describe(config)}", fns, slots_gb, reference)
                     if ms is not None:
                         results.append((ms, config))
             if not results:
@@ -338,8 +363,8 @@ def decode_gemv(args: argparse.Namespace, fp4, gen: torch.Generator, limit: floa
             else:
                 best.update(down=fastest.down, down_splits=fastest.down_splits)
         config = default._replace(**best)
-        fn = partial(routed_moe_decode_gemv, *step, config=config)
-        _timed_row(args, tokens, f"best {describe(config)}", fn, slots_gb, reference)
+        fns = calls_over(routed_moe_decode_gemv, steps, config=config)
+        _timed_row(args, tokens, f"best {describe(config)}", fns, slots_gb, reference)
 
 
 def describe(config) -> str:
