@@ -17,6 +17,12 @@ from dsinfer.ops import registry
 from dsinfer.ops.norm_rope.reference import rope_reference
 
 TOKENS = (0, 1, 5, 130)
+# The interpreter runs each program in Python (about 10 ms a program of the rope kernel, whose grid is a program per
+# token and head), so it takes few tokens, enough to cross the program boundaries the kernels have: the row-chain
+# kernel (a new tensor, forward) takes 4 rows a program at dim 512 and 16 at dims 64 to 128; 7 tokens are 7, 21 and
+# 42 rows, several programs with a partial last one, programs spanning tokens, at every dim. The rope kernel (in
+# place, inverse) has no boundary in tokens: a program per token and head. CUDA runs every token count.
+INTERPRETED_TOKENS = (0, 1, 7)
 DIMS = ((512, 64), (128, 64), (64, 64))  # (dim, rope_dim): V4 heads and keys, the indexer, no nope channels
 MIDDLES = ((), (3,), (2, 3))  # x is [N, *middle, dim]
 DTYPES = (torch.bfloat16, torch.float32)
@@ -40,8 +46,8 @@ def make_inputs(tokens, middle, dim, rope_dim, dtype, layout, generator, device)
     return x.to(device), cos.to(device), sin.to(device)
 
 
-def cases():
-    for tokens in TOKENS:
+def cases(token_counts=TOKENS):
+    for tokens in token_counts:
         for dim, rope_dim in DIMS:
             for middle in MIDDLES:
                 for dtype in DTYPES:
@@ -49,19 +55,19 @@ def cases():
                         yield tokens, middle, dim, rope_dim, dtype, inverse, "contiguous"
     for dtype in DTYPES:  # the layouts, on a few shapes
         for layout in ("strided", "shared"):
-            for tokens, middle in ((5, ()), (130, (3,)), (5, (2, 3))):
+            for tokens, middle in ((5, ()), (max(token_counts), (3,)), (5, (2, 3))):
                 yield tokens, middle, 512, 64, dtype, layout == "strided", layout
     yield 7, (4,), 100, 12, torch.bfloat16, False, "contiguous"  # 6 pairs, 88 nope channels: padded blocks
     yield 7, (4,), 100, 12, torch.float16, True, "strided"  # float16 too
 
 
-def check_cases(device: torch.device) -> list[str]:
+def check_cases(device: torch.device, token_counts=TOKENS) -> list[str]:
     """Every case; the output must have the reference's shape and dtype and equal it bit for bit."""
     import dsinfer.ops.norm_rope.rope_triton as backend
 
     failures = []
     generator = torch.Generator().manual_seed(0)
-    for tokens, middle, dim, rope_dim, dtype, inverse, layout in cases():
+    for tokens, middle, dim, rope_dim, dtype, inverse, layout in cases(token_counts):
         label = f"N={tokens} middle={middle} dim={dim} rope={rope_dim} {dtype} inverse={inverse} {layout}"
         x, cos, sin = make_inputs(tokens, middle, dim, rope_dim, dtype, layout, generator, device)
         if not backend.serves(x, cos, sin):
@@ -93,11 +99,11 @@ def check_cases(device: torch.device) -> list[str]:
 
 
 def run_interpreted_cases() -> list[str]:
-    """Every case through the interpreter (TRITON_INTERPRET=1 must be set before Triton loads)."""
+    """Every case at the interpreter's token counts (TRITON_INTERPRET=1 must be set before Triton loads)."""
     from test_sparse_attention import _interpret_bf16_as_hardware
 
     _interpret_bf16_as_hardware()  # the interpreter's float32 -> bf16 cast truncates: round to nearest even
-    return check_cases(torch.device("cpu"))
+    return check_cases(torch.device("cpu"), INTERPRETED_TOKENS)
 
 
 def test_triton_rope_matches_reference_in_the_interpreter():
