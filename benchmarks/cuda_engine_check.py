@@ -27,6 +27,7 @@ import argparse
 import gc
 import os
 import tempfile
+import time
 
 import torch
 
@@ -119,6 +120,7 @@ def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = T
     """Greedy token lists of the tiny checkpoint in ``directory`` (fp32); ``rounding`` False turns V4.1's trained-in
     rounding off before the engine builds its cache (plain storage then); ``chunk``: prefill tokens a step;
     ``forced``: a ``DSINFER_OPS`` value for this engine (every op's reference: :func:`every_reference`)."""
+    start = time.perf_counter()
     options = {**TINY_OPTIONS, "max_num_batched_tokens": chunk}
     if device == "cuda":
         options["cache_memory_bytes"] = TINY_CACHE_BYTES
@@ -135,6 +137,9 @@ def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = T
     del llm
     gc.collect()
     torch.cuda.empty_cache()  # the next engine sizes its cache from free GPU memory
+    path = "every op's reference" if forced else "chosen ops"
+    print(f"  ({device} {path}, prefill chunks of {chunk}, rounding {'on' if rounding else 'off'}: "
+          f"{time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
     return [output.outputs[0].token_ids for output in outputs]
 
 

@@ -188,9 +188,9 @@ def test_pools_the_kernel_does_not_take_are_refused():
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernel_compiles_for_hopper_in_the_models_writes():
     """The interpreter never compiles: build the store kernel to sm_90 cubins (Triton's bundled ptxas, no GPU) in
-    the writes a V4.1 decode step makes, coded and in model dtype, without register spills: no local loads or
-    stores in the machine code (the FP4 / e4m3 scale search's divisions call a slow-path routine, whose return
-    address alone gives the kernel an 8-byte stack)."""
+    the writes a V4.1 decode step makes, coded and in model dtype, at the warps the store launches with, without
+    register spills: no local loads or stores in the machine code (the FP4 / e4m3 scale search's divisions call a
+    slow-path routine, whose return address alone gives the kernel an 8-byte stack)."""
     triton = pytest.importorskip("triton")
     from test_sparse_attention import _cuobjdump
     from triton.backends.compiler import GPUTarget
@@ -211,6 +211,7 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
             for name in kernel.arg_names
         }
         row_block, _, warps = norm_launch_shape(dim)
+        warps = backend.store_warps(dim) or warps
         constants = dict(NOPE=dim - 64, NORM=int(has_weight), KIND=KINDS[rounding], QUANT_BLOCK=max(block, 1),
                          ROWS=backend.ROWS_PER_PROGRAM, BLOCK=row_block,
                          ENCODE=-1 if store is None else encoding_kind(*store),

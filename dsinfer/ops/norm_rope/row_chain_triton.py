@@ -184,11 +184,11 @@ def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight=None, ro
 
 
 def launch_chain(kernel, x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int, *outputs,
-                 rows_per_program: int | None = None, **constants) -> None:  # fmt: skip
+                 rows_per_program: int | None = None, warps: int | None = None, **constants) -> None:  # fmt: skip
     """``kernel`` (this module's or one built on :func:`chain_rows`) over ``x``'s rows, inputs :func:`takes`
     accepts: the chain's arguments, then ``outputs`` (the kernel's arguments after ``sin_ptr``'s chain arguments:
-    pointers and sizes) and its extra ``constants``; ``rows_per_program`` (a power of two) overrides the norm
-    kernels' choice."""
+    pointers and sizes) and its extra ``constants``; ``rows_per_program`` (a power of two) and ``warps`` override
+    the norm kernels' choices."""
     width, half = x.shape[-1], cos.shape[-1]
     rows = x.numel() // width
     if rows == 0:
@@ -196,8 +196,8 @@ def launch_chain(kernel, x, cos, sin, weight, eps: float, norm: int, rounding: s
     tokens = x.shape[0]
     rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
     cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
-    row_block, per_program, warps = norm_launch_shape(width)
-    per_program = rows_per_program or per_program
+    row_block, per_program, norm_warps = norm_launch_shape(width)
+    per_program, warps = rows_per_program or per_program, warps or norm_warps
     weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
     kernel[(triton.cdiv(rows, per_program),)](
         rows3, weight_arg, cos, sin, *outputs, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),

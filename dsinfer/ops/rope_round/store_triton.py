@@ -15,6 +15,8 @@ a coded width that is no power of two, a pool that is not contiguous) run the tw
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
@@ -35,6 +37,21 @@ except ImportError:  # pragma: no cover - depends on the install
 
 PLAIN = -1  # ENCODE for model-dtype storage: the row itself, cast to the pool's dtype
 ROWS_PER_PROGRAM = 1  # a decode step's few rows; with four, the FP4 / e4m3 scale search spills on sm_90
+WIDE_ROW_WARPS = 8
+"""Warps of a program that stores one row of 512 channels or more. A decode step stores a handful of rows, one
+program each, so a program's time is the length of its dependent chain: at eight warps each thread holds two
+channels, and the sm_90 code of the FP4 / e4m3 entries' store is 1536 instructions a thread against 2728 at four
+(the window's FP8 store: 584 against 752). ``DSINFER_STORE_WARPS`` overrides it (a power of two, 1 to 16)."""
+
+
+def store_warps(width: int) -> int | None:
+    """Warps a store program takes for rows of ``width`` channels (None: the norm kernels' choice)."""
+    setting = os.environ.get("DSINFER_STORE_WARPS", "").strip()
+    if setting:
+        if setting not in ("1", "2", "4", "8", "16"):
+            raise ValueError(f"DSINFER_STORE_WARPS must be a power of two from 1 to 16, not {setting!r}")
+        return int(setting)
+    return WIDE_ROW_WARPS if width >= 512 else None
 
 
 if triton is not None:
@@ -167,7 +184,8 @@ def rope_round_store_triton(
     launch_chain(
         _chain_store_kernel, x, cos, sin, weight, eps, norm, rounding, block,
         pool, scale_bytes, first.contiguous(), second.contiguous(), data.shape[1], modulus or 0,
-        rows_per_program=ROWS_PER_PROGRAM, ENCODE=encode, CODE_BLOCK=code_block if scales is not None else 1,
+        rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
+        CODE_BLOCK=code_block if scales is not None else 1,
         HAS_MODULUS=modulus is not None,
     )  # fmt: skip
     return None
