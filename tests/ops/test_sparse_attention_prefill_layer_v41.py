@@ -33,6 +33,15 @@ STEPS = (
     ((0, 0, 30, 0), (1, 0, 9, 0), (2, 0, 40, 0)),  # (sequence, start, new tokens, window_from): whole prompt chunks
     ((0, 30, 15, 0), (1, 9, 1, 0), (2, 40, 30, 33)),  # mid-sequence chunks, a one-token span, a prefix hit's ring
 )
+# The interpreter runs a program per token of every layer's call (about 15 ms each), so its steps are shorter, with
+# the same features: chunks past the 16-token window, starts mid-block, at an odd position (mid ratio-2 window) and
+# on a block boundary, rings wrapped, more compressed entries than the indexer's top-k and the candidate blocks, a
+# window_from 7 positions before its chunk, an odd final length. CUDA runs LENGTHS and STEPS.
+INTERPRETED_LENGTHS = (27, 23, 44)
+INTERPRETED_STEPS = (
+    ((0, 0, 20, 0), (1, 0, 9, 0), (2, 0, 24, 0)),
+    ((0, 20, 7, 0), (1, 9, 1, 0), (2, 24, 20, 17)),
+)
 
 
 def _checking_table(record: list, device: str) -> registry.OpTable:
@@ -52,15 +61,15 @@ def _checking_table(record: list, device: str) -> registry.OpTable:
     return table
 
 
-def _run_steps(model: DeepseekV41, table: registry.OpTable, quantized: bool, device: str) -> None:
+def _run_steps(model: DeepseekV41, table: registry.OpTable, quantized: bool, device: str, lengths, steps) -> None:
     registry.bind_ops(model, table)
-    need = [math.ceil(n / BLOCK_TOKENS) for n in LENGTHS]
+    need = [math.ceil(n / BLOCK_TOKENS) for n in lengths]
     cache = KVCacheV41(model.config, 4, sum(need) + 2, BLOCK_TOKENS, torch.float32, device,
                        quantized_storage=quantized)  # fmt: skip
     order = torch.randperm(sum(need) + 1, generator=torch.Generator().manual_seed(4)).tolist()
     tables = [order[sum(need[:s]) : sum(need[: s + 1])] for s in range(3)]
-    tokens = torch.randint(3, 500, (3, max(LENGTHS)), generator=torch.Generator().manual_seed(5))
-    for step in STEPS:
+    tokens = torch.randint(3, 500, (3, max(lengths)), generator=torch.Generator().manual_seed(5))
+    for step in steps:
         spans, ids, positions = [], [], []
         for sequence, start, length, window_from in step:
             spans.append(SequenceSpan(start, length, SLOTS[sequence], tables[sequence], window_from=window_from))
@@ -69,7 +78,7 @@ def _run_steps(model: DeepseekV41, table: registry.OpTable, quantized: bool, dev
         model(PackedBatch(torch.tensor(ids, device=device), torch.tensor(positions, device=device), spans, cache))
 
 
-def check_layers(device: str) -> list[str]:
+def check_layers(device: str, lengths=LENGTHS, steps=STEPS) -> list[str]:
     """Failure messages: calls that were not made as expected, or whose kernel result is off the reference."""
     config = tiny_config_v41(engram_layer_ids=(), engram_num_embeddings=())
     model = randomize_v41_(DeepseekV41(config, with_mtp=False), seed=3).to(device)
@@ -78,9 +87,9 @@ def check_layers(device: str) -> list[str]:
     for quantized in (False, True):
         record = []
         with torch.inference_mode():
-            _run_steps(model, _checking_table(record, device), quantized, device)
+            _run_steps(model, _checking_table(record, device), quantized, device, lengths, steps)
         with_entries = sum(chosen for chosen, _ in record)
-        if len(record) != layers * len(STEPS) or with_entries != compressed * len(STEPS):
+        if len(record) != layers * len(steps) or with_entries != compressed * len(steps):
             failures.append(f"quantized={quantized}: {len(record)} calls, {with_entries} with chosen entries")
         for call, (_, error) in enumerate(record):
             if not error <= 1e-5:
@@ -90,7 +99,7 @@ def check_layers(device: str) -> list[str]:
 
 def run_interpreted_cases() -> list[str]:
     """TRITON_INTERPRET=1 must be set before Triton loads."""
-    return check_layers("cpu")
+    return check_layers("cpu", INTERPRETED_LENGTHS, INTERPRETED_STEPS)
 
 
 def test_v41_layer_prefill_with_triton_equals_reference_in_the_interpreter():
