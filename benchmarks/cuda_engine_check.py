@@ -9,7 +9,10 @@ the CPU's, and the same engine on CUDA with every op forced to its torch referen
 count of differing prompts is set beside the count that reference shows against itself on its own device
 between two chunkings of the same prompts (prefill chunks of 256 and of 32 tokens). ``--prompts N`` sets the
 number of random prompts (24); ``--rounding-only`` runs only the rounding-on comparison on CUDA (no CPU engines,
-so many more prompts fit). The fast path's own flips between the two chunkings are printed too.
+so many more prompts fit). The fast path's own flips between the two chunkings are printed too, and so is, for
+each flip against the reference on CUDA and each of that reference's own flips, the reference's margin at the
+first token where the two part (its logprob of its own token minus that of the other run's): a near-tie that
+float32 noise decides shows a margin near zero.
     python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
 
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
@@ -102,11 +105,12 @@ def main() -> None:
     prompts = [
         torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (args.prompts,))
     ]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)  # logprobs: flip margins
     if args.slice_layers:
         slice_check(args.slice_layers, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     if args.speculative:
-        speculative_check(args.speculative, prompts, params)
+        speculative_check(args.speculative, prompts, plain)
     if args.rounding_only:
         with tempfile.TemporaryDirectory() as directory:
             make_tiny_checkpoint(directory, arch="v41")
@@ -117,9 +121,10 @@ def main() -> None:
 
 def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = True, chunk: int = 256,
                 forced: str = ""):  # fmt: skip
-    """Greedy token lists of the tiny checkpoint in ``directory`` (fp32); ``rounding`` False turns V4.1's trained-in
-    rounding off before the engine builds its cache (plain storage then); ``chunk``: prefill tokens a step;
-    ``forced``: a ``DSINFER_OPS`` value for this engine (every op's reference: :func:`every_reference`)."""
+    """Greedy completions (``CompletionOutput``) of the tiny checkpoint in ``directory`` (fp32); ``rounding`` False
+    turns V4.1's trained-in rounding off before the engine builds its cache (plain storage then); ``chunk``: prefill
+    tokens a step; ``forced``: a ``DSINFER_OPS`` value for this engine (every op's reference:
+    :func:`every_reference`). Each engine's time is printed."""
     start = time.perf_counter()
     options = {**TINY_OPTIONS, "max_num_batched_tokens": chunk}
     if device == "cuda":
@@ -140,7 +145,7 @@ def tiny_tokens(directory: str, device: str, prompts, params, rounding: bool = T
     path = "every op's reference" if forced else "chosen ops"
     print(f"  ({device} {path}, prefill chunks of {chunk}, rounding {'on' if rounding else 'off'}: "
           f"{time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
-    return [output.outputs[0].token_ids for output in outputs]
+    return [output.outputs[0] for output in outputs]
 
 
 def every_reference() -> str:
@@ -149,7 +154,27 @@ def every_reference() -> str:
 
 
 def differing(first: list, second: list) -> int:
-    return sum(a != b for a, b in zip(first, second, strict=True))
+    """Prompts whose greedy tokens differ between two lists of completions."""
+    return sum(a.token_ids != b.token_ids for a, b in zip(first, second, strict=True))
+
+
+def flip_margins(first: list, second: list) -> list[float]:
+    """For each prompt whose greedy tokens differ: at the first token where they part, how much more likely
+    ``first``'s run found its own token than ``second``'s (a difference of logprobs, inf where ``second``'s token is
+    not among ``first``'s top logprobs), smallest first. A flip at a margin near zero is a near-tie that float32
+    noise decides; a large one is a real divergence."""
+    margins = []
+    for a, b in zip(first, second, strict=True):
+        if a.token_ids == b.token_ids or not a.top_logprobs:
+            continue
+        position = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
+        top = dict(a.top_logprobs[position])
+        margins.append(top[a.token_ids[position]] - top.get(b.token_ids[position], float("-inf")))
+    return sorted(margins)
+
+
+def margins_text(margins: list[float]) -> str:
+    return "[" + ", ".join(f"{margin:.2g}" for margin in margins) + "]"
 
 
 def tiny_checks(prompts, params) -> None:
@@ -172,9 +197,17 @@ def rounding_on_checks(directory: str, prompts, params, with_cpu: bool = True) -
     n, reference = len(prompts), every_reference()
     fast = tiny_tokens(directory, "cuda", prompts, params)
     cuda_reference = tiny_tokens(directory, "cuda", prompts, params, forced=reference)
-    cuda_chunk_flips = differing(cuda_reference, tiny_tokens(directory, "cuda", prompts, params, chunk=32,
-                                                             forced=reference))  # fmt: skip
+    cuda_reference_32 = tiny_tokens(directory, "cuda", prompts, params, chunk=32, forced=reference)
+    cuda_chunk_flips = differing(cuda_reference, cuda_reference_32)
     report_flips("the reference path on CUDA", differing(cuda_reference, fast), cuda_chunk_flips, n)
+    if params.logprobs:
+        own = flip_margins(cuda_reference, cuda_reference_32)
+        against = flip_margins(cuda_reference, fast)
+        beyond = sum(margin > max(own, default=0.0) for margin in against)
+        print(f"v41, rounding on: the reference path's top-logprob margin at each flip's first differing token, "
+              f"against the fast path {margins_text(against)}, against itself between chunkings "
+              f"{margins_text(own)}: {beyond} of the fast path's flips lie beyond the reference's own largest",
+              flush=True)  # fmt: skip
     fast_chunk_flips = differing(fast, tiny_tokens(directory, "cuda", prompts, params, chunk=32))
     print(f"v41, rounding on: between prefill chunks of 256 and 32 tokens the fast path differs from itself on "
           f"{fast_chunk_flips} of {n} prompts", flush=True)  # fmt: skip
