@@ -222,3 +222,19 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
         assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], label
         sass = _cuobjdump(compiled.asm["cubin"], "-sass")
         assert sass is None or not any(f" {op}" in sass for op in ("STL", "LDL")), label
+
+
+def test_store_warps_take_wide_rows_at_eight_and_a_checked_override(monkeypatch):
+    """Rows of 512 channels or more store from eight-warp programs, narrower ones at the norm kernels' choice;
+    ``DSINFER_STORE_WARPS`` overrides both and refuses what is not a power of two from 1 to 16."""
+    pytest.importorskip("triton")
+    from dsinfer.ops.rope_round.store_triton import WIDE_ROW_WARPS, store_warps
+
+    monkeypatch.delenv("DSINFER_STORE_WARPS", raising=False)
+    assert (store_warps(512), store_warps(1024), store_warps(128)) == (WIDE_ROW_WARPS, WIDE_ROW_WARPS, None)
+    monkeypatch.setenv("DSINFER_STORE_WARPS", "2")
+    assert (store_warps(512), store_warps(128)) == (2, 2)
+    for setting in ("3", "32", "eight"):
+        monkeypatch.setenv("DSINFER_STORE_WARPS", setting)
+        with pytest.raises(ValueError, match="DSINFER_STORE_WARPS"):
+            store_warps(512)
