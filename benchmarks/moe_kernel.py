@@ -288,7 +288,7 @@ def _timed_row(args: argparse.Namespace, tokens: int, label: str, fns, gigabytes
         print(f"| {tokens} | {label} | failed: {type(error).__name__}: {str(error)[:80]} | | | |", flush=True)
         return None
     deviation = float((out.float() - reference).abs().max()) / max(float(reference.abs().max()), 1e-30)
-    print(f"| {tokens} | {label} | {ms:.4f} | {gigabytes:.4f} | {gigabytes / ms / 1e3:.2f} | {deviation:.2e} |",
+    print(f"| {tokens} | {label} | {ms:.4f} | {gigabytes:.4f} | {gigabytes / ms:.2f} | {deviation:.2e} |",
           flush=True)  # fmt: skip
     return ms
 
