@@ -27,7 +27,12 @@ See also benchmarks/serve_host_cost.py (each side's host cost per step, ITL agai
 
 ``--device-ms D`` stands in for a GPU: the forward sleeps D ms (a thread waiting on the device holds no Python
 lock) and the engine overlaps steps as on CUDA (implies ``--overlap``), so the engine's step is the offline decode
-step and the served period shows what the HTTP side adds to it.
+step and the served period shows what the HTTP side adds to it. With ``--device-queue`` the forward returns at
+once and queues its D ms on a stand-in stream instead, and reading the sampled tokens back waits for it
+(:class:`QueuedDevice`): the device worker can launch the next step while this one runs, as on CUDA, so the step
+exceeds D only by host work that does not fit under it.
+
+    python benchmarks/host_step.py --requests 1 16 --device-ms 1.16 --device-queue   # does the host keep up?
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.host_copies import HostCopies
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import make_tiny_checkpoint
@@ -56,13 +62,17 @@ from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
 
-def constant_forward(model_class: type, device_ms: float = 0.0) -> None:
+def constant_forward(model_class: type, device_ms: float = 0.0, queued: bool = False) -> None:
     """Replace a model class's forward by one that returns fixed logits (token 300 wins), after ``device_ms`` of
-    sleep (the device's time: no Python lock held)."""
+    sleep (the device's time: no Python lock held). ``queued``: the forward returns at once and queues its
+    ``device_ms`` on a stand-in device instead (:class:`QueuedDevice`), as a CUDA launch does."""
     logits_of: dict[int, torch.Tensor] = {}  # by vocabulary size
+    device = QueuedDevice.install() if queued and device_ms else None
 
     def forward(self, batch, *args, logits_for=None, **kwargs):
-        if device_ms:
+        if device is not None:
+            device.queue(device_ms)
+        elif device_ms:
             time.sleep(device_ms / 1e3)
         vocab = self.config.vocab_size
         if vocab not in logits_of:
@@ -72,6 +82,40 @@ def constant_forward(model_class: type, device_ms: float = 0.0) -> None:
         return logits_of[vocab].expand(rows, vocab).clone()
 
     model_class.forward = forward
+
+
+class QueuedDevice:
+    """A stand-in for a GPU's stream: work queued on it runs in order, each piece for its time, while the host
+    goes on; a read-back of results (:class:`~dsinfer.engine.host_copies.HostCopies`) waits, without the Python
+    lock, until the work queued before it has run. So a step's launch costs the host only its own work, and
+    the next step can launch while this one runs, as the engine's overlap does on CUDA."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0  # perf_counter time at which the queued work ends
+        self.lock = threading.Lock()
+
+    def queue(self, ms: float) -> None:
+        with self.lock:
+            self.free_at = max(time.perf_counter(), self.free_at) + ms / 1e3
+
+    @classmethod
+    def install(cls) -> QueuedDevice:
+        """A device whose queued work every ``HostCopies`` made afterwards waits for."""
+        device = cls()
+        start, wait = HostCopies.__init__, HostCopies.wait
+
+        def start_copies(self, tensors):
+            start(self, tensors)
+            self.ready_at = device.free_at  # the copies queue behind everything launched so far
+
+        def wait_for_device(self):
+            delay = getattr(self, "ready_at", 0.0) - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            return wait(self)
+
+        HostCopies.__init__, HostCopies.wait = start_copies, wait_for_device
+        return device
 
 
 def engine_config(requests: int, overlap: bool, **sizes) -> EngineConfig:
@@ -149,7 +193,7 @@ def thread_cpu_s() -> dict[str, float]:
 
 def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int, port: int, device_ms: float,
                   overlap: bool, client_cpus: list[int] | None = None, client: str = "bench",
-                  engine_process: bool = False, threads: int = 1) -> dict:  # fmt: skip
+                  engine_process: bool = False, threads: int = 1, queued: bool = False) -> dict:  # fmt: skip
     import uvicorn
 
     if client_cpus:  # the client's parsing of every chunk would otherwise take CPU time from the server's threads
@@ -159,13 +203,14 @@ def serve_host_ms(directory: str, requests: int, output_len: int, input_len: int
 
     records = tempfile.mkdtemp(prefix="host-step-")
     if engine_process:  # read by the engine process when it imports this script (see patch_engine_process)
-        os.environ[ENGINE_PROCESS_ENV] = json.dumps({"device_ms": device_ms, "threads": threads, "out": records})
+        os.environ[ENGINE_PROCESS_ENV] = json.dumps({"device_ms": device_ms, "queued": queued, "threads": threads,
+                                                    "out": records})  # fmt: skip
     options = ServeOptions(model=directory, port=port, served_model_name="tiny", log_level="warning",
                            engine_process=engine_process)  # fmt: skip
     config = engine_config(requests, overlap, max_model_len=input_len + output_len + 128)
     app, engine = build_server(options, config)
     if not engine_process:
-        constant_forward(type(engine.engine.model), device_ms)
+        constant_forward(type(engine.engine.model), device_ms, queued)
     # The decode steps measured: past the prefills, before the first stream ends.
     first, last = requests + 8, requests + 8 + max(output_len - 2 * requests - 24, 8)
     steps, starts, cpu, step = [], [], {}, engine.engine.step
@@ -278,7 +323,7 @@ def patch_engine_process() -> None:
     in dsinfer: the settings travel in ``$HOST_STEP_ENGINE_PROCESS``, set before the fork server starts."""
     settings = json.loads(os.environ[ENGINE_PROCESS_ENV])
     torch.set_num_threads(settings["threads"])
-    constant_forward(DeepseekV4, settings["device_ms"])
+    constant_forward(DeepseekV4, settings["device_ms"], settings["queued"])
     starts, durations = [], []
     step, close = LLMEngine.step, LLMEngine.close
 
@@ -305,6 +350,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--device-ms", type=float, default=0.0, help="the forward's stand-in device time")
     parser.add_argument("--overlap", action="store_true", help="overlap scheduling as on CUDA (implied by --device-ms)")
+    parser.add_argument("--device-queue", action="store_true",
+                        help="with --device-ms: the forward queues its time on a stand-in device and returns, and "
+                        "reading the tokens back waits for it (as a CUDA launch does), instead of sleeping in the "
+                        "forward")  # fmt: skip
     parser.add_argument("--client-cpus", type=int, nargs="+", default=None,
                         help="--serve: the benchmark client's CPUs (the server gets the others)")  # fmt: skip
     parser.add_argument("--client", choices=["bench", "raw"], default="bench",
@@ -324,15 +373,16 @@ def main() -> None:
             for requests in args.requests:
                 result = serve_host_ms(directory, requests, args.output_len, args.input_len, args.port, args.device_ms,
                                        overlap, args.client_cpus, args.client, args.engine_process,
-                                       args.threads)  # fmt: skip
+                                       args.threads, args.device_queue)  # fmt: skip
                 print(json.dumps(result), flush=True)
             return
         model = load_model(directory, progress=False)
-        constant_forward(type(model), args.device_ms)
+        constant_forward(type(model), args.device_ms, args.device_queue)
         tokenizer = Tokenizer.from_dir(directory)
         for requests in args.requests:
             result = engine_host_ms(model, tokenizer, requests, args.steps, args.input_len, overlap)
-            print(json.dumps({"requests": requests, "device_ms": args.device_ms, "overlap": overlap, **result}),
+            print(json.dumps({"requests": requests, "device_ms": args.device_ms, "device_queue": args.device_queue,
+                              "overlap": overlap, **result}),
                   flush=True)  # fmt: skip
 
 
