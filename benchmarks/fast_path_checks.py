@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 
 from dsinfer.bench.shapes import flash_slice_config
+from dsinfer.bench.step_profile import profiled_spans, timeline_summary
 from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.engine.decode_graphs import capture_graph
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
@@ -142,35 +143,11 @@ def kernel_profile(fn, top: int = 25) -> dict:
 def graph_timeline(replay, top: int = 10) -> dict:
     """Where a replayed CUDA graph's time goes: its kernels' summed time (``busy_ms``), the span from the first
     kernel's start to the last one's end, the idle time between kernels, and the ``top`` largest gaps with the
-    kernels on either side. The profiler sees each kernel of a replay; the graph's own timing is ``graph_ms``."""
-    from torch.profiler import ProfilerActivity, profile
-
+    kernels on either side (:func:`~dsinfer.bench.step_profile.timeline_summary`). The profiler sees each kernel
+    of a replay; the graph's own timing is ``graph_ms``."""
     replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    spans = sorted(
-        (event.time_range.start, event.time_range.end, event.name)
-        for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    )
-    if not spans:
-        return {"kernels": 0}
-    gaps, end = [], spans[0][1]
-    for (_, _, before), (start, stop, after) in zip(spans, spans[1:], strict=False):
-        gaps.append((max(0.0, start - end), before, after))  # after everything so far has ended
-        end = max(end, stop)
-    gaps.sort(reverse=True)
-    return {
-        "kernels": len(spans),
-        "span_ms": (max(stop for _, stop, _ in spans) - spans[0][0]) / 1e3,
-        "busy_ms": sum(stop - start for start, stop, _ in spans) / 1e3,
-        "idle_ms": sum(gap for gap, _, _ in gaps) / 1e3,
-        "gaps": [
-            {"us": round(gap, 2), "before": before[:80], "after": after[:80]} for gap, before, after in gaps[:top]
-        ],
-    }
+    return timeline_summary(profiled_spans(replay, torch.device("cuda")), steps=1, top=top, gaps_listed=top)
 
 
 def decode_checks(

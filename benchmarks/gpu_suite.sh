@@ -10,7 +10,8 @@
 # and the slice's fast path vs its reference path), long (engine decode of 16 requests at 8k context), serve
 # (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it), gemv
 # (every launch of the one-token FP8 GEMV with no weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with
-# its rounding on, fast path vs the reference path on CUDA, ROUNDING_PROMPTS prompts). FP8_LINEARS=keep runs the
+# its rounding on, fast path vs the reference path on CUDA, ROUNDING_PROMPTS prompts), stepprofile (the engine's decode
+# step at PROFILE_POINT requests, then PROFILE_STEPS steps profiled: its kernels, copies and gaps). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (50) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
 # default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
@@ -91,6 +92,9 @@ for name in "$@"; do
                 --batches 1,16,64 --context 1024 --rounds 3 --steps 20 --cache-gib 4 \
                 --modes single,single-eager,ep1-graph,ep1-graph-local ;;
         sweep) stage sweep python3 -m dsinfer.cli bench sweep decode $SLICE --tag graphs ;;
+        stepprofile) stage stepprofile python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 256 \
+                         --points "${PROFILE_POINT:-1}" --measure-steps "${SWEEP_STEPS:-50}" --cache-gib 16 \
+                         --profile-steps "${PROFILE_STEPS:-10}" --tag stepprofile ;;  # its own process: see step_profile
         spec) export -f spec_sweeps; export SLICE; stage spec bash -c spec_sweeps ;;
         speedup) stage speedup python3 benchmarks/spec_speedup.py --device cuda --streams ${SPEEDUP_STREAMS:-1 16} \
                      --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds "${SPEEDUP_ROUNDS:-2}" \

@@ -155,6 +155,8 @@ def test_dp_rank_prefers_dp_rank_over_rank(monkeypatch):
         (["prefill", "--nextn", "3"], "--nextn"),
         (["decode", "--tag", "../escape"], "--tag"),
         (["decode", "--measure-steps", "0"], "--measure-steps"),
+        (["decode", "--profile-steps", "-1"], "--profile-steps"),
+        (["prefill", "--profile-steps", "2"], "--profile-steps"),
         (["decode", "--model", "/no/such/dir"], "--model"),
     ],
 )
@@ -222,3 +224,15 @@ def test_speculative_config_is_checked_at_the_flag():
         sweep.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
     with pytest.raises(ValueError, match="speculative decoding applies to decode sweeps only"):
         sweep.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+
+
+def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
+    """``--profile-steps``: steps profiled after the timed ones, their summary in the point's record (on the CPU the
+    spans are the top-level torch ops), and the timed steps' records as without it."""
+    assert sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "pf", "--profile-steps", "3")) == 0
+    (record,) = read_records(tmp_path / "pf" / "results.jsonl")
+    assert_consistent(record)
+    profile = record["profile"]
+    assert profile["steps"] == 3 and profile["kernels"] > 0 and profile["top"]
+    assert profile["per_step"]["busy_ms"] == pytest.approx(profile["busy_ms"] / 3)
+    assert 0 < profile["busy_ms"] and profile["idle_ms"] <= profile["span_ms"]

@@ -4,7 +4,7 @@
                                 [--context N] [--nextn N] [--accept P] [--points 1,2,4,...]
                                 [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}']
                                 [--device cuda] [--dtype bfloat16] [--warmup-steps 3] [--measure-steps 10]
-                                [--out-root sweeps] [--cache-gib G] [--prefill-chunk 8192]
+                                [--profile-steps 0] [--out-root sweeps] [--cache-gib G] [--prefill-chunk 8192]
                                 [--telemetry-interval 5] [--compare-published] [--seed 0]
     dsinfer bench sweep prefill ... (same options; --nextn / --accept do not apply)
     dsinfer bench sweep encoder ... (images per batch: :mod:`dsinfer.bench.encoder_sweep`)
@@ -84,6 +84,9 @@ n_routed_experts,
 vocab_size                  the model's shape
 dtype, device, gpu_name     compute dtype, torch device, GPU name (torch / NVML) or "cpu"
 engine                      every EngineConfig option of the point's engine
+profile                     decode with --profile-steps N: N more steps profiled after the timed ones (kernels,
+                            busy / span / idle ms, each also per step, the costliest names and largest gaps:
+                            :func:`dsinfer.bench.step_profile.timeline_summary`); absent otherwise
 sampling                    "greedy, ignore_eos"
 dp_rank, world_size         from DP_RANK / RANK and DP_SIZE / WORLD_SIZE (default 0 and 1)
 seed                        seed of the random prompts (and random weights)
@@ -121,6 +124,7 @@ from typing import Any
 import torch
 
 from dsinfer.bench.shapes import flash_slice_config
+from dsinfer.bench.step_profile import profile_steps
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig, parse_speculative_config
 from dsinfer.engine.engine import LLMEngine, StepStats
 from dsinfer.models.deepseek_v4 import DeepseekV4
@@ -187,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="decode: profile this many steps after the timed ones (kernels, gaps)")  # fmt: skip
     parser.add_argument("--out-root", default="sweeps", help="results go to OUT_ROOT/TAG/ (default: sweeps)")
     parser.add_argument("--cache-gib", type=float, help="KV cache budget (default: the engine's)")
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="decode: token budget of the untimed fill")
@@ -238,6 +244,7 @@ def _check_args(args: argparse.Namespace) -> None:
         (0.0 <= args.accept <= 1.0, f"--accept: a per-token probability in [0, 1], got {args.accept}"),
         (args.warmup_steps >= 0, f"--warmup-steps: must not be negative, got {args.warmup_steps}"),
         (args.measure_steps >= 1, f"--measure-steps: expected at least 1, got {args.measure_steps}"),
+        (args.profile_steps >= 0, f"--profile-steps: must not be negative, got {args.profile_steps}"),
         (args.prefill_chunk >= 1, f"--prefill-chunk: expected a positive integer, got {args.prefill_chunk}"),
         (args.cache_gib is None or args.cache_gib > 0, f"--cache-gib: must be positive, got {args.cache_gib}"),
         (args.telemetry_interval >= 0, f"--telemetry-interval: must not be negative, got {args.telemetry_interval}"),
@@ -250,6 +257,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(message)
     if args.mode == "prefill" and (args.nextn or args.speculative is not None):
         raise ValueError("--nextn / --speculative-config: speculative decoding applies to decode sweeps only")
+    if args.mode == "prefill" and args.profile_steps:
+        raise ValueError("--profile-steps: profiles decode steps; a prefill sweep takes none")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
@@ -338,7 +347,8 @@ def decode_max_model_len(args: argparse.Namespace, num_requests: int) -> int:
     fill_budget = max(args.prefill_chunk, num_requests)
     fill_steps_bound = math.ceil(num_requests * args.context / fill_budget) + num_requests
     per_step = 1 + (args.speculative.num_speculative_tokens if args.speculative is not None else 0)
-    return args.context + fill_steps_bound + (args.warmup_steps + args.measure_steps) * per_step + per_step + 2
+    steps = args.warmup_steps + args.measure_steps + args.profile_steps
+    return args.context + fill_steps_bound + steps * per_step + per_step + 2
 
 
 def check_fits_model(args: argparse.Namespace, config: ModelConfig) -> None:
@@ -525,6 +535,9 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     window.append(time.monotonic())
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
+    profile = None
+    if args.profile_steps:  # after the timing: a profiler session slows what runs after it
+        profile = profile_steps(lambda: _checked_step(engine), args.profile_steps, bench.device)
     drafts_per_step = args.speculative.num_speculative_tokens if args.speculative is not None else 0
     measured = step_statistics(timed, expected_tokens=num_requests * (1 + drafts_per_step))
     drafted = None
@@ -554,6 +567,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
         "timed_window": window,
         **accounting,
         "engine": asdict(engine.config),
+        **({"profile": profile} if profile is not None else {}),
     }
 
 

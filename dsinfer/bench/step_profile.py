@@ -1,0 +1,92 @@
+"""Where a step's device time goes: the spans of its kernels and copies (from ``torch.profiler``) summed per step,
+the idle time between them, and the largest gaps.
+
+A sweep's decode point at one request takes longer than the model's graph alone (the sampler's kernels, the
+step's input copies and the token read-back run beside it, and the host must launch each step in time): with
+``--profile-steps N`` the sweep profiles N more steps after its timed ones and keeps this summary in the point's
+record. On a CUDA device the spans are the device's kernels and copies; on the CPU, the top-level torch ops.
+A profiler session leaves the process slower for a while (graph replays after one ran 5-15% slower on the
+H200), so a sweep that profiles should time one point: later points would read slow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Span = tuple[float, float, str]  # start and end (microseconds), name
+
+
+def timeline_summary(spans: list[Span], steps: int = 1, top: int = 15, gaps_listed: int = 10) -> dict:
+    """``spans`` of ``steps`` steps summed up: ``kernels`` (count), ``span_ms`` (first start to last end),
+    ``busy_ms`` (summed durations), ``idle_ms`` (time no span covered between the first and the last), each also
+    per step; the ``top`` names by time (ms and calls a step) and the ``gaps_listed`` largest gaps with the spans
+    on either side."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if not spans:
+        return {"kernels": 0, "steps": steps}
+    spans = sorted(spans)
+    gaps, end = [], spans[0][1]
+    for (_, _, before), (start, stop, after) in zip(spans, spans[1:], strict=False):
+        gaps.append((max(0.0, start - end), before, after))  # after everything so far has ended
+        end = max(end, stop)
+    gaps.sort(key=lambda gap: gap[0], reverse=True)
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name in spans:
+        by_name.setdefault(name, []).append(stop - start)
+    ranked = sorted(((sum(times), len(times), name) for name, times in by_name.items()), reverse=True)
+    span_ms = (max(stop for _, stop, _ in spans) - spans[0][0]) / 1e3
+    busy_ms = sum(stop - start for start, stop, _ in spans) / 1e3
+    idle_ms = sum(gap for gap, _, _ in gaps) / 1e3
+    return {
+        "kernels": len(spans),
+        "steps": steps,
+        "span_ms": span_ms,
+        "busy_ms": busy_ms,
+        "idle_ms": idle_ms,
+        "per_step": {
+            "kernels": len(spans) / steps,
+            "span_ms": span_ms / steps,
+            "busy_ms": busy_ms / steps,
+            "idle_ms": idle_ms / steps,
+        },
+        "top": [
+            {"ms_per_step": round(total / 1e3 / steps, 4), "calls_per_step": calls / steps, "name": name[:140]}
+            for total, calls, name in ranked[:top]
+        ],
+        "gaps": [
+            {"us": round(gap, 2), "before": before[:80], "after": after[:80]}
+            for gap, before, after in gaps[:gaps_listed]
+        ],
+    }
+
+
+def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
+    """Run ``run`` under ``torch.profiler``: the device's kernel and copy spans on CUDA (after a synchronize), the
+    top-level torch ops elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    spans = []
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device if cuda else event.cpu_parent is None and event.name.startswith("aten::"):
+            spans.append((event.time_range.start, event.time_range.end, event.name))
+    return spans
+
+
+def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
+    """:func:`timeline_summary` of ``steps`` calls of ``step`` (an engine step) profiled together."""
+
+    def run() -> None:
+        for _ in range(steps):
+            step()
+
+    return timeline_summary(profiled_spans(run, device), steps, top)
