@@ -74,12 +74,13 @@ def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
         run()
         if cuda:
             torch.cuda.synchronize(device)
-    spans = []
-    for event in prof.events():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if on_device if cuda else event.cpu_parent is None and event.name.startswith("aten::"):
-            spans.append((event.time_range.start, event.time_range.end, event.name))
-    return spans
+
+    def wanted(event) -> bool:
+        if cuda:
+            return event.device_type == torch.autograd.DeviceType.CUDA
+        return event.cpu_parent is None and event.name.startswith("aten::")
+
+    return [(event.time_range.start, event.time_range.end, event.name) for event in prof.events() if wanted(event)]
 
 
 def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
