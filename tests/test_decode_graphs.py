@@ -41,7 +41,7 @@ def test_bucketed_decode_equals_plain_decode(model, tokenizer):
     assert bucketed_engine.runner.cache.num_slots == 5  # four sequences and the spare slot
     calls = []
     original = graphs.run
-    graphs.run = lambda *args: calls.append(len(args[2])) or original(*args)
+    graphs.run = lambda *args: calls.append(len(args[1])) or original(*args)
     bucketed = run_all(bucketed_engine, prompts, params)
     assert [o.outputs[0].token_ids for o in bucketed] == [o.outputs[0].token_ids for o in plain]
     assert 3 in calls or 1 in calls, calls  # steps that needed padding ran through the buckets
@@ -68,7 +68,7 @@ def test_v41_bucketed_decode_equals_plain_decode(tiny_v41_checkpoint):
     assert graphs is not None
     calls = []
     original = graphs.run
-    graphs.run = lambda *args: calls.append(len(args[2])) or original(*args)
+    graphs.run = lambda *args: calls.append(len(args[1])) or original(*args)
     bucketed = run_all(bucketed_engine, prompts[:4], params[:4])
     for prompt, sp in zip(prompts[4:], params[4:], strict=True):  # one after the other: the second one hits
         bucketed += run_all(bucketed_engine, [prompt], sp)

@@ -69,3 +69,16 @@ def test_a_failed_step_reports_its_error(threaded):
         assert isinstance(handle.exception(), RuntimeError)
     finally:
         worker.close()
+
+
+def test_pending_fill_copies_a_prefix_or_indexed_rows():
+    """The steady decode step's fill is rows 0..k-1 from sampled rows 0..k-1 (one copy); any other is indexed."""
+    from dsinfer.engine.model_runner import PendingFill
+
+    sampled = torch.tensor([5, 6, 8])
+    ids = torch.tensor([0, 0, 7])
+    PendingFill(2).apply(ids, sampled)
+    assert ids.tolist() == [5, 6, 7]
+    ids = torch.tensor([9, 0, 0, 4])
+    PendingFill(2, torch.tensor([1, 2]), torch.tensor([2, 0])).apply(ids, sampled)
+    assert ids.tolist() == [9, 8, 5, 4]

@@ -231,6 +231,36 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert torch.allclose(penalised, torch.tensor([[1.25, -1.0, -0.75, 3.0, -2.0, 1.0]]))
 
 
+def test_plain_greedy_rows_take_the_ops_argmax_of_the_raw_logits(monkeypatch):
+    """Greedy rows nothing masks or penalises go straight to ``greedy_argmax`` on the raw (bf16) logits; one row
+    with a penalty, a pending ``min_tokens`` or sampling sends the batch through the float32 path."""
+    import dsinfer.engine.sampler as sampler_module
+
+    seen = []
+    real = sampler_module.resolve
+
+    class Table:
+        def __init__(self, device, dtype):
+            self.table = real(device, dtype)
+
+        def greedy_argmax(self, scores):
+            seen.append(scores)
+            return self.table.greedy_argmax(scores)
+
+    monkeypatch.setattr(sampler_module, "resolve", Table)
+    logits = (torch.randn(3, 40) * 3).to(torch.bfloat16)
+    logits[2, [11, 5]] = 20.0  # a tie: the lowest id
+    plain = Sampler()(logits, [_state(temperature=0.0) for _ in range(3)])
+    assert len(seen) == 1 and seen[0] is logits
+    assert [o.token_ids[0] for o in plain] == logits.float().argmax(dim=-1).tolist()
+    assert plain[2].token_ids == [5]
+    others = [_state(temperature=0.0, repetition_penalty=1.1), _state(temperature=0.0, min_tokens=1),
+              _state(temperature=0.7, seed=1)]  # fmt: skip
+    for other in others:
+        Sampler()(logits[:2], [_state(temperature=0.0), other])
+    assert len(seen) == 1
+
+
 def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
     state = _state(prompt=[1], temperature=0.0, repetition_penalty=1.2)

@@ -3,8 +3,9 @@
 A decode step (one token per sequence) of either model is driven by device tensors alone (V4.1's Engram rows,
 history and FP8 / FP4 cache writes included), so it can be recorded once and replayed: the host then issues
 one launch instead of several hundred small kernels per layer, which is most of an eager step's time at small
-batches. Each bucket owns static input buffers (token ids, positions, state slots, window starts, block tables
-at full width, sample rows) and the logits the graph writes. A step of ``B`` sequences runs in the smallest
+batches. Each bucket owns one static input buffer (token ids, positions, state slots, window starts, block
+tables at full width, end to end), which a step fills with one copy from the host and one of its token ids on
+the device, and the logits the graph writes. A step of ``B`` sequences runs in the smallest
 bucket ``>= B``; the rows past ``B`` are padding that decodes position 0 of the cache's spare slot, whose block
 tables point at the trash block, so they touch nothing a sequence owns (V4.1: their Engram history is the spare
 slot's). Graphs are captured when the runner is built, before any other thread uses the device, with every row
@@ -21,7 +22,7 @@ import math
 
 import torch
 
-from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_into_device
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +61,12 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(set(sizes)))
         self.table_width = math.ceil(max_model_len / cache.block_tokens)
         device = cache.layers[0].window.device
-        largest = self.sizes[-1]
-
-        def buffer(fill: int, *shape: int) -> torch.Tensor:
-            return torch.full((largest, *shape), fill, dtype=torch.long, device=device)
-
-        self.input_ids = buffer(0)
-        self.positions = buffer(0)
-        self.slots = buffer(spare_slot)
-        self.window_from = buffer(0)
-        self.block_tables = buffer(cache.trash_block, self.table_width)
-        self.rows = torch.arange(largest, dtype=torch.long, device=device)
+        # Per bucket: ids | positions | slots | window starts (one row of the bucket's size each) | block tables.
+        self.inputs = {size: torch.empty(size * (4 + self.table_width), dtype=torch.long, device=device)
+                       for size in self.sizes}  # fmt: skip
+        for size, inputs in self.inputs.items():
+            host_into_device(inputs, self._layout([], size))
+        self.rows = torch.arange(self.sizes[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all()
@@ -84,10 +80,9 @@ class DecodeGraphs:
             and all(span.length == 1 and len(span.block_table) <= self.table_width for span in spans)
         )
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SequenceSpan], size: int | None = None
-    ) -> torch.Tensor:
-        """Logits [B, vocab] of the step's sequences (a fresh tensor: the graph's output is reused).
+    def run(self, input_ids: torch.Tensor, spans: list[SequenceSpan], size: int | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of the step's sequences (a fresh tensor: the graph's output is reused); each span
+        decodes one token at its ``start``, whose id is that row of ``input_ids`` (on the device).
 
         ``size``: the bucket to run (default: the smallest that holds the step). Expert-parallel ranks pass the
         bucket they agreed on, and a rank with no sequences runs it with every row padding (``spans`` empty)."""
@@ -96,7 +91,8 @@ class DecodeGraphs:
             size = next(s for s in self.sizes if s >= count)
         elif size not in self.sizes or size < count:
             raise ValueError(f"bucket {size} cannot run {count} sequences (buckets {list(self.sizes)})")
-        self._fill(input_ids, positions, spans, size)
+        host_into_device(self.inputs[size], self._layout(spans, size))
+        self._views(size)[0][:count].copy_(input_ids)
         if self.capture:
             graph, logits = self.graphs[size]
             graph.replay()
@@ -104,33 +100,30 @@ class DecodeGraphs:
         return self._forward(size)[:count]
 
     # ---- internals ------------------------------------------------------------------------------------
-    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SequenceSpan], size: int) -> None:
-        count, device = len(spans), self.input_ids.device
-        padding = size - count
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
-        slots = [span.slot for span in spans] + [self.spare_slot] * padding
-        window_from = [span.window_from for span in spans] + [0] * padding
-        trash = self.cache.trash_block
-        tables = [span.block_table + [trash] * (self.table_width - len(span.block_table)) for span in spans]
-        tables += [[trash] * self.table_width] * padding
-        self.slots[:size].copy_(host_to_device(slots, torch.long, device))
-        self.window_from[:size].copy_(host_to_device(window_from, torch.long, device))
-        self.block_tables[:size].copy_(host_to_device(tables, torch.long, device))
-        if padding:
-            self.input_ids[count:size].zero_()
-            self.positions[count:size].zero_()
+    def _layout(self, spans: list[SequenceSpan], size: int) -> list[int]:
+        """Bucket ``size``'s inputs as one host list: ``spans`` first, then padding rows (position 0 of the spare
+        slot, every block the trash block). Token ids are 0 here; the step's own are copied on the device."""
+        padding, trash, width = size - len(spans), self.cache.trash_block, self.table_width
+        tables = [block for span in spans for block in span.block_table + [trash] * (width - len(span.block_table))]
+        return (
+            [0] * size
+            + [span.start for span in spans] + [0] * padding
+            + [span.slot for span in spans] + [self.spare_slot] * padding
+            + [span.window_from for span in spans] + [0] * padding
+            + tables + [trash] * (width * padding)
+        )  # fmt: skip
+
+    def _views(self, size: int) -> tuple[torch.Tensor, ...]:
+        """Bucket ``size``'s ids, positions, slots, window starts ``[size]`` and block tables ``[size, width]``."""
+        inputs = self.inputs[size]
+        ids, positions, slots, window_from = inputs[: 4 * size].view(4, size)
+        return ids, positions, slots, window_from, inputs[4 * size :].view(size, self.table_width)
 
     def _batch(self, size: int) -> PackedBatch:
+        ids, positions, slots, window_from, block_tables = self._views(size)
         spans = [SequenceSpan(0, 1, self.spare_slot, []) for _ in range(size)]  # host side: only the shape counts
-        batch = PackedBatch(self.input_ids[:size], self.positions[:size], spans, self.cache)
-        batch._device_spans = DeviceSpans(
-            slots=self.slots[:size],
-            starts=self.positions[:size],
-            window_from=self.window_from[:size],
-            block_tables=self.block_tables[:size],
-            token_rows=self.rows[:size],
-        )
+        batch = PackedBatch(ids, positions, spans, self.cache)
+        batch._device_spans = DeviceSpans(slots, positions, window_from, block_tables, token_rows=self.rows[:size])
         return batch
 
     def _forward(self, size: int) -> torch.Tensor:

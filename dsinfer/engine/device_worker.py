@@ -107,8 +107,7 @@ class DeviceWorker:
         if batch.pending_fill is not None:
             if previous is None:
                 raise RuntimeError("a step launched ahead follows a step that sampled no tokens")
-            rows, sampled_rows = batch.pending_fill
-            batch.input_ids[rows] = previous[sampled_rows]
+            batch.pending_fill.apply(batch.input_ids, previous)
         if batch.speculation is not None:
             return self.speculative.run(batch, states)
         logits = self.runner.execute(batch)

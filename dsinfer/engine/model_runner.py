@@ -46,6 +46,23 @@ class EngramResume:
 
 
 @dataclass
+class PendingFill:
+    """Input rows of a step launched ahead of the previous step's host read: their ids are that step's sampled
+    tokens, copied on the device just before the forward (placeholders until then)."""
+
+    count: int
+    rows: torch.Tensor | None = None  # rows of ``input_ids``; None: the first ``count``
+    sources: torch.Tensor | None = None  # rows of the previous step's sampled tokens; None: the first ``count``
+
+    def apply(self, input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Write the fill into ``input_ids`` from ``sampled``, the previous step's chosen ids (on the device)."""
+        if self.rows is None:  # the steady decode step: one copy, no index tensors
+            input_ids[: self.count].copy_(sampled[: self.count])
+        else:
+            input_ids[self.rows] = sampled[self.sources]
+
+
+@dataclass
 class StepInput:
     """One scheduled step as plain data, ready for :meth:`ModelRunner.execute`."""
 
@@ -56,9 +73,7 @@ class StepInput:
     engram_resume: EngramResume | None = None
     image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
     speculation: SpeculationPlan | None = None  # speculative decoding: each span's drafts (dsinfer.engine.speculative)
-    # Launched ahead of the previous step's host read: (rows of input_ids, rows of that step's sampled tokens)
-    # whose ids the device worker copies over before the forward (placeholders until then).
-    pending_fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    pending_fill: PendingFill | None = None  # launched ahead: ids the device worker fills in before the forward
 
 
 def _wants_graphs(model: ServedModel, engine: EngineConfig) -> bool:
@@ -192,17 +207,20 @@ class ModelRunner:
             drafts.append(list(seq.draft_token_ids[: item.num_draft_tokens]))
             after = start + count
             following.append(None if item.completes_sequence else seq.tokens_between(after, after + 1)[0])
+        prefix = bool(fill_rows) and fill_rows == fill_sources == list(range(len(fill_rows)))
+        lists = [ids, positions, sample_rows] + ([fill_rows, fill_sources] if fill_rows and not prefix else [])
+        flat = [value for values in lists for value in values]  # one copy to the device for all of them
+        device_lists = host_to_device(flat, torch.long, self.device).split([len(values) for values in lists])
+        fill = PendingFill(len(fill_rows), *device_lists[3:]) if fill_rows else None
         return StepInput(
-            host_to_device(ids, torch.long, self.device),
-            host_to_device(list(positions), torch.long, self.device),
+            device_lists[0],
+            device_lists[1],
             spans,
-            host_to_device(sample_rows, torch.long, self.device),
+            device_lists[2],
             self._engram_resume(scheduled),
             pieces or None,
             SpeculationPlan(drafts, following, ids) if self.speculative else None,
-            (host_to_device(fill_rows, torch.long, self.device), host_to_device(fill_sources, torch.long, self.device))
-            if fill_rows
-            else None,
+            fill,
         )
 
     @torch.inference_mode()
@@ -211,7 +229,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         plain = step.engram_resume is None and not step.image_pieces  # a graph holds only the decode forward
         if graphs is not None and plain and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
-            return graphs.run(step.input_ids, step.positions, step.spans)
+            return graphs.run(step.input_ids, step.spans)
         return self.model(self.step_batch(step), logits_for=step.sample_rows)
 
     def step_batch(self, step: StepInput) -> PackedBatch:

@@ -15,7 +15,9 @@ The whole batch is sampled in a few batched device ops: per-row parameters trave
 non-blocking copies), the penalties read per-request token counts kept on the device
 (:class:`~dsinfer.engine.token_counts.TokenCounts`), grammar masks are filled into one bitmask and applied in
 one add (:mod:`dsinfer.engine.grammar_masks`), and the host reads the device once per step: the chosen tokens
-and, when asked for, their logprobs.
+and, when asked for, their logprobs. A batch of greedy rows that nothing masks or penalises skips all of that:
+its tokens are the ops seam's ``greedy_argmax`` of the raw logits (on CUDA two short Triton passes, where
+``torch.argmax`` of one vocabulary row is a single slow block).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dsinfer.engine.grammar_masks import apply_grammar_masks
 from dsinfer.engine.host_copies import HostCopies, device_index, start_read_back, to_device
 from dsinfer.engine.sampling_noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
 from dsinfer.engine.token_counts import TokenCounts, count_tokens
+from dsinfer.ops.registry import resolve
 from dsinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # importing xgrammar costs seconds; only requests with structured output need it
@@ -133,6 +136,11 @@ class Sampler:
             raise ValueError(f"logits must be [len(states)={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
             return PendingOutputs.done([])
+        if all(state.params.greedy and not reads_output_so_far(state) for state in states):
+            # Nothing changes these rows' scores: the argmax of the raw logits is the float32 copy's (exact).
+            token_ids = resolve(logits.device, logits.dtype).greedy_argmax(logits)
+            self.last_token_ids = token_ids
+            return _launch_outputs(logits, token_ids, states)
         scores = logits.to(torch.float32, copy=True)
         penalised = [row for row, state in enumerate(states) if _has_penalties(state.params)]
         if penalised:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.engine.decode_graphs import capture_graph
-from dsinfer.kv.batch import SequenceSpan, host_to_device
+from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.spec.drafting import Drafter
 from dsinfer.spec.rollback import PaddedJournal
 from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal
@@ -107,7 +107,7 @@ class SpecGraphs:
             rows += ids + [0] * (width - len(ids)) + [span.start, span.slot, span.window_from]
             rows += table + [trash] * (self.table_width - len(table))
         rows += self._padding_row() * (size - count)
-        self.inputs[:size].copy_(host_to_device(rows, torch.long, self.device).view(size, -1))
+        host_into_device(self.inputs[:size], rows)
         token_ids = self.inputs[:count, :width].reshape(-1)
         return GraphedVerify(size, spans, token_ids, own_ids, None if len(judged) == count * width else judged)
 
@@ -134,7 +134,7 @@ class SpecGraphs:
             kept = 1 + output.num_accepted
             rows += ids[1:kept] + [output.token_ids[-1]] + [0] * (width - kept) + [kept]
         rows += ([0] * width + [1]) * (run.size - count)
-        self.draft_inputs[: run.size].copy_(host_to_device(rows, torch.long, self.device).view(run.size, -1))
+        host_into_device(self.draft_inputs[: run.size], rows)
         if self.capture:
             self.graphs[run.size][1].replay()
         else:

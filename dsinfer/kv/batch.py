@@ -47,6 +47,16 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def host_into_device(target: torch.Tensor, values: list) -> torch.Tensor:
+    """Write the host list ``values`` into ``target`` (contiguous, as many elements) in one asynchronous copy,
+    as :func:`host_to_device` sends it, but into a buffer that stays (a graph's inputs); returns ``target``."""
+    host = torch.tensor(values, dtype=target.dtype)
+    if host.numel() != target.numel() or not target.is_contiguous():
+        raise ValueError(f"{host.numel()} values for a target of {target.numel()} elements, or one not contiguous")
+    host = host.view(target.shape)
+    return target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=True)
+
+
 @dataclass
 class DeviceSpans:
     """Every span of a batch as device tensors, built once per step and read by every layer."""

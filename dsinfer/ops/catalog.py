@@ -1,6 +1,7 @@
 """Imports every op's modules so their backends register (the list of ops lives here, nowhere else)."""
 
 # Each import registers the op's reference and any faster backends beside it.
+import dsinfer.ops.argmax  # noqa: F401  greedy_argmax: reference, triton (CUDA)
 import dsinfer.ops.cache_codec  # noqa: F401  cache_encode, cache_decode, cache_store: reference, triton (CUDA)
 import dsinfer.ops.coded_attention  # noqa: F401  sparse_attention_decode_coded: reference, triton (CUDA)
 import dsinfer.ops.compressor  # noqa: F401  compressor_pool; compressor_decode(_store), decode_entry_location: triton

@@ -66,7 +66,7 @@ class GraphStepAgreement:
         if agreed < self._eager_vote:
             self.graph_steps += 1
             with self.dispatcher.fixed_capacity():  # what the graphs captured; eager on the CPU
-                return graphs.run(step.input_ids, step.positions, step.spans, size=self._bucket(agreed))
+                return graphs.run(step.input_ids, step.spans, size=self._bucket(agreed))
         if not served:
             return self._runner_execute(step)  # the runner's own eager forward
         return runner.model(runner.step_batch(step), logits_for=step.sample_rows)  # a step it would have graphed
@@ -85,6 +85,6 @@ class GraphStepAgreement:
             self.padded_graph_steps += 1
             empty = torch.empty(0, dtype=torch.long, device=device)
             with self.dispatcher.fixed_capacity():
-                graphs.run(empty, empty, [], size=self._bucket(agreed))
+                graphs.run(empty, [], size=self._bucket(agreed))
             return
         run_idle_pass(self.runner.model, device)
