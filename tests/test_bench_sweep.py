@@ -49,6 +49,9 @@ def assert_consistent(record):
     assert record["min_ms_per_step"] <= record["ms_per_step"] <= record["max_ms_per_step"]
     assert record["irregular_steps"] == 0 and record["preemptions"] == 0
     assert sum(record["step_time_share"].values()) == pytest.approx(1.0)
+    collector = record["gc"]  # the collector's pauses fit inside the timed steps
+    assert len(collector["collections"]) == 3 and 0 <= collector["longest_ms"] <= collector["ms"]
+    assert collector["ms"] <= 1e3 * record["measured_s"]
 
 
 def assert_png(path):

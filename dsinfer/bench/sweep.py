@@ -84,6 +84,7 @@ n_routed_experts,
 vocab_size                  the model's shape
 dtype, device, gpu_name     compute dtype, torch device, GPU name (torch / NVML) or "cpu"
 engine                      every EngineConfig option of the point's engine
+gc                          Python's collections inside the timed steps (per generation), their ms and longest
 profile                     decode with --profile-steps N: N more steps profiled after the timed ones (kernels,
                             busy / span / idle ms, each also per step, the costliest names and largest gaps:
                             :func:`dsinfer.bench.step_profile.timeline_summary`); absent otherwise
@@ -123,10 +124,12 @@ from typing import Any
 
 import torch
 
+from dsinfer.bench.gc_pauses import GcPauses
 from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.bench.step_profile import profile_steps
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig, parse_speculative_config
 from dsinfer.engine.engine import LLMEngine, StepStats
+from dsinfer.engine.gc_heap import freeze_heap, thaw_heap
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.loader import CheckpointError
 from dsinfer.sampling_params import SamplingParams
@@ -409,14 +412,20 @@ def run_steps(engine: LLMEngine, count: int) -> None:
         _checked_step(engine)
 
 
-def timed_steps(engine: LLMEngine, measure: int) -> list[tuple[float, StepStats]]:
-    """Time ``measure`` steps one by one: (seconds, the engine's StepStats of that step)."""
+def timed_steps(engine: LLMEngine, measure: int) -> tuple[list[tuple[float, StepStats]], dict[str, Any]]:
+    """Time ``measure`` steps one by one: (seconds, the engine's StepStats of that step), and the collector's
+    pauses among them. The heap is frozen meanwhile, as ``dsinfer serve`` freezes it once its engine is up."""
+    freeze_heap()
     timed = []
-    for _ in range(measure):
-        start = time.perf_counter()
-        _checked_step(engine)
-        timed.append((time.perf_counter() - start, engine.last_step))
-    return timed
+    try:
+        with GcPauses() as pauses:
+            for _ in range(measure):
+                start = time.perf_counter()
+                _checked_step(engine)
+                timed.append((time.perf_counter() - start, engine.last_step))
+    finally:
+        thaw_heap()  # this process builds and drops an engine per point
+    return timed, pauses.summary()
 
 
 def _checked_step(engine: LLMEngine) -> None:
@@ -531,7 +540,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     executor = engine.worker.speculative
     graphed_before = executor.graphed_steps if executor is not None else 0
     window = [time.monotonic()]
-    timed = timed_steps(engine, args.measure_steps)
+    timed, collector = timed_steps(engine, args.measure_steps)
     window.append(time.monotonic())
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
@@ -565,6 +574,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
         "fill_steps": fill_steps,
         "fill_s": fill_s,
         "timed_window": window,
+        "gc": collector,
         **accounting,
         "engine": asdict(engine.config),
         **({"profile": profile} if profile is not None else {}),
@@ -593,7 +603,7 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
         engine.add_request(prompt, params)
     run_steps(engine, args.warmup_steps)
     window = [time.monotonic()]
-    timed = timed_steps(engine, measure)
+    timed, collector = timed_steps(engine, measure)
     window.append(time.monotonic())
     return {
         "point_unit": "batch tokens per step",
@@ -606,6 +616,7 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
         "position_cycle_steps": cycle,
         "covers_full_cycle": measure % cycle == 0,
         "timed_window": window,
+        "gc": collector,
         "engine": asdict(engine.config),
     }
 

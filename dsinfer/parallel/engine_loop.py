@@ -22,6 +22,7 @@ import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dummy import build_dummy_model
@@ -72,6 +73,7 @@ class EngineLoop:
         engine, vocab = self.engine, hasher.vocab_size if hasher is not None else None
         ready = RankReady(self.rank, os.getpid(), engine.max_model_len, engine.blocks.num_blocks,
                           engine.runner.block_tokens, placement, vocab)  # fmt: skip
+        freeze_heap()  # this process serves its engine until it exits: full collections skip the start-up heap
         self.conn.send(ready)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.config import EngineConfig, ModelConfigV41
+from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.llm import LLM
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
@@ -105,6 +106,7 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
 
         return run_remote_ranks(options.model, engine_config, parallel)
     app, engine = build_server(options, engine_config)
+    freeze_heap()  # the process serves until it exits: full collections skip what start-up left alive
     engine.start()
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level,
