@@ -85,6 +85,7 @@ vocab_size                  the model's shape
 dtype, device, gpu_name     compute dtype, torch device, GPU name (torch / NVML) or "cpu"
 engine                      every EngineConfig option of the point's engine
 gc                          Python's collections inside the timed steps (per generation), their ms and longest
+step_ms                     each timed step's time, in order
 profile                     decode with --profile-steps N: N more steps profiled after the timed ones (kernels,
                             busy / span / idle ms, each also per step, the costliest names and largest gaps:
                             :func:`dsinfer.bench.step_profile.timeline_summary`); absent otherwise
@@ -453,6 +454,7 @@ def step_statistics(timed: list[tuple[float, StepStats]], expected_tokens: int) 
         "max_ms_per_step": 1e3 * max(seconds),
         "p90_ms_per_step": 1e3 * p90,
         "steps": len(timed),
+        "step_ms": [round(1e3 * s, 4) for s in seconds],  # in order: where the slow steps fell
         "measured_s": measured_s,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s_per_gpu": tokens_per_step / (ms_per_step / 1e3),

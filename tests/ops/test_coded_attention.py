@@ -102,8 +102,9 @@ def decoded(inputs: dict, dtype: torch.dtype) -> dict:
 
 def check_triton_case(case: Case, device: torch.device | None = None, decode: str | None = None) -> str | None:
     """The kernel (in form ``decode``; None: the launch's default) against the fp32 reference on the same inputs:
-    2e-5 in fp32; in bf16 V4's 1.5e-2 for outputs of magnitude up to 2, relative beyond (the ring rows here reach
-    8, and bf16 rounds the output relatively)."""
+    2e-5 in fp32, in bf16 V4's 1.5e-2, each for outputs of magnitude up to 2 and relative beyond (the ring rows
+    here reach 8, the spread case 36; both dtypes round the output relatively: in fp32 the spread case's error is
+    3.8e-5 on some CPUs' interpreter, about 10 ulps at 36)."""
     import dsinfer.ops.coded_attention.triton as backend
 
     inputs = make_inputs(case)
@@ -118,7 +119,7 @@ def check_triton_case(case: Case, device: torch.device | None = None, decode: st
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
     exact = sparse_attention_decode_coded_reference(**{**inputs, "q": inputs["q"].float()})
     error = (got.float() - exact).abs().max().item()
-    limit = 2e-5 if case.dtype == torch.float32 else 1.5e-2 * max(1.0, exact.abs().max().item() / 2)
+    limit = (2e-5 if case.dtype == torch.float32 else 1.5e-2) * max(1.0, exact.abs().max().item() / 2)
     return None if error <= limit else f"{case} {decode}: max |triton - reference| = {error:.3g} > {limit}"
 
 
