@@ -106,6 +106,24 @@ def test_samples_every_visible_gpu_into_csv(tmp_path, monkeypatch):
     assert nvml.shutdowns == 1
 
 
+def test_held_takes_no_sample_inside_the_block(tmp_path, monkeypatch):
+    """Held for a block of many intervals, the sampler reads NVML only outside it (start, after it, stop)."""
+    nvml = fake_nvml(num_gpus=1)
+    reads = []
+    power = nvml.nvmlDeviceGetPowerUsage
+    nvml.nvmlDeviceGetPowerUsage = lambda h: reads.append(time.monotonic()) or power(h)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with TelemetrySampler(tmp_path / "t.csv", interval_s=0.01) as sampler:
+        with sampler.held():
+            start = time.monotonic()
+            time.sleep(0.2)
+            end = time.monotonic()
+        time.sleep(0.1)
+    assert not [t for t in reads if start <= t <= end]
+    assert len([t for t in reads if t > end]) >= 2  # sampling resumed after the block, then the stop's
+
+
 def test_cuda_visible_devices_picks_the_boards(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(num_gpus=4))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-fake-3,2")

@@ -35,7 +35,8 @@ prefill steps differ systematically by position); the median and spread are reco
 Output, written only by dp_rank 0 (``DP_RANK``, else ``RANK``; others run and print but write nothing):
 ``<out-root>/<tag>/results.jsonl`` (one JSON object per point, appended as each point finishes),
 ``pareto.png``, ``summary.json`` (command, skipped points, telemetry summary) and, on CUDA with NVML,
-``telemetry.csv`` (see :mod:`dsinfer.bench.telemetry`).
+``telemetry.csv`` (see :mod:`dsinfer.bench.telemetry`). Decode points hold the sampler over their timed steps:
+a step that meets an NVML read takes milliseconds longer, and a step is too short for a reading to describe.
 
 Fields of each results.jsonl record:
 
@@ -118,6 +119,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -157,6 +159,11 @@ class Bench:
     tokenizer: Tokenizer
     info: dict[str, Any]
     args: argparse.Namespace
+    sampler: Any = None  # the sweep's TelemetrySampler while it samples
+
+    def telemetry_held(self):
+        """Hold the GPU telemetry over decode steps: an NVML read stalls the step it meets by milliseconds."""
+        return self.sampler.held() if self.sampler is not None else nullcontext()
 
     @property
     def device(self) -> torch.device:
@@ -542,7 +549,8 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     executor = engine.worker.speculative
     graphed_before = executor.graphed_steps if executor is not None else 0
     window = [time.monotonic()]
-    timed, collector = timed_steps(engine, args.measure_steps)
+    with bench.telemetry_held():
+        timed, collector = timed_steps(engine, args.measure_steps)
     window.append(time.monotonic())
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
@@ -701,7 +709,7 @@ def run_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     if writes and args.telemetry_interval > 0:
         if bench.device.type == "cuda":
             sampler = TelemetrySampler(out_dir / "telemetry.csv", args.telemetry_interval, [bench.device.index or 0])
-            sampler.start()
+            bench.sampler = sampler if sampler.start() else None
         else:
             print("telemetry: off, the sweep runs on the CPU; no telemetry.csv written", file=sys.stderr)
     started = datetime.now(UTC).isoformat(timespec="seconds")
