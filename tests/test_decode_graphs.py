@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_harness import random_prompts, run_all
 
 from dsinfer.config import ConfigError, EngineConfig
@@ -87,3 +88,18 @@ def test_enforce_eager_and_default_sizes(model, tokenizer):
     assert default_graph_sizes(6) == (1, 2, 4, 6)
     with pytest.raises(ConfigError, match="cuda_graph_sizes"):
         EngineConfig(cuda_graph_sizes=(0, 2))
+
+
+def test_host_into_device_fills_a_kept_buffer_and_refuses_a_mismatch():
+    """A graph's input buffer is written in place (the captured graph reads that memory); a wrong count or a
+    strided target is an error, not a partial write."""
+    from dsinfer.kv.batch import host_into_device
+
+    buffer = torch.zeros(2, 3, dtype=torch.long)
+    address = buffer.data_ptr()
+    host_into_device(buffer, [1, 2, 3, 4, 5, 6])
+    assert buffer.tolist() == [[1, 2, 3], [4, 5, 6]] and buffer.data_ptr() == address
+    with pytest.raises(ValueError, match="5 values for a target of 6"):
+        host_into_device(buffer, [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="not contiguous"):
+        host_into_device(buffer[:, :2], [1, 2, 3, 4])

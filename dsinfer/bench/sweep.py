@@ -420,20 +420,26 @@ def run_steps(engine: LLMEngine, count: int) -> None:
         _checked_step(engine)
 
 
-def timed_steps(engine: LLMEngine, measure: int) -> tuple[list[tuple[float, StepStats]], dict[str, Any]]:
-    """Time ``measure`` steps one by one: (seconds, the engine's StepStats of that step), and the collector's
-    pauses among them. The heap is frozen meanwhile, as ``dsinfer serve`` freezes it once its engine is up."""
+def timed_steps(
+    engine: LLMEngine, measure: int, quiet=None
+) -> tuple[list[tuple[float, StepStats]], dict[str, Any], list[float]]:
+    """Time ``measure`` steps one by one: (seconds, the engine's StepStats of that step), the collector's pauses
+    among them, and the window they ran in (``time.monotonic()``). The heap is frozen meanwhile (frozen before
+    the window opens), as ``dsinfer serve`` freezes it once its engine is up. ``quiet``: a context held over the
+    steps (the telemetry's :meth:`~Bench.telemetry_held`)."""
     freeze_heap()
     timed = []
+    window = [time.monotonic()]
     try:
-        with GcPauses() as pauses:
+        with GcPauses() as pauses, quiet or nullcontext():
             for _ in range(measure):
                 start = time.perf_counter()
                 _checked_step(engine)
                 timed.append((time.perf_counter() - start, engine.last_step))
     finally:
         thaw_heap()  # this process builds and drops an engine per point
-    return timed, pauses.summary()
+    window.append(time.monotonic())
+    return timed, pauses.summary(), window
 
 
 def _checked_step(engine: LLMEngine) -> None:
@@ -548,10 +554,7 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
     stats_before = replace(engine.spec_stats) if engine.spec_stats is not None else None
     executor = engine.worker.speculative
     graphed_before = executor.graphed_steps if executor is not None else 0
-    window = [time.monotonic()]
-    with bench.telemetry_held():
-        timed, collector = timed_steps(engine, args.measure_steps)
-    window.append(time.monotonic())
+    timed, collector, window = timed_steps(engine, args.measure_steps, bench.telemetry_held())
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
     profile = None
@@ -612,9 +615,7 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
     for prompt in random_prompts(requests, args.context, bench.model.config.vocab_size, args.seed):
         engine.add_request(prompt, params)
     run_steps(engine, args.warmup_steps)
-    window = [time.monotonic()]
-    timed, collector = timed_steps(engine, measure)
-    window.append(time.monotonic())
+    timed, collector, window = timed_steps(engine, measure)
     return {
         "point_unit": "batch tokens per step",
         **step_statistics(timed, expected_tokens=batch_tokens),

@@ -6,9 +6,9 @@ decode step, since each step allocates small objects (lists, dicts, outputs) tha
 does after its start-up, :func:`freeze_heap` collects once and then moves every object alive into the
 permanent generation, which later collections skip: they walk only what was allocated since.
 
-Only a process whose engine lives until it exits should freeze (``dsinfer serve``, an engine process); a
-process that builds and drops engines (the benchmark sweep, one per point) thaws first with :func:`thaw_heap`,
-or the dropped engines' cycles would never be collected.
+Only a process whose engine lives until it exits should stay frozen (``dsinfer serve``, an engine process); a
+process that builds and drops engines (the benchmark sweep, one per point) thaws with :func:`thaw_heap` once
+its timed steps are done, or the dropped engines' cycles would never be collected.
 """
 
 from __future__ import annotations

@@ -40,21 +40,23 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the stream; metadata built
     every step must not make the host wait for the GPU, or the scheduler could never run ahead of it.
     """
-    host = torch.tensor(values, dtype=dtype)
     device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return _staged(values, dtype, device.type == "cuda").to(device, non_blocking=True)
+
+
+def _staged(values: list, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+    """``values`` as a host tensor, pinned when bound for a CUDA device (so its copy need not wait)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory() if cuda else host
 
 
 def host_into_device(target: torch.Tensor, values: list) -> torch.Tensor:
     """Write the host list ``values`` into ``target`` (contiguous, as many elements) in one asynchronous copy,
     as :func:`host_to_device` sends it, but into a buffer that stays (a graph's inputs); returns ``target``."""
-    host = torch.tensor(values, dtype=target.dtype)
+    host = _staged(values, target.dtype, target.is_cuda)
     if host.numel() != target.numel() or not target.is_contiguous():
         raise ValueError(f"{host.numel()} values for a target of {target.numel()} elements, or one not contiguous")
-    host = host.view(target.shape)
-    return target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=True)
+    return target.copy_(host.view(target.shape), non_blocking=True)
 
 
 @dataclass
