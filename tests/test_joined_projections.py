@@ -23,6 +23,7 @@ from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_fo
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import Compressor
 from dsinfer.layers.joined_linear import JoinedLinears
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import build_random_model, tiny_config
 
@@ -192,7 +193,22 @@ def test_decode_without_handed_projections_projects_the_entries_in_one_gemm(monk
         calls.append(self.joined_inputs(args[0], ("compressor", "index_compressor", "index_weights")).keys())
         return attend_decode(self, *args[:7])
 
+    forward = Attention.forward
+
+    def projecting_q_and_kv_itself(self, x, batch, inv_freq, layer_id):  # as speculative verification does
+        if not batch.is_decode:
+            return forward(self, x, batch, inv_freq, layer_id)
+        cos, sin = step_rope_angles(batch, inv_freq, ops=self.ops)
+        projected = self._input_projections(x)
+        q_latent = self.q_norm(projected["q_a"])
+        q = self._query_projections(q_latent)["q"].view(-1, self.n_heads, self.head_dim)
+        q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)
+        kv = rope_and_round(projected["kv"], cos, sin, self.ops, self.kv_norm)
+        out = self._attend_decode(x, q, q_latent, kv, batch, batch.cache.layers[layer_id], inv_freq)
+        return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
+
     monkeypatch.setattr(Attention, "_attend_decode", without_projections)
+    monkeypatch.setattr(Attention, "forward", projecting_q_and_kv_itself)
     _assert_close(_logits(model), expected)
     assert ["compressor", "index_compressor", "index_weights"] in [list(names) for names in calls]
     assert ["compressor"] in [list(names) for names in calls]  # HCA

@@ -31,6 +31,7 @@ from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
+from dsinfer.ops.side_stream import beside
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
 
 __all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
@@ -150,16 +151,26 @@ class Attention(nn.Module):
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = step_rope_angles(batch, inv_freq, ops=self.ops)
         projected = self._input_projections(x)
-        q_latent = self.q_norm(projected.pop("q_a"))
-        projected.update(self._query_projections(q_latent))
-        q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
-        q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)
-        # The norm and RoPE: one op; at decode the row's only use is the ring's write, which runs it with the store.
-        kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm, defer=batch.is_decode)
+        kv_row = projected.pop("kv")
 
+        def queries() -> tuple[torch.Tensor, torch.Tensor]:
+            q_latent = self.q_norm(projected.pop("q_a"))
+            projected.update(self._query_projections(q_latent))
+            q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
+            return normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops), q_latent
+
+        # The norm and RoPE: one op; at decode the row's only use is the ring's write, which runs it with the store.
+        kv = rope_and_round(kv_row, cos, sin, self.ops, self.kv_norm, defer=batch.is_decode)
         if batch.is_decode:
-            out = self._attend_decode(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
+            # The cache writes (the window row, the compressor's entry) read none of the queries' work: at decode on
+            # CUDA they run on the side stream beside the query projections (dsinfer.ops.side_stream).
+            compressed = projected.pop("compressor", None)
+            _, (q, q_latent) = beside(
+                lambda: self._write_decode_caches(x, kv, batch, layer_cache, inv_freq, compressed), queries, x
+            )
+            out = self._select_and_attend(x, q, q_latent, batch, layer_cache, inv_freq, projected)
         else:
+            q, q_latent = queries()
             out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)  # fresh tensors: rope in place
         return self._project_out(out)
@@ -187,17 +198,47 @@ class Attention(nn.Module):
         if projected is None and self.joined_inputs is not None:
             projected = self.joined_inputs(x, ("compressor", "index_compressor", "index_weights"))
         projected = projected or {}
+        self._write_decode_caches(x, kv, batch, layer_cache, inv_freq, projected.get("compressor"))
+        return self._select_and_attend(x, q, q_latent, batch, layer_cache, inv_freq, projected)
+
+    def _write_decode_caches(
+        self,
+        x: torch.Tensor,
+        kv: torch.Tensor | RowChain,
+        batch: PackedBatch,
+        layer_cache: LayerCache,
+        inv_freq: torch.Tensor,
+        compressed: torch.Tensor | None,
+    ) -> None:
+        """Decode's cache writes: each sequence's KV row into its window ring, and the compressor's pending window
+        (an entry where the token completes one). ``compressed``: the compressor's joined projection of ``x``, if
+        the caller's GEMM made it."""
         spans, positions = batch.device_spans, batch.positions
-        ring = layer_cache.window
-        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
-        ring_rows = (ring, None, spans.slots, positions, self.window, None, 0, None)  # row position % window
+        ring_rows = (layer_cache.window, None, spans.slots, positions, self.window, None, 0, None)  # row pos % window
         if isinstance(kv, RowChain):
             kv.store(*ring_rows)
         else:
+            ops = self.ops if self.ops is not None else resolve(x.device, kv.dtype)
             ops.cache_store(kv, *ring_rows)
+        if self.compressor is not None:
+            self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, compressed)
+
+    def _select_and_attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        q_latent: torch.Tensor,
+        batch: PackedBatch,
+        layer_cache: LayerCache,
+        inv_freq: torch.Tensor,
+        projected: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Decode after the cache writes: the indexer's choice (CSA), the visible entries (HCA), the attention."""
+        spans, positions = batch.device_spans, batch.positions
+        ring = layer_cache.window
+        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
         entries, indices = None, None
         if self.compressor is not None:
-            self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, projected.get("compressor"))
             entries = layer_cache.compressor.entries
             if self.indexer is not None:
                 chosen, real = self.indexer.select_decode(x, q_latent, batch, layer_cache.indexer, inv_freq, projected)

@@ -129,7 +129,7 @@ class Compressor(nn.Module):
 
         ``projected``: ``x`` through ``joined_projection`` (values then gates) already, from the caller's GEMM."""
         if projected is not None:
-            values, gates = projected.split(self.wkv.weight.shape[0], dim=-1)
+            values, gates = projected.split(self.wkv.out_features, dim=-1)
             if self.ape is not None:
                 gates = gates + self.ape[positions % self.ratio].to(values.dtype)
             return values, gates
@@ -255,7 +255,7 @@ class Compressor(nn.Module):
             joined = self.joined_projection
             projected = F.linear(x.float(), self._joined_in_fp32()) if self.pool_in_fp32 else F.linear(x, joined)
         if projected is not None:
-            values, gates = projected.split(self.wkv.weight.shape[0], dim=1)  # views: the op reads their row stride
+            values, gates = projected.split(self.wkv.out_features, dim=1)  # views: the op reads their row stride
         elif self.pool_in_fp32:
             values, gates = self.project(x, positions)
         else:

@@ -52,6 +52,7 @@ from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
+from dsinfer.ops.side_stream import beside
 
 select_candidate_blocks = candidate_block_mask_reference
 """Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks (the op's
@@ -321,17 +322,28 @@ class AttentionV41(Attention):
         cos, sin = angles if angles is not None else rope_angles(positions, inv_freq)
         every = projected is not None
         projected = {} if projected is None else projected
+        q_a, kv = self._input_rows(x, cos, sin, positions, quantizer, projected, every, defer_kv)
+        q_latent, q = self._queries(q_a, cos, sin, projected, every)
+        return cos, sin, q_latent, q, kv
+
+    def _input_rows(self, x, cos, sin, positions, quantizer, projected: dict, every: bool, defer_kv: bool):
+        """The low-rank query ``q_a`` and the rounded window K=V (see :meth:`_queries_and_kv`); ``projected`` gets
+        the input stack's projections (``every``: all of them, else only ``q_a``'s and ``kv``'s)."""
         projected.update(_joined(self.joined_inputs, x, None if every else ("q_a", "kv")))
         q_a = projected["q_a"] if "q_a" in projected else self.wq_a(x)
         kv = projected["kv"] if "kv" in projected else self.wkv(x)
-        q_latent = self.q_norm(q_a)
-        projected.update(_joined(self.joined_queries, q_latent, None if every else ("q",)))
-        q = projected["q"] if "q" in projected else self.wq_b(q_latent)
-        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
         kv = rope_and_round(
             kv, cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", self.layer_id, positions, defer_kv
         )
-        return cos, sin, q_latent, q, kv
+        return q_a, kv
+
+    def _queries(self, q_a, cos, sin, projected: dict, every: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised low-rank query and the RoPE'd queries [T, H, D]; ``projected`` gets the query stack's
+        projections (``every``: the scorer's too)."""
+        q_latent = self.q_norm(q_a)
+        projected.update(_joined(self.joined_queries, q_latent, None if every else ("q",)))
+        q = projected["q"] if "q" in projected else self.wq_b(q_latent)
+        return q_latent, apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
 
     def _forward_decode(
         self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
@@ -340,12 +352,17 @@ class AttentionV41(Attention):
 
         The RoPE angles (of the positions, and of each compressor group's first position) are the forward's,
         computed by the first layer that asks (``step_rope_angles``)."""
-        angles, projected = step_rope_angles(batch, inv_freq, ops=self.ops), {}
+        (cos, sin), projected = step_rope_angles(batch, inv_freq, ops=self.ops), {}
         # The window row's only use is the ring's write: its chain runs there, with the store.
-        cos, sin, q_latent, q, kv = self._queries_and_kv(
-            x, batch.positions, inv_freq, quantizer, angles, projected, defer_kv=True
+        q_a, kv = self._input_rows(x, cos, sin, batch.positions, quantizer, projected, True, True)
+        # The cache writes (the window row, a source's entries and index keys) read none of the queries' work: at
+        # decode on CUDA they run on the side stream beside the query projections (dsinfer.ops.side_stream).
+        _, (q_latent, q) = beside(
+            lambda: self._write_decode_caches(x, kv, batch, inv_freq, state, quantizer, projected),
+            lambda: self._queries(q_a, cos, sin, projected, True),
+            x,
         )
-        out = self.attend_decode(x, q, q_latent, kv, batch, inv_freq, state, quantizer, projected)
+        out = self._choose_and_attend(x, q, q_latent, batch, inv_freq, state, quantizer, projected)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
     def attend_decode(
@@ -371,14 +388,25 @@ class AttentionV41(Attention):
         projections missing from it are computed by their modules.
         """
         projected = projected or {}
+        self._write_decode_caches(x, kv, batch, inv_freq, state, quantizer, projected)
+        return self._choose_and_attend(x, q, q_latent, batch, inv_freq, state, quantizer, projected)
+
+    def _write_decode_caches(self, x, kv, batch: PackedBatch, inv_freq, state: dict, quantizer, projected: dict):
+        """Decode's cache writes: the window row to the ring; a KV source's entries and index keys (published in
+        ``state`` for the later layers)."""
+        cache: KVCacheV41 = batch.cache
+        cache.write_window(self.layer_id, batch.device_spans.slots, batch.positions, kv)
+        if self.compress_ratio and self.compressor is not None:
+            self._write_decode_entries(x, batch, cache, inv_freq, quantizer, projected.get("compressor"))
+            state["entries_layer"] = self.layer_id
+
+    def _choose_and_attend(self, x, q, q_latent, batch: PackedBatch, inv_freq, state: dict, quantizer, projected):
+        """Decode after the cache writes: an index source's choice (published in ``state``), then the attention
+        over the ring and the chosen entries of the layer whose entries this one reads."""
         cache: KVCacheV41 = batch.cache
         spans = batch.device_spans
-        cache.write_window(self.layer_id, spans.slots, batch.positions, kv)
         indices, entries_layer = None, None
         if self.compress_ratio:
-            if self.compressor is not None:
-                self._write_decode_entries(x, batch, cache, inv_freq, quantizer, projected.get("compressor"))
-                state["entries_layer"] = self.layer_id
             if self.indexer is not None:
                 paged_keys = (*cache.index_key_pool(state["entries_layer"]), spans.block_tables)
                 angles = step_rope_angles(batch, inv_freq, ops=self.ops)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,7 @@ from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.router import moe_route_reference
 from dsinfer.ops.router_logits import bf16_parts, router_logits_reference
+from dsinfer.ops.side_stream import beside
 from dsinfer.ops.swiglu import clamped_swiglu_reference
 
 
@@ -138,8 +141,7 @@ class MoE(nn.Module):
         self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.gate(x, input_ids)
-        return self._dispatch(x, experts, weights)
+        return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, input_ids)))
 
     # ---- the routed experts' two forms --------------------------------------------------------------
     def pack(self, weights: ExpertWeights, num_local: int | None = None) -> None:
@@ -175,17 +177,26 @@ class MoE(nn.Module):
     def use_ops(self, ops: OpTable) -> None:
         self.ops = ops
 
+    def _with_shared(self, x: torch.Tensor, routed: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``routed()`` (the router and routed experts) plus the shared expert of ``x``. The shared expert reads
+        nothing the routed part writes: at decode on CUDA it runs on the side stream beside the router and the
+        routed experts (:func:`~dsinfer.ops.side_stream.beside`). Not under expert parallelism, whose routed part
+        exchanges tokens between ranks."""
+        if self.shared_experts is None:
+            return routed()
+        if self.expert_parallel is not None:
+            return routed() + self.shared_experts(x)
+        shared, out = beside(lambda: self.shared_experts(x), routed, x)
+        return out + shared
+
     def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Run each picked expert on its tokens, mix by ``weights``, add the shared expert."""
+        """Run each picked expert on its tokens and mix by ``weights`` (the routed part; the caller adds the
+        shared expert)."""
         if self.ops is None:  # a model built in memory: choose once, on first use
             self.ops = resolve(x.device, x.dtype)
         if self.expert_parallel is not None:
-            routed = self.expert_parallel(self, x, experts, weights)
-        else:
-            routed = self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+            return self.expert_parallel(self, x, experts, weights)
+        return self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
 
 
 class MoEV41(MoE):
@@ -198,5 +209,4 @@ class MoEV41(MoE):
         self._build_experts(config, n_experts)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        experts, weights = self.gate(x, image_mask=image_mask)
-        return self._dispatch(x, experts, weights)
+        return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, image_mask=image_mask)))

@@ -102,7 +102,7 @@ def check(device: str) -> list[str]:
     # Every split launch set its tiles' counts back to zero for the next launch.
     from dsinfer.ops.split_arrivals import ARRIVAL_COUNTS
 
-    counts = next((c for d, c in ARRIVAL_COUNTS.items() if d.type == torch.device(device).type), None)
+    counts = next((c for (d, _), c in ARRIVAL_COUNTS.items() if d.type == torch.device(device).type), None)
     if counts is None or int(counts.abs().sum()) != 0:
         failures.append(f"split launches left counts {None if counts is None else int(counts.abs().sum())}")
     # Lead dimensions and a strided input (a column slice) keep the reference's shape.

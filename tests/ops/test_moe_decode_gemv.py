@@ -136,7 +136,7 @@ def check(device: str, cases=CASES) -> list[str]:
         failures += bound_failures(f"bad expert id, {splits} splits", got, want, want, torch.float32)
     from dsinfer.ops.split_arrivals import ARRIVAL_COUNTS
 
-    counts = next((c for d, c in ARRIVAL_COUNTS.items() if d.type == torch.device(device).type), None)
+    counts = next((c for (d, _), c in ARRIVAL_COUNTS.items() if d.type == torch.device(device).type), None)
     if counts is None or int(counts.abs().sum()):  # every split launch sets its tiles' counts back to zero
         failures.append(f"split counts after the launches: {None if counts is None else counts.nonzero()}")
     return failures
