@@ -55,3 +55,21 @@ def tiny_v4_tokenizer(tiny_checkpoint):
     from dsinfer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_checkpoint)
+
+
+@pytest.fixture
+def swapped_beside():
+    """A factory of stand-ins for ``dsinfer.ops.side_stream.beside`` that run the main chain first and the side
+    chain after it, each recording the step's token count in the list it is given. Where the two chains are
+    independent (what running them on two streams needs) results stay bit-identical; a side chain that read the
+    main chain's outputs, or wrote what the main chain reads, would change them."""
+
+    def make(calls: list[int]):
+        def run(side_work, main_work, x):
+            calls.append(x.shape[0])
+            main = main_work()
+            return side_work(), main
+
+        return run
+
+    return make

@@ -160,3 +160,21 @@ def test_fp32_pooling_keeps_an_fp32_copy_of_its_stack_that_follows_the_weights(m
         compressor.wgate.weight.mul_(2)
     updated = compressor._joined_in_fp32()
     assert updated is not fp32 and torch.equal(updated, compressor.joined_projection.float())
+
+
+def test_the_overlapped_chains_are_independent(model, monkeypatch, swapped_beside):
+    """V4.1's two-stream chains at decode (a layer's cache writes beside its queries, the shared expert beside the
+    routed part) give bit-identical logits with the main chain run first; every decode layer runs them through
+    ``beside``."""
+    import dsinfer.layers.csa2 as csa2
+    import dsinfer.layers.moe as moe
+
+    calls: dict[str, list[int]] = {"attention": [], "moe": []}
+    expected = _logits(model)
+    monkeypatch.setattr(csa2, "beside", swapped_beside(calls["attention"]))
+    monkeypatch.setattr(moe, "beside", swapped_beside(calls["moe"]))
+    got = _logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    steps = 5
+    assert calls["attention"] == [2] * (len(model.layers) * steps)
+    assert len(calls["moe"]) >= len(model.layers) * (steps + 1)  # the prefill's layers, then each decode step's
