@@ -15,11 +15,9 @@ everything before the one ahead (that one ended after its own wait), so the orde
 before the wait may read only what no kernel of the step writes: the weights. CUDA graphs keep the dependency
 (a programmatic edge). It is on by default on sm_90+; ``DSINFER_PDL=0`` turns it off.
 
-The kernels that launch as dependents are the FP8 kernels (the one-token GEMV and the few-token ``tl.dot``
-kernel), which prefetch their weights into L2 (:mod:`dsinfer.ops.l2_prefetch`) before their wait, and the short
-kernels that often sit between two of them, so that a chain of dependents reaches back over them: the RMS norms,
-RoPE and the decode attention's combine. Those, the decode attention's split kernel, the mHC site kernel, the RoPE
-angles, SwiGLU and the routed experts' GEMVs let dependents launch. On the H200 the V4 slice with its FP8 linears kept decoded one request in 1.065 ms
+The kernels that launch as dependents are the FP8 GEMV (``fp8_linear`` at one token), whose first step's weight
+loads run before its wait. The norms, RoPE, the RoPE angles, SwiGLU, the routed experts' GEMVs and the FP8 GEMV
+let dependents launch. On the H200 the V4 slice with its FP8 linears kept decoded one request in 1.065 ms
 against 1.082 without (docs/perf-fast-path-pass10.md); every graph stayed bit-identical to its eager step."""
 
 from __future__ import annotations

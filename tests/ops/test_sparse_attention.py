@@ -426,7 +426,7 @@ def test_triton_kernels_compile_for_hopper():
         config = backend.choose_config(64, dtype, 512, batch)
         constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512, BLOCK_D=512,
                          BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
-                         PRECISION=precision, PDL=True)  # fmt: skip
+                         PRECISION=precision)  # fmt: skip
         kernel = backend._decode_split_kernel
         source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -437,7 +437,7 @@ def test_triton_kernels_compile_for_hopper():
     kernel = backend._decode_combine_kernel
     for batch in (1, 32, 256):  # the blocks choose_combine picks for 64 heads x 512
         launch = backend.choose_combine(batch, 64, 512)
-        constants = dict(HEAD_DIM=512, BLOCK_D=launch.block_d, BLOCK_H=launch.block_h, SPLITS=20, PDL=True)
+        constants = dict(HEAD_DIM=512, BLOCK_D=launch.block_d, BLOCK_H=launch.block_h, SPLITS=20)
         source = ASTSource(kernel, _signature(kernel, "bf16"), constexprs=constants)
         compiled = triton.compile(source, target=target, options=dict(num_warps=4))
         assert compiled.asm["cubin"] and _register_spills(compiled.asm["cubin"]) in (0, None), launch

@@ -29,7 +29,6 @@ import torch
 
 from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
-from dsinfer.ops.l2_prefetch import l2_prefetch, rows_prefetchable
 
 try:
     import triton
@@ -37,7 +36,6 @@ try:
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
     from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
-    from dsinfer.ops.l2_prefetch import prefetch_rows
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -155,8 +153,6 @@ if triton is not None:
         HARDWARE_FP8: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent: the first step's weight loads come before the wait
-        PREFETCH: tl.constexpr,  # the program's codes prefetched into L2 before the wait
-        CHUNKS: tl.constexpr,  # prefetch ranges a row
     ):
         allow_dependents(PDL)
         pid_n = tl.program_id(0)
@@ -171,7 +167,6 @@ if triton is not None:
         k_stop = tl.minimum(K, k_start + k_per_split)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         cols = k_start + tl.arange(0, BLOCK_K)
-        prefetch_rows(codes_ptr + rows.to(tl.int64) * K + k_start, k_stop - k_start, CHUNKS, PREFETCH)
         byte, s = _weight_loads(code_rows, scale_row, cols, k_stop, SCALE_COLS)
         wait_for_prerequisite(PDL)
         xv = tl.load(x_row + cols, mask=cols < k_stop, other=0.0)
@@ -214,12 +209,11 @@ def fp8_gemv(
     splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (rows,))
     scale_codes, scale_bytes = scale_operand(scale)
     dependent = launch_options(x.device)  # read once: the constexpr and the launch must agree
-    prefetch = l2_prefetch(x.device) and rows_prefetchable(codes)
     _fp8_gemv_kernel[(tiles, splits)](
         flat, codes.view(torch.uint8), scale_codes, out, partial, arrived, rows,
         inputs, rows // groups, scale.shape[1], splits, k_per_split, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1], SCALE_BYTES=scale_bytes,
-        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=bool(dependent), PREFETCH=prefetch,
-        CHUNKS=max(1, 32 * config.warps // config.block_n), num_warps=config.warps, num_stages=1, **dependent,
+        HARDWARE_FP8=hardware_fp8(x.device), SPLIT_K=splits > 1, PDL=bool(dependent),
+        num_warps=config.warps, num_stages=1, **dependent,
     )  # fmt: skip
     return out.reshape(*lead, rows)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
 from dsinfer.ops.fp8_linear.launch import (
     choose_splits,
@@ -32,7 +31,6 @@ from dsinfer.ops.fp8_linear.launch import (
 )
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
-from dsinfer.ops.l2_prefetch import l2_prefetch, rows_prefetchable
 from dsinfer.ops.registry import register
 
 try:
@@ -40,8 +38,6 @@ try:
     import triton.language as tl
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-    from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
-    from dsinfer.ops.l2_prefetch import prefetch_rows
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -141,11 +137,7 @@ if triton is not None:
         HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
         IEEE: tl.constexpr,  # float32 inputs: a full-precision dot, not TF32
         SPLIT_K: tl.constexpr,  # more than one split: the last split of a tile to finish adds them up
-        PDL: tl.constexpr,  # a programmatic dependent: the weight prefetch comes before the wait
-        PREFETCH: tl.constexpr,  # the program's codes prefetched into L2 before the first step
-        CHUNKS: tl.constexpr,  # prefetch ranges a row
     ):
-        allow_dependents(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -160,11 +152,7 @@ if triton is not None:
         scale_rows = scale_ptr + (rows // SCALE_ROWS) * scale_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * k_per_split
-        k_stop = tl.minimum(K, k_start + k_per_split)
-        first = codes_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K + k_start
-        prefetch_rows(first, k_stop - k_start, CHUNKS, PREFETCH)
-        wait_for_prerequisite(PDL)
-        for k0 in range(k_start, k_stop, BLOCK_K):
+        for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             a = tl.load(x_rows + cols[None, :], mask=token_ok[:, None] & col_ok[None, :], other=0.0)
@@ -255,16 +243,12 @@ def fp8_linear_kernel(
     splits, k_per_split, arrived, partial = plan_splits(x.device, tiles, inputs, config.block_k, wanted, (tokens, rows))
     scale_codes, scale_bytes = scale_operand(scale)
     grid = (triton.cdiv(rows, config.block_n), triton.cdiv(tokens, block_m), splits)
-    dependent = launch_options(x.device)  # read once: the constexpr and the launch must agree
-    prefetch = l2_prefetch(x.device) and rows_prefetchable(codes)
     _fp8_linear_kernel[grid](
         flat, codes.view(torch.uint8), scale_codes, out, partial, arrived,
         tokens, rows, inputs, rows_per_group, flat.stride(0), out.stride(0), scale.shape[1], splits, k_per_split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=block[0], SCALE_COLS=block[1],
         SCALE_BYTES=scale_bytes, HARDWARE_FP8=hardware_fp8(x.device), IEEE=dtype == torch.float32,
-        SPLIT_K=splits > 1, PDL=bool(dependent), PREFETCH=prefetch and grid[1] == 1,
-        CHUNKS=max(1, 32 * config.warps // config.block_n), num_warps=config.warps, num_stages=config.stages,
-        **dependent,
+        SPLIT_K=splits > 1, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out.reshape(*lead, rows)
 

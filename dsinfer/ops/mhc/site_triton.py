@@ -37,7 +37,6 @@ import math
 
 import torch
 
-from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, plan_for
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
@@ -52,7 +51,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 if triton is not None:
-    from dsinfer.ops.dependent_launch import allow_dependents
     from dsinfer.ops.mhc.weights_triton import _post_comb_weights, _pre_weight
 
 # One warp per program, as hc_weights' kernel runs (its n x n reductions and Sinkhorn rounds stay in the warp).
@@ -107,9 +105,7 @@ if triton is not None:
         CARRIED: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr,  # lets the next kernel (a programmatic dependent, the norm) launch early
     ):
-        allow_dependents(PDL)
         token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # T * n * D may pass 2**31
         ok = token < tokens
         split = tl.arange(0, SPLIT_P2)
@@ -215,6 +211,6 @@ def hc_site_input_triton(
         dots, squares, base.float().contiguous(), scale.float().contiguous(), flat, carried, collapsed, pre, post,
         comb, tokens, n * width, width, float(norm_eps), float(hc_eps), N=n, ITERATIONS=iterations, SPLIT=split,
         SPLIT_P2=triton.next_power_of_2(split), BLOCK_M=dots.shape[-1], CARRIED=carried_mix is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, PDL=dependent_launch(device), enable_fp_fusion=False, num_warps=NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, num_warps=NUM_WARPS,
     )  # fmt: skip
     return collapsed.view(*lead, width), pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)

@@ -55,7 +55,6 @@ import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.inline_ptx import inline_ptx_available
-from dsinfer.ops.l2_prefetch import l2_prefetch, rows_prefetchable
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.split_arrivals import arrival_counts
@@ -65,7 +64,6 @@ try:  # Triton is optional: CPU-only installs use the reference.
     import triton.language as tl
 
     from dsinfer.ops.dependent_launch import allow_dependents
-    from dsinfer.ops.l2_prefetch import prefetch_range
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -284,9 +282,6 @@ if triton is not None:
         EVEN: tl.constexpr,
         PDL: tl.constexpr,
         PTX: tl.constexpr,  # inline PTX reads the decoded float16 pairs (compiled for NVIDIA, not interpreted)
-        PREFETCH: tl.constexpr,  # the tile's gate and up rows (codes, scales) prefetched into L2 at the start
-        THREADS: tl.constexpr,  # the program's threads: one prefetch range each
-        SCALES: tl.constexpr,  # the scale rows prefetched too (rows of whole 16-byte units)
     ):
         """``h[slot, n] = silu(min(x w1^T, limit)) * clamp(x w3^T, -limit, limit)`` for one slot and column tile.
 
@@ -310,15 +305,6 @@ if triton is not None:
         up_words = gate_words + inter * w_row_stride
         gate_scales = s_ptr + expert * s_expert_stride + columns.to(tl.int64) * s_row_stride
         up_scales = gate_scales + inter * s_row_stride
-        if PREFETCH:  # the tile's rows are contiguous: one range each for the gate and up codes and scales
-            tile_rows = tl.where(expert_ok, tl.minimum(BLOCK_N, inter - n_tile * BLOCK_N), 0)
-            first_row = (n_tile * BLOCK_N).to(tl.int64)
-            for half in tl.static_range(2):
-                row = first_row + half * inter
-                codes_at = w_ptr + expert * w_expert_stride + row * w_row_stride
-                scales_at = s_ptr + expert * s_expert_stride + row * s_row_stride
-                prefetch_range(codes_at, tile_rows * w_row_stride, THREADS, True)
-                prefetch_range(scales_at, tile_rows * s_row_stride, THREADS, SCALES)
         gate = tl.zeros((BLOCK_N, GROUPS), tl.float32)
         up = tl.zeros((BLOCK_N, GROUPS), tl.float32)
         gate_next, gate_exp_next = _load_tile(gate_words, gate_scales, row_ok, 0, hidden, GROUPS, EVEN)
@@ -392,9 +378,6 @@ if triton is not None:
         SPLIT: tl.constexpr,
         PDL: tl.constexpr,
         PTX: tl.constexpr,  # inline PTX reads the decoded float16 pairs (compiled for NVIDIA, not interpreted)
-        PREFETCH: tl.constexpr,  # each of the program's slots' row tiles (codes, scales) prefetched at the start
-        THREADS: tl.constexpr,  # the program's threads: one prefetch range each
-        SCALES: tl.constexpr,  # the scale rows prefetched too (rows of whole 16-byte units)
     ):
         """``out[token, n] = sum over the token's slots of route_weight * (h[slot] w2^T)[n]``.
 
@@ -420,17 +403,6 @@ if triton is not None:
         common = (h_ptr, w_ptr, s_ptr, ids_ptr, route_weight_ptr, token)
         sizes = (top_k, stop, hidden, inter, num_experts, columns)
         acc = tl.zeros((BLOCK_N, GROUPS), tl.float32)
-        if PREFETCH:  # a slot's row tile is contiguous: one range for its codes, one for its scales
-            tile_rows = tl.minimum(BLOCK_N, hidden - n_tile * BLOCK_N)
-            first_row = (n_tile * BLOCK_N).to(tl.int64)
-            for ahead in range(choice, stop):
-                expert = tl.load(ids_ptr + token * top_k + ahead)
-                rows = tl.where((expert >= 0) & (expert < num_experts), tile_rows, 0)
-                expert = tl.where(rows > 0, expert, 0)
-                codes_at = w_ptr + expert * w_expert_stride + first_row * w_row_stride
-                scales_at = s_ptr + expert * s_expert_stride + first_row * s_row_stride
-                prefetch_range(codes_at, rows * w_row_stride, THREADS, True)
-                prefetch_range(scales_at, rows * s_row_stride, THREADS, SCALES)
         q0 = 0
         loads = _down_step(*common, choice, q0, *sizes, *strides, GROUPS, EVEN)
         for _ in range(0, slots_per_split * tl.cdiv(inter, BLOCK_K)):  # the same count in every program
@@ -493,16 +465,13 @@ def routed_moe_decode_gemv(
     w2 = weights.w2.view(torch.int32)  # [E, H, I/8]
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    codes, scales = (w13, w2), (weights.w13_scale, weights.w2_scale)
-    prefetch = l2_prefetch(x.device) and all(rows_prefetchable(t) for t in codes)
-    prefetch_scales = prefetch and all(rows_prefetchable(t) for t in scales)
     block_n, block_k, num_warps, num_stages = config.gate_up
     _gate_up_gemv_kernel[(triton.cdiv(inter, block_n), tokens * top_k)](
         x, w13, weights.w13_scale, ids, h, top_k, hidden, inter, weights.num_experts, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), weights.w13_scale.stride(0), weights.w13_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=inter % block_n == 0 and hidden % block_k == 0,
-        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device), PREFETCH=prefetch,
-        SCALES=prefetch_scales, THREADS=32 * num_warps, num_warps=num_warps, num_stages=num_stages,
+        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     block_n, block_k, num_warps, num_stages = config.down
     tiles = triton.cdiv(hidden, block_n)
@@ -511,8 +480,8 @@ def routed_moe_decode_gemv(
         h, w2, weights.w2_scale, ids, route_weight, out, partial, arrived, top_k, slots_per_split, hidden, inter,
         weights.num_experts, w2.stride(0), w2.stride(1), weights.w2_scale.stride(0), weights.w2_scale.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=hidden % block_n == 0 and inter % block_k == 0, SPLIT=splits > 1,
-        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device), PREFETCH=prefetch,
-        SCALES=prefetch_scales, THREADS=32 * num_warps, num_warps=num_warps, num_stages=num_stages,
+        PDL=dependent_launch(x.device), PTX=inline_ptx_available(x.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from dsinfer.ops.dependent_launch import launch_options
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rms_normalize_reference
 from dsinfer.ops.registry import register
 
@@ -23,7 +23,7 @@ try:
     import triton
     import triton.language as tl
 
-    from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -53,7 +53,6 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         allow_dependents(PDL)
-        wait_for_prerequisite(PDL)
         x, mask, offsets = _program_rows(src, rows, width, inner, stride_outer, stride_inner, ROWS, BLOCK)
         x = x.to(tl.float32)
         scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
@@ -68,7 +67,6 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         allow_dependents(PDL)
-        wait_for_prerequisite(PDL)
         x, mask, offsets = _program_rows(src, rows, width, inner, stride_outer, stride_inner, ROWS, BLOCK)
         x32 = x.to(tl.float32)
         # The reference rounds the scale to the rows' dtype and multiplies in it (one rounding of the product).
@@ -104,10 +102,9 @@ def _normalize_rows(kernel, x: torch.Tensor, eps: float, *weight: torch.Tensor) 
     rows = out.numel() // width
     if rows:
         block, per_program, warps = norm_launch_shape(width)
-        dependent = launch_options(x.device)  # read once: the constexpr and the launch must agree
         kernel[(triton.cdiv(rows, per_program),)](
             rows3, *weight, out, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1), eps,
-            PDL=bool(dependent), ROWS=per_program, BLOCK=block, num_warps=warps, **dependent,
+            PDL=dependent_launch(x.device), ROWS=per_program, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return out
 

@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from dsinfer.ops.dependent_launch import launch_options
+from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
@@ -42,7 +42,7 @@ try:
     import triton
     import triton.language as tl
 
-    from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
+    from dsinfer.ops.dependent_launch import allow_dependents
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -85,7 +85,6 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         allow_dependents(PDL)
-        wait_for_prerequisite(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = head < heads
@@ -159,7 +158,6 @@ def rope_launch(
     block_nope = 0 if in_place or nope == 0 else triton.cdiv(nope, chunk) * chunk  # in place: the nope stays
     block_h, block_rope, warps = launch_shape(tokens, heads, half)
     grid = (tokens, triton.cdiv(heads, block_h))
-    dependent = launch_options(x.device)  # read once: the constexpr and the launch must agree
     _rope_kernel[grid](
         x3,
         cos,
@@ -177,10 +175,9 @@ def rope_launch(
         CHUNK=chunk,
         BLOCK_ROPE=block_rope,
         INVERSE=bool(inverse),
-        PDL=bool(dependent),
+        PDL=dependent_launch(x.device),
         num_warps=warps,
         enable_fp_fusion=False,  # no fused multiply-add: the reference's roundings, bit for bit
-        **dependent,
     )
     return out
 

@@ -32,15 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.ops.dependent_launch import dependent_launch, launch_options
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
 
 try:
     import triton
     import triton.language as tl
-
-    from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -144,9 +141,7 @@ if triton is not None:
         SPLITS: tl.constexpr,
         HAS_ENTRIES: tl.constexpr,
         PRECISION: tl.constexpr,
-        PDL: tl.constexpr,  # lets the combine (a programmatic dependent) launch early
     ):
-        allow_dependents(PDL)
         # Key tiles: WINDOW_TILES of window rows (the last one padded with masked rows), then the entries'.
         seq = tl.program_id(0)
         group = tl.program_id(1)
@@ -231,10 +226,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_H: tl.constexpr,
         SPLITS: tl.constexpr,
-        PDL: tl.constexpr,  # a programmatic dependent: waits for the splits before reading their partials
     ):
-        allow_dependents(PDL)
-        wait_for_prerequisite(PDL)
         # One program: BLOCK_H heads x BLOCK_D channels of one sequence. Every channel block of a head repeats
         # the head's (max, sum) merge, the same operations in the same order, so the weights and the result of
         # each channel do not depend on how the channels are blocked.
@@ -341,7 +333,6 @@ def combine_splits(
     :func:`choose_combine`); every launch gives the same bits (``sink`` [H], contiguous)."""
     batch, splits, n_heads, head_dim = part_out.shape
     launch = launch or choose_combine(batch, n_heads, head_dim)
-    dependent = launch_options(out.device)  # read once: the constexpr and the launch must agree
     _decode_combine_kernel[launch.grid](
         part_out,
         part_max,
@@ -355,9 +346,7 @@ def combine_splits(
         BLOCK_D=launch.block_d,
         BLOCK_H=launch.block_h,
         SPLITS=splits,
-        PDL=bool(dependent),
         num_warps=4,
-        **dependent,
     )
 
 
@@ -462,7 +451,6 @@ def sparse_attention_decode_launch(
         SPLITS=splits,
         HAS_ENTRIES=has_entries,
         PRECISION=precision,
-        PDL=dependent_launch(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
