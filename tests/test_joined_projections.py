@@ -215,19 +215,23 @@ def test_decode_without_handed_projections_projects_the_entries_in_one_gemm(monk
 
 
 def test_the_overlapped_chains_are_independent(monkeypatch, swapped_beside):
-    """Decode's two-stream chains (the shared expert beside the routed part, the cache writes beside the queries)
-    give bit-identical logits run in either order, and every decode layer runs both through ``beside``."""
+    """Decode's two-stream chains (the shared expert beside the routed part, the cache writes beside the queries,
+    each mHC site's weights beside its block) give bit-identical logits run in either order, and every decode
+    layer runs them through ``beside``."""
     import dsinfer.layers.attention as attention
     import dsinfer.layers.moe as moe
+    import dsinfer.models.block as block
 
     model = build_random_model(replace(tiny_config(), num_nextn_predict_layers=0), torch.float32, "cpu", seed=6)
     model.join_projections()
     expected = _logits(model)
-    calls: dict[str, list[int]] = {"attention": [], "moe": []}
+    calls: dict[str, list[int]] = {"attention": [], "moe": [], "sites": []}
     monkeypatch.setattr(attention, "beside", swapped_beside(calls["attention"]))
     monkeypatch.setattr(moe, "beside", swapped_beside(calls["moe"]))
+    monkeypatch.setattr(block, "beside", swapped_beside(calls["sites"]))
     got = _logits(model)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     layers, steps = len(model.layers), 6
     assert calls["attention"] == [2] * (layers * steps)  # decode steps only: two sequences a step
     assert calls["moe"] == [sum(PROMPTS)] * layers + [2] * (layers * steps)
+    assert calls["sites"] == [sum(PROMPTS)] * (2 * layers) + [2] * (2 * layers * steps)  # two sites a layer

@@ -164,17 +164,20 @@ def test_fp32_pooling_keeps_an_fp32_copy_of_its_stack_that_follows_the_weights(m
 
 def test_the_overlapped_chains_are_independent(model, monkeypatch, swapped_beside):
     """V4.1's two-stream chains at decode (a layer's cache writes beside its queries, the shared expert beside the
-    routed part) give bit-identical logits with the main chain run first; every decode layer runs them through
-    ``beside``."""
+    routed part, each mHC site's weights beside its block, whose collapse reads the previous site's) give
+    bit-identical logits with the main chain run first; every decode layer runs them through ``beside``."""
     import dsinfer.layers.csa2 as csa2
     import dsinfer.layers.moe as moe
+    import dsinfer.models.block as block
 
-    calls: dict[str, list[int]] = {"attention": [], "moe": []}
+    calls: dict[str, list[int]] = {"attention": [], "moe": [], "sites": []}
     expected = _logits(model)
     monkeypatch.setattr(csa2, "beside", swapped_beside(calls["attention"]))
     monkeypatch.setattr(moe, "beside", swapped_beside(calls["moe"]))
+    monkeypatch.setattr(block, "beside", swapped_beside(calls["sites"]))
     got = _logits(model)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     steps = 5
     assert calls["attention"] == [2] * (len(model.layers) * steps)
     assert len(calls["moe"]) >= len(model.layers) * (steps + 1)  # the prefill's layers, then each decode step's
+    assert calls["sites"][-2 * len(model.layers) * steps :] == [2] * (2 * len(model.layers) * steps)

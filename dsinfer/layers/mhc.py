@@ -17,6 +17,7 @@ from dsinfer.ops.mhc import (
     hc_site_input_reference,
     hc_weights_reference,
 )
+from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.registry import OpTable
 
 
@@ -50,13 +51,14 @@ def site_input(
     norm_eps: float,
     carried_mix: torch.Tensor | None = None,
     ops: OpTable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One site's block input [T, D] and its ``pre``, ``post`` and ``comb`` from its input streams [T, n, D]:
-    :func:`hyper_connection_weights`, then :func:`collapse_streams` with ``pre``, or with ``carried_mix`` where
+) -> SiteParts:
+    """One site's block input [T, D] and its ``pre``, ``post`` and ``comb`` from its input streams [T, n, D], as
+    two halves (:class:`~dsinfer.ops.mhc.site_parts.SiteParts`: ``collapse()``, ``weights()``, or ``all()``):
+    :func:`hyper_connection_weights`, and :func:`collapse_streams` with ``pre``, or with ``carried_mix`` where
     given (V4.1 collapses with the previous site's ``pre``).
 
-    ``ops`` is the model's op table (its ``hc_site_input`` backend: at decode on CUDA two launches for the four
-    kernels of the separate ops); without one the torch reference runs, the same functions composed."""
+    ``ops`` is the model's op table (its ``hc_site_input`` backend: at decode on CUDA the mixes, then one launch
+    for each half); without one the torch reference runs, the same functions composed."""
     run = ops.hc_site_input if ops is not None else hc_site_input_reference
     return run(streams, fn, base, scale, sinkhorn_iterations, hc_eps, norm_eps, carried_mix)
 

@@ -13,7 +13,9 @@ from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import expand_streams, site_input
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.registry import OpTable
+from dsinfer.ops.side_stream import beside
 
 
 def hc_parameters(config: ModelConfigBase) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -31,8 +33,8 @@ class HyperConnectedBlock(nn.Module):
     """What every block of both variants shares: an attention site and an MoE site on ``hc_mult`` streams.
 
     Each site computes (pre, post, comb) from its input streams and collapses them into the block's input in
-    one op (:func:`site_input`: two launches at decode on CUDA), then spreads the output back
-    (:func:`expand_streams`). V4 collapses each site with its own ``pre``; V4.1 staggers them: a site collapses
+    one op (:func:`site_input`), whose weights run beside the block at decode on CUDA, then spreads the output
+    back (:func:`expand_streams`). V4 collapses each site with its own ``pre``; V4.1 staggers them: a site collapses
     with the *previous* site's ``pre`` (:meth:`run_sites` with ``carried_mix``). Subclasses set ``attn`` and
     ``ffn`` through :meth:`_build_sites`.
     """
@@ -47,11 +49,9 @@ class HyperConnectedBlock(nn.Module):
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
         self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
 
-    def site_input(
-        self, streams: torch.Tensor, site: str, mix: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block input, pre, post, comb) of site ``attn`` or ``ffn`` from its input streams; the streams collapse
-        with ``mix`` where given, else with the site's own ``pre``."""
+    def site_input(self, streams: torch.Tensor, site: str, mix: torch.Tensor | None) -> SiteParts:
+        """The block input and (pre, post, comb) of site ``attn`` or ``ffn`` from its input streams, as two halves;
+        the streams collapse with ``mix`` where given, else with the site's own ``pre``."""
         cfg = self.config
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
         return site_input(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, mix, self.ops)
@@ -68,13 +68,24 @@ class HyperConnectedBlock(nn.Module):
         ``carried_mix`` None: each site collapses with its own ``pre`` (V4). Given: the attention site
         collapses with it and the FFN site with the attention site's ``pre`` (V4.1's staggered mHC).
         """
-        collapsed, attn_pre, post, comb = self.site_input(streams, "attn", carried_mix)
-        block_input = self.attn_norm(collapsed)
-        streams = expand_streams(attention(block_input), streams, post, comb, self.ops)
-        collapsed, ffn_pre, post, comb = self.site_input(streams, "ffn", None if carried_mix is None else attn_pre)
-        block_input = self.ffn_norm(collapsed)
-        streams = expand_streams(feed_forward(block_input), streams, post, comb, self.ops)
-        return streams, ffn_pre
+        streams, attn_pre = self.run_site(streams, "attn", carried_mix, self.attn_norm, attention)
+        ffn_mix = None if carried_mix is None else attn_pre
+        return self.run_site(streams, "ffn", ffn_mix, self.ffn_norm, feed_forward)
+
+    def run_site(
+        self,
+        streams: torch.Tensor,
+        site: str,
+        mix: torch.Tensor | None,
+        norm: nn.Module,
+        block: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One site: the new streams and the site's ``pre``. Its weights run :func:`beside` the collapse, the norm
+        and the block, which never read them (at decode on CUDA: on the side stream, so the block does not wait
+        for Sinkhorn); the expand after the join reads them. ``parts`` holds what both halves read until then."""
+        parts = self.site_input(streams, site, mix)
+        (pre, post, comb), output = beside(parts.weights, lambda: block(norm(parts.collapse())), streams)
+        return expand_streams(output, streams, post, comb, self.ops), pre
 
 
 class Block(HyperConnectedBlock):

@@ -1,6 +1,7 @@
 """A site's input (``hc_site_input``): the Triton backend (in Triton's CPU interpreter; compiled on CUDA) against
-the torch reference, which is the mixes, weights and collapse references composed; and the layer path on the
-reference against the separate ops it replaced, bit for bit.
+the torch reference, which is the mixes, weights and collapse references composed; its two halves (collapse,
+weights) in either order give the same bits; and the layer path on the reference against the separate ops it
+replaced, bit for bit, whichever half runs first.
 
 Bounds. ``pre``, ``post`` and ``comb``: ``|got - ref| <= 1e-5 * |ref| + 1e-6`` per value, the weights' bound
 (tests/ops/test_mhc_weights.py). Here the mixes come from the partial sums rather than the reference's GEMM too,
@@ -104,12 +105,16 @@ def check_site(case: Case, device: torch.device) -> list[str]:
 
     inputs = make_inputs(case, device)
     args = (inputs["streams"], inputs["fn"], inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
-    got = [value.cpu() for value in hc_site_input_triton(*args, inputs["carried_mix"])]
+    got = [value.cpu() for value in hc_site_input_triton(*args, inputs["carried_mix"]).all()]
+    parts = hc_site_input_triton(*args, inputs["carried_mix"])  # the halves the other way round: the same bits
+    weights_first = [value.cpu() for value in (*parts.weights(), parts.collapse())]
     inputs = {name: None if value is None else value.cpu() for name, value in inputs.items()}
     streams, carried = inputs["streams"], inputs["carried_mix"]
     args = (streams, inputs["fn"], inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
-    expected = hc_site_input_reference(*args, carried)
+    expected = hc_site_input_reference(*args, carried).all()
     failures = []
+    if not all(torch.equal(a, b) for a, b in zip(got, weights_first[3:] + weights_first[:3], strict=True)):
+        failures.append(f"{case}: the weights first give other bits than the collapse first")
     for name, value, want in zip(("pre", "post", "comb"), got[1:], expected[1:], strict=True):
         message = _excess(value, want, 1e-5 * want.double().abs() + 1e-6)
         if message:
@@ -143,7 +148,7 @@ def check_unsplit_runs_the_separate_backends() -> list[str]:
     streams, fn = inputs["streams"], inputs["fn"]
     if plan_for(streams, fn)[1] != 1:
         return ["the unsplit case splits"]
-    got = hc_site_input_triton(streams, fn, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS, None)
+    got = hc_site_input_triton(streams, fn, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS, None).all()
     mixes = hc_mixes_triton(streams, fn, NORM_EPS)
     weights = hc_weights_triton(mixes, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS)
     expected = (hc_collapse_triton(streams, weights[0]), *weights)
@@ -200,8 +205,8 @@ def test_inputs_the_kernel_does_not_take_go_to_the_reference():
         if cast:
             inputs["carried_mix"] = inputs["carried_mix"].bfloat16()
         args = tuple(inputs[k] for k in ("streams", "fn", "base", "scale"))
-        got = hc_site_input_triton(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"])
-        expected = hc_site_input_reference(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"])
+        got = hc_site_input_triton(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"]).all()
+        expected = hc_site_input_reference(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"]).all()
         for value, want in zip(got, expected, strict=True):
             assert torch.equal(value, want)
 
@@ -225,6 +230,11 @@ def test_layer_path_is_the_separate_ops_bit_for_bit(dtype, carried):
     pre, post, comb = hyper_connection_weights(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS)
     collapsed = collapse_streams(streams, pre if carried_mix is None else carried_mix)
     for ops in (None, registry.reference_table("cpu", dtype)):
-        got = site_input(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS, carried_mix, ops)
-        for value, want in zip(got, (collapsed, pre, post, comb), strict=True):
-            assert torch.equal(value, want)
+        for weights_first in (False, True):
+            parts = site_input(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS, carried_mix, ops)
+            if weights_first:
+                parts.weights()
+            got = parts.all()
+            for value, want in zip(got, (collapsed, pre, post, comb), strict=True):
+                assert torch.equal(value, want)
+            assert parts.collapse() is got[0] and parts.weights()[0] is got[1]  # each half runs once

@@ -6,7 +6,8 @@ in the weights' float32 and rounds once to the streams' dtype; the expand casts 
 streams' dtype first, rounds the spread product and the mixing matmul each to that dtype, then adds. The mixes
 normalise a float32 copy of the flattened streams and project it with a float32 GEMM; the weights turn the mixes
 into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the other. A site's input
-(``hc_site_input``) is those three in sequence, collapsing with the site's own ``pre`` or a carried mix.
+(``hc_site_input``) is those three, collapsing with the site's own ``pre`` or a carried mix, in two halves
+(:mod:`dsinfer.ops.mhc.site_parts`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.norm_rope.reference import rms_normalize_reference
 from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.sinkhorn.reference import sinkhorn_reference
@@ -80,12 +82,15 @@ def hc_site_input_reference(
     hc_eps: float,
     norm_eps: float,
     carried_mix: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One mHC site from its input streams [..., n, D]: the block input [..., D] (streams' dtype) and the site's
-    float32 ``pre`` [..., n], ``post`` [..., n] and ``comb`` [..., n, n]. The streams collapse with ``pre``, or
-    with ``carried_mix`` [..., n] where given (V4.1 collapses a site with the previous site's ``pre``). Exactly
-    the mixes, weights and collapse references composed, so a model on it computes what it did before the op."""
+) -> SiteParts:
+    """One mHC site from its input streams [..., n, D], as :class:`~dsinfer.ops.mhc.site_parts.SiteParts`: the
+    block input [..., D] (streams' dtype) and the site's float32 ``pre`` [..., n], ``post`` [..., n] and ``comb``
+    [..., n, n]. The streams collapse with ``pre``, or with ``carried_mix`` [..., n] where given (V4.1 collapses a
+    site with the previous site's ``pre``). Exactly the mixes, weights and collapse references composed (the mixes
+    now, the rest when asked), so a model on it computes what it did before the op."""
     mixes = hc_mixes_reference(streams, fn, norm_eps)
-    pre, post, comb = hc_weights_reference(mixes, base, scale, iterations, hc_eps)
-    collapsed = hc_collapse_reference(streams, pre if carried_mix is None else carried_mix)
-    return collapsed, pre, post, comb
+
+    def collapse(parts: SiteParts) -> torch.Tensor:
+        return hc_collapse_reference(streams, parts.weights()[0] if carried_mix is None else carried_mix)
+
+    return SiteParts(collapse, lambda: hc_weights_reference(mixes, base, scale, iterations, hc_eps))

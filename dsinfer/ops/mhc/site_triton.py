@@ -1,4 +1,4 @@
-"""A whole mHC site input (``hc_site_input``) at decode in two launches instead of four.
+"""A whole mHC site input (``hc_site_input``) at decode in three launches instead of four, two on the block's path.
 
 Each site turns its input streams [T, n, D] into the block's input: the mixes (``hc_mixes``), the weights
 ``pre``, ``post`` and Sinkhorn's ``comb`` (``hc_weights``), and the collapse with ``pre`` or, in V4.1, the previous
@@ -8,8 +8,10 @@ kernels back to back, eight sites a step.
 
 When the mixes' plan splits the columns (few tokens: decode, small batches) this backend launches the mixes
 kernel for the partial sums, then one kernel that adds them and does the rest. Its grid is (token blocks,
-1 + column blocks) with two kinds of program, so that the collapse does not wait behind Sinkhorn's twenty serial
-rounds:
+1 + column blocks) with two kinds of program, launched as two grids: the collapse's (the block input, on the
+block's path) and column 0's (the weights, which only the expand after the block reads, so they can run on
+another stream beside the block: :mod:`dsinfer.ops.mhc.site_parts`). So the block does not wait behind
+Sinkhorn's twenty serial rounds:
 
 * column 0 adds the token block's partials, scales them into the mixes, computes ``pre``, ``post`` and ``comb``
   with the same jit functions as ``hc_weights``' kernel and stores them;
@@ -39,6 +41,7 @@ import torch
 
 from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, plan_for
+from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
 from dsinfer.ops.registry import register
@@ -105,6 +108,7 @@ if triton is not None:
         CARRIED: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        COLLAPSE_ONLY: tl.constexpr,  # the launch's programs are the collapse's column blocks only (no column 0)
     ):
         token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # T * n * D may pass 2**31
         ok = token < tokens
@@ -113,6 +117,8 @@ if triton is not None:
         part_ok = ok[:, None] & (split < SPLIT)[None, :]
         i = tl.arange(0, N)
         role = tl.program_id(1)
+        if COLLAPSE_ONLY:
+            role += 1
         if role == 0:  # the weights
             rms = _rms_scale(partial_squares, part, part_ok, columns, norm_eps)
             pre = _pre_weight(_mixes_slice(partial_dots, part, part_ok, 0, rms, N, BLOCK_M), base, scale, hc_eps, N)
@@ -182,35 +188,58 @@ def hc_site_input_triton(
     hc_eps: float,
     norm_eps: float,
     carried_mix: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as the reference; what the kernels do not take goes to it."""
+) -> SiteParts:
+    """Same contract as the reference; what the kernels do not take goes to it. With a column split the mixes
+    kernel runs now; the collapse is the site kernel's column blocks, the weights its column 0, each its own
+    launch of the same kernel, when :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it."""
     if not _serves(streams, fn, base, scale, iterations, carried_mix):
         from dsinfer.ops.mhc.reference import hc_site_input_reference
 
         return hc_site_input_reference(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)
-    lead, (n, width) = streams.shape[:-2], streams.shape[-2:]
-    tokens = math.prod(lead)
+    tokens = math.prod(streams.shape[:-2])
     plan = plan_for(streams, fn) if tokens else None
     if plan is None or plan[1] == 1:  # no column split: the three backends, one launch each
         mixes = hc_mixes_triton(streams, fn, norm_eps)
-        pre, post, comb = hc_weights_triton(mixes, base, scale, iterations, hc_eps)
-        collapsed = hc_collapse_triton(streams, pre if carried_mix is None else carried_mix)
-        return collapsed, pre, post, comb
-    flat = streams.contiguous().view(tokens, n * width)
-    dots, squares = launch_mixes(flat, fn.contiguous(), None, norm_eps, plan)
-    device = streams.device
-    collapsed = torch.empty(tokens, width, dtype=streams.dtype, device=device)
-    pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
-    post = torch.empty(tokens, n, dtype=torch.float32, device=device)
-    comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
-    carried = pre if carried_mix is None else carried_mix.contiguous().view(tokens, n)  # pre: not read
-    split = plan[1]
-    block_t, block_d = _blocks(tokens, width, split)
-    grid = (triton.cdiv(tokens, block_t), 1 + triton.cdiv(width, block_d))
-    _site_kernel[grid](
-        dots, squares, base.float().contiguous(), scale.float().contiguous(), flat, carried, collapsed, pre, post,
-        comb, tokens, n * width, width, float(norm_eps), float(hc_eps), N=n, ITERATIONS=iterations, SPLIT=split,
-        SPLIT_P2=triton.next_power_of_2(split), BLOCK_M=dots.shape[-1], CARRIED=carried_mix is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return collapsed.view(*lead, width), pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+
+        def collapse(parts: SiteParts) -> torch.Tensor:
+            return hc_collapse_triton(streams, parts.weights()[0] if carried_mix is None else carried_mix)
+
+        return SiteParts(collapse, lambda: hc_weights_triton(mixes, base, scale, iterations, hc_eps))
+    site = _SplitSite(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan)
+    return SiteParts(lambda parts: site.launch(collapse=True), lambda: site.launch(collapse=False))
+
+
+class _SplitSite:
+    """A site whose mixes split the columns: the mixes kernel's partial sums (launched at construction), the
+    outputs, and the site kernel's launch over either half of its grid."""
+
+    def __init__(self, streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan) -> None:
+        self.lead, (self.n, self.width) = streams.shape[:-2], streams.shape[-2:]
+        tokens, n, device = math.prod(self.lead), self.n, streams.device
+        self.flat = streams.contiguous().view(tokens, n * self.width)
+        self.dots, self.squares = launch_mixes(self.flat, fn.contiguous(), None, norm_eps, plan)
+        self.base, self.scale = base.float().contiguous(), scale.float().contiguous()
+        self.collapsed = torch.empty(tokens, self.width, dtype=streams.dtype, device=device)
+        self.pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
+        self.post = torch.empty(tokens, n, dtype=torch.float32, device=device)
+        self.comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
+        self.carried = None if carried_mix is None else carried_mix.contiguous().view(tokens, n)
+        self.iterations, self.hc_eps, self.norm_eps, self.split = iterations, hc_eps, norm_eps, plan[1]
+
+    def launch(self, collapse: bool):
+        """The collapse's column blocks (the block input) or column 0 (``pre``, ``post``, ``comb``)."""
+        tokens, n, width = self.flat.shape[0], self.n, self.width
+        block_t, block_d = _blocks(tokens, width, self.split)
+        grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_d) if collapse else 1)
+        carried = self.pre if self.carried is None else self.carried  # pre: not read
+        _site_kernel[grid](
+            self.dots, self.squares, self.base, self.scale, self.flat, carried, self.collapsed, self.pre, self.post,
+            self.comb, tokens, n * width, width, float(self.norm_eps), float(self.hc_eps), N=n,
+            ITERATIONS=self.iterations, SPLIT=self.split, SPLIT_P2=triton.next_power_of_2(self.split),
+            BLOCK_M=self.dots.shape[-1], CARRIED=self.carried is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+            COLLAPSE_ONLY=collapse, enable_fp_fusion=False, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        lead = self.lead
+        if collapse:
+            return self.collapsed.view(*lead, width)
+        return self.pre.view(*lead, n), self.post.view(*lead, n), self.comb.view(*lead, n, n)
