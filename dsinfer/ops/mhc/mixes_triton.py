@@ -163,6 +163,11 @@ def plan_for(streams: torch.Tensor, fn: torch.Tensor) -> tuple[int, int, int]:
     return _plan(tokens, fn.shape[1], streams.dtype == torch.bfloat16)
 
 
+def mixes_block(m: int) -> int:
+    """The width of a token's row of partial dots: ``m`` mixes rounded up to a power of two, at least MIN_BLOCK."""
+    return max(MIN_BLOCK, triton.next_power_of_2(m))
+
+
 def launch_mixes(
     flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None, norm_eps: float, plan: tuple[int, int, int]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -173,7 +178,7 @@ def launch_mixes(
     tokens, columns = flat.shape
     m = weights.shape[0]
     block_t, split, per_split = plan
-    block_m = max(MIN_BLOCK, triton.next_power_of_2(m))
+    block_m = mixes_block(m)
     if split > 1:
         dots = torch.empty(split, tokens, block_m, dtype=torch.float32, device=flat.device)
         squares = torch.empty(split, tokens, dtype=torch.float32, device=flat.device)

@@ -3,7 +3,8 @@
 A site turns its input streams into the block's input (the collapse, with ``pre`` or a carried mix) and into the
 weights ``pre``, ``post`` and Sinkhorn's ``comb``. Only the expand after the block reads ``post`` and ``comb``, and
 Sinkhorn's twenty serial rounds are most of a decode site's time, so the block should not wait for them. The op
-does the work both halves read (the mixes) when it is called and hands back :class:`SiteParts`:
+does the work the collapse reads (the mixes, for the site's own ``pre``) when it is called and hands back
+:class:`SiteParts`:
 :meth:`~SiteParts.collapse` gives the block input, :meth:`~SiteParts.weights` gives ``(pre, post, comb)``. Either
 may be called first, and from another stream once that stream has waited for the one the op ran on
 (:func:`dsinfer.ops.side_stream.beside` runs the weights beside the collapse and the block). Each half runs its

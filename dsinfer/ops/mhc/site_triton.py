@@ -40,7 +40,7 @@ import math
 import torch
 
 from dsinfer.ops.mhc import mixes_triton
-from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, plan_for
+from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, mixes_block, plan_for
 from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
@@ -189,9 +189,11 @@ def hc_site_input_triton(
     norm_eps: float,
     carried_mix: torch.Tensor | None,
 ) -> SiteParts:
-    """Same contract as the reference; what the kernels do not take goes to it. With a column split the mixes
-    kernel runs now; the collapse is the site kernel's column blocks, the weights its column 0, each its own
-    launch of the same kernel, when :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it."""
+    """Same contract as the reference; what the kernels do not take goes to it. With a column split the collapse
+    is the site kernel's column blocks, the weights its column 0, each its own launch of the same kernel, when
+    :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it. The mixes kernel runs now when the collapse reads
+    them (its own ``pre``); a collapse with a carried mix (V4.1) reads none, so the mixes run with the weights,
+    off the block's path too."""
     if not _serves(streams, fn, base, scale, iterations, carried_mix):
         from dsinfer.ops.mhc.reference import hc_site_input_reference
 
@@ -210,14 +212,15 @@ def hc_site_input_triton(
 
 
 class _SplitSite:
-    """A site whose mixes split the columns: the mixes kernel's partial sums (launched at construction), the
-    outputs, and the site kernel's launch over either half of its grid."""
+    """A site whose mixes split the columns: the mixes kernel's partial sums (launched at construction, or with
+    the weights when the collapse takes a carried mix), the outputs, and the site kernel's launch over either half
+    of its grid."""
 
     def __init__(self, streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan) -> None:
         self.lead, (self.n, self.width) = streams.shape[:-2], streams.shape[-2:]
         tokens, n, device = math.prod(self.lead), self.n, streams.device
         self.flat = streams.contiguous().view(tokens, n * self.width)
-        self.dots, self.squares = launch_mixes(self.flat, fn.contiguous(), None, norm_eps, plan)
+        self.fn, self.plan, self.partials = fn.contiguous(), plan, None
         self.base, self.scale = base.float().contiguous(), scale.float().contiguous()
         self.collapsed = torch.empty(tokens, self.width, dtype=streams.dtype, device=device)
         self.pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
@@ -225,6 +228,14 @@ class _SplitSite:
         self.comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
         self.carried = None if carried_mix is None else carried_mix.contiguous().view(tokens, n)
         self.iterations, self.hc_eps, self.norm_eps, self.split = iterations, hc_eps, norm_eps, plan[1]
+        if self.carried is None:  # the collapse computes pre from the mixes' partial sums
+            self.mixes()
+
+    def mixes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixes kernel's partial dots and squares, launched on first use."""
+        if self.partials is None:
+            self.partials = launch_mixes(self.flat, self.fn, None, self.norm_eps, self.plan)
+        return self.partials
 
     def launch(self, collapse: bool):
         """The collapse's column blocks (the block input) or column 0 (``pre``, ``post``, ``comb``)."""
@@ -232,11 +243,15 @@ class _SplitSite:
         block_t, block_d = _blocks(tokens, width, self.split)
         grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_d) if collapse else 1)
         carried = self.pre if self.carried is None else self.carried  # pre: not read
+        if collapse and self.carried is not None:  # no partial sums read: any float32 pointers serve
+            dots, squares = self.pre, self.pre
+        else:
+            dots, squares = self.mixes()
         _site_kernel[grid](
-            self.dots, self.squares, self.base, self.scale, self.flat, carried, self.collapsed, self.pre, self.post,
+            dots, squares, self.base, self.scale, self.flat, carried, self.collapsed, self.pre, self.post,
             self.comb, tokens, n * width, width, float(self.norm_eps), float(self.hc_eps), N=n,
             ITERATIONS=self.iterations, SPLIT=self.split, SPLIT_P2=triton.next_power_of_2(self.split),
-            BLOCK_M=self.dots.shape[-1], CARRIED=self.carried is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+            BLOCK_M=mixes_block(self.fn.shape[0]), CARRIED=self.carried is not None, BLOCK_T=block_t, BLOCK_D=block_d,
             COLLAPSE_ONLY=collapse, enable_fp_fusion=False, num_warps=NUM_WARPS,
         )  # fmt: skip
         lead = self.lead
