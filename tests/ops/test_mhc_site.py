@@ -99,6 +99,14 @@ def _excess(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> s
     return None
 
 
+def _collapse_runs_weights(parts) -> bool:
+    """Whether ``parts.collapse()`` ran the weights' work: it must not, since that work may run on another stream
+    (``beside``), where a collapse that read its ``pre`` would race it."""
+    pending = parts.weights_pending
+    parts.collapse()
+    return pending and not parts.weights_pending
+
+
 def check_site(case: Case, device: torch.device) -> list[str]:
     """The Triton backend on ``device`` against the reference on the CPU (a CUDA float32 GEMM may run in TF32)."""
     from dsinfer.ops.mhc.site_triton import hc_site_input_triton
@@ -108,11 +116,15 @@ def check_site(case: Case, device: torch.device) -> list[str]:
     got = [value.cpu() for value in hc_site_input_triton(*args, inputs["carried_mix"]).all()]
     parts = hc_site_input_triton(*args, inputs["carried_mix"])  # the halves the other way round: the same bits
     weights_first = [value.cpu() for value in (*parts.weights(), parts.collapse())]
+    parts = hc_site_input_triton(*args, inputs["carried_mix"])
+    collapse_ran_weights = _collapse_runs_weights(parts)
     inputs = {name: None if value is None else value.cpu() for name, value in inputs.items()}
     streams, carried = inputs["streams"], inputs["carried_mix"]
     args = (streams, inputs["fn"], inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
     expected = hc_site_input_reference(*args, carried).all()
     failures = []
+    if collapse_ran_weights:
+        failures.append(f"{case}: the collapse ran the weights' work (a race where they run on another stream)")
     if not all(torch.equal(a, b) for a, b in zip(got, weights_first[3:] + weights_first[:3], strict=True)):
         failures.append(f"{case}: the weights first give other bits than the collapse first")
     for name, value, want in zip(("pre", "post", "comb"), got[1:], expected[1:], strict=True):
@@ -238,3 +250,5 @@ def test_layer_path_is_the_separate_ops_bit_for_bit(dtype, carried):
             for value, want in zip(got, (collapsed, pre, post, comb), strict=True):
                 assert torch.equal(value, want)
             assert parts.collapse() is got[0] and parts.weights()[0] is got[1]  # each half runs once
+            assert not _collapse_runs_weights(site_input(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS,
+                                                         carried_mix, ops))  # fmt: skip

@@ -87,10 +87,13 @@ def hc_site_input_reference(
     block input [..., D] (streams' dtype) and the site's float32 ``pre`` [..., n], ``post`` [..., n] and ``comb``
     [..., n, n]. The streams collapse with ``pre``, or with ``carried_mix`` [..., n] where given (V4.1 collapses a
     site with the previous site's ``pre``). Exactly the mixes, weights and collapse references composed (the mixes
-    now, the rest when asked), so a model on it computes what it did before the op."""
+    now, and the weights too where the collapse reads ``pre``; the rest when asked), so a model on it computes what
+    it did before the op."""
     mixes = hc_mixes_reference(streams, fn, norm_eps)
-
-    def collapse(parts: SiteParts) -> torch.Tensor:
-        return hc_collapse_reference(streams, parts.weights()[0] if carried_mix is None else carried_mix)
-
-    return SiteParts(collapse, lambda: hc_weights_reference(mixes, base, scale, iterations, hc_eps))
+    if carried_mix is None:  # the collapse reads pre: the weights now, on this stream
+        weights = hc_weights_reference(mixes, base, scale, iterations, hc_eps)
+        return SiteParts(lambda: hc_collapse_reference(streams, weights[0]), weights)
+    return SiteParts(
+        lambda: hc_collapse_reference(streams, carried_mix),
+        lambda: hc_weights_reference(mixes, base, scale, iterations, hc_eps),
+    )

@@ -24,19 +24,29 @@ Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class SiteParts:
-    """A site's two halves: ``collapse_work()`` -> the block input [..., D]; ``weights_work()`` -> ``(pre, post,
-    comb)`` ([..., n], [..., n], [..., n, n], float32). ``collapse_work`` may call :meth:`weights` (a collapse
-    with the site's own ``pre``, where the backend does not compute it again)."""
+    """A site's two halves: ``collapse_work()`` -> the block input [..., D]; ``weights`` -> ``(pre, post, comb)``
+    ([..., n], [..., n], [..., n, n], float32), as work to run or as tensors already made.
 
-    def __init__(self, collapse_work: Callable[[SiteParts], torch.Tensor], weights_work: Callable[[], Weights]):
-        self._collapse_work, self._weights_work = collapse_work, weights_work
+    The collapse never runs the weights' work: that may run on another stream, and a collapse reading its ``pre``
+    there would race it. A backend whose collapse needs the site's own ``pre`` from the weights computes them when
+    the op is called (on the op's stream) and hands them over made; only a collapse that needs nothing of them
+    (its own ``pre`` computed again, or a carried mix) leaves them as work."""
+
+    def __init__(self, collapse_work: Callable[[], torch.Tensor], weights: Callable[[], Weights] | Weights):
+        self._collapse_work = collapse_work
+        self._weights_work = weights if callable(weights) else None
+        self._weights: Weights | None = None if callable(weights) else weights
         self._collapsed: torch.Tensor | None = None
-        self._weights: Weights | None = None
 
     def collapse(self) -> torch.Tensor:
         if self._collapsed is None:
-            self._collapsed = self._collapse_work(self)
+            self._collapsed = self._collapse_work()
         return self._collapsed
+
+    @property
+    def weights_pending(self) -> bool:
+        """Whether the weights are still work to run (not yet made)."""
+        return self._weights is None
 
     def weights(self) -> Weights:
         if self._weights is None:

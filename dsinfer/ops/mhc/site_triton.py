@@ -191,9 +191,10 @@ def hc_site_input_triton(
 ) -> SiteParts:
     """Same contract as the reference; what the kernels do not take goes to it. With a column split the collapse
     is the site kernel's column blocks, the weights its column 0, each its own launch of the same kernel, when
-    :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it. The mixes kernel runs now when the collapse reads
-    them (its own ``pre``); a collapse with a carried mix (V4.1) reads none, so the mixes run with the weights,
-    off the block's path too."""
+    :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it (the collapse programs compute ``pre`` again rather
+    than read column 0's). The mixes kernel runs now when the collapse reads them (its own ``pre``); a collapse
+    with a carried mix (V4.1) reads none, so the mixes run with the weights, off the block's path too. Without a
+    column split the weights run now where the collapse reads their ``pre``."""
     if not _serves(streams, fn, base, scale, iterations, carried_mix):
         from dsinfer.ops.mhc.reference import hc_site_input_reference
 
@@ -202,13 +203,15 @@ def hc_site_input_triton(
     plan = plan_for(streams, fn) if tokens else None
     if plan is None or plan[1] == 1:  # no column split: the three backends, one launch each
         mixes = hc_mixes_triton(streams, fn, norm_eps)
-
-        def collapse(parts: SiteParts) -> torch.Tensor:
-            return hc_collapse_triton(streams, parts.weights()[0] if carried_mix is None else carried_mix)
-
-        return SiteParts(collapse, lambda: hc_weights_triton(mixes, base, scale, iterations, hc_eps))
+        if carried_mix is None:  # the collapse reads pre: the weights now, on this stream
+            weights = hc_weights_triton(mixes, base, scale, iterations, hc_eps)
+            return SiteParts(lambda: hc_collapse_triton(streams, weights[0]), weights)
+        return SiteParts(
+            lambda: hc_collapse_triton(streams, carried_mix),
+            lambda: hc_weights_triton(mixes, base, scale, iterations, hc_eps),
+        )
     site = _SplitSite(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan)
-    return SiteParts(lambda parts: site.launch(collapse=True), lambda: site.launch(collapse=False))
+    return SiteParts(lambda: site.launch(collapse=True), lambda: site.launch(collapse=False))
 
 
 class _SplitSite:
