@@ -9,7 +9,8 @@ Before each collapse the mixes project the RMS-normalised streams to the site's 
 backend reads the streams once too, instead of writing and re-reading a normalised float32 copy; the weights'
 backend turns each token's mixes into ``pre``, ``post`` and Sinkhorn's ``comb`` in one launch instead of ~13.
 ``hc_site_input(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)`` is a site's mixes, weights
-and collapse together: at decode its backend runs them in two launches instead of four.
+and collapse together, returned as two halves (:mod:`dsinfer.ops.mhc.site_parts`) so that the weights can run
+beside the block: at decode its backend runs them in three launches instead of four.
 """
 
 from dsinfer.ops.mhc import mixes_triton, site_triton, triton, weights_triton  # noqa: F401  (register the backends)
