@@ -12,10 +12,12 @@ into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the ot
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from dsinfer.ops.mhc.site_parts import SiteParts
+from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
 from dsinfer.ops.norm_rope.reference import rms_normalize_reference
 from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.sinkhorn.reference import sinkhorn_reference
@@ -90,10 +92,5 @@ def hc_site_input_reference(
     now, and the weights too where the collapse reads ``pre``; the rest when asked), so a model on it computes what
     it did before the op."""
     mixes = hc_mixes_reference(streams, fn, norm_eps)
-    if carried_mix is None:  # the collapse reads pre: the weights now, on this stream
-        weights = hc_weights_reference(mixes, base, scale, iterations, hc_eps)
-        return SiteParts(lambda: hc_collapse_reference(streams, weights[0]), weights)
-    return SiteParts(
-        lambda: hc_collapse_reference(streams, carried_mix),
-        lambda: hc_weights_reference(mixes, base, scale, iterations, hc_eps),
-    )
+    weights = functools.partial(hc_weights_reference, mixes, base, scale, iterations, hc_eps)
+    return composed_parts(streams, carried_mix, weights, hc_collapse_reference)

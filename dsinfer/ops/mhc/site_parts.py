@@ -56,3 +56,18 @@ class SiteParts:
     def all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(block input, pre, post, comb)``: both halves on the current stream."""
         return (self.collapse(), *self.weights())
+
+
+def composed_parts(
+    streams: torch.Tensor,
+    carried_mix: torch.Tensor | None,
+    weights: Callable[[], Weights],
+    collapse: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> SiteParts:
+    """The halves of a site made of separate ops on mixes already made: ``weights()`` (the weights op) and
+    ``collapse(streams, mix)`` (the collapse op). With a carried mix the weights stay work; without, the collapse
+    reads their ``pre``, so they are made now, on the current stream."""
+    if carried_mix is None:
+        made = weights()
+        return SiteParts(lambda: collapse(streams, made[0]), made)
+    return SiteParts(lambda: collapse(streams, carried_mix), weights)

@@ -35,13 +35,14 @@ input within one unit in its last place (tests/ops/test_mhc_site.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, mixes_block, plan_for
-from dsinfer.ops.mhc.site_parts import SiteParts
+from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
 from dsinfer.ops.registry import register
@@ -203,13 +204,8 @@ def hc_site_input_triton(
     plan = plan_for(streams, fn) if tokens else None
     if plan is None or plan[1] == 1:  # no column split: the three backends, one launch each
         mixes = hc_mixes_triton(streams, fn, norm_eps)
-        if carried_mix is None:  # the collapse reads pre: the weights now, on this stream
-            weights = hc_weights_triton(mixes, base, scale, iterations, hc_eps)
-            return SiteParts(lambda: hc_collapse_triton(streams, weights[0]), weights)
-        return SiteParts(
-            lambda: hc_collapse_triton(streams, carried_mix),
-            lambda: hc_weights_triton(mixes, base, scale, iterations, hc_eps),
-        )
+        weights = functools.partial(hc_weights_triton, mixes, base, scale, iterations, hc_eps)
+        return composed_parts(streams, carried_mix, weights, hc_collapse_triton)
     site = _SplitSite(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan)
     return SiteParts(lambda: site.launch(collapse=True), lambda: site.launch(collapse=False))
 
