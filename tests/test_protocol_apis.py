@@ -6,6 +6,7 @@ Driven by the official ``openai`` and ``anthropic`` clients over 127.0.0.1.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import deepseek_recipe as recipe
@@ -15,6 +16,8 @@ import pytest
 from server_harness import running_server
 
 from dsinfer.config import EngineConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 # Bounded values: a random tiny model would otherwise write one endless string.
@@ -144,9 +147,8 @@ def _validate(arguments: dict) -> None:
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}],
                          ids=["required", "named"])  # fmt: skip
 def test_forced_tool_choice_returns_a_schema_valid_call_every_time(client, choice):
-    valid = 0
-    for seed in range(20):
-        out = client.chat.completions.create(
+    def request(seed: int):
+        return client.chat.completions.create(
             model="tiny",
             messages=CHAT,
             tools=TOOLS,
@@ -156,6 +158,13 @@ def test_forced_tool_choice_returns_a_schema_valid_call_every_time(client, choic
             seed=seed,
             parallel_tool_calls=False,
         )  # a random model would call without end
+
+    # The twenty seeded requests arrive at once, as from concurrent clients: the engine decodes them in batches,
+    # each with its own grammar (a call is ~200 tokens; one at a time they took minutes on two CPU cores).
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        outs = list(pool.map(request, range(20)))
+    valid = 0
+    for seed, out in enumerate(outs):
         result = out.choices[0]
         assert result.finish_reason == "tool_calls", (seed, result)
         assert result.message.tool_calls, (seed, result)
@@ -185,14 +194,17 @@ def test_forced_tool_call_streams_and_auto_stays_free(client):
 
 def test_responses_and_messages_forced_tool_calls(client, claude):
     response_tool = {"type": "function", "name": "lookup", "parameters": LOOKUP}
-    out = client.responses.create(model="tiny", input="Find news", tools=[response_tool], tool_choice="required",
-                                  max_output_tokens=400, parallel_tool_calls=False)  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the two calls decode together
+        response = pool.submit(client.responses.create, model="tiny", input="Find news", tools=[response_tool],
+                               tool_choice="required", max_output_tokens=400, parallel_tool_calls=False)  # fmt: skip
+        messages = pool.submit(claude.messages.create, model="tiny", max_tokens=400,
+                               messages=[{"role": "user", "content": "news"}],
+                               tools=[{"name": "lookup", "input_schema": LOOKUP}],
+                               tool_choice={"type": "tool", "name": "lookup"})  # fmt: skip
+        out, message = response.result(), messages.result()
     calls = [item for item in out.output if item.type == "function_call"]
     assert calls and calls[0].name == "lookup"
     _validate(json.loads(calls[0].arguments))
-    message = claude.messages.create(model="tiny", max_tokens=400, messages=[{"role": "user", "content": "news"}],
-                                     tools=[{"name": "lookup", "input_schema": LOOKUP}],
-                                     tool_choice={"type": "tool", "name": "lookup"})  # fmt: skip
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and uses[0].name == "lookup"
     _validate(uses[0].input)
