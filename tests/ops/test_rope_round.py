@@ -23,7 +23,9 @@ from test_norm_rope_triton import make_inputs as rows_and_angles
 from dsinfer.ops import registry
 from dsinfer.ops.rope_round.reference import rope_and_round_reference, round_rows
 
-TOKENS = (0, 1, 5, 33)
+# Rows per program: 4 at 512 channels, 16 at 128 and 96: 5 and 17 tokens end every chain in a partial program, 17
+# after one or more whole ones.
+TOKENS = (0, 1, 5, 17)
 # (middle axes, dim, rope_dim, has weight, rounding, block)
 CHAINS = (
     ((), 512, 64, True, "fp8", 32),  # V4.1 window K=V
@@ -80,7 +82,8 @@ def check_cases(device: torch.device) -> list[str]:
             continue
         before = x.clone()
         got = backend.rope_and_round_triton(x, cos, sin, weight, 1e-6, rounding, block)
-        want = unfused(x, cos, sin, weight, rounding, block)
+        # Without a norm the reference is the truth; only a norm's chain is checked against the unfused kernels.
+        want = unfused(x, cos, sin, weight, rounding, block) if weight is not None else None
         if got.dtype != x.dtype or got.shape != x.shape or not got.is_contiguous():
             failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}, want {x.dtype} {tuple(x.shape)}")
             continue
