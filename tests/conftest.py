@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from dsinfer.models.tiny import make_tiny_checkpoint
+
+
+def _share_the_cpus_between_workers() -> None:
+    """Under pytest-xdist, each worker's torch takes its share of the CPUs (at least one thread), and so do the
+    processes its tests start (engine and rank processes, the Triton interpreter's), through ``OMP_NUM_THREADS``.
+    By default every worker would take a thread per core: on two cores two workers' OpenMP pools then wait on each
+    other's descheduled threads at every tiny parallel op, and engine tests ran 5-30 times slower than alone. An
+    ``OMP_NUM_THREADS`` set by the caller is left alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(min(threads, torch.get_num_threads()))
+
+
+_share_the_cpus_between_workers()
 
 
 @pytest.fixture(autouse=True)
