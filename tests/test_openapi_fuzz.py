@@ -2,11 +2,12 @@
 requests (every check: no 5xx, documented statuses and content types, response bodies and stream events
 matching their schemas, invalid data refused with a 4xx, valid data accepted).
 
-Bounded for CI: ten examples per operation and phase, a fixed seed, a context of 48 tokens and n <= 2 so each
-generation is short. The chat, text-completion, Responses, Messages and tokenize routes may also answer a
-schema-valid body with 400: there validity depends on what no JSON schema can say (the prompt's length in
-tokens, the order of the conversation's turns, whether a response_format schema compiles, what the protocol
-library accepts); those 400s are still checked to be error JSON.
+Bounded for CI: ten examples per operation and phase, a fixed seed, a context of 24 tokens and n <= 2 so each
+generation is short (a request without max_tokens fills the context; the generated prompts that reach the engine are
+at most 10 tokens long, and a context of 24 lets the same ones through as one of 48 did). The chat, text-completion,
+Responses, Messages and tokenize routes may also answer a schema-valid body with 400: there validity depends on what
+no JSON schema can say (the prompt's length in tokens, the order of the conversation's turns, whether a
+response_format schema compiles, what the protocol library accepts); those 400s are still checked to be error JSON.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404"]
 
 @pytest.fixture(scope="module")
 def base(tiny_checkpoint):
-    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=48)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=24)
     with running_server(tiny_checkpoint, config, max_n=2) as (url, _engine):
         yield url
 
