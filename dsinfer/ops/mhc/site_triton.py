@@ -1,4 +1,5 @@
-"""A whole mHC site input (``hc_site_input``) at decode in three launches instead of four, two on the block's path.
+"""A whole mHC site input (``hc_site_input``) at decode in three launches instead of four: on the block's path
+the mixes and the collapse (V4), or the collapse alone (V4.1, which collapses with a carried mix).
 
 Each site turns its input streams [T, n, D] into the block's input: the mixes (``hc_mixes``), the weights
 ``pre``, ``post`` and Sinkhorn's ``comb`` (``hc_weights``), and the collapse with ``pre`` or, in V4.1, the previous
