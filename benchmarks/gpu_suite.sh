@@ -3,7 +3,7 @@
 #
 #   OUT=results bash benchmarks/gpu_suite.sh ops fast v41 ep            # each stage's log under $OUT
 #
-# Stages: ops (tests/ops on the GPU, over 8 pytest-xdist workers where it is installed), peer (HF transformers, ../shared/bench or PEER=path), fast
+# Stages: ops (tests/ops and the engine's CUDA-against-CPU test on the GPU, over 8 pytest-xdist workers where it is installed), peer (HF transformers, ../shared/bench or PEER=path), fast
 # (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead), sweep
 # (engine decode sweep), spec (MTP verify steps, K = 1..5 or SPEC_K), speedup (DSpark K = 3 on the trained
 # default, 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU,
@@ -82,7 +82,7 @@ spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of each
 for name in "$@"; do
     case $name in
         ops) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${OPS_WORKERS:-8}" || echo "-o addopts=")  # xdist if there
-             stage ops python3 -m pytest tests/ops -q -k "not interpret" -p no:cacheprovider $workers ;;
+             stage ops python3 -m pytest tests/ops tests/test_cuda_engine.py -q -k "not interpret" -p no:cacheprovider $workers ;;
         peer) LAYERS=4 stage peer python3 "${PEER:-../shared/bench/hf_v4_peer.py}" ;;
         fast) stage fast python3 benchmarks/fast_path_checks.py --layers 4 --decode-batches 1 32 \
                   --long-decode 256:4096 --prefill-tokens 4096 16384 --profile --profile-top "${PROFILE_TOP:-25}" \
