@@ -98,13 +98,13 @@ def main() -> None:
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, metavar="K", help="also check speculative decoding")
     parser.add_argument("--prompts", type=int, default=24, help="random prompts of the tiny checks")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--rounding-only", action="store_true",
                         help="only V4.1's rounding-on check, on CUDA")  # fmt: skip
     args = parser.parse_args()
-    generator = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in torch.randint(2, 300, (args.prompts,))
-    ]
+    generator = torch.Generator().manual_seed(args.seed)  # the lengths too: every run checks the same prompts
+    lengths = torch.randint(2, 300, (args.prompts,), generator=generator).tolist()
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in lengths]
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)  # logprobs: flip margins
     if args.slice_layers:
@@ -173,6 +173,13 @@ def flip_margins(first: list, second: list) -> list[float]:
     return sorted(margins)
 
 
+def flips_text(cpu: list, cuda: list) -> str:
+    """Where the two differ: the CPU's top-logprob margin at each flip's first differing token (a near-tie that
+    float32 noise decides shows a margin near zero)."""
+    margins = flip_margins(cpu, cuda)
+    return f" (the CPU's margins at the flips: {margins_text(margins)})" if margins else ""
+
+
 def margins_text(margins: list[float]) -> str:
     return "[" + ", ".join(f"{margin:.2g}" for margin in margins) + "]"
 
@@ -181,12 +188,14 @@ def tiny_checks(prompts, params) -> None:
     n = len(prompts)
     with tempfile.TemporaryDirectory() as directory:
         make_tiny_checkpoint(directory, arch="v4")
-        flips = differing(*(tiny_tokens(directory, device, prompts, params) for device in ("cpu", "cuda")))
-        print(f"v4: CUDA engine greedy tokens equal the CPU's for {n - flips} of {n} prompts")
+        cpu, cuda = (tiny_tokens(directory, device, prompts, params) for device in ("cpu", "cuda"))
+        print(f"v4: CUDA engine greedy tokens equal the CPU's for {n - differing(cpu, cuda)} of {n} prompts"
+              f"{flips_text(cpu, cuda)}")  # fmt: skip
     with tempfile.TemporaryDirectory() as directory:
         make_tiny_checkpoint(directory, arch="v41")
         off = [tiny_tokens(directory, device, prompts, params, rounding=False) for device in ("cpu", "cuda")]
-        print(f"v41, rounding off: CUDA engine greedy tokens equal the CPU's for {n - differing(*off)} of {n} prompts")
+        print(f"v41, rounding off: CUDA engine greedy tokens equal the CPU's for {n - differing(*off)} of {n} prompts"
+              f"{flips_text(*off)}")  # fmt: skip
         rounding_on_checks(directory, prompts, params)
 
 
