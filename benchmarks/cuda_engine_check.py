@@ -8,11 +8,13 @@ boundary can land on either side. There the fast path's tokens are compared with
 the CPU's, and the same engine on CUDA with every op forced to its torch reference (``DSINFER_OPS``). Each
 count of differing prompts is set beside the count that reference shows against itself on its own device
 between two chunkings of the same prompts (prefill chunks of 256 and of 32 tokens). ``--prompts N`` sets the
-number of random prompts (24); ``--rounding-only`` runs only the rounding-on comparison on CUDA (no CPU engines,
-so many more prompts fit). The fast path's own flips between the two chunkings are printed too, and so is, for
-each flip against the reference on CUDA and each of that reference's own flips, the reference's margin at the
-first token where the two part (its logprob of its own token minus that of the other run's): a near-tie that
-float32 noise decides shows a margin near zero.
+number of random prompts (24), ``--seed`` their seed (0: every run checks the same prompts); ``--rounding-only``
+runs only the rounding-on comparison on CUDA (no CPU engines, so many more prompts fit). The fast path's own flips
+between the two chunkings are printed too, and so is, for each flip against the reference on CUDA and each of that
+reference's own flips, the reference's margin at the first token where the two part (its logprob of its own token
+minus that of the other run's): a near-tie that float32 noise decides shows a margin near zero. Where the tiny V4,
+or the tiny V4.1 with its rounding off, differs from the CPU, the CPU's margin at each flip is printed the same
+way.
     python benchmarks/cuda_engine_check.py --slice-layers 4    # also: fast path vs reference path on the slice
 
 ``--slice-layers N``: the V4-Flash-width slice (``dsinfer make-slice``, random weights from one seed) in fp32 on
