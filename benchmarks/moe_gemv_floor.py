@@ -19,12 +19,12 @@ It needs a CUDA device. The kernels here are measuring probes, not a backend.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
-from moe_kernel import random_fp4_experts  # same folder
+from cold_copies import graph_ms  # same folder
+from moe_kernel import random_fp4_experts
 
 from dsinfer.ops.moe import decode_triton
 from dsinfer.ops.moe.weights import dequantize_expert
@@ -74,24 +74,6 @@ def _read_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, K8, w_es, w_rs, s_es, s_rs,
     tl.store(out_ptr + rows, tl.sum(codes, 1) + tl.sum(scales, 1))
 
 
-def replay_ms(fn, repeats: int = 3) -> float:
-    """Median milliseconds of one replay of ``fn`` captured as a CUDA graph (compiled by a first eager call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experts", type=int, default=256)
@@ -130,7 +112,7 @@ def main() -> None:
                 num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
             )  # fmt: skip
 
-    report(f"gate/up GEMV kernel {tuple(gate_up)}", replay_ms(current))
+    report(f"gate/up GEMV kernel {tuple(gate_up)}", graph_ms(current, 1, 3))
     sink = torch.empty(2 * inter, dtype=torch.int32, device=device)
     for rows, step in READ_TILES:
 
@@ -141,7 +123,7 @@ def main() -> None:
                     scales.stride(1), BLOCK_N=rows, WORDS=step, num_warps=2,
                 )  # fmt: skip
 
-        report(f"read only, {rows} rows x {step} words", replay_ms(read))
+        report(f"read only, {rows} rows x {step} words", graph_ms(read, 1, 3))
     out = torch.empty(k, 2 * inter, dtype=torch.float32, device=device)
     first = id_sets[0].tolist()
     exact = torch.stack([x.float() @ dequantize_expert(weights, int(e), torch.float32)[0].T for e in first])
@@ -156,7 +138,7 @@ def main() -> None:
 
         dot_scaled(id_sets[:1])
         error = ((out - exact.squeeze(1)).abs().max() / exact.abs().max()).item()
-        report(f"tl.dot_scaled, {rows} rows x {step} inputs, {warps} warps", replay_ms(dot_scaled),
+        report(f"tl.dot_scaled, {rows} rows x {step} inputs, {warps} warps", graph_ms(dot_scaled, 1, 3),
                f", relative error {error:.1e}")  # fmt: skip
 
 

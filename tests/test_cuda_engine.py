@@ -57,5 +57,6 @@ def test_cuda_engine_equals_cpu(arch, rounding, tiny_checkpoint, tiny_v41_checkp
     monkeypatch.setenv("DSINFER_OVERLAP", "0")
     one_stream = _greedy(checkpoint, "cuda", rounding)
     assert not uses, "DSINFER_OVERLAP=0 still used the side stream"
+    assert all(c.logprobs and len(c.logprobs) == len(c.token_ids) for c in cuda + one_stream), "logprobs missing"
     racing = [i for i, (a, b) in enumerate(zip(cuda, one_stream, strict=True)) if a.logprobs != b.logprobs]
     assert not racing, f"the side stream changed the logprobs of prompts {racing}: a race between the streams"
