@@ -13,6 +13,7 @@ import torch
 from dsinfer.ops.mhc import (
     hc_collapse_reference,
     hc_expand_reference,
+    hc_head_reference,
     hc_mixes_reference,
     hc_site_input_reference,
     hc_weights_reference,
@@ -95,8 +96,8 @@ def hyper_head(
     norm_eps: float,
     ops: OpTable | None = None,
 ) -> torch.Tensor:
-    """Final collapse of the streams before the output norm (V4's ``hc_head``); ``ops`` as for
-    :func:`collapse_streams` (and its ``hc_mixes`` backend)."""
-    mixes = (ops.hc_mixes if ops is not None else hc_mixes_reference)(streams, fn, norm_eps)
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return collapse_streams(streams, pre, ops)
+    """Final collapse of the streams before the output norm (V4's ``hc_head``): the mixes of the streams give
+    the collapse's weights. ``ops`` is the model's op table (its ``hc_head`` backend: at decode on CUDA the mixes
+    and one collapse launch); without one the torch reference runs."""
+    head = ops.hc_head if ops is not None else hc_head_reference
+    return head(streams, fn, base, scale, hc_eps, norm_eps)

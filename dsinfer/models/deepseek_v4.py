@@ -83,6 +83,7 @@ class DeepseekV4(DeepseekModel):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.ops: OpTable | None = None  # bound by use_ops (the head's collapse); None: the torch references
         self.rope = RopeTables(config)
         self.mtp = nn.ModuleList(
             MTPLayer(config, config.num_hidden_layers + i)
@@ -101,7 +102,7 @@ class DeepseekV4(DeepseekModel):
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         collapsed = hyper_head(
-            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps
+            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps, self.ops
         )
         return self.norm(collapsed)
 

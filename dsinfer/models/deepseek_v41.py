@@ -44,7 +44,7 @@ from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.registry import resolve
+from dsinfer.ops.registry import OpTable, resolve
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
@@ -161,6 +161,7 @@ class DeepseekV41(DeepseekModel):
         self.layers = nn.ModuleList(BlockV41(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops: OpTable | None = None  # bound by use_ops (the last collapse); None: the torch references
         self.rope = RopeTables(config)
         stages = config.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
@@ -292,7 +293,7 @@ class DeepseekV41(DeepseekModel):
 
     def final_hidden(self, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Collapse with the last site's mix (no ``hc_head`` in V4.1), then the output norm."""
-        return self.norm(collapse_streams(streams, pre_mix))
+        return self.norm(collapse_streams(streams, pre_mix, self.ops))
 
     def encode_images(self, images: list) -> list[torch.Tensor]:
         """Each image's span of embeddings [num_tokens, hidden] (one packed pass through the vision tower)."""

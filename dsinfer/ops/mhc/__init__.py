@@ -10,13 +10,15 @@ backend reads the streams once too, instead of writing and re-reading a normalis
 backend turns each token's mixes into ``pre``, ``post`` and Sinkhorn's ``comb`` in one launch instead of ~13.
 ``hc_site_input(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)`` is a site's mixes, weights
 and collapse together, returned as two halves (:mod:`dsinfer.ops.mhc.site_parts`) so that the weights can run
-beside the block: at decode its backend runs them in three launches instead of four.
+beside the block: at decode its backend runs them in three launches instead of four. ``hc_head(streams, fn, base,
+scale, hc_eps, norm_eps)`` is V4's last collapse, with weights from the streams' own mixes: at decode two launches.
 """
 
-from dsinfer.ops.mhc import mixes_triton, site_triton, triton, weights_triton  # noqa: F401  (register the backends)
+from dsinfer.ops.mhc import head_triton, mixes_triton, site_triton, triton, weights_triton  # noqa: F401  (backends)
 from dsinfer.ops.mhc.reference import (
     hc_collapse_reference,
     hc_expand_reference,
+    hc_head_reference,
     hc_mixes_reference,
     hc_site_input_reference,
     hc_weights_reference,
@@ -25,6 +27,7 @@ from dsinfer.ops.mhc.reference import (
 __all__ = [
     "hc_collapse_reference",
     "hc_expand_reference",
+    "hc_head_reference",
     "hc_mixes_reference",
     "hc_site_input_reference",
     "hc_weights_reference",

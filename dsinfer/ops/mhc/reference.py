@@ -7,7 +7,8 @@ streams' dtype first, rounds the spread product and the mixing matmul each to th
 normalise a float32 copy of the flattened streams and project it with a float32 GEMM; the weights turn the mixes
 into ``pre``, ``post`` and ``comb`` in float32, one torch operation after the other. A site's input
 (``hc_site_input``) is those three, collapsing with the site's own ``pre`` or a carried mix, in two halves
-(:mod:`dsinfer.ops.mhc.site_parts`).
+(:mod:`dsinfer.ops.mhc.site_parts`). V4's head (``hc_head``) is the mixes and the collapse with a ``pre`` of
+its own.
 """
 
 from __future__ import annotations
@@ -72,6 +73,23 @@ def hc_weights_reference(
     comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
     comb = sinkhorn_reference(torch.softmax(comb_logits, dim=-1) + hc_eps, iterations, hc_eps)
     return pre, post, comb
+
+
+def head_pre(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float) -> torch.Tensor:
+    """The head's collapse weights [..., n] (float32) from its raw mixes [..., n]: a site's ``pre`` formula, with
+    the head's one ``scale`` entry and ``n`` biases."""
+    return torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+
+
+@register("hc_head", REFERENCE)
+def hc_head_reference(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
+    """V4's ``hc_head``: the streams [..., n, D] collapsed into the final hidden state [..., D] (streams' dtype)
+    with weights from their own mixes (``fn`` [n, n * D], ``base`` [n], ``scale`` [1]): the mixes and collapse
+    references around :func:`head_pre`."""
+    pre = head_pre(hc_mixes_reference(streams, fn, norm_eps), base, scale, hc_eps)
+    return hc_collapse_reference(streams, pre)
 
 
 @register("hc_site_input", REFERENCE)

@@ -172,7 +172,7 @@ def _serves(
     return carried_mix is None or (carried_mix.dtype == torch.float32 and carried_mix.shape == streams.shape[:-1])
 
 
-def _blocks(tokens: int, width: int, split: int) -> tuple[int, int]:
+def collapse_blocks(tokens: int, width: int, split: int) -> tuple[int, int]:
     """Tokens and collapse columns per program: at most MAX_TOKENS tokens and MAX_PARTIALS partial rows, and
     COLLAPSE_ELEMENTS values per stream row block (at least MIN_COLUMNS columns, at most the width)."""
     block_t = min(MAX_TOKENS, max(1, MAX_PARTIALS // triton.next_power_of_2(split)), triton.next_power_of_2(tokens))
@@ -240,7 +240,7 @@ class _SplitSite:
     def launch(self, collapse: bool):
         """The collapse's column blocks (the block input) or column 0 (``pre``, ``post``, ``comb``)."""
         tokens, n, width = self.flat.shape[0], self.n, self.width
-        block_t, block_d = _blocks(tokens, width, self.split)
+        block_t, block_d = collapse_blocks(tokens, width, self.split)
         grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_d) if collapse else 1)
         carried = self.pre if self.carried is None else self.carried  # pre: not read
         if collapse and self.carried is not None:  # no partial sums read: any float32 pointers serve
