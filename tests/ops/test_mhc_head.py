@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from interpreted import assert_interpreted_cases_pass
+from test_mhc_site import _excess
 
 from dsinfer.layers.mhc import collapse_streams, hyper_head
 from dsinfer.ops import registry
@@ -67,20 +68,6 @@ def make_inputs(case: Case, device: torch.device) -> dict:
         "scale": torch.rand(1, generator=gen) * 2 + 0.1,
     }
     return {name: value.to(device) for name, value in inputs.items()}
-
-
-def _excess(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> str | None:
-    """None if ``got`` is within ``bound`` of ``expected`` everywhere (and of its shape and dtype), else why not."""
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return f"shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
-    error = (got.double() - expected.double()).abs()
-    over = ~(error <= bound)  # a NaN is over too
-    if over.any():
-        worst = (error - bound).nan_to_num(float("inf")).argmax()
-        return (
-            f"{int(over.sum())} of {got.numel()} off, worst {error.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g}"
-        )
-    return None
 
 
 def check_head(case: Case, device: torch.device) -> list[str]:
