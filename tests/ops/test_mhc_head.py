@@ -19,7 +19,7 @@ from test_mhc_site import _excess
 
 from dsinfer.layers.mhc import collapse_streams, hyper_head
 from dsinfer.ops import registry
-from dsinfer.ops.mhc.reference import hc_head_reference, hc_mixes_reference
+from dsinfer.ops.mhc.reference import hc_head_reference, hc_mixes_reference, head_pre
 
 HC_EPS = 1e-6
 NORM_EPS = 1e-6
@@ -81,7 +81,7 @@ def check_head(case: Case, device: torch.device) -> list[str]:
     streams = inputs["streams"]
     expected = hc_head_reference(streams, inputs["fn"], inputs["base"], inputs["scale"], HC_EPS, NORM_EPS)
     mixes = hc_mixes_reference(streams, inputs["fn"], NORM_EPS)
-    pre = torch.sigmoid(mixes * inputs["scale"] + inputs["base"]) + HC_EPS
+    pre = head_pre(mixes, inputs["base"], inputs["scale"], HC_EPS)
     wide = streams.double()
     bound = 2**-20 * (pre.double().unsqueeze(-1) * wide).abs().sum(-2)
     if case.dtype != torch.float32:
@@ -95,7 +95,6 @@ def check_unsplit_runs_the_separate_backends() -> list[str]:
     """Without a column split the backend's answer is the mixes and collapse backends' around the head's weights."""
     from dsinfer.ops.mhc.head_triton import hc_head_triton
     from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, plan_for
-    from dsinfer.ops.mhc.reference import head_pre
     from dsinfer.ops.mhc.triton import hc_collapse_triton
 
     inputs = make_inputs(Case(3, 64, dtype=torch.bfloat16, seed=200), torch.device("cpu"))
