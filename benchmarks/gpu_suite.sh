@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and timings behind docs/perf.md and docs/perf-fast-path.md, run in one go on one machine (stages chosen by name).
+# The GPU checks and timings behind docs/perf.md, run in one go on one machine (stages chosen by name).
 #
 #   OUT=results bash benchmarks/gpu_suite.sh ops fast v41 ep            # each stage's log under $OUT
 #

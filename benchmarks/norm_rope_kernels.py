@@ -1,5 +1,5 @@
 """The norm and RoPE kernels at a prefill chunk's shapes, each timed alone in a CUDA graph (H200 numbers in
-docs/perf-fast-path-pass5.md).
+docs/perf.md, pass 5).
 
     python benchmarks/norm_rope_kernels.py                 # 4,096 tokens
     python benchmarks/norm_rope_kernels.py --tokens 1 32   # decode steps

@@ -2,7 +2,7 @@
 dequantised to the compute dtype on load, by policy.
 
 ``keep`` holds half the bytes of bf16; ``dequantize`` is what Hopper servers do when no fused FP8 kernel beats a
-bf16 GEMM at the shapes served. docs/perf-fast-path.md records the measurement behind the default.
+bf16 GEMM at the shapes served. docs/perf.md records the measurement behind the default.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.ops.quant import quantize_fp8_blockwise
 
 FP8_LINEAR_POLICIES = ("keep", "dequantize")
-# Measured on the H200 (docs/perf-fast-path-pass8.md): kept as codes, the linears run the ``fp8_linear`` Triton
+# Measured on the H200 (docs/perf.md, pass 8): kept as codes, the linears run the ``fp8_linear`` Triton
 # kernels. The V4 slice then decodes one request 4.8% faster (1.112 against 1.168 ms), 32 requests level, and
 # prefills 1.7% slower; the V4.1 slice decodes 3% slower. So CUDA dequantises once on load, as Hopper servers do,
 # and ``keep`` is there for memory (the release's bytes exactly). Elsewhere memory is the scarcer resource.

@@ -18,7 +18,7 @@ before the wait may read only what no kernel of the step writes: the weights. CU
 The kernels that launch as dependents are the FP8 GEMV (``fp8_linear`` at one token), whose first step's weight
 loads run before its wait. The norms, RoPE, the RoPE angles, SwiGLU, the routed experts' GEMVs and the FP8 GEMV
 let dependents launch. On the H200 the V4 slice with its FP8 linears kept decoded one request in 1.065 ms
-against 1.082 without (docs/perf-fast-path-pass10.md); every graph stayed bit-identical to its eager step."""
+against 1.082 without (docs/perf.md, pass 10); every graph stayed bit-identical to its eager step."""
 
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
 
 def test_gemv_launch_by_kind_of_weight():
     """Grouped weights, tall weights (V4.1's Engram wkv) and the rest each take the launch the H200 sweep with no
-    weight in L2 found fastest for them (docs/perf-fast-path-pass11.md)."""
+    weight in L2 found fastest for them (docs/perf.md, pass 11)."""
     pytest.importorskip("triton")
     from dsinfer.ops.fp8_linear import gemv_triton
 

@@ -84,7 +84,7 @@ if triton is not None:
         The seven candidates are tried side by side ([R, 8, C], the eighth slot unused): the same divisions and
         comparisons as one try after another, but one chain of dependent steps instead of seven. (On the H200 the
         V4.1 slice's fused coded stores took 32.4 us a step against 32.9 before: the search is not what they
-        wait for; docs/perf-fast-path-pass9.md.)"""
+        wait for; docs/perf.md, pass 9.)"""
         rule, unused = block_scale(amax, 1)
         j = tl.arange(0, 8)
         m = tl.where(j == 1, 4.0, tl.where(j == 2, 3.0, tl.where(j == 3, 2.0, tl.where(j == 4, 1.5, 1.0))))

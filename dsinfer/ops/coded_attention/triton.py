@@ -30,7 +30,7 @@ heads x 512, bf16, with entries: ``once`` 106 / 138 registers a thread at 16 / 3
 108 / 138) and 66,560 / 83,968 bytes of shared memory, against 226 / 250 and 59,648 / 77,056 for ``twice``.
 
 On the H200 (``benchmarks/attention_decode.py --coded --layers csa hca window --batch 1 32 --context 256``,
-docs/perf-fast-path-pass10.md), graph replays at V4.1-Flash's shapes: one sequence 1.05-1.10x faster than
+docs/perf.md, pass 10), graph replays at V4.1-Flash's shapes: one sequence 1.05-1.10x faster than
 ``twice`` (CSA 11.3 against 11.8 us), 32 sequences 1.14-1.31x (CSA 28.0 against 36.8 us).
 """
 

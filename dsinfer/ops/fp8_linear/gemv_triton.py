@@ -17,7 +17,7 @@ in the ``tl.dot`` kernel: the last split of a tile to arrive adds the splits in 
 On sm_90+ the GEMV launches as a programmatic dependent (:mod:`dsinfer.ops.dependent_launch`): it lets the next
 kernel launch, issues its first step's weight loads (codes and scales, which no kernel of a step writes), and only
 then waits for the kernel ahead before it reads its input. On the H200 that took the V4 slice's one-request step
-with its FP8 linears kept from 1.082 to 1.065 ms (docs/perf-fast-path-pass10.md).
+with its FP8 linears kept from 1.082 to 1.065 ms (docs/perf.md, pass 10).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Fp8GemvConfig:
 
 
 # The launches of the H200 sweep with every call reading a weight that is not in L2, as in a model's step
-# (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold``, docs/perf-fast-path-pass11.md):
+# (``benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold``, docs/perf.md, pass 11):
 # four-warp programs of 8 rows and 1024-column steps (splits for two programs an SM) took V4-Flash's wo_b
 # (4096 x 8192) in 0.0118 ms against 0.0155 for the earlier (8, 512, 2 warps, two an SM), the shared expert's
 # w1 + w3 in 0.0065 against 0.0086 and its w2 in 0.0040 against 0.0050; at V4.1-Flash's widths main_proj in 0.0287

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # Steps of up to this many tokens read the codes in the kernel; more go through a dequantised weight and cuBLAS
 # ($DSINFER_FP8_KERNEL_MAX_TOKENS, 0: never the kernel). On the H200 the kernel's layer of linears took 0.122 ms
-# at 32 tokens against 0.180 at 64, where the dequantised weight and cuBLAS take less (docs/perf-fast-path-pass8.md).
+# at 32 tokens against 0.180 at 64, where the dequantised weight and cuBLAS take less (docs/perf.md, pass 8).
 MAX_KERNEL_TOKENS = 32
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -61,7 +61,7 @@ if triton is not None:
 # One warp per program, as hc_weights' kernel runs (its n x n reductions and Sinkhorn rounds stay in the warp).
 # The sizes follow the separate kernels' H200 tuning. On the H200 the fused kernel takes 6.2 us a site in the V4
 # slice's decode graph, against 5.4 us for the three kernels it replaces; the launches it saves pay that back
-# (docs/perf-fast-path-pass9.md). Compiled for sm_90 they take at most 168 registers a thread, without spills.
+# (docs/perf.md, pass 9). Compiled for sm_90 they take at most 168 registers a thread, without spills.
 NUM_WARPS = 1
 MAX_TOKENS = 8  # tokens per program, as hc_weights' kernel takes
 MAX_PARTIALS = 64  # (token, split) rows per program: column 0 holds [rows, n, n] comb partials, 32 values a thread

@@ -135,7 +135,7 @@ class DecodeGemvConfig(NamedTuple):
 
 DECODE_GEMV_CONFIG = DecodeGemvConfig(GemvConfig(8, 512, 2, 1), GemvConfig(16, 512, 2, 1), 3)
 """Default launches, from ``benchmarks/moe_kernel.py --decode-gemv --sweep`` on the H200 at one token
-(docs/perf-fast-path-pass9.md):
+(docs/perf.md, pass 9):
 
 * gate/up: 6 x 2048 / 8 = 1536 two-warp programs of 8 rows (V4-Flash widths). Smaller programs, more of them, were
   faster: four-warp programs of 32 and 16 rows took 0.0801 ms for both kernels, two- and one-warp programs of 16

@@ -11,7 +11,7 @@ Bit-identical to the reference: the pairs are rotated in float32 as ``even * cos
 float32 as torch does, then rounded once to ``x``'s dtype. The kernel is compiled with ``enable_fp_fusion=False``:
 with fusion the compiler contracts ``a * b - c * d`` into a fused multiply-add, which skips one rounding and can
 change the last float32 bit (and, rarely, the bf16 result). The unfused multiplies cost nothing measurable next
-to the loads (on the H200 the in-place [4096, 64, 512] call takes 75.6 us: docs/perf-fast-path-pass5.md,
+to the loads (on the H200 the in-place [4096, 64, 512] call takes 75.6 us: docs/perf.md, pass 5,
 ``benchmarks/norm_rope_kernels.py``).
 
 With ``in_place`` (an x the caller owns, viewable as [N, M, dim]: contiguous, or a column slice of a wider

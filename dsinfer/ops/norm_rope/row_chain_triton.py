@@ -2,7 +2,7 @@
 none), each program loading whole rows once, running the chain in registers and storing each row once. It serves
 ``rms_normalize_rope`` (the query's weightless norm and RoPE, registered here), the ``rope`` op into a new tensor
 (:mod:`~dsinfer.ops.norm_rope.rope_triton`: faster than the rope kernel's layout there at every shape measured on
-the H200, docs/perf-fast-path-pass6.md) and ``rope_and_round`` (:mod:`dsinfer.ops.rope_round`).
+the H200, docs/perf.md, pass 6) and ``rope_and_round`` (:mod:`dsinfer.ops.rope_round`).
 
 A V4.1 decode step ran its rounding chains as 17 launches more than it needed (``kv_norm``, RoPE and the FP8
 rounding of the window K=V in every layer; RoPE and the FP4 rounding of the compressed entries, index keys and

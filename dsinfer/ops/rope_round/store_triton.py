@@ -44,7 +44,7 @@ channels, and the sm_90 code of the FP4 / e4m3 entries' store is 1536 instructio
 (the window's FP8 store: 584 against 752). On the H200 the V4.1 slice's eight stores a decode step took 23.8 us
 against 33.0 with coded storage and 13.9 against 16.1 in model dtype (``DSINFER_STORE_WARPS=4|8 python3
 benchmarks/v41_decode_checks.py --experts 384 --batches 1 --context 256 --repeats 30 --profile 40``,
-docs/perf-fast-path-pass12.md). ``DSINFER_STORE_WARPS`` overrides it (a power of two, 1 to 16)."""
+docs/perf.md, pass 12). ``DSINFER_STORE_WARPS`` overrides it (a power of two, 1 to 16)."""
 
 
 def store_warps(width: int) -> int | None:
