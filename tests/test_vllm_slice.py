@@ -138,3 +138,11 @@ def test_tiny_dsinfer_run_fills_its_column_beside_an_earlier_vllm_one(tmp_path):
     assert "| 0 | decode 2 @ 16 | ms/step | - (stopped at its 540 s limit) |" in table
     config = json.loads((tmp_path / "model" / "dsinfer" / "config.json").read_text())
     assert config == json.loads((tmp_path / "model" / "vllm" / "config.json").read_text())
+
+
+def test_a_spent_budget_starts_no_child_and_still_prints_the_table(tmp_path):
+    command = [sys.executable, str(PEERS / "vllm_slice.py"), "--tiny", "--budget", "0", "--out", str(tmp_path)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "| 1 | decode 2 @ 16 | ms/step | - (not started: the run's --budget was spent) |" in finished.stdout
+    assert not list(tmp_path.glob("*.log"))  # no child ran

@@ -79,40 +79,62 @@ def dsinfer_engine_options(points: list[Point], mtp: int, gpu_util: float, decod
     )
 
 
-class VllmEngine:
-    """``vllm.LLM`` behind the two calls the timing needs."""
+class OfflineEngine:
+    """An engine's offline ``LLM`` behind the calls the timing makes; subclasses say how to build a request."""
+
+    def __init__(self, llm, step_engine, sampling_params_class) -> None:
+        self.llm, self.engine, self.params = llm, step_engine, sampling_params_class
+        self.added = 0
+
+    def sampling(self, new_tokens: int):
+        """Greedy, exactly ``new_tokens`` tokens (end-of-sequence ignored), no text."""
+        return self.params(
+            max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+        )
+
+    def prompt(self, ids: list[int]):
+        return ids
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> float:
+        inputs = [self.prompt(ids) for ids in prompts]
+        start = time.perf_counter()
+        outputs = self.llm.generate(inputs, self.sampling(new_tokens), use_tqdm=False)
+        took = time.perf_counter() - start
+        lengths = {len(o.outputs[0].token_ids) for o in outputs}
+        if lengths != {new_tokens}:
+            raise RuntimeError(f"asked for {new_tokens} tokens per request, got {sorted(lengths)}")
+        return took
+
+    def add(self, prompt: list[int], new_tokens: int) -> None:
+        self.added += 1
+        self._add(f"stream-{self.added}", self.prompt(prompt), self.sampling(new_tokens))
+
+    def _add(self, request_id: str, prompt, params) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list:
+        return self.engine.step()
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+
+class VllmEngine(OfflineEngine):
+    """``vllm.LLM``; its step loop is ``llm.llm_engine``."""
 
     def __init__(self, engine_args: dict) -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.llm, self.params, self.prompt = LLM(**engine_args), SamplingParams, TokensPrompt
-        self.added = 0
+        llm = LLM(**engine_args)
+        super().__init__(llm, llm.llm_engine, SamplingParams)
+        self.tokens_prompt = TokensPrompt
 
-    def sampling(self, new_tokens: int):
-        return self.params(
-            max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False
-        )
+    def prompt(self, ids: list[int]):
+        return self.tokens_prompt(prompt_token_ids=ids)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        inputs = [self.prompt(prompt_token_ids=ids) for ids in prompts]
-        start = time.perf_counter()
-        outputs = self.llm.generate(inputs, self.sampling(new_tokens), use_tqdm=False)
-        took = time.perf_counter() - start
-        check_lengths([len(o.outputs[0].token_ids) for o in outputs], new_tokens)
-        return took
-
-    def add(self, prompt: list[int], new_tokens: int) -> None:
-        self.added += 1
-        self.llm.llm_engine.add_request(
-            f"stream-{self.added}", self.prompt(prompt_token_ids=prompt), self.sampling(new_tokens)
-        )
-
-    def step(self) -> list:
-        return self.llm.llm_engine.step()
-
-    def busy(self) -> bool:
-        return self.llm.llm_engine.has_unfinished_requests()
+    def _add(self, request_id: str, prompt, params) -> None:
+        self.engine.add_request(request_id, prompt, params)
 
     def describe(self) -> str:
         """The model class vLLM built, how its routed experts run (read inside its worker), and its cache."""
@@ -120,7 +142,7 @@ class VllmEngine:
             built = self.llm.apply_model(describe_vllm_model)[0]
         except Exception as exc:  # inspection is informative only
             built = f"(could not inspect the model: {type(exc).__name__}: {exc})"
-        cache = self.llm.llm_engine.vllm_config.cache_config
+        cache = self.engine.vllm_config.cache_config
         return f"{built}; cache {cache.num_gpu_blocks} blocks of {cache.block_size} tokens ({cache.cache_dtype})"
 
 
@@ -133,49 +155,25 @@ def describe_vllm_model(model) -> str:
     return f"{type(model).__name__}: {len(experts)} routed-expert layers, {type(method).__name__}{backend}"
 
 
-class DsinferEngine:
-    """``dsinfer.llm.LLM`` behind the same calls."""
+class DsinferEngine(OfflineEngine):
+    """``dsinfer.llm.LLM``; its step loop is ``llm.engine``."""
 
     def __init__(self, model_dir: str, options: dict) -> None:
         from dsinfer.llm import LLM
         from dsinfer.sampling_params import SamplingParams
 
-        self.llm, self.params = LLM(model_dir, **options), SamplingParams
-        self.added = 0
+        llm = LLM(model_dir, **options)
+        super().__init__(llm, llm.engine, SamplingParams)
 
-    def sampling(self, new_tokens: int):
-        return self.params(
-            max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False
-        )
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        start = time.perf_counter()
-        outputs = self.llm.generate(prompts, self.sampling(new_tokens), use_tqdm=False)
-        took = time.perf_counter() - start
-        check_lengths([len(o.outputs[0].token_ids) for o in outputs], new_tokens)
-        return took
-
-    def add(self, prompt: list[int], new_tokens: int) -> None:
-        self.added += 1
-        self.llm.engine.add_request(prompt, self.sampling(new_tokens), request_id=f"stream-{self.added}")
-
-    def step(self) -> list:
-        return self.llm.engine.step()
-
-    def busy(self) -> bool:
-        return self.llm.engine.has_unfinished_requests()
+    def _add(self, request_id: str, prompt, params) -> None:
+        self.engine.add_request(prompt, params, request_id=request_id)
 
     def describe(self) -> str:
-        model, engine = self.llm.model, self.llm.engine
+        model, runner = self.llm.model, self.engine.runner
         return (
             f"{type(model).__name__}, {model.config.num_hidden_layers} layers, dummy weights (FP4 experts "
-            f"packed); cache {engine.runner.num_blocks} blocks of {engine.runner.block_tokens} tokens"
+            f"packed); cache {runner.num_blocks} blocks of {runner.block_tokens} tokens"
         )
-
-
-def check_lengths(lengths: list[int], expected: int) -> None:
-    if any(n != expected for n in lengths):
-        raise RuntimeError(f"asked for {expected} tokens per request, got {sorted(set(lengths))}")
 
 
 def versions(engine: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from slice_table import merge_record, render_table  # noqa: E402
 from slice_timing import DECODE_TOKENS, DEFINITIONS, STREAM_WARM_TOKENS, default_points, long_points  # noqa: E402
 
 ENGINES = ("vllm", "dsinfer")
+MIN_CHILD_SECONDS = 20  # a child given less than this could not even start an engine
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,7 +58,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--only", choices=["vllm", "dsinfer", "both"], default="both")
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
     parser.add_argument("--gpu-util", type=float, default=0.85, help="both engines' gpu_memory_utilization")
-    parser.add_argument("--child-timeout", type=float, default=540.0, help="seconds per engine child")
+    parser.add_argument("--child-timeout", type=float, default=540.0, help="seconds per engine child at most")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run: a child gets at most what is left, and none starts with less than 20 s left",
+    )
     parser.add_argument("--vllm-site", default="/tmp/vllm-site", help="where the kit installed vLLM")
     parser.add_argument("--python", default=sys.executable, help="the interpreter the children run")
     parser.add_argument("--tiny", action="store_true", help="dsinfer's tiny V4 on the CPU, small points")
@@ -108,62 +116,57 @@ def child_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Path, args) -> dict[str, Any]:
-    """One engine child under its time limit; its result file, or a record saying why there is none."""
-    out = Path(args.out)
-    name = f"{engine}-mtp{mtp}-{set_name}"
-    points_file, result_file, log_file = out / f"{name}.points.json", out / f"{name}.result.json", out / f"{name}.log"
-    points_file.write_text(json.dumps([p.as_dict() for p in points]))
-    result_file.unlink(missing_ok=True)
-    command = [
-        args.python,
-        str(HERE / "slice_engines.py"),
-        "--engine",
-        engine,
-        "--model-dir",
-        str(model_dir),
-        "--points",
-        str(points_file),
-        "--result",
-        str(result_file),
-        "--mtp",
-        str(mtp),
-        "--decode-tokens",
-        str(args.decode_tokens),
-        "--gpu-util",
-        str(args.gpu_util),
-        "--device",
-        "cpu" if args.tiny else "cuda",
-    ]
-    print(f"=== {name}: {len(points)} points, limit {args.child_timeout:.0f} s", flush=True)
-    start, stopped = time.time(), None
-    with log_file.open("w") as log:
+def child_command(engine: str, mtp: int, files: dict[str, Path], model_dir: Path, args) -> list[str]:
+    options = {"--engine": engine, "--model-dir": model_dir, "--points": files["points"], "--result": files["result"],
+               "--mtp": mtp, "--decode-tokens": args.decode_tokens, "--gpu-util": args.gpu_util,
+               "--device": "cpu" if args.tiny else "cuda"}  # fmt: skip
+    return [args.python, str(HERE / "slice_engines.py"), *(str(x) for pair in options.items() for x in pair)]
+
+
+def run_limited(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Run ``command`` in a process group of its own (vLLM's engine starts processes of its own); past ``limit``
+    seconds stop the whole group, so nothing of it keeps GPU memory from the next child. None: it was stopped."""
+    with log.open("w") as stderr:
+        child = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True)
         try:
-            finished = subprocess.run(command, env=child_env(engine, args), stderr=log, timeout=args.child_timeout)
-            code = finished.returncode
+            return child.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            code, stopped = None, f"stopped at its {args.child_timeout:.0f} s limit"
-    record = {"engine": engine, "mtp": mtp, "rows": {}}
-    if result_file.is_file():
-        record = json.loads(result_file.read_text())
-    record.update(
-        set=set_name,
-        wall_s=time.time() - start,
-        exit_code=code,
-        log=log_file.name,
-        labels=[p.label for p in points],
-        units=[p.unit for p in points],
-    )
-    if stopped is not None or (code != 0 and "error" not in record):
-        record.setdefault("error", stopped or f"exited with {code} before writing its result (see {log_file.name})")
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return None
+
+
+def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Path, args) -> dict[str, Any]:
+    """One engine child under its time limit (the smaller of --child-timeout and what --budget has left); its
+    result file, or a record saying why there is none."""
+    out, name = Path(args.out), f"{engine}-mtp{mtp}-{set_name}"
+    files = {kind: out / f"{name}.{kind}.json" for kind in ("points", "result")}
+    files["points"].write_text(json.dumps([p.as_dict() for p in points]))
+    files["result"].unlink(missing_ok=True)
+    limit = min(args.child_timeout, args.deadline - time.time())
+    base = {"engine": engine, "mtp": mtp, "rows": {}, "set": set_name, "labels": [p.label for p in points],
+            "units": [p.unit for p in points]}  # fmt: skip
+    if limit < MIN_CHILD_SECONDS:
+        print(f"=== {name}: not started, {max(limit, 0):.0f} s of the run's budget left", flush=True)
+        return {**base, "error": "not started: the run's --budget was spent"}
+    print(f"=== {name}: {len(points)} points, limit {limit:.0f} s", flush=True)
+    start, log = time.time(), out / f"{name}.log"
+    code = run_limited(child_command(engine, mtp, files, model_dir, args), child_env(engine, args), log, limit)
+    record = json.loads(files["result"].read_text()) if files["result"].is_file() else {}
+    record = {**base, **record, "set": set_name, "wall_s": time.time() - start, "exit_code": code, "log": log.name}
+    if code is None:
+        record.setdefault("error", f"stopped at its {limit:.0f} s limit")
+    elif code != 0:
+        record.setdefault("error", f"exited with {code} before writing its result (see {log.name})")
     if code != 0:
-        print("\n".join(log_file.read_text(errors="replace").splitlines()[-25:]), flush=True)
+        print("\n".join(log.read_text(errors="replace").splitlines()[-25:]), flush=True)
     print(f"=== {name}: exit {code} after {record['wall_s']:.0f} s", flush=True)
     return record
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.deadline = time.time() + (args.budget if args.budget is not None else float("inf"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
