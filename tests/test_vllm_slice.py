@@ -50,11 +50,12 @@ def test_engine_settings_match_and_capture_the_measured_batches():
 
 
 class FakeEngine:
-    """Every step takes one second of a fake clock and gives each running request one token; the first step
-    prefills (its token is the first)."""
+    """A step gives each running request one token and takes a fake second times the share of requests still
+    running. ``staggered``: the n-th request's prefill (its first token) comes in step n, as a long prompt's
+    chunks spread a batch's prefills over many steps."""
 
-    def __init__(self, clock):
-        self.clock, self.requests = clock, {}
+    def __init__(self, clock, staggered=False):
+        self.clock, self.requests, self.staggered, self.steps = clock, {}, staggered, 0
 
     def add(self, prompt, new_tokens):
         self.requests[f"r{len(self.requests)}"] = [0, new_tokens]
@@ -63,12 +64,15 @@ class FakeEngine:
         return any(have < want for have, want in self.requests.values())
 
     def step(self):
-        self.clock[0] += 1.0
+        running = [(rid, held) for rid, held in self.requests.items() if held[0] < held[1]]
+        self.clock[0] += len(running) / len(self.requests)
+        self.steps += 1
         outputs = []
-        for request_id, held in self.requests.items():
-            if held[0] < held[1]:
-                held[0] += 1
-                outputs.append(Output(request_id, held[0]))
+        for index, (request_id, held) in enumerate(running):
+            if held[0] == 0 and self.staggered and index >= self.steps:
+                continue  # not prefilled yet
+            held[0] += 1
+            outputs.append(Output(request_id, held[0]))
         return outputs
 
     def generate(self, prompts, new_tokens):
@@ -86,17 +90,22 @@ class Output:
         self.request_id, self.outputs = request_id, [type("Completion", (), {"token_ids": [7] * tokens})()]
 
 
-def test_both_decode_methods_count_steps(monkeypatch):
+def test_both_decode_methods_time_full_batch_steps(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(slice_timing.time, "perf_counter", lambda: clock[0])
-    engine, prompts = FakeEngine(clock), slice_timing.PromptMaker(100)
+    prompts = slice_timing.PromptMaker(100)
     generate = slice_timing.Point("decode", batch=3, context=8)
-    stream = replace(generate, method="stream")
-    # one fake second a step: both methods give 1000 ms/step, whatever the fixed overhead
-    assert slice_timing.measure_point(generate, engine, prompts, decode_tokens=5) == pytest.approx(1000.0)
-    assert slice_timing.measure_point(stream, engine, prompts, decode_tokens=5) == pytest.approx(1000.0)
+    # a full-batch step is one fake second: both methods give 1000 ms/step, whatever the fixed overhead
+    measured = slice_timing.measure_point(generate, FakeEngine(clock), prompts, decode_tokens=5, budget=16384)
+    assert measured == pytest.approx(1000.0)
+    # staggered prefills: the requests prefilled first must not finish (and cheapen the steps) inside the window
+    stream = slice_timing.Point("decode", batch=6, context=8192, method="stream")
+    staggered = FakeEngine(clock, staggered=True)
+    assert slice_timing.measure_point(stream, staggered, prompts, decode_tokens=5, budget=8192) == pytest.approx(1e3)
+    assert not staggered.busy()  # the rest was run out
     prefill = slice_timing.Point("prefill", tokens=64)
-    assert slice_timing.measure_point(prefill, engine, prompts, decode_tokens=5) == pytest.approx(64 / 1.25)
+    measured = slice_timing.measure_point(prefill, FakeEngine(clock), prompts, decode_tokens=5, budget=16384)
+    assert measured == pytest.approx(64 / 1.25)
 
 
 def test_ratio_is_dsinfer_speed_over_vllm_speed():

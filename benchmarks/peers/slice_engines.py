@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slice_timing import DECODE_TOKENS, Point, PromptMaker, engine_limits, graph_batches, measure_point  # noqa: E402
+from slice_timing import (
+    DECODE_TOKENS,
+    Point,
+    PromptMaker,
+    engine_limits,
+    graph_batches,
+    measure_point,
+    step_budget,
+)  # noqa: E402
 
 KV_CACHE_DTYPE = "fp8"  # vLLM 0.26 stores V4's cache as fp8_ds_mla and refuses "auto" for V4 on NVIDIA
 BLOCK_SIZE = 256
@@ -142,8 +150,9 @@ class VllmEngine(OfflineEngine):
             built = self.llm.apply_model(describe_vllm_model)[0]
         except Exception as exc:  # inspection is informative only
             built = f"(could not inspect the model: {type(exc).__name__}: {exc})"
-        cache = self.engine.vllm_config.cache_config
-        return f"{built}; cache {cache.num_gpu_blocks} blocks of {cache.block_size} tokens ({cache.cache_dtype})"
+        cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
+        blocks, size, dtype = (getattr(cache, name, "?") for name in ("num_gpu_blocks", "block_size", "cache_dtype"))
+        return f"{built}; cache {blocks} blocks of {size} tokens ({dtype})"
 
 
 def describe_vllm_model(model) -> str:
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for point in points:
         row: dict[str, Any] = {"unit": point.unit, "method": point.method if point.kind == "decode" else "prefill"}
         try:
-            row["value"] = measure_point(point, engine, prompts, args.decode_tokens)
+            row["value"] = measure_point(point, engine, prompts, args.decode_tokens, step_budget(points))
             print(f"{args.engine} (mtp {args.mtp}) {point.label}: {row['value']:.2f} {point.unit}", flush=True)
         except Exception as exc:  # out of memory, a missing kernel: this row says so, the others still run
             traceback.print_exc()

@@ -13,7 +13,9 @@ request runs exactly as long as asked, no detokenisation, prefix caching off.
 * decode B @ C (``stream`` method, for contexts where three prefills of B x C tokens would not fit a run): one
   ``generate``-like loop over the engine's own ``step()``; the wall clock is read when every sequence holds
   1 + W tokens and again when every one holds 1 + W + D; ms/step = the difference / D. One prefill, the same
-  definition of a step.
+  definition of a step. Every request may run on past 1 + W + D by as many tokens as the fill has steps, so the
+  ones prefilled first are still decoding when the last one starts: the timed steps all decode B sequences.
+  The rest is run out untimed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 DECODE_TOKENS = 128
 GENERATE_WARM_TOKENS = 4
 STREAM_WARM_TOKENS = 8
+MIN_STEP_TOKENS = 16384
 DEFINITIONS = {
     "prefill": "one N-token prompt, 1 output token: N / wall time of generate(), after an untimed identical one",
     "generate": "(t(generate 1+D tokens) - t(generate 1 token)) / D for B prompts of C tokens, after an untimed "
@@ -82,17 +85,36 @@ def long_points(batches: Sequence[int], context: int) -> list[Point]:
     return [Point("decode", batch=b, context=context, method="stream") for b in batches]
 
 
+def step_budget(points: Sequence[Point]) -> int:
+    """Tokens per step: the longest prefill in one step, and never below 16,384."""
+    return max([p.tokens for p in points if p.kind == "prefill"] + [MIN_STEP_TOKENS])
+
+
+def stream_run_on(point: Point, budget: int) -> int:
+    """Tokens a stream-method request may make past its timed ones: at least the steps of the fill (each step
+    prefills ``budget`` tokens or finishes a prompt), so none finishes before the last one is prefilled."""
+    return -(-point.batch * point.context // budget) + point.batch
+
+
+def new_tokens(point: Point, decode_tokens: int, budget: int) -> int:
+    """Output tokens per request of a decode point's longest run."""
+    if point.method == "stream":
+        return 1 + STREAM_WARM_TOKENS + decode_tokens + stream_run_on(point, budget)
+    return 1 + decode_tokens
+
+
 def engine_limits(points: Sequence[Point], decode_tokens: int, speculative_tokens: int) -> dict[str, int]:
     """What one engine must hold to run every point: the longest sequence (with room for the drafts of the last
-    step), the most sequences at once, and a step budget that takes the longest prefill in one step."""
+    step), the most sequences at once, and the step budget."""
+    budget = step_budget(points)
     longest = max(
         [p.tokens + 1 for p in points if p.kind == "prefill"]
-        + [p.context + 1 + decode_tokens + STREAM_WARM_TOKENS for p in points if p.kind == "decode"]
+        + [p.context + new_tokens(p, decode_tokens, budget) for p in points if p.kind == "decode"]
     )
     return {
         "max_model_len": longest + speculative_tokens + 8,
         "max_num_seqs": max([p.batch for p in points if p.kind == "decode"] + [1]),
-        "max_num_batched_tokens": max([p.tokens for p in points if p.kind == "prefill"] + [16384]),
+        "max_num_batched_tokens": budget,
     }
 
 
@@ -127,14 +149,16 @@ class Engine(StepEngine, Protocol):
         ...
 
 
-def measure_point(point: Point, engine: Engine, prompts: PromptMaker, decode_tokens: int) -> float:
-    """The point's figure: prefill tokens/s, or decode ms/step (see the module docstring)."""
+def measure_point(point: Point, engine: Engine, prompts: PromptMaker, decode_tokens: int, budget: int) -> float:
+    """The point's figure: prefill tokens/s, or decode ms/step (see the module docstring); ``budget``: the
+    engine's tokens per step."""
     generate = engine.generate
     if point.kind == "prefill":
         generate(prompts(1, point.tokens), 1)
         return point.tokens / generate(prompts(1, point.tokens), 1)
     if point.method == "stream":
-        seconds = timed_stream(engine, prompts(point.batch, point.context), STREAM_WARM_TOKENS, decode_tokens)
+        run_on = stream_run_on(point, budget)
+        seconds = timed_stream(engine, prompts(point.batch, point.context), STREAM_WARM_TOKENS, decode_tokens, run_on)
         return 1e3 * seconds / decode_tokens
     generate(prompts(point.batch, point.context), GENERATE_WARM_TOKENS)
     total = generate(prompts(point.batch, point.context), 1 + decode_tokens)
@@ -142,15 +166,15 @@ def measure_point(point: Point, engine: Engine, prompts: PromptMaker, decode_tok
     return 1e3 * (total - first) / decode_tokens
 
 
-def timed_stream(engine: StepEngine, prompts: list[list[int]], warm: int, measured: int) -> float:
-    """Drive an engine's step loop over ``prompts`` (each added to make exactly ``1 + warm + measured`` tokens)
+def timed_stream(engine: StepEngine, prompts: list[list[int]], warm: int, measured: int, run_on: int) -> float:
+    """Drive an engine's step loop over ``prompts`` (each added to make ``1 + warm + measured + run_on`` tokens)
     and return the seconds between every sequence holding ``1 + warm`` tokens and every one holding
-    ``1 + warm + measured``."""
+    ``1 + warm + measured``; then run the rest out."""
     for ids in prompts:
-        engine.add(ids, 1 + warm + measured)
+        engine.add(ids, 1 + warm + measured + run_on)
     held: dict[str, int] = {}
-    start = None
-    while True:
+    start = end = None
+    while end is None:
         if not engine.busy():
             raise RuntimeError(f"the engine finished with {held} tokens held, before the timed window closed")
         for output in engine.step():  # request outputs whose outputs[0].token_ids are cumulative
@@ -159,4 +183,7 @@ def timed_stream(engine: StepEngine, prompts: list[list[int]], warm: int, measur
         if start is None and fewest >= 1 + warm:
             start = time.perf_counter()
         if start is not None and fewest >= 1 + warm + measured:
-            return time.perf_counter() - start
+            end = time.perf_counter()
+    while engine.busy():
+        engine.step()
+    return end - start
