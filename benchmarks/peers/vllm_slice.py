@@ -131,9 +131,11 @@ def run_limited(command: list[str], env: dict[str, str], log: Path, limit: float
         try:
             return child.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
             return None
+        finally:  # past the limit, or this run itself stopped (SIGTERM from `timeout`): the group goes too
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
 
 
 def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Path, args) -> dict[str, Any]:
@@ -167,6 +169,7 @@ def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Pat
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.deadline = time.time() + (args.budget if args.budget is not None else float("inf"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_limited, which ends the child
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
