@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from dsinfer import envs
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +129,7 @@ def backends(op: str) -> list[Backend]:
 
 
 def _forced() -> dict[str, str]:
-    spec = os.environ.get("DSINFER_OPS", "").strip()
-    forced = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        op, sep, name = item.partition("=")
-        if not sep or not op or not name:
-            raise ValueError(f"DSINFER_OPS entry {item!r} is not op=backend")
-        forced[op.strip()] = name.strip()
-    return forced
+    return dict(envs.OPS.get())
 
 
 def choose(op: str, device: torch.device | str, dtype: torch.dtype, forced: str | None = None) -> Backend:
@@ -184,7 +178,7 @@ def resolve(device: torch.device | str, dtype: torch.dtype) -> OpTable:
     """Choose every registered op's backend for one device and dtype and log the choices (once per setting)."""
     _load_backends()
     device = torch.device(device)
-    key = (device, dtype, os.environ.get("DSINFER_OPS", ""))
+    key = (device, dtype, envs.OPS.get())
     if key not in _resolved:
         _resolved[key] = _choose_all(device, dtype)
     return _resolved[key]

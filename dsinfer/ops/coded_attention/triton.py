@@ -36,10 +36,9 @@ docs/perf-fast-path-pass10.md), graph replays at V4.1-Flash's shapes: one sequen
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
 from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.registry import register
@@ -263,10 +262,7 @@ every form in one run)."""
 
 def decode_form() -> str:
     """The form launches take: ``DSINFER_CODED_ATTENTION_DECODE`` where set, else :data:`DECODE`."""
-    choice = os.environ.get("DSINFER_CODED_ATTENTION_DECODE") or DECODE
-    if choice not in DECODES:
-        raise ValueError(f"DSINFER_CODED_ATTENTION_DECODE must be one of {DECODES}, got {choice!r}")
-    return choice
+    return envs.CODED_ATTENTION_DECODE.get() or DECODE
 
 
 def fp8_cast_available(device: torch.device) -> bool:

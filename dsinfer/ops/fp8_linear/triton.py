@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
 from dsinfer.ops.fp8_linear.launch import (
     choose_splits,
@@ -67,7 +68,8 @@ def triton_available() -> bool:
 
 
 def kernel_max_tokens() -> int:
-    return int(os.environ.get("DSINFER_FP8_KERNEL_MAX_TOKENS", MAX_KERNEL_TOKENS))
+    setting = envs.FP8_KERNEL_MAX_TOKENS.get()
+    return MAX_KERNEL_TOKENS if setting is None else setting
 
 
 def choose_config(rows: int, rows_per_group: int, block: tuple[int, int], tokens: int) -> Fp8KernelConfig:

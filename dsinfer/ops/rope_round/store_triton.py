@@ -15,10 +15,9 @@ a coded width that is no power of two, a pool that is not contiguous) run the tw
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
 from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton_available
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch_chain, takes
@@ -49,11 +48,9 @@ docs/perf-fast-path-pass12.md). ``DSINFER_STORE_WARPS`` overrides it (a power of
 
 def store_warps(width: int) -> int | None:
     """Warps a store program takes for rows of ``width`` channels (None: the norm kernels' choice)."""
-    setting = os.environ.get("DSINFER_STORE_WARPS", "").strip()
-    if setting:
-        if setting not in ("1", "2", "4", "8", "16"):
-            raise ValueError(f"DSINFER_STORE_WARPS must be a power of two from 1 to 16, not {setting!r}")
-        return int(setting)
+    setting = envs.STORE_WARPS.get()
+    if setting is not None:
+        return setting
     return WIDE_ROW_WARPS if width >= 512 else None
 
 
