@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.fake_quant.triton import fake_quant_triton_available
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -214,7 +214,7 @@ def encoding_kind(element: str, block: int, scale: str) -> int | None:
     return kind
 
 
-@register("cache_encode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("cache_encode", "triton", devices=("cuda",), available=triton_available, priority=10)
 def cache_encode_triton(
     values: torch.Tensor, element: str, block: int, scale: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +240,7 @@ def cache_encode_triton(
     return codes, scales.view(torch.float8_e4m3fn) if scale == "e4m3" else scales
 
 
-@register("cache_decode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("cache_decode", "triton", devices=("cuda",), available=triton_available, priority=10)
 def cache_decode_triton(
     codes: torch.Tensor, scales: torch.Tensor, element: str, block: int, scale: str, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -261,7 +261,7 @@ def cache_decode_triton(
     return out
 
 
-@register("cache_store", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("cache_store", "triton", devices=("cuda",), available=triton_available, priority=10)
 def cache_store_triton(
     values: torch.Tensor,
     data: torch.Tensor,

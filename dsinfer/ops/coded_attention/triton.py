@@ -42,13 +42,8 @@ from dsinfer import envs
 from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
 from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.triton import (
-    LOG2E,
-    DecodeConfig,
-    choose_config,
-    choose_splits,
-    sparse_attention_triton_available,
-)
+from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config, choose_splits
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -356,7 +351,7 @@ def sparse_attention_decode_coded_launch(
     "sparse_attention_decode_coded",
     "triton",
     devices=("cuda",),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
 def sparse_attention_decode_coded_triton(

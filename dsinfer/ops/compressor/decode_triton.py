@@ -19,11 +19,10 @@ order of the float32 sums may differ from torch's in the last bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -33,10 +32,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:

@@ -16,7 +16,6 @@ writes it (one pass: a byte read, two written an element) and cuBLAS multiplies.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from dsinfer.ops.fp8_linear.launch import (
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -61,10 +61,6 @@ class Fp8KernelConfig:
     warps: int
     stages: int
     splits: int = 0
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def kernel_max_tokens() -> int:

@@ -19,10 +19,10 @@ import torch
 
 from dsinfer import envs
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
-from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton_available
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch_chain, takes
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.triton import rope_and_round_triton
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -153,7 +153,7 @@ def fused_store_takes(
     return data.shape[-1] == (width if kind == 0 else width // 2) and scales.shape[-1] == width // code_block
 
 
-@register("rope_round_store", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+@register("rope_round_store", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rope_round_store_triton(
     x: torch.Tensor,
     cos: torch.Tensor,

@@ -17,19 +17,14 @@ results agree with the reference to rounding (``tests/ops/test_sparse_attention_
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
-from dsinfer.ops.sparse_attention.triton import (
-    LOG2E,
-    DecodeConfig,
-    choose_config,
-    sparse_attention_triton_available,
-)
+from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -40,7 +35,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-logger = logging.getLogger(__name__)
 
 NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA
 
@@ -280,16 +274,12 @@ def sparse_attention_prefill_launch(
     return out
 
 
-_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
-_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
-
-
 @register(
     "sparse_attention_prefill",
     "triton",
     devices=("cuda",),
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
 def sparse_attention_prefill_triton(
@@ -310,33 +300,10 @@ def sparse_attention_prefill_triton(
     softmax_scale: float,
     spans: Sequence[tuple[int, int, int]],
 ) -> torch.Tensor:
-    """Same contract as the reference; inputs the kernel does not serve, or a kernel that fails to compile
-    here (warned once), go to the reference."""
+    """Same contract as the reference; inputs the kernel does not serve go to the reference (a kernel that fails
+    to compile here falls back through the registry, :func:`dsinfer.ops.registry.falls_back_to_reference`)."""
     args = (q, kv, positions, sequence_rows, starts, slots, window_from, window, window_size, entries,
             block_tables, indices, compress_ratio, sink, softmax_scale)  # fmt: skip
     if not _serves(q, kv, window, entries, indices):
         return sparse_attention_prefill_reference(*args, spans)
-    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, which entries)
-        q.device,
-        q.dtype,
-        q.shape[1:],
-        kv.dtype,
-        window.dtype,
-        window.shape[1:],
-        window_size,
-        compress_ratio,
-        None if entries is None else (entries.dtype, entries.shape[1:]),
-        indices is None,
-    )
-    if setting in _FAILED:
-        return sparse_attention_prefill_reference(*args, spans)
-    if setting in _COMPILED:
-        return sparse_attention_prefill_launch(*args)
-    try:
-        out = sparse_attention_prefill_launch(*args)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        logger.warning("sparse_attention_prefill: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return sparse_attention_prefill_reference(*args, spans)
-    _COMPILED.add(setting)
-    return out
+    return sparse_attention_prefill_launch(*args)

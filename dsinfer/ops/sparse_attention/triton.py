@@ -25,15 +25,14 @@ so results agree with the reference to rounding, not bit for bit (``tests/ops/te
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -42,14 +41,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 EMPTY_MAX = -1.0e30  # running max of a split that has seen no visible key (finite, so exp2 of differences is 0)
-
-
-def sparse_attention_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+sparse_attention_triton_available = triton_available  # the name the indexer kernels still import
 
 
 @dataclass(frozen=True)
@@ -360,10 +355,6 @@ def _serves(q, window, entries, indices) -> bool:
     return indices is None or indices.dim() == 2
 
 
-_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
-_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
-
-
 def sparse_attention_decode_launch(
     q: torch.Tensor,
     window: torch.Tensor,
@@ -464,7 +455,7 @@ def sparse_attention_decode_launch(
     "triton",
     devices=("cuda",),
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
 def sparse_attention_decode_triton(
@@ -479,31 +470,9 @@ def sparse_attention_decode_triton(
     sink: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Same contract as the reference; inputs the kernel does not serve, or a kernel that fails to compile
-    here (warned once), go to the reference."""
+    """Same contract as the reference; inputs the kernel does not serve go to the reference (a kernel that fails
+    to compile here falls back through the registry, :func:`dsinfer.ops.registry.falls_back_to_reference`)."""
     args = (q, window, slots, positions, window_from, entries, block_tables, indices, sink, softmax_scale)
     if not _serves(q, window, entries, indices):
         return sparse_attention_decode_reference(*args)
-    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, the split count's inputs)
-        q.device,
-        q.dtype,
-        q.shape,
-        window.dtype,
-        window.shape[1:],
-        None if entries is None else (entries.dtype, entries.shape[1:]),
-        None if indices is None else indices.shape[1],
-    )
-    if setting in _FAILED:
-        return sparse_attention_decode_reference(*args)
-    if setting in _COMPILED:
-        return sparse_attention_decode_launch(*args)
-    try:
-        out = sparse_attention_decode_launch(*args)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise
-        logger.warning("sparse_attention_decode: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return sparse_attention_decode_reference(*args)
-    _COMPILED.add(setting)
-    return out
+    return sparse_attention_decode_launch(*args)
