@@ -316,7 +316,10 @@ def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatc
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(backend, "sparse_attention_decode_launch", broken)
-    guarded = registry.falls_back_to_reference("sparse_attention_decode", "triton", backend.sparse_attention_decode_triton)  # the op table's function
+    # the op table's function: the registry's guard around the backend
+    guarded = registry.falls_back_to_reference(
+        "sparse_attention_decode", "triton", backend.sparse_attention_decode_triton
+    )
     inputs = make_inputs(Case(positions=(9, 30)))
     with caplog.at_level("WARNING"):
         got = guarded(*inputs.values())

@@ -203,7 +203,10 @@ def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatc
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(backend, "sparse_attention_prefill_launch", broken)
-    guarded = registry.falls_back_to_reference("sparse_attention_prefill", "triton", backend.sparse_attention_prefill_triton)  # the op table's function
+    # the op table's function: the registry's guard around the backend
+    guarded = registry.falls_back_to_reference(
+        "sparse_attention_prefill", "triton", backend.sparse_attention_prefill_triton
+    )
     inputs = make_inputs(CASES[1])
     with caplog.at_level("WARNING"):
         got = guarded(*inputs.values())
