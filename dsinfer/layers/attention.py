@@ -33,6 +33,7 @@ from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
 from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 __all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
 
@@ -247,8 +248,10 @@ class Attention(nn.Module):
                 real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
             indices = torch.where(real, chosen, -1)
         return ops.sparse_attention_decode(
-            q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
-            self.attn_sink, self.softmax_scale,
+            SparseDecodeInputs(
+                q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
+                self.attn_sink, self.softmax_scale,
+            )
         )  # fmt: skip
 
     def _attend_batched(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

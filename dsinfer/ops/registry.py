@@ -19,6 +19,7 @@ Inside a CUDA graph capture the error propagates instead (the capture must not r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -79,13 +80,16 @@ def register(
 
 
 def _setting(args: tuple, kwargs: dict) -> tuple:
-    """What a kernel specialises on, roughly: each tensor's device, dtype and rank, and the hashable scalars."""
+    """What a kernel specialises on, roughly: each tensor's device, dtype and rank, and the hashable scalars; an
+    op's argument object (a dataclass) counts as its fields, so it keys as the same arguments passed one by one."""
 
     def key(value):
         if isinstance(value, torch.Tensor):
             return (value.device.type, value.dtype, value.dim())
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return (type(value).__name__, *(key(getattr(value, f.name)) for f in dataclasses.fields(value)))
         return type(value).__name__
 
     return tuple(key(a) for a in args) + tuple((name, key(v)) for name, v in sorted(kwargs.items()))
