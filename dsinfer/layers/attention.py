@@ -32,7 +32,13 @@ from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
-from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
+from dsinfer.ops.sparse_attention.prefill_reference import (
+    SinkAttention,
+    SparsePrefillInputs,
+    attend_keys,
+    attend_window_and_entries,
+    sink_softmax,
+)
 from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 __all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
@@ -301,9 +307,11 @@ class Attention(nn.Module):
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
         ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
         out = ops.sparse_attention_prefill(
-            q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,
-            self.window, entries, tables, indices, self.compress_ratio, self.attn_sink, self.softmax_scale,
-            [(span.start, span.length, span.window_from) for span in batch.spans],
+            SparsePrefillInputs(
+                q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,
+                self.window, entries, tables, indices, self.compress_ratio, self.attn_sink, self.softmax_scale,
+                [(span.start, span.length, span.window_from) for span in batch.spans],
+            ),
         )  # fmt: skip
         self._write_window(kv, batch, layer_cache.window)
         return out
@@ -330,8 +338,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Softmax attention of one sequence's queries [n, H, D] over its window and compressed entries."""
         return attend_window_and_entries(
-            q, positions, window_kv, window_positions, compressed, compressed_visible, self.window, self.attn_sink,
-            self.softmax_scale,
+            q, positions, window_kv, window_positions, compressed, compressed_visible,
+            SinkAttention(self.window, self.attn_sink, self.softmax_scale),
         )  # fmt: skip
 
     def _attend_keys(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
