@@ -34,6 +34,7 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
@@ -317,7 +318,7 @@ class KVCacheV41:
         if isinstance(rows, RowChain):
             rows.store(*pool)
         else:
-            self.ops.cache_store(rows, *pool)
+            self.ops.cache_store(CacheStoreInputs(rows, *pool))
 
     def _read(
         self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple

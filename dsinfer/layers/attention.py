@@ -28,6 +28,7 @@ from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
@@ -226,7 +227,7 @@ class Attention(nn.Module):
             kv.store(*ring_rows)
         else:
             ops = self.ops if self.ops is not None else resolve(x.device, kv.dtype)
-            ops.cache_store(kv, *ring_rows)
+            ops.cache_store(CacheStoreInputs(kv, *ring_rows))
         if self.compressor is not None:
             self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, compressed)
 

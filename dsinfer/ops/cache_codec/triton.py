@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.registry import register
 from dsinfer.ops.triton_support import triton_available
 
@@ -262,18 +263,11 @@ def cache_decode_triton(
 
 
 @register("cache_store", "triton", devices=("cuda",), available=triton_available, priority=10)
-def cache_store_triton(
-    values: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    modulus: int | None,
-    element: str | None,
-    block: int,
-    scale: str | None,
-) -> None:
+def cache_store_triton(inputs: CacheStoreInputs) -> None:
     """Same contract and bytes as the reference, one launch; pools or rows the kernels do not take go to it."""
+    values, data, scales, first, second, modulus = (inputs.values, inputs.data, inputs.scales, inputs.first,
+                                                     inputs.second, inputs.modulus)  # fmt: skip
+    element, block, scale = inputs.element, inputs.block, inputs.scale
     kind = None if scales is None else encoding_kind(element, block, scale)
     rows, channels = (values.shape[0], values.shape[-1]) if values.dim() == 2 else (0, 0)
     plain_ok = scales is None and values.dim() == 2 and data.dtype in OUT_DTYPES
@@ -281,7 +275,7 @@ def cache_store_triton(
     if not (plain_ok or coded_ok) or data.dim() != 3 or not data.is_contiguous() or first.shape != (rows,):
         from dsinfer.ops.cache_codec.reference import cache_store_reference
 
-        return cache_store_reference(values, data, scales, first, second, modulus, element, block, scale)
+        return cache_store_reference(inputs)
     if rows == 0:
         return None
     source, first, second = values.contiguous(), first.contiguous(), second.contiguous()
