@@ -51,12 +51,12 @@ from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (sa
 
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, WINDOW_KV_FORMAT
 from dsinfer.ops.coded_attention import triton as coded_backend
-from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_attention_decode_coded_reference
 from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
 from dsinfer.ops.indexer import triton as indexer_backend
 from dsinfer.ops.indexer.reference import indexer_scores, indexer_topk_decode_reference
 from dsinfer.ops.sparse_attention import triton as backend
-from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
 
 BLOCK_TOKENS = 128
 RATIOS = {"window": 0, "csa": 4, "hca": 128}  # window: a sliding-window layer, no compressed entries
@@ -156,6 +156,16 @@ def median_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(cuda_ms(fn, iters))
 
 
+def launch_values(*values, **options) -> torch.Tensor:
+    """The Triton launch over the op's arguments in order (the cache copies' calls pass them one by one)."""
+    return backend.sparse_attention_decode_launch(SparseDecodeInputs(*values), **options)
+
+
+def coded_launch_values(*values, **options) -> torch.Tensor:
+    """The coded-cache Triton launch over the op's arguments in order (as :func:`launch_values`)."""
+    return coded_backend.sparse_attention_decode_coded_launch(CodedDecodeInputs(*values), **options)
+
+
 def graph_ms(fns, warmup: int, iters: int, inner: int) -> float:
     """Milliseconds per call of one CUDA graph of ``inner`` calls (whole cycles of ``fns``: one call, or one a copy
     of the cache)."""
@@ -170,21 +180,24 @@ def deviation(got: torch.Tensor, exact: torch.Tensor) -> float:
 def run_point(args, layer: str, batch: int, context: int, device, gen) -> dict:
     step = make_step(args, layer, batch, context, device, gen)
     values = list(step.values())
-    exact = sparse_attention_decode_reference(*[v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                                                for v in values])  # fmt: skip
-    reference_out = sparse_attention_decode_reference(*values)
-    triton_out = backend.sparse_attention_decode_launch(*values)
+    exact = sparse_attention_decode_reference(
+        SparseDecodeInputs(*[v.float() if torch.is_tensor(v) and v.is_floating_point() else v for v in values])
+    )
+    reference_out = sparse_attention_decode_reference(SparseDecodeInputs(*values))
+    triton_out = backend.sparse_attention_decode_launch(SparseDecodeInputs(*values))
     copies = copied_args(values, CACHE_ARGS, copy_count(cache_bytes(step), args.cold))
     row = {
         "layer": layer,
         "batch": batch,
         "context": context,
         "keys": args.window + step["indices"].shape[1],
-        "reference_ms": median_ms(lambda: sparse_attention_decode_reference(*values), args.warmup, args.iters),
-        "triton_ms": median_ms(lambda: backend.sparse_attention_decode_launch(*values), args.warmup, args.iters),
-        "graph_ms": graph_ms(
-            calls_over(backend.sparse_attention_decode_launch, copies), args.warmup, args.iters, args.inner
+        "reference_ms": median_ms(
+            lambda: sparse_attention_decode_reference(SparseDecodeInputs(*values)), args.warmup, args.iters
         ),
+        "triton_ms": median_ms(
+            lambda: backend.sparse_attention_decode_launch(SparseDecodeInputs(*values)), args.warmup, args.iters
+        ),
+        "graph_ms": graph_ms(calls_over(launch_values, copies), args.warmup, args.iters, args.inner),
         "bytes": step_bytes(step),
         "reference_dev": deviation(reference_out, exact),
         "triton_dev": deviation(triton_out, exact),
@@ -213,8 +226,8 @@ def sweep(args, device, gen) -> None:
             for context in args.context:
                 step = make_step(args, layer, batch, context, device, gen)
                 values = list(step.values())
-                expected = sparse_attention_decode_reference(*values).float()
-                launch = backend.sparse_attention_decode_launch
+                expected = sparse_attention_decode_reference(SparseDecodeInputs(*values)).float()
+                launch = launch_values
                 n_keys = args.window + step["indices"].shape[1]
                 copies = copied_args(values, CACHE_ARGS, copy_count(cache_bytes(step), args.cold))
                 timings = {}
@@ -307,16 +320,18 @@ def coded_points(args, device, gen) -> list[dict]:
             for context in args.context:
                 step = make_step(args, layer, batch, context, device, gen)
                 values = coded_step(step)
-                exact = sparse_attention_decode_coded_reference(values[0].float(), *values[1:])
-                reference = partial(sparse_attention_decode_coded_reference, *values)
+                exact = sparse_attention_decode_coded_reference(CodedDecodeInputs(values[0].float(), *values[1:]))
+                reference = partial(sparse_attention_decode_coded_reference, CodedDecodeInputs(*values))
                 reference_ms = median_ms(reference, args.warmup, args.iters)
                 reference_dev = deviation(reference(), exact)
                 rows_bytes = [values[i][0, 0].nbytes + values[i + 1][0, 0].nbytes for i in CODED_CACHE_ARGS[::2]]
                 copies = copied_args(values, CODED_CACHE_ARGS, copy_count(cache_bytes(step, *rows_bytes), args.cold))
                 timed = {}
                 for form in coded_backend.DECODES:
-                    call = partial(coded_backend.sparse_attention_decode_coded_launch, *values, decode=form)
-                    cycle = calls_over(coded_backend.sparse_attention_decode_coded_launch, copies, decode=form)
+                    call = partial(
+                        coded_backend.sparse_attention_decode_coded_launch, CodedDecodeInputs(*values), decode=form
+                    )
+                    cycle = calls_over(coded_launch_values, copies, decode=form)
                     replay = graph_ms(cycle, args.warmup, args.iters, args.inner)
                     timed[form] = (median_ms(call, args.warmup, args.iters), replay, deviation(call(), exact))
                 for form, (eager, replay, dev) in timed.items():

@@ -35,7 +35,7 @@ import torch
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
 from dsinfer.ops.sparse_attention import prefill_triton as backend
-from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
 from dsinfer.ops.sparse_attention.triton import DecodeConfig, choose_config
 
 RATIOS = {"csa": 4, "hca": 128, "v41-r2": 2, "v41-r1": 1}
@@ -128,12 +128,16 @@ def run_point(args, layer: str, tokens: int, device, gen) -> dict:
     row = {"layer": layer, "tokens": tokens}
     if args.coded and layer.startswith("v41"):
         row["decode_ms"] = coded_decode_ms(args, step)
-    triton_out = backend.sparse_attention_prefill_triton(**step)
-    row["triton_ms"] = median_ms(lambda: backend.sparse_attention_prefill_triton(**step), args.warmup, args.iters)
+    triton_out = backend.sparse_attention_prefill_triton(SparsePrefillInputs(**step))
+    row["triton_ms"] = median_ms(
+        lambda: backend.sparse_attention_prefill_triton(SparsePrefillInputs(**step)), args.warmup, args.iters
+    )
     if not args.no_reference:
-        reference_out = sparse_attention_prefill_reference(**step)
-        row["reference_ms"] = median_ms(lambda: sparse_attention_prefill_reference(**step), 1, max(3, args.iters // 3))
-        exact = sparse_attention_prefill_reference(**as_float(step))
+        reference_out = sparse_attention_prefill_reference(SparsePrefillInputs(**step))
+        row["reference_ms"] = median_ms(
+            lambda: sparse_attention_prefill_reference(SparsePrefillInputs(**step)), 1, max(3, args.iters // 3)
+        )
+        exact = sparse_attention_prefill_reference(SparsePrefillInputs(**as_float(step)))
         row["triton_dev"], row["reference_dev"] = deviation(triton_out, exact), deviation(reference_out, exact)
     return row
 
@@ -179,17 +183,18 @@ def sweep(args, device, gen) -> None:
     for layer in args.layers:
         for tokens in args.tokens:
             step = make_step(args, layer, tokens, device, gen)
-            exact = sparse_attention_prefill_reference(**as_float(step))
+            exact = sparse_attention_prefill_reference(SparsePrefillInputs(**as_float(step)))
+            inputs = SparsePrefillInputs(**step)
             timings = {}
             for block_h, block_n, warps, stages in SWEEP_CONFIGS:
                 config = DecodeConfig(block_h, block_n, warps, stages)
                 try:
-                    out = backend.sparse_attention_prefill_launch(**step, config=config)
+                    out = backend.sparse_attention_prefill_launch(inputs, config=config)
                     if deviation(out, exact) > 5e-2:
                         print(f"  {config}: wrong result", file=sys.stderr)
                         continue
                     timings[config] = median_ms(
-                        lambda c=config, s=step: backend.sparse_attention_prefill_launch(**s, config=c),
+                        lambda c=config, s=inputs: backend.sparse_attention_prefill_launch(s, config=c),
                         args.warmup, args.iters,
                     )  # fmt: skip
                 except Exception as error:  # a configuration that does not build here

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from dsinfer import envs
 from dsinfer.arg_types import positive_int
 from dsinfer.eval.backends import REASONING_EFFORTS, GenerationOptions, OfflineBackend, OpenAIBackend
 from dsinfer.eval.datasets import BENCHMARKS, DEFAULT_SAMPLES, EvalError, load_dataset
@@ -70,9 +71,9 @@ def grade_parser() -> argparse.ArgumentParser:
     parser.add_argument("directory", help="a run directory written by 'dsinfer eval run'")
     parser.add_argument("--judge", choices=JUDGES, default=None,
                         help="rule (AIME, GPQA) or llm; default: rule for AIME and GPQA, llm for HLE")  # fmt: skip
-    parser.add_argument("--judge-base-url", default=os.environ.get("DSINFER_JUDGE_BASE_URL"),
+    parser.add_argument("--judge-base-url", default=envs.JUDGE_BASE_URL.get(),
                         help="OpenAI-compatible judge endpoint (default: $DSINFER_JUDGE_BASE_URL)")  # fmt: skip
-    parser.add_argument("--judge-model", default=os.environ.get("DSINFER_JUDGE_MODEL"),
+    parser.add_argument("--judge-model", default=envs.JUDGE_MODEL.get(),
                         help="judge model (default: $DSINFER_JUDGE_MODEL, else the endpoint's only model)")  # fmt: skip
     parser.add_argument("--judge-api-key", default=None,
                         help="judge API key (default: $DSINFER_JUDGE_API_KEY, else $OPENAI_API_KEY)")  # fmt: skip
@@ -118,7 +119,7 @@ def cmd_grade(argv: list[str]) -> int:
     if judge_name == "llm" and args.judge_base_url:
         from dsinfer.eval.judges import LLMJudge
 
-        api_key = args.judge_api_key or os.environ.get("DSINFER_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        api_key = args.judge_api_key or envs.JUDGE_API_KEY.get() or os.environ.get("OPENAI_API_KEY")
         llm_judge = LLMJudge(args.judge_base_url, args.judge_model, api_key, args.request_timeout, args.max_retries,
                              args.judge_max_tokens)  # fmt: skip
     summary = grade_run(args.directory, judge_name, llm_judge, concurrency=args.concurrency,

@@ -34,8 +34,11 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
+from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -264,14 +267,18 @@ class KVCacheV41:
         if not self.quantized_storage:
             entries = None if source is None else source.entries
             return ops.sparse_attention_decode(
-                q, layer.window, spans.slots, positions, spans.window_from, entries, tables, indices, sink,
-                softmax_scale,
+                SparseDecodeInputs(
+                    q, layer.window, spans.slots, positions, spans.window_from, entries, tables, indices, sink,
+                    softmax_scale,
+                )
             )  # fmt: skip
         entry_codes = None if source is None else source.entries
         entry_scales = None if source is None else source.entry_scales
         return ops.sparse_attention_decode_coded(
-            q, layer.window, layer.window_scales, spans.slots, positions, spans.window_from, entry_codes,
-            entry_scales, tables, None if source is None else indices, sink, softmax_scale,
+            CodedDecodeInputs(
+                q, layer.window, layer.window_scales, spans.slots, positions, spans.window_from, entry_codes,
+                entry_scales, tables, None if source is None else indices, sink, softmax_scale,
+            ),
         )  # fmt: skip
 
     def _source(self, layer_id: int) -> SourceCache:
@@ -311,7 +318,7 @@ class KVCacheV41:
         if isinstance(rows, RowChain):
             rows.store(*pool)
         else:
-            self.ops.cache_store(rows, *pool)
+            self.ops.cache_store(CacheStoreInputs(rows, *pool))
 
     def _read(
         self, data: torch.Tensor, scales: torch.Tensor | None, fmt: CacheFormat | None, index: tuple

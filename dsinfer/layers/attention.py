@@ -28,11 +28,19 @@ from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
-from dsinfer.ops.sparse_attention.prefill_reference import attend_keys, attend_window_and_entries, sink_softmax
+from dsinfer.ops.sparse_attention.prefill_reference import (
+    SinkAttention,
+    SparsePrefillInputs,
+    attend_keys,
+    attend_window_and_entries,
+    sink_softmax,
+)
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 __all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
 
@@ -219,7 +227,7 @@ class Attention(nn.Module):
             kv.store(*ring_rows)
         else:
             ops = self.ops if self.ops is not None else resolve(x.device, kv.dtype)
-            ops.cache_store(kv, *ring_rows)
+            ops.cache_store(CacheStoreInputs(kv, *ring_rows))
         if self.compressor is not None:
             self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, compressed)
 
@@ -247,8 +255,10 @@ class Attention(nn.Module):
                 real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
             indices = torch.where(real, chosen, -1)
         return ops.sparse_attention_decode(
-            q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
-            self.attn_sink, self.softmax_scale,
+            SparseDecodeInputs(
+                q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
+                self.attn_sink, self.softmax_scale,
+            )
         )  # fmt: skip
 
     def _attend_batched(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -298,9 +308,11 @@ class Attention(nn.Module):
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
         ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
         out = ops.sparse_attention_prefill(
-            q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,
-            self.window, entries, tables, indices, self.compress_ratio, self.attn_sink, self.softmax_scale,
-            [(span.start, span.length, span.window_from) for span in batch.spans],
+            SparsePrefillInputs(
+                q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,
+                self.window, entries, tables, indices, self.compress_ratio, self.attn_sink, self.softmax_scale,
+                [(span.start, span.length, span.window_from) for span in batch.spans],
+            ),
         )  # fmt: skip
         self._write_window(kv, batch, layer_cache.window)
         return out
@@ -327,8 +339,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Softmax attention of one sequence's queries [n, H, D] over its window and compressed entries."""
         return attend_window_and_entries(
-            q, positions, window_kv, window_positions, compressed, compressed_visible, self.window, self.attn_sink,
-            self.softmax_scale,
+            q, positions, window_kv, window_positions, compressed, compressed_visible,
+            SinkAttention(self.window, self.attn_sink, self.softmax_scale),
         )  # fmt: skip
 
     def _attend_keys(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:

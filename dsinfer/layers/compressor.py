@@ -23,6 +23,8 @@ from dsinfer.layers.joined_linear import join_linears, joined_views
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.compressor import (
+    CompressorDecodeInputs,
+    CompressorStoreInputs,
     compressor_decode_reference,
     compressor_decode_store_reference,
     compressor_pool_reference,
@@ -219,7 +221,7 @@ class Compressor(nn.Module):
             values = self.wkv(x) if projected is None else projected
             return self.norm(values), positions, None
         decode = self.ops.compressor_decode if self.ops is not None else compressor_decode_reference
-        return decode(*self._decode_inputs(x, positions, spans, cache, projected), x.dtype)
+        return decode(CompressorDecodeInputs(*self._decode_inputs(x, positions, spans, cache, projected), x.dtype))
 
     def update_decode(
         self,
@@ -237,10 +239,10 @@ class Compressor(nn.Module):
         positions, spans = batch.positions, batch.device_spans
         cos, sin = step_rope_angles(batch, inv_freq, self.ratio, self.ops)
         store = self.ops.compressor_decode_store if self.ops is not None else compressor_decode_store_reference
-        store(
+        store(CompressorStoreInputs(
             *self._decode_inputs(x, positions, spans, cache, projected), x.dtype, cos, sin, cache.entries,
             spans.block_tables, batch.cache.trash_block,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def _decode_inputs(
         self,

@@ -53,6 +53,7 @@ from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
+from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs
 
 select_candidate_blocks = candidate_block_mask_reference
 """Boolean mask shaped like ``scores`` [n, W]: the entries of each query's best ``topk_blocks`` blocks (the op's
@@ -295,9 +296,11 @@ class AttentionV41(Attention):
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
         ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
         out = ops.sparse_attention_prefill(
-            q, kv, batch.positions, sequence_rows, spans.starts, slots, spans.window_from, ring, self.window,
-            entries, tables, indices, ratio, self.attn_sink, self.softmax_scale,
-            [(span.start, span.length, span.window_from) for span in batch.spans],
+            SparsePrefillInputs(
+                q, kv, batch.positions, sequence_rows, spans.starts, slots, spans.window_from, ring, self.window,
+                entries, tables, indices, ratio, self.attn_sink, self.softmax_scale,
+                [(span.start, span.length, span.window_from) for span in batch.spans],
+            ),
         )  # fmt: skip
         write_windows(cache, self.layer_id, kv, batch, self.window)
         return out

@@ -7,13 +7,13 @@ bf16 GEMM at the shapes served. docs/perf.md records the measurement behind the 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from dsinfer import envs
 from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.ops.quant import quantize_fp8_blockwise
 
@@ -31,7 +31,7 @@ _NOT_A_LINEAR = re.compile(r"engram\.embed\.weight$")
 def resolve_fp8_linears(policy: str | None, device: torch.device | str = "cpu") -> str:
     """The policy asked for, else ``$DSINFER_FP8_LINEARS``, else the device's default; anything else is an error."""
     default = DEFAULT_FP8_LINEARS.get(torch.device(device).type, DEFAULT_FP8_LINEARS_ELSEWHERE)
-    chosen = policy or os.environ.get("DSINFER_FP8_LINEARS") or default
+    chosen = policy or envs.FP8_LINEARS.get() or default
     if chosen not in FP8_LINEAR_POLICIES:
         raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {chosen!r}")
     return chosen

@@ -23,9 +23,10 @@ against 1.082 without (docs/perf.md, pass 10); every graph stayed bit-identical 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from dsinfer import envs
 
 try:
     import triton
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-DEFAULT_ON = True
+DEFAULT_ON = envs.PDL.default
 
 
 @functools.cache
@@ -48,11 +49,7 @@ def dependent_launch(device: torch.device) -> bool:
     grid dependency control, and ``DSINFER_PDL`` not ``0`` (unset: :data:`DEFAULT_ON`)."""
     if triton is None or device.type != "cuda":
         return False
-    setting = os.environ.get("DSINFER_PDL", "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"DSINFER_PDL must be 0 or 1, not {setting!r}")
-    wanted = DEFAULT_ON if setting == "" else setting == "1"
-    return wanted and _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return envs.PDL.get() and _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_options(device: torch.device) -> dict:

@@ -19,13 +19,15 @@ Inside a CUDA graph capture the error propagates instead (the capture must not r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from dsinfer import envs
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +80,16 @@ def register(
 
 
 def _setting(args: tuple, kwargs: dict) -> tuple:
-    """What a kernel specialises on, roughly: each tensor's device, dtype and rank, and the hashable scalars."""
+    """What a kernel specialises on, roughly: each tensor's device, dtype and rank, and the hashable scalars; an
+    op's argument object (a dataclass) counts as its fields, so it keys as the same arguments passed one by one."""
 
     def key(value):
         if isinstance(value, torch.Tensor):
             return (value.device.type, value.dtype, value.dim())
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return (type(value).__name__, *(key(getattr(value, f.name)) for f in dataclasses.fields(value)))
         return type(value).__name__
 
     return tuple(key(a) for a in args) + tuple((name, key(v)) for name, v in sorted(kwargs.items()))
@@ -128,14 +133,7 @@ def backends(op: str) -> list[Backend]:
 
 
 def _forced() -> dict[str, str]:
-    spec = os.environ.get("DSINFER_OPS", "").strip()
-    forced = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        op, sep, name = item.partition("=")
-        if not sep or not op or not name:
-            raise ValueError(f"DSINFER_OPS entry {item!r} is not op=backend")
-        forced[op.strip()] = name.strip()
-    return forced
+    return dict(envs.OPS.get())
 
 
 def choose(op: str, device: torch.device | str, dtype: torch.dtype, forced: str | None = None) -> Backend:
@@ -184,7 +182,7 @@ def resolve(device: torch.device | str, dtype: torch.dtype) -> OpTable:
     """Choose every registered op's backend for one device and dtype and log the choices (once per setting)."""
     _load_backends()
     device = torch.device(device)
-    key = (device, dtype, os.environ.get("DSINFER_OPS", ""))
+    key = (device, dtype, envs.OPS.get())
     if key not in _resolved:
         _resolved[key] = _choose_all(device, dtype)
     return _resolved[key]

@@ -18,15 +18,15 @@ steps' kernels fill the GPU on their own. ``DSINFER_OVERLAP=0`` runs everything 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.split_arrivals import arrival_lane
 
-OVERLAP_MAX_TOKENS = 256
+OVERLAP_MAX_TOKENS = envs.OVERLAP_MAX_TOKENS.default
 SideResult = TypeVar("SideResult")
 MainResult = TypeVar("MainResult")
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -34,20 +34,12 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def overlap_enabled() -> bool:
     """``DSINFER_OVERLAP``: ``1`` (the default) or ``0``; anything else is an error."""
-    setting = os.environ.get("DSINFER_OVERLAP", "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"DSINFER_OVERLAP must be 0 or 1, not {setting!r}")
-    return setting != "0"
+    return envs.OVERLAP.get()
 
 
 def overlap_max_tokens() -> int:
     """``$DSINFER_OVERLAP_MAX_TOKENS`` (a non-negative integer), else :data:`OVERLAP_MAX_TOKENS`."""
-    setting = os.environ.get("DSINFER_OVERLAP_MAX_TOKENS", "").strip()
-    if not setting:
-        return OVERLAP_MAX_TOKENS
-    if not setting.isdigit():
-        raise ValueError(f"DSINFER_OVERLAP_MAX_TOKENS must be a non-negative integer, not {setting!r}")
-    return int(setting)
+    return envs.OVERLAP_MAX_TOKENS.get()
 
 
 def overlaps(x: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from multiprocessing.connection import Client, Connection
 import torch
 import torch.distributed as dist
 
+from dsinfer import envs
 from dsinfer.config import ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.engine_loop import EngineLoop, EngineProcessLoop
@@ -39,7 +40,7 @@ from dsinfer.parallel.messages import RankFailed, RankLoad, RankSpec, StepReport
 log = logging.getLogger("dsinfer.rank")
 
 IDLE_POLL_SECONDS = 0.02  # how long an idle rank waits for a message before the next control exchange
-RANK_AUTHKEY_ENV = "DSINFER_RANK_AUTHKEY"  # the shared secret of the ranks of several hosts
+RANK_AUTHKEY_ENV = envs.RANK_AUTHKEY.name  # the shared secret of the ranks of several hosts
 
 
 def placement_for(spec: RankSpec, config: ModelConfig) -> ExpertPlacement:
@@ -90,7 +91,7 @@ def _connect_to_api(spec: RankSpec, timeout: float = 600.0) -> Connection:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return Client(address, authkey=os.environ.get(RANK_AUTHKEY_ENV, "").encode())
+            return Client(address, authkey=(envs.RANK_AUTHKEY.get() or "").encode())
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise

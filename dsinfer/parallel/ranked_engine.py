@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, Listener, wait
 
+from dsinfer import envs
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.image_spans import check_image_spans
@@ -248,7 +248,7 @@ class RankedEngine:
 
     def _accept_remote_ranks(self, port: int, count: int) -> None:
         """Ranks of the other hosts connect to ``--master-addr``:``--master-port + 1`` with the shared key."""
-        key = os.environ.get(RANK_AUTHKEY_ENV)
+        key = envs.RANK_AUTHKEY.get()
         if not key:
             raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
         listener = Listener(("0.0.0.0", port), authkey=key.encode())
@@ -598,7 +598,7 @@ def run_remote_ranks(model_dir: str | None, config: EngineConfig, parallel: Para
 
     model_dir = str(model_dir or default_model_dir())
     check_layout(parallel, ModelConfig.from_file(model_dir), config)
-    if not os.environ.get(RANK_AUTHKEY_ENV):
+    if not envs.RANK_AUTHKEY.get():
         raise ConfigError(f"--nnodes > 1: set ${RANK_AUTHKEY_ENV} to the same secret on every host")
     context = rank_context(config.device)
     processes = {}

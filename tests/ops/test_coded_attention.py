@@ -13,9 +13,9 @@ from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
 from dsinfer.ops.cache_codec.reference import cache_decode_reference, cache_encode_reference
-from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_attention_decode_coded_reference
 from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
-from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,11 @@ def check_triton_case(case: Case, device: torch.device | None = None, decode: st
     if not backend.serves(inputs["q"], inputs["window_codes"], inputs["window_scales"], inputs["entry_codes"],
                           inputs["entry_scales"], inputs["indices"]):  # fmt: skip
         return f"{case}: the kernel does not take it"
-    got = backend.sparse_attention_decode_coded_launch(*inputs.values(), num_splits=case.num_splits,
+    got = backend.sparse_attention_decode_coded_launch(CodedDecodeInputs(*inputs.values()), num_splits=case.num_splits,
                                                        hardware_fp8=case.hardware_fp8, decode=decode)  # fmt: skip
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
-    exact = sparse_attention_decode_coded_reference(**{**inputs, "q": inputs["q"].float()})
+    exact = sparse_attention_decode_coded_reference(CodedDecodeInputs(**{**inputs, "q": inputs["q"].float()}))
     error = (got.float() - exact).abs().max().item()
     limit = (2e-5 if case.dtype == torch.float32 else 1.5e-2) * max(1.0, exact.abs().max().item() / 2)
     return None if error <= limit else f"{case} {decode}: max |triton - reference| = {error:.3g} > {limit}"
@@ -173,8 +173,8 @@ def run_interpreted_cases() -> list[str]:
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_reference_is_v4_decode_attention_over_the_decoded_cache(case):
     inputs = make_inputs(case)
-    want = sparse_attention_decode_reference(**decoded(inputs, case.dtype))
-    assert torch.equal(sparse_attention_decode_coded_reference(**inputs), want)
+    want = sparse_attention_decode_reference(SparseDecodeInputs(**decoded(inputs, case.dtype)))
+    assert torch.equal(sparse_attention_decode_coded_reference(CodedDecodeInputs(**inputs)), want)
 
 
 DECODES = ("once", "twice")  # the kernel's forms (DECODES of its module)

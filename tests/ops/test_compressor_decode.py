@@ -16,7 +16,12 @@ import pytest
 import torch
 from interpreted import assert_interpreted_cases_pass
 
-from dsinfer.ops.compressor.reference import compressor_decode_reference, compressor_decode_store_reference
+from dsinfer.ops.compressor.reference import (
+    CompressorDecodeInputs,
+    CompressorStoreInputs,
+    compressor_decode_reference,
+    compressor_decode_store_reference,
+)
 
 CASES = [  # (batch, ratio, dim, overlap, slot bias, dtype, steps)
     (1, 4, 64, True, True, torch.bfloat16, 9),
@@ -98,12 +103,16 @@ def run_case(index: int, store: bool, device: str) -> list[str]:
         if store:
             cos, sin = angles(positions.cpu(), ratio)
             trash = entries.shape[0] - 1
-            compressor_decode_store_triton(*args, cos.to(device), sin.to(device), kernel_entries, tables, trash)
-            compressor_decode_store_reference(*ref_args, cos, sin, ref_entries, tables.cpu(), trash)
+            compressor_decode_store_triton(
+                CompressorStoreInputs(*args, cos.to(device), sin.to(device), kernel_entries, tables, trash)
+            )
+            compressor_decode_store_reference(
+                CompressorStoreInputs(*ref_args, cos, sin, ref_entries, tables.cpu(), trash)
+            )
             close(f"step {step} entries", kernel_entries[:-1], ref_entries[:-1])
         else:
-            latents, entry, complete = compressor_decode_triton(*args)
-            ref_latents, ref_entry, ref_complete = compressor_decode_reference(*ref_args)
+            latents, entry, complete = compressor_decode_triton(CompressorDecodeInputs(*args))
+            ref_latents, ref_entry, ref_complete = compressor_decode_reference(CompressorDecodeInputs(*ref_args))
             if not (torch.equal(entry.cpu(), ref_entry) and torch.equal(complete.cpu(), ref_complete)):
                 failures.append(f"case {index} step {step}: entry ids or completion differ")
             close(f"step {step} latents", latents, ref_latents, ref_complete)

@@ -15,7 +15,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
-from dsinfer.ops.cache_codec.reference import cache_decode_reference, cache_encode_reference
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs, cache_decode_reference, cache_encode_reference
 from dsinfer.ops.fake_quant.reference import fake_quant_fp4, fake_quant_fp8
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -176,8 +176,8 @@ def check_cache_store(device: torch.device) -> list[str]:
             first = torch.randperm(6, generator=generator)[:rows].to(device)
             second = (torch.randperm(16, generator=generator)[:rows] + (40 if modulus else 0)).to(device)
             args = (first, second, modulus, element, block, scale)
-            cache_store_reference(values.to(device), *pools[0], *args)
-            backend.cache_store_triton(values.to(device), *pools[1], *args)
+            cache_store_reference(CacheStoreInputs(values.to(device), *pools[0], *args))
+            backend.cache_store_triton(CacheStoreInputs(values.to(device), *pools[1], *args))
             for want, got in zip(pools[0], pools[1], strict=True):
                 if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
                     failures.append(f"cache_store {fmt} rows={rows} modulus={modulus}: pool bytes differ")

@@ -77,3 +77,18 @@ def test_an_error_after_a_setting_ran_once_is_a_real_one(fake_op):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         table.scale_rows(-x, 2.0)  # the same setting faults later: not hidden behind the reference
     assert calls["backend"] == 2
+
+
+def test_an_argument_object_keys_as_its_fields():
+    """An op's argument object keys its setting by its tensors' dtypes and its scalars, as loose arguments do."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class ScaleInputs:
+        x: torch.Tensor
+        factor: float
+
+    half, double = torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float64)
+    assert registry._setting((ScaleInputs(half, 2.0),), {}) == registry._setting((ScaleInputs(half * 3, 2.0),), {})
+    assert registry._setting((ScaleInputs(half, 2.0),), {}) != registry._setting((ScaleInputs(double, 2.0),), {})
+    assert registry._setting((ScaleInputs(half, 2.0),), {}) != registry._setting((ScaleInputs(half, 3.0),), {})

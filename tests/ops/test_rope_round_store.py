@@ -22,9 +22,9 @@ from interpreted import assert_interpreted_cases_pass
 from test_rope_round import make_inputs
 
 from dsinfer.ops import registry
-from dsinfer.ops.cache_codec.reference import cache_store_reference
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs, cache_store_reference
 from dsinfer.ops.rope_round import RowChain, rope_round_store_reference
-from dsinfer.ops.rope_round.reference import rope_and_round_reference
+from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs, rope_and_round_reference
 
 POOL_ROWS = (6, 16)  # pool [first, second, width]
 # (dim, has weight, rounding, block, (element, code_block, scale) or None for model-dtype storage, modulus)
@@ -71,16 +71,16 @@ def check_cases(device: torch.device) -> list[str]:
                     pools = [make_pool(dim, dtype, store, device) for _ in range(3)]
                     chain = (x, cos, sin, weight, 1e-6, rounding, block)
                     where = (first, second, modulus, element, code_block, scale)
-                    if not backend.fused_store_takes(*chain[:4], *chain[5:], *pools[1], first, second, *where[3:]):
+                    if not backend.fused_store_takes(RopeRoundStoreInputs(*chain, *pools[1], *where)):
                         failures.append(f"{label}: the kernel does not take it")
                         continue
-                    backend.rope_round_store_triton(*chain, *pools[1], *where)
+                    backend.rope_round_store_triton(RopeRoundStoreInputs(*chain, *pools[1], *where))
                     unfused = backend.rope_and_round_triton(*chain)
-                    backend.cache_store_triton(unfused, *pools[2], *where)
+                    backend.cache_store_triton(CacheStoreInputs(unfused, *pools[2], *where))
                     if dtype == torch.float32 and weight is not None:
                         failures += _close(label, pools[2], pools[1])
                         continue
-                    rope_round_store_reference(*chain, *pools[0], *where)
+                    rope_round_store_reference(RopeRoundStoreInputs(*chain, *pools[0], *where))
                     for name, truth in (("the two Triton ops", pools[2]), ("the reference", pools[0])):
                         for want, got in zip(truth, pools[1], strict=True):
                             if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
@@ -100,10 +100,10 @@ def _fallback_cases(device: torch.device, generator: torch.Generator) -> list[st
     pools = [torch.zeros(4, 3, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
     where = (first, second, None, None, 0, None)
     chain = (x, cos, sin, weight, 1e-6, "fp8", 32)
-    if backend.fused_store_takes(*chain[:4], *chain[5:], pools[1][:, :, :128], None, first, second, None, 0, None):
+    if backend.fused_store_takes(RopeRoundStoreInputs(*chain, pools[1][:, :, :128], None, *where)):
         return ["fallback: the kernel takes a pool that is not contiguous"]
-    rope_round_store_reference(*chain, pools[0][:, :, :128], None, *where)
-    backend.rope_round_store_triton(*chain, pools[1][:, :, :128], None, *where)
+    rope_round_store_reference(RopeRoundStoreInputs(*chain, pools[0][:, :, :128], None, *where))
+    backend.rope_round_store_triton(RopeRoundStoreInputs(*chain, pools[1][:, :, :128], None, *where))
     if not torch.equal(pools[0], pools[1]) or not pools[1].any():
         return ["fallback: the pool differs from the reference's"]
     return []
@@ -153,9 +153,11 @@ def test_reference_is_rope_and_round_then_cache_store():
     store = ("e2m1", 32, "ue8m0")
     first, second = torch.tensor([0, 2, 5]), torch.tensor([1, 9, 4])
     pools = [make_pool(128, torch.bfloat16, store, "cpu") for _ in range(2)]
-    rope_round_store_reference(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32, *pools[0], first, second, None, *store)
+    rope_round_store_reference(
+        RopeRoundStoreInputs(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32, *pools[0], first, second, None, *store)
+    )
     rows = rope_and_round_reference(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32)
-    cache_store_reference(rows, *pools[1], first, second, None, *store)
+    cache_store_reference(CacheStoreInputs(rows, *pools[1], first, second, None, *store))
     for want, got in zip(pools[0], pools[1], strict=True):
         assert torch.equal(want, got)
     assert not torch.equal(pools[0][0], make_pool(128, torch.bfloat16, store, "cpu")[0])  # the write happened
@@ -182,7 +184,9 @@ def test_pools_the_kernel_does_not_take_are_refused():
     x, cos, sin, weight = make_inputs(2, (), 64, 32, True, torch.float32, "contiguous", generator, "cpu")
     pool = torch.zeros(4, 3, 128)[:, :, :64]  # a column slice: not contiguous
     first, second = torch.tensor([1, 3]), torch.tensor([0, 2])
-    assert not backend.fused_store_takes(x, cos, sin, weight, None, 0, pool, None, first, second, None, 0, None)
+    assert not backend.fused_store_takes(
+        RopeRoundStoreInputs(x, cos, sin, weight, 1e-6, None, 0, pool, None, first, second, None, None, 0, None)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

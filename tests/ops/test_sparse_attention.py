@@ -14,7 +14,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
-from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,12 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     config = backend.DecodeConfig(block_h=case.block_h, block_n=case.block_n) if case.block_h else None
-    got = backend.sparse_attention_decode_launch(**inputs, config=config, num_splits=case.num_splits)
+    got = backend.sparse_attention_decode_launch(
+        SparseDecodeInputs(**inputs), config=config, num_splits=case.num_splits
+    )
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
-    exact = sparse_attention_decode_reference(**_as_float(inputs))
+    exact = sparse_attention_decode_reference(SparseDecodeInputs(**_as_float(inputs)))
     error = (got.float() - exact).abs().max().item()
     limit = 2e-5 if case.dtype == torch.float32 else 1.5e-2
     if not error <= limit:
@@ -243,16 +245,16 @@ if torch.cuda.is_available():  # compiled kernels: collected where CUDA is (the 
 
         case = FLASH_CASES[1]
         inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_inputs(case).items()}
-        backend.sparse_attention_decode_triton(*inputs.values())  # compile outside the capture
+        backend.sparse_attention_decode_triton(SparseDecodeInputs(*inputs.values()))  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = backend.sparse_attention_decode_triton(*inputs.values())
+            out = backend.sparse_attention_decode_triton(SparseDecodeInputs(*inputs.values()))
         fresh = make_inputs(Case(**{**case.__dict__, "seed": 9}))
         for name in ("q", "slots", "positions", "window_from", "indices"):
             inputs[name].copy_(fresh[name])
         graph.replay()
-        exact = sparse_attention_decode_reference(**_as_float(inputs))
+        exact = sparse_attention_decode_reference(SparseDecodeInputs(**_as_float(inputs)))
         assert (out.float() - exact).abs().max().item() <= 1.5e-2
 
 
@@ -296,7 +298,9 @@ def test_reference_is_the_former_inline_math_bit_for_bit(dtype, layer):
         real = chosen < torch.tensor([0, 3, 7, 20, 1])[:, None]
     if chosen is not None:
         inputs["indices"] = torch.where(real, chosen, -1)
-    assert torch.equal(sparse_attention_decode_reference(**inputs), _inline_decode_math(inputs, chosen, real))
+    assert torch.equal(
+        sparse_attention_decode_reference(SparseDecodeInputs(**inputs)), _inline_decode_math(inputs, chosen, real)
+    )
 
 
 def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
@@ -308,22 +312,25 @@ def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
 
 
 def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatch, caplog):
-    """A kernel that does not compile here is warned about once and the reference answers instead."""
+    """A kernel that does not compile here is warned about once (by the registry's fallback, the only one) and
+    the reference answers instead."""
     import dsinfer.ops.sparse_attention.triton as backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(backend, "sparse_attention_decode_launch", broken)
-    monkeypatch.setattr(backend, "_FAILED", set())
-    monkeypatch.setattr(backend, "_COMPILED", set())
+    # the op table's function: the registry's guard around the backend
+    guarded = registry.falls_back_to_reference(
+        "sparse_attention_decode", "triton", backend.sparse_attention_decode_triton
+    )
     inputs = make_inputs(Case(positions=(9, 30)))
     with caplog.at_level("WARNING"):
-        got = backend.sparse_attention_decode_triton(*inputs.values())
-        again = backend.sparse_attention_decode_triton(*inputs.values())
-    expected = sparse_attention_decode_reference(**inputs)
+        got = guarded(SparseDecodeInputs(*inputs.values()))
+        again = guarded(SparseDecodeInputs(*inputs.values()))
+    expected = sparse_attention_decode_reference(SparseDecodeInputs(**inputs))
     assert torch.equal(got, expected) and torch.equal(again, expected)
-    assert sum("Triton kernel failed" in r.message for r in caplog.records) == 1
+    assert sum("the triton backend failed" in r.message for r in caplog.records) == 1
 
 
 def test_split_count_depends_on_shapes_only():

@@ -12,7 +12,7 @@ from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
 from dsinfer.ops.sparse_attention import prefill_reference
-from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _as_float(inputs: dict) -> dict:
 @pytest.mark.parametrize("case", [c for c in CASES if c.dtype == torch.float32], ids=str)
 def test_reference_is_the_per_token_definition(case):
     inputs = make_inputs(case)
-    got = sparse_attention_prefill_reference(**inputs)
+    got = sparse_attention_prefill_reference(SparsePrefillInputs(**inputs))
     assert got.shape == inputs["q"].shape and got.dtype == inputs["q"].dtype
     torch.testing.assert_close(got, per_token_oracle(inputs), rtol=1e-5, atol=1e-5)
 
@@ -142,9 +142,11 @@ def test_reference_is_the_per_token_definition(case):
 def test_reference_in_query_blocks_is_exact(monkeypatch):
     """Blocks of queries (each against the window keys it can see) give the same result as one block."""
     inputs = make_inputs(Case(sequences=((5, 40, 0), (90, 33, 80)), seed=11))
-    whole = sparse_attention_prefill_reference(**inputs)
+    whole = sparse_attention_prefill_reference(SparsePrefillInputs(**inputs))
     monkeypatch.setattr(prefill_reference, "QUERY_CHUNK", 7)  # blocks starting mid-window
-    torch.testing.assert_close(sparse_attention_prefill_reference(**inputs), whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        sparse_attention_prefill_reference(SparsePrefillInputs(**inputs)), whole, rtol=1e-6, atol=1e-6
+    )
 
 
 def check_triton_case(case: Case, device: torch.device | None = None) -> str | None:
@@ -158,10 +160,10 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     config = decode_backend.DecodeConfig(block_h=case.block_h, block_n=case.block_n) if case.block_h else None
-    got = backend.sparse_attention_prefill_launch(**inputs, config=config)
+    got = backend.sparse_attention_prefill_launch(SparsePrefillInputs(**inputs), config=config)
     if got.dtype != case.dtype or got.shape != inputs["q"].shape:
         return f"{case}: got {got.dtype} {tuple(got.shape)}"
-    exact = sparse_attention_prefill_reference(**_as_float(inputs))
+    exact = sparse_attention_prefill_reference(SparsePrefillInputs(**_as_float(inputs)))
     error = (got.float() - exact).abs()
     limit = torch.full_like(exact, 2e-5) if case.dtype == torch.float32 else 1.5e-2 + 1e-2 * exact.abs()
     if not (error <= limit).all():
@@ -195,22 +197,25 @@ def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
 
 
 def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatch, caplog):
-    """A kernel that does not compile here is warned about once and the reference answers instead."""
+    """A kernel that does not compile here is warned about once (by the registry's fallback, the only one) and
+    the reference answers instead."""
     import dsinfer.ops.sparse_attention.prefill_triton as backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(backend, "sparse_attention_prefill_launch", broken)
-    monkeypatch.setattr(backend, "_FAILED", set())
-    monkeypatch.setattr(backend, "_COMPILED", set())
+    # the op table's function: the registry's guard around the backend
+    guarded = registry.falls_back_to_reference(
+        "sparse_attention_prefill", "triton", backend.sparse_attention_prefill_triton
+    )
     inputs = make_inputs(CASES[1])
     with caplog.at_level("WARNING"):
-        got = backend.sparse_attention_prefill_triton(*inputs.values())
-        again = backend.sparse_attention_prefill_triton(*inputs.values())
-    expected = sparse_attention_prefill_reference(**inputs)
+        got = guarded(SparsePrefillInputs(*inputs.values()))
+        again = guarded(SparsePrefillInputs(*inputs.values()))
+    expected = sparse_attention_prefill_reference(SparsePrefillInputs(**inputs))
     assert torch.equal(got, expected) and torch.equal(again, expected)
-    assert sum("Triton kernel failed" in r.message for r in caplog.records) == 1
+    assert sum("the triton backend failed" in r.message for r in caplog.records) == 1
 
 
 # V4-Flash shapes (64 heads x 512, window 128, top-k 512, CSA ratio 4 / HCA ratio 128): too slow for the interpreter.

@@ -23,7 +23,7 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.tiny import randomize_v41_, tiny_config_v41
 from dsinfer.ops import registry
-from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
 from dsinfer.ops.sparse_attention.prefill_triton import sparse_attention_prefill_launch
 
 BLOCK_TOKENS = 8
@@ -48,10 +48,10 @@ def _checking_table(record: list, device: str) -> registry.OpTable:
     """The reference table, with a prefill op that also launches the kernel and records how far it is."""
     table = registry.reference_table(device, torch.float32)
 
-    def checked(*args):
-        want = sparse_attention_prefill_reference(*args)
-        got = sparse_attention_prefill_launch(*args[:-1])
-        entries, indices = args[9], args[11]
+    def checked(inputs: SparsePrefillInputs):
+        want = sparse_attention_prefill_reference(inputs)
+        got = sparse_attention_prefill_launch(inputs)
+        entries, indices = inputs.entries, inputs.indices
         error = float((got - want).abs().max() / want.abs().max())
         record.append((entries is not None and indices is not None and indices.shape[1] > 0, error))
         return want

@@ -21,8 +21,8 @@ from dsinfer.kernels.engram_gather import (
     DEFAULT_NUM_WARPS,
     gather_dequantize,
     gather_dequantize_reference,
-    triton_available,
 )
+from dsinfer.ops.triton_support import triton_available
 
 __all__ = ["DEDUP_MIN_IDS_CUDA", "EngramFetcher"]
 

@@ -8,11 +8,11 @@ The host method: the ``host_method`` option, else ``$DSINFER_ENGRAM_HOST_METHOD`
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from dsinfer import envs
 from dsinfer.config import ENGRAM_PLACEMENTS as PLACEMENTS
 from dsinfer.engram.fetch.base import EngramFetcher
 from dsinfer.engram.fetch.device import DeviceEngramFetcher
@@ -22,8 +22,8 @@ from dsinfer.engram.store import EngramStore
 
 __all__ = ["DEVICE_BUDGET_ENV", "PLACEMENTS", "PLACEMENT_ENV", "make_engram_fetcher", "resolve_placement"]
 
-PLACEMENT_ENV = "DSINFER_ENGRAM_PLACEMENT"
-DEVICE_BUDGET_ENV = "DSINFER_ENGRAM_DEVICE_BUDGET_GIB"
+PLACEMENT_ENV = envs.ENGRAM_PLACEMENT.name
+DEVICE_BUDGET_ENV = envs.ENGRAM_DEVICE_BUDGET_GIB.name
 DEFAULT_DEVICE_BUDGET_FRACTION = 0.25
 
 
@@ -40,22 +40,20 @@ def resolve_placement(
     (``device_memory_budget``, else ``$DSINFER_ENGRAM_DEVICE_BUDGET_GIB``, else a quarter of the GPU's
     memory); otherwise ``device``.
     """
-    for value, where in ((requested, "--engram-placement"), (os.environ.get(PLACEMENT_ENV), PLACEMENT_ENV)):
-        if value:
-            value = value.strip().lower()
-            if value not in PLACEMENTS:
-                raise ValueError(f"{where} must be one of {', '.join(PLACEMENTS)}, got {value!r}")
-            return value
+    if requested:
+        value = requested.strip().lower()
+        if value not in PLACEMENTS:
+            raise ValueError(f"--engram-placement must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+        return value
+    if envs.ENGRAM_PLACEMENT.get() is not None:
+        return envs.ENGRAM_PLACEMENT.get()
     device = torch.device(device)
     if device.type != "cuda":
         return "device"
     if device_memory_budget is None:
-        raw = os.environ.get(DEVICE_BUDGET_ENV)
-        if raw:
-            try:
-                device_memory_budget = int(float(raw) * 2**30)
-            except ValueError:
-                raise ValueError(f"{DEVICE_BUDGET_ENV} must be a number of GiB, got {raw!r}") from None
+        budget_gib = envs.ENGRAM_DEVICE_BUDGET_GIB.get()
+        if budget_gib is not None:
+            device_memory_budget = int(budget_gib * 2**30)
         else:
             total = torch.cuda.get_device_properties(device).total_memory
             device_memory_budget = int(total * DEFAULT_DEVICE_BUDGET_FRACTION)

@@ -15,13 +15,13 @@ is the faster choice for large fetches from V4.1-size tables on a host with CPU 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from dsinfer import envs
 from dsinfer.engram.fetch.base import EngramFetcher
 from dsinfer.engram.fetch.host_memory import HostRegistration, host_tensor
 from dsinfer.engram.fetch.plan import FetchPlan
@@ -51,7 +51,7 @@ __all__ = [
 HOST_GATHER_SHAPE = {"block_rows": 64, "num_warps": 8, "max_programs": 32, "prefetch_programs": 32}
 """Triton shape for host memory: few programs keep the rows in flight close together (see the kernel)."""
 HOST_METHODS = ("zero_copy", "staged", "split")
-HOST_METHOD_ENV = "DSINFER_ENGRAM_HOST_METHOD"
+HOST_METHOD_ENV = envs.ENGRAM_HOST_METHOD.name
 DEFAULT_HOST_METHOD = "zero_copy"
 """Same prefetched step cost as the others on the H200, no host threads or synchronisation (module docstring)."""
 HOST_ONLY_OPTIONS = (
@@ -80,13 +80,12 @@ def resolve_host_method(requested: str | None) -> str:
     and the GPU receives them as large copies; ``split``: both at once, each on a share of the rows.
     ``-`` may stand for ``_``.
     """
-    for value, where in ((requested, "host_method"), (os.environ.get(HOST_METHOD_ENV), HOST_METHOD_ENV)):
-        if value:
-            value = value.strip().lower().replace("-", "_")
-            if value not in HOST_METHODS:
-                raise ValueError(f"{where} must be one of {', '.join(HOST_METHODS)}, got {value!r}")
-            return value
-    return DEFAULT_HOST_METHOD
+    if requested:
+        value = requested.strip().lower().replace("-", "_")
+        if value not in HOST_METHODS:
+            raise ValueError(f"host_method must be one of {', '.join(HOST_METHODS)}, got {value!r}")
+        return value
+    return envs.ENGRAM_HOST_METHOD.get() or DEFAULT_HOST_METHOD
 
 
 class HostEngramFetcher(EngramFetcher):

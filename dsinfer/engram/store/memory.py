@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from dsinfer import envs
 from dsinfer.engram.store.errors import EngramMemoryError
 from dsinfer.engram.store.segment import HUGE_PAGE_BYTES, SMALL_PAGE_BYTES, EngramTableSpec, layout_tables
 
@@ -35,7 +36,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-HUGETLBFS_ENV = "DSINFER_HUGETLBFS"
+HUGETLBFS_ENV = envs.HUGETLBFS.name
 
 
 def meminfo() -> dict[str, int]:
@@ -88,7 +89,7 @@ def check_free_memory(directory: Path, huge_pages: bool, needed: int) -> None:
 
 def hugetlbfs_mount() -> Path | None:
     """``$DSINFER_HUGETLBFS``, else the first 2 MiB hugetlbfs in ``/proc/mounts``."""
-    override = os.environ.get(HUGETLBFS_ENV)
+    override = envs.HUGETLBFS.get()
     if override:
         return Path(override)
     try:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsinfer import envs
 from dsinfer.engram.store.errors import EngramMemoryError, EngramStoreError
 from dsinfer.engram.store.memory import SHM_DIR, check_free_memory, choose_location, hugetlbfs_mount
 from dsinfer.engram.store.reaper import (
@@ -53,8 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ATTACH_TIMEOUT_ENV", "EngramStore", "default_segment_name"]
 
-ATTACH_TIMEOUT_ENV = "DSINFER_ENGRAM_ATTACH_TIMEOUT"
-DEFAULT_ATTACH_TIMEOUT_S = 1800.0
+ATTACH_TIMEOUT_ENV = envs.ENGRAM_ATTACH_TIMEOUT.name
+DEFAULT_ATTACH_TIMEOUT_S = envs.ENGRAM_ATTACH_TIMEOUT.default
 _POLL_S = 0.01
 
 
@@ -64,7 +65,7 @@ def default_segment_name(key: str = "") -> str:
     From ``DSINFER_ENGRAM_SEGMENT`` if set; otherwise from ``key`` (say the checkpoint path) and the
     launcher's rendezvous (``MASTER_ADDR``/``MASTER_PORT``), so two jobs on one host do not collide.
     """
-    explicit = os.environ.get("DSINFER_ENGRAM_SEGMENT")
+    explicit = envs.ENGRAM_SEGMENT.get()
     if explicit:
         return explicit
     import hashlib
@@ -268,7 +269,7 @@ class EngramStore:
         """Wait (up to ``timeout`` s) for segment ``name`` to be ready, map it, and count this rank in."""
         _check_name(name)
         if timeout is None:
-            timeout = float(os.environ.get(ATTACH_TIMEOUT_ENV, DEFAULT_ATTACH_TIMEOUT_S))
+            timeout = envs.ENGRAM_ATTACH_TIMEOUT.get()
         deadline = time.monotonic() + timeout
         candidates = [d / name for d in (hugetlbfs_mount(), SHM_DIR) if d is not None]
         last_seen: SegmentHeader | None = None

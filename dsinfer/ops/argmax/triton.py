@@ -12,11 +12,10 @@ exactly: the raw logits give the same token as their float32 copy.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -27,10 +26,6 @@ except ImportError:  # pragma: no cover - depends on the install
 
 CHUNK = 2048  # scores a first-pass program reads: 64 programs a row at V = 129,280
 MAX_CHUNKS = 1024  # the second pass holds a row's winners in one program: rows up to 2M scores
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:

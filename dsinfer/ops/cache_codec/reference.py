@@ -8,6 +8,8 @@ scale). Why decoding gives back the fake quantizer's rounded rows bit for bit is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.fake_quant import e2m1_values, fp4_block_codes, fp4_block_scale, fp8_block_codes
@@ -73,28 +75,34 @@ def _lossless_e4m3_scaled_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, tor
     return codes, chosen
 
 
+@dataclass(frozen=True)
+class CacheStoreInputs:
+    """Rows ``values`` [R, channels] and where they go in a cache pool (see :func:`cache_store_reference`)."""
+
+    values: torch.Tensor
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    first: torch.Tensor
+    second: torch.Tensor
+    modulus: int | None
+    element: str | None
+    block: int
+    scale: str | None
+
+
 @register("cache_store", REFERENCE)
-def cache_store_reference(
-    values: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    modulus: int | None,
-    element: str | None,
-    block: int,
-    scale: str | None,
-) -> None:
+def cache_store_reference(inputs: CacheStoreInputs) -> None:
     """Store rows ``values`` [R, channels] at rows ``(first[r], second[r] % modulus)`` of a pool ``data``
     [N0, N1, width]: as they are (cast to the pool's dtype) when ``scales`` is None, else encoded (the format
     ``element`` / ``block`` / ``scale``), codes into ``data`` and scale bytes into ``scales`` [N0, N1, blocks].
     ``modulus`` None: ``second`` as it is. One op for what a cache write was: encode, index, two scatters."""
+    values, data, scales, second, modulus = inputs.values, inputs.data, inputs.scales, inputs.second, inputs.modulus
     if values.numel() == 0:  # nothing to write (and no blocks to encode)
         return
-    index = (first, second if modulus is None else second % modulus)
+    index = (inputs.first, second if modulus is None else second % modulus)
     if scales is None:
         data[index] = values.to(data.dtype)
         return
-    codes, row_scales = cache_encode_reference(values, element, block, scale)
+    codes, row_scales = cache_encode_reference(values, inputs.element, inputs.block, inputs.scale)
     data.view(torch.uint8)[index] = codes.view(torch.uint8)
     scales.view(torch.uint8)[index] = row_scales.view(torch.uint8)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.fake_quant.triton import fake_quant_triton_available
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -214,7 +215,7 @@ def encoding_kind(element: str, block: int, scale: str) -> int | None:
     return kind
 
 
-@register("cache_encode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("cache_encode", "triton", devices=("cuda",), available=triton_available, priority=10)
 def cache_encode_triton(
     values: torch.Tensor, element: str, block: int, scale: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +241,7 @@ def cache_encode_triton(
     return codes, scales.view(torch.float8_e4m3fn) if scale == "e4m3" else scales
 
 
-@register("cache_decode", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("cache_decode", "triton", devices=("cuda",), available=triton_available, priority=10)
 def cache_decode_triton(
     codes: torch.Tensor, scales: torch.Tensor, element: str, block: int, scale: str, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -261,19 +262,12 @@ def cache_decode_triton(
     return out
 
 
-@register("cache_store", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
-def cache_store_triton(
-    values: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    modulus: int | None,
-    element: str | None,
-    block: int,
-    scale: str | None,
-) -> None:
+@register("cache_store", "triton", devices=("cuda",), available=triton_available, priority=10)
+def cache_store_triton(inputs: CacheStoreInputs) -> None:
     """Same contract and bytes as the reference, one launch; pools or rows the kernels do not take go to it."""
+    values, data, scales, first, second, modulus = (inputs.values, inputs.data, inputs.scales, inputs.first,
+                                                     inputs.second, inputs.modulus)  # fmt: skip
+    element, block, scale = inputs.element, inputs.block, inputs.scale
     kind = None if scales is None else encoding_kind(element, block, scale)
     rows, channels = (values.shape[0], values.shape[-1]) if values.dim() == 2 else (0, 0)
     plain_ok = scales is None and values.dim() == 2 and data.dtype in OUT_DTYPES
@@ -281,7 +275,7 @@ def cache_store_triton(
     if not (plain_ok or coded_ok) or data.dim() != 3 or not data.is_contiguous() or first.shape != (rows,):
         from dsinfer.ops.cache_codec.reference import cache_store_reference
 
-        return cache_store_reference(values, data, scales, first, second, modulus, element, block, scale)
+        return cache_store_reference(inputs)
     if rows == 0:
         return None
     source, first, second = values.contiguous(), first.contiguous(), second.contiguous()

@@ -9,11 +9,13 @@ sequences' rings, and their chosen entries laid out as one block per sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.cache_codec.reference import cache_decode_reference
 from dsinfer.ops.registry import REFERENCE, register
-from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
 
 
 def _rows(codes: torch.Tensor, scales: torch.Tensor, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,37 +23,51 @@ def _rows(codes: torch.Tensor, scales: torch.Tensor, index: tuple) -> tuple[torc
     return codes.view(torch.uint8)[index].view(codes.dtype), scales.view(torch.uint8)[index].view(scales.dtype)
 
 
+@dataclass(frozen=True)
+class CodedDecodeInputs:
+    """One decode step of sparse attention over V4.1's coded cache: V4's :class:`SparseDecodeInputs` with the window
+    ring as e4m3 ``window_codes`` [slots, W, D] and ue8m0 ``window_scales``, and the entries as packed e2m1
+    ``entry_codes`` [blocks, per_block, D / 2] and e4m3 ``entry_scales`` (both None: a window-only layer)."""
+
+    q: torch.Tensor
+    window_codes: torch.Tensor
+    window_scales: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    window_from: torch.Tensor
+    entry_codes: torch.Tensor | None
+    entry_scales: torch.Tensor | None
+    block_tables: torch.Tensor
+    indices: torch.Tensor | None
+    sink: torch.Tensor
+    softmax_scale: float
+
+
 @register("sparse_attention_decode_coded", REFERENCE)
-def sparse_attention_decode_coded_reference(
-    q: torch.Tensor,
-    window_codes: torch.Tensor,
-    window_scales: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    window_from: torch.Tensor,
-    entry_codes: torch.Tensor | None,
-    entry_scales: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.Tensor:
     """Attention of one query per sequence, [B, H, D] in ``q.dtype``: V4's decode contract with a coded cache."""
+    q, indices, entry_codes, block_tables = inputs.q, inputs.indices, inputs.entry_codes, inputs.block_tables
+    positions, window_from, sink, softmax_scale = (
+        inputs.positions,
+        inputs.window_from,
+        inputs.sink,
+        inputs.softmax_scale,
+    )
     batch, head_dim = q.shape[0], q.shape[-1]
-    codes, scales = _rows(window_codes, window_scales, (slots,))
+    codes, scales = _rows(inputs.window_codes, inputs.window_scales, (inputs.slots,))
     ring = cache_decode_reference(codes, scales, "e4m3", head_dim // scales.shape[-1], "ue8m0", q.dtype)
     local = torch.arange(batch, device=q.device)
     if entry_codes is None or indices is None or indices.shape[1] == 0:
         return sparse_attention_decode_reference(
-            q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale
+            SparseDecodeInputs(q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale)
         )
     per_block, count = entry_codes.shape[1], indices.shape[1]
     safe = indices.clamp(min=0)
     blocks = block_tables.gather(1, torch.div(safe, per_block, rounding_mode="floor"))
-    codes, scales = _rows(entry_codes, entry_scales, (blocks, safe.remainder(per_block)))
+    codes, scales = _rows(entry_codes, inputs.entry_scales, (blocks, safe.remainder(per_block)))
     entries = cache_decode_reference(codes, scales, "e2m1", head_dim // scales.shape[-1], "e4m3", q.dtype)
     # The decoded entries as a pool of one block per sequence, [B, K, D], and their numbers in it.
     own = torch.where(indices >= 0, torch.arange(count, device=q.device), -1)
     return sparse_attention_decode_reference(
-        q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale
+        SparseDecodeInputs(q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale)
     )

@@ -36,27 +36,21 @@ docs/perf.md, pass 10), graph replays at V4.1-Flash's shapes: one sequence 1.05-
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from dsinfer.ops.coded_attention.reference import sparse_attention_decode_coded_reference
+from dsinfer import envs
+from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_attention_decode_coded_reference
 from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.triton import (
-    LOG2E,
-    DecodeConfig,
-    choose_config,
-    choose_splits,
-    sparse_attention_triton_available,
-)
+from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
     import triton.language as tl
 
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-    from dsinfer.ops.sparse_attention.triton import _attend_tile, _sm_count, combine_splits
+    from dsinfer.ops.sparse_attention.triton import _attend_tile, combine_splits, plan_splits, split_partials
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -263,10 +257,7 @@ every form in one run)."""
 
 def decode_form() -> str:
     """The form launches take: ``DSINFER_CODED_ATTENTION_DECODE`` where set, else :data:`DECODE`."""
-    choice = os.environ.get("DSINFER_CODED_ATTENTION_DECODE") or DECODE
-    if choice not in DECODES:
-        raise ValueError(f"DSINFER_CODED_ATTENTION_DECODE must be one of {DECODES}, got {choice!r}")
-    return choice
+    return envs.CODED_ATTENTION_DECODE.get() or DECODE
 
 
 def fp8_cast_available(device: torch.device) -> bool:
@@ -293,19 +284,22 @@ def serves(q, window_codes, window_scales, entry_codes, entry_scales, indices) -
 
 
 def sparse_attention_decode_coded_launch(
-    q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables, indices,
-    sink, softmax_scale, num_splits: int | None = None, config: DecodeConfig | None = None,
-    hardware_fp8: bool | None = None, decode: str | None = None,
-) -> torch.Tensor:  # fmt: skip
+    inputs: CodedDecodeInputs,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+    hardware_fp8: bool | None = None,
+    decode: str | None = None,
+) -> torch.Tensor:
     """The kernels, no fallback (``num_splits`` None: from the shapes and the SM count, as V4's; ``config`` None:
     V4's :func:`choose_config`, which also serves this kernel best on the H200: one sequence at 256 context, 48.6
     us with entries and 16.8 us over the window alone at 16 heads a program and 8 splits, against 70.9 and 46.6 us
     at 32 heads and the old split rule; 32 sequences stay best at 32 heads a program, 171 us; tiles of 16 keys
     did worse or drifted further from the reference; these times are the ``twice`` form's). ``hardware_fp8``
     None: :func:`fp8_cast_available`. ``decode`` (one of :data:`DECODES`) None: :func:`decode_form`."""
+    q, entry_codes, indices = inputs.q, inputs.entry_codes, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
-    size = window_codes.shape[1]
+    size = inputs.window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     fp8_cast = fp8_cast_available(q.device) if hardware_fp8 is None else hardware_fp8
@@ -315,43 +309,33 @@ def sparse_attention_decode_coded_launch(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    head_groups = triton.cdiv(n_heads, config.block_h)
-    window_tiles = triton.cdiv(size, config.block_n)
-    n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
-    splits = num_splits or choose_splits(batch, head_groups, n_tiles, _sm_count(q.device))
-    splits = max(1, min(splits, n_tiles))
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
-    window = window_codes.view(torch.uint8)
-    window_exponents = window_scales.view(torch.uint8)
-    slots, positions, window_from, sink = (t.contiguous() for t in (slots, positions, window_from, sink))
+    plan = plan_splits(q, size, n_indices, config, num_splits)
+    window = inputs.window_codes.view(torch.uint8)
+    window_exponents = inputs.window_scales.view(torch.uint8)
+    slots, positions, window_from, sink = (t.contiguous() for t in (inputs.slots, inputs.positions,
+                                                                    inputs.window_from, inputs.sink))  # fmt: skip
     if has_entries:
-        entries, entry_bytes = entry_codes.view(torch.uint8), entry_scales.view(torch.uint8)
-        indices, tables = indices.contiguous(), block_tables.contiguous()
+        entries, entry_bytes = entry_codes.view(torch.uint8), inputs.entry_scales.view(torch.uint8)
+        indices, tables = indices.contiguous(), inputs.block_tables.contiguous()
         per_block, entry_block = entries.shape[1], head_dim // entry_bytes.shape[-1]
     else:  # window only: the entry pointers are never read
         entries, entry_bytes, indices, tables, per_block, entry_block = window, window_exponents, slots, slots, 1, 16
-    if splits > 1:
-        part_out = torch.empty(batch, splits, n_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(batch, splits, n_heads, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out = part_max = part_sum = out  # unused
-    _coded_split_kernel[(batch, head_groups, splits)](
+    part_out, part_max, part_sum = split_partials(out, plan.splits)
+    _coded_split_kernel[(batch, plan.head_groups, plan.splits)](
         q, window, window_exponents, entries, entry_bytes, slots, positions, window_from, tables, indices, sink,
-        out, part_out, part_max, part_sum, n_heads, n_indices, tiles_per_split, n_tiles,
+        out, part_out, part_max, part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), window_exponents.stride(0),
         window_exponents.stride(1), entries.stride(0) if has_entries else 0, entries.stride(1) if has_entries else 0,
         entry_bytes.stride(0) if has_entries else 0, entry_bytes.stride(1) if has_entries else 0,
-        tables.stride(0), indices.stride(0), out.stride(0), out.stride(1), softmax_scale * LOG2E,
-        WINDOW=size, WINDOW_TILES=window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        tables.stride(0), indices.stride(0), out.stride(0), out.stride(1), inputs.softmax_scale * LOG2E,
+        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n, SPLITS=splits, HAS_ENTRIES=has_entries,
+        BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast, DECODE=decode,
         PIN=inline_ptx_available(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if plan.splits > 1:
         combine_splits(part_out, part_max, part_sum, sink, out)
     return out
 
@@ -360,26 +344,12 @@ def sparse_attention_decode_coded_launch(
     "sparse_attention_decode_coded",
     "triton",
     devices=("cuda",),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
-def sparse_attention_decode_coded_triton(
-    q: torch.Tensor,
-    window_codes: torch.Tensor,
-    window_scales: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    window_from: torch.Tensor,
-    entry_codes: torch.Tensor | None,
-    entry_scales: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def sparse_attention_decode_coded_triton(inputs: CodedDecodeInputs) -> torch.Tensor:
     """Same contract as the reference; inputs the kernel does not take go to it."""
-    args = (q, window_codes, window_scales, slots, positions, window_from, entry_codes, entry_scales, block_tables,
-            indices, sink, softmax_scale)  # fmt: skip
-    if not serves(q, window_codes, window_scales, entry_codes, entry_scales, indices):
-        return sparse_attention_decode_coded_reference(*args)
-    return sparse_attention_decode_coded_launch(*args)
+    coded = (inputs.window_codes, inputs.window_scales, inputs.entry_codes, inputs.entry_scales)
+    if not serves(inputs.q, *coded, inputs.indices):
+        return sparse_attention_decode_coded_reference(inputs)
+    return sparse_attention_decode_coded_launch(inputs)

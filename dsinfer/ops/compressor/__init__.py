@@ -5,6 +5,8 @@ decode entry goes: its block and row, or the trash block)."""
 
 from dsinfer.ops.compressor import decode_triton, location_triton  # noqa: F401  (registers the Triton backends)
 from dsinfer.ops.compressor.reference import (
+    CompressorDecodeInputs,
+    CompressorStoreInputs,
     compressor_decode_reference,
     compressor_decode_store_reference,
     compressor_pool_reference,
@@ -12,6 +14,8 @@ from dsinfer.ops.compressor.reference import (
 )
 
 __all__ = [
+    "CompressorDecodeInputs",
+    "CompressorStoreInputs",
     "compressor_decode_reference",
     "compressor_decode_store_reference",
     "compressor_pool_reference",

@@ -19,11 +19,16 @@ order of the float32 sums may differ from torch's in the last bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from dsinfer.ops.compressor.reference import (
+    CompressorDecodeInputs,
+    CompressorStoreInputs,
+    compressor_decode_reference,
+    compressor_decode_store_reference,
+)
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -33,10 +38,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -212,9 +213,11 @@ if triton is not None:
                      mask=channel_ok)  # fmt: skip
 
 
-def serves(values, gates, slot_bias, pending_values, pending_gates, previous_values, previous_gates) -> bool:
+def serves(inputs: CompressorDecodeInputs) -> bool:
     """Whether the kernel takes these inputs (else the backends run the reference)."""
-    states = [pending_values, pending_gates]
+    values, gates, slot_bias, pending_values = inputs.values, inputs.gates, inputs.slot_bias, inputs.pending_values
+    previous_values, previous_gates = inputs.previous_values, inputs.previous_gates
+    states = [pending_values, inputs.pending_gates]
     if previous_values is not None:
         states += [previous_values, previous_gates]
     if previous_values is None and previous_gates is not None:
@@ -243,39 +246,45 @@ def _slots_block(ratio: int, dim: int) -> int:
     return block
 
 
-def _launch(values, gates, slot_bias, positions, slots, window_from, pending_values, pending_gates,
-            previous_values, previous_gates, norm_weight, eps, dtype, store=None):  # fmt: skip
-    """Run the kernel; ``store`` = (cos, sin, entries, block_tables) for the storing variant, else None."""
+def _store_operands(inputs: CompressorDecodeInputs, latents: torch.Tensor) -> tuple:
+    """(cos, sin, entries, tables, rope_half, cos_stride, sin_stride, entry_strides, table_stride, max_blocks,
+    per_block) of the storing variant (``inputs`` a :class:`CompressorStoreInputs`), else placeholders never read."""
+    if not isinstance(inputs, CompressorStoreInputs):
+        return latents, latents, latents, latents, 0, 0, 0, (0, 0), 0, 1, 1
+    cos, sin, entries, tables = inputs.cos, inputs.sin, inputs.entries, inputs.block_tables
+    entry_strides = (entries.stride(0), entries.stride(1))
+    return (cos, sin, entries, tables, cos.shape[-1], cos.stride(0), sin.stride(0), entry_strides, tables.stride(0),
+            tables.shape[1], entries.shape[1])  # fmt: skip
+
+
+def _launch(inputs: CompressorDecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the kernel; a :class:`CompressorStoreInputs` runs the storing variant."""
+    values, gates, slot_bias, pending_values = inputs.values, inputs.gates, inputs.slot_bias, inputs.pending_values
     batch, width = values.shape
     ratio = pending_values.shape[1]
-    overlap = previous_values is not None
+    overlap = inputs.previous_values is not None
     dim = width // 2 if overlap else width
     device = values.device
-    latents = torch.empty(batch, dim, dtype=dtype, device=device)
+    latents = torch.empty(batch, dim, dtype=inputs.dtype, device=device)
     entry = torch.empty(batch, dtype=torch.int64, device=device)
     complete = torch.empty(batch, dtype=torch.bool, device=device)
     if batch == 0:
         return latents, entry, complete
-    previous_v = previous_values if overlap else pending_values  # unused without overlap
-    previous_g = previous_gates if overlap else pending_gates
-    if store is not None:
-        cos, sin, entries, tables = store
-        rope_half = cos.shape[-1]
-        cos_stride, sin_stride = cos.stride(0), sin.stride(0)
-        entry_strides, table_stride, max_blocks, per_block = (entries.stride(0), entries.stride(1)), \
-            tables.stride(0), tables.shape[1], entries.shape[1]  # fmt: skip
-    else:
-        cos = sin = entries = tables = latents
-        rope_half, cos_stride, sin_stride, entry_strides, table_stride, max_blocks, per_block = 0, 0, 0, (0, 0), 0, 1, 1
-    norm = norm_weight.contiguous()
+    previous_v = inputs.previous_values if overlap else pending_values  # unused without overlap
+    previous_g = inputs.previous_gates if overlap else inputs.pending_gates
+    store = isinstance(inputs, CompressorStoreInputs)
+    cos, sin, entries, tables, rope_half, cos_stride, sin_stride, entry_strides, table_stride, max_blocks, \
+        per_block = _store_operands(inputs, latents)  # fmt: skip
+    norm = inputs.norm_weight.contiguous()
     _compressor_decode_kernel[(batch,)](
-        values, gates, slot_bias if slot_bias is not None else values, positions.contiguous(), slots.contiguous(),
-        window_from.contiguous(), pending_values, pending_gates, previous_v, previous_g, norm, float(eps),
+        values, gates, slot_bias if slot_bias is not None else values, inputs.positions.contiguous(),
+        inputs.slots.contiguous(), inputs.window_from.contiguous(), pending_values, inputs.pending_gates, previous_v,
+        previous_g, norm, float(inputs.eps),
         latents, entry, complete, cos, sin, entries, tables,
         values.stride(0), gates.stride(0), pending_values.stride(0), pending_values.stride(1), cos_stride,
         sin_stride, entry_strides[0], entry_strides[1], table_stride, max_blocks, per_block,
         RATIO=ratio, DIM=dim, ROPE_HALF=rope_half, OVERLAP=overlap, HAS_BIAS=slot_bias is not None,
-        STORE=store is not None, WIDTH_BLOCK=triton.next_power_of_2(width),
+        STORE=store, WIDTH_BLOCK=triton.next_power_of_2(width),
         HALF_BLOCK=triton.next_power_of_2(max(1, (dim + 1) // 2)), SLOTS_BLOCK=_slots_block(ratio, dim),
         num_warps=8 if dim >= 256 else 4, enable_fp_fusion=False,
     )  # fmt: skip
@@ -283,31 +292,20 @@ def _launch(values, gates, slot_bias, positions, slots, window_from, pending_val
 
 
 @register("compressor_decode", "triton", devices=("cuda",), available=triton_available, priority=10)
-def compressor_decode_triton(values, gates, slot_bias, positions, slots, window_from, pending_values, pending_gates,
-                             previous_values, previous_gates, norm_weight, eps, dtype):  # fmt: skip
+def compressor_decode_triton(inputs: CompressorDecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``compressor_decode_reference`` (the latent rows of incomplete windows are zero)."""
-    from dsinfer.ops.compressor.reference import compressor_decode_reference
-
-    args = (values, gates, slot_bias, positions, slots, window_from, pending_values, pending_gates, previous_values,
-            previous_gates, norm_weight, eps, dtype)  # fmt: skip
-    if not serves(values, gates, slot_bias, pending_values, pending_gates, previous_values, previous_gates):
-        return compressor_decode_reference(*args)
-    return _launch(*args)
+    if not serves(inputs):
+        return compressor_decode_reference(inputs)
+    return _launch(inputs)
 
 
 @register("compressor_decode_store", "triton", devices=("cuda",), available=triton_available, priority=10)
-def compressor_decode_store_triton(values, gates, slot_bias, positions, slots, window_from, pending_values,
-                                   pending_gates, previous_values, previous_gates, norm_weight, eps, dtype, cos, sin,
-                                   entries, block_tables, trash):  # fmt: skip
+def compressor_decode_store_triton(inputs: CompressorStoreInputs) -> None:
     """Same contract as ``compressor_decode_store_reference``; incomplete windows write nothing (not the trash)."""
-    from dsinfer.ops.compressor.reference import compressor_decode_store_reference
-
-    args = (values, gates, slot_bias, positions, slots, window_from, pending_values, pending_gates, previous_values,
-            previous_gates, norm_weight, eps, dtype)  # fmt: skip
+    cos, sin, entries = inputs.cos, inputs.sin, inputs.entries
     angles_ok = cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape
-    angles_ok = angles_ok and cos.shape[0] == values.shape[0] and cos.stride(1) == sin.stride(1) == 1
+    angles_ok = angles_ok and cos.shape[0] == inputs.values.shape[0] and cos.stride(1) == sin.stride(1) == 1
     entries_ok = entries.dim() == 3 and entries.stride(2) == 1 and entries.shape[2] >= 2 * cos.shape[-1]
-    kernel_takes = serves(values, gates, slot_bias, pending_values, pending_gates, previous_values, previous_gates)
-    if not (kernel_takes and angles_ok and entries_ok and block_tables.stride(1) == 1):
-        return compressor_decode_store_reference(*args, cos, sin, entries, block_tables, trash)
-    _launch(*args, store=(cos, sin, entries, block_tables))
+    if not (serves(inputs) and angles_ok and entries_ok and inputs.block_tables.stride(1) == 1):
+        return compressor_decode_store_reference(inputs)
+    _launch(inputs)

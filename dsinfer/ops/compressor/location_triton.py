@@ -9,11 +9,10 @@ torch's floor ones.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -23,10 +22,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 MAX_SEQUENCES = 4096
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:

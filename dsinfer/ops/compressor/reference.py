@@ -9,6 +9,8 @@ adds V4's RoPE and the write of the completed entry into the sequence's cache bl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
@@ -29,22 +31,40 @@ def compressor_pool_reference(
     return rms_norm_reference((values * weights).sum(dim=1).to(dtype), norm_weight, eps)
 
 
+@dataclass(frozen=True)
+class CompressorDecodeInputs:
+    """One decode token per sequence through its compressor state (shapes: :func:`compressor_decode_reference`)."""
+
+    values: torch.Tensor
+    gates: torch.Tensor
+    slot_bias: torch.Tensor | None
+    positions: torch.Tensor
+    slots: torch.Tensor
+    window_from: torch.Tensor
+    pending_values: torch.Tensor
+    pending_gates: torch.Tensor
+    previous_values: torch.Tensor | None
+    previous_gates: torch.Tensor | None
+    norm_weight: torch.Tensor
+    eps: float
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class CompressorStoreInputs(CompressorDecodeInputs):
+    """A compressor's decode step and V4's store of its completed entries (:func:`compressor_decode_store_reference`):
+    the angles ``cos`` / ``sin`` of each window's first position, the ``entries`` pool, the block tables and the
+    ``trash`` block that rows of tokens that completed nothing go to."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    entries: torch.Tensor
+    block_tables: torch.Tensor
+    trash: int
+
+
 @register("compressor_decode", REFERENCE)
-def compressor_decode_reference(
-    values: torch.Tensor,
-    gates: torch.Tensor,
-    slot_bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    window_from: torch.Tensor,
-    pending_values: torch.Tensor,
-    pending_gates: torch.Tensor,
-    previous_values: torch.Tensor | None,
-    previous_gates: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compressor_decode_reference(inputs: CompressorDecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode token per sequence through its compressor state; returns (latents [B, dim], entry ids [B],
     complete [B]).
 
@@ -56,19 +76,22 @@ def compressor_decode_reference(
     CSA) pool the previous window's first half (when it lies inside the sequence's window, else weight 0) with
     this window's second half, and a token that completes its window makes it the slot's previous one.
     """
+    gates, positions, slots, slot_bias = inputs.gates, inputs.positions, inputs.slots, inputs.slot_bias
+    pending_values, pending_gates = inputs.pending_values, inputs.pending_gates
+    previous_values, previous_gates = inputs.previous_values, inputs.previous_gates
     ratio = pending_values.shape[1]
     overlap = previous_values is not None
     dim = pending_values.shape[2] // 2 if overlap else pending_values.shape[2]
     offset = positions % ratio
     if slot_bias is not None:
         gates = gates + slot_bias[offset].to(gates.dtype)
-    pending_values[slots, offset] = values.to(pending_values.dtype)
+    pending_values[slots, offset] = inputs.values.to(pending_values.dtype)
     pending_gates[slots, offset] = gates.to(pending_gates.dtype)
     window_values, window_gates = pending_values[slots], pending_gates[slots]  # [B, ratio, width]
     first = positions - offset
     complete = offset == ratio - 1
     if overlap:
-        has_previous = (first >= ratio) & (first - ratio >= window_from)
+        has_previous = (first >= ratio) & (first - ratio >= inputs.window_from)
         earlier_gates = previous_gates[slots][..., :dim].masked_fill(~has_previous[:, None, None], float("-inf"))
         earlier_values = previous_values[slots][..., :dim] * has_previous[:, None, None]
         pool_values = torch.cat([earlier_values, window_values[..., dim:]], dim=1)
@@ -78,7 +101,8 @@ def compressor_decode_reference(
         previous_gates[slots] = torch.where(keep, window_gates, previous_gates[slots])
     else:
         pool_values, pool_gates = window_values, window_gates
-    return compressor_pool_reference(pool_values, pool_gates, norm_weight, eps, dtype), first // ratio, complete
+    latents = compressor_pool_reference(pool_values, pool_gates, inputs.norm_weight, inputs.eps, inputs.dtype)
+    return latents, first // ratio, complete
 
 
 @register("decode_entry_location", REFERENCE)
@@ -97,33 +121,12 @@ def decode_entry_location(
 
 
 @register("compressor_decode_store", REFERENCE)
-def compressor_decode_store_reference(
-    values: torch.Tensor,
-    gates: torch.Tensor,
-    slot_bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    window_from: torch.Tensor,
-    pending_values: torch.Tensor,
-    pending_gates: torch.Tensor,
-    previous_values: torch.Tensor | None,
-    previous_gates: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    entries: torch.Tensor,
-    block_tables: torch.Tensor,
-    trash: int,
-) -> None:
+def compressor_decode_store_reference(inputs: CompressorStoreInputs) -> None:
     """:func:`compressor_decode_reference`, then V4's store: each completed entry, RoPE'd by ``cos`` / ``sin``
     [B, rope_dim // 2] (the angles of its window's first position), into ``entries`` [blocks, per_block, dim] at
     its block-table block. Rows of tokens that completed nothing go to block ``trash`` (a backend may skip them).
     """
-    latents, entry, complete = compressor_decode_reference(
-        values, gates, slot_bias, positions, slots, window_from, pending_values, pending_gates, previous_values,
-        previous_gates, norm_weight, eps, dtype,
-    )  # fmt: skip
-    block, row = decode_entry_location(block_tables, entry, complete, entries.shape[1], trash)
-    entries[block, row] = rope_reference(latents, cos, sin).to(entries.dtype)
+    latents, entry, complete = compressor_decode_reference(inputs)
+    entries = inputs.entries
+    block, row = decode_entry_location(inputs.block_tables, entry, complete, entries.shape[1], inputs.trash)
+    entries[block, row] = rope_reference(latents, inputs.cos, inputs.sin).to(entries.dtype)

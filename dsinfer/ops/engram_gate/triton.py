@@ -13,7 +13,7 @@ import torch
 
 from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, engram_gate_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -63,7 +63,7 @@ if triton is not None:
             tl.store(out_row + channel, (h + gate * v).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@register("engram_gate", "triton", devices=("cuda",), available=sparse_attention_triton_available, priority=10)
+@register("engram_gate", "triton", devices=("cuda",), available=triton_available, priority=10)
 def engram_gate_triton(
     streams: torch.Tensor,
     key: torch.Tensor,

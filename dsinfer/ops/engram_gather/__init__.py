@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.engram_gather.kernel import gather_dequantize, gather_dequantize_reference, triton_available
+from dsinfer.ops.engram_gather.kernel import gather_dequantize, gather_dequantize_reference
 from dsinfer.ops.registry import REFERENCE, register
+from dsinfer.ops.triton_support import triton_available
 
 register("engram_gather", REFERENCE)(gather_dequantize_reference)
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.quant import dequantize_fp8_blockwise
+from dsinfer.ops.triton_support import triton_available
 
 try:  # Triton is optional: CPU-only installs use the reference.
     import triton
@@ -66,11 +67,6 @@ __all__ = [
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_NUM_WARPS = 4
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def triton_available() -> bool:
-    """Whether the Triton kernel can be used (Triton installed)."""
-    return triton is not None
 
 
 def _check_tables(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:

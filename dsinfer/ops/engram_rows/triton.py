@@ -13,7 +13,7 @@ import torch
 
 from dsinfer.ops.engram_rows.reference import engram_decode_rows_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -64,7 +64,7 @@ if triton is not None:
                 tl.store(rows_ptr + seq * n_layers * (N - 1) * HEADS + column, hashed % prime + offset, mask=head_ok)
 
 
-@register("engram_decode_rows", "triton", devices=("cuda",), available=sparse_attention_triton_available,
+@register("engram_decode_rows", "triton", devices=("cuda",), available=triton_available,
           priority=10)  # fmt: skip
 def engram_decode_rows_triton(
     token_ids: torch.Tensor,

@@ -22,11 +22,10 @@ same codes and scales as bytes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -38,10 +37,6 @@ except ImportError:  # pragma: no cover - depends on the install
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # blocks x channels one program rounds: 16 KiB of float32 in registers
 KIND_FP8, KIND_FP4_E4M3, KIND_FP4_UE8M0 = 0, 1, 2
-
-
-def fake_quant_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -154,7 +149,7 @@ def fake_quant_launch(x: torch.Tensor, block: int, kind: int) -> torch.Tensor:
     return out
 
 
-@register("fake_quant_fp8", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("fake_quant_fp8", "triton", devices=("cuda",), available=triton_available, priority=10)
 def fake_quant_fp8_triton(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Same contract and bits as the reference; other inputs go to it."""
     if not serves(x, block):
@@ -164,7 +159,7 @@ def fake_quant_fp8_triton(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return fake_quant_launch(x, block, KIND_FP8)
 
 
-@register("fake_quant_fp4", "triton", devices=("cuda",), available=fake_quant_triton_available, priority=10)
+@register("fake_quant_fp4", "triton", devices=("cuda",), available=triton_available, priority=10)
 def fake_quant_fp4_triton(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tensor:
     """Same contract and bits as the reference; other inputs go to it."""
     if not serves(x, block):

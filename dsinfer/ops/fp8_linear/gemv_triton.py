@@ -22,11 +22,11 @@ with its FP8 linears kept from 1.082 to 1.065 ms (docs/perf.md, pass 10).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
 
@@ -85,7 +85,8 @@ def default_gemv(rows: int, groups: int) -> Fp8GemvConfig:
 
 
 def gemv_max_weight() -> int:
-    return int(os.environ.get("DSINFER_FP8_GEMV_MAX_WEIGHT", GEMV_MAX_WEIGHT))
+    setting = envs.FP8_GEMV_MAX_WEIGHT.get()
+    return GEMV_MAX_WEIGHT if setting is None else setting
 
 
 def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=None) -> bool:

@@ -16,11 +16,11 @@ writes it (one pass: a byte read, two written an element) and cuBLAS multiplies.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv, gemv_serves
 from dsinfer.ops.fp8_linear.launch import (
     choose_splits,
@@ -32,6 +32,7 @@ from dsinfer.ops.fp8_linear.launch import (
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -62,12 +63,9 @@ class Fp8KernelConfig:
     splits: int = 0
 
 
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 def kernel_max_tokens() -> int:
-    return int(os.environ.get("DSINFER_FP8_KERNEL_MAX_TOKENS", MAX_KERNEL_TOKENS))
+    setting = envs.FP8_KERNEL_MAX_TOKENS.get()
+    return MAX_KERNEL_TOKENS if setting is None else setting
 
 
 def choose_config(rows: int, rows_per_group: int, block: tuple[int, int], tokens: int) -> Fp8KernelConfig:

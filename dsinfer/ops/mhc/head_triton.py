@@ -27,8 +27,9 @@ from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, mixes_block, plan_for
 from dsinfer.ops.mhc.reference import hc_head_reference, head_pre
 from dsinfer.ops.mhc.site_triton import NUM_WARPS, collapse_blocks
-from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
+from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -50,7 +51,7 @@ def _serves(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     return base.is_floating_point() and scale.is_floating_point()
 
 
-@register("hc_head", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_head", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_head_triton(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
 ) -> torch.Tensor:

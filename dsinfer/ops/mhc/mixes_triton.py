@@ -31,8 +31,9 @@ import math
 
 import torch
 
-from dsinfer.ops.mhc.triton import DTYPES, mhc_triton_available
+from dsinfer.ops.mhc.triton import DTYPES
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -191,7 +192,7 @@ def launch_mixes(
     return (dots, squares) if split > 1 else None
 
 
-@register("hc_mixes", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_mixes", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_mixes_triton(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """Same contract as the reference; what the kernel does not take (an ``fn`` that does not match the
     flattened streams, more than MAX_M outputs, an empty stream width) goes to it."""

@@ -44,9 +44,10 @@ import torch
 from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, mixes_block, plan_for
 from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
-from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton, mhc_triton_available
+from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -180,7 +181,7 @@ def collapse_blocks(tokens: int, width: int, split: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-@register("hc_site_input", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_site_input", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_site_input_triton(
     streams: torch.Tensor,
     fn: torch.Tensor,

@@ -14,11 +14,11 @@ differ from the reference's in its last bit (tests/ops/test_mhc.py states the bo
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -31,10 +31,6 @@ BLOCK_D = 512  # columns per program (fewer when D is smaller): contiguous 1-2 K
 COLLAPSE_BLOCK_T = 4  # tokens per program; the expand holds n output rows per token, so it takes fewer
 EXPAND_BLOCK_T = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def mhc_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -90,7 +86,7 @@ def _blocks(tokens: int, columns: int, block_t: int) -> tuple[int, int]:
     return min(block_t, triton.next_power_of_2(max(tokens, 1))), min(BLOCK_D, triton.next_power_of_2(columns))
 
 
-@register("hc_collapse", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_collapse", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_collapse_triton(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Same contract as the reference; what the kernel does not take (``pre`` not float32 or not [..., n], n not
     a power of two) goes to it."""
@@ -110,7 +106,7 @@ def hc_collapse_triton(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor
     return out.view(*streams.shape[:-2], width)
 
 
-@register("hc_expand", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_expand", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_expand_triton(
     block_output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:

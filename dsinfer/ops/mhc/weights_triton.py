@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.mhc.reference import streams_of_mixes
-from dsinfer.ops.mhc.triton import mhc_triton_available
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -102,7 +102,7 @@ def _serves(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iterat
     return n >= 2 and n & (n - 1) == 0 and base.numel() == mixes.shape[-1] and scale.numel() >= 3
 
 
-@register("hc_weights", "triton", devices=("cuda",), available=mhc_triton_available, priority=10)
+@register("hc_weights", "triton", devices=("cuda",), available=triton_available, priority=10)
 def hc_weights_triton(
     mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iterations: int, hc_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

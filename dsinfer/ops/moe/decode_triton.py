@@ -48,11 +48,11 @@ Expert ids outside ``0 .. E-1`` are never read: such a slot contributes zeros.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.moe.reference import check_inputs
@@ -80,7 +80,7 @@ __all__ = [
     "use_decode_gemv",
 ]
 
-DECODE_GEMV_MAX_TOKENS = int(os.environ.get("DSINFER_MOE_GEMV_MAX_TOKENS", "8"))
+DECODE_GEMV_MAX_TOKENS = envs.MOE_GEMV_MAX_TOKENS.get()
 """Steps of at most this many tokens (with packed FP4 experts) take the GEMV path in ``routed_moe_triton``
 (``DSINFER_MOE_GEMV_MAX_TOKENS``; 0 turns the path off). On the H200 (``benchmarks/moe_kernel.py --decode-gemv
 [--sweep]``, CUDA graph, V4-Flash widths, top-6 of 256, Triton 3.6), the GEMV with :data:`DECODE_GEMV_CONFIG`
@@ -155,7 +155,7 @@ slower than with two (0.0495 against 0.0463 ms at V4-Flash widths, 0.0668 agains
 partial sums' store and reduction no longer paid by a shorter chain. Steps of two slots (the tiny test models) run
 unsplit."""
 
-DOWN_SPLITS = os.environ.get("DSINFER_MOE_DOWN_SPLITS")
+DOWN_SPLITS = envs.MOE_DOWN_SPLITS.get()
 """A number of splits of a token's slots for every down launch (``DSINFER_MOE_DOWN_SPLITS``), in place of the
 configured launches' (measurement runs set it; unset, :func:`decode_gemv_config` decides)."""
 

@@ -41,6 +41,7 @@ from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:  # Triton is optional: CPU-only installs use the reference.
     import triton
@@ -70,11 +71,6 @@ JIT_FUNCTIONS = (
     "_align_kernel",
 )
 """Every ``triton.jit`` function here (the interpreter tests wrap each one)."""
-
-
-def triton_available() -> bool:
-    """Whether the kernels can run for real: Triton installed and a CUDA device present."""
-    return triton is not None and torch.cuda.is_available()
 
 
 class KernelConfig(tuple):

@@ -11,13 +11,13 @@ mean, so float32 results may differ in the last bits; after rounding to bf16 the
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rms_normalize_reference
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -29,10 +29,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 MAX_ROW = 16384  # widest row one program holds in registers; wider rows take the reference
-
-
-def rms_norm_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -109,7 +105,7 @@ def _normalize_rows(kernel, x: torch.Tensor, eps: float, *weight: torch.Tensor) 
     return out
 
 
-@register("rms_normalize", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+@register("rms_normalize", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as :func:`rms_normalize_reference`; rows wider than ``MAX_ROW`` go to it."""
     width = x.shape[-1]
@@ -118,7 +114,7 @@ def rms_normalize_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     return _normalize_rows(_rms_normalize_kernel, x, eps)
 
 
-@register("rms_norm", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+@register("rms_norm", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as :func:`rms_norm_reference`; rows wider than ``MAX_ROW`` go to it."""
     width = x.shape[-1]

@@ -28,7 +28,6 @@ other devices) go to the reference inside :func:`rope_triton`, so the op's contr
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -37,6 +36,7 @@ from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -50,10 +50,6 @@ except ImportError:  # pragma: no cover - depends on the install
 ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x BLOCK_ROPE)
 NOPE_CHUNK = 128  # nope channels one program copies per step (out of place)
 TARGET_PROGRAMS = 1024  # fewer heads a program until a launch has about this many programs (decode steps)
-
-
-def rope_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -182,7 +178,7 @@ def rope_launch(
     return out
 
 
-@register("rope", "triton", devices=("cuda",), available=rope_triton_available, priority=10)
+@register("rope", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rope_triton(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, in_place: bool = False
 ) -> torch.Tensor:

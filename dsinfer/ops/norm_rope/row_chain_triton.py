@@ -31,8 +31,9 @@ import torch
 
 from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP8
 from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
-from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, rms_norm_triton_available, row_layout
+from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, row_layout
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -215,7 +216,7 @@ def launch(x, cos, sin, weight, eps: float, norm: int, rounding: str | None, blo
     return out
 
 
-@register("rms_normalize_rope", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+@register("rms_normalize_rope", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rms_normalize_rope_triton(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Same contract as :func:`rms_normalize_rope_reference`; in bf16 / fp16 the unfused Triton kernels' results."""
     if not takes(x, cos, sin):

@@ -10,13 +10,12 @@ as Python (and torch) take it, never negative.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_angles.reference import rope_angles_reference
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -28,10 +27,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 ROWS_PER_PROGRAM = 16
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:

@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
+
 
 class RowChain(NamedTuple):
     """``ops.rope_and_round(x, cos, sin, weight, eps, rounding, block)`` not run yet: the rows it would give are
@@ -37,4 +39,4 @@ class RowChain(NamedTuple):
 
     def store(self, *pool) -> None:
         """The rows written as ``cache_store(rows, *pool)`` would write them, in one op."""
-        self.ops.rope_round_store(*self.arguments, *pool)
+        self.ops.rope_round_store(RopeRoundStoreInputs(*self.arguments, *pool))

@@ -10,9 +10,11 @@ off).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dsinfer.ops.cache_codec.reference import cache_store_reference
+from dsinfer.ops.cache_codec.reference import CacheStoreInputs, cache_store_reference
 from dsinfer.ops.fake_quant.reference import fake_quant_fp4, fake_quant_fp8
 from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
 from dsinfer.ops.registry import REFERENCE, register
@@ -51,26 +53,41 @@ def rope_and_round_reference(
     return round_rows(y, rounding, block)
 
 
+@dataclass(frozen=True)
+class RopeRoundStoreInputs:
+    """A decode step's rows, ``rope_and_round(x, cos, sin, weight, eps, rounding, block)``, and the cache pool they
+    are written to as ``cache_store`` writes them (``data`` .. ``scale``; the format's block is ``code_block``)."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weight: torch.Tensor | None
+    eps: float
+    rounding: str | None
+    block: int
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    first: torch.Tensor
+    second: torch.Tensor
+    modulus: int | None
+    element: str | None
+    code_block: int
+    scale: str | None
+
+    @property
+    def chain(self) -> tuple:
+        """``rope_and_round``'s arguments."""
+        return self.x, self.cos, self.sin, self.weight, self.eps, self.rounding, self.block
+
+    def store_of(self, rows: torch.Tensor) -> CacheStoreInputs:
+        """``cache_store``'s arguments for ``rows`` (the chain's rows, however computed)."""
+        return CacheStoreInputs(rows, self.data, self.scales, self.first, self.second, self.modulus, self.element,
+                                self.code_block, self.scale)  # fmt: skip
+
+
 @register("rope_round_store", REFERENCE)
-def rope_round_store_reference(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    rounding: str | None,
-    block: int,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    modulus: int | None,
-    element: str | None,
-    code_block: int,
-    scale: str | None,
-) -> None:
+def rope_round_store_reference(inputs: RopeRoundStoreInputs) -> None:
     """``cache_store(rope_and_round(x, cos, sin, weight, eps, rounding, block), data, scales, first, second,
     modulus, element, code_block, scale)``: a decode step's rows computed and written to the cache in one op, so a
     backend can do both in one pass (the rows themselves are not kept)."""
-    rows = rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
-    cache_store_reference(rows, data, scales, first, second, modulus, element, code_block, scale)
+    cache_store_reference(inputs.store_of(rope_and_round_reference(*inputs.chain)))

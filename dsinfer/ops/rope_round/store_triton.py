@@ -15,15 +15,15 @@ a coded width that is no power of two, a pool that is not contiguous) run the tw
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
-from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton_available
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch_chain, takes
 from dsinfer.ops.registry import register
+from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
 from dsinfer.ops.rope_round.triton import rope_and_round_triton
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -49,11 +49,9 @@ docs/perf.md, pass 12). ``DSINFER_STORE_WARPS`` overrides it (a power of two, 1 
 
 def store_warps(width: int) -> int | None:
     """Warps a store program takes for rows of ``width`` channels (None: the norm kernels' choice)."""
-    setting = os.environ.get("DSINFER_STORE_WARPS", "").strip()
-    if setting:
-        if setting not in ("1", "2", "4", "8", "16"):
-            raise ValueError(f"DSINFER_STORE_WARPS must be a power of two from 1 to 16, not {setting!r}")
-        return int(setting)
+    setting = envs.STORE_WARPS.get()
+    if setting is not None:
+        return setting
     return WIDE_ROW_WARPS if width >= 512 else None
 
 
@@ -123,25 +121,12 @@ if triton is not None:
             tl.store(scales_ptr + scale_offsets, tl.reshape(scale_bytes, [ROWS, BLOCKS]), mask=row_ok[:, None])
 
 
-def fused_store_takes(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None,
-    rounding: str | None,
-    block: int,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    element: str | None,
-    code_block: int,
-    scale: str | None,
-) -> bool:
+def fused_store_takes(inputs: RopeRoundStoreInputs) -> bool:
     """Whether the one kernel takes these inputs: rows the row chain takes, 2-D, one pool row index each, into a
     contiguous pool of the rows' width (model dtype) or of their codes (a power-of-two width in whole blocks of
     a format the encoder has)."""
-    if x.dim() != 2 or not takes(x, cos, sin, weight, rounding, block):
+    x, data, scales, first, second = inputs.x, inputs.data, inputs.scales, inputs.first, inputs.second
+    if x.dim() != 2 or not takes(x, inputs.cos, inputs.sin, inputs.weight, inputs.rounding, inputs.block):
         return False
     rows, width = x.shape
     if data.dim() != 3 or not data.is_contiguous() or data.device != x.device:
@@ -150,45 +135,29 @@ def fused_store_takes(
         return False
     if scales is None:
         return data.dtype in OUT_DTYPES and data.shape[-1] == width
-    kind = encoding_kind(element, code_block, scale)
+    code_block = inputs.code_block
+    kind = encoding_kind(inputs.element, code_block, inputs.scale)
     if kind is None or width & (width - 1) or width % code_block or not scales.is_contiguous():
         return False
     return data.shape[-1] == (width if kind == 0 else width // 2) and scales.shape[-1] == width // code_block
 
 
-@register("rope_round_store", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
-def rope_round_store_triton(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    rounding: str | None,
-    block: int,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    first: torch.Tensor,
-    second: torch.Tensor,
-    modulus: int | None,
-    element: str | None,
-    code_block: int,
-    scale: str | None,
-) -> None:
+@register("rope_round_store", "triton", devices=("cuda",), available=triton_available, priority=10)
+def rope_round_store_triton(inputs: RopeRoundStoreInputs) -> None:
     """Same contract and pool bytes as the reference; one launch where :func:`fused_store_takes` holds, else the
     ``rope_and_round`` and ``cache_store`` backends one after the other."""
-    store = (data, scales, first, second, element, code_block, scale)
-    if not fused_store_takes(x, cos, sin, weight, rounding, block, *store):
-        rows = rope_and_round_triton(x, cos, sin, weight, eps, rounding, block)
-        return cache_store_triton(rows, data, scales, first, second, modulus, element, code_block, scale)
-    encode = PLAIN if scales is None else encoding_kind(element, code_block, scale)
-    norm = NO_NORM if weight is None else WEIGHTED_NORM
+    if not fused_store_takes(inputs):
+        return cache_store_triton(inputs.store_of(rope_and_round_triton(*inputs.chain)))
+    x, data, scales, modulus = inputs.x, inputs.data, inputs.scales, inputs.modulus
+    encode = PLAIN if scales is None else encoding_kind(inputs.element, inputs.code_block, inputs.scale)
+    norm = NO_NORM if inputs.weight is None else WEIGHTED_NORM
     pool = data.view(torch.uint8) if scales is not None else data
     scale_bytes = scales.view(torch.uint8) if scales is not None else pool  # never read in model-dtype storage
     launch_chain(
-        _chain_store_kernel, x, cos, sin, weight, eps, norm, rounding, block,
-        pool, scale_bytes, first.contiguous(), second.contiguous(), data.shape[1], modulus or 0,
-        rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
-        CODE_BLOCK=code_block if scales is not None else 1,
+        _chain_store_kernel, x, inputs.cos, inputs.sin, inputs.weight, inputs.eps, norm, inputs.rounding,
+        inputs.block, pool, scale_bytes, inputs.first.contiguous(), inputs.second.contiguous(), data.shape[1],
+        modulus or 0, rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
+        CODE_BLOCK=inputs.code_block if scales is not None else 1,
         HAS_MODULUS=modulus is not None,
     )  # fmt: skip
     return None

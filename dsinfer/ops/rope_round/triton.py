@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton_available
 from dsinfer.ops.norm_rope.rope_triton import rope_triton
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch, takes
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import rope_and_round_reference
+from dsinfer.ops.triton_support import triton_available
 
 
-@register("rope_and_round", "triton", devices=("cuda",), available=rms_norm_triton_available, priority=10)
+@register("rope_and_round", "triton", devices=("cuda",), available=triton_available, priority=10)
 def rope_and_round_triton(
     x: torch.Tensor,
     cos: torch.Tensor,

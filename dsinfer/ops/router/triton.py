@@ -18,12 +18,12 @@ from torch's in the last float32 bit.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import interpreted, triton_available
 
 try:
     import triton
@@ -35,14 +35,6 @@ except ImportError:  # pragma: no cover - depends on the install
     libdevice = None
 
 MAX_EXPERTS = 4096
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -195,7 +187,7 @@ def moe_route_triton(
         logits, bias_arg, bias_vl if image else bias_arg, image_arg, table, ids, experts, weights, num_experts,
         logits.stride(0), image_arg.stride(0), table.stride(0), ids.stride(0), float(gate_temp),
         _float32(1.0 / _float32(gate_temp)), float(scaling), K=k, HASH=hashed, IMAGE=image,
-        TEMP=gate_temp != 1.0, PRECISE=not _interpreted(), NORMALIZE=bool(normalize), BLOCK_E=block_e,
+        TEMP=gate_temp != 1.0, PRECISE=not interpreted(), NORMALIZE=bool(normalize), BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(k), num_warps=4 if block_e <= 512 else 8,
     )  # fmt: skip
     return experts, weights

@@ -8,11 +8,10 @@ last bit (tests/ops bind the result to the reference within float32 rounding).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -22,10 +21,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 BLOCK_T = 64
-
-
-def sinkhorn_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -51,7 +46,7 @@ def _serves_shape(comb: torch.Tensor) -> bool:
     return comb.dtype == torch.float32 and comb.shape[-2] == n and n >= 2 and n & (n - 1) == 0
 
 
-@register("sinkhorn", "triton", devices=("cuda",), available=sinkhorn_triton_available, priority=10)
+@register("sinkhorn", "triton", devices=("cuda",), available=triton_available, priority=10)
 def sinkhorn_triton(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
     """Same contract as the reference; shapes the kernel does not serve (n not a power of two) go to it."""
     if not _serves_shape(comb) or iterations < 1:

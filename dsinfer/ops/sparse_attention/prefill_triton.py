@@ -17,19 +17,14 @@ results agree with the reference to rounding (``tests/ops/test_sparse_attention_
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.prefill_reference import sparse_attention_prefill_reference
-from dsinfer.ops.sparse_attention.triton import (
-    LOG2E,
-    DecodeConfig,
-    choose_config,
-    sparse_attention_triton_available,
-)
+from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
+from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -40,7 +35,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-logger = logging.getLogger(__name__)
 
 NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA
 
@@ -186,28 +180,46 @@ def _serves(q, kv, window, entries, indices) -> bool:
     return indices is None or indices.dim() == 2
 
 
-def sparse_attention_prefill_launch(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    positions: torch.Tensor,
-    sequence_rows: torch.Tensor,
-    starts: torch.Tensor,
-    slots: torch.Tensor,
-    window_from: torch.Tensor,
-    window: torch.Tensor,
-    window_size: int,
-    entries: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    compress_ratio: int,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    spans: Sequence[tuple[int, int, int]] = (),
-    config: DecodeConfig | None = None,
-) -> torch.Tensor:
+class EntryOperands(NamedTuple):
+    """What the prefill kernel reads of the compressed entries (placeholders where it reads none)."""
+
+    mode: int
+    entries: torch.Tensor
+    tables: torch.Tensor
+    indices: torch.Tensor
+    index_ends: torch.Tensor
+    n_indices: int
+    per_block: int
+    strides: tuple[int, int]
+
+
+def entry_operands(inputs: SparsePrefillInputs, token_seq: torch.Tensor) -> EntryOperands:
+    """The entry operands of the launch: CSA's chosen indices (and the last real one of each token, so tiles past
+    it are skipped), HCA's every visible entry, or none (window only: the entry pointers are never read)."""
+    entries, indices = inputs.entries, inputs.indices
+    mode = NO_ENTRIES if entries is None else (VISIBLE_ENTRIES if indices is None else CHOSEN_ENTRIES)
+    if mode == CHOSEN_ENTRIES and indices.shape[1] == 0:
+        mode = NO_ENTRIES
+    if mode == NO_ENTRIES:
+        return EntryOperands(mode, inputs.kv, token_seq, token_seq, token_seq, 0, 1, (0, 0))
+    n_indices, index_ends = 0, token_seq
+    if mode == CHOSEN_ENTRIES:
+        indices = indices.contiguous()
+        n_indices = indices.shape[1]
+        columns = torch.arange(1, n_indices + 1, device=indices.device)
+        index_ends = torch.where(indices >= 0, columns, 0).amax(dim=1)
+    else:
+        indices = token_seq
+    strides = (entries.stride(0), entries.stride(1))
+    return EntryOperands(mode, entries, inputs.block_tables.contiguous(), indices, index_ends, n_indices,
+                         entries.shape[1], strides)  # fmt: skip
+
+
+def sparse_attention_prefill_launch(inputs: SparsePrefillInputs, config: DecodeConfig | None = None) -> torch.Tensor:
     """The kernel, no fallback; ``config`` (default: the decode kernel's :func:`choose_config`) fixes the launch.
 
-    ``spans`` (the reference's host-known bounds) is not read: the kernel reads the tensors."""
+    ``inputs.spans`` (the reference's host-known bounds) is not read: the kernel reads the tensors."""
+    q, kv, window = inputs.q, inputs.kv, inputs.window
     tokens, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim)
     out = torch.empty_like(q)
@@ -215,73 +227,21 @@ def sparse_attention_prefill_launch(
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 along every axis
     token_ids = torch.arange(tokens, device=q.device)
-    token_seq = torch.searchsorted(sequence_rows[1:].contiguous(), token_ids, right=True)
-    mode = NO_ENTRIES if entries is None else (VISIBLE_ENTRIES if indices is None else CHOSEN_ENTRIES)
-    if mode == CHOSEN_ENTRIES and indices.shape[1] == 0:
-        mode = NO_ENTRIES
-    n_indices, index_ends = 0, token_seq
-    if mode == CHOSEN_ENTRIES:
-        indices = indices.contiguous()
-        n_indices = indices.shape[1]
-        columns = torch.arange(1, n_indices + 1, device=q.device)
-        index_ends = torch.where(indices >= 0, columns, 0).amax(dim=1)  # tiles past the last real index: skipped
-    if mode == NO_ENTRIES:  # window only: the entry pointers are never read
-        indices, tables, entries_arg, per_block, stride_eb, stride_ep = token_seq, token_seq, kv, 1, 0, 0
-    else:
-        tables, entries_arg, per_block = block_tables.contiguous(), entries, entries.shape[1]
-        stride_eb, stride_ep = entries.stride(0), entries.stride(1)
-        if indices is None:
-            indices = token_seq
+    token_seq = torch.searchsorted(inputs.sequence_rows[1:].contiguous(), token_ids, right=True)
+    entries = entry_operands(inputs, token_seq)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _prefill_kernel[(tokens, triton.cdiv(n_heads, config.block_h))](
-        q,
-        kv,
-        window,
-        entries_arg,
-        positions.contiguous(),
-        token_seq,
-        sequence_rows.contiguous(),
-        starts.contiguous(),
-        slots.contiguous(),
-        window_from.contiguous(),
-        tables,
-        indices,
-        index_ends,
-        sink.contiguous(),
-        out,
-        n_heads,
-        n_indices,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        window.stride(0),
-        window.stride(1),
-        stride_eb,
-        stride_ep,
-        tables.stride(0),
-        indices.stride(0),
-        out.stride(0),
-        out.stride(1),
-        softmax_scale * LOG2E,
-        WINDOW=window_size,
-        RING=window.shape[1],
-        WINDOW_TILES=triton.cdiv(window_size, config.block_n),
-        PER_BLOCK=per_block,
-        RATIO=max(1, compress_ratio),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        ENTRIES=mode,
-        PRECISION=precision,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        q, kv, window, entries.entries, inputs.positions.contiguous(), token_seq, inputs.sequence_rows.contiguous(),
+        inputs.starts.contiguous(), inputs.slots.contiguous(), inputs.window_from.contiguous(), entries.tables,
+        entries.indices, entries.index_ends, inputs.sink.contiguous(), out, n_heads, entries.n_indices, q.stride(0),
+        q.stride(1), kv.stride(0), window.stride(0), window.stride(1), *entries.strides, entries.tables.stride(0),
+        entries.indices.stride(0), out.stride(0), out.stride(1), inputs.softmax_scale * LOG2E,
+        WINDOW=inputs.window_size, RING=window.shape[1], WINDOW_TILES=triton.cdiv(inputs.window_size, config.block_n),
+        PER_BLOCK=entries.per_block, RATIO=max(1, inputs.compress_ratio), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, ENTRIES=entries.mode, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     return out
-
-
-_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
-_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
 
 
 @register(
@@ -289,54 +249,12 @@ _FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here
     "triton",
     devices=("cuda",),
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
-def sparse_attention_prefill_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    positions: torch.Tensor,
-    sequence_rows: torch.Tensor,
-    starts: torch.Tensor,
-    slots: torch.Tensor,
-    window_from: torch.Tensor,
-    window: torch.Tensor,
-    window_size: int,
-    entries: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    compress_ratio: int,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    spans: Sequence[tuple[int, int, int]],
-) -> torch.Tensor:
-    """Same contract as the reference; inputs the kernel does not serve, or a kernel that fails to compile
-    here (warned once), go to the reference."""
-    args = (q, kv, positions, sequence_rows, starts, slots, window_from, window, window_size, entries,
-            block_tables, indices, compress_ratio, sink, softmax_scale)  # fmt: skip
-    if not _serves(q, kv, window, entries, indices):
-        return sparse_attention_prefill_reference(*args, spans)
-    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, which entries)
-        q.device,
-        q.dtype,
-        q.shape[1:],
-        kv.dtype,
-        window.dtype,
-        window.shape[1:],
-        window_size,
-        compress_ratio,
-        None if entries is None else (entries.dtype, entries.shape[1:]),
-        indices is None,
-    )
-    if setting in _FAILED:
-        return sparse_attention_prefill_reference(*args, spans)
-    if setting in _COMPILED:
-        return sparse_attention_prefill_launch(*args)
-    try:
-        out = sparse_attention_prefill_launch(*args)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        logger.warning("sparse_attention_prefill: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return sparse_attention_prefill_reference(*args, spans)
-    _COMPILED.add(setting)
-    return out
+def sparse_attention_prefill_triton(inputs: SparsePrefillInputs) -> torch.Tensor:
+    """Same contract as the reference; inputs the kernel does not serve go to the reference (a kernel that fails
+    to compile here falls back through the registry, :func:`dsinfer.ops.registry.falls_back_to_reference`)."""
+    if not _serves(inputs.q, inputs.kv, inputs.window, inputs.entries, inputs.indices):
+        return sparse_attention_prefill_reference(inputs)
+    return sparse_attention_prefill_launch(inputs)

@@ -8,6 +8,8 @@ per-head sink joins the softmax denominator only. This is the math the V4 layer'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.registry import REFERENCE, register
@@ -35,32 +37,38 @@ def entry_keys(entries: torch.Tensor, block_tables: torch.Tensor, indices: torch
     return entries[blocks, safe.remainder(per_block)]
 
 
-@register("sparse_attention_decode", REFERENCE)
-def sparse_attention_decode_reference(
-    q: torch.Tensor,
-    window: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    window_from: torch.Tensor,
-    entries: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
-    """Attention of one query per sequence; returns [B, H, D] in ``q.dtype``.
+@dataclass(frozen=True)
+class SparseDecodeInputs:
+    """One decode step of sparse attention: one query token per sequence over its window ring and entries.
 
     q [B, H, D]; window [slots, W, D] (this step's token already written at ``positions % W``); slots,
     positions, window_from [B] int64; entries [blocks, per_block, D] (or None: a window-only layer);
-    block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry; sink [H] float32.
+    block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry (or None); sink [H] float32.
     """
-    keys, visible = window_keys(window, slots, positions, window_from)
+
+    q: torch.Tensor
+    window: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    window_from: torch.Tensor
+    entries: torch.Tensor | None
+    block_tables: torch.Tensor
+    indices: torch.Tensor | None
+    sink: torch.Tensor
+    softmax_scale: float
+
+
+@register("sparse_attention_decode", REFERENCE)
+def sparse_attention_decode_reference(inputs: SparseDecodeInputs) -> torch.Tensor:
+    """Attention of one query per sequence; returns [B, H, D] in ``q.dtype`` (shapes: :class:`SparseDecodeInputs`)."""
+    q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
+    keys, visible = window_keys(window, inputs.slots, inputs.positions, inputs.window_from)
     keys = keys.to(q.dtype)
     if entries is not None and indices is not None:
-        keys = torch.cat([keys, entry_keys(entries, block_tables, indices).to(keys.dtype)], dim=1)
+        keys = torch.cat([keys, entry_keys(entries, inputs.block_tables, indices).to(keys.dtype)], dim=1)
         visible = torch.cat([visible, indices >= 0], dim=1)
-    logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * softmax_scale
+    logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * inputs.softmax_scale
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    sink = inputs.sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)

@@ -25,15 +25,15 @@ so results agree with the reference to rounding, not bit for bit (``tests/ops/te
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.sparse_attention.reference import sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -42,14 +42,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 EMPTY_MAX = -1.0e30  # running max of a split that has seen no visible key (finite, so exp2 of differences is 0)
-
-
-def sparse_attention_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+sparse_attention_triton_available = triton_available  # the name the indexer kernels still import
 
 
 @dataclass(frozen=True)
@@ -360,26 +356,46 @@ def _serves(q, window, entries, indices) -> bool:
     return indices is None or indices.dim() == 2
 
 
-_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
-_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
+class SplitPlan(NamedTuple):
+    """How a decode launch splits each sequence's keys: ``splits`` programs per (sequence, head group), each
+    walking ``tiles_per_split`` of the ``n_tiles`` tiles (the window's ``window_tiles`` first, then the entries')."""
+
+    head_groups: int
+    window_tiles: int
+    n_tiles: int
+    tiles_per_split: int
+    splits: int
+
+
+def plan_splits(q: torch.Tensor, window_size: int, n_indices: int, config: DecodeConfig, num_splits: int | None):
+    """The :class:`SplitPlan` of a decode launch over ``window_size`` ring rows and ``n_indices`` entries
+    (``num_splits`` None: from the shapes and the SM count); every split walks at least one tile."""
+    batch, n_heads = q.shape[0], q.shape[1]
+    head_groups = triton.cdiv(n_heads, config.block_h)
+    window_tiles = triton.cdiv(window_size, config.block_n)
+    n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
+    splits = num_splits or choose_splits(batch, head_groups, n_tiles, _sm_count(q.device))
+    splits = max(1, min(splits, n_tiles))
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    return SplitPlan(head_groups, window_tiles, n_tiles, tiles_per_split, triton.cdiv(n_tiles, tiles_per_split))
+
+
+def split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs, maxima and sums for :func:`combine_splits` (one split: ``out``, unused)."""
+    if splits == 1:
+        return out, out, out
+    batch, n_heads, head_dim = out.shape
+    part_out = torch.empty(batch, splits, n_heads, head_dim, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(batch, splits, n_heads, dtype=torch.float32, device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
 
 
 def sparse_attention_decode_launch(
-    q: torch.Tensor,
-    window: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    window_from: torch.Tensor,
-    entries: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    config: DecodeConfig | None = None,
-    num_splits: int | None = None,
+    inputs: SparseDecodeInputs, config: DecodeConfig | None = None, num_splits: int | None = None
 ) -> torch.Tensor:
     """The kernels, no fallback: ``config`` (default :func:`choose_config`) and ``num_splits`` (default: from the
     shapes and the SM count) fix the launch."""
+    q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
     size = window.shape[1]
@@ -389,72 +405,27 @@ def sparse_attention_decode_launch(
     if batch == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 along every axis
-    head_groups = triton.cdiv(n_heads, config.block_h)
-    window_tiles = triton.cdiv(size, config.block_n)
-    n_tiles = window_tiles + triton.cdiv(n_indices, config.block_n)
-    splits = num_splits or choose_splits(batch, head_groups, n_tiles, _sm_count(q.device))
-    splits = max(1, min(splits, n_tiles))
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
-
-    slots, positions, window_from = slots.contiguous(), positions.contiguous(), window_from.contiguous()
-    sink = sink.contiguous()
+    plan = plan_splits(q, size, n_indices, config, num_splits)
+    slots, positions, window_from, sink = (t.contiguous() for t in (inputs.slots, inputs.positions,
+                                                                    inputs.window_from, inputs.sink))  # fmt: skip
     if has_entries:
-        indices, tables = indices.contiguous(), block_tables.contiguous()
+        indices, tables = indices.contiguous(), inputs.block_tables.contiguous()
         entries_arg, per_block = entries, entries.shape[1]
         stride_eb, stride_ep = entries.stride(0), entries.stride(1)
     else:  # window only: the entry pointers are never read
         indices, tables, entries_arg, per_block, stride_eb, stride_ep = slots, slots, window, 1, 0, 0
-    if splits > 1:
-        part_out = torch.empty(batch, splits, n_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(batch, splits, n_heads, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out = part_max = part_sum = out  # unused
+    part_out, part_max, part_sum = split_partials(out, plan.splits)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, head_groups, splits)](
-        q,
-        window,
-        entries_arg,
-        slots,
-        positions,
-        window_from,
-        tables,
-        indices,
-        sink,
-        out,
-        part_out,
-        part_max,
-        part_sum,
-        n_heads,
-        n_indices,
-        tiles_per_split,
-        n_tiles,
-        q.stride(0),
-        q.stride(1),
-        window.stride(0),
-        window.stride(1),
-        stride_eb,
-        stride_ep,
-        tables.stride(0),
-        indices.stride(0),
-        out.stride(0),
-        out.stride(1),
-        softmax_scale * LOG2E,
-        WINDOW=size,
-        WINDOW_TILES=window_tiles,
-        PER_BLOCK=per_block,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        SPLITS=splits,
-        HAS_ENTRIES=has_entries,
-        PRECISION=precision,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if splits > 1:
+    _decode_split_kernel[(batch, plan.head_groups, plan.splits)](
+        q, window, entries_arg, slots, positions, window_from, tables, indices, sink, out, part_out, part_max,
+        part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles, q.stride(0), q.stride(1), window.stride(0),
+        window.stride(1), stride_eb, stride_ep, tables.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        inputs.softmax_scale * LOG2E,
+        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
+        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if plan.splits > 1:
         combine_splits(part_out, part_max, part_sum, sink, out)
     return out
 
@@ -464,46 +435,12 @@ def sparse_attention_decode_launch(
     "triton",
     devices=("cuda",),
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    available=sparse_attention_triton_available,
+    available=triton_available,
     priority=10,
 )
-def sparse_attention_decode_triton(
-    q: torch.Tensor,
-    window: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    window_from: torch.Tensor,
-    entries: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
-    """Same contract as the reference; inputs the kernel does not serve, or a kernel that fails to compile
-    here (warned once), go to the reference."""
-    args = (q, window, slots, positions, window_from, entries, block_tables, indices, sink, softmax_scale)
-    if not _serves(q, window, entries, indices):
-        return sparse_attention_decode_reference(*args)
-    setting = (  # everything the launch specialises on (dtypes, constexpr shapes, the split count's inputs)
-        q.device,
-        q.dtype,
-        q.shape,
-        window.dtype,
-        window.shape[1:],
-        None if entries is None else (entries.dtype, entries.shape[1:]),
-        None if indices is None else indices.shape[1],
-    )
-    if setting in _FAILED:
-        return sparse_attention_decode_reference(*args)
-    if setting in _COMPILED:
-        return sparse_attention_decode_launch(*args)
-    try:
-        out = sparse_attention_decode_launch(*args)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise
-        logger.warning("sparse_attention_decode: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return sparse_attention_decode_reference(*args)
-    _COMPILED.add(setting)
-    return out
+def sparse_attention_decode_triton(inputs: SparseDecodeInputs) -> torch.Tensor:
+    """Same contract as the reference; inputs the kernel does not serve go to the reference (a kernel that fails
+    to compile here falls back through the registry, :func:`dsinfer.ops.registry.falls_back_to_reference`)."""
+    if not _serves(inputs.q, inputs.window, inputs.entries, inputs.indices):
+        return sparse_attention_decode_reference(inputs)
+    return sparse_attention_decode_launch(inputs)

@@ -7,12 +7,11 @@ Triton's ``exp`` may differ from torch's in the last float32 bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.registry import register
+from dsinfer.ops.triton_support import triton_available
 
 try:
     import triton
@@ -24,10 +23,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 BLOCK = 1024
-
-
-def triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
