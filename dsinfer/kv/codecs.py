@@ -14,7 +14,14 @@ rows               codes                                scales
 window KV          ``float8_e4m3fn``, one per channel   ``uint8`` ue8m0 exponent per 32
 compressed KV      ``uint8``, two e2m1 per byte         ``float8_e4m3fn`` per 16
 index keys         ``uint8``, two e2m1 per byte         ``uint8`` ue8m0 exponent per 32
+index keys (FP8)   ``float8_e4m3fn``, one per channel   ``uint8`` ue8m0 exponent per 128
 =================  ===================================  =====================================
+
+The FP8 index keys are V4's indexer cache as the release keeps it (``--kv-cache-dtype fp8`` in vLLM's spelling;
+``auto`` / ``bfloat16`` keep the model dtype): the keys are rounded to e4m3 under one power-of-two scale per
+128 channels (the release's ``act_quant`` with ue8m0 scales, :func:`~dsinfer.ops.fake_quant.fp8_block_codes`), so
+unlike the rows above they are not lossless for keys that were not rounded first; the release stores the scale as a
+float32, here its exponent byte (the same value). ``index_scores_paged`` and ``indexer_topk_decode`` read either.
 
 A ue8m0 byte ``b`` is the scale ``2**(b - 127)`` (torch's ``float8_e8m0fnu`` bits); packed e2m1 codes put
 channel ``2j`` in the low nibble of byte ``j`` (:func:`~dsinfer.ops.quant.pack_e2m1_codes`).
@@ -123,3 +130,7 @@ COMPRESSED_KV_FORMAT = CacheFormat("compressed KV", "e2m1", COMPRESSED_KV_BLOCK,
 
 INDEX_KEY_FORMAT = CacheFormat("index keys", "e2m1", INDEX_BLOCK, "ue8m0")
 """Index keys: FP4 e2m1, two per byte, a ue8m0 exponent per 32 channels."""
+
+INDEX_KEY_FP8_BLOCK = 128
+INDEX_KEY_FP8_FORMAT = CacheFormat("index keys (FP8)", "e4m3", INDEX_KEY_FP8_BLOCK, "ue8m0")
+"""V4's indexer keys in an FP8 cache: e4m3 per channel, a ue8m0 exponent per 128 channels (the release's layout)."""

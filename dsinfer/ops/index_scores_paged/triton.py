@@ -1,20 +1,34 @@
-"""A decode step's index scores in Triton, read through the block tables from the paged keys (plain or FP4).
+"""A decode step's index scores in Triton: a split-K grid over (sequence, chunk of slots), every key read once.
 
-The torch path gathered every block-table slot's index keys into a new [B, W, d] tensor each step (and, with
-coded storage, decoded it: more kernels and a second copy) before scoring. Here one program per (sequence, tile
-of ``BLOCK_E`` slots) loads its keys where they are stored, decodes packed e2m1 codes times their ue8m0 scale
-when the pool is coded (exact), and forms the [heads, BLOCK_E] products with one ``tl.dot`` against the query
-(16-bit operands on the tensor cores, products exact in float32; float32 queries in IEEE float32), then ReLU, the
-1 / sqrt(d) scale, the head weights and the sum over heads. A tile past the visible entries writes -inf without
-reading a key. Sums run in another order than torch's: scores agree to float32 rounding, and exact zeros (every
-head's ReLU at 0) stay exact (``tests/ops/test_index_scores_paged.py``).
+The torch path gathers every block-table slot's keys into a new [B, W, d] tensor each step (and, with coded
+storage, decodes it: more kernels and a second copy) before scoring. The first kernel here took one program per
+(sequence, 16 slots), each reloading the sequence's whole query (64 heads x 128 in float32: 32 KiB) for 4 KiB of
+keys and forming the products in IEEE float32 on the CUDA cores: at 64 sequences x 131,072 tokens it moved 54 GB/s.
+
+Here the grid is (chunks, sequences): a program loads its sequence's query and head weights once, then walks its
+chunk of slots ``BLOCK_E`` at a time, reading each tile's keys through the block table where they are stored (the
+loop is software-pipelined, so several tiles' loads are in flight), and forms the [BLOCK_E, heads] products with
+one ``tl.dot`` on the tensor cores: keys are the dot's rows (M), heads its columns (N), d its depth (K). The chunk
+size spreads B x chunks over a few programs per multiprocessor (:func:`choose_chunk`), so one sequence or 256
+fill the GPU alike and each key is read by exactly one program.
+
+Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dtype multiply exactly into float32
+sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
+an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. A query that is not of
+the dot's dtype (float32, the tests' and some callers') is split into a high and a low bf16 half and takes two dots
+(float32 keys likewise: three), which leaves about 2^-16 of each product's magnitude. Then ReLU, the head weights,
+the sum over heads and 1 / sqrt(d); slots past the visible entries write -inf without reading a key. Sums run in
+another order than torch's: scores agree to float32 rounding (plus the split's 2^-16) and exact zeros (every
+head's ReLU at 0) stay exact (``tests/ops/test_index_scores_paged.py``, ``tests/ops/test_index_decode.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference
+from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference, paged_key_form
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
 
@@ -24,67 +38,187 @@ try:
 
     from dsinfer.ops.cache_codec.triton import ue8m0_value
     from dsinfer.ops.fake_quant.triton import e2m1_magnitude
+
+    DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-BLOCK_E = 32  # slots per program
+BLOCK_E = 64  # slots per tile: the dot's M (a Hopper warpgroup MMA is 64 rows)
+NUM_WARPS = 4
+NUM_STAGES = 3  # key tiles in flight per program
+PROGRAMS_PER_SM = 4  # B x chunks aims at this many programs per multiprocessor
+MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
 
 if triton is not None:
 
     @triton.jit
-    def _paged_scores_kernel(q_ptr, weights_ptr, keys_ptr, scales_ptr, tables_ptr, visible_ptr, scores_ptr,
-                             n_heads, width, stride_qb, stride_qh, stride_wb, stride_kb, stride_kp, stride_sb_,
-                             stride_sp, stride_tb, stride_ob, scale, PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             SCALE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                             CODED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-        seq = tl.program_id(0).to(tl.int64)
-        slot = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-        count = tl.load(visible_ptr + seq)
-        seen = (slot < count) & (slot < width)
-        out = scores_ptr + seq * stride_ob + slot
-        if tl.program_id(1) * BLOCK_E < count:
-            heads = tl.arange(0, BLOCK_H)
-            head_ok = heads < n_heads
-            dims = tl.arange(0, HEAD_DIM)
-            q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
-                        other=0.0)  # fmt: skip
-            block = tl.load(tables_ptr + seq * stride_tb + slot // PER_BLOCK, mask=seen, other=0).to(tl.int64)
-            in_block = (slot % PER_BLOCK).to(tl.int64)
-            if CODED:
-                pairs = tl.arange(0, HEAD_DIM // 2)
-                packed = tl.load(keys_ptr + (block * stride_kb + in_block * stride_kp)[:, None] + pairs[None, :],
-                                 mask=seen[:, None], other=0).to(tl.int32)  # fmt: skip
-                code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_E, HEAD_DIM])
-                magnitude = e2m1_magnitude(code & 0x7)
-                exponent = tl.load(scales_ptr + (block * stride_sb_ + in_block * stride_sp)[:, None]
-                                   + (dims // SCALE_BLOCK)[None, :], mask=seen[:, None], other=127)  # fmt: skip
-                keys = tl.where((code & 0x8) != 0, -magnitude, magnitude) * ue8m0_value(exponent.to(tl.int32))
-            else:
-                keys = tl.load(keys_ptr + (block * stride_kb + in_block * stride_kp)[:, None] + dims[None, :],
-                               mask=seen[:, None], other=0.0)  # fmt: skip
-            if PRECISION == "ieee":
-                products = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-            else:
-                products = tl.dot(q, tl.trans(keys.to(q.dtype)))
-            weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0)
-            scores = tl.sum(tl.maximum(products, 0.0) * weights[:, None], axis=0) * scale
-            tl.store(out, tl.where(seen, scores, float("-inf")), mask=slot < width)
+    def _split_bf16(x, SPLIT: tl.constexpr, DOT: tl.constexpr):
+        """``x`` in the dot's dtype, and (``SPLIT``) the remainder ``x - high`` in it too (else ``high`` again)."""
+        high = x.to(DOT)
+        if SPLIT:
+            low = (x.to(tl.float32) - high.to(tl.float32)).to(DOT)
         else:
-            tl.store(out, tl.full([BLOCK_E], float("-inf"), dtype=tl.float32), mask=slot < width)
+            low = high
+        return high, low
+
+    @triton.jit
+    def _tile_keys(keys_ptr, scales_ptr, row, scale_row, seen, dims, dim_ok, HEAD_DIM: tl.constexpr,
+                   SCALE_BLOCK: tl.constexpr, FORM: tl.constexpr, UE8M0: tl.constexpr,
+                   ROW_SCALE: tl.constexpr):  # fmt: skip
+        """One tile's keys [BLOCK_E, BLOCK_D] (coded ones decoded; FP4 and narrow FP8 blocks: float32, and
+        BLOCK_D == HEAD_DIM) and each slot's float32 factor when the pool keeps one scale a row (``ROW_SCALE``,
+        applied after the dot; else ones)."""
+        factor = tl.full([row.shape[0]], 1.0, tl.float32)
+        if FORM == 2:  # packed e2m1, channel 2j in the low nibble of byte j, a ue8m0 exponent per block
+            pairs = tl.arange(0, HEAD_DIM // 2)
+            packed = tl.load(keys_ptr + row[:, None] + pairs[None, :], mask=seen[:, None], other=0).to(tl.int32)
+            code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [row.shape[0], HEAD_DIM])
+            magnitude = e2m1_magnitude(code & 0x7)
+            exponent = tl.load(scales_ptr + scale_row[:, None] + (dims // SCALE_BLOCK)[None, :], mask=seen[:, None],
+                               other=127)  # fmt: skip
+            keys = tl.where((code & 0x8) != 0, -magnitude, magnitude) * ue8m0_value(exponent.to(tl.int32))
+        else:
+            keys = tl.load(keys_ptr + row[:, None] + dims[None, :], mask=seen[:, None] & dim_ok[None, :], other=0.0)
+            if FORM == 1:
+                if ROW_SCALE:
+                    raw = tl.load(scales_ptr + scale_row, mask=seen, other=0)
+                    factor = ue8m0_value(raw.to(tl.int32)) if UE8M0 else raw.to(tl.float32)
+                else:  # ue8m0 blocks narrower than the row: code x power of two is a bf16 value
+                    raw = tl.load(scales_ptr + scale_row[:, None] + (dims // SCALE_BLOCK)[None, :],
+                                  mask=seen[:, None], other=127)  # fmt: skip
+                    keys = keys.to(tl.float32) * ue8m0_value(raw.to(tl.int32))
+        return keys, factor
+
+    @triton.jit
+    def _split_scores_kernel(
+        q_ptr, weights_ptr, keys_ptr, scales_ptr, tables_ptr, visible_ptr, scores_ptr,
+        n_heads, width, chunk, stride_qb, stride_qh, stride_wb, stride_kb, stride_kp, stride_sb_, stride_sp,
+        stride_tb, stride_ob, scale,
+        PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_E: tl.constexpr, FORM: tl.constexpr, UE8M0: tl.constexpr, ROW_SCALE: tl.constexpr,
+        DOT: tl.constexpr, SPLIT_Q: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(1).to(tl.int64)
+        first = tl.program_id(0) * chunk
+        last = tl.minimum(first + chunk, width)
+        scored_end = tl.minimum(last, tl.load(visible_ptr + seq).to(tl.int32))
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        out = scores_ptr + seq * stride_ob
+        n_scored = tl.cdiv(tl.maximum(scored_end - first, 0), BLOCK_E)
+        head_ok = heads < n_heads
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[None, :] * stride_qh + dims[:, None],
+            mask=head_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # fmt: skip  [BLOCK_D, BLOCK_H]: the dot's right operand, read once a chunk
+        q_high, q_low = _split_bf16(q, SPLIT_Q, DOT)
+        weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
+        table = tables_ptr + seq * stride_tb
+        for tile in tl.range(0, n_scored, num_stages=NUM_STAGES):
+            entry = first + tile * BLOCK_E + tl.arange(0, BLOCK_E)
+            seen = entry < scored_end
+            block = tl.load(table + entry // PER_BLOCK, mask=seen, other=0).to(tl.int64)
+            in_block = (entry % PER_BLOCK).to(tl.int64)
+            keys, factor = _tile_keys(keys_ptr, scales_ptr, block * stride_kb + in_block * stride_kp,
+                                      block * stride_sb_ + in_block * stride_sp, seen, dims, dim_ok, HEAD_DIM,
+                                      SCALE_BLOCK, FORM, UE8M0, ROW_SCALE)  # fmt: skip
+            keys = keys.to(DOT)
+            products = tl.dot(keys, q_high, input_precision=PRECISION)
+            if SPLIT_Q:
+                products = tl.dot(keys, q_low, products)
+            products = tl.maximum(products * factor[:, None], 0.0)
+            summed = tl.sum(products * weights[None, :], axis=1) * scale
+            tl.store(out + entry, tl.where(seen, summed, float("-inf")), mask=entry < last)
+        for start in range(first + n_scored * BLOCK_E, last, BLOCK_E):  # past the visible entries: no key read
+            entry = start + tl.arange(0, BLOCK_E)
+            tl.store(out + entry, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=entry < last)
 
 
-def serves(q, keys, key_scales) -> bool:
-    """Whether the kernel takes these inputs (else the reference runs)."""
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a few chunks, so its tests cross chunk edges
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_chunk(batch: int, width: int, device: torch.device) -> int:
+    """Slots per program: enough programs for ``PROGRAMS_PER_SM`` a multiprocessor, whole tiles, at least
+    ``MIN_TILES`` of them (shapes only: a CUDA graph replays the same split)."""
+    tiles = triton.cdiv(width, BLOCK_E)
+    splits = max(1, min(triton.cdiv(tiles, MIN_TILES), triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), batch)))
+    return triton.cdiv(tiles, splits) * BLOCK_E
+
+
+def dot_dtypes(q: torch.Tensor, keys: torch.Tensor, form: str) -> tuple[torch.dtype, bool]:
+    """The dot's operand dtype (float32: IEEE products, for float32 keys) and whether the query is split into a
+    high and a low half of it (its own dtype is not the dot's)."""
+    if form == "plain" and keys.dtype == torch.float32:
+        return torch.float32, False
+    dot = torch.float16 if form == "plain" and keys.dtype == torch.float16 else torch.bfloat16
+    return dot, q.dtype != dot
+
+
+def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None) -> bool:
+    """Whether the kernel takes these inputs (else the reference runs, and raises on malformed ones)."""
     if q.dim() != 3 or q.dtype not in DTYPES or q.stride(-1) != 1 or keys.stride(-1) != 1:
         return False
     head_dim = q.shape[-1]
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if head_dim < 16:
         return False
-    if key_scales is None:
-        return keys.shape[-1] == head_dim and keys.dtype == q.dtype
-    return keys.shape[-1] * 2 == head_dim and key_scales.stride(-1) == 1 and head_dim % key_scales.shape[-1] == 0
+    try:
+        form = paged_key_form(keys, key_scales, head_dim)
+    except ValueError:
+        return False
+    if form == "plain":
+        return keys.dtype in DTYPES and (keys.dtype == q.dtype or torch.float32 in (q.dtype, keys.dtype))
+    scale_block = head_dim // key_scales.shape[-1]
+    row_scale = scale_block == head_dim
+    if head_dim & (head_dim - 1):  # coded rows are decoded whole: a power of two wide
+        return False
+    return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
+
+
+def paged_scores_launch(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    visible: torch.Tensor,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
+    ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`)."""
+    batch, n_heads, head_dim = q.shape
+    per_block = keys.shape[1]
+    width = block_tables.shape[1] * per_block
+    scores = torch.empty(batch, width, dtype=torch.float32, device=q.device)
+    if batch == 0 or width == 0:
+        return scores
+    form = paged_key_form(keys, key_scales, head_dim)
+    dot, split_q = dot_dtypes(q, keys, form)
+    coded = key_scales is not None
+    scales_arg = key_scales if coded else keys
+    chunk = chunk or choose_chunk(batch, width, q.device)
+    weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
+    scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
+    _split_scores_kernel[(triton.cdiv(width, chunk), batch)](
+        q, weights, keys, scales_arg, tables, visible, scores, n_heads, width, chunk, q.stride(0), q.stride(1),
+        weights.stride(0), keys.stride(0), keys.stride(1), scales_arg.stride(0) if coded else 0,
+        scales_arg.stride(1) if coded else 0, tables.stride(0), scores.stride(0), head_dim**-0.5,
+        PER_BLOCK=per_block, HEAD_DIM=head_dim, SCALE_BLOCK=scale_block,
+        BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_E=BLOCK_E, FORM=FORMS[form],
+        UE8M0=coded and key_scales.dtype == torch.uint8, ROW_SCALE=form == "fp8" and scale_block == head_dim,
+        DOT=DOT_TYPES[dot], SPLIT_Q=split_q, PRECISION="ieee" if dot == torch.float32 else "tf32",
+        BLOCK_D=triton.next_power_of_2(head_dim), NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return scores
 
 
 @register("index_scores_paged", "triton", devices=("cuda",), available=sparse_attention_triton_available,
@@ -100,22 +234,4 @@ def index_scores_paged_triton(
     """Same contract as the reference; inputs the kernel does not take go to it."""
     if not serves(q, keys, key_scales):
         return index_scores_paged_reference(q, head_weights, keys, key_scales, block_tables, visible)
-    batch, n_heads, head_dim = q.shape
-    per_block = keys.shape[1]
-    width = block_tables.shape[1] * per_block
-    scores = torch.empty(batch, width, dtype=torch.float32, device=q.device)
-    if batch == 0 or width == 0:
-        return scores
-    coded = key_scales is not None
-    keys_arg = keys.view(torch.uint8) if coded else keys
-    scales_arg = key_scales.view(torch.uint8) if coded else keys_arg
-    weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
-    _paged_scores_kernel[(batch, triton.cdiv(width, BLOCK_E))](
-        q, weights, keys_arg, scales_arg, tables, visible, scores, n_heads, width, q.stride(0), q.stride(1),
-        weights.stride(0), keys_arg.stride(0), keys_arg.stride(1), scales_arg.stride(0) if coded else 0,
-        scales_arg.stride(1) if coded else 0, tables.stride(0), scores.stride(0), head_dim**-0.5,
-        PER_BLOCK=per_block, HEAD_DIM=head_dim, SCALE_BLOCK=head_dim // key_scales.shape[-1] if coded else 1,
-        BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_E=BLOCK_E, CODED=coded,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-    )  # fmt: skip
-    return scores
+    return paged_scores_launch(q, head_weights, keys, key_scales, block_tables, visible)

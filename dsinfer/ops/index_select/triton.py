@@ -13,7 +13,11 @@ choice is written in entry order by a cumulative sum: the same entries in the sa
 for bit. ``index_topk_decode`` writes the chosen finite entries then -1; ``candidate_block_mask`` takes each
 block's best score first (the newest visible block forced in) and writes the kept blocks' entries as a mask.
 
-Rows wider than ``MAX_WIDTH`` entries go to the reference (their registers would spill).
+A row wider than ``CHUNK`` (a long context's 32,800 slots) is cut into equal chunks, one program each, that keep
+their own best ``k`` as candidates (entry and score, ascending); one more program per row chooses among those.
+Every entry of the row's top k is among its chunk's top k (fewer than k entries of the chunk beat it), and ties
+stay lowest-entry-first because the candidates keep entry order: the same answer, bit for bit. Rows whose
+candidates would not fit one program (more than ``MAX_WIDTH``) go to the reference.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 MAX_WIDTH = 16384  # scores a program holds: 64 a thread at 8 warps
+CHUNK = 4096  # a wider row: chunks of at most this many, their candidates merged by one more program
 
 
 if triton is not None:
@@ -45,34 +50,70 @@ if triton is not None:
         return (flipped ^ -2147483648).to(tl.uint32, bitcast=True)
 
     @triton.jit
-    def _top(keys, valid, k):
-        """Which of the ``valid`` elements are the ``k`` largest ``keys`` (ties: lowest position first)."""
+    def _top(keys, k):
+        """Which of ``keys`` are the ``k`` largest (ties: lowest position first); a key of 0 (below every score's,
+        -inf's included) marks a place outside the row: never counted, and never chosen while ``k`` others are.
+
+        The k-th largest key is found bit by bit from the top; once some candidate has exactly ``k`` keys at or
+        above it, those are the choice whatever the lower bits say, so the remaining counts are skipped (random
+        scores settle after about log2(width) + 4 bits instead of 32)."""
         threshold = tl.zeros([], dtype=tl.uint32)
+        settled = tl.zeros([], dtype=tl.int32)
         for bit in tl.static_range(31, -1, -1):
-            candidate = threshold | (tl.full([], 1, tl.uint32) << bit)
-            count = tl.sum((valid & (keys >= candidate)).to(tl.int32), axis=0)
-            threshold = tl.where(count >= k, candidate, threshold)
-        greater = valid & (keys > threshold)
-        tied = valid & (keys == threshold)
+            if settled == 0:
+                candidate = threshold | (tl.full([], 1, tl.uint32) << bit)
+                count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+                threshold = tl.where(count >= k, candidate, threshold)
+                settled = (count == k).to(tl.int32)
+        greater = keys > threshold
+        tied = keys == threshold
         room = k - tl.sum(greater.to(tl.int32), axis=0)
         return greater | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
 
     @triton.jit
-    def _topk_kernel(scores_ptr, allowed_ptr, out_ptr, width, k, stride_s, stride_a, stride_o,
-                     HAS_ALLOWED: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        entry = tl.arange(0, BLOCK_W)
-        inside = entry < width
+    def _finite(keys):
+        """Which ordered keys stand for finite scores (-inf's key is 0x7FFFFF; places outside the row are 0)."""
+        return keys > 0x7FFFFF
+
+    @triton.jit
+    def _topk_kernel(scores_ptr, allowed_ptr, out_ptr, kept_ptr, width, chunk, k, stride_s, stride_a, stride_o,
+                     HAS_ALLOWED: tl.constexpr, KEEP_KEYS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+        """Program (c, row): the best ``k`` finite entries of chunk c of the row, ascending, then -1, into the
+        row's ``k`` slots of chunk c (one chunk: the answer; several: candidates, their keys into ``kept``)."""
+        row = tl.program_id(1).to(tl.int64)
+        position = tl.arange(0, BLOCK_W)
+        entry = tl.program_id(0) * chunk + position
+        inside = (position < chunk) & (entry < width)
         scores = tl.load(scores_ptr + row * stride_s + entry, mask=inside, other=float("-inf")).to(tl.float32)
         if HAS_ALLOWED:
             allowed = tl.load(allowed_ptr + row * stride_a + entry, mask=inside, other=0)
             scores = tl.where(allowed != 0, scores, float("-inf"))
-        chosen = _top(_ordered_keys(scores), inside, k) & (scores > float("-inf"))
+        keys = tl.where(inside, _ordered_keys(scores), 0)
+        chosen = _top(keys, k) & _finite(keys)
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+        padding = (position >= tl.sum(chosen.to(tl.int32), axis=0)) & (position < k)
+        first_slot = row * stride_o + tl.program_id(0) * k
+        tl.store(out_ptr + first_slot + slot, entry, mask=chosen)
+        tl.store(out_ptr + first_slot + position, tl.full([BLOCK_W], -1, tl.int32), mask=padding)
+        if KEEP_KEYS:
+            tl.store(kept_ptr + first_slot + slot, keys, mask=chosen)
+            tl.store(kept_ptr + first_slot + position, tl.zeros([BLOCK_W], tl.uint32), mask=padding)
+
+    @triton.jit
+    def _merge_kernel(kept_ptr, entries_ptr, out_ptr, n_candidates, k, stride_c, stride_o, BLOCK_C: tl.constexpr):
+        """One program a row: the best ``k`` of the chunks' candidates (ascending entries, so the lowest position
+        among ties is the lowest entry), ascending, then -1."""
+        row = tl.program_id(0).to(tl.int64)
+        position = tl.arange(0, BLOCK_C)
+        inside = position < n_candidates
+        keys = tl.load(kept_ptr + row * stride_c + position, mask=inside, other=0)
+        chosen = _top(keys, k) & _finite(keys)
+        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        entries = tl.load(entries_ptr + row * stride_c + position, mask=chosen, other=-1)
         out = out_ptr + row * stride_o
-        tl.store(out + slot, entry.to(tl.int64), mask=chosen)
-        tl.store(out + entry, tl.full([BLOCK_W], -1, tl.int64), mask=(entry >= n_chosen) & (entry < k))
+        tl.store(out + slot, entries, mask=chosen)
+        padding = (position >= tl.sum(chosen.to(tl.int32), axis=0)) & (position < k)
+        tl.store(out + position, tl.full([BLOCK_C], -1, tl.int32), mask=padding)
 
     @triton.jit
     def _candidate_kernel(scores_ptr, counts_ptr, out_ptr, width, num_blocks, topk, stride_s, stride_o,
@@ -86,30 +127,53 @@ if triton is not None:
         count = tl.load(counts_ptr + row)
         newest = tl.where(count > 0, (count - 1) // BLOCK_SIZE, -1)  # C division truncates: no negative floor
         best = tl.where(block == newest, float("inf"), best)
-        kept = _top(_ordered_keys(best), block < num_blocks, topk) & (best > float("-inf"))
+        kept = _top(tl.where(block < num_blocks, _ordered_keys(best), 0), topk) & (best > float("-inf"))
         mask = tl.broadcast_to(kept[:, None], [BLOCK_B, BLOCK_SIZE])
         tl.store(out_ptr + row * stride_o + entry, mask.to(tl.uint8), mask=inside)
 
 
 def _warps(block: int) -> int:
-    return 4 if block <= 2048 else 8
+    """Warps for a row of ``block`` keys: about 16 a thread (sm_90 builds without register spills to 8,192)."""
+    return 4 if block <= 1024 else min(32, block // 512)
+
+
+def chunking(width: int, k: int) -> tuple[int, int] | None:
+    """(chunk, chunks) for a row of ``width`` scores: one chunk up to ``CHUNK``, else the fewest equal chunks of at
+    most ``CHUNK`` (or twice, or ``MAX_WIDTH``, when the chunks' ``k`` candidates each would not fit one program);
+    None: even those do not fit (the reference chooses)."""
+    for most in (CHUNK, 2 * CHUNK, MAX_WIDTH):
+        chunks = -(-width // most)
+        if chunks == 1 or chunks * min(k, -(-width // chunks)) <= MAX_WIDTH:
+            return -(-width // chunks), chunks
+    return None
 
 
 @register("index_topk_decode", "triton", devices=("cuda",), available=sparse_attention_triton_available, priority=10)
 def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract and result as the reference; rows wider than ``MAX_WIDTH`` go to it."""
-    if scores.dim() != 2 or scores.shape[1] > MAX_WIDTH or scores.dtype != torch.float32:
+    """Same contract and result as the reference; rows whose candidates do not fit (:func:`chunking`) go to it."""
+    rows, width = scores.shape if scores.dim() == 2 else (0, 0)
+    split = chunking(width, k) if width else (0, 1)
+    if scores.dim() != 2 or split is None or scores.dtype != torch.float32:
         return index_topk_decode_reference(scores, k, allowed)
-    rows, width = scores.shape
     k = min(k, width)
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0 or k == 0:
         return out
+    chunk, chunks = split
     scores = scores.contiguous()
     allowed_arg = scores if allowed is None else allowed.contiguous().view(torch.uint8)
-    block = triton.next_power_of_2(width)
-    _topk_kernel[(rows,)](scores, allowed_arg, out, width, k, scores.stride(0), allowed_arg.stride(0), out.stride(0),
-                          HAS_ALLOWED=allowed is not None, BLOCK_W=block, num_warps=_warps(block))  # fmt: skip
+    block = triton.next_power_of_2(chunk)
+    per_chunk = min(k, chunk)
+    candidates = chunks * per_chunk
+    entries = out if chunks == 1 else torch.empty(rows, candidates, dtype=torch.int32, device=scores.device)
+    kept = scores if chunks == 1 else torch.empty(rows, candidates, dtype=torch.uint32, device=scores.device)
+    _topk_kernel[(chunks, rows)](scores, allowed_arg, entries, kept, width, chunk, per_chunk, scores.stride(0),
+                                 allowed_arg.stride(0), entries.stride(0), HAS_ALLOWED=allowed is not None,
+                                 KEEP_KEYS=chunks > 1, BLOCK_W=block, num_warps=_warps(block))  # fmt: skip
+    if chunks > 1:
+        block = triton.next_power_of_2(candidates)
+        _merge_kernel[(rows,)](kept, entries, out, candidates, k, kept.stride(0), out.stride(0), BLOCK_C=block,
+                               num_warps=_warps(block))  # fmt: skip
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.index_scores_paged.reference import decode_paged_keys
 from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.topk import topk_indices
 
@@ -37,8 +38,11 @@ def indexer_topk_decode_reference(
     block_tables: torch.Tensor,
     visible: torch.Tensor,
     k: int,
+    key_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, nh, d] float32 (rotated); head_weights [B, nh] float32; keys [blocks, per_block, d] (the indexer
-    compressor's entry pool); block_tables [B, max_blocks]; visible [B] entries each query may see."""
-    gathered = keys[block_tables].flatten(1, 2)  # every slot of every table: shapes never depend on values
-    return select_visible_topk(indexer_scores(q, head_weights, gathered), visible, k)
+    """q [B, nh, d] (rotated); head_weights [B, nh] float32; keys [blocks, per_block, d] (the indexer
+    compressor's entry pool: plain, or FP8 / FP4 codes with ``key_scales``, the forms of ``index_scores_paged``);
+    block_tables [B, max_blocks]; visible [B] entries each query may see."""
+    # every slot of every table: shapes never depend on values
+    gathered = decode_paged_keys(keys, key_scales, block_tables, q.shape[-1])
+    return select_visible_topk(indexer_scores(q.float(), head_weights.float(), gathered), visible, k)

@@ -1,0 +1,138 @@
+"""The lightning indexer's decode step on one GPU: scores + top-k against its HBM roofline, bf16 and FP8 keys.
+
+    python benchmarks/indexer_decode.py                       # batch 1 8 64 256 x context 4k 16k 131k, bf16 + fp8
+    python benchmarks/indexer_decode.py --batch 64 --context 131072 --keys fp8
+
+V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
+``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each
+point: the torch reference (eager), the Triton op (``indexer_topk_decode``: split-K scores, then the batched top-k)
+replayed from a CUDA graph whose calls cycle through copies of the key pool (no key read from L2), its scores
+kernel alone, ``torch.topk`` on the same scores for scale, the bytes the step must read (the visible keys and
+their scales), GB/s, the share of the HBM roofline (3.35 TB/s H100, 4.8 TB/s H200, by the device's name), whether
+the choice equals the reference's and the largest score deviation. bf16 points also time the previous kernel
+(one program per sequence and 16 slots, float32 IEEE products) where it fits in the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from functools import partial
+
+import torch
+from attention_decode import graph_ms, median_ms  # the benchmarks' timers (same folder)
+from cold_copies import calls_over, copied_args, copy_count
+
+from dsinfer.kv.codecs import INDEX_KEY_FP8_FORMAT
+from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference
+from dsinfer.ops.indexer import triton as backend
+from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
+
+BLOCK_TOKENS = 128
+RATIO = 4
+HBM_TB_S = {"H100": 3.35, "H200": 4.8}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 131072])
+    parser.add_argument("--keys", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=10, help="calls per timed CUDA-graph replay")
+    parser.add_argument("--reference-up-to", type=int, default=64 * 16384, help="largest batch x context timed "
+                        "for the torch reference (its [B, W, d] gather needs memory and time)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def roofline_tb_s(device: torch.device) -> float:
+    name = torch.cuda.get_device_name(device)
+    return next((rate for key, rate in HBM_TB_S.items() if key in name), HBM_TB_S["H100"])
+
+
+def make_step(args, batch: int, context: int, keys_form: str, device, gen) -> list:
+    """The op's arguments: q, head weights, keys, block tables, visible, k, key scales."""
+    per_block = BLOCK_TOKENS // RATIO
+    blocks = math.ceil((context + 1) / BLOCK_TOKENS)
+    pool = torch.randn(batch * blocks, per_block, args.dim, device=device, generator=gen, dtype=torch.bfloat16)
+    keys, scales = INDEX_KEY_FP8_FORMAT.encode(pool) if keys_form == "fp8" else (pool, None)
+    return [
+        torch.randn(batch, args.heads, args.dim, device=device, generator=gen, dtype=torch.bfloat16),
+        torch.randn(batch, args.heads, device=device, generator=gen) * args.heads**-0.5,
+        keys,
+        torch.randperm(batch * blocks, device=device, generator=gen).view(batch, blocks).int(),
+        torch.full((batch,), (context + 1) // RATIO, device=device),
+        args.topk,
+        scales,
+    ]
+
+
+def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> None:
+    values = make_step(args, batch, context, keys_form, device, gen)
+    q, weights, keys, tables, visible, k, scales = values
+    row_bytes = keys[0, 0].nbytes + (0 if scales is None else scales[0, 0].nbytes)
+    moved = int(visible.sum()) * row_bytes
+    cycle = copied_args(values, (2,) if scales is None else (2, 6), copy_count(moved, True))
+    fast = partial(backend.indexer_topk_decode_triton, *values[:6], key_scales=scales)
+    op_ms = graph_ms(calls_over(backend.indexer_topk_decode_triton, cycle), args.warmup, args.iters, args.inner)
+
+    def score(*step):
+        return backend.indexer_scores_launch(*step[:5], key_scales=step[6])
+
+    scores_ms = graph_ms(calls_over(score, cycle), args.warmup, args.iters, args.inner)
+    scores = score(*values)
+    topk_ms = median_ms(lambda: torch.topk(scores, min(k, scores.shape[1]), dim=1), args.warmup, args.iters)
+    same, deviation, reference_ms, previous_ms = "-", float("nan"), float("nan"), float("nan")
+    if batch * context <= args.reference_up_to:
+        reference = partial(indexer_topk_decode_reference, *values[:6], key_scales=scales)
+        chosen, real = fast()
+        want, want_real = reference()
+        same = str(torch.equal(real, want_real) and torch.equal(chosen[real], want[want_real]))
+        exact = index_scores_paged_reference(q, weights, keys, scales, tables, visible)
+        seen = torch.isfinite(exact)
+        deviation = (scores[seen] - exact[seen]).abs().max().item()
+        reference_ms = median_ms(reference, args.warmup, args.iters)
+        if scales is None:
+            from indexer_decode_previous import previous_indexer_topk_decode
+
+            previous = partial(previous_indexer_topk_decode, *values[:6])
+            previous_ms = median_ms(previous, args.warmup, args.iters)
+    roof = moved / (roofline_tb_s(device) * 1e12) * 1e3
+    print(f"{keys_form:>4} {batch:>5} {context:>7} {tables.shape[1] * keys.shape[1]:>6} {reference_ms:>9.3f} "
+          f"{previous_ms:>9.3f} {op_ms:>8.4f} {scores_ms:>9.4f} {topk_ms:>10.4f} {moved / op_ms / 1e6:>7.0f} "
+          f"{100 * roof / op_ms:>6.1f}% {100 * roof / scores_ms:>6.1f}% {same:>5} {deviation:>9.2e}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("indexer_decode: needs a CUDA device", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    name = torch.cuda.get_device_name(device)
+    print(f"{name} (roofline {roofline_tb_s(device)} TB/s); {args.heads} index heads x "
+          f"{args.dim}, ratio {RATIO}, top-{args.topk}; graph calls read cold keys")  # fmt: skip
+    print(f"{'keys':>4} {'batch':>5} {'context':>7} {'slots':>6} {'ref ms':>9} {'prev ms':>9} {'op ms':>8} "
+          f"{'scores ms':>9} {'torch.topk':>10} {'GB/s':>7} {'op roof':>7} {'scr roof':>7} {'same':>5} "
+          f"{'score dev':>9}")  # fmt: skip
+    for keys_form in args.keys:
+        for batch in args.batch:
+            for context in args.context:
+                run_point(args, batch, context, keys_form, device, gen)
+                torch.cuda.empty_cache()
+    print(
+        "op / scr roof: the roofline's ms (visible keys and scales at the HBM rate) / the op's or its scores "
+        "kernel's graph-replay ms. ref / prev: eager ms of the torch reference and of the previous kernel."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
