@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dsinfer.bench import pareto, sweep
+from dsinfer.bench import pareto, sweep, sweep_options, sweep_timing
 from dsinfer.engine.engine import StepStats
 
 CONTEXT = 64
@@ -141,12 +141,12 @@ def test_only_rank_zero_writes(tiny_checkpoint, tmp_path, monkeypatch, capsys):
 def test_dp_rank_prefers_dp_rank_over_rank(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("DP_RANK", "0")
-    assert sweep.dp_rank() == 0
+    assert sweep_options.dp_rank() == 0
     monkeypatch.delenv("DP_RANK")
-    assert sweep.dp_rank() == 3
+    assert sweep_options.dp_rank() == 3
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK"):
-        sweep.dp_rank()
+        sweep_options.dp_rank()
 
 
 @pytest.mark.parametrize(
@@ -180,7 +180,7 @@ def test_context_beyond_the_model_names_the_flag(tiny_checkpoint, tmp_path, caps
 
 def test_step_statistics_arithmetic():
     timed = [(0.1, StepStats(0.01, 0.08, 0.01, 4)), (0.3, StepStats(0.0, 0.3, 0.0, 4)), (0.2, StepStats(0, 0.2, 0, 3))]
-    stats = sweep.step_statistics(timed, expected_tokens=4)
+    stats = sweep_timing.step_statistics(timed, expected_tokens=4)
     assert stats["ms_per_step"] == pytest.approx(200.0)
     assert stats["median_ms_per_step"] == pytest.approx(200.0)
     assert stats["tokens_per_step"] == pytest.approx(11 / 3)
@@ -190,15 +190,15 @@ def test_step_statistics_arithmetic():
 
 
 def test_prefill_measure_steps_cover_whole_position_cycles():
-    assert sweep.prefill_measure_steps(131072, 4096, 10) == (32, 32)
-    assert sweep.prefill_measure_steps(131072, 65536, 10) == (10, 2)
-    assert sweep.prefill_measure_steps(64, 128, 3) == (3, 1)
+    assert sweep_timing.prefill_measure_steps(131072, 4096, 10) == (32, 32)
+    assert sweep_timing.prefill_measure_steps(131072, 65536, 10) == (10, 2)
+    assert sweep_timing.prefill_measure_steps(64, 128, 3) == (3, 1)
     cycle = math.lcm(100003, 7) // 7
-    assert sweep.prefill_measure_steps(100003, 7, 5) == (5, cycle)  # too long a cycle: left as asked
+    assert sweep_timing.prefill_measure_steps(100003, 7, 5) == (5, cycle)  # too long a cycle: left as asked
 
 
 def test_speculative_accounting_without_drafts():
-    accounting = sweep.speculative_accounting(0, 0.75, 8, {"ms_per_step": 50.0, "tokens_per_step": 8.0,
+    accounting = sweep_timing.speculative_accounting(0, 0.75, 8, {"ms_per_step": 50.0, "tokens_per_step": 8.0,
                                                            "tokens_per_s_per_gpu": 160.0})  # fmt: skip
     assert accounting["speculative"] == "off (nextn = 0)"
     assert accounting["assumed"]["tokens_per_step_per_user"] == 1.0
@@ -224,9 +224,9 @@ def test_decode_sweep_with_real_drafts_reports_the_measured_tau(tiny_checkpoint,
 
 def test_speculative_config_is_checked_at_the_flag():
     with pytest.raises(ValueError, match="--speculative-config: speculative_config 'num_speculative_tokens'"):
-        sweep.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
+        sweep_options.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
     with pytest.raises(ValueError, match="speculative decoding applies to decode sweeps only"):
-        sweep.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+        sweep_options.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
 
 
 def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
