@@ -158,7 +158,7 @@ def cache_budget(cache_gib: float | None, device: torch.device) -> tuple[int, st
     return int(free - total * kept), f"free GPU memory after the weights, less {kept:.0%} of the GPU kept for work"
 
 
-def _size(count: float) -> str:
+def format_bytes(count: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= scale:
             return f"{count / scale:.1f} {unit}"
@@ -172,9 +172,9 @@ def describe_kinds(tables: dict[str, list[KindBytes]], tokens: int, engine_stora
              f"  {'kind':<34}{'layers':>7}" + "".join(f"{name + ' per layer':>20}" for name in names)]  # fmt: skip
     first = tables[names[0]]
     for index, kind in enumerate(first):
-        cells = "".join(f"{_size(tables[name][index].per_layer):>20}" for name in names)
+        cells = "".join(f"{format_bytes(tables[name][index].per_layer):>20}" for name in names)
         lines.append(f"  {kind.kind:<34}{kind.layers:>7}{cells}")
-    totals = "".join(f"{_size(sequence_bytes(tables[name])):>20}" for name in names)
+    totals = "".join(f"{format_bytes(sequence_bytes(tables[name])):>20}" for name in names)
     lines.append(f"  {'per sequence':<41}{totals}")
     return lines
 
@@ -188,6 +188,6 @@ def refusal(point: int, tokens: int, per_sequence: int, budget: tuple[int, str])
     fit = sequences_that_fit(budget[0], per_sequence)
     if point <= fit:
         return None
-    return (f"{point} sequences of {tokens:,} tokens need {_size(point * per_sequence)} of cache "
-            f"({_size(per_sequence)} each) but the budget is {_size(budget[0])} ({budget[1]}): at most {fit} fit; "
-            "lower the point or raise --cache-gib")  # fmt: skip
+    need, each, have = format_bytes(point * per_sequence), format_bytes(per_sequence), format_bytes(budget[0])
+    return (f"{point} sequences of {tokens:,} tokens need {need} of cache ({each} each) but the budget is {have} "
+            f"({budget[1]}): at most {fit} fit; lower the point or raise --cache-gib")  # fmt: skip

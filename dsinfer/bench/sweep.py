@@ -139,7 +139,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dsinfer.bench.cache_budget import cache_budget, describe_kinds, sequence_bytes, sequences_that_fit
+from dsinfer.bench.cache_budget import (
+    cache_budget,
+    describe_kinds,
+    format_bytes,
+    sequence_bytes,
+    sequences_that_fit,
+)
 from dsinfer.bench.published import comparison_lines
 from dsinfer.bench.sweep_model import Bench, build_bench, cache_kinds, check_fits_model
 from dsinfer.bench.sweep_options import dp_rank, parse_args, world_size
@@ -182,10 +188,10 @@ def print_cache_report(bench: Bench) -> None:
     for line in describe_kinds(tables, tokens, storage):
         print(line)
     fit = sequences_that_fit(budget[0], per_sequence)
-    print(f"cache budget {budget[0] / 2**30:.2f} GiB ({budget[1]}): {fit} sequences of {tokens:,} tokens fit "
-          f"({per_sequence / 2**20:.1f} MiB each as the engine stores them)")  # fmt: skip
+    print(f"cache budget {format_bytes(budget[0])} ({budget[1]}): {fit} sequences of {tokens:,} tokens fit "
+          f"({format_bytes(per_sequence)} each as the engine stores them)")  # fmt: skip
     if "engram_table_gib" in bench.info:
-        print(f"Engram tables: {bench.info['engram_table_gib']:.2f} GiB in host shared memory")
+        print(f"Engram tables: {format_bytes(bench.info['engram_table_gib'] * 2**30)} in host shared memory")
     bench.info["cache_per_sequence"] = {
         name: {kind.kind: {"layers": kind.layers, "bytes_per_layer": kind.per_layer} for kind in kinds}
         for name, kinds in tables.items()

@@ -63,6 +63,8 @@ def random_config(args: argparse.Namespace) -> tuple[ModelConfig | ModelConfigV4
         label = f"V4-Flash widths, {args.flash_layers} layers"
     else:
         config = _engram_sized(ModelConfig.from_file(args.config), args.engram_gib)
+        if args.arch == "v41" and not isinstance(config, ModelConfigV41):
+            raise ValueError(f"--arch v41: {args.config} is not a V4.1 config")
         return config, f"{Path(args.config).name} shape", str(Path(args.config).resolve())
     gib = DEFAULT_ENGRAM_GIB if args.engram_gib is None else args.engram_gib
     return _engram_sized(config, gib), label, f"--flash-layers {args.flash_layers} --arch {args.arch}"
@@ -131,7 +133,8 @@ def model_info(config, label: str, source: str, weights: str, args: argparse.Nam
     }
     if v41:
         info["engram_table_gib"] = engram_table_bytes(config) / 2**30 if config.engram_layer_ids else 0.0
-        info["v41_prefill"] = args.v41_prefill or ("exact" if args.speculative is not None else "bounded")
+        bounded = config.decoder_start is not None and args.speculative is None  # the engine's own default
+        info["v41_prefill"] = args.v41_prefill or ("bounded" if bounded else "exact")
     return info
 
 

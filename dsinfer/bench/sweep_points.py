@@ -55,7 +55,7 @@ def make_engine(bench: Bench, **options) -> LLMEngine:
     options = {"enable_prefix_caching": False, "cache_memory_bytes": cache_bytes,
                "enforce_eager": args.enforce_eager, **options}  # fmt: skip
     if bench.is_v41:
-        options.setdefault("v41_prefill", args.v41_prefill)
+        options.setdefault("v41_prefill", bench.info["v41_prefill"])
     config = EngineConfig(device=args.device, dtype=args.dtype, **options)
     try:
         return LLMEngine(bench.model, bench.tokenizer, config)
