@@ -31,35 +31,12 @@ from dataclasses import replace
 
 import torch
 
-from dsinfer.config import ModelConfigV41, QuantizationConfig
-from dsinfer.engram.hashing import EngramHasher
+from dsinfer.bench.v41_slice import synthetic_hasher, v41_slice_config
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.tiny import build_random_model, tiny_config_v41
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def slice_config(experts: int) -> ModelConfigV41:
-    return ModelConfigV41(
-        num_hidden_layers=4,
-        compress_ratios=(0, 2, 1, 1),
-        kv_source_layer_ids=(1, 2),
-        index_source_layer_ids=(1, 2, 3),
-        candidate_source_layer_id=2,
-        n_routed_experts=experts,
-        engram_layer_ids=(0,),
-        engram_vocab_size=100_000,  # 24 primes above 1e5: a 2.4M-row table instead of 384M
-        num_nextn_predict_layers=1,
-        dspark_target_layer_ids=(1, 2, 3),
-        quantization=QuantizationConfig(weight_block_size=(32, 32)),
-    )
-
-
-def synthetic_hasher(config: ModelConfigV41) -> EngramHasher:
-    """A many-to-one compressed vocabulary of the configured size (no tokenizer needed)."""
-    table = torch.arange(config.vocab_size) % config.engram_compressed_vocab_size
-    return EngramHasher(table, **config.engram_hasher_options())
 
 
 def synchronize(device: torch.device) -> None:
@@ -170,7 +147,7 @@ def main() -> None:
         if args.window:
             config = replace(config, sliding_window=args.window)
     else:
-        config = slice_config(args.experts)
+        config = v41_slice_config(4, args.experts)
     start = time.perf_counter()
     model = build_random_model(config, DTYPES[args.dtype], device, seed=args.seed)
     model.attach_engram_hasher(synthetic_hasher(config))

@@ -2,8 +2,9 @@
 
     python benchmarks/v41_decode_checks.py --experts 384 --batches 1 32 --context 256 --out OUT/v41.json
 
-For the 4-layer V4.1 slice of ``benchmarks/ced_drift_v41.py`` (window + Engram, ratio-2 source, ratio-1 decoder
-source, keyless index source; random weights built on the GPU, routed experts packed FP4), and each decode batch:
+For the 4-layer V4.1 slice of :func:`dsinfer.bench.v41_slice.v41_slice_config` (window + Engram, ratio-2 source,
+ratio-1 decoder source, keyless index source; random weights built on the GPU, routed experts packed FP4; the
+Engram table in the model) and each decode batch:
 * a decode step under ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises;
 * the same step captured in a CUDA graph and replayed: its logits against the eager step's (bit for bit);
 * ms per step, eager and replayed, and per layer (to set beside V4's, ``benchmarks/fast_path_checks.py``).
@@ -14,6 +15,10 @@ too): each run decodes the same token at the same position from the same state.
 CPU (``--op-map`` alone, or with ``--quantized``): every aten op that would be a kernel of its own, by the source
 line that issued it, with each call of an op that has a CUDA backend beside its reference (a Triton kernel, a
 built-in) counted once, as one launch, instead of the reference's ops.
+
+The batch here prefills every sequence in one forward, which bounds the context it can reach (8 x 16,384 tokens
+do not fit an H100); long contexts are timed by the engine in ``dsinfer bench sweep decode --arch v41
+--flash-layers 4``, which prefills in chunks and keeps the Engram tables in host shared memory.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ced_drift_v41 import slice_config, synthetic_hasher  # noqa: E402
 from fast_path_checks import (  # noqa: E402
     PROFILE_KEYS,
     cuda_ms,
@@ -39,6 +43,7 @@ from fast_path_checks import (  # noqa: E402
     prefill_and_decode_batch,
 )
 
+from dsinfer.bench.v41_slice import synthetic_hasher, v41_slice_config  # noqa: E402
 from dsinfer.engine.decode_graphs import capture_graph  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
 from dsinfer.models.expert_packing import weight_bytes  # noqa: E402
@@ -102,7 +107,7 @@ def op_map(quantized: bool, sequences: int = 2, context: int = 100, top: int = 4
     from dsinfer.models.tiny import tiny_config_v41
     from dsinfer.ops import registry
 
-    slice_layout = slice_config(8)  # the layout only: tiny_config_v41 sets the widths
+    slice_layout = v41_slice_config(4, experts=8)  # the layout only: tiny_config_v41 sets the widths
     config = tiny_config_v41(
         **{name: getattr(slice_layout, name) for name in ("num_hidden_layers", "compress_ratios",
            "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids")},
@@ -181,7 +186,7 @@ def main() -> None:
         print(json.dumps(op_map(args.quantized), indent=1))
         return
     device = torch.device("cuda")
-    config = slice_config(args.experts)
+    config = v41_slice_config(4, args.experts)
     model = build_native_model(config, torch.bfloat16, device, fp8_linears=args.fp8_linears)
     model.attach_engram_hasher(synthetic_hasher(config))
     result = {"device": torch.cuda.get_device_name(device), "layers": config.num_hidden_layers,

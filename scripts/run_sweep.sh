@@ -7,6 +7,12 @@
 #   scripts/run_sweep.sh encoder ve-800 [IMAGE_SIZE]      # images per batch through the V4.1 image encoder
 #   FLASH_LAYERS=3 DEVICE=cuda POINTS=1,8,32 scripts/run_sweep.sh decode flash3-8k 8192
 #
+# With no MODEL, CONFIG or FLASH_LAYERS and a CUDA device, decode and prefill run what DeepInfer's command runs:
+# V4.1-Flash widths (FLASH_LAYERS=4 ARCH=v41, random weights in release precision, Engram tables in host shared
+# memory), DeepInfer's points overlaid on the chart with the full-depth estimate beside them, and (decode, NEXTN
+# > 0) DSpark drafting NEXTN tokens a step, every step verifying 1 + NEXTN tokens per sequence as DeepInfer's do
+# (SPECULATIVE_CONFIG=none: no drafts, only the assumed accounting). Without CUDA the tiny checkpoint runs.
+#
 # MODE is decode, prefill or encoder. The encoder mode's third positional is the square image side (default
 # 800); it reads VISION_WIDTH=flash|tiny (default: flash on CUDA) or CONFIG, DEVICE, DTYPE, POINTS (default
 # 1,2,4,...,64), OUT_ROOT, WARMUP_STEPS, MEASURE_STEPS and SEED, and builds random weights on the device.
@@ -17,6 +23,8 @@
 #   WARMUP_STEPS=3       MEASURE_STEPS=10              CACHE_GIB=G          PREFILL_CHUNK=8192
 #   TELEMETRY_INTERVAL=5 (seconds; 0 = off)            SEED=0               PYTHON=python3
 #   COMPARE_PUBLISHED=1  overlay DeepInfer's B200 points on the chart
+#   ARCH=v4|v41          widths of FLASH_LAYERS        ENGRAM_GIB=G         V4.1 host Engram tables (default 8)
+#   V41_PREFILL=bounded|exact                          SPECULATIVE_CONFIG=JSON (e.g. {"method": "dspark", ...})
 # Only dp_rank 0 (DP_RANK, else RANK) writes; other ranks run the points and exit. PROFILE is forced to 0:
 # a profiler distorts steady state.
 #
@@ -65,6 +73,18 @@ if [[ $MODE == prefill && -n $NEXTN && $NEXTN != 0 ]]; then
   exit 2
 fi
 
+if [[ -z ${PYTHON:-} ]]; then
+  PYTHON=$(command -v python || command -v python3)
+fi
+if [[ -z ${MODEL:-}${CONFIG:-}${FLASH_LAYERS:-} && ${DEVICE:-cuda} == cuda* ]] \
+  && "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  FLASH_LAYERS=4 ARCH=${ARCH:-v41} COMPARE_PUBLISHED=${COMPARE_PUBLISHED:-1}
+  if [[ $MODE == decode && ${NEXTN:-0} != 0 && -z ${SPECULATIVE_CONFIG:-} ]]; then
+    SPECULATIVE_CONFIG="{\"method\": \"dspark\", \"num_speculative_tokens\": $NEXTN}"
+  fi
+fi
+[[ ${SPECULATIVE_CONFIG:-} == none ]] && SPECULATIVE_CONFIG=
+
 export PROFILE=0
 args=(bench sweep "$MODE" --tag "$TAG")
 add() { [[ -n ${2:-} ]] && args+=("$1" "$2"); return 0; }
@@ -83,9 +103,10 @@ add --cache-gib "${CACHE_GIB:-}"
 add --prefill-chunk "${PREFILL_CHUNK:-}"
 add --telemetry-interval "${TELEMETRY_INTERVAL:-}"
 add --seed "${SEED:-}"
+add --arch "${ARCH:-}"
+add --engram-gib "${ENGRAM_GIB:-}"
+add --v41-prefill "${V41_PREFILL:-}"
+[[ $MODE == decode ]] && add --speculative-config "${SPECULATIVE_CONFIG:-}"
 [[ ${COMPARE_PUBLISHED:-0} != 0 ]] && args+=(--compare-published)
 
-if [[ -z ${PYTHON:-} ]]; then
-  PYTHON=$(command -v python || command -v python3)
-fi
 exec "$PYTHON" -m dsinfer.cli "${args[@]}" "$@"

@@ -6,8 +6,9 @@ import json
 import math
 
 import pytest
+import torch
 
-from dsinfer.bench import pareto, sweep
+from dsinfer.bench import pareto, sweep, sweep_options, sweep_timing
 from dsinfer.engine.engine import StepStats
 
 CONTEXT = 64
@@ -141,12 +142,12 @@ def test_only_rank_zero_writes(tiny_checkpoint, tmp_path, monkeypatch, capsys):
 def test_dp_rank_prefers_dp_rank_over_rank(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("DP_RANK", "0")
-    assert sweep.dp_rank() == 0
+    assert sweep_options.dp_rank() == 0
     monkeypatch.delenv("DP_RANK")
-    assert sweep.dp_rank() == 3
+    assert sweep_options.dp_rank() == 3
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK"):
-        sweep.dp_rank()
+        sweep_options.dp_rank()
 
 
 @pytest.mark.parametrize(
@@ -180,7 +181,7 @@ def test_context_beyond_the_model_names_the_flag(tiny_checkpoint, tmp_path, caps
 
 def test_step_statistics_arithmetic():
     timed = [(0.1, StepStats(0.01, 0.08, 0.01, 4)), (0.3, StepStats(0.0, 0.3, 0.0, 4)), (0.2, StepStats(0, 0.2, 0, 3))]
-    stats = sweep.step_statistics(timed, expected_tokens=4)
+    stats = sweep_timing.step_statistics(timed, expected_tokens=4)
     assert stats["ms_per_step"] == pytest.approx(200.0)
     assert stats["median_ms_per_step"] == pytest.approx(200.0)
     assert stats["tokens_per_step"] == pytest.approx(11 / 3)
@@ -190,15 +191,15 @@ def test_step_statistics_arithmetic():
 
 
 def test_prefill_measure_steps_cover_whole_position_cycles():
-    assert sweep.prefill_measure_steps(131072, 4096, 10) == (32, 32)
-    assert sweep.prefill_measure_steps(131072, 65536, 10) == (10, 2)
-    assert sweep.prefill_measure_steps(64, 128, 3) == (3, 1)
+    assert sweep_timing.prefill_measure_steps(131072, 4096, 10) == (32, 32)
+    assert sweep_timing.prefill_measure_steps(131072, 65536, 10) == (10, 2)
+    assert sweep_timing.prefill_measure_steps(64, 128, 3) == (3, 1)
     cycle = math.lcm(100003, 7) // 7
-    assert sweep.prefill_measure_steps(100003, 7, 5) == (5, cycle)  # too long a cycle: left as asked
+    assert sweep_timing.prefill_measure_steps(100003, 7, 5) == (5, cycle)  # too long a cycle: left as asked
 
 
 def test_speculative_accounting_without_drafts():
-    accounting = sweep.speculative_accounting(0, 0.75, 8, {"ms_per_step": 50.0, "tokens_per_step": 8.0,
+    accounting = sweep_timing.speculative_accounting(0, 0.75, 8, {"ms_per_step": 50.0, "tokens_per_step": 8.0,
                                                            "tokens_per_s_per_gpu": 160.0})  # fmt: skip
     assert accounting["speculative"] == "off (nextn = 0)"
     assert accounting["assumed"]["tokens_per_step_per_user"] == 1.0
@@ -224,9 +225,9 @@ def test_decode_sweep_with_real_drafts_reports_the_measured_tau(tiny_checkpoint,
 
 def test_speculative_config_is_checked_at_the_flag():
     with pytest.raises(ValueError, match="--speculative-config: speculative_config 'num_speculative_tokens'"):
-        sweep.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
+        sweep_options.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])
     with pytest.raises(ValueError, match="speculative decoding applies to decode sweeps only"):
-        sweep.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+        sweep_options.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
 
 
 def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
@@ -239,3 +240,171 @@ def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
     assert profile["steps"] == 3 and profile["kernels"] > 0 and profile["top"]
     assert profile["per_step"]["busy_ms"] == pytest.approx(profile["busy_ms"] / 3)
     assert 0 < profile["busy_ms"] and profile["idle_ms"] <= profile["span_ms"]
+
+
+# ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_v41_config(tmp_path_factory):
+    """The tiny V4.1 architecture (every CSA2 role, two Engram layers) with Engram rows of the release's 256 FP8 bytes,
+    the width the shared-memory store holds."""
+    from dsinfer.models.tiny import tiny_config_v41
+
+    config = tiny_config_v41(engram_head_dim=256, engram_vocab_size=200, engram_num_embeddings=())
+    path = tmp_path_factory.mktemp("v41") / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return path, config
+
+
+def test_v41_sweep_runs_a_decode_and_a_prefill_point(tiny_v41_config, tmp_path, capsys):
+    path, config = tiny_v41_config
+    common = ["--config", str(path), "--arch", "v41", "--context", "48", "--device", "cpu", "--warmup-steps", "1",
+              "--measure-steps", "2", "--out-root", str(tmp_path), "--compare-published"]  # fmt: skip
+    assert sweep.main(["decode", "--points", "2", "--tag", "d41", *common]) == 0
+    assert sweep.main(["prefill", "--points", "32", "--tag", "p41", "--v41-prefill", "exact", *common]) == 0
+    (decode,) = read_records(tmp_path / "d41" / "results.jsonl")
+    (prefill,) = read_records(tmp_path / "p41" / "results.jsonl")
+    for record in (decode, prefill):
+        assert_consistent(record)
+        assert record["arch"] == "v41" and record["num_layers"] == 9 and record["weights"] == "random (native)"
+        table_bytes = sum(config.engram_num_embeddings) * (256 + 8)  # FP8 rows and their ue8m0 scales
+        assert record["engram_table_gib"] == pytest.approx(table_bytes / 2**30)
+        assert record["cache"]["storage"] == "fp8" and record["cache"]["bytes_per_sequence"] > 0
+        assert record["full_depth"]["release_layers"] == 40
+    assert decode["tokens_per_step"] == 2 and decode["fill_budget"] == 8192
+    assert decode["v41_prefill"] == "bounded" and decode["engine"]["v41_prefill"] == "bounded"
+    assert prefill["tokens_per_step"] == 32 and prefill["engine"]["v41_prefill"] == "exact"
+    out = capsys.readouterr().out
+    assert "ratio-2 KV source" in out and "Engram history" in out and "sequences of" in out
+    assert_png(tmp_path / "d41" / "pareto.png")
+
+
+def test_v41_arch_needs_a_v41_shape(tmp_path, capsys):
+    assert sweep.main(["decode", "--arch", "v41", "--device", "cpu", "--out-root", str(tmp_path)]) == 2
+    assert "--arch v41" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--v41-prefill bounded"):
+        sweep_options.parse_args(["decode", "--v41-prefill", "bounded", "--speculative-config",
+                                  '{"method": "dspark", "num_speculative_tokens": 2}'])  # fmt: skip
+
+
+# ---- the cache per layer kind, by hand -----------------------------------------------------------------------------
+def test_v4_cache_per_kind_by_hand():
+    """V4-Flash widths (head 512, indexer keys 128, window 128), 1,000 tokens in 128-token blocks: 1,024 positions."""
+    from dsinfer.bench.cache_budget import sequence_bytes, v4_kind_bytes, v4_storages
+    from dsinfer.bench.shapes import flash_slice_config
+    from dsinfer.kv.cache_v4 import KVCache
+
+    config = flash_slice_config(3)  # window, CSA (ratio 4), HCA (ratio 128)
+    storages = v4_storages()
+    bf16 = {kind.kind: kind.per_layer for kind in v4_kind_bytes(config, 1000, 128, storages["bf16"])}
+    assert bf16 == {
+        "window": 128 * 512 * 2,
+        # ring + 4 x 4 x (2 x 512 + 2 x 128) bf16 compressor state + 256 entries of 512 KV and 128 key channels
+        "CSA (ratio 4)": 131072 + 40960 + 256 * 640 * 2,
+        "HCA (ratio 128)": 131072 + 2 * 128 * 512 * 2 + 8 * 512 * 2,
+    }
+    fp8 = {kind.kind: kind.per_layer for kind in v4_kind_bytes(config, 1000, 128, storages["fp8"])}
+    row = 512 + 16  # e4m3 codes and a ue8m0 byte per 32 channels
+    assert fp8 == {"window": 128 * row, "CSA (ratio 4)": 128 * row + 40960 + 256 * (row + 128 + 4),
+                   "HCA (ratio 128)": 128 * row + 262144 + 8 * row}  # fmt: skip
+    cache = KVCache(config, list(config.compress_ratios), 1, 8, 128, torch.bfloat16, "meta")  # the engine's count
+    expected = cache.slot_bytes() + 8 * cache.block_bytes()
+    assert sequence_bytes(v4_kind_bytes(config, 1000, 128, storages["bf16"])) == expected
+
+
+def test_v41_cache_per_kind_by_hand():
+    """The 4-layer V4.1 slice (window + Engram, ratio-2 source, ratio-1 source, keyless index source), 1,000 tokens
+    in 64-token blocks: 1,024 positions."""
+    from dsinfer.bench.cache_budget import refusal, sequence_bytes, v41_kind_bytes, v41_storages
+    from dsinfer.bench.v41_slice import v41_slice_config
+    from dsinfer.kv.cache_v41 import KVCacheV41
+
+    config, storages = v41_slice_config(4, experts=8), v41_storages()
+    bf16 = {kind.kind: kind.per_layer for kind in v41_kind_bytes(config, 1000, 64, storages["bf16"])}
+    assert bf16 == {
+        "window": 131072,
+        "ratio-2 KV source": 131072 + 2 * 2 * 512 * 4 + 512 * (512 + 128) * 2,  # fp32 pending group, 512 entries
+        "ratio-1 KV source": 131072 + 1024 * (512 + 128) * 2,
+        "ratio-1 keyless index source": 131072,
+        "Engram history": 3 * 8,
+    }
+    fp8 = {kind.kind: kind.per_layer for kind in v41_kind_bytes(config, 1000, 64, storages["fp8"])}
+    window, entry = 128 * (512 + 16), (256 + 32) + (64 + 4)  # FP8 ring; FP4 entries (e4m3 / 16), FP4 keys (ue8m0 / 32)
+    assert fp8 == {"window": window, "ratio-2 KV source": window + 8192 + 512 * entry,
+                   "ratio-1 KV source": window + 1024 * entry, "ratio-1 keyless index source": window,
+                   "Engram history": 24}  # fmt: skip
+    for name, quantized in (("bf16", False), ("fp8", True)):  # the engine's own count agrees
+        cache = KVCacheV41(config, 1, 16, 64, torch.bfloat16, "meta", quantized_storage=quantized)
+        expected = cache.slot_bytes() + 16 * cache.block_bytes()
+        assert sequence_bytes(v41_kind_bytes(config, 1000, 64, storages[name])) == expected
+    per_sequence = sequence_bytes(v41_kind_bytes(config, 1000, 64, storages["fp8"]))
+    assert refusal(3, 1000, per_sequence, (3 * per_sequence + 1, "test")) is None
+    message = refusal(4, 1000, per_sequence, (3 * per_sequence + 1, "test"))
+    assert "4 sequences of 1,000 tokens" in message and "at most 3 fit" in message and "--cache-gib" in message
+
+
+def test_a_point_that_cannot_fit_is_refused_with_one_message(tiny_checkpoint, tmp_path, capsys):
+    args = sweep_args(tiny_checkpoint, tmp_path, "decode", "1,64", "--tag", "fit", "--cache-gib", "0.0005")
+    assert sweep.main(args) == 0  # the point that fits runs
+    summary = json.loads((tmp_path / "fit" / "summary.json").read_text())
+    assert summary["points"] == [1] and [s["point"] for s in summary["skipped"]] == [64]
+    assert "64 sequences of" in summary["skipped"][0]["reason"] and "fit" in summary["skipped"][0]["reason"]
+    assert "decode point     64: skipped, 64 sequences" in capsys.readouterr().err
+
+
+# ---- the fill budget, the full-depth estimate and DeepInfer's points -----------------------------------------------
+def test_the_fill_takes_the_fastest_budget_that_runs():
+    from dsinfer.bench.sweep_points import PointSkipped, fastest_fill_budget
+
+    rates = {8192: 90_000.0, 16384: 120_000.0, 32768: PointSkipped("64 sequences ... at most 3 fit")}
+
+    def probe(budget):
+        if isinstance(rates[budget], Exception):
+            raise rates[budget]
+        return rates[budget]
+
+    best, results = fastest_fill_budget([8192, 16384, 32768], probe)
+    assert best == 16384 and results[8192] == 90_000.0 and results[32768].startswith("not run: 64 sequences")
+    with pytest.raises(PointSkipped, match="no fill budget"):
+        fastest_fill_budget([32768], probe)
+
+
+def test_full_depth_estimate_arithmetic():
+    from dsinfer.bench.published import full_depth_estimate, record_estimate
+
+    decode = full_depth_estimate(10.0, 4, 40, 2.0, 3.25, 64)  # 2 ms a layer x 40 + 2 ms of head
+    assert decode["per_layer_ms"] == pytest.approx(2.0) and decode["ms_per_step"] == pytest.approx(82.0)
+    assert decode["tokens_per_s_per_user"] == pytest.approx(3.25 / 0.082)
+    assert decode["tokens_per_s_per_gpu"] == pytest.approx(64 * 3.25 / 0.082)
+    prefill = full_depth_estimate(100.0, 4, 43, 0.5, None, 8192)
+    assert prefill["ms_per_step"] == pytest.approx(99.5 / 4 * 43 + 0.5)
+    assert prefill["tokens_per_s_per_gpu"] == pytest.approx(8192 / (prefill["ms_per_step"] / 1e3))
+    record = {"mode": "decode", "point": 8, "arch": "v4", "num_layers": 4, "ms_per_step": 6.0, "nextn": 3,
+              "assumed": {"tokens_per_step_per_user": 3.25}, "measured": {"tokens_per_step_per_user": 1.0}}  # fmt: skip
+    estimate = record_estimate(record, 1.0)  # V4-Flash: 43 layers; DeepInfer's chart's accounting (tau 3.25)
+    assert estimate["ms_per_step"] == pytest.approx(5.0 / 4 * 43 + 1.0)
+    assert estimate["tokens_per_s_per_user"] == pytest.approx(3.25 / (estimate["ms_per_step"] / 1e3))
+
+
+def test_chart_overlays_published_points_and_the_estimate(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from dsinfer.bench.published import PUBLISHED_B200, comparison_lines, full_depth_estimate
+
+    records = []
+    for point, ms in ((8, 3.0), (64, 6.0), (256, 15.0)):
+        estimate = full_depth_estimate(ms, 4, 40, 0.5, 3.25, point)
+        records.append({"mode": "decode", "point": point, "context": 131072, "nextn": 3, "accept": 0.75,
+                        "tokens_per_s_per_user": 1e3 / ms, "tokens_per_s_per_gpu": point * 1e3 / ms,
+                        "assumed": {"tokens_per_step_per_user": 3.25, "tokens_per_s_per_user": 3250 / ms,
+                                    "tokens_per_s_per_gpu": point * 3250 / ms}, "full_depth": estimate})  # fmt: skip
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    pareto.draw_pareto(records, tmp_path / "chart.png", compare_published=True)
+    lines = {line.get_label(): line for line in figures[0].axes[0].get_lines()}
+    estimate_line = next(line for label, line in lines.items() if label.startswith("full-depth estimate"))
+    assert list(estimate_line.get_ydata()) == [r["full_depth"]["tokens_per_s_per_gpu"] for r in records]
+    published_line = next(line for label, line in lines.items() if label.startswith("DeepInfer README"))
+    assert list(published_line.get_ydata()) == [row[2] for row in PUBLISHED_B200["decode"]]
+    text = comparison_lines(records)
+    assert "DeepInfer      2600 tok/s/GPU" in text[1] and "DeepInfer     26000 tok/s/GPU" in text[3]
+    assert f"{records[1]['full_depth']['ms_per_step']:8.2f} ms/step" in text[2]

@@ -7,9 +7,10 @@
 * encoder: x = ms/step, y = images/s/GPU; a point per batch size (images per step).
 
 ``compare_published=True`` adds the points read off DeepInfer's README charts (B200, 131,072-token context;
-approximate: the charts print no values). They are another machine, model size and parallel layout, so
-they only make sense beside a sweep at that context, and the published decode chart uses the assumed
-accounting (nextn=3, tau=3.25).
+approximate: the charts print no values; :mod:`dsinfer.bench.published`). They are another machine, model size
+and parallel layout, so they only make sense beside a sweep at that context, and the published decode chart
+uses the assumed accounting (nextn=3, tau=3.25). Records with a ``full_depth`` field add a dash-dotted series:
+the slice's step scaled to the released model's depth, under that same accounting (the same module).
 
     python -m dsinfer.bench.pareto sweeps/TAG/results.jsonl [--out pareto.png] [--compare-published]
 """
@@ -22,19 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Read off the DeepInfer README charts (B200, 131,072-token context); approximate.
-PUBLISHED_B200 = {
-    "prefill": [  # (batch tokens, ms/step, uncached input tokens/s/GPU), EP4DP4
-        (4096, 68.0, 60_000.0),
-        (16384, 200.0, 81_000.0),
-        (65536, 730.0, 89_000.0),
-    ],
-    "decode": [  # (requests per rank, tokens/s/user, tokens/s/GPU), EP64DP64, nextn=3, assumed accounting
-        (8, 325.0, 2_600.0),
-        (64, 248.0, 15_500.0),
-        (256, 103.0, 26_000.0),
-    ],
-}
+from dsinfer.bench.published import PUBLISHED_B200, PUBLISHED_LABEL
+
+__all__ = ["PUBLISHED_B200", "draw_pareto", "load_results", "main"]
 
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:
@@ -64,6 +55,17 @@ def _plot_series(axes, rows: list[tuple], label: str, style: str) -> None:
     axes.plot([r[1] for r in rows], [r[2] for r in rows], style, label=label)
     for point, x, y in rows:
         axes.annotate(f"{point:,}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+
+
+def _plot_full_depth(axes, records: list[dict[str, Any]], mode: str) -> None:
+    """The full-depth estimate of every record that has one (:mod:`dsinfer.bench.published`)."""
+    estimated = [record for record in records if record.get("full_depth")]
+    if not estimated or mode == "encoder":
+        return
+    x_key = "tokens_per_s_per_user" if mode == "decode" else "ms_per_step"
+    layers = estimated[0]["full_depth"]["release_layers"]
+    _plot_series(axes, _series(estimated, x_key, "tokens_per_s_per_gpu", "full_depth"),
+                 f"full-depth estimate: per-layer cost x {layers} layers + head", "D-.")  # fmt: skip
 
 
 def draw_pareto(records: list[dict[str, Any]], out: str | Path, compare_published: bool = False) -> Path:
@@ -108,9 +110,9 @@ def draw_pareto(records: list[dict[str, Any]], out: str | Path, compare_publishe
         axes.set_xlabel("ms/step")
         axes.set_ylabel("uncached input tokens/s/GPU")
         point_name = "batch tokens per step"
+    _plot_full_depth(axes, records, mode)
     if compare_published and mode in PUBLISHED_B200:
-        _plot_series(axes, [tuple(row) for row in PUBLISHED_B200[mode]],
-                     "DeepInfer README, B200, 131,072 context (approx.)", "s:")  # fmt: skip
+        _plot_series(axes, [tuple(row) for row in PUBLISHED_B200[mode]], PUBLISHED_LABEL, "s:")
     axes.set_title(
         f"{mode} sweep '{first.get('tag', '')}': {first.get('model', '')} ({first.get('weights', '?')} weights)\n"
         f"{first.get('gpu_name', '')}, {first.get('dtype', '')}, "

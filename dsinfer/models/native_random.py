@@ -58,12 +58,15 @@ def build_native_model(
     seed: int = 0,
     with_mtp: bool = False,
     fp8_linears: str = "dequantize",
+    engram_tables: bool = True,
 ) -> DeepseekV4 | DeepseekV41:
     """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert.
 
     ``with_mtp`` gives a V4 model its ``num_nextn_predict_layers`` MTP layers (to time speculative decoding).
     ``fp8_linears="keep"`` keeps the linears the release stores as FP8 as codes and scales (``Fp8Linear``), as the
-    loader's ``keep`` policy does; ``dequantize`` (default) leaves them in ``dtype``, as served on Hopper."""
+    loader's ``keep`` policy does; ``dequantize`` (default) leaves them in ``dtype``, as served on Hopper.
+    ``engram_tables=False`` builds a V4.1 model without its Engram tables (they live outside it, as the host
+    placement keeps them; attach a fetcher), so a large table is never allocated on ``device``."""
     if fp8_linears not in FP8_LINEAR_POLICIES:
         raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {fp8_linears!r}")
     v41 = isinstance(config, ModelConfigV41)
@@ -74,6 +77,8 @@ def build_native_model(
             model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=with_mtp)
     finally:
         torch.set_default_dtype(previous)
+    if v41 and not engram_tables:
+        model.drop_engram_tables()
     moes = [module for module in model.modules() if isinstance(module, MoE)]
     for moe in moes:
         moe.experts = None
