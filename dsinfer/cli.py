@@ -22,6 +22,7 @@ from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
+from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
 from dsinfer.tokenizer import TokenizerLoadError
 
 
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
                        "on every route but /health (default: no key needed)")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="largest request body accepted; a larger one is a 413 before it is read")  # fmt: skip
+    serve.add_argument("--allow-missing-model", action="store_true",
+                       help="serve generation requests that name no model (as vLLM does) instead of a 400 (as "
+                       "OpenAI and Anthropic answer)")  # fmt: skip
     add_engine_sizes(serve)
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="tokens per engine step (default: 8192 on CUDA, 512 on the CPU)")  # fmt: skip
@@ -286,6 +292,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
         engine_process=not args.engine_in_process,
+        max_request_bytes=args.max_request_bytes, require_model=not args.allow_missing_model,
     )  # fmt: skip
     if args.engine_in_process and max(args.data_parallel_size, args.expert_parallel_size) > 1:
         raise ConfigError("--engine-in-process runs one rank; several ranks always run in processes of their own")

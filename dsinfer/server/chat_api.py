@@ -25,16 +25,16 @@ from dsinfer.server.response_stream import ChoiceStream, Run, collect
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs
+    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs, prepare_off_loop
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, settings)
+        _check_model(body.model, settings, generation=True)
         check_n(body.n, 1, settings.max_n)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = chat_format.prepare("chat", await request.json())
+        prepared = await prepare_off_loop(chat_format, "chat", await request.json(), settings)
         prompt_ids = prepared.prompt_ids
         params = _params(body, prompt_ids, "messages", length_field, max_tokens, logprobs, settings)
         # Stop sequences end the answer, not the reasoning: the stream processor applies them, and it turns the
@@ -79,7 +79,10 @@ def _merged(responses: list[recipe.ChatCompletionResponse], run: Run) -> dict[st
     for index, document in enumerate(documents):
         for choice in document.get("choices", []):
             choice["index"] = index
-            _with_reasoning_alias(choice.get("message") or {})
+            message = choice.get("message") or {}
+            _with_reasoning_alias(message)
+            if message.get("tool_calls") and message.get("content") == "":
+                message["content"] = None  # as OpenAI sends a message that only calls tools
             choices.append(choice)
     merged = {**documents[0], "choices": choices}
     merged["usage"] = run.usage()

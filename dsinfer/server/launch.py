@@ -35,6 +35,7 @@ from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
 from dsinfer.server.images import ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass
@@ -62,6 +63,8 @@ class ServeOptions:
     # One rank: step the engine in a process of its own (``dsinfer serve`` does unless --engine-in-process) rather
     # than in this process's engine thread, which embedding code and tests keep by default, as LLM does.
     engine_process: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413 before it is parsed
+    require_model: bool = True  # False: a request without ``model`` is served by the served model (vLLM)
 
 
 def check_parallelism(options: ServeOptions) -> ParallelConfig:
@@ -91,6 +94,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
         vocab_size=llm.engine.model.config.vocab_size, vision=vision, image_limits=options.image_limits,
+        max_request_bytes=options.max_request_bytes, require_model=options.require_model,
     )  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm
