@@ -53,8 +53,9 @@ def client(base):
 
 
 def post_raw(client: httpx.Client, route: str, text: str) -> httpx.Response:
-    return client.post(route, content=text.encode("utf-8", "surrogatepass"),
-                       headers={"content-type": "application/json"})  # fmt: skip
+    return client.post(
+        route, content=text.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"}
+    )
 
 
 def error_param(response: httpx.Response, status: int = 400) -> str | None:
@@ -84,8 +85,12 @@ def test_deep_nesting_is_a_400_at_every_depth_the_library_cannot_take(client, ro
 
 
 def test_integers_beyond_64_bits_name_their_field(client):
-    for route, field in [("/v1/chat/completions", "seed"), ("/v1/completions", "seed"),
-                         ("/v1/chat/completions", "max_tokens"), ("/v1/responses", "max_output_tokens")]:  # fmt: skip
+    for route, field in [
+        ("/v1/chat/completions", "seed"),
+        ("/v1/completions", "seed"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/responses", "max_output_tokens"),
+    ]:
         response = client.post(route, json={**BASE_BODIES[route], field: 2**70})
         assert error_param(response) == field, (route, response.text)
     response = client.post("/v1/messages", json={**BASE_BODIES["/v1/messages"], "max_tokens": 2**200})
@@ -96,8 +101,9 @@ def test_lone_surrogates_are_a_400_naming_the_prompt(client):
     for route in ("/v1/completions", "/tokenize"):
         response = post_raw(client, route, '{"model": "tiny", "prompt": "x\\udfffy"}')
         assert error_param(response) == "prompt", response.text
-    response = post_raw(client, "/v1/chat/completions",
-                        '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}')  # fmt: skip
+    response = post_raw(
+        client, "/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+    )
     assert error_param(response) == "messages.0.content"
 
 
@@ -154,8 +160,11 @@ def test_huge_bodies_never_hold_up_health_nor_keep_memory(base, client):
     """10 MB bodies (413) and 3 MB prompts (too long for the context, refused without tokenizing) on every
     route: /health answers meanwhile, and the server's memory (this process) comes back."""
     # The bodies are written before the baseline: this process is both the client and the server.
-    bodies = [(route, size, json.dumps({**BASE_BODIES[route], **TEXT_FIELDS[route]("word " * (size // 5))}).encode())
-              for route in BASE_BODIES for size in (10 * 10**6, 3 * 10**6)]  # fmt: skip
+    bodies = [
+        (route, size, json.dumps({**BASE_BODIES[route], **TEXT_FIELDS[route]("word " * (size // 5))}).encode())
+        for route in BASE_BODIES
+        for size in (10 * 10**6, 3 * 10**6)
+    ]
     client.post("/tokenize", json={"prompt": "warm up"})
     before = resident_bytes()
     stop = threading.Event()
@@ -198,8 +207,11 @@ def test_routes_agree_on_limits(client):
     for route in ("/v1/chat/completions", "/v1/completions"):
         assert error_param(client.post(route, json={**BASE_BODIES[route], "seed": -1})) == "seed"
         assert error_param(client.post(route, json={**BASE_BODIES[route], "seed": 2**63})) == "seed"
-    for route, field in [("/v1/chat/completions", "max_tokens"), ("/v1/completions", "max_tokens"),
-                         ("/v1/responses", "max_output_tokens")]:  # fmt: skip
+    for route, field in [
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/completions", "max_tokens"),
+        ("/v1/responses", "max_output_tokens"),
+    ]:
         assert error_param(client.post(route, json={**BASE_BODIES[route], field: 10**9})) == field
     response = client.post("/v1/messages", json={**BASE_BODIES["/v1/messages"], "max_tokens": 10**9})
     assert response.status_code == 400 and "maximum context length" in response.text
@@ -210,15 +222,22 @@ def test_named_tool_choice_needs_that_tool(client):
     response = client.post("/v1/chat/completions", json={**BASE_BODIES["/v1/chat/completions"], "tool_choice": named})
     assert error_param(response) == "tool_choice"
     other = [{"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]
-    response = client.post("/v1/chat/completions",
-                           json={**BASE_BODIES["/v1/chat/completions"], "tool_choice": named, "tools": other})  # fmt: skip
+    response = client.post(
+        "/v1/chat/completions", json={**BASE_BODIES["/v1/chat/completions"], "tool_choice": named, "tools": other}
+    )
     assert response.status_code == 400 and "get_weather" in response.text
 
 
 def test_a_message_that_only_calls_tools_has_null_content(client):
     tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
-    body = {"model": "tiny", "messages": CHAT, "tools": tools, "tool_choice": "required", "max_tokens": 60,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 60,
+        "temperature": 0,
+    }
     message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "ping"
     assert message["content"] is None
@@ -228,8 +247,12 @@ def test_empty_body_and_bad_schema_name_their_param(client):
     empty = client.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
     assert error_param(empty) == "body"
     assert error_param(post_raw(client, "/v1/completions", "{not json")) == "body"
-    for schema in ({"type": "strin"}, {"allOf": [{"type": "string"}, {"type": "integer"}]},
-                   {"type": "string", "minLength": 10**9}, {"type": "integer", "minimum": 5, "maximum": 1}):  # fmt: skip
+    for schema in (
+        {"type": "strin"},
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        {"type": "string", "minLength": 10**9},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+    ):
         response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         body = {**BASE_BODIES["/v1/chat/completions"], "response_format": response_format}
         param = error_param(client.post("/v1/chat/completions", json=body))
@@ -253,8 +276,10 @@ def test_vllm_structured_output_fields_constrain_the_text(client):
     assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] in choices
     both = {**body, "guided_regex": "a+"}
     assert error_param(client.post("/v1/chat/completions", json=both)) == "guided_choice"  # the second of two
-    assert error_param(client.post("/v1/completions", json={**BASE_BODIES["/v1/completions"],
-                                                            "guided_choice": []})) == "guided_choice"  # fmt: skip
+    assert (
+        error_param(client.post("/v1/completions", json={**BASE_BODIES["/v1/completions"], "guided_choice": []}))
+        == "guided_choice"
+    )
 
 
 # ---- fuzz ----------------------------------------------------------------------------------------------------
@@ -290,8 +315,12 @@ def edge_requests(draw) -> tuple[str, str]:
     return route, body + "}"
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(request=edge_requests())
 def test_fuzzed_edge_bodies_never_get_a_5xx_and_keep_the_connection(client, request):
     route, text = request
