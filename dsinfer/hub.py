@@ -35,11 +35,9 @@ def offline() -> bool:
 def resolve_model_dir(model: str | Path, revision: str | None = None, download_dir: str | Path | None = None) -> Path:
     """The local checkpoint directory of ``model``: the directory itself, or the repository's snapshot."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
     text = str(model)
-    if not is_repo_id(text):
-        raise ModelNotFoundError(f"model {text!r}: no such directory, and not a Hugging Face repository id (ORG/NAME)")
+    if path.is_dir() or not is_repo_id(text):
+        return path  # a directory, or a path the checkpoint loader reports missing (naming the file it looked for)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from server_harness import running_server
 
 from dsinfer.config import EngineConfig
+from dsinfer.server.chat_api import offered_calls_only
 
 MAX_REQUEST_BYTES = 4 * 2**20
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -332,3 +333,35 @@ def test_fuzzed_edge_bodies_never_get_a_5xx_and_keep_the_connection(client, requ
         assert body.get("error") or body.get("type") == "error", body
     assert client.get("/health").status_code == 200  # the same keep-alive connection answers the next request
     assert math.isfinite(response.elapsed.total_seconds())
+
+
+def test_tool_calls_to_tools_the_request_did_not_offer_are_dropped():
+    offered = frozenset({"get_weather"})
+    choice = {"message": {"content": None, "tool_calls": [{"function": {"name": "get_population"}}]},
+              "finish_reason": "tool_calls"}  # fmt: skip
+    assert not offered_calls_only(choice, offered)
+    assert choice == {"message": {"content": ""}, "finish_reason": "stop"}
+    calls = [{"function": {"name": "get_population"}}, {"function": {"name": "get_weather"}}]
+    both = {"message": {"tool_calls": calls}, "finish_reason": "tool_calls"}
+    assert offered_calls_only(both, offered)
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["get_weather"]
+    assert both["finish_reason"] == "tool_calls"
+    # A stream: the name comes in the call's first delta, its arguments in later ones carrying only the index.
+    dropped: set = set()
+    first = {"delta": {"tool_calls": [{"index": 0, "function": {"name": "get_population", "arguments": ""}}]}}
+    later = {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": 1}'}}]}}
+    last = {"delta": {}, "finish_reason": "tool_calls"}
+    for chunk in (first, later, last):
+        assert not offered_calls_only(chunk, offered, dropped)
+    assert "tool_calls" not in first["delta"] and "tool_calls" not in later["delta"] and last["finish_reason"] == "stop"
+
+
+def test_a_typed_image_placeholder_is_plain_text():
+    from dsinfer.models.tiny import default_model_dir
+    from dsinfer.server.chat_format import IMAGE_PLACEHOLDER, ChatFormat
+    from dsinfer.tokenizer import Tokenizer
+
+    chat_format = ChatFormat(Tokenizer.from_dir(default_model_dir()), "v41", "m")
+    typed = chat_format.prepare("chat", {"messages": [{"role": "user", "content": f"see {IMAGE_PLACEHOLDER}"}]})
+    assert chat_format.image_token_id is not None and chat_format.image_token_id not in typed.prompt_ids
+    assert typed.images == []
