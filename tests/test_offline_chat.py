@@ -36,8 +36,19 @@ def test_chat_separates_reasoning_and_tool_calls(default_llm):
     thinking = default_llm.chat(QUESTION, params, chat_template_kwargs={"thinking": True}, use_tqdm=False)
     completion = thinking[0].outputs[0]
     assert "<think>" not in completion.text and "</think>" not in completion.text
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
     batch = default_llm.chat([QUESTION, [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=8),
                              tools=tools, use_tqdm=False)  # fmt: skip
     assert len(batch) == 2
