@@ -12,6 +12,7 @@ import torch
 from dsinfer.arg_types import positive_int
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config.engine import V41_PREFILL_MODES
+from dsinfer.cpu_threads import apply_cpu_threads
 from dsinfer.engram.fetch import PLACEMENTS
 from dsinfer.engram.store import EngramStoreError
 from dsinfer.llm import DTYPES, LLM
@@ -22,6 +23,7 @@ from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
+from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
 from dsinfer.tokenizer import TokenizerLoadError
 
 
@@ -42,14 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     with_defaults = {"formatter_class": DefaultsHelpFormatter}
 
     generate = commands.add_parser("generate", help="complete prompts offline through the engine", **with_defaults)
-    generate.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
+    generate.add_argument("model", nargs="?", help=MODEL_HELP)
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     generate.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
     generate.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
     generate.add_argument("--seed", type=int, default=None, help="per-request seed (default: a fresh random one)")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="treat each prompt as a user message: the chat prompt, the answer without reasoning",
+    )
     add_engine_sizes(generate)
+    add_model_source(generate)
     generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
     generate.add_argument("--device", default=device, help="torch device")
     add_engram_placement(generate)
@@ -59,8 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_config(generate)
     add_load_format(generate)
 
+    chat = commands.add_parser("chat", help="chat with a model in the terminal (streamed answers)", **with_defaults)
+    chat.add_argument("model", nargs="?", help=MODEL_HELP)
+    chat.add_argument("--max-tokens", type=positive_int, default=512, help="new tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    chat.add_argument("--thinking", action="store_true", help="thinking mode: reasoning shown dimmed, then the answer")
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    add_engine_sizes(chat)
+    add_model_source(chat)
+    chat.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
+    chat.add_argument("--device", default=device, help="torch device")
+
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
-    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
+    serve.add_argument("model", nargs="?", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
@@ -69,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
                        "on every route but /health (default: no key needed)")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="largest request body accepted; a larger one is a 413 before it is read")  # fmt: skip
+    serve.add_argument("--allow-missing-model", action="store_true",
+                       help="serve generation requests that name no model (as vLLM does) instead of a 400 (as "
+                       "OpenAI and Anthropic answer)")  # fmt: skip
     add_engine_sizes(serve)
+    add_model_source(serve)
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="tokens per engine step (default: 8192 on CUDA, 512 on the CPU)")  # fmt: skip
     serve.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
@@ -141,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     sliced.add_argument("directory", type=Path)
     sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
     return parser
+
+
+MODEL_HELP = (
+    "checkpoint directory or Hugging Face repository id (ORG/NAME, fetched into the hub's cache; "
+    "HF_HUB_OFFLINE=1 uses the cache only) (default: the embedded default model)"
+)
+
+
+def add_model_source(parser: argparse.ArgumentParser) -> None:
+    """Where a repository id's files come from, and the CPU threads of the engine that runs them."""
+    parser.add_argument("--revision", default=None, help="repository id only: the branch, tag or commit to fetch")
+    parser.add_argument("--download-dir", default=None,
+                        help="repository id only: the hub cache directory to use (default: HF_HUB_CACHE)")  # fmt: skip
+    parser.add_argument("--cpu-threads", type=positive_int, default=None,
+                        help="CPU engines: torch threads (default: the cores this process may use, by affinity and "
+                        "cgroup quota, less one for the HTTP server when serving)")  # fmt: skip
 
 
 def add_load_format(parser: argparse.ArgumentParser) -> None:
@@ -252,10 +293,15 @@ def run_generate(args: argparse.Namespace) -> int:
     }
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
-    prompts = args.prompt or ["The quick brown fox"]
-    with LLM(args.model, load_format=args.load_format, **options) as llm:
+    prompts = args.prompt or (["Hello!"] if args.chat else ["The quick brown fox"])
+    apply_cpu_threads(args.cpu_threads, args.device, reserved=0)
+    with LLM(args.model, load_format=args.load_format, revision=args.revision, download_dir=args.download_dir,
+             **options) as llm:  # fmt: skip
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         spec = llm.engine.spec_stats
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -272,6 +318,19 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_chat_command(args: argparse.Namespace) -> int:
+    """``dsinfer chat``: the interactive loop of :mod:`dsinfer.chat_cli`."""
+    from dsinfer.chat_cli import run_chat
+
+    apply_cpu_threads(args.cpu_threads, args.device, reserved=0)
+    options = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    with LLM(args.model, revision=args.revision, download_dir=args.download_dir, **options) as llm:
+        return run_chat(llm, params, thinking=args.thinking, system=args.system)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from dsinfer.server.launch import ServeOptions, serve
 
@@ -286,6 +345,8 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
         engine_process=not args.engine_in_process,
+        max_request_bytes=args.max_request_bytes, require_model=not args.allow_missing_model,
+        cpu_threads=args.cpu_threads, revision=args.revision, download_dir=args.download_dir,
     )  # fmt: skip
     if args.engine_in_process and max(args.data_parallel_size, args.expert_parallel_size) > 1:
         raise ConfigError("--engine-in-process runs one rank; several ranks always run in processes of their own")
@@ -343,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "generate": run_generate,
+        "chat": run_chat_command,
         "serve": run_serve,
         "bench": run_bench,
         "eval": run_eval,

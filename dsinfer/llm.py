@@ -12,15 +12,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dsinfer.config import EngineConfig, ModelConfig
+from dsinfer.config import EngineConfig, ModelConfig, ModelConfigV41
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.hub import resolve_model_dir
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.tiny import default_model_dir
+from dsinfer.offline_chat import DEFAULT_CHAT_PARAMS, conversations_of, parsed_output, prepare_chat
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.engine_loop import DTYPES, load_engine_model
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import Tokenizer
 
 __all__ = ["DTYPES", "LLM"]
@@ -47,6 +50,8 @@ class LLM:
         parallel: ParallelConfig | None = None,
         load_format: str = "auto",
         engine_process: bool = False,
+        revision: str | None = None,
+        download_dir: str | Path | None = None,
         **options,
     ) -> None:
         if load_format not in LOAD_FORMATS:
@@ -55,7 +60,10 @@ class LLM:
         parallel_options = {k: options.pop(k) for k in list(options) if k in parallel_names}
         config = replace(config or EngineConfig(), **options)
         parallel = replace(parallel or ParallelConfig(), **parallel_options)
-        model_dir = Path(model) if model is not None else default_model_dir()
+        # A directory, or a Hugging Face repository id (ORG/NAME) fetched into (or found in) the hub's cache.
+        model_dir = resolve_model_dir(model, revision, download_dir) if model is not None else default_model_dir()
+        self.model_dir = model_dir
+        self._chat_format: ChatFormat | None = None
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: no CUDA device is available")
         self.model = None
@@ -114,3 +122,33 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list,
+        sampling_params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a batch of them.
+
+        The prompt is the one ``/v1/chat/completions`` runs (deepseek-recipe's encoding; ``tools`` in OpenAI's
+        form; ``chat_template_kwargs={"thinking": True}`` for thinking mode) and the output is parsed the same
+        way: each completion's ``text`` is the answer, ``reasoning`` the thinking, ``tool_calls`` the calls.
+        Sampling defaults to greedy with up to 512 tokens (:data:`~dsinfer.offline_chat.DEFAULT_CHAT_PARAMS`).
+        """
+        chat_format = self.chat_format()
+        params = sampling_params or DEFAULT_CHAT_PARAMS
+        prepared = [prepare_chat(chat_format, conversation, params, tools, chat_template_kwargs)
+                    for conversation in conversations_of(messages)]  # fmt: skip
+        outputs = self.generate([p.prompt_ids for p, _ in prepared], [sp for _, sp in prepared], use_tqdm=use_tqdm)
+        return [parsed_output(chat_format, p, output) for (p, _), output in zip(prepared, outputs, strict=True)]
+
+    def chat_format(self) -> ChatFormat:
+        """The chat format of this checkpoint (V4.1 prompts for V4.1 checkpoints), built on first use."""
+        if self._chat_format is None:
+            config = self.model.config if self.model is not None else ModelConfig.from_file(self.model_dir)
+            variant = "v41" if isinstance(config, ModelConfigV41) else "v4"
+            self._chat_format = ChatFormat(self.tokenizer, variant, "offline")
+        return self._chat_format

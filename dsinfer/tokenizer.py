@@ -33,6 +33,7 @@ tokens (``<｜User｜>``, ``<｜Assistant｜>``, ``<think>``, ``</think>``,
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -333,6 +334,15 @@ class Tokenizer:
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
         tok = self._tok if allow_special else self._plain
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token spelling (byte-level: its bytes), added tokens aside.
+
+        A text of ``n`` characters is at least ``n / max_token_chars`` tokens: the server refuses a prompt that
+        cannot fit the context without tokenizing it.
+        """
+        return max((len(token) for token in self._plain.get_vocab(with_added_tokens=False)), default=1)
 
     def to_json(self) -> str:
         """The ``tokenizer.json`` text of this tokenizer (for libraries that load their own copy)."""

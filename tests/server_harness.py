@@ -28,6 +28,8 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
     """
     port = free_port()
     options.setdefault("served_model_name", "tiny")  # None: the name ``dsinfer serve`` would choose
+    # Most tests send bodies without ``model``, as vLLM allows; the API-edge tests pass True (the server's default).
+    options.setdefault("require_model", False)
     serve_options = ServeOptions(model=None if model_dir is None else str(model_dir), port=port, **options)
     config = engine_config or EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
     app, engine = build_server(serve_options, config)

@@ -65,3 +65,13 @@ def test_openai_client_with_and_without_the_key(base):
     allowed = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
     assert allowed.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2).choices
     assert allowed.models.retrieve("tiny").id == "tiny"
+
+
+def test_either_header_carrying_the_key_authenticates(base):
+    """A client may carry a stale key in the other header (an OpenAI client behind an Anthropic gateway)."""
+    for headers in ({"x-api-key": "wrong", "authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "authorization": "Bearer wrong"}):  # fmt: skip
+        assert call(base, "POST", "/tokenize", headers).status_code == 200, headers
+    both_wrong = {"x-api-key": "wrong", "authorization": "Bearer wrong"}
+    assert call(base, "POST", "/tokenize", both_wrong).status_code == 401
+    assert httpx.head(f"{base}/health").status_code == 200  # open, like GET

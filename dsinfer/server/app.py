@@ -13,13 +13,14 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -36,8 +37,18 @@ from dsinfer.server.async_engine import (
 from dsinfer.server.auth import APIKeyMiddleware
 from dsinfer.server.chat_format import ChatFormat, Variant
 from dsinfer.server.disconnect import unless_disconnected
+from dsinfer.server.guided import GUIDED_FIELDS, check_schema, guided_output
 from dsinfer.server.images import ImageLimits, ImageReader
-from dsinfer.server.limits import DEFAULT_MAX_N, LimitError, check_n, completion_budget
+from dsinfer.server.limits import (
+    DEFAULT_MAX_N,
+    PROMPT_FIELDS,
+    SCHEMA_FIELDS,
+    LimitError,
+    check_n,
+    check_text_fits,
+    completion_budget,
+    text_chars,
+)
 from dsinfer.server.openapi import install_openapi
 from dsinfer.server.protocol import (
     CompletionRequest,
@@ -48,6 +59,7 @@ from dsinfer.server.protocol import (
     error_body,
     now,
 )
+from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES, GuardedRoute, RequestSizeLimit
 from dsinfer.server.response_stream import ClientDisconnected, sse_frame
 from dsinfer.server.streams import last_items, merged
 from dsinfer.tokenizer import Tokenizer
@@ -64,6 +76,10 @@ class ServerSettings:
     vocab_size: int = 2**31  # token ids a prompt may hold: [0, vocab_size)
     vision: VisionConfig | None = None  # the checkpoint's vision tower; None: image parts are refused
     image_limits: ImageLimits | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413 before it is parsed
+    # OpenAI and Anthropic answer a generation request without ``model`` with a 400; False serves it with the
+    # served model, as vLLM does (/tokenize and /detokenize never need it).
+    require_model: bool = True
 
 
 class APIError(Exception):
@@ -81,12 +97,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         yield
 
     app = FastAPI(title="dsinfer", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = GuardedRoute  # JSON bodies parsed off the event loop, their shape checked
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
     reader = ImageReader(settings.vision, settings.image_limits) if settings.vision is not None else None
     chat_format = ChatFormat(tokenizer, settings.chat_variant, settings.served_model_name, image_reader=reader)
     app.state.chat_format = chat_format
     _install_error_handlers(app)
-    if settings.api_key:
+    app.add_middleware(RequestSizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key:  # outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     install_openapi(app, settings, tokenizer.vocab_size)
 
@@ -95,6 +113,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         if not engine.alive:
             return JSONResponse(error_body("engine is not running", "server_error"), status_code=503)
         return {"status": "ok"}
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head():
+        return Response(status_code=200 if engine.alive else 503)  # load balancers probe with HEAD too
 
     @app.get("/metrics")
     async def metrics():
@@ -117,13 +139,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     async def tokenize(body: TokenizeRequest, request: Request):
         _check_model(body.model, settings)
         if body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, allow_special=False)
+            check_text_fits(len(body.prompt), settings.max_model_len, tokenizer.max_token_chars, "prompt")
+            ids = await run_in_threadpool(tokenizer.encode, body.prompt, allow_special=False)
             if body.add_special_tokens and tokenizer.bos_id is not None:
                 ids = [tokenizer.bos_id, *ids]
         else:  # a chat: exactly the prompt /v1/chat/completions would run
             chat = {k: v for k, v in (await request.json()).items()
                     if k not in ("prompt", "add_special_tokens", "add_generation_prompt", "stream")}  # fmt: skip
-            ids = chat_format.prepare("chat", chat).prompt_ids
+            ids = (await prepare_off_loop(chat_format, "chat", chat, settings)).prompt_ids
             if not body.add_generation_prompt:
                 ids = chat_format.without_generation_prompt(ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
@@ -138,10 +161,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, settings)
-        prompts = _completion_prompts(body.prompt, tokenizer, settings.vocab_size)
+        _check_model(body.model, settings, generation=True)
+        texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        check_text_fits(max(map(len, texts), default=0), settings.max_model_len, tokenizer.max_token_chars, "prompt")
+        prompts = await run_in_threadpool(_completion_prompts, body.prompt, tokenizer, settings.vocab_size)
+        guided = guided_output(await request.json(), None, settings.max_model_len)
         check_n(body.n, len(prompts), settings.max_n)
         params = [_params(body, p, "prompt", "max_tokens", body.max_tokens, body.logprobs, settings) for p in prompts]
+        if guided is not None:
+            params = [replace(sp, structured_output=guided) for sp in params]
         streams = [engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
         if body.stream:
             return _sse(_completion_chunks(merged(streams), body, params[0], settings, tokenizer))
@@ -183,14 +211,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = max(errors, key=lambda error: len(error.get("loc", ())))
         location = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}"), status_code=400)
-        param = ".".join(location) or None
+            return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}", param="body"), status_code=400)
+        param = ".".join(location) or ("body" if first.get("type") == "missing" else None)
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(recipe.ConversionError)
-    async def conversion_error(_request, exc: recipe.ConversionError):
-        return JSONResponse(json.loads(exc.body), status_code=exc.status_code)
+    async def conversion_error(request: Request, exc: recipe.ConversionError):
+        return JSONResponse(conversion_error_body(exc, request.url.path), status_code=exc.status_code)
 
     @app.exception_handler(ClientDisconnected)
     async def client_left(_request, exc: ClientDisconnected):
@@ -215,10 +243,35 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        body = error_body(str(exc.detail), param=getattr(exc, "param", "body" if exc.status_code == 413 else None))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 _FIELD_FIRST = re.compile(r"^([a-z_]+) must ")
+# deepseek-recipe's range errors ("Invalid seed value, ...", "Stop string array too long: 17") name no param.
+_RECIPE_FIELDS = ((re.compile(r"^Invalid (\w+) value"), None), (re.compile(r"^Stop string array"), "stop"),
+                  (re.compile(r"^Invalid json schema"), "schema"))  # fmt: skip
+_ROUTE_PROTOCOLS = {"/v1/responses": "responses", "/v1/messages": "messages"}
+
+
+def conversion_error_body(exc: recipe.ConversionError, path: str) -> dict:
+    """The library's OpenAI-style error body, its ``param`` filled in where the message names the field (in the
+    spelling of the route at ``path``: the Responses API calls max_tokens ``max_output_tokens``)."""
+    body = json.loads(exc.body)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("param") is None:
+        message = str(error.get("message", ""))
+        for pattern, field in _RECIPE_FIELDS:
+            found = pattern.match(message)
+            if found:
+                field = field or found.group(1)
+                if field == "schema":
+                    field = SCHEMA_FIELDS[_ROUTE_PROTOCOLS.get(path, "chat")]
+                error["param"] = "max_output_tokens" if path == "/v1/responses" and field == "max_tokens" else field
+                break
+    return body
+
+
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
@@ -227,8 +280,14 @@ def _is_union_tag(part) -> bool:
     return isinstance(part, str) and (part in _UNION_TAGS or "[" in part or part[:1].isupper())
 
 
-def _check_model(name: str | None, settings: ServerSettings) -> None:
-    if name is not None and name != settings.served_model_name:
+def _check_model(name: str | None, settings: ServerSettings, *, generation: bool = False) -> None:
+    """A ``model`` other than the served one is a 404; none at all is a 400 on the generation routes, as OpenAI
+    and Anthropic answer (unless the server was started to serve such requests, as vLLM does)."""
+    if name is None:
+        if generation and settings.require_model:
+            raise APIError(400, "you must provide a model parameter", param="model")
+        return
+    if name != settings.served_model_name:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.served_model_name!r}",
                        "invalid_request_error", "model", "model_not_found")  # fmt: skip
 
@@ -243,11 +302,39 @@ def _params(body, prompt_ids: list[int], prompt_field: str, length_field: str, m
     return body.sampling_params(budget, logprobs, settings.default_max_tokens)
 
 
-def _checked_prompt(prompt_ids: list[int], settings: ServerSettings) -> list[int]:
-    """A chat prompt that leaves room for a completion (Responses and Messages size their own completions)."""
-    completion_budget(len(prompt_ids), None, settings.max_model_len, settings.default_max_tokens, "messages",
-                      "max_tokens")  # fmt: skip
+def _checked_prompt(prompt_ids: list[int], settings: ServerSettings, max_tokens: int | None = None,
+                    length_field: str = "max_tokens", prompt_field: str = "messages") -> list[int]:  # fmt: skip
+    """A chat prompt that leaves room for the completion the request asked for (Responses and Messages), with
+    the same 400 naming the field as chat and text completions give."""
+    completion_budget(len(prompt_ids), max_tokens, settings.max_model_len, settings.default_max_tokens,
+                      prompt_field, length_field)  # fmt: skip
     return prompt_ids
+
+
+async def prepare_off_loop(chat_format: ChatFormat, protocol, body, settings: ServerSettings):
+    """Convert and encode a chat-style body in a worker thread (a long prompt never stalls /health), after
+    refusing, without tokenizing, one whose text cannot fit the context however it is split."""
+    fields = PROMPT_FIELDS[protocol]
+    chars = sum(text_chars(body.get(name)) for name in fields) if isinstance(body, dict) else 0
+    check_text_fits(chars, settings.max_model_len, chat_format.tokenizer.max_token_chars, fields[0])
+    try:
+        prepared = await run_in_threadpool(chat_format.prepare, protocol, body)
+    except ValueError as exc:
+        if str(exc).startswith("structured_output"):  # the output schema did not compile: name where it is
+            raise LimitError(str(exc), SCHEMA_FIELDS[protocol]) from None
+        raise
+    structured = prepared.structured_output
+    if structured is not None and structured.kind == "json_schema":
+        schema = json.loads(structured.spec) if isinstance(structured.spec, str) else structured.spec
+        check_schema(schema, SCHEMA_FIELDS[protocol], settings.max_model_len)
+    start_after = chat_format.think_end_id if prepared.thinking else None
+    guided = guided_output(body, start_after, settings.max_model_len)
+    if guided is not None:
+        if structured is not None:
+            raise LimitError("give one structured-output constraint per request (tool_choice or response_format "
+                             "already constrains this one)", next(f for f in GUIDED_FIELDS if body.get(f)))  # fmt: skip
+        prepared.structured_output = guided
+    return prepared
 
 
 def _completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:

@@ -3,7 +3,7 @@
 A pure ASGI middleware rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` wraps the
 ``receive`` channel, which hides a client's disconnect from the handler behind it (a non-streaming request
 would then run to its end for nobody). The key is accepted as ``Authorization: Bearer KEY`` (OpenAI clients)
-or ``x-api-key: KEY`` (Anthropic clients).
+or ``x-api-key: KEY`` (Anthropic clients); either one carrying the key is enough.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ class APIKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope: Scope) -> bool:
+        """Either header carrying the key authenticates (a client may send a stale one of the other kind)."""
         headers = dict(scope["headers"])
-        supplied = headers.get(b"x-api-key")
-        if supplied is None:
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            supplied = token.strip() if scheme.lower() == b"bearer" else b""
-        return secrets.compare_digest(supplied, self._expected)
+        supplied = [headers.get(b"x-api-key", b"")]
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            supplied.append(token.strip())
+        matches = [secrets.compare_digest(candidate, self._expected) for candidate in supplied]  # both compared
+        return any(matches)

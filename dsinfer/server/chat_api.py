@@ -25,16 +25,16 @@ from dsinfer.server.response_stream import ChoiceStream, Run, collect
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs
+    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs, prepare_off_loop
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, settings)
+        _check_model(body.model, settings, generation=True)
         check_n(body.n, 1, settings.max_n)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = chat_format.prepare("chat", await request.json())
+        prepared = await prepare_off_loop(chat_format, "chat", await request.json(), settings)
         prompt_ids = prepared.prompt_ids
         params = _params(body, prompt_ids, "messages", length_field, max_tokens, logprobs, settings)
         # Stop sequences end the answer, not the reasoning: the stream processor applies them, and it turns the
@@ -49,13 +49,16 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
         run = Run(engine.generate(prompt_ids, params, prepared.images), choices)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chunks(run, include_usage, request_id, model, created))
+            return _sse(_chunks(run, include_usage, request_id, model, created, _offered_tools(prepared)))
         items = await collect(run, request)
         responses = [recipe.ChatCompletionResponse(request_id, model, created, len(prompt_ids), 0) for _ in choices]
         for index, events in items:
             for event in events:
                 responses[index].accumulate(event)
         merged = _merged(responses, run)
+        offered = _offered_tools(prepared)
+        for choice in merged["choices"]:
+            offered_calls_only(choice, offered)
         if logprobs is not None and run.final is not None:  # the engine's logprobs of every generated token
             completions = {completion.index: completion for completion in run.final.outputs}
             for choice in merged["choices"]:
@@ -79,21 +82,58 @@ def _merged(responses: list[recipe.ChatCompletionResponse], run: Run) -> dict[st
     for index, document in enumerate(documents):
         for choice in document.get("choices", []):
             choice["index"] = index
-            _with_reasoning_alias(choice.get("message") or {})
+            message = choice.get("message") or {}
+            _with_reasoning_alias(message)
+            if message.get("tool_calls") and message.get("content") == "":
+                message["content"] = None  # as OpenAI sends a message that only calls tools
             choices.append(choice)
     merged = {**documents[0], "choices": choices}
     merged["usage"] = run.usage()
     return merged
 
 
-async def _chunks(run: Run, include_usage: bool, request_id: str, model: str, created: int):
+def _offered_tools(prepared) -> frozenset[str]:
+    return frozenset(tool.name for tool in prepared.request.conversation.tools)
+
+
+def offered_calls_only(
+    choice: dict[str, Any], offered: frozenset[str], dropped: set | None = None, calls_sent: bool = False
+) -> bool:
+    """Drop from a choice (a message, or a stream chunk's delta) the tool calls to functions the request did not
+    offer, so a reply never says ``tool_calls`` for a tool the client does not have: without a call left (and
+    none sent earlier in the stream, ``calls_sent``) the choice finishes with ``stop``. ``dropped`` carries a
+    stream's dropped call indices across its chunks. Returns whether the choice still carries a call."""
+    fields = choice.get("message") or choice.get("delta") or {}
+    calls = fields.get("tool_calls") or []
+    dropped = set() if dropped is None else dropped
+    for position, call in enumerate(calls):
+        name = (call.get("function") or {}).get("name")
+        if name is not None and name not in offered:
+            dropped.add(call.get("index", position))
+    kept = [call for position, call in enumerate(calls) if call.get("index", position) not in dropped]
+    if calls and kept:
+        fields["tool_calls"] = kept
+    elif calls:
+        fields.pop("tool_calls")
+        if "message" in choice and fields.get("content") is None:
+            fields["content"] = ""
+    if choice.get("finish_reason") == "tool_calls" and not (kept or calls_sent):
+        choice["finish_reason"] = "stop"
+    return bool(kept)
+
+
+async def _chunks(run: Run, include_usage: bool, request_id: str, model: str, created: int,
+                  offered: frozenset[str] = frozenset()):  # fmt: skip
     """The stream's chunks: dicts, or the library's JSON text where it needs no edit (most answer tokens)."""
     dated = f',"created":{created},'  # the library dates its chunks itself; ours must win where they differ
+    dropped: dict[int, set] = {}  # per choice: indices of calls to tools the request did not offer
+    kept: set[int] = set()  # choices that sent a call to an offered tool
     async for index, events in run:
         for event in events:
             text = event.to_json()
             # Quotes inside JSON strings are escaped, so these keys cannot be matched inside generated text.
-            if index == 0 and dated in text and '"usage"' not in text and '"reasoning_content"' not in text:
+            if index == 0 and dated in text and '"usage"' not in text and '"reasoning_content"' not in text \
+                    and '"tool_calls"' not in text:  # fmt: skip
                 yield text
                 continue
             chunk = json.loads(text)
@@ -102,6 +142,9 @@ async def _chunks(run: Run, include_usage: bool, request_id: str, model: str, cr
             for choice in chunk.get("choices", []):
                 choice["index"] = index
                 _with_reasoning_alias(choice.get("delta") or {})
+                if (choice.get("delta") or {}).get("tool_calls") or choice.get("finish_reason") == "tool_calls":
+                    if offered_calls_only(choice, offered, dropped.setdefault(index, set()), index in kept):
+                        kept.add(index)
             yield chunk
     if include_usage:
         yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -34,6 +34,7 @@ import deepseek_recipe as recipe
 from dsinfer.images.inputs import ImageInput, expand_placeholders
 from dsinfer.sampling_params import SamplingParams, StructuredOutput
 from dsinfer.server.images import ImageReader, ImageRejected
+from dsinfer.server.limits import LimitError
 from dsinfer.tokenizer import ASSISTANT_TOKEN, DSML_TOKEN, THINK_END_TOKEN, Tokenizer
 
 __all__ = ["MODEL_VERSIONS", "ChatFormat", "PreparedRequest", "Protocol", "Variant", "encode_chat"]
@@ -162,7 +163,10 @@ class ChatFormat:
             thinking_forced = True
         conversation = request.conversation
         if forced == "required" and not conversation.tools:
-            raise ValueError("tool_choice is 'required' but the request defines no tools")
+            raise LimitError("tool_choice is 'required' but the request defines no tools", "tool_choice")
+        if forced not in (None, "required") and forced not in {tool.name for tool in conversation.tools}:
+            raise LimitError(f"tool_choice names the function {forced!r}, which is not among the request's tools",
+                             "tool_choice")  # fmt: skip
         structured = self._structured_output(request, forced, thinking_forced, protocol, body)
         prompt_ids, images = self._with_images(conversation, self.encode(conversation))
         return PreparedRequest(protocol, request, prompt_ids, conversation.thinking_mode, structured, echo,

@@ -25,7 +25,9 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.config import EngineConfig, ModelConfigV41
+from dsinfer.cpu_threads import apply_cpu_threads, usable_cpus
 from dsinfer.engine.gc_heap import freeze_heap
+from dsinfer.hub import is_repo_id
 from dsinfer.llm import LLM
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
@@ -35,6 +37,9 @@ from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
 from dsinfer.server.images import ImageLimits
 from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +67,11 @@ class ServeOptions:
     # One rank: step the engine in a process of its own (``dsinfer serve`` does unless --engine-in-process) rather
     # than in this process's engine thread, which embedding code and tests keep by default, as LLM does.
     engine_process: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413 before it is parsed
+    require_model: bool = True  # False: a request without ``model`` is served by the served model (vLLM)
+    cpu_threads: int | None = None  # CPU engines: torch threads (default: usable cores less one for HTTP)
+    revision: str | None = None  # a Hugging Face repository id's branch, tag or commit
+    download_dir: str | None = None  # the hub cache for a repository id (default: HF_HUB_CACHE)
 
 
 def check_parallelism(options: ServeOptions) -> ParallelConfig:
@@ -81,9 +91,9 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     parallel = check_parallelism(options)
     llm = LLM(
         options.model, engine_config, parallel, load_format=options.load_format,
-        engine_process=options.engine_process,
+        engine_process=options.engine_process, revision=options.revision, download_dir=options.download_dir,
     )  # fmt: skip
-    name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
+    name = options.served_model_name or _default_served_name(options.model)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
     variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
@@ -91,10 +101,44 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
         vocab_size=llm.engine.model.config.vocab_size, vision=vision, image_limits=options.image_limits,
+        max_request_bytes=options.max_request_bytes, require_model=options.require_model,
     )  # fmt: skip
     app = build_app(engine, llm.tokenizer, settings)
     app.state.llm = llm
+    logger.info("%s", startup_summary(llm, options.model, name, engine_config))
     return app, engine
+
+
+def startup_summary(llm: LLM, model: str | None, served_name: str, config: EngineConfig) -> str:
+    """One line of what this server serves with: model, served name, device, dtype, weights in memory, the KV
+    cache and how many full-length sequences it holds, and the kernels chosen for the device."""
+    parts = [f"model {model or 'the embedded default'}", f"served as {served_name!r}", f"device {config.device}",
+             f"dtype {config.dtype}"]  # fmt: skip
+    if llm.model is not None:
+        weights = sum(t.numel() * t.element_size() for t in [*llm.model.parameters(), *llm.model.buffers()])
+        parts.append(f"weights {weights / 2**20:.1f} MiB in memory")
+    runner = getattr(llm.engine, "runner", None)
+    max_model_len = getattr(llm.engine, "max_model_len", None)
+    if runner is not None and max_model_len:
+        cache_tokens = runner.num_blocks * runner.block_tokens
+        parts.append(f"KV cache {runner.num_blocks} blocks ({cache_tokens} tokens)")
+        parts.append(f"{cache_tokens // max_model_len} sequences of {max_model_len} tokens fit")
+    else:
+        parts.append("weights and KV cache in the engine processes")
+    if llm.model is not None:
+        from dsinfer.ops.registry import resolve
+
+        parameter = next(llm.model.parameters(), None)
+        if parameter is not None:
+            parts.append(f"kernels: {resolve(parameter.device, parameter.dtype).describe()}")
+    return "serving " + ", ".join(parts)
+
+
+def _default_served_name(model: str | None) -> str:
+    """A repository id is served under its own name (``ORG/NAME``, as vLLM does), a directory under its name."""
+    if model is None:
+        return DEFAULT_SERVED_MODEL_NAME
+    return model if is_repo_id(model) else Path(model).name
 
 
 def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
@@ -105,6 +149,11 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
         from dsinfer.parallel.ranked_engine import run_remote_ranks
 
         return run_remote_ranks(options.model, engine_config, parallel)
+    threads = apply_cpu_threads(options.cpu_threads, engine_config.device, reserved=1,
+                                engine_elsewhere=options.engine_process or parallel.is_multi_rank)  # fmt: skip
+    if threads is not None:
+        logger.info("CPU threads: %d for the engine (usable cores: %d; --cpu-threads overrides)", threads,
+                    usable_cpus())  # fmt: skip
     app, engine = build_server(options, engine_config)
     freeze_heap()  # the process serves until it exits: full collections skip what start-up left alive
     engine.start()

@@ -58,3 +58,61 @@ def completion_budget(
             "context_length_exceeded",
         )
     return max_tokens
+
+
+#: The shared limits of every route (chat, completions, Responses, Messages), as deepseek-recipe enforces them
+#: for the chat-style routes: a request refused on one route is refused on all.
+MAX_STOP_SEQUENCES = 16
+SEED_RANGE = (0, 2**63 - 1)
+
+#: The body fields whose text becomes prompt tokens, per protocol; the first names the prompt in errors.
+PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("messages", "tools"),
+    "responses": ("input", "instructions", "tools"),
+    "messages": ("messages", "system", "tools"),
+}
+
+#: Where each protocol's body gives the output's JSON schema (errors name it).
+SCHEMA_FIELDS = {"chat": "response_format", "responses": "text.format", "messages": "output_format"}
+
+# Normalization may merge characters (NFKC composes an accent with its letter): count at most one token per
+# this many of a token's longest spelling, so the quick refusal below never refuses a prompt that would fit.
+NORMALIZATION_SLACK = 4
+
+
+def text_chars(value) -> int:
+    """Characters of every string in a JSON value but image data (``data:`` URLs become image tokens)."""
+    total = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += 0 if item.startswith("data:") else len(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
+
+
+def check_text_fits(chars: int, max_model_len: int, max_token_chars: int, field: str) -> None:
+    """Refuse, without tokenizing it, a text too long for the context however the tokenizer splits it.
+
+    No token spells more than ``max_token_chars`` characters, so ``chars`` characters are at least
+    ``chars / max_token_chars`` tokens. Tokenizing a 10 MB body only to refuse it would cost seconds of CPU and
+    gigabytes of memory in the API process.
+    """
+    least_tokens = chars // (NORMALIZATION_SLACK * max(1, max_token_chars))
+    if least_tokens >= max_model_len:
+        raise LimitError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {field} has "
+            f"{chars} characters, which is more than {least_tokens} tokens. Please reduce the length of the {field}.",
+            field,
+            "context_length_exceeded",
+        )
+
+
+def check_stop(stop, field: str = "stop") -> None:
+    """At most :data:`MAX_STOP_SEQUENCES` stop strings (deepseek-recipe's limit on the chat routes)."""
+    if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+        raise LimitError(f"{field} has {len(stop)} entries; at most {MAX_STOP_SEQUENCES} are allowed", field)

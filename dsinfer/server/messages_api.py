@@ -14,12 +14,13 @@ import json
 import secrets
 
 import deepseek_recipe as recipe
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat
+from dsinfer.server.limits import LimitError
 from dsinfer.server.protocol import Lenient, now
 from dsinfer.server.response_stream import (
     ChoiceStream,
@@ -47,7 +48,7 @@ def anthropic_error(status: int, message: str, kind: str = "invalid_request_erro
 
 
 def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import APIError, _check_model, _checked_prompt
+    from dsinfer.server.app import APIError, _check_model, _checked_prompt, prepare_off_loop
 
     @app.post("/v1/messages")
     async def messages(request: Request):
@@ -62,6 +63,14 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         except recipe.ConversionError as exc:
             message = json.loads(exc.body).get("error", {}).get("message", str(exc))
             return anthropic_error(exc.status_code, message)
+        except HTTPException as exc:  # the body's size or shape (request_guard)
+            return anthropic_error(
+                exc.status_code,
+                str(exc.detail),
+                "request_too_large" if exc.status_code == 413 else "invalid_request_error",
+            )
+        except LimitError as exc:
+            return anthropic_error(400, f"{exc.param}: {exc}" if exc.param and exc.param not in str(exc) else str(exc))
         except APIError as exc:
             kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
             return anthropic_error(exc.status, exc.message, kind)
@@ -77,15 +86,19 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
             return anthropic_error(400, str(exc))
 
     async def _answer(request: Request):
-        body = json.loads(await request.body())
+        body = await request.json()
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         fields = MessagesFields.model_validate(body)
-        _check_model(fields.model, settings)
-        prepared = chat_format.prepare("messages", body)
+        if fields.model is None and settings.require_model:
+            raise APIError(400, "model: Field required", param="model")  # Anthropic's words
+        if fields.max_tokens is None:
+            raise APIError(400, "max_tokens: Field required", param="max_tokens")
+        _check_model(fields.model, settings, generation=True)
+        prepared = await prepare_off_loop(chat_format, "messages", body, settings)
         params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
                                           top_k=fields.top_k)  # fmt: skip
-        prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
+        prompt_ids = _checked_prompt(prepared.prompt_ids, settings, fields.max_tokens)
         message_id, model = "msg_" + secrets.token_hex(12), settings.served_model_name
         generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
         stream = engine.generate(prompt_ids, params, prepared.images)

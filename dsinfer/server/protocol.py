@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dsinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from dsinfer.server.limits import MAX_STOP_SEQUENCES, SEED_RANGE
 
 
 def _integral(value: Any) -> Any:
@@ -125,7 +126,7 @@ class SamplingFields(Lenient):
     n: Integer = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Integer] | None = None
-    seed: Integer | None = None
+    seed: integer(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -140,6 +141,8 @@ class SamplingFields(Lenient):
     def _stops_not_empty(cls, value):
         if value == "" or (isinstance(value, list) and "" in value):
             raise ValueError("stop strings must not be empty")
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop strings are allowed, got {len(value)}")
         return value
 
     @field_validator("stop_token_ids")

@@ -40,15 +40,16 @@ class ResponsesFields(Lenient):
 
 
 def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _checked_prompt
+    from dsinfer.server.app import _check_model, _checked_prompt, prepare_off_loop
 
     @app.post("/v1/responses")
     async def responses(fields: ResponsesFields, request: Request):
-        _check_model(fields.model, settings)
-        prepared = chat_format.prepare("responses", await request.json())
+        _check_model(fields.model, settings, generation=True)
+        prepared = await prepare_off_loop(chat_format, "responses", await request.json(), settings)
         params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
                                           top_k=fields.top_k)  # fmt: skip
-        prompt_ids = _checked_prompt(prepared.prompt_ids, settings)
+        prompt_ids = _checked_prompt(prepared.prompt_ids, settings, fields.max_output_tokens, "max_output_tokens",
+                                     "input")  # fmt: skip
         response_id, model = "resp_" + secrets.token_hex(12), settings.served_model_name
         generator = recipe.ResponsesRequest.chunk_generator(prepared.request, response_id, model)
         if prepared.echo is not None:
