@@ -102,7 +102,7 @@ class PhaseClock:
         self.times: Counter[str] = Counter()
         self.counter: HostReadCounter | None = None
         drafter, rollback = executor.drafter, executor.rollback
-        self._wrap(drafter, "target_forward", "forward")
+        self._wrap(executor.model, "forward_for_drafter", "forward")
         self._wrap(drafter, "draft", "draft")
         self._wrap(executor, "_judge", "judge")
         graphs = executor.graphs  # verify and draft steps in buckets (CUDA graphs, or their static path on the CPU)

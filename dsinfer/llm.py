@@ -15,7 +15,6 @@ from tqdm import tqdm
 from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.parallel.config import ParallelConfig
@@ -84,7 +83,7 @@ class LLM:
         self._release_model()
 
     def _release_model(self) -> None:
-        if isinstance(self.model, DeepseekV41):
+        if self.model is not None:
             self.model.close()
 
     def __enter__(self) -> LLM:

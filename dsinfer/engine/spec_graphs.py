@@ -2,7 +2,7 @@
 
 A verify step in which every sequence decodes (its last token and at most K drafts, no prefill chunk beside it)
 has a fixed shape once each sequence is given exactly K + 1 positions: the target's verify forward
-(:mod:`dsinfer.spec.verify_forward`) and the drafter's next drafts (``Drafter.draft_fixed``) then run from device
+(``ServedModel.verify_forward``) and the drafter's next drafts (``Drafter.draft_fixed``) then run from device
 tensors alone, so each is recorded once per bucket, as plain decode steps are
 (:mod:`dsinfer.engine.decode_graphs`), and replayed. A step of ``B`` sequences runs in the smallest bucket
 ``>= B``: the rows past ``B`` are padding that runs in the cache's spare slot against the trash block, and a
@@ -26,9 +26,9 @@ import torch
 
 from dsinfer.engine.decode_graphs import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
+from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.spec.drafting import Drafter
 from dsinfer.spec.rollback import PaddedJournal
-from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class SpecGraphs:
     def _verify_forward(self, size: int) -> None:
         batch = self._batch(size)
         journal = PendingJournal(batch)
-        logits, features = self.drafter.verify_forward(batch, journal)
+        logits, features = self.drafter.model.verify_forward(batch, journal)
         rows = size * self.width
         if self.logits is None:  # the first forward (the largest bucket's warm-up on CUDA) sizes the outputs
             largest = self.sizes[-1]

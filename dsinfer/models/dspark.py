@@ -52,9 +52,8 @@ class DSparkAttention(Attention):
     """Window attention of a draft stage: keys are its ring (target positions) plus the draft block."""
 
     def __init__(self, config: ModelConfigV41, stage: int) -> None:
-        nn.Module.__init__(self)
+        super().__init__(config, compress_ratio=0)  # window only: V4's projections, norms and sinks
         self.stage = stage
-        self._build_projections(config)
 
     def keys(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, quantizer: ActivationQuantizer
@@ -143,10 +142,11 @@ class DSparkStage(HyperConnectedBlock):
         quantizer: ActivationQuantizer,
         ring_visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, positions, ring_keys, inv_freq, quantizer, ring_visible)
-
-        return self.run_sites(streams, attention, self.ffn, carried_mix=pre_mix)
+        """Both sites, staggered as the target's layers are: streams and the mix the next stage collapses with."""
+        streams, attn_pre = self.run_site(
+            streams, "attn", pre_mix, lambda x: self.attn(x, positions, ring_keys, inv_freq, quantizer, ring_visible)
+        )
+        return self.run_site(streams, "ffn", attn_pre, self.ffn)
 
 
 def seed_ring_rows(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dsinfer.config import EngineConfig, ModelConfigV41
+from dsinfer.config import EngineConfig
 from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.llm import LLM
 from dsinfer.parallel.config import ParallelConfig
@@ -86,7 +86,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_SERVED_MODEL_NAME)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
-    variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
+    variant = "v41" if llm.engine.model.config.model_type.startswith("deepseek_v41") else "v4"  # prompts as trained
     vision = getattr(llm.engine.model.config, "vision", None)
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
