@@ -39,7 +39,8 @@ def _subpackage(path: Path) -> str:
 
 
 def _class_names(node: ast.AST) -> list[str]:
-    return [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute)]
+    names = (n for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute))
+    return [n.id if isinstance(n, ast.Name) else n.attr for n in names]
 
 
 def family_checks(trees: dict[Path, ast.Module]) -> list[str]:

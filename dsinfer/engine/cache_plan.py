@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from dsinfer.config import EngineConfig
-from dsinfer.models.served import EngineCache, ServedModel
+from dsinfer.models.served import CachePlan, EngineCache, ServedModel
 
 __all__ = [
+    "CachePlan",
     "EngineCache",
     "ServedModel",
     "cache_blocks_for_budget",
@@ -38,7 +39,7 @@ def cache_blocks_for_budget(model: ServedModel, engine: EngineConfig, num_slots:
     if engine.num_cache_blocks is not None:
         return engine.num_cache_blocks
     with_drafter = engine.speculative_config is not None
-    probe = model.build_cache(0, 0, block_tokens, "meta", with_drafter)  # byte accounting only: no memory
+    probe = model.build_cache(CachePlan(0, 0, block_tokens, "meta", with_drafter))  # byte accounting only: no memory
     budget = engine.cache_memory_bytes
     if budget is None:
         device = torch.device(engine.device)

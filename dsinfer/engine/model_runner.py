@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.config import EngineConfig
-from dsinfer.engine.cache_plan import ServedModel, cache_blocks_for_budget, check_served_model
+from dsinfer.engine.cache_plan import CachePlan, ServedModel, cache_blocks_for_budget, check_served_model
 from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
@@ -107,7 +107,9 @@ class ModelRunner:
             )
         self.speculative = engine.speculative_config is not None
         self.replay_tokens = model.bounded_replay_tokens(engine)
-        self.cache = model.build_cache(num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
+        self.cache = model.build_cache(
+            CachePlan(num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
+        )
         self._engram_width = model.engram_history_width()
         self.max_model_len = max_model_len
         # Static-shape steps: the buckets, the spare slot their padding rows run in, whether to capture graphs.

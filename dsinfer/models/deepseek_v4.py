@@ -18,7 +18,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import rope_inverse_frequencies
 from dsinfer.models.block import Block
 from dsinfer.models.mtp import MTPLayer
-from dsinfer.models.served import ServedModel
+from dsinfer.models.served import CachePlan, ServedModel
 from dsinfer.ops.registry import REFERENCE, OpTable, bind_ops, resolve
 
 
@@ -141,17 +141,11 @@ class DeepseekV4(DeepseekModel):
         """A multiple of every layer's compression ratio (entries never straddle blocks)."""
         return block_tokens_for(self.config, requested)
 
-    def build_cache(
-        self,
-        num_slots: int,
-        num_blocks: int,
-        block_tokens: int,
-        device: torch.device | str,
-        with_drafter: bool = False,
-    ) -> KVCache:
+    def build_cache(self, plan: CachePlan) -> KVCache:
         """V4's cache; ``with_drafter`` adds the window rings of the MTP layers."""
-        ratios = attention_layer_ratios(self.config, with_mtp=with_drafter)
-        return KVCache(self.config, ratios, num_slots, num_blocks, block_tokens, self.embed.weight.dtype, device)
+        ratios = attention_layer_ratios(self.config, with_mtp=plan.with_drafter)
+        dtype = self.embed.weight.dtype
+        return KVCache(self.config, ratios, plan.num_slots, plan.num_blocks, plan.block_tokens, dtype, plan.device)
 
     def forward_for_drafter(
         self, batch: PackedBatch, logits_for: torch.Tensor | None

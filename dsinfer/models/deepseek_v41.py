@@ -44,6 +44,7 @@ from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.models.ced import skips_decoder, split_at_decoder
 from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
+from dsinfer.models.served import CachePlan
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.registry import OpTable, resolve
@@ -432,21 +433,16 @@ class DeepseekV41(DeepseekModel):
         """A multiple of the KV sources' ratios only (default 64 positions: the ratios are small)."""
         return block_tokens_for_v41(self.config, requested)
 
-    def build_cache(
-        self,
-        num_slots: int,
-        num_blocks: int,
-        block_tokens: int,
-        device: torch.device | str,
-        with_drafter: bool = False,
-    ) -> KVCacheV41:
+    def build_cache(self, plan: CachePlan) -> KVCacheV41:
         """V4.1's cache; ``with_drafter`` adds the DSpark rings.
 
         The trained-in rounding makes every cached value exactly representable in its FP8 / FP4 format, so the
         cache keeps codes and scales (3.6x fewer bytes per token than bf16); with the rounding off (testing only)
         it keeps plain values."""
-        return KVCacheV41(self.config, num_slots, num_blocks, block_tokens, self.embed.weight.dtype, device,
-                          with_dspark=with_drafter, quantized_storage=self.fake_quantization)  # fmt: skip
+        return KVCacheV41(
+            self.config, plan.num_slots, plan.num_blocks, plan.block_tokens, self.embed.weight.dtype, plan.device,
+            with_dspark=plan.with_drafter, quantized_storage=self.fake_quantization,
+        )  # fmt: skip
 
     def scratch_cache(self, seq_lens: list[int], device: torch.device | str, with_drafter: bool) -> KVCacheV41:
         """A throw-away cache just big enough for whole sequences of ``seq_lens`` run from position 0 (plain

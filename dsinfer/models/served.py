@@ -27,6 +27,7 @@ The contract, by what a caller needs:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,17 @@ if TYPE_CHECKING:
 EngineCache = KVCache | KVCacheV41
 
 
+@dataclass(frozen=True)
+class CachePlan:
+    """How big a cache to build: what the engine decided from its budget (``dsinfer.engine.cache_plan``)."""
+
+    num_slots: int  # per-sequence state slots (window rings, unfinished compressor windows)
+    num_blocks: int  # blocks of compressed entries in the pool
+    block_tokens: int  # positions per block (the model's rule: ``cache_block_tokens``)
+    device: torch.device | str
+    with_drafter: bool = False  # the drafter's state for speculative decoding too
+
+
 class ServedModel(nn.Module):
     """What a served model answers (see the module docstring); each family implements every method."""
 
@@ -59,17 +71,9 @@ class ServedModel(nn.Module):
         default; raises ``ValueError`` naming ``block_tokens`` when they do not."""
         raise NotImplementedError
 
-    def build_cache(
-        self,
-        num_slots: int,
-        num_blocks: int,
-        block_tokens: int,
-        device: torch.device | str,
-        with_drafter: bool = False,
-    ) -> EngineCache:
-        """The cache the layers read and write through the batch metadata: ``num_slots`` per-sequence state slots
-        and ``num_blocks`` blocks of ``block_tokens`` positions (on the ``meta`` device: byte accounting only);
-        ``with_drafter`` adds the drafter's state for speculative decoding."""
+    def build_cache(self, plan: CachePlan) -> EngineCache:
+        """The cache the layers read and write through the batch metadata, as big as ``plan`` says (on the ``meta``
+        device: byte accounting only), with the drafter's state where the plan asks for it."""
         raise NotImplementedError
 
     def scratch_cache(self, seq_lens: list[int], device: torch.device | str, with_drafter: bool) -> EngineCache:
