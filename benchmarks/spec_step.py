@@ -5,7 +5,7 @@
     python benchmarks/spec_step.py --device cuda --temperature 0.8  # on a GPU: phases include the device wait
     python benchmarks/spec_step.py --device cuda --graphs eager     # the eager verify path, for comparison
 
-On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.engine.spec_graphs``) unless ``--graphs
+On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.speculative.graphs``) unless ``--graphs
 eager``; ``--graphs buckets`` runs their static-shape path on the CPU. ``forward`` and ``draft`` are then the
 replays (and, for ``forward``, picking the judged rows), each line says ``graphed=True``.
 

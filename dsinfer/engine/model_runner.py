@@ -20,9 +20,9 @@ from dsinfer.engine.cache_plan import CachePlan, ServedModel, cache_blocks_for_b
 from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
-from dsinfer.engine.speculative import SpeculationPlan
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
+from dsinfer.speculative.executor import SpeculationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class StepInput:
     sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
     engram_resume: EngramResume | None = None
     image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
-    speculation: SpeculationPlan | None = None  # speculative decoding: each span's drafts (dsinfer.engine.speculative)
+    speculation: SpeculationPlan | None = (
+        None  # speculative decoding: each span's drafts (dsinfer.speculative.executor)
+    )
     pending_fill: PendingFill | None = None  # launched ahead: ids the device worker fills in before the forward
 
 
@@ -119,7 +121,7 @@ class ModelRunner:
         if graphed:
             sizes = engine.cuda_graph_sizes or default_graph_sizes(engine.max_num_seqs)
             self.graph_sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
-        if graphed and not self.speculative:  # speculative steps have their own (dsinfer.engine.spec_graphs)
+        if graphed and not self.speculative:  # speculative steps have their own (dsinfer.speculative.graphs)
             self.decode_graphs = DecodeGraphs(model, self.cache, self.graph_sizes, self.spare_slot, max_model_len,
                                               capture=self.capture_graphs)  # fmt: skip
         self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None

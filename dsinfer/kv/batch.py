@@ -33,7 +33,7 @@ class SequenceSpan:
     # compressor; the decoder layers run from here on, their windows starting here (0: every position runs them).
     decoder_from: int = 0
     # Speculative verify spans: the compressors record (cache, first position, values, gates) of their update
-    # here, so rejected drafts can be rolled back (dsinfer.spec.rollback); None: nothing recorded.
+    # here, so rejected drafts can be rolled back (dsinfer.speculative.rollback); None: nothing recorded.
     journal: list | None = field(default=None, repr=False, compare=False)
 
 

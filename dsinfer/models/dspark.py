@@ -12,7 +12,7 @@ MoE; staggered mHC as in the backbone), collapses with the last mix, and reads l
 stage's norm and the target's head. A rank-``dspark_markov_rank`` Markov head adds a bias that depends on
 the previously drafted token (so drafting is sequential over the block), and a confidence head scores each
 drafted position from ``[pre-norm hidden, Markov embedding]``. Deciding how many drafts to verify is the
-speculative decoder's job (``dsinfer.spec.dspark``); here the stages are run, batched over sequences
+speculative decoder's job (``dsinfer.speculative.dspark``); here the stages are run, batched over sequences
 (:func:`draft_blocks`, one ring per block).
 
 Follows the MLX port ``thedracle/deepseek-v41-mlx`` (``dspark.py``), which checks itself against

@@ -8,7 +8,7 @@ rejected position ever reaches a ring and there is nothing to roll back there. T
 drafts one block ``[bonus token, noise, ...]`` after its last kept position, all sequences at once
 (:func:`~dsinfer.models.dspark.draft_blocks`), as the stages were trained (``dsinfer.training.draft_loss``):
 column ``i`` is biased by the Markov head of column ``i - 1``'s draft and the draft is its argmax (a one-hot
-draft distribution for :mod:`dsinfer.spec.rejection`), so drafting is sequential over the block.
+draft distribution for :mod:`dsinfer.speculative.rejection`), so drafting is sequential over the block.
 
 **How many drafts are verified.** K = ``num_speculative_tokens`` (at most ``dspark_block_size``) columns are
 drafted. With ``confidence_threshold`` t > 0, only the leading drafts whose confidence ``sigmoid(c_i) >= t``
@@ -31,7 +31,7 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dspark import draft_blocks, seed_ring_rows
-from dsinfer.spec.drafting import DraftInput
+from dsinfer.speculative.drafting import DraftInput
 
 
 def verified_draft_counts(confidence: torch.Tensor, threshold: float) -> torch.Tensor:

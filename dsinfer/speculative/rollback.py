@@ -22,7 +22,7 @@ device value is read on the host):
   context before the span and the accepted tokens.
 
 V4.1's DSpark rings need nothing here: the drafter writes them only after judging, from the kept positions
-(:mod:`dsinfer.spec.dspark`). Blocks past the accepted tokens go back to the pool on the engine side
+(:mod:`dsinfer.speculative.dspark`). Blocks past the accepted tokens go back to the pool on the engine side
 (``BlockManager.trim``).
 """
 

@@ -6,7 +6,7 @@ the layer's own window ring current, and the last row of each sampled sequence d
 drafts chain the layer on its own output streams, one position at a time (vLLM's and SGLang's way when a
 checkpoint has fewer MTP layers than drafts). Those chained positions are written into the layer's ring for
 the later chain steps to attend to and put back afterwards: the next step runs them again with the target's
-streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.spec.rejection`).
+streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.speculative.rejection`).
 
 A fixed-width verify step (:mod:`dsinfer.kv.fixed_width`, what a CUDA graph replays) drafts the same way
 from device tensors alone (:meth:`MTPDrafter.draft_fixed`): the layer runs every column of the step, a
@@ -24,7 +24,7 @@ from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4
-from dsinfer.spec.drafting import DraftInput
+from dsinfer.speculative.drafting import DraftInput
 
 
 class MTPDrafter:

@@ -9,8 +9,8 @@ tensors alone, so each is recorded once per bucket, as plain decode steps are
 sequence with fewer than K drafts gets filler drafts that are never judged and always rolled back (their entries
 of blocks it does not own go to the trash block, through block tables padded with it).
 
-Between the two graphs the host judges the drafts (:mod:`dsinfer.engine.spec_verify`, from the verify graph's
-logits) and rolls back rejected positions (:mod:`dsinfer.spec.rollback`, from the snapshot taken before the
+Between the two graphs the host judges the drafts (:mod:`dsinfer.speculative.verify`, from the verify graph's
+logits) and rolls back rejected positions (:mod:`dsinfer.speculative.rollback`, from the snapshot taken before the
 replay and the padded journal the verify graph writes). Static buffers hold the step's inputs (one copy from
 the host per graph) and every output (logits, what the drafter reads, the journal, the drafts), shared by all
 buckets. Without capture (``capture=False``: CPU, tests) the same buffers and padding run eagerly.
@@ -27,8 +27,8 @@ import torch
 from dsinfer.engine.decode_graphs import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
-from dsinfer.spec.drafting import Drafter
-from dsinfer.spec.rollback import PaddedJournal
+from dsinfer.speculative.drafting import Drafter
+from dsinfer.speculative.rollback import PaddedJournal
 
 logger = logging.getLogger(__name__)
 

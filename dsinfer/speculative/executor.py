@@ -7,21 +7,21 @@ instead of the plain forward + sampler:
    drafter reads of the target (``ServedModel.forward_for_drafter``; V4: the residual streams; V4.1: the
    captured target-layer hiddens); verify spans record their compressor updates and are snapshotted first,
    all spans at once;
-2. each sampled sequence's rows are judged (:mod:`dsinfer.engine.spec_verify`) with ``min_tokens``, penalties
+2. each sampled sequence's rows are judged (:mod:`dsinfer.speculative.verify`) with ``min_tokens``, penalties
    and the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
-   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with counter-based
+   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.speculative.rejection`) with counter-based
    randomness keyed by the request's seed and output position (seeded replay, batch invariance); sequences
    without drafts draw exactly what plain decoding draws. Sequences without a grammar or penalties are judged
    together in one device computation and read back in one host read; the others one at a time;
-3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.spec.rollback`);
+3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.speculative.rollback`);
 4. the drafter reads every kept position and drafts the next tokens of every sequence in one pass: V4's MTP
-   layer (:mod:`dsinfer.spec.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`,
+   layer (:mod:`dsinfer.speculative.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.speculative.dspark`,
    ``method: dspark``), whose drafts come back in one more host read.
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 
 A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs its forward and
-its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.engine.spec_graphs`; the same static
+its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static
 buffers run eagerly on the CPU when ``cuda_graph_sizes`` are given): snapshot, verify replay, judge, rollback,
 draft replay. Any other step takes the eager path above.
 """
@@ -36,19 +36,19 @@ import torch
 
 from dsinfer.config import SpeculativeConfig
 from dsinfer.engine.sampler import Sampler, SamplingState
-from dsinfer.engine.spec_graphs import SpecGraphs
-from dsinfer.engine.spec_verify import (
+from dsinfer.kv.batch import SequenceSpan, host_to_device
+from dsinfer.speculative.drafting import Drafter, DraftInput
+from dsinfer.speculative.dspark import DSparkDrafter
+from dsinfer.speculative.graphs import SpecGraphs
+from dsinfer.speculative.mtp import MTPDrafter
+from dsinfer.speculative.rollback import CacheRollback
+from dsinfer.speculative.verify import (
     SpeculativeOutput,
     judge_batched,
     needs_own_pass,
     speculative_output,
     verify_sequence,
 )
-from dsinfer.kv.batch import SequenceSpan, host_to_device
-from dsinfer.spec.drafting import Drafter, DraftInput
-from dsinfer.spec.dspark import DSparkDrafter
-from dsinfer.spec.mtp import MTPDrafter
-from dsinfer.spec.rollback import CacheRollback
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner
