@@ -5,7 +5,7 @@
     python benchmarks/spec_step.py --device cuda --temperature 0.8  # on a GPU: phases include the device wait
     python benchmarks/spec_step.py --device cuda --graphs eager     # the eager verify path, for comparison
 
-On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.engine.spec_graphs``) unless ``--graphs
+On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.speculative.graphs``) unless ``--graphs
 eager``; ``--graphs buckets`` runs their static-shape path on the CPU. ``forward`` and ``draft`` are then the
 replays (and, for ``forward``, picking the judged rows), each line says ``graphed=True``.
 
@@ -102,7 +102,7 @@ class PhaseClock:
         self.times: Counter[str] = Counter()
         self.counter: HostReadCounter | None = None
         drafter, rollback = executor.drafter, executor.rollback
-        self._wrap(drafter, "target_forward", "forward")
+        self._wrap(executor.model, "forward_for_drafter", "forward")
         self._wrap(drafter, "draft", "draft")
         self._wrap(executor, "_judge", "judge")
         graphs = executor.graphs  # verify and draft steps in buckets (CUDA graphs, or their static path on the CPU)

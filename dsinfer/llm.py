@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dsinfer.config import EngineConfig, ModelConfig, ModelConfigV41
+from dsinfer.config import EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.hub import resolve_model_dir
-from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.offline_chat import DEFAULT_CHAT_PARAMS, conversations_of, parsed_output, prepare_chat
@@ -92,7 +91,7 @@ class LLM:
         self._release_model()
 
     def _release_model(self) -> None:
-        if isinstance(self.model, DeepseekV41):
+        if self.model is not None:
             self.model.close()
 
     def __enter__(self) -> LLM:
@@ -149,6 +148,6 @@ class LLM:
         """The chat format of this checkpoint (V4.1 prompts for V4.1 checkpoints), built on first use."""
         if self._chat_format is None:
             config = self.model.config if self.model is not None else ModelConfig.from_file(self.model_dir)
-            variant = "v41" if isinstance(config, ModelConfigV41) else "v4"
+            variant = config.chat_variant
             self._chat_format = ChatFormat(self.tokenizer, variant, "offline")
         return self._chat_format

@@ -273,7 +273,7 @@ def test_a_v41_bounded_prefill_reads_nothing_on_the_host(tiny_v41_checkpoint):
     replay = model.config.sliding_window
     expected = model.prefill(PackedBatch.from_sequences(prompts), mode="bounded", replay_tokens=replay)
     batch = PackedBatch.from_sequences(prompts)
-    batch.attach_scratch_cache(model.config, torch.float32, False)
+    batch.attach_scratch_cache(model.scratch_cache(batch.seq_lens, batch.input_ids.device, False))
     with RefuseHostReads():
         got = model.prefill(batch, mode="bounded", replay_tokens=replay)
     assert torch.equal(got, expected)

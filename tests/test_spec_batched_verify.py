@@ -1,6 +1,6 @@
 """A speculative step judges its sequences together: the same tokens as judging each alone, few host reads.
 
-The batched judge (:func:`~dsinfer.engine.spec_verify.judge_batched`) must emit exactly what the one-sequence
+The batched judge (:func:`~dsinfer.speculative.verify.judge_batched`) must emit exactly what the one-sequence
 path emits (greedy: the same tokens; sampled: the same tokens from the same seeded generators; logprobs), and a
 whole verify step (snapshot, forward, judge, rollback, draft) may read the device on the host only twice,
 whatever the batch: once for the judged tokens, once for the next drafts.
@@ -18,12 +18,12 @@ from engine_harness import random_prompts
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.sampler import Sampler, make_sampling_state
-from dsinfer.engine.spec_verify import judge_batched, speculative_output, verify_sequence
 from dsinfer.layers.moe import MoE
 from dsinfer.models.loader import load_model
 from dsinfer.ops.moe.weights import ExpertWeights, dequantize_expert
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.spec.rejection import accept_argmax_drafts, rejection_sample
+from dsinfer.speculative.rejection import accept_argmax_drafts, rejection_sample
+from dsinfer.speculative.verify import judge_batched, speculative_output, verify_sequence
 from dsinfer.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -174,7 +174,7 @@ def test_methods_the_checkpoint_cannot_serve_are_refused(tiny_v4_model, tiny_v4_
 def test_mtp_on_a_v41_checkpoint_is_refused_with_the_reason():
     from dsinfer.models.deepseek_v41 import DeepseekV41
     from dsinfer.models.tiny import tiny_config_v41
-    from dsinfer.spec.support import check_speculative_support
+    from dsinfer.speculative.support import check_speculative_support
 
     model = DeepseekV41(tiny_config_v41())
     with pytest.raises(ConfigError, match="'mtp' needs V4's MTP layers; a V4.1 checkpoint drafts with DSpark"):

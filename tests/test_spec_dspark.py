@@ -30,9 +30,9 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir, make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.spec.dspark import verified_draft_counts
-from dsinfer.spec.rollback import CacheRollback
-from dsinfer.spec.support import check_speculative_support
+from dsinfer.speculative.dspark import verified_draft_counts
+from dsinfer.speculative.rollback import CacheRollback
+from dsinfer.speculative.support import check_speculative_support
 from dsinfer.tokenizer import Tokenizer
 
 BASE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 160, "block_tokens": 16}

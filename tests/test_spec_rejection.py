@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.spec.rejection import greedy_accept, rejection_sample
+from dsinfer.speculative.rejection import greedy_accept, rejection_sample
 
 VOCAB = 6
 TRIALS = 200_000

@@ -100,6 +100,11 @@ class ModelConfigBase:
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
 
+    @property
+    def chat_variant(self) -> str:
+        """The chat format the family was trained on: deepseek-recipe's ``v41`` rendering for V4.1, else ``v4``."""
+        return "v41" if self.model_type.startswith("deepseek_v41") else "v4"
+
     @classmethod
     def typed_fields(cls, values: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
         """The parsed ``values`` that name a field of ``cls``, each checked against its type (errors name it)."""

@@ -4,8 +4,8 @@
 outputs past the first) and the target verifies them in the next forward. ``{"method": "dspark", ...}``: V4.1's
 DSpark stages draft K tokens of one block (K at most the checkpoint's ``dspark_block_size``); the optional
 ``"confidence_threshold": t`` (0 to 1, default 0: verify all K) verifies only the leading drafts the confidence
-head rates at least t (:mod:`dsinfer.spec.dspark`). Whether a checkpoint can serve the method is checked against
-the model (:func:`dsinfer.spec.support.check_speculative_support`).
+head rates at least t (:mod:`dsinfer.speculative.dspark`). Whether a checkpoint can serve the method is checked against
+the model (:func:`dsinfer.speculative.support.check_speculative_support`).
 """
 
 from __future__ import annotations

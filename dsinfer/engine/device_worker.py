@@ -31,7 +31,7 @@ from dsinfer.engine.sampler import PendingOutputs, SampleOutput, Sampler, Sampli
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner, StepInput
-    from dsinfer.engine.speculative import SpeculativeExecutor
+    from dsinfer.speculative.executor import SpeculativeExecutor
 
 
 class StepHandle:

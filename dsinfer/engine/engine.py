@@ -37,9 +37,9 @@ from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler
 from dsinfer.engine.sequence import Sequence
-from dsinfer.engine.speculative import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.spec.support import check_speculative_support
+from dsinfer.speculative.executor import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
+from dsinfer.speculative.support import check_speculative_support
 from dsinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("dsinfer.engine")

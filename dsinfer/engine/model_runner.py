@@ -15,24 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.config import ConfigError, EngineConfig
-from dsinfer.engine.cache_plan import (
-    ServedModel,
-    build_cache,
-    cache_block_tokens,
-    cache_blocks_for_budget,
-    check_served_model,
-)
+from dsinfer.config import EngineConfig
+from dsinfer.engine.cache_plan import CachePlan, ServedModel, cache_blocks_for_budget, check_served_model
 from dsinfer.engine.decode_graphs import DecodeGraphs, default_graph_sizes
 from dsinfer.engine.image_spans import ImageEmbeddings, ImagePiece, image_pieces
 from dsinfer.engine.scheduler import ScheduledSequence
-from dsinfer.engine.speculative import SpeculationPlan
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
-from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.models.deepseek_v4 import DeepseekV4
-from dsinfer.models.deepseek_v41 import DeepseekV41
-from dsinfer.ops.registry import REFERENCE, resolve
+from dsinfer.speculative.executor import SpeculationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -72,69 +62,32 @@ class StepInput:
     sample_rows: torch.Tensor  # [k] rows of the sequences whose last token runs (their logits are returned)
     engram_resume: EngramResume | None = None
     image_pieces: list[ImagePiece] | None = None  # V4.1: the parts of image spans this step's rows hold
-    speculation: SpeculationPlan | None = None  # speculative decoding: each span's drafts (dsinfer.engine.speculative)
+    speculation: SpeculationPlan | None = (
+        None  # speculative decoding: each span's drafts (dsinfer.speculative.executor)
+    )
     pending_fill: PendingFill | None = None  # launched ahead: ids the device worker fills in before the forward
 
 
 def _wants_graphs(model: ServedModel, engine: EngineConfig) -> bool:
     """Static-shape steps (decode graphs; with speculative decoding, verify and draft graphs instead) need the
-    batched decode path, a routed-experts backend that never syncs and, for V4.1, an Engram source whose
-    step-sized fetches run on the device alone.
+    batched decode path and a model whose steps nothing keeps out of a graph (a routed-experts backend that
+    syncs, an Engram source whose step-sized fetches read through the host: the model says).
 
     On CUDA they are on unless ``enforce_eager``; on the CPU only an explicit ``cuda_graph_sizes`` asks for the
     same static-shape path, run eagerly (how the tests check it)."""
-    if engine.enforce_eager or not isinstance(model, DeepseekV4 | DeepseekV41):
+    if engine.enforce_eager:
         return False
     device = torch.device(engine.device)
     if device.type != "cuda":
         return engine.cuda_graph_sizes is not None
-    backend = resolve(device, model.embed.weight.dtype).chosen["routed_moe"].name
-    if backend == REFERENCE:
-        logger.info("decode CUDA graphs off: the routed-experts backend is the reference, which syncs")
+    spec = engine.speculative_config
+    positions = 1 if spec is None else 1 + spec.num_speculative_tokens  # per sequence and step
+    largest = max(engine.cuda_graph_sizes or (engine.max_num_seqs,)) * positions
+    reason = model.graph_capture_blocker(device, largest)
+    if reason is not None:
+        logger.info("decode CUDA graphs off: %s", reason)
         return False
-    if isinstance(model, DeepseekV41) and model.config.engram_layer_ids:
-        spec = engine.speculative_config
-        positions = 1 if spec is None else 1 + spec.num_speculative_tokens  # per sequence and step
-        largest = max(engine.cuda_graph_sizes or (engine.max_num_seqs,)) * positions
-        if not model.engram_source().replays_in_graphs(largest * model.config.engram_columns):
-            logger.info("decode CUDA graphs off: the Engram placement reads its rows through the host")
-            return False
     return True
-
-
-def _bounded_replay_tokens(model: ServedModel, engine: EngineConfig) -> int | None:
-    """How many of a prompt's last tokens V4.1's decoder layers run over (bounded CED prefill), or None when
-    prompts prefill exactly (every layer over every token; always for V4)."""
-    if not isinstance(model, DeepseekV41):
-        return None
-    config, mode = model.config, engine.v41_prefill
-    has_decoder = config.decoder_start is not None
-    if mode is None:
-        mode = "bounded" if has_decoder and engine.speculative_config is None else "exact"
-    logger.info("V4.1 prompts prefill %s%s", mode, f" (replay {engine.v41_replay_tokens})" if mode == "bounded" else "")
-    if mode == "exact":
-        return None
-    if not has_decoder:
-        last = config.kv_source_layer_ids[-1] if config.kv_source_layer_ids else None
-        raise ConfigError(
-            "engine option 'v41_prefill': 'bounded' needs a CED decoder, a last KV source of compress ratio 1; "
-            + (
-                "this checkpoint has no KV sources"
-                if last is None
-                else f"its last KV source, layer {last}, has ratio {config.compress_ratios[last]}"
-            )  # fmt: skip
-        )
-    if engine.speculative_config is not None:
-        raise ConfigError(
-            "engine option 'v41_prefill': 'bounded' cannot run with speculative decoding (the drafts read the "
-            "decoder's hidden states at every prompt position); use 'exact'"
-        )
-    if engine.v41_replay_tokens < config.sliding_window:
-        raise ConfigError(
-            f"engine option 'v41_replay_tokens': must be at least the sliding window ({config.sliding_window}), "
-            f"got {engine.v41_replay_tokens}"
-        )
-    return engine.v41_replay_tokens
 
 
 class ModelRunner:
@@ -144,7 +97,7 @@ class ModelRunner:
         check_served_model(model)
         self.model = model
         self.device = torch.device(engine.device)
-        self.block_tokens = cache_block_tokens(model, engine.block_tokens)
+        self.block_tokens = model.cache_block_tokens(engine.block_tokens)
         graphed = _wants_graphs(model, engine)
         num_slots = engine.max_num_seqs + (1 if graphed else 0)  # the spare slot padding rows decode in
         num_blocks = cache_blocks_for_budget(model, engine, num_slots, self.block_tokens)
@@ -155,9 +108,11 @@ class ModelRunner:
                 f"of max_model_len {max_model_len} ({needed} blocks); raise the cache budget or lower max_model_len"
             )
         self.speculative = engine.speculative_config is not None
-        self.replay_tokens = _bounded_replay_tokens(model, engine)
-        self.cache = build_cache(model, num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
-        self._engram_width = model.config.engram_max_ngram_size - 1 if self._uses_engram_history() else 0
+        self.replay_tokens = model.bounded_replay_tokens(engine)
+        self.cache = model.build_cache(
+            CachePlan(num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
+        )
+        self._engram_width = model.engram_history_width()
         self.max_model_len = max_model_len
         # Static-shape steps: the buckets, the spare slot their padding rows run in, whether to capture graphs.
         self.graph_sizes: tuple[int, ...] | None = None
@@ -166,7 +121,7 @@ class ModelRunner:
         if graphed:
             sizes = engine.cuda_graph_sizes or default_graph_sizes(engine.max_num_seqs)
             self.graph_sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
-        if graphed and not self.speculative:  # speculative steps have their own (dsinfer.engine.spec_graphs)
+        if graphed and not self.speculative:  # speculative steps have their own (dsinfer.speculative.graphs)
             self.decode_graphs = DecodeGraphs(model, self.cache, self.graph_sizes, self.spare_slot, max_model_len,
                                               capture=self.capture_graphs)  # fmt: skip
         self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
@@ -244,9 +199,6 @@ class ModelRunner:
         return batch
 
     # ---- Engram history after a prefix-cache hit ----------------------------------------------------------
-    def _uses_engram_history(self) -> bool:
-        return isinstance(self.cache, KVCacheV41) and bool(self.model.config.engram_layer_ids)
-
     def _engram_resume(self, scheduled: list[ScheduledSequence]) -> EngramResume | None:
         """The sequences whose Engram history must be rebuilt before this step, with the tokens it needs.
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from dsinfer.config import ModelConfig, ModelConfigV41
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.cache_v41 import KVCacheV41
+
+if TYPE_CHECKING:
+    from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 
 
 @dataclass
@@ -30,7 +33,7 @@ class SequenceSpan:
     # compressor; the decoder layers run from here on, their windows starting here (0: every position runs them).
     decoder_from: int = 0
     # Speculative verify spans: the compressors record (cache, first position, values, gates) of their update
-    # here, so rejected drafts can be rolled back (dsinfer.spec.rollback); None: nothing recorded.
+    # here, so rejected drafts can be rolled back (dsinfer.speculative.rollback); None: nothing recorded.
     journal: list | None = field(default=None, repr=False, compare=False)
 
 
@@ -93,6 +96,10 @@ class PackedBatch:
     _device_spans: DeviceSpans | None = field(default=None, repr=False)
     # RoPE angles the layers share within one forward (dsinfer.layers.rotary.step_rope_angles); emptied per forward
     rope_angle_memo: dict = field(default_factory=dict, repr=False)
+    # A fixed-width verify step (FixedWidthBatch.packed): the attention runs column by column and records the
+    # compressors' updates in ``column_journal``; None: a plain batch.
+    fixed_width: FixedWidthBatch | None = field(default=None, repr=False)
+    column_journal: PendingJournal | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         offset = 0
@@ -113,14 +120,12 @@ class PackedBatch:
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         return cls(ids, positions, spans, None)
 
-    def attach_scratch_cache(self, config: ModelConfig | ModelConfigV41, dtype: torch.dtype, with_mtp: bool) -> None:
-        """Give a batch of fresh sequences a throw-away cache and consecutive blocks."""
+    def attach_scratch_cache(self, cache: KVCache | KVCacheV41) -> None:
+        """Give a batch of fresh sequences a throw-away ``cache`` (the model builds it for the batch's lengths:
+        ``scratch_cache``) and consecutive blocks."""
         if any(span.start for span in self.spans):
             raise ValueError("only sequences starting at position 0 can run without an engine cache")
-        if isinstance(config, ModelConfigV41):
-            self.cache = KVCacheV41.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
-        else:
-            self.cache = KVCache.scratch(config, self.seq_lens, dtype, self.input_ids.device, with_mtp)
+        self.cache = cache
         next_block = 0
         for span in self.spans:
             blocks = math.ceil(span.length / self.cache.block_tokens)

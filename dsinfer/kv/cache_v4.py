@@ -15,11 +15,13 @@ Two kinds of memory:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from dsinfer.config import ModelConfig
+from dsinfer.kv.compressor_state import CompressorTensors
 
 
 @dataclass
@@ -132,6 +134,15 @@ class KVCache:
     def block_bytes(self) -> int:
         """Bytes one block of compressed entries costs."""
         return self.layout.block_bytes()
+
+    def rollback_compressors(self, num_layers: int) -> Iterator[CompressorTensors]:
+        """The main and indexer compressors of the first ``num_layers`` layers, as rollback reads them."""
+        for layer in self.layers[:num_layers]:
+            for compressor in (layer.compressor, layer.indexer):
+                if compressor is not None:
+                    previous = (compressor.previous_values, compressor.previous_gates) if compressor.overlap else None
+                    pending = (compressor.pending_values, compressor.pending_gates)
+                    yield CompressorTensors(compressor, compressor.ratio, pending, previous, [compressor.entries])
 
     def _layer(self, ratio: int, slots: int, blocks: int, dtype: torch.dtype, device) -> LayerCache:
         cfg = self.config

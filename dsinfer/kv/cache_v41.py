@@ -26,6 +26,7 @@ and entries in place through :meth:`~KVCacheV41.attend_decode`, whose op decodes
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.kv.compressor_state import CompressorTensors
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
 from dsinfer.ops.registry import resolve
@@ -158,6 +160,17 @@ class KVCacheV41:
         """The block past the pool: it pads the step's device block tables (reads clamp it to the pool) and takes a
         decode step's writes of entries whose window is not complete yet (fixed shapes: no host decision)."""
         return self.num_blocks
+
+    def rollback_compressors(self, num_layers: int) -> Iterator[CompressorTensors]:
+        """The KV sources of the first ``num_layers`` layers, as rollback reads them: ratio 1 keeps no unfinished
+        window; the entries come with the index keys and, in coded storage, their scales."""
+        for layer in self.layers[:num_layers]:
+            source = layer.source
+            if source is None:
+                continue
+            pending = None if source.pending_values is None else (source.pending_values, source.pending_gates)
+            stored = (source.entries, source.index_keys, source.entry_scales, source.index_key_scales)
+            yield CompressorTensors(source, source.ratio, pending, None, [t for t in stored if t is not None])
 
     # ---- what the layers call ----------------------------------------------------------------------
     def check_fake_quantization(self, enabled: bool) -> None:

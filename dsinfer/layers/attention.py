@@ -19,15 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.config import ModelConfig, ModelConfigBase
+from dsinfer.config import ModelConfigBase
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import LayerCache
+from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.layers.compressor import Compressor, visible_entries
 from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable, resolve
@@ -77,7 +78,10 @@ def decode_window_positions(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, compress_ratio: int) -> None:
+    """V4's attention; its projections, norms and sinks are what V4.1's and the DSpark stages' build on (they pass
+    ``compress_ratio`` 0 and add their own compressed part)."""
+
+    def __init__(self, config: ModelConfigBase, compress_ratio: int) -> None:
         super().__init__()
         self.compress_ratio = compress_ratio
         self._build_projections(config)
@@ -155,7 +159,10 @@ class Attention(nn.Module):
         return projected
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled)."""
+        """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled). A fixed-width verify
+        batch (``batch.fixed_width``) attends column by column (:meth:`_forward_columns`)."""
+        if batch.fixed_width is not None:
+            return self._forward_columns(x, batch.fixed_width, inv_freq, layer_id, batch.column_journal)
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = step_rope_angles(batch, inv_freq, ops=self.ops)
         projected = self._input_projections(x)
@@ -181,6 +188,34 @@ class Attention(nn.Module):
             q, q_latent = queries()
             out = self._attend_prefill(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)  # fresh tensors: rope in place
+        return self._project_out(out)
+
+    def _forward_columns(
+        self, x: torch.Tensor, batch: FixedWidthBatch, inv_freq: torch.Tensor, layer_id: int, journal
+    ) -> torch.Tensor:
+        """Every row of a fixed-width batch [B * width, hidden]: the projections over all rows, the attention through
+        :meth:`_attend_decode` one column at a time. ``journal`` (a :class:`PendingJournal`) records the
+        compressors' unfinished windows (None: a window-only layer)."""
+        layer_cache = batch.cache.layers[layer_id]
+        cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)  # the chains of forward
+        kv = rope_and_round(self.wkv(x), cos, sin, self.ops, self.kv_norm)
+        states = [state for state in (layer_cache.compressor, layer_cache.indexer) if state is not None]
+        if states and journal is None:
+            raise ValueError("a compressed layer's fixed-width forward needs a journal (the rollback reads it)")
+        before = journal.before(states) if states else []
+        written, outputs = [], []
+        xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
+        for j in range(batch.width):
+            column = batch.column(j)
+            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq))
+            if states:
+                written.append(journal.column(states, j))
+        if states:
+            journal.close(states, before, written)
+        out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
     def _attend_decode(

@@ -41,7 +41,8 @@ from torch import nn
 from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.layers.attention import Attention
+from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
+from dsinfer.layers.attention import Attention, decode_window_positions
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
 from dsinfer.layers.indexer import IndexScorer
@@ -49,6 +50,7 @@ from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
+from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
@@ -171,10 +173,9 @@ class AttentionV41(Attention):
     """Shared-KV MQA with a window and (ratio > 0) the shared compressed entries; V4's window and projections."""
 
     def __init__(self, config: ModelConfigV41, layer_id: int) -> None:
-        nn.Module.__init__(self)
+        super().__init__(config, compress_ratio=0)  # V4's projections, norms and sinks; its compressors are V4's
         self.layer_id = layer_id
         self.compress_ratio = config.compress_ratios[layer_id]
-        self._build_projections(config)
         self.compressor = None
         if config.is_kv_source(layer_id):  # V4's compressor without the slot bias or overlap, pooling in fp32
             self.compressor = Compressor(
@@ -219,6 +220,8 @@ class AttentionV41(Attention):
         """
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
+        if batch.fixed_width is not None:  # ``shared``: one dict per column
+            return self._forward_columns(x, batch.fixed_width, inv_freq, shared, quantizer, batch.column_journal)
         if batch.is_decode and not compressor_only:
             return self._forward_decode(x, batch, inv_freq, shared[0], quantizer)
         # The step's device block tables (built once per step from the host's spans): a table copied from a host
@@ -238,6 +241,52 @@ class AttentionV41(Attention):
         out = self._attend_packed(q, kv, batch, cache, entries, tables, indices, ratio)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)
         return self._project_out(out)
+
+    def _forward_columns(
+        self,
+        x: torch.Tensor,
+        batch: FixedWidthBatch,
+        inv_freq: torch.Tensor,
+        published: list[dict],
+        quantizer: ActivationQuantizer,
+        journal: PendingJournal,
+    ) -> torch.Tensor:
+        """Every row of a fixed-width batch: projections over all rows, then per column what
+        :meth:`_forward_decode` does between its projections and its output (window ring, the sources'
+        publishing, the index sources' choice); ``published[j]`` holds what column ``j``'s sources publish."""
+        cache: KVCacheV41 = batch.cache
+        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions.flatten(), inv_freq, quantizer)
+        source = cache.layers[self.layer_id].source
+        states = [source] if source is not None and source.pending_values is not None else []
+        before, written, outputs = journal.before(states), [], []
+        xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
+        for j in range(batch.width):
+            outputs.append(self._attend_column(xs[j], qs[j], latents[j], kvs[j], batch.column(j), inv_freq,
+                                               published[j], quantizer))  # fmt: skip
+            written.append(journal.column(states, j))
+        journal.close(states, before, written)
+        out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
+        return self._project_out(out)
+
+    def _attend_column(self, x, q, q_latent, kv, column: PackedBatch, inv_freq, state: dict, quantizer):
+        """One column's attention [B, H, D], as :meth:`_forward_decode` computes it for a decode step."""
+        cache: KVCacheV41 = column.cache
+        spans, positions = column.device_spans, column.positions
+        cache.write_window(self.layer_id, spans.slots, positions, kv)
+        key_positions, visible = decode_window_positions(positions, spans, self.window)
+        keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
+        if self.compress_ratio:
+            if self.compressor is not None:
+                self._publish_decode(x, column, cache, inv_freq, state, quantizer)
+            if self.indexer is not None:
+                scores = self.indexer.candidate_scores(x, q_latent, positions, state["index_keys"], inv_freq, state,
+                                                       quantizer)  # fmt: skip
+                state["chosen"], state["real"] = top_k_in_order(scores, self.indexer.topk)
+            chosen = state["chosen"]
+            entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            visible = torch.cat([visible, state["real"]], dim=1)
+        return self._attend_batched(q, keys, visible)
 
     def _sources_prefill(
         self,

@@ -34,9 +34,9 @@ class HyperConnectedBlock(nn.Module):
 
     Each site computes (pre, post, comb) from its input streams and collapses them into the block's input in
     one op (:func:`site_input`), whose weights run beside the block at decode on CUDA, then spreads the output
-    back (:func:`expand_streams`). V4 collapses each site with its own ``pre``; V4.1 staggers them: a site collapses
-    with the *previous* site's ``pre`` (:meth:`run_sites` with ``carried_mix``). Subclasses set ``attn`` and
-    ``ffn`` through :meth:`_build_sites`.
+    back (:func:`expand_streams`), in :meth:`run_site`. V4 collapses each site with its own ``pre``; V4.1 staggers
+    them: a site collapses with the *previous* site's ``pre``. Subclasses set ``attn`` and ``ffn`` through
+    :meth:`_build_sites` and run their sites top to bottom in ``forward``.
     """
 
     def _build_sites(self, config, attn: nn.Module, ffn: nn.Module) -> None:
@@ -56,34 +56,19 @@ class HyperConnectedBlock(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
         return site_input(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, mix, self.ops)
 
-    def run_sites(
-        self,
-        streams: torch.Tensor,
-        attention: Callable[[torch.Tensor], torch.Tensor],
-        feed_forward: Callable[[torch.Tensor], torch.Tensor],
-        carried_mix: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both sites: the new streams and the FFN site's ``pre`` (the mix the next V4.1 site collapses with).
-
-        ``carried_mix`` None: each site collapses with its own ``pre`` (V4). Given: the attention site
-        collapses with it and the FFN site with the attention site's ``pre`` (V4.1's staggered mHC).
-        """
-        streams, attn_pre = self.run_site(streams, "attn", carried_mix, self.attn_norm, attention)
-        ffn_mix = None if carried_mix is None else attn_pre
-        return self.run_site(streams, "ffn", ffn_mix, self.ffn_norm, feed_forward)
-
     def run_site(
         self,
         streams: torch.Tensor,
         site: str,
         mix: torch.Tensor | None,
-        norm: nn.Module,
         block: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One site: the new streams and the site's ``pre``. Its weights run :func:`beside` the collapse, the norm
-        and the block, which never read them (at decode on CUDA: on the side stream, so the block does not wait
-        for Sinkhorn); the expand after the join reads them. ``parts`` holds what both halves read until then."""
+        """One site (``attn`` or ``ffn``): the new streams and the site's ``pre``. The streams collapse with ``mix``
+        (None: the site's own ``pre``), go through the site's norm and ``block``, and spread back. The site's
+        weights run :func:`beside` the collapse, the norm and the block, which never read them (at decode on CUDA:
+        on the side stream, so the block does not wait for Sinkhorn); the expand after the join reads them."""
         parts = self.site_input(streams, site, mix)
+        norm = self.attn_norm if site == "attn" else self.ffn_norm
         (pre, post, comb), output = beside(parts.weights, lambda: block(norm(parts.collapse())), streams)
         return expand_streams(output, streams, post, comb, self.ops), pre
 
@@ -99,10 +84,7 @@ class Block(HyperConnectedBlock):
     def forward(
         self, streams: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, batch, inv_freq, self.layer_id)
-
-        def feed_forward(x: torch.Tensor) -> torch.Tensor:
-            return self.ffn(x, input_ids)
-
-        return self.run_sites(streams, attention, feed_forward)[0]
+        """The attention site, then the MoE site; each collapses the streams with its own ``pre``."""
+        streams, _ = self.run_site(streams, "attn", None, lambda x: self.attn(x, batch, inv_freq, self.layer_id))
+        streams, _ = self.run_site(streams, "ffn", None, lambda x: self.ffn(x, input_ids))
+        return streams

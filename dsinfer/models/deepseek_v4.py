@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ConfigError, ModelConfig, SpeculativeConfig
 from dsinfer.kv.batch import PackedBatch
+from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
 from dsinfer.layers.mhc import hyper_head
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import rope_inverse_frequencies
 from dsinfer.models.block import Block
 from dsinfer.models.mtp import MTPLayer
-from dsinfer.ops.registry import OpTable, bind_ops
+from dsinfer.models.served import CachePlan, ServedModel
+from dsinfer.ops.registry import REFERENCE, OpTable, bind_ops, resolve
 
 
 class RopeTables(nn.Module):
@@ -37,9 +39,10 @@ class RopeTables(nn.Module):
         return self.compressed if compress_ratio else self.window
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(ServedModel):
     """What both variants' top level shares: the embedding copied into ``hc_mult`` streams, the scratch cache of
-    an engine-less batch, the op table, and the output head. Subclasses own ``embed``, ``head``, ``mtp``."""
+    an engine-less batch, the op table, the output head, and the routed-experts rule for captured steps.
+    Subclasses own ``embed``, ``head``, ``mtp`` and the rest of the :class:`ServedModel` contract."""
 
     def use_ops(self, ops: OpTable) -> None:
         """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
@@ -55,7 +58,7 @@ class DeepseekModel(nn.Module):
     def ensure_cache(self, batch: PackedBatch) -> None:
         """A batch without an engine cache gets a throw-away one (whole sequences from position 0)."""
         if batch.cache is None:
-            batch.attach_scratch_cache(self.config, self.embed.weight.dtype, with_mtp=len(self.mtp) > 0)
+            batch.attach_scratch_cache(self.scratch_cache(batch.seq_lens, batch.input_ids.device, len(self.mtp) > 0))
 
     def copy_into_streams(self, embedded: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> the ``hc_mult`` residual streams [T, hc_mult, hidden], each a copy."""
@@ -66,6 +69,12 @@ class DeepseekModel(nn.Module):
         if logits_for is not None:
             hidden = hidden[logits_for]
         return self.head(hidden).float()
+
+    def graph_capture_blocker(self, device: torch.device, step_rows: int) -> str | None:
+        """A routed-experts backend that is the reference syncs with the host: no graph can hold it."""
+        if resolve(device, self.embed.weight.dtype).chosen["routed_moe"].name == REFERENCE:
+            return "the routed-experts backend is the reference, which syncs"
+        return None
 
 
 class DeepseekV4(DeepseekModel):
@@ -126,3 +135,39 @@ class DeepseekV4(DeepseekModel):
         if logits_for is not None and logits_for.shape[0] < streams.shape[0]:
             return self.logits(self.final_hidden(streams[logits_for]))
         return self.logits(self.final_hidden(streams), logits_for)
+
+    # ---- the served-model contract -----------------------------------------------------------------------
+    def cache_block_tokens(self, requested: int | None) -> int:
+        """A multiple of every layer's compression ratio (entries never straddle blocks)."""
+        return block_tokens_for(self.config, requested)
+
+    def build_cache(self, plan: CachePlan) -> KVCache:
+        """V4's cache; ``with_drafter`` adds the window rings of the MTP layers."""
+        ratios = attention_layer_ratios(self.config, with_mtp=plan.with_drafter)
+        dtype = self.embed.weight.dtype
+        return KVCache(self.config, ratios, plan.num_slots, plan.num_blocks, plan.block_tokens, dtype, plan.device)
+
+    def forward_for_drafter(
+        self, batch: PackedBatch, logits_for: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of ``logits_for`` (as :meth:`forward` computes them) and the residual streams the MTP layer
+        reads, [T, hc_mult, hidden]."""
+        streams = self.hidden_streams(batch)
+        return self.logits(self.final_hidden(streams), logits_for), streams
+
+    def scratch_cache(self, seq_lens: list[int], device: torch.device | str, with_drafter: bool) -> KVCache:
+        """A throw-away cache just big enough for whole sequences of ``seq_lens`` run from position 0."""
+        return KVCache.scratch(self.config, seq_lens, self.embed.weight.dtype, device, with_drafter)
+
+    def check_speculative_support(self, config: SpeculativeConfig) -> None:
+        """V4 drafts with its MTP layers (``method: mtp``) only."""
+        if config.method == "dspark":
+            raise ConfigError(
+                "speculative_config 'method': 'dspark' drafts with DeepSeek-V4.1's DSpark stages; this is a V4 "
+                "checkpoint (use 'mtp')"
+            )
+        if not len(self.mtp):
+            raise ConfigError(
+                "speculative_config 'method': 'mtp' needs the checkpoint's MTP layers, and this one has none "
+                "(no mtp.* tensors)"
+            )

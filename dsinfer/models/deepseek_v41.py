@@ -24,16 +24,18 @@ Module and parameter names follow the official checkpoint (``layers.L.attn.index
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from dsinfer.config import ModelConfigV41
+from dsinfer.config import ConfigError, EngineConfig, ModelConfigV41, SpeculativeConfig
 from dsinfer.engram.hashing import ENGRAM_DEAD, EngramHasher
 from dsinfer.engram.module import Engram, EngramTableFetcher
 from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch
+from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
 from dsinfer.layers.csa2 import AttentionV41
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
@@ -42,9 +44,12 @@ from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.models.ced import skips_decoder, split_at_decoder
 from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
 from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rings
+from dsinfer.models.served import CachePlan
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.registry import OpTable, resolve
+
+logger = logging.getLogger(__name__)
 
 PREFILL_MODES = ("exact", "bounded")
 DEFAULT_REPLAY_TOKENS = 140  # DeepInfer's choice: the 128-token window plus look-back
@@ -136,14 +141,13 @@ class BlockV41(HyperConnectedBlock):
         if self.layer_id in ctx.captured:
             ctx.captured[self.layer_id] = streams.float().mean(dim=-2).to(streams.dtype)
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
-
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
-
-        def feed_forward(x: torch.Tensor) -> torch.Tensor:
-            return self.ffn(x, ctx.image_mask)
-
-        return self.run_sites(streams, attention, feed_forward, carried_mix=pre_mix)
+        # Staggered mHC: the attention site collapses with the previous site's ``pre``, the MoE site with its own
+        # layer's attention ``pre``, and the MoE site's ``pre`` goes on to the next layer.
+        attention = self.attn
+        streams, attn_pre = self.run_site(
+            streams, "attn", pre_mix, lambda x: attention(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
+        )
+        return self.run_site(streams, "ffn", attn_pre, lambda x: self.ffn(x, ctx.image_mask))
 
     def compress_only(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext) -> None:
         """CED: run only this KV source's compressor over the batch (fills the decoder's global KV)."""
@@ -154,6 +158,8 @@ class BlockV41(HyperConnectedBlock):
 
 
 class DeepseekV41(DeepseekModel):
+    ranks_replay_graphs = False  # a sharded Engram exchange reads sizes on the host
+
     def __init__(self, config: ModelConfigV41, with_mtp: bool = True) -> None:
         super().__init__()
         self.config = config
@@ -343,7 +349,10 @@ class DeepseekV41(DeepseekModel):
         positions)."""
         self.ensure_cache(batch)
         batch.rope_angle_memo.clear()
-        shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
+        if batch.fixed_width is not None:  # a verify step's attention runs column by column: one dict per column
+            shared = [{} for _ in range(batch.fixed_width.width)]
+        else:
+            shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
         ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
         image_id = self.config.image_token_id
         if image_id is not None:
@@ -418,6 +427,99 @@ class DeepseekV41(DeepseekModel):
         decoded_ctx = ctx.sliced(split.decoded, rows)
         streams, pre_mix = self.run_range(streams[rows], pre_mix[rows], decoded_ctx, decoder, len(self.layers))
         return self.logits(self.final_hidden(streams, pre_mix), split.row_in_decoded[logits_for])
+
+    # ---- the served-model contract -----------------------------------------------------------------------
+    def cache_block_tokens(self, requested: int | None) -> int:
+        """A multiple of the KV sources' ratios only (default 64 positions: the ratios are small)."""
+        return block_tokens_for_v41(self.config, requested)
+
+    def build_cache(self, plan: CachePlan) -> KVCacheV41:
+        """V4.1's cache; ``with_drafter`` adds the DSpark rings.
+
+        The trained-in rounding makes every cached value exactly representable in its FP8 / FP4 format, so the
+        cache keeps codes and scales (3.6x fewer bytes per token than bf16); with the rounding off (testing only)
+        it keeps plain values."""
+        return KVCacheV41(
+            self.config, plan.num_slots, plan.num_blocks, plan.block_tokens, self.embed.weight.dtype, plan.device,
+            with_dspark=plan.with_drafter, quantized_storage=self.fake_quantization,
+        )  # fmt: skip
+
+    def scratch_cache(self, seq_lens: list[int], device: torch.device | str, with_drafter: bool) -> KVCacheV41:
+        """A throw-away cache just big enough for whole sequences of ``seq_lens`` run from position 0 (plain
+        values: a forward without an engine is how the tests compare against references)."""
+        return KVCacheV41.scratch(self.config, seq_lens, self.embed.weight.dtype, device, with_drafter)
+
+    def forward_for_drafter(
+        self, batch: PackedBatch, logits_for: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of ``logits_for`` (as :meth:`forward` computes them) and the captured target hiddens
+        [T, targets * hidden] the DSpark stages read."""
+        streams, pre_mix, ctx = self.run_layers(batch, capture=True)
+        targets = torch.cat([ctx.captured[i] for i in self.config.dspark_target_layer_ids], dim=-1)
+        return self.logits(self.final_hidden(streams, pre_mix), logits_for), targets
+
+    def check_speculative_support(self, config: SpeculativeConfig) -> None:
+        """V4.1 drafts with its DSpark stages (``method: dspark``), at most a block of them."""
+        if config.method != "dspark":
+            raise ConfigError(
+                "speculative_config 'method': 'mtp' needs V4's MTP layers; a V4.1 checkpoint drafts with DSpark stages"
+            )
+        if not len(self.mtp):
+            raise ConfigError(
+                "speculative_config 'method': 'dspark' needs the checkpoint's DSpark stages, and this one has none "
+                "(no mtp.* tensors)"
+            )
+        size, k = self.config.dspark_block_size, config.num_speculative_tokens
+        if k > size:
+            raise ConfigError(
+                f"speculative_config 'num_speculative_tokens': {k} exceeds the checkpoint's DSpark block size "
+                f"({size}); a block drafts at most {size} tokens"
+            )
+
+    def graph_capture_blocker(self, device: torch.device, step_rows: int) -> str | None:
+        """V4's rule, and an Engram source whose step-sized fetches run on the device alone."""
+        reason = super().graph_capture_blocker(device, step_rows)
+        if reason is None and self.config.engram_layer_ids:
+            if not self.engram_source().replays_in_graphs(step_rows * self.config.engram_columns):
+                return "the Engram placement reads its rows through the host"
+        return reason
+
+    def bounded_replay_tokens(self, engine: EngineConfig) -> int | None:
+        """The engine's ``v41_replay_tokens`` when prompts prefill bounded (``v41_prefill``; by default when the
+        checkpoint has a CED decoder and nothing drafts), else None."""
+        config, mode = self.config, engine.v41_prefill
+        has_decoder = config.decoder_start is not None
+        if mode is None:
+            mode = "bounded" if has_decoder and engine.speculative_config is None else "exact"
+        replay = f" (replay {engine.v41_replay_tokens})" if mode == "bounded" else ""
+        logger.info("V4.1 prompts prefill %s%s", mode, replay)
+        if mode == "exact":
+            return None
+        if not has_decoder:
+            last = config.kv_source_layer_ids[-1] if config.kv_source_layer_ids else None
+            raise ConfigError(
+                "engine option 'v41_prefill': 'bounded' needs a CED decoder, a last KV source of compress ratio 1; "
+                + (
+                    "this checkpoint has no KV sources"
+                    if last is None
+                    else f"its last KV source, layer {last}, has ratio {config.compress_ratios[last]}"
+                )  # fmt: skip
+            )
+        if engine.speculative_config is not None:
+            raise ConfigError(
+                "engine option 'v41_prefill': 'bounded' cannot run with speculative decoding (the drafts read the "
+                "decoder's hidden states at every prompt position); use 'exact'"
+            )
+        if engine.v41_replay_tokens < config.sliding_window:
+            raise ConfigError(
+                f"engine option 'v41_replay_tokens': must be at least the sliding window ({config.sliding_window}), "
+                f"got {engine.v41_replay_tokens}"
+            )
+        return engine.v41_replay_tokens
+
+    def engram_history_width(self) -> int:
+        """The n-gram look-back: ``engram_max_ngram_size - 1`` tokens (0 without Engram layers)."""
+        return self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
 
     # ---- DSpark ------------------------------------------------------------------------------------
     def dspark_seed(self, batch: PackedBatch, ctx: ForwardContext) -> None:

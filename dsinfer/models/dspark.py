@@ -12,7 +12,7 @@ MoE; staggered mHC as in the backbone), collapses with the last mix, and reads l
 stage's norm and the target's head. A rank-``dspark_markov_rank`` Markov head adds a bias that depends on
 the previously drafted token (so drafting is sequential over the block), and a confidence head scores each
 drafted position from ``[pre-norm hidden, Markov embedding]``. Deciding how many drafts to verify is the
-speculative decoder's job (``dsinfer.spec.dspark``); here the stages are run, batched over sequences
+speculative decoder's job (``dsinfer.speculative.dspark``); here the stages are run, batched over sequences
 (:func:`draft_blocks`, one ring per block).
 
 Follows the MLX port ``thedracle/deepseek-v41-mlx`` (``dspark.py``), which checks itself against
@@ -52,9 +52,8 @@ class DSparkAttention(Attention):
     """Window attention of a draft stage: keys are its ring (target positions) plus the draft block."""
 
     def __init__(self, config: ModelConfigV41, stage: int) -> None:
-        nn.Module.__init__(self)
+        super().__init__(config, compress_ratio=0)  # window only: V4's projections, norms and sinks
         self.stage = stage
-        self._build_projections(config)
 
     def keys(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, quantizer: ActivationQuantizer
@@ -143,10 +142,11 @@ class DSparkStage(HyperConnectedBlock):
         quantizer: ActivationQuantizer,
         ring_visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, positions, ring_keys, inv_freq, quantizer, ring_visible)
-
-        return self.run_sites(streams, attention, self.ffn, carried_mix=pre_mix)
+        """Both sites, staggered as the target's layers are: streams and the mix the next stage collapses with."""
+        streams, attn_pre = self.run_site(
+            streams, "attn", pre_mix, lambda x: self.attn(x, positions, ring_keys, inv_freq, quantizer, ring_visible)
+        )
+        return self.run_site(streams, "ffn", attn_pre, self.ffn)
 
 
 def seed_ring_rows(

@@ -3,7 +3,7 @@
 For position i it combines the target model's residual streams at i (before ``hc_head``) with the
 embedding of token i + 1 (``e_proj(enorm(embed))`` broadcast over the streams plus ``h_proj(hnorm(streams))``),
 runs one full window-only block, collapses with its own ``hc_head`` and norm, and reads logits through the
-target's shared output head. Speculative decoding drives it (:mod:`dsinfer.spec.mtp`).
+target's shared output head. Speculative decoding drives it (:mod:`dsinfer.speculative.mtp`).
 Its block parameters sit directly under ``mtp.N.`` as in the official checkpoint.
 """
 

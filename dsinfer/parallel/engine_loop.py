@@ -24,7 +24,6 @@ from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dummy import build_dummy_model
 from dsinfer.models.loader import load_model
 from dsinfer.parallel.messages import (
@@ -79,8 +78,7 @@ class EngineLoop:
     def close(self) -> None:
         """Stop the engine (a step in flight finishes), then release V4.1's Engram tables."""
         self.engine.close()
-        if isinstance(self.model, DeepseekV41):
-            self.model.close()
+        self.model.close()
 
     def _take_messages(self, timeout: float, report: StepReport) -> bool:
         """Apply what the API process sent; True when anything arrived."""
@@ -162,8 +160,7 @@ class EngineProcessLoop(EngineLoop):
         try:
             engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), spec.engine)
         except BaseException:
-            if isinstance(model, DeepseekV41):
-                model.close()
+            model.close()
             raise
         super().__init__(spec, conn, model, engine)
         self.send_ready("one engine process")

@@ -26,9 +26,9 @@ from multiprocessing.reduction import ForkingPickler
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.outputs import RequestMetrics
-from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.speculative.executor import SpeculativeStats
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,6 @@ class _RankLoop(EngineLoop):
     """One rank of several: its share of the experts, and the per-step agreement with its peers."""
 
     def __init__(self, spec: RankSpec, conn: Connection) -> None:
-        from dsinfer.models.deepseek_v41 import DeepseekV41
         from dsinfer.models.loader import load_model
         from dsinfer.tokenizer import Tokenizer
 
@@ -136,8 +135,8 @@ class _RankLoop(EngineLoop):
         self.dispatcher.attach(model)
         # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
         # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
-        # eagerly, since its sharded Engram exchange reads sizes on the host.
-        eager = spec.engine.enforce_eager or isinstance(model, DeepseekV41)
+        # eagerly, since its sharded Engram exchange reads sizes on the host (the model says: ranks_replay_graphs).
+        eager = spec.engine.enforce_eager or not model.ranks_replay_graphs
         engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager)
         with self.dispatcher.fixed_capacity():  # the only forwards while building are the graph captures
             engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), engine_config)

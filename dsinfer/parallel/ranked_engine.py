@@ -40,7 +40,6 @@ from dsinfer.config import ConfigError, EngineConfig, ModelConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.dp import RequestBalancer
 from dsinfer.parallel.ep import ExpertPlacement
@@ -62,6 +61,7 @@ from dsinfer.parallel.messages import (
 from dsinfer.parallel.rank_main import RANK_AUTHKEY_ENV, rank_main
 from dsinfer.parallel.text import CompletionText
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.speculative.executor import SpeculativeStats
 from dsinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("dsinfer.parallel")

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.engine.speculative import SpeculativeStats
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.metrics import ServerMetrics
+from dsinfer.speculative.executor import SpeculativeStats
 
 log = logging.getLogger("dsinfer.server")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dsinfer.config import EngineConfig, ModelConfigV41
+from dsinfer.config import EngineConfig
 from dsinfer.cpu_threads import apply_cpu_threads, usable_cpus
 from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.hub import is_repo_id
@@ -96,7 +96,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     name = options.served_model_name or _default_served_name(options.model)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
-    variant = "v41" if isinstance(llm.engine.model.config, ModelConfigV41) else "v4"  # prompts as trained
+    variant = llm.engine.model.config.chat_variant  # prompts as trained
     vision = getattr(llm.engine.model.config, "vision", None)
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,

@@ -1,14 +1,14 @@
 """The DSpark drafter: V4.1's draft stages propose the next K tokens of every drafting sequence as one block.
 
 The target forward captures the mean residual streams entering ``dspark_target_layer_ids`` at every position
-(:meth:`~dsinfer.models.deepseek_v41.DeepseekV41.run_layers` with ``capture``). After judging, the stages'
+(:meth:`~dsinfer.models.deepseek_v41.DeepseekV41.forward_for_drafter`). After judging, the stages'
 rings (one ``sliding_window``-slot ring of keys per stage and state slot, in the engine cache) take the
 positions the step kept: prefill chunks whole, verify spans only up to their last accepted draft, so no
 rejected position ever reaches a ring and there is nothing to roll back there. Then every sampled sequence
 drafts one block ``[bonus token, noise, ...]`` after its last kept position, all sequences at once
 (:func:`~dsinfer.models.dspark.draft_blocks`), as the stages were trained (``dsinfer.training.draft_loss``):
 column ``i`` is biased by the Markov head of column ``i - 1``'s draft and the draft is its argmax (a one-hot
-draft distribution for :mod:`dsinfer.spec.rejection`), so drafting is sequential over the block.
+draft distribution for :mod:`dsinfer.speculative.rejection`), so drafting is sequential over the block.
 
 **How many drafts are verified.** K = ``num_speculative_tokens`` (at most ``dspark_block_size``) columns are
 drafted. With ``confidence_threshold`` t > 0, only the leading drafts whose confidence ``sigmoid(c_i) >= t``
@@ -17,7 +17,7 @@ predict that every draft up to column i is right, so ``sigmoid(c_i)`` estimates 
 draft i adds a token. t = 0 (the default) verifies all K. Either way verification is exact: greedy requests get
 plain decoding's tokens, sampled ones the target distribution.
 
-A fixed-width verify step (:mod:`dsinfer.spec.verify_forward`, what a CUDA graph replays) seeds and drafts from
+A fixed-width verify step (:mod:`dsinfer.kv.fixed_width`, what a CUDA graph replays) seeds and drafts from
 device tensors alone (:meth:`DSparkDrafter.draft_fixed`): every column of the step is seeded, a sequence's
 rejected columns into the cache's spare slot, so its rings again hold kept positions only.
 """
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.kv.batch import PackedBatch, host_to_device
+from dsinfer.kv.batch import host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.dspark import draft_blocks, seed_ring_rows
-from dsinfer.spec.drafting import DraftInput
-from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal, verify_layers_v41
+from dsinfer.speculative.drafting import DraftInput
 
 
 def verified_draft_counts(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -59,14 +59,6 @@ class DSparkDrafter:
         self.confidence_threshold = confidence_threshold
         self.window = cfg.sliding_window
 
-    def target_forward(self, batch: PackedBatch, sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits of ``sample_rows`` (as its plain forward computes them) and the captured target
-        hiddens [T, targets * hidden] the stages read."""
-        model = self.model
-        streams, pre_mix, ctx = model.run_layers(batch, capture=True)
-        targets = torch.cat([ctx.captured[i] for i in model.config.dspark_target_layer_ids], dim=-1)
-        return model.logits(model.final_hidden(streams, pre_mix), sample_rows), targets
-
     @torch.inference_mode()
     def draft(self, inputs: DraftInput) -> list[list[int]]:
         """Seed the rings with the kept positions, then draft a block for each drafting span."""
@@ -83,13 +75,6 @@ class DSparkDrafter:
         counts = verified_draft_counts(blocks.confidence, self.confidence_threshold)
         drafts = torch.cat([blocks.tokens, counts[:, None]], dim=1).tolist()  # one host read for both
         return [row[: row[-1]] for row in drafts]
-
-    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits of every row [B * width, vocab] and the captured target hiddens (fixed width)."""
-        model = self.model
-        streams, pre_mix, ctx = verify_layers_v41(model, batch, journal, capture=True)
-        targets = torch.cat([ctx.captured[i] for i in model.config.dspark_target_layer_ids], dim=-1)
-        return model.logits(model.final_hidden(streams, pre_mix)), targets
 
     def draft_fixed(
         self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor

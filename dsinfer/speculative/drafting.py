@@ -1,12 +1,12 @@
-"""What every drafter shares: the target forward it needs, the kept positions it reads, the drafts it returns.
+"""What every drafter shares: the kept positions it reads and the drafts it returns.
 
-A step's target forward runs through the drafter (:meth:`Drafter.target_forward`), which keeps what it reads of
-the target at every position: V4's MTP layer the residual streams, V4.1's DSpark stages the mean streams
+A step's target forward keeps what the drafter reads of the target at every position
+(``ServedModel.forward_for_drafter``): V4's MTP layer the residual streams, V4.1's DSpark stages the mean streams
 entering ``dspark_target_layer_ids``. After judging, the engine hands back the positions each span kept
 (:class:`DraftInput`) and the drafter proposes the next tokens of every sampled sequence.
 
 Verify steps of fixed width (every sequence its last token and ``num_tokens`` drafts, what a CUDA graph
-replays) have a static-shape form of both: :meth:`Drafter.verify_forward` and :meth:`Drafter.draft_fixed`, from
+replays) have a static-shape form of both: ``ServedModel.verify_forward`` and :meth:`Drafter.draft_fixed`, from
 device tensors alone.
 """
 
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from dsinfer.kv.batch import PackedBatch, SequenceSpan
+from dsinfer.kv.batch import SequenceSpan
 
 if TYPE_CHECKING:
-    from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal
+    from dsinfer.kv.fixed_width import FixedWidthBatch
+    from dsinfer.models.served import ServedModel
 
 
 @dataclass
@@ -43,16 +44,11 @@ class DraftInput:
 
 
 class Drafter(Protocol):
+    model: ServedModel  # the target, whose forwards keep what the drafter reads
     num_tokens: int
-
-    def target_forward(self, batch: PackedBatch, sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's float32 logits of ``sample_rows`` and the features the drafter reads, [T, ...]."""
 
     def draft(self, inputs: DraftInput) -> list[list[int]]:
         """Update the drafter's state from the kept positions; up to ``num_tokens`` drafts per drafting span."""
-
-    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's float32 logits of every row [B * width, vocab] and the features the drafter reads."""
 
     def draft_fixed(
         self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor

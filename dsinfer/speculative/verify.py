@@ -3,7 +3,7 @@
 A sequence's rows (its last token's, then one per draft) are judged as if the earlier drafts were already part
 of its output. Most sequences need nothing from the host between their rows, so they are judged together in
 one device computation (:func:`judge_batched`): ``min_tokens`` masks known from the host's lengths, greedy rows
-matched against the argmax, sampled rows through :func:`~dsinfer.spec.rejection.accept_argmax_drafts` with
+matched against the argmax, sampled rows through :func:`~dsinfer.speculative.rejection.accept_argmax_drafts` with
 counter-based uniforms and noise keyed by each request's seed and output position (seeded replay, batch
 invariance; the correction or bonus token gets the noise plain decoding draws at its position), logprobs of the
 emitted tokens; the whole step's result then comes to the host in one read. Sequences with a grammar or
@@ -29,7 +29,7 @@ from dsinfer.engine.sampler import (
 )
 from dsinfer.engine.sampling_noise import exponentials, key_tensor
 from dsinfer.kv.batch import host_to_device
-from dsinfer.spec.rejection import accept_argmax_drafts, final_distribution, greedy_accept, num_accepted
+from dsinfer.speculative.rejection import accept_argmax_drafts, final_distribution, greedy_accept, num_accepted
 
 
 @dataclass

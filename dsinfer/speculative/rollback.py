@@ -12,7 +12,7 @@ device value is read on the host):
 * **compressor state** (V4's main and indexer compressors, V4.1's KV sources): the unfinished window and, for
   overlapping (V4 CSA) compressors, the last complete window are rebuilt from the projected values and gates
   the forward recorded in the span's journal (:meth:`~dsinfer.layers.compressor.Compressor.latents`), cut at
-  the accepted length; a fixed-width verify forward (:mod:`dsinfer.spec.verify_forward`) hands the same
+  the accepted length; a fixed-width verify forward (:mod:`dsinfer.kv.fixed_width`) hands the same
   records over as one padded tensor per compressor (:class:`PaddedJournal`). V4.1's ratio-1 sources keep no
   such state.
 * **compressed entries** (V4.1: also the index keys, and their scales when quantized) of windows that only
@@ -22,14 +22,13 @@ device value is read on the host):
   context before the span and the accepted tokens.
 
 V4.1's DSpark rings need nothing here: the drafter writes them only after judging, from the kept positions
-(:mod:`dsinfer.spec.dspark`). Blocks past the accepted tokens go back to the pool on the engine side
+(:mod:`dsinfer.speculative.dspark`). Blocks past the accepted tokens go back to the pool on the engine side
 (``BlockManager.trim``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,17 +37,7 @@ from dsinfer.engram.hashing import ENGRAM_DEAD, EngramHasher
 from dsinfer.kv.batch import SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.cache_v41 import KVCacheV41
-
-
-@dataclass
-class CompressorTensors:
-    """One compressor's state, whichever cache holds it."""
-
-    journal_key: object  # the state object the compressor names in the span's journal
-    ratio: int
-    pending: tuple[torch.Tensor, torch.Tensor] | None  # unfinished window [slots, ratio, width]; None: ratio 1
-    previous: tuple[torch.Tensor, torch.Tensor] | None  # overlapping only: the last complete window
-    entries: list[torch.Tensor]  # [blocks, block_tokens // ratio, ...]: entries, index keys, their scales
+from dsinfer.kv.compressor_state import CompressorTensors
 
 
 @dataclass
@@ -98,24 +87,6 @@ def _ring_tensors(cache: KVCache | KVCacheV41, num_layers: int) -> list[torch.Te
     return rings
 
 
-def _compressor_tensors(cache: KVCache | KVCacheV41, num_layers: int) -> Iterator[CompressorTensors]:
-    if isinstance(cache, KVCacheV41):
-        for layer in cache.layers[:num_layers]:
-            source = layer.source
-            if source is None:
-                continue
-            pending = None if source.pending_values is None else (source.pending_values, source.pending_gates)
-            stored = (source.entries, source.index_keys, source.entry_scales, source.index_key_scales)
-            yield CompressorTensors(source, source.ratio, pending, None, [t for t in stored if t is not None])
-        return
-    for layer in cache.layers[:num_layers]:
-        for compressor in (layer.compressor, layer.indexer):
-            if compressor is not None:
-                previous = (compressor.previous_values, compressor.previous_gates) if compressor.overlap else None
-                pending = (compressor.pending_values, compressor.pending_gates)
-                yield CompressorTensors(compressor, compressor.ratio, pending, previous, [compressor.entries])
-
-
 def _entries_written(spans: list[SequenceSpan], ratio: int) -> list[range]:
     """Per span, the entries a forward over it may write: those of the windows it can complete."""
     return [range(span.start // ratio, (span.start + span.length) // ratio) for span in spans]
@@ -141,7 +112,7 @@ class CacheRollback:
     def __init__(self, cache: KVCache | KVCacheV41, num_layers: int, engram_hasher: EngramHasher | None = None):
         self.cache, self.num_layers = cache, num_layers
         self.rings = _ring_tensors(cache, num_layers)
-        self.compressors = list(_compressor_tensors(cache, num_layers))
+        self.compressors = list(cache.rollback_compressors(num_layers))
         history = getattr(cache, "engram_history", None)
         self.engram_history = history if engram_hasher is not None and history is not None else None
         self.engram_hasher = engram_hasher

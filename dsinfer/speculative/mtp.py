@@ -6,9 +6,9 @@ the layer's own window ring current, and the last row of each sampled sequence d
 drafts chain the layer on its own output streams, one position at a time (vLLM's and SGLang's way when a
 checkpoint has fewer MTP layers than drafts). Those chained positions are written into the layer's ring for
 the later chain steps to attend to and put back afterwards: the next step runs them again with the target's
-streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.spec.rejection`).
+streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.speculative.rejection`).
 
-A fixed-width verify step (:mod:`dsinfer.spec.verify_forward`, what a CUDA graph replays) drafts the same way
+A fixed-width verify step (:mod:`dsinfer.kv.fixed_width`, what a CUDA graph replays) drafts the same way
 from device tensors alone (:meth:`MTPDrafter.draft_fixed`): the layer runs every column of the step, a
 sequence's rejected columns in the cache's spare slot (so only kept positions reach its ring), and the chain
 starts from each sequence's last kept column.
@@ -22,9 +22,9 @@ import torch
 
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
+from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4
-from dsinfer.spec.drafting import DraftInput
-from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal, attention_by_columns, verify_streams_v4
+from dsinfer.speculative.drafting import DraftInput
 
 
 class MTPDrafter:
@@ -37,11 +37,6 @@ class MTPDrafter:
         self.layer = model.mtp[0]
         if len(cache.layers) <= self.layer.layer_id:
             raise ValueError("the engine cache has no window ring for the MTP layer (build it with_mtp)")
-
-    def target_forward(self, batch: PackedBatch, sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits of ``sample_rows`` (as its plain forward computes them) and its residual streams."""
-        streams = self.model.hidden_streams(batch)
-        return self.model.logits(self.model.final_hidden(streams), sample_rows), streams
 
     @torch.inference_mode()
     def draft(self, inputs: DraftInput) -> list[list[int]]:
@@ -77,11 +72,6 @@ class MTPDrafter:
             ring[written] = saved
         return torch.stack(drafts, dim=1).tolist()  # the drafter's one host read
 
-    def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits of every row [B * width, vocab] and its residual streams (fixed width, no host data)."""
-        streams = verify_streams_v4(self.model, batch, journal)
-        return self.model.logits(self.model.final_hidden(streams)), streams
-
     def draft_fixed(
         self, batch: FixedWidthBatch, features: torch.Tensor, next_token_ids: torch.Tensor, kept: torch.Tensor
     ) -> torch.Tensor:
@@ -97,12 +87,8 @@ class MTPDrafter:
         drafting = replace(batch, input_ids=next_token_ids,
                            row_slots=torch.where(kept_columns, batch.slots[:, None], batch.spare_slot))  # fmt: skip
         ids = next_token_ids.flatten()
-        streams = layer.e_proj(layer.enorm(model.embed(ids))).unsqueeze(1) + layer.h_proj(layer.hnorm(features))
-
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return attention_by_columns(layer.attn, layer.layer_id, x, drafting, window, None)
-
-        streams = layer.run_sites(streams, attention, lambda x: layer.ffn(x, ids))[0]  # ``draft_streams``, by rows
+        # Per-token work over all rows, the attention column by column (a window-only layer: no journal).
+        streams = layer.draft_streams(features, model.embed(ids), ids, drafting.packed(), window)
         sequences = torch.arange(size, device=kept.device)
         streams = streams.reshape(size, batch.width, *streams.shape[1:])[sequences, kept - 1]
         token = model.head(layer.collapse(streams)).float().argmax(-1)

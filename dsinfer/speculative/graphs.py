@@ -2,15 +2,15 @@
 
 A verify step in which every sequence decodes (its last token and at most K drafts, no prefill chunk beside it)
 has a fixed shape once each sequence is given exactly K + 1 positions: the target's verify forward
-(:mod:`dsinfer.spec.verify_forward`) and the drafter's next drafts (``Drafter.draft_fixed``) then run from device
+(``ServedModel.verify_forward``) and the drafter's next drafts (``Drafter.draft_fixed``) then run from device
 tensors alone, so each is recorded once per bucket, as plain decode steps are
 (:mod:`dsinfer.engine.decode_graphs`), and replayed. A step of ``B`` sequences runs in the smallest bucket
 ``>= B``: the rows past ``B`` are padding that runs in the cache's spare slot against the trash block, and a
 sequence with fewer than K drafts gets filler drafts that are never judged and always rolled back (their entries
 of blocks it does not own go to the trash block, through block tables padded with it).
 
-Between the two graphs the host judges the drafts (:mod:`dsinfer.engine.spec_verify`, from the verify graph's
-logits) and rolls back rejected positions (:mod:`dsinfer.spec.rollback`, from the snapshot taken before the
+Between the two graphs the host judges the drafts (:mod:`dsinfer.speculative.verify`, from the verify graph's
+logits) and rolls back rejected positions (:mod:`dsinfer.speculative.rollback`, from the snapshot taken before the
 replay and the padded journal the verify graph writes). Static buffers hold the step's inputs (one copy from
 the host per graph) and every output (logits, what the drafter reads, the journal, the drafts), shared by all
 buckets. Without capture (``capture=False``: CPU, tests) the same buffers and padding run eagerly.
@@ -26,9 +26,9 @@ import torch
 
 from dsinfer.engine.decode_graphs import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
-from dsinfer.spec.drafting import Drafter
-from dsinfer.spec.rollback import PaddedJournal
-from dsinfer.spec.verify_forward import FixedWidthBatch, PendingJournal
+from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
+from dsinfer.speculative.drafting import Drafter
+from dsinfer.speculative.rollback import PaddedJournal
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class SpecGraphs:
     def _verify_forward(self, size: int) -> None:
         batch = self._batch(size)
         journal = PendingJournal(batch)
-        logits, features = self.drafter.verify_forward(batch, journal)
+        logits, features = self.drafter.model.verify_forward(batch, journal)
         rows = size * self.width
         if self.logits is None:  # the first forward (the largest bucket's warm-up on CUDA) sizes the outputs
             largest = self.sizes[-1]

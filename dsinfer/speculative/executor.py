@@ -3,24 +3,25 @@
 A step whose sequences carry drafts (``Sequence.draft_token_ids``, scheduled behind their last token) runs here
 instead of the plain forward + sampler:
 
-1. the target forward over the whole packed batch (prefill chunks of other requests included) through the
-   drafter, which keeps what it reads of the target (V4: the residual streams; V4.1: the captured target-layer
-   hiddens); verify spans record their compressor updates and are snapshotted first, all spans at once;
-2. each sampled sequence's rows are judged (:mod:`dsinfer.engine.spec_verify`) with ``min_tokens``, penalties
+1. the target forward over the whole packed batch (prefill chunks of other requests included), keeping what the
+   drafter reads of the target (``ServedModel.forward_for_drafter``; V4: the residual streams; V4.1: the
+   captured target-layer hiddens); verify spans record their compressor updates and are snapshotted first,
+   all spans at once;
+2. each sampled sequence's rows are judged (:mod:`dsinfer.speculative.verify`) with ``min_tokens``, penalties
    and the grammar applied as if the earlier drafts were already part of the output; greedy rows accept drafts
-   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.spec.rejection`) with counter-based
+   equal to the argmax, sampled rows use rejection sampling (:mod:`dsinfer.speculative.rejection`) with counter-based
    randomness keyed by the request's seed and output position (seeded replay, batch invariance); sequences
    without drafts draw exactly what plain decoding draws. Sequences without a grammar or penalties are judged
    together in one device computation and read back in one host read; the others one at a time;
-3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.spec.rollback`);
+3. the cache writes of rejected positions are undone, every verify span at once (:mod:`dsinfer.speculative.rollback`);
 4. the drafter reads every kept position and drafts the next tokens of every sequence in one pass: V4's MTP
-   layer (:mod:`dsinfer.spec.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.spec.dspark`,
+   layer (:mod:`dsinfer.speculative.mtp`, ``method: mtp``) or V4.1's DSpark stages (:mod:`dsinfer.speculative.dspark`,
    ``method: dspark``), whose drafts come back in one more host read.
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 
 A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs its forward and
-its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.engine.spec_graphs`; the same static
+its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static
 buffers run eagerly on the CPU when ``cuda_graph_sizes`` are given): snapshot, verify replay, judge, rollback,
 draft replay. Any other step takes the eager path above.
 """
@@ -35,20 +36,19 @@ import torch
 
 from dsinfer.config import SpeculativeConfig
 from dsinfer.engine.sampler import Sampler, SamplingState
-from dsinfer.engine.spec_graphs import SpecGraphs
-from dsinfer.engine.spec_verify import (
+from dsinfer.kv.batch import SequenceSpan, host_to_device
+from dsinfer.speculative.drafting import Drafter, DraftInput
+from dsinfer.speculative.dspark import DSparkDrafter
+from dsinfer.speculative.graphs import SpecGraphs
+from dsinfer.speculative.mtp import MTPDrafter
+from dsinfer.speculative.rollback import CacheRollback
+from dsinfer.speculative.verify import (
     SpeculativeOutput,
     judge_batched,
     needs_own_pass,
     speculative_output,
     verify_sequence,
 )
-from dsinfer.kv.batch import SequenceSpan, host_to_device
-from dsinfer.models.deepseek_v41 import DeepseekV41
-from dsinfer.spec.drafting import Drafter, DraftInput
-from dsinfer.spec.dspark import DSparkDrafter
-from dsinfer.spec.mtp import MTPDrafter
-from dsinfer.spec.rollback import CacheRollback
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner
@@ -108,8 +108,7 @@ class SpeculativeExecutor:
     def __init__(self, runner: ModelRunner, sampler: Sampler, config: SpeculativeConfig) -> None:
         self.runner, self.model, self.cache, self.sampler = runner, runner.model, runner.cache, sampler
         self.drafter = build_drafter(self.model, self.cache, config)
-        hasher = self.model.engram_hasher if isinstance(self.model, DeepseekV41) else None
-        self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, hasher)
+        self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, self.model.engram_hasher)
         self.steps = self.graphed_steps = 0  # steps run here since start, and those the graphs served
         self.graphs: SpecGraphs | None = None
         if runner.graph_sizes is not None:
@@ -141,7 +140,7 @@ class SpeculativeExecutor:
                 if self.rollback.engram_history is not None:
                     tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
                 snapshot = self.rollback.snapshot_spans([step.spans[i] for i in verifying], tokens)
-            logits, target_hidden = self.drafter.target_forward(batch, step.sample_rows)
+            logits, target_hidden = self.model.forward_for_drafter(batch, step.sample_rows)
         outputs = self._judge(logits, plan, states)
         with torch.inference_mode():
             self._roll_back_and_draft(step, target_hidden, plan, outputs, verifying, snapshot)

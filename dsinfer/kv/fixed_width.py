@@ -1,0 +1,138 @@
+"""Verify steps of fixed width: every sequence its last token and K drafts, as device tensors alone.
+
+A verify step runs every sequence's last token and its drafts: ``width`` = K + 1 positions per sequence, the
+same for all of them (:class:`FixedWidthBatch`). The model runs everything that is per token (embedding,
+projections, mHC, MoE, Engram, the head) once over all ``B * width`` rows, and the attention column by column:
+column ``j`` holds position ``start + j`` of every sequence and runs through the attention's own decode path
+(ring write, compressors, indexer, the decode op), so each position sees the ring and the unfinished windows
+exactly as a plain decode step of that position would. No shape depends on a device value and no metadata is
+built on the host, so the whole forward can be captured once per batch bucket and replayed.
+
+Rollback needs what every compressor's unfinished window held before the step and what each column added to
+it: :class:`PendingJournal` gathers both into one padded tensor per compressor (the records of the rollback's
+padded journal: the eager path's per-span journal at fixed width).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
+from dsinfer.kv.cache_v4 import KVCache
+from dsinfer.kv.cache_v41 import KVCacheV41
+
+
+@dataclass
+class FixedWidthBatch:
+    """``B`` sequences of exactly ``width`` new positions each (consecutive from ``starts``), as device tensors.
+
+    Rows past the real sequences are padding: the spare slot, start 0, block tables of the trash block only,
+    so they touch nothing a sequence owns. ``row_slots`` gives each position its own slot (a drafter runs a
+    sequence's rejected positions in the spare slot); None: every position in its sequence's slot."""
+
+    input_ids: torch.Tensor  # [B, width]
+    starts: torch.Tensor  # [B] position of each sequence's first new token
+    slots: torch.Tensor  # [B]
+    window_from: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, table_width], padded with the trash block
+    cache: KVCache | KVCacheV41
+    spare_slot: int
+    row_slots: torch.Tensor | None = None  # [B, width]
+    positions: torch.Tensor = field(init=False)  # [B, width]
+    # Each column contiguous, as kernels read their index tensors: [width, B].
+    column_positions: torch.Tensor = field(init=False)
+    column_ids: torch.Tensor = field(init=False)
+    column_slots: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
+        self.column_positions = self.positions.t().contiguous()
+        self.column_ids = self.input_ids.t().contiguous()
+        self.column_slots = None if self.row_slots is None else self.row_slots.t().contiguous()
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def packed(self, journal: PendingJournal | None = None) -> PackedBatch:
+        """The whole batch as a packed batch (sequence after sequence) with its device spans; the host spans say
+        only the lengths, which is all the model's per-token code reads of them. The packed batch names this one
+        (``fixed_width``), so its attention runs column by column, recording compressor updates in ``journal``
+        (None: only window-only layers run, as in an MTP draft)."""
+        size, width = self.size, self.width
+        spans = [SequenceSpan(0, width, self.spare_slot, []) for _ in range(size)]
+        batch = PackedBatch(self.input_ids.flatten(), self.positions.flatten(), spans, self.cache)
+        last_rows = torch.arange(size, device=self.starts.device) * width + width - 1
+        batch._device_spans = DeviceSpans(self.slots, self.starts, self.window_from, self.block_tables, last_rows)
+        batch.fixed_width, batch.column_journal = self, journal
+        return batch
+
+    def column(self, index: int) -> PackedBatch:
+        """Column ``index`` (position ``start + index`` of every sequence) as a decode-shaped batch."""
+        slots = self.slots if self.column_slots is None else self.column_slots[index]
+        return self.decode_batch(self.column_positions[index], self.column_ids[index], slots)
+
+    def decode_batch(
+        self, positions: torch.Tensor, input_ids: torch.Tensor, slots: torch.Tensor | None = None
+    ) -> PackedBatch:
+        """A decode-shaped batch of the same sequences: one position each (``positions`` [B]), in ``slots``
+        (default: their own)."""
+        spans = [SequenceSpan(0, 1, self.spare_slot, []) for _ in range(self.size)]
+        batch = PackedBatch(input_ids, positions, spans, self.cache)
+        rows = torch.arange(self.size, device=positions.device)
+        slots = self.slots if slots is None else slots
+        batch._device_spans = DeviceSpans(slots, positions, self.window_from, self.block_tables, rows)
+        return batch
+
+    def columns(self, rows: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor [B * width, ...] as [width, B, ...]: column ``j`` contiguous."""
+        return rows.view(self.size, self.width, *rows.shape[1:]).transpose(0, 1).contiguous()
+
+    def rows(self, columns: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`columns`: [width, B, ...] back to [B * width, ...], sequence after sequence."""
+        return columns.transpose(0, 1).reshape(-1, *columns.shape[2:])
+
+
+class PendingJournal:
+    """Each compressor's unfinished window before the step and every column's addition to it, joined per sequence
+    into the record rollback reads: positions from the first of the window the span starts in through its end."""
+
+    def __init__(self, batch: FixedWidthBatch) -> None:
+        self.batch = batch
+        self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def before(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The unfinished windows of the batch's slots [B, ratio, width] (before the layer's columns run)."""
+        slots = self.batch.slots
+        return [(state.pending_values[slots], state.pending_gates[slots]) for state in states]
+
+    def column(self, states: list, column: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What column ``column`` wrote into each unfinished window [B, width] (its position's row)."""
+        slots, positions = self.batch.slots, self.batch.column_positions[column]
+        rows = []
+        for state in states:
+            offsets = positions % state.ratio
+            rows.append((state.pending_values[slots, offsets], state.pending_gates[slots, offsets]))
+        return rows
+
+    def close(self, states: list, before: list, written: list[list]) -> None:
+        """Join each state's window before the step with the columns' rows [B, ratio - 1 + width, width]."""
+        batch = self.batch
+        for index, state in enumerate(states):
+            ratio = state.ratio
+            offset = (batch.starts % ratio)[:, None]  # rows of the window before the span's first position
+            length = ratio - 1 + batch.width
+            place = torch.arange(length, device=offset.device)[None, :]
+            source = torch.where(place < offset, place, ratio + place - offset).clamp(max=ratio + batch.width - 1)
+            joined = []
+            for part in range(2):
+                columns = torch.stack([rows[index][part] for rows in written], dim=1)
+                both = torch.cat([before[index][part], columns], dim=1)
+                joined.append(both.gather(1, source[..., None].expand(-1, -1, both.shape[-1])))
+            self.records[id(state)] = (joined[0], joined[1])
