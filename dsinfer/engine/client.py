@@ -41,13 +41,8 @@ class EngineLoad:
 class EngineClient(Protocol):
     """The calls every engine answers. Bad input to ``add_request`` raises ``ValueError`` and changes nothing."""
 
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        images: list | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, images: list | None = None) -> str:  # fmt: skip
         """Queue a request (a prompt as text or token ids); returns its id."""
         ...
 

@@ -108,13 +108,8 @@ class LLMEngine:
         self._grammar_compiler = None  # built on the first structured-output request
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        images: list | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, images: list | None = None) -> str:  # fmt: skip
         """Queue a request; validates it first (bad input raises ``ValueError`` and changes nothing).
 
         ``images`` (V4.1 with a vision tower): :class:`~dsinfer.images.inputs.ImageInput` placed on spans of
