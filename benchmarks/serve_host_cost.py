@@ -98,7 +98,7 @@ def bare_ranked_engine(tokenizer: Tokenizer, model_config: ModelConfig, config: 
     engine.__dict__.update(
         tokenizer=tokenizer, config=config, parallel=SimpleNamespace(is_multi_rank=False, world_size=1),
         model=ranked_engine._ModelInfo(model_config), max_model_len=max_model_len,
-        checker=RequestChecker(tokenizer, model_config, model_config.vocab_size, max_model_len),
+        checker=RequestChecker(tokenizer, model_config, max_model_len),
         _tracked={}, _loads={0: ranked_engine.RankLoad(num_blocks=1 << 20)}, failure=None, _closing=False,
         _inbox=__import__("queue").SimpleQueue(), _conns={0: conn}, _writers={0: ranked_engine.FrameWriter(conn)},
         _processes={}, _receiver=None, _attached=None,

@@ -100,8 +100,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
         hasher = getattr(model, "engram_hasher", None)  # V4.1: the Engram hash maps only its vocabulary
-        vocab = model.config.vocab_size if hasher is None else min(model.config.vocab_size, hasher.vocab_size)
-        self.checker = RequestChecker(tokenizer, model.config, vocab, self.max_model_len)
+        self.checker = RequestChecker(tokenizer, model.config, self.max_model_len, hasher)
         # Overlap scheduling: steps handed over before the host read the running step's tokens, fed them on the device.
         self.steps_fed_on_device = 0
         self.last_step: StepStats | None = None

@@ -28,12 +28,22 @@ class CheckedRequest:
 class RequestChecker:
     """Checks requests against one model: its vocabulary, its vision tower, the context length.
 
-    ``vocab_size``: the token ids a prompt may hold (V4.1: no more than its Engram hash maps)."""
+    ``engram_vocabulary`` (V4.1): what its Engram hash maps (anything with a ``vocab_size``, read at each check):
+    prompt ids must lie in it too, as the forward does not range-check ids (that would read them on the host)."""
 
-    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, vocab_size: int, max_model_len: int) -> None:
-        self.tokenizer, self.model_config = tokenizer, model_config
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+    def __init__(
+        self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int, engram_vocabulary=None
+    ) -> None:
+        self.tokenizer, self.model_config, self.max_model_len = tokenizer, model_config, max_model_len
+        self.engram_vocabulary = engram_vocabulary
         self._ids = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        """The token ids a prompt may hold: the model's, no more than its Engram hash maps."""
+        if self.engram_vocabulary is None:
+            return self.model_config.vocab_size
+        return min(self.model_config.vocab_size, self.engram_vocabulary.vocab_size)
 
     def check(
         self,

@@ -87,6 +87,13 @@ def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: En
 
 
 @dataclass
+class _EngramVocabulary:
+    """What the prompt check reads of V4.1's Engram hasher (it lives in the ranks): the token ids it maps."""
+
+    vocab_size: int
+
+
+@dataclass
 class _ModelInfo:
     """The model as the API process knows it (its weights live in the ranks)."""
 
@@ -164,10 +171,8 @@ class RankedEngine:
         self._loads.update({r.rank: RankLoad(num_blocks=r.num_blocks) for r in ready})
         # Every message to a rank goes through its writer: never lost on a full pipe, never blocking an attached loop.
         self._writers = {rank: FrameWriter(conn) for rank, conn in self._conns.items()}
-        vocab = model_config.vocab_size  # V4.1: the Engram hash maps only its vocabulary
-        if first.engram_vocab_size is not None:
-            vocab = min(vocab, first.engram_vocab_size)
-        self.checker = RequestChecker(tokenizer, model_config, vocab, self.max_model_len)
+        engram = None if first.engram_vocab_size is None else _EngramVocabulary(first.engram_vocab_size)
+        self.checker = RequestChecker(tokenizer, model_config, self.max_model_len, engram)
         self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
         # Reports are read by a receiver thread (``step``) or in an asyncio event loop (``attach``), never both.
         self._receiver: threading.Thread | None = None
