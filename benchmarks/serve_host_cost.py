@@ -71,6 +71,7 @@ import host_step  # noqa: E402  (constant_forward, the engine-process hook)
 
 from dsinfer.config import EngineConfig, ModelConfig  # noqa: E402
 from dsinfer.engine.engine import LLMEngine  # noqa: E402
+from dsinfer.engine.request_check import RequestChecker  # noqa: E402
 from dsinfer.models.loader import load_model  # noqa: E402
 from dsinfer.models.tiny import make_tiny_checkpoint  # noqa: E402
 from dsinfer.parallel import ranked_engine  # noqa: E402
@@ -93,14 +94,14 @@ def bare_ranked_engine(tokenizer: Tokenizer, model_config: ModelConfig, config: 
     """A :class:`RankedEngine` whose one rank is the other end of ``conn`` (no process is started): the API
     process's code as it is, fed by whatever writes into the pipe."""
     engine = ranked_engine.RankedEngine.__new__(ranked_engine.RankedEngine)
-    loads = ranked_engine._Loads()
-    loads.loads[0] = ranked_engine.RankLoad(num_blocks=1 << 20)
+    max_model_len = config.resolved_max_model_len(model_config)
     engine.__dict__.update(
         tokenizer=tokenizer, config=config, parallel=SimpleNamespace(is_multi_rank=False, world_size=1),
-        model=ranked_engine._ModelInfo(model_config), max_model_len=config.resolved_max_model_len(model_config),
-        requests={}, _tracked={}, _loads=loads, scheduler=ranked_engine._SchedulerView(loads),
-        blocks=ranked_engine._BlocksView(loads), failure=None, _closing=False, _inbox=__import__("queue").SimpleQueue(),
-        _ids=0, _conns={0: conn}, _processes={}, _receiver=None, _attached=None,
+        model=ranked_engine._ModelInfo(model_config), max_model_len=max_model_len,
+        checker=RequestChecker(tokenizer, model_config, max_model_len),
+        _tracked={}, _loads={0: ranked_engine.RankLoad(num_blocks=1 << 20)}, failure=None, _closing=False,
+        _inbox=__import__("queue").SimpleQueue(), _conns={0: conn}, _writers={0: ranked_engine.FrameWriter(conn)},
+        _processes={}, _receiver=None, _attached=None,
         balancer=ranked_engine.RequestBalancer(1, 64, config.step_token_budget),
     )  # fmt: skip
     return engine

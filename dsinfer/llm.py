@@ -148,6 +148,6 @@ class LLM:
         """The chat format of this checkpoint (V4.1 prompts for V4.1 checkpoints), built on first use."""
         if self._chat_format is None:
             config = self.model.config if self.model is not None else ModelConfig.from_file(self.model_dir)
-            variant = config.chat_variant
+            variant = config.family
             self._chat_format = ChatFormat(self.tokenizer, variant, "offline")
         return self._chat_format

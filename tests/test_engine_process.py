@@ -81,7 +81,7 @@ def test_stop_strings_are_found_in_the_api_process_as_in_process(tiny_checkpoint
         llm.engine._send = lambda rank, message: (sent.append(message), send(rank, message))
         got = [llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs for params in cases]
         deadline = time.monotonic() + 10  # a stop string's abort reaches the engine process after the last report
-        while llm.engine.scheduler.running or llm.engine.blocks.num_used:
+        while llm.engine.load().running or llm.engine.load().blocks_used:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert not llm.engine.requests
@@ -123,7 +123,7 @@ def test_a_client_that_leaves_frees_its_request_in_the_engine_process(served):
     for index, _ in enumerate(stream):
         if index == 3:  # the engine process's counters reach /metrics while it runs
             assert metric_value(base, "dsinfer:num_requests_running") == 1
-            assert engine.engine.blocks.num_blocks > 0
+            assert engine.engine.load().num_blocks > 0
             break
     stream.close()
     deadline = time.monotonic() + 10
@@ -131,7 +131,7 @@ def test_a_client_that_leaves_frees_its_request_in_the_engine_process(served):
     while any(metric_value(base, f"dsinfer:{g}") for g in gauges) or engine.engine.requests:
         assert time.monotonic() < deadline, {g: metric_value(base, f"dsinfer:{g}") for g in gauges}
         time.sleep(0.02)
-    assert engine.engine.blocks.num_used == 0 and not engine.engine.scheduler.running
+    assert engine.engine.load().blocks_used == 0 and not engine.engine.load().running
     assert metric_value(base, "dsinfer:generation_tokens_total") - generated < 200  # stopped long before the end
 
 

@@ -59,8 +59,8 @@ def test_ranks_give_one_ranks_greedy_and_seeded_tokens(tiny_checkpoint, v4_refer
         assert llm.model is None  # the weights live in the ranks
         got = _tokens(llm.generate(prompts, params, use_tqdm=False))
         if ranks == 2:  # four sequences per rank outgrow its six blocks (with four ranks, two fit)
-            assert llm.engine.scheduler.num_preemptions > 0
-        assert llm.engine.blocks.num_used == 0
+            assert llm.engine.load().preemptions > 0
+        assert llm.engine.load().blocks_used == 0
     assert got == expected
 
 

@@ -44,7 +44,7 @@ class Bench:
 
     @property
     def is_v41(self) -> bool:
-        return isinstance(self.model.config, ModelConfigV41)
+        return self.model.config.family == "v41"
 
     def close(self) -> None:
         """Release what the model holds outside itself (V4.1's Engram segment)."""
@@ -63,7 +63,7 @@ def random_config(args: argparse.Namespace) -> tuple[ModelConfig | ModelConfigV4
         label = f"V4-Flash widths, {args.flash_layers} layers"
     else:
         config = _engram_sized(ModelConfig.from_file(args.config), args.engram_gib)
-        if args.arch == "v41" and not isinstance(config, ModelConfigV41):
+        if args.arch == "v41" and config.family != "v41":
             raise ValueError(f"--arch v41: {args.config} is not a V4.1 config")
         return config, f"{Path(args.config).name} shape", str(Path(args.config).resolve())
     gib = DEFAULT_ENGRAM_GIB if args.engram_gib is None else args.engram_gib
@@ -71,7 +71,7 @@ def random_config(args: argparse.Namespace) -> tuple[ModelConfig | ModelConfigV4
 
 
 def _engram_sized(config, gib: float | None):
-    if gib is None or not isinstance(config, ModelConfigV41):
+    if gib is None or config.family != "v41":
         return config
     return with_engram_gib(config, gib)
 
@@ -82,7 +82,7 @@ def build_random(args: argparse.Namespace, config) -> Any:
     from dsinfer.models.native_random import build_native_model
     from dsinfer.models.tiny import build_random_model
 
-    dtype, v41 = DTYPES[args.dtype], isinstance(config, ModelConfigV41)
+    dtype, v41 = DTYPES[args.dtype], config.family == "v41"
     drafting = args.speculative is not None
     if args.weight_format == "native":
         options = {"engram_tables": False} if v41 else {"with_mtp": drafting}
@@ -120,12 +120,12 @@ def build_bench(args: argparse.Namespace) -> Bench:
 
 def model_info(config, label: str, source: str, weights: str, args: argparse.Namespace) -> dict[str, Any]:
     """The record fields that say what ran."""
-    v41 = isinstance(config, ModelConfigV41)
+    v41 = config.family == "v41"
     info = {
         "model": label,
         "model_source": source,
         "weights": weights,
-        "arch": "v41" if v41 else "v4",
+        "arch": config.family,
         "num_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "n_routed_experts": config.n_routed_experts,
@@ -142,19 +142,11 @@ def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def cache_block_tokens(config) -> int:
-    """The engine's default block size for ``config`` (the lcm of the ratios that own entries)."""
-    from dsinfer.kv.cache_v4 import block_tokens_for
-    from dsinfer.kv.cache_v41 import block_tokens_for_v41
-
-    return block_tokens_for_v41(config) if isinstance(config, ModelConfigV41) else block_tokens_for(config)
-
-
 def cache_kinds(bench: Bench, tokens: int) -> tuple[dict[str, list[KindBytes]], str, list[KindBytes]]:
     """Per-kind bytes of one ``tokens``-long sequence in both storages, the engine's storage's name, and the
     engine's own per-kind bytes (its dtype: float32 on the CPU; V4.1 quantized while its rounding is on)."""
     config, args = bench.model.config, bench.args
-    block_tokens, drafters = cache_block_tokens(config), 0
+    block_tokens, drafters = bench.model.cache_block_tokens(None), 0
     if args.speculative is not None:
         drafters = config.num_nextn_predict_layers
     element = torch.finfo(DTYPES[args.dtype]).bits // 8

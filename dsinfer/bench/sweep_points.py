@@ -21,7 +21,7 @@ import torch
 from dsinfer.bench.cache_budget import cache_budget, refusal, sequence_bytes
 from dsinfer.bench.published import record_estimate
 from dsinfer.bench.step_profile import profile_steps
-from dsinfer.bench.sweep_model import Bench, cache_block_tokens, cache_kinds, decode_max_model_len, gpu_name
+from dsinfer.bench.sweep_model import Bench, cache_kinds, decode_max_model_len, gpu_name
 from dsinfer.bench.sweep_options import CPU_FILL_BUDGET, DTYPES, FILL_CANDIDATES, dp_rank, world_size
 from dsinfer.bench.sweep_timing import (
     checked_step,
@@ -80,7 +80,7 @@ def sized_cache(bench: Bench, sequences: int, tokens_each: int) -> tuple[int, di
     message = refusal(sequences, tokens_each, per_sequence, budget)
     if message is not None:
         raise PointSkipped(message)
-    blocks = sequences * (math.ceil(tokens_each / cache_block_tokens(bench.model.config)) + 1)
+    blocks = sequences * (math.ceil(tokens_each / bench.model.cache_block_tokens(None)) + 1)
     info = {"storage": storage, "bytes_per_sequence": per_sequence, "budget_bytes": budget[0],
             "budget_from": budget[1], "sequences_that_fit": budget[0] // max(per_sequence, 1)}  # fmt: skip
     return blocks, info

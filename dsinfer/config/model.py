@@ -101,8 +101,8 @@ class ModelConfigBase:
         return self.head_dim - self.qk_rope_head_dim
 
     @property
-    def chat_variant(self) -> str:
-        """The chat format the family was trained on: deepseek-recipe's ``v41`` rendering for V4.1, else ``v4``."""
+    def family(self) -> str:
+        """``v41`` or ``v4``: names the family where a label or a chat format (deepseek-recipe's variant) needs it."""
         return "v41" if self.model_type.startswith("deepseek_v41") else "v4"
 
     @classmethod

@@ -20,8 +20,6 @@ logits by rounding only.
 
 from __future__ import annotations
 
-import itertools
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -29,20 +27,24 @@ from dataclasses import dataclass
 from dsinfer.config import EngineConfig
 from dsinfer.engine.block_manager import BlockManager
 from dsinfer.engine.cache_plan import ServedModel
-from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.client import EngineLoad
 from dsinfer.engine.device_worker import DeviceWorker, StepHandle
-from dsinfer.engine.image_spans import check_image_spans
 from dsinfer.engine.model_runner import ModelRunner
-from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsinfer.engine.output_processor import (
+    CompletionText,
+    completion_output,
+    finish_reason_after_token,
+    request_output,
+)
+from dsinfer.engine.outputs import RequestMetrics, RequestOutput
+from dsinfer.engine.request_check import RequestChecker
 from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
-from dsinfer.engine.scheduler import ScheduledSequence, Scheduler
+from dsinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from dsinfer.engine.sequence import Sequence
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
 from dsinfer.speculative.support import check_speculative_support
 from dsinfer.tokenizer import Tokenizer
-
-log = logging.getLogger("dsinfer.engine")
 
 
 @dataclass
@@ -72,6 +74,8 @@ class InflightStep:
 
 
 class LLMEngine:
+    """The engine in this process; it answers :class:`~dsinfer.engine.client.EngineClient`'s calls."""
+
     def __init__(self, model: ServedModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         if config.speculative_config is not None:
@@ -95,43 +99,34 @@ class LLMEngine:
         self.worker = DeviceWorker(self.runner, self.sampler, threaded=self.async_scheduling, speculative=speculative)
         self._inflight: InflightStep | None = None
         self.requests: dict[str, list[Sequence]] = {}
-        self._ids = itertools.count()
+        hasher = getattr(model, "engram_hasher", None)  # V4.1: the Engram hash maps only its vocabulary
+        self.checker = RequestChecker(tokenizer, model.config, self.max_model_len, hasher)
         # Overlap scheduling: steps handed over before the host read the running step's tokens, fed them on the device.
         self.steps_fed_on_device = 0
         self.last_step: StepStats | None = None
         self._grammar_compiler = None  # built on the first structured-output request
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        images: list | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, images: list | None = None) -> str:  # fmt: skip
         """Queue a request; validates it first (bad input raises ``ValueError`` and changes nothing).
 
         ``images`` (V4.1 with a vision tower): :class:`~dsinfer.images.inputs.ImageInput` placed on spans of
         the prompt (:func:`~dsinfer.images.inputs.expand_placeholders`); encoded when prefill reaches them."""
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = self._prompt_ids(prompt)
-        images = tuple(images or ())
-        if images:
-            check_image_spans(prompt_ids, images, self.model.config)
-        now = time.monotonic()
+        request = self.checker.check(prompt, params, request_id, images, self.requests)
+        params, prompt_ids, now = request.params, request.prompt_token_ids, time.monotonic()
         sequences = []
         for i in range(params.n):
             state = make_sampling_state(
                 params, prompt_ids, self.tokenizer.eos_id, sample_index=i, constraint=self._constraint(params)
             )
-            sequences.append(Sequence(request_id, i, list(prompt_ids), state, now, images=images))
-        self.requests[request_id] = sequences
+            text = CompletionText(self.tokenizer, params)
+            sequences.append(Sequence(request.request_id, i, list(prompt_ids), state, now, images=request.images,
+                                      output_text=text))  # fmt: skip
+        self.requests[request.request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
-        return request_id
+        return request.request_id
 
     def _constraint(self, params: SamplingParams):
         """A fresh grammar constraint for one sequence, when the request asks for structured output."""
@@ -144,28 +139,6 @@ class LLMEngine:
             self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, vocab_size=self.model.config.vocab_size)
         return self._grammar_compiler.make_constraint(wanted, start_after_token=wanted.start_after_token)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, allow_special=False)
-            if self.tokenizer.bos_id is not None:
-                ids = [self.tokenizer.bos_id, *ids]
-        else:
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            hasher = getattr(self.model, "engram_hasher", None)  # V4.1: the Engram hash maps only its vocabulary
-            if hasher is not None:
-                vocab = min(vocab, hasher.vocab_size)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, at or above max_model_len ({self.max_model_len}); no room to generate"
-            )
-        return ids
-
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its cache; unknown or finished ids are ignored."""
         for seq in self.requests.pop(request_id, []):
@@ -174,12 +147,30 @@ class LLMEngine:
                 seq.finish_time = time.monotonic()
                 self.scheduler.finish(seq)
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End one completion of a request with ``stop`` (a stop string found by whoever makes its text); the
+        request's other completions go on. Unknown ids, indices or finished completions are ignored."""
+        sequences = self.requests.get(request_id, [])
+        if index < len(sequences) and not sequences[index].is_finished:
+            self.scheduler.finish(sequences[index])
+            sequences[index].finish_reason = "stop"
+
     def has_unfinished_requests(self) -> bool:
         """Work is left: sequences waiting or running, or a step in flight whose tokens someone still wants."""
         inflight = self._inflight
         return self.scheduler.has_work() or (
             inflight is not None and any(not seq.is_finished for seq in inflight.sampled)
         )
+
+    def unfinished_completions(self, request_id: str) -> int:
+        return sum(not seq.is_finished for seq in self.requests.get(request_id, ()))
+
+    def load(self) -> EngineLoad:
+        scheduler, blocks = self.scheduler, self.blocks
+        return EngineLoad(
+            len(scheduler.waiting), len(scheduler.running), blocks.num_used, blocks.num_blocks,
+            blocks.prefix_queries, blocks.prefix_hits, scheduler.num_preemptions, self.spec_stats,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Stop the device worker (waits for a step still running). The engine is unusable afterwards."""
@@ -192,45 +183,82 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; report every request that changed (new tokens or finished).
 
-        With ``async_scheduling`` the device worker is already running the step launched by the previous
-        call: this call schedules the next step while it runs and launches it at once when it can (every
-        sequence it samples again needs only its planned output position: the worker copies their newest
-        tokens on the device), else once the running step's tokens are on the host; then it collects the
-        tokens and turns them into text. Without it, each call schedules, runs and finishes one step.
-        """
-        start = time.perf_counter()
-        schedule_s = model_s = 0.0
-        if self._inflight is None:
+        Without ``async_scheduling`` each call schedules, runs and finishes one step (:meth:`_step_serial`).
+        With it the device worker is already running the step launched by the previous call, and this call
+        plans and launches the next one around it (:meth:`_step_overlapped`)."""
+        return self._step_overlapped() if self.async_scheduling else self._step_serial()
+
+    def _step_serial(self) -> list[RequestOutput]:
+        """Schedule, run the step right here (the worker has no thread), then take its tokens and text."""
+        timer = _StepTimer(overlapped=False)
+        plan = self.scheduler.schedule()
+        timer.scheduled()
+        if not plan.scheduled:
+            self.last_step = timer.stats(0)
+            return []
+        current = self._launch(plan.scheduled)
+        results = current.handle.result()
+        timer.ran()
+        now = time.monotonic()
+        touched, with_text = self._take_results(current, results, now)
+        outputs = self._finish_step(touched, with_text, now)
+        self.last_step = timer.stats(current.num_tokens)
+        return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Plan step N+1 while step N runs on the device worker, and launch it at once when it can (every
+        sequence it samples again needs only its planned output position: the worker copies their newest tokens
+        on the device), else once step N's tokens are on the host; then turn step N's tokens into text."""
+        timer = _StepTimer(overlapped=True)
+        if self._inflight is None:  # nothing running: start the first step of a burst
             plan = self.scheduler.schedule()
-            schedule_s = time.perf_counter() - start
+            timer.scheduled()
             if not plan.scheduled:
-                self.last_step = StepStats(schedule_s, 0.0, 0.0, 0, self.async_scheduling)
+                self.last_step = timer.stats(0)
                 return []
-            launch_at = time.perf_counter()
-            self._inflight = self._launch(plan.scheduled)  # without overlap the step runs right here
-            model_s = time.perf_counter() - launch_at
+            self._inflight = self._launch(plan.scheduled)
+            timer.ran()
         current, self._inflight = self._inflight, None
-        next_plan, launched_ahead = None, False
-        if self.async_scheduling:
-            for seq in current.sampled:
-                if seq.is_finished:
-                    continue
-                if self._reaches_length_limit(seq):
-                    self.scheduler.retire(seq)  # its slot and blocks can serve the next step already
-                else:
-                    seq.num_pending_tokens = 1  # its token is being sampled: plan the step after it now
-            schedule_at = time.perf_counter()
-            next_plan = self.scheduler.schedule()
-            schedule_s += time.perf_counter() - schedule_at
-            pending_rows = self._launch_ahead_rows(next_plan.scheduled, current)
-            if pending_rows is not None:
-                self._inflight = self._launch(next_plan.scheduled, pending_rows)
-                launched_ahead = True
-        wait_at = time.perf_counter()
+        next_plan = self._plan_after(current)
+        timer.scheduled()
+        pending_rows = self._launch_ahead_rows(next_plan.scheduled, current)
+        if pending_rows is not None:
+            self._inflight = self._launch(next_plan.scheduled, pending_rows)
+        timer.postprocessed()  # launching the next step counts as the host's own work
+        results = self._wait_for(current, launched_ahead=pending_rows is not None)
+        timer.ran()
+        now = time.monotonic()
+        touched, with_text = self._take_results(current, results, now)
+        if pending_rows is not None:  # their newest tokens are on the host now: the blocks they fill can be hashed
+            for item in next_plan.scheduled:
+                self.blocks.register_computed(item.seq)
+        else:
+            live = [item for item in next_plan.scheduled if not item.seq.is_finished]
+            if live:
+                self._inflight = self._launch(live)
+        outputs = self._finish_step(touched, with_text, now)
+        self.last_step = timer.stats(current.num_tokens)
+        return outputs
+
+    def _plan_after(self, current: InflightStep) -> SchedulerOutput:
+        """Schedule the step after ``current`` before its tokens exist: each sequence it samples counts one
+        pending token, and one whose token in flight is its last by length gives its slot and blocks back."""
+        for seq in current.sampled:
+            if seq.is_finished:
+                continue
+            if self._reaches_length_limit(seq):
+                self.scheduler.retire(seq)  # its slot and blocks can serve the next step already
+            else:
+                seq.num_pending_tokens = 1  # its token is being sampled: plan the step after it now
+        return self.scheduler.schedule()
+
+    def _wait_for(self, current: InflightStep, launched_ahead: bool) -> list:
+        """``current``'s sample outputs; a step launched ahead of a failed one is waited for and dropped (the
+        first error is the news)."""
         try:
             results = current.handle.result()
         except BaseException:
-            if launched_ahead:  # it followed a failed step: wait for it and drop it, the first error is the news
+            if launched_ahead:
                 ahead, self._inflight = self._inflight, None
                 ahead.handle.exception()
             raise
@@ -238,11 +266,13 @@ class LLMEngine:
             # Let the worker take the Python lock and launch the next step before this thread turns tokens into
             # text: otherwise the device would wait up to a lock switch interval (5 ms) for its next kernels.
             self._inflight.started.wait()
-        ran_at = time.perf_counter()
-        model_s += ran_at - wait_at
+        return results
+
+    def _take_results(self, current: InflightStep, results: list, now: float) -> tuple[list[Sequence], set[int]]:
+        """Append a step's tokens and apply the stop rules that need no text; returns the sequences that took
+        tokens and the ids of those whose text is already made (verified runs make it token by token)."""
         for seq in current.sampled:
             seq.num_pending_tokens = 0
-        now = time.monotonic()
         touched, with_text = [], set()
         for seq, result in zip(current.sampled, results, strict=True):
             if not seq.is_finished:  # an abort, or a stop string found while this step ran, ended it
@@ -252,13 +282,11 @@ class LLMEngine:
                 else:
                     self._append_token(seq, result, now)
                 touched.append(seq)
-        if launched_ahead:  # their newest tokens are on the host now: the blocks they fill can be hashed
-            for item in next_plan.scheduled:
-                self.blocks.register_computed(item.seq)
-        elif next_plan is not None:
-            live = [item for item in next_plan.scheduled if not item.seq.is_finished]
-            if live:
-                self._inflight = self._launch(live)
+        return touched, with_text
+
+    def _finish_step(self, touched: list[Sequence], with_text: set[int], now: float) -> list[RequestOutput]:
+        """Make the text of the step's tokens (stop strings may end sequences), then every changed request's
+        output; requests whose completions have all ended are forgotten."""
         for seq in touched:
             if id(seq) not in with_text:
                 self._update_text(seq, now)
@@ -267,9 +295,6 @@ class LLMEngine:
         for rid in request_ids:
             if all(seq.is_finished for seq in self.requests[rid]):
                 del self.requests[rid]
-        end = time.perf_counter()
-        postprocess_s = (end - start) - schedule_s - model_s
-        self.last_step = StepStats(schedule_s, model_s, postprocess_s, current.num_tokens, self.async_scheduling)
         return outputs
 
     def _reaches_length_limit(self, seq: Sequence) -> bool:
@@ -314,34 +339,14 @@ class LLMEngine:
         return InflightStep(sampled, handle, sum(item.num_new_tokens for item in scheduled), started)
 
     def _append_token(self, seq: Sequence, result, now: float) -> None:
-        """Take a sampled token: grammar, logprobs, and every stop rule that needs no text."""
-        token = result.token_ids[0]
-        seq.output_token_ids.append(token)
-        constraint = seq.sampling.constraint
-        violated = False
-        if constraint is not None:
-            try:
-                constraint.accept(token)
-            except ValueError:  # a token the grammar forbids: end this sequence, never the engine
-                log.warning("request %s produced a token its grammar forbids; ending it", seq.request_id)
-                violated = True
+        """Take a sampled token: logprobs, then every stop rule that needs no text."""
+        seq.output_token_ids.append(result.token_ids[0])
         if result.logprobs is not None:
             seq.output_logprobs.append(result.logprobs[0])
             seq.output_top_logprobs.append(result.top_logprobs[0] if result.top_logprobs else [])
         if seq.first_token_time is None:
             seq.first_token_time = now
-        params = seq.sampling.params
-        stopped_by_token = token in seq.sampling.stop_token_ids and len(seq.output_token_ids) >= params.min_tokens
-        reason = None
-        if violated:
-            reason = "abort"
-        elif stopped_by_token or (constraint is not None and constraint.is_terminated()):
-            reason = "stop"
-        if reason is None and params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        seq.hide_last_token = stopped_by_token
+        reason = finish_reason_after_token(seq, self.max_model_len)
         if reason is not None:
             self._finish(seq, reason, now)
 
@@ -368,23 +373,8 @@ class LLMEngine:
         seq.draft_token_ids = result.next_drafts[: max(0, min(k, room))]
 
     def _update_text(self, seq: Sequence, now: float) -> None:
-        """Detokenize the new token and apply stop strings (which may end the sequence)."""
-        params = seq.sampling.params
-        if not params.detokenize:  # the caller reads the token ids (and has no stop strings)
-            return
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        visible = len(seq.output_token_ids) - (1 if seq.hide_last_token else 0)
-        searched_from = len(seq.text)
-        seq.text += seq.detokenizer.push(seq.output_token_ids[len(seq.detokenizer.ids) : visible])
-        if seq.is_finished:
-            seq.text += seq.detokenizer.flush()
-        if (
-            params.stop
-            and seq.finish_reason in (None, "length")  # a stop token or grammar end leaves the text whole
-            and len(seq.output_token_ids) >= params.min_tokens
-            and self._apply_stop_strings(seq, params, searched_from)
-        ):
+        """Detokenize the new tokens and apply stop strings (which may end the sequence)."""
+        if seq.output_text.update(seq.output_token_ids, seq.hide_last_token, seq.finish_reason):
             if seq.is_finished:
                 seq.finish_reason = "stop"  # the stop string came with the last allowed token
             else:
@@ -395,47 +385,55 @@ class LLMEngine:
         seq.finish_time = now
         self.scheduler.finish(seq)
 
-    @staticmethod
-    def _apply_stop_strings(seq: Sequence, params: SamplingParams, searched_from: int) -> bool:
-        """Cut the text at the first stop string; the stop string stays only if asked for.
-
-        Only text that could hold a new match is searched: from ``searched_from`` (the text's length before
-        the new token) minus the longest stop string.
-        """
-        longest = max((len(stop) for stop in params.stop if stop), default=0)
-        begin = max(0, searched_from - longest + 1)
-        hits = [(position, stop) for stop in params.stop if stop and (position := seq.text.find(stop, begin)) >= 0]
-        if not hits:
-            return False
-        position, stop = min(hits)
-        end = position + len(stop) if params.include_stop_str_in_output else position
-        seq.text = seq.text[:end]
-        return True
-
     def _request_output(self, request_id: str) -> RequestOutput:
         sequences = self.requests[request_id]
-        first = sequences[0]
-        completions = [
-            CompletionOutput(
-                seq.index,
-                seq.text,
-                list(seq.output_token_ids),
-                seq.finish_reason,
-                list(seq.output_logprobs) if seq.sampling.params.logprobs is not None else None,
-                list(seq.output_top_logprobs) if seq.sampling.params.logprobs else None,
-            )  # fmt: skip
-            for seq in sequences
-        ]
-        finished_times = [s.finish_time for s in sequences]
-        first_tokens = [s.first_token_time for s in sequences if s.first_token_time is not None]
-        scheduled = [s.first_scheduled_time for s in sequences if s.first_scheduled_time is not None]
-        metrics = RequestMetrics(
-            first.arrival_time,
-            min(scheduled) if scheduled else None,
-            min(first_tokens) if first_tokens else None,
-            max(finished_times) if all(t is not None for t in finished_times) else None,
-        )
-        finished = all(seq.is_finished for seq in sequences)
-        # The prompt list is shared, not copied (an 8k prompt copied for every stream at every step cost more than
-        # the step's other bookkeeping); nothing changes a sequence's prompt once it is added.
-        return RequestOutput(request_id, first.prompt_token_ids, completions, finished, metrics)
+        completions = []
+        for seq in sequences:
+            wanted = seq.sampling.params.logprobs
+            completions.append(completion_output(
+                seq.index, seq.output_text.text, seq.output_token_ids, seq.finish_reason,
+                seq.output_logprobs if wanted is not None else None, seq.output_top_logprobs if wanted else None,
+            ))  # fmt: skip
+        return request_output(request_id, sequences[0].prompt_token_ids, completions, _request_metrics(sequences))
+
+
+def _request_metrics(sequences: list[Sequence]) -> RequestMetrics:
+    """A request's timings over its completions: the first scheduled and first token, the last to finish."""
+    finished_times = [s.finish_time for s in sequences]
+    first_tokens = [s.first_token_time for s in sequences if s.first_token_time is not None]
+    scheduled = [s.first_scheduled_time for s in sequences if s.first_scheduled_time is not None]
+    return RequestMetrics(
+        sequences[0].arrival_time,
+        min(scheduled) if scheduled else None,
+        min(first_tokens) if first_tokens else None,
+        max(finished_times) if all(t is not None for t in finished_times) else None,
+    )
+
+
+class _StepTimer:
+    """Splits a step's time on the engine thread into scheduling, waiting for the device, and the rest."""
+
+    def __init__(self, overlapped: bool) -> None:
+        self.overlapped = overlapped
+        self.start = self.mark = time.perf_counter()
+        self.schedule_s = self.model_s = 0.0
+
+    def scheduled(self) -> None:
+        """Time since the last mark was scheduling."""
+        now = time.perf_counter()
+        self.schedule_s += now - self.mark
+        self.mark = now
+
+    def ran(self) -> None:
+        """Time since the last mark was the model (launching a step, or waiting for its results)."""
+        now = time.perf_counter()
+        self.model_s += now - self.mark
+        self.mark = now
+
+    def postprocessed(self) -> None:
+        """Time since the last mark was the host's other work (the remainder of the step)."""
+        self.mark = time.perf_counter()
+
+    def stats(self, num_tokens: int) -> StepStats:
+        postprocess_s = (time.perf_counter() - self.start) - self.schedule_s - self.model_s
+        return StepStats(self.schedule_s, self.model_s, postprocess_s, num_tokens, self.overlapped)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dsinfer.engine.sampler import SamplingState
 
 if TYPE_CHECKING:
-    from dsinfer.engine.detokenizer import IncrementalDetokenizer
+    from dsinfer.engine.output_processor import CompletionText
     from dsinfer.images.inputs import ImageInput
 
 
@@ -45,8 +45,7 @@ class Sequence:
     # Speculative decoding: tokens the drafter proposes after the last one, verified in the next step.
     draft_token_ids: list[int] = field(default_factory=list)
     # Results.
-    text: str = ""
-    detokenizer: IncrementalDetokenizer | None = None
+    output_text: CompletionText | None = None  # the text so far and the stop strings (set by the engine)
     hide_last_token: bool = False  # the last token is a stop token: not part of the text
     finish_reason: str | None = None
     first_scheduled_time: float | None = None

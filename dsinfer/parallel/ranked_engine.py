@@ -2,13 +2,12 @@
 
 Several ranks always run in processes of their own; one rank does by default under ``dsinfer serve`` (one
 engine process, :class:`~dsinfer.parallel.engine_loop.EngineProcessLoop`), so that the server's HTTP work and
-the engine's step never share a Python lock. :class:`RankedEngine` offers what :class:`~dsinfer.llm.LLM` and
-:class:`~dsinfer.server.async_engine.AsyncEngine` use of :class:`~dsinfer.engine.engine.LLMEngine`
-(``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``requests``, scheduler, block and
-speculative-decoding counters, ``close``), so both drive an engine in-process or in processes alike. Requests
-are checked here (token ids, length, images) and sent to the rank :class:`~dsinfer.parallel.dp.RequestBalancer`
-picks; ``step`` returns the outputs the ranks reported since the last call, rebuilt from their token deltas
-(text and stop strings: :mod:`dsinfer.parallel.text`).
+the engine's step never share a Python lock. :class:`RankedEngine` answers the calls :class:`~dsinfer.llm.LLM` and
+:class:`~dsinfer.server.async_engine.AsyncEngine` make of any engine (:class:`~dsinfer.engine.client.EngineClient`:
+requests in, outputs out, the ranks' counters summed by ``load()``), so both drive an engine in-process or in
+processes alike. Requests are checked here (token ids, length, images) and sent to the rank
+:class:`~dsinfer.parallel.dp.RequestBalancer` picks; ``step`` returns the outputs the ranks reported since the last
+call, rebuilt from their token deltas (text and stop strings: :mod:`dsinfer.engine.output_processor`).
 
 A request crosses the pipe once as its specification; each step comes back as one message holding every
 request's new tokens and the engine's counters (:class:`~dsinfer.parallel.messages.StepReport`).
@@ -32,34 +31,21 @@ import multiprocessing
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from multiprocessing.connection import Connection, Listener, wait
 
 from dsinfer import envs
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig
-from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.image_spans import check_image_spans
+from dsinfer.engine.client import EngineLoad
+from dsinfer.engine.output_processor import ReportedCompletion, request_output
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsinfer.engine.request_check import RequestChecker
+from dsinfer.parallel import messages
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.dp import RequestBalancer
 from dsinfer.parallel.ep import ExpertPlacement
-from dsinfer.parallel.messages import (
-    AbortRequest,
-    AddRequest,
-    FinishSequence,
-    FrameReader,
-    FrameWriter,
-    RankFailed,
-    RankLoad,
-    RankReady,
-    RankSpec,
-    RequestDelta,
-    Shutdown,
-    StepReport,
-    Wake,
-)
+from dsinfer.parallel.messages import FrameReader, FrameWriter, RankFailed, RankLoad, RankReady, RankSpec
 from dsinfer.parallel.rank_main import RANK_AUTHKEY_ENV, rank_main
-from dsinfer.parallel.text import CompletionText
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeStats
 from dsinfer.tokenizer import Tokenizer
@@ -101,8 +87,8 @@ def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: En
 
 
 @dataclass
-class _HasherVocab:
-    """What the prompt check reads of V4.1's Engram hasher: the token ids it can map."""
+class _EngramVocabulary:
+    """What the prompt check reads of V4.1's Engram hasher (it lives in the ranks): the token ids it maps."""
 
     vocab_size: int
 
@@ -112,7 +98,6 @@ class _ModelInfo:
     """The model as the API process knows it (its weights live in the ranks)."""
 
     config: ModelConfig
-    engram_hasher: _HasherVocab | None = None
 
 
 @dataclass
@@ -129,63 +114,30 @@ class _Attached:
 class _Tracked:
     rank: int
     prompt_token_ids: list[int]
-    completions: list[CompletionOutput]
-    texts: list[CompletionText]
+    completions: list[ReportedCompletion]
     tokens: int  # counted in the balancer's in-flight tokens
     metrics: RequestMetrics | None = None
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        return all(c.finished for c in self.completions)
 
 
-@dataclass
-class _CompletionView:
-    """What AsyncEngine reads of a sequence: whether it has finished."""
-
-    output: CompletionOutput
-
-    @property
-    def is_finished(self) -> bool:
-        return self.output.finish_reason is not None
+_SUMMED_LOAD_FIELDS = tuple(f.name for f in fields(EngineLoad) if f.name != "spec_stats")  # RankLoad has them all
 
 
-@dataclass
-class _Loads:
-    loads: dict[int, RankLoad] = field(default_factory=dict)
-
-    def total(self, name: str) -> int:
-        return sum(getattr(load, name) for load in self.loads.values())
-
-
-class _SchedulerView:
-    def __init__(self, loads: _Loads) -> None:
-        self._loads = loads
-
-    @property
-    def waiting(self) -> range:
-        return range(self._loads.total("waiting"))
-
-    @property
-    def running(self) -> range:
-        return range(self._loads.total("running"))
-
-    @property
-    def num_preemptions(self) -> int:
-        return self._loads.total("preemptions")
-
-
-class _BlocksView:
-    def __init__(self, loads: _Loads) -> None:
-        self._loads = loads
-
-    num_used = property(lambda self: self._loads.total("blocks_used"))
-    num_blocks = property(lambda self: self._loads.total("num_blocks"))
-    prefix_queries = property(lambda self: self._loads.total("prefix_queries"))
-    prefix_hits = property(lambda self: self._loads.total("prefix_hits"))
+def total_load(loads: dict[int, RankLoad]) -> EngineLoad:
+    """The engine's counters summed over its ranks' last reports (speculative decoding runs on one rank only)."""
+    reports = list(loads.values())
+    totals = {name: sum(getattr(load, name) for load in reports) for name in _SUMMED_LOAD_FIELDS}
+    spec_stats = next((load.spec_stats for load in reports if load.spec_stats is not None), None)
+    return EngineLoad(**totals, spec_stats=spec_stats)
 
 
 class RankedEngine:
+    """The engine in processes of its own; it answers :class:`~dsinfer.engine.client.ReportingEngineClient`'s
+    calls (``attach`` reads the ranks' reports in an event loop; ``step`` in a receiver thread)."""
+
     def __init__(
         self,
         model_dir: str,
@@ -200,14 +152,11 @@ class RankedEngine:
         self.tokenizer, self.config, self.parallel = tokenizer, config, parallel
         self.model = _ModelInfo(model_config)
         self.max_model_len = config.resolved_max_model_len(model_config)
-        self.requests: dict[str, list[_CompletionView]] = {}
         self._tracked: dict[str, _Tracked] = {}
-        self._loads = _Loads()
-        self.scheduler, self.blocks = _SchedulerView(self._loads), _BlocksView(self._loads)
+        self._loads: dict[int, RankLoad] = {}
         self.failure: str | None = None
         self._closing = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._ids = 0
         self._conns: dict[int, Connection] = {}
         self._processes: dict[int, multiprocessing.Process] = {}
         try:
@@ -218,12 +167,12 @@ class RankedEngine:
             raise
         first = ready[0]
         log.info("%d ranks ready (%s)", len(ready), first.placement)
-        # Every rank's entry exists before the receiver thread updates them (the views sum over them meanwhile).
-        self._loads.loads.update({r.rank: RankLoad(num_blocks=r.num_blocks) for r in ready})
+        # Every rank's entry exists before the receiver thread updates them (load() sums over them meanwhile).
+        self._loads.update({r.rank: RankLoad(num_blocks=r.num_blocks) for r in ready})
         # Every message to a rank goes through its writer: never lost on a full pipe, never blocking an attached loop.
         self._writers = {rank: FrameWriter(conn) for rank, conn in self._conns.items()}
-        if first.engram_vocab_size is not None:
-            self.model.engram_hasher = _HasherVocab(first.engram_vocab_size)
+        engram = None if first.engram_vocab_size is None else _EngramVocabulary(first.engram_vocab_size)
+        self.checker = RequestChecker(tokenizer, model_config, self.max_model_len, engram)
         self.balancer = RequestBalancer(parallel.world_size, first.block_tokens, config.step_token_budget)
         # Reports are read by a receiver thread (``step``) or in an asyncio event loop (``attach``), never both.
         self._receiver: threading.Thread | None = None
@@ -326,19 +275,19 @@ class RankedEngine:
 
     def _on_readable(self, rank: int, reader: FrameReader) -> None:
         try:
-            messages = reader.read()
+            reports = reader.read()
         except (EOFError, OSError):
             self._fail(*self._first_to_go(rank, "closed its connection"))
             return
         outputs: dict[str, RequestOutput] = {}
-        for message in messages:
+        for message in reports:
             if isinstance(message, RankFailed):
                 self._fail(*self._first_to_go(rank, f"failed: {message.message}"))
                 return
-            self._loads.loads[message.rank] = message.load
+            self._loads[message.rank] = message.load
             self._apply_report(message, outputs)
         attached = self._attached
-        if attached is not None and messages:
+        if attached is not None and reports:
             attached.deliver(list(outputs.values()))
 
     def _on_exit(self, rank: int) -> None:
@@ -368,7 +317,7 @@ class RankedEngine:
                         self._fail(*self._first_to_go(rank, f"failed: {message.message}"))
                         return
                     # The counters now, not when the engine thread next steps: an idle server still shows them.
-                    self._loads.loads[message.rank] = message.load
+                    self._loads[message.rank] = message.load
                     self._inbox.put(message)
                 elif not self._closing:
                     self._fail(*self._first_to_go(rank, f"exited with code {self._processes[rank].exitcode}"))
@@ -407,47 +356,44 @@ class RankedEngine:
             process.join(timeout=5)
 
     # ---- what LLM and AsyncEngine call -------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        images: list | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, images: list | None = None) -> str:  # fmt: skip
         """Check the request here (bad input raises ``ValueError``), then send it to the least busy rank."""
         self._check_alive()
-        params = params or SamplingParams()
-        if request_id is None:
-            request_id, self._ids = f"req-{self._ids}", self._ids + 1
-        if request_id in self._tracked:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = LLMEngine._prompt_ids(self, prompt)  # the single-rank engine's checks, on our fields
-        images = tuple(images or ())
-        if images:
-            check_image_spans(prompt_ids, images, self.model.config)
+        request = self.checker.check(prompt, params, request_id, images, self._tracked)
+        request_id, params, prompt_ids = request.request_id, request.params, request.prompt_token_ids
         rank = self.balancer.choose(prompt_ids)
         tokens = len(prompt_ids) * params.n
-        completions = [CompletionOutput(i, "", [], None) for i in range(params.n)]
-        texts = [CompletionText(self.tokenizer, params, c) for c in completions]
-        self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, texts, tokens)
-        self.requests[request_id] = [_CompletionView(c) for c in completions]
+        completions = [ReportedCompletion(self.tokenizer, params, i) for i in range(params.n)]
+        self._tracked[request_id] = _Tracked(rank, prompt_ids, completions, tokens)
         self.balancer.assign(rank, prompt_ids, tokens)
         # Text is made here only: the rank sends token ids, this process detokenizes and applies stop strings.
         rank_params = replace(params, stop=[], detokenize=False) if params.stop or params.detokenize else params
-        self._send(rank, AddRequest(request_id, prompt_ids, rank_params, images))
+        self._send(rank, messages.AddRequest(request_id, prompt_ids, rank_params, request.images))
         for other in self._conns:
             if other != rank:
-                self._send(other, Wake())
+                self._send(other, messages.Wake())
         return request_id
 
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
-        self.requests.pop(request_id, None)
         if tracked is None:
             return
         self.balancer.release(tracked.rank, tracked.tokens)
         if self.failure is None:
-            self._send(tracked.rank, AbortRequest(request_id))
+            self._send(tracked.rank, messages.AbortRequest(request_id))
+
+    @property
+    def requests(self) -> dict[str, list[CompletionOutput]]:
+        """The requests in flight, each with its completions so far (a copy: this process keeps its own)."""
+        return {rid: [c.snapshot() for c in t.completions] for rid, t in list(self._tracked.items())}
+
+    def unfinished_completions(self, request_id: str) -> int:
+        tracked = self._tracked.get(request_id)
+        return 0 if tracked is None else sum(not c.finished for c in tracked.completions)
+
+    def load(self) -> EngineLoad:
+        return total_load(self._loads)
 
     def has_unfinished_requests(self) -> bool:
         self._check_alive()
@@ -486,7 +432,7 @@ class RankedEngine:
         for reader in getattr(self, "_readers", {}).values():
             reader.close()
         for rank in self._conns:
-            self._send(rank, Shutdown())
+            self._send(rank, messages.Shutdown())
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
         for process in self._processes.values():
             process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -500,8 +446,7 @@ class RankedEngine:
     @property
     def spec_stats(self) -> SpeculativeStats | None:
         """Speculative decoding's totals as the engine process last reported them (None: not speculating)."""
-        reported = [load.spec_stats for load in self._loads.loads.values() if load.spec_stats is not None]
-        return reported[0] if reported else None  # check_layout allows it with one rank only
+        return total_load(self._loads).spec_stats
 
     @property
     def pids(self) -> dict[int, int]:
@@ -511,7 +456,7 @@ class RankedEngine:
     @property
     def rank_loads(self) -> dict[int, RankLoad]:
         """Each rank's counters as it last reported them."""
-        return dict(self._loads.loads)
+        return dict(self._loads)
 
     @property
     def exit_failure(self) -> str | None:
@@ -528,13 +473,13 @@ class RankedEngine:
         except OSError:
             pass  # the receiver thread (or the attached loop) reports the rank that went away
 
-    def _apply_report(self, report: StepReport, outputs: dict[str, RequestOutput]) -> None:
+    def _apply_report(self, report: messages.StepReport, outputs: dict[str, RequestOutput]) -> None:
         for request_id, message in report.rejected:
             log.warning("rank %d rejected request %s: %s", report.rank, request_id, message)
             tracked = self._tracked.get(request_id)
             if tracked is not None:
                 for completion in tracked.completions:
-                    completion.finish_reason = "abort"
+                    completion.output.finish_reason = "abort"
                 outputs[request_id] = self._finish(request_id, tracked)
         for delta in report.deltas:
             tracked = self._tracked.get(delta.request_id)
@@ -543,49 +488,37 @@ class RankedEngine:
             self._apply_delta(delta.request_id, tracked, delta)
             if tracked.finished:
                 if not delta.finished:  # stop strings ended it here: the rank still holds it
-                    self._send(tracked.rank, AbortRequest(delta.request_id))
+                    self._send(tracked.rank, messages.AbortRequest(delta.request_id))
                     tracked.metrics = replace(tracked.metrics, finish_time=time.monotonic())
                 outputs[delta.request_id] = self._finish(delta.request_id, tracked)
             else:
-                outputs[delta.request_id] = self._output(delta.request_id, tracked, False)
+                outputs[delta.request_id] = self._output(delta.request_id, tracked)
 
-    def _apply_delta(self, request_id: str, tracked: _Tracked, delta: RequestDelta) -> None:
+    def _apply_delta(self, request_id: str, tracked: _Tracked, delta: messages.RequestDelta) -> None:
         """The rank's new tokens, one by one through detokenization and the stop strings."""
         tracked.metrics = delta.metrics
         for change in delta.completions:
-            text = tracked.texts[change.index]
+            completion = tracked.completions[change.index]
             last = len(change.new_token_ids) - 1
             for i, token in enumerate(change.new_token_ids):
-                stopped = text.push(
+                stopped = completion.push(
                     token, change.finish_reason if i == last else None, change.hide_last_token and i == last,
                     change.new_logprobs[i] if change.new_logprobs is not None else None,
                     change.new_top_logprobs[i] if change.new_top_logprobs is not None else None,
                 )  # fmt: skip
                 if stopped and not tracked.finished:
-                    self._send(tracked.rank, FinishSequence(request_id, change.index))  # the others go on
+                    self._send(tracked.rank, messages.FinishSequence(request_id, change.index))  # the others go on
             self.balancer.inflight_tokens[tracked.rank] += len(change.new_token_ids)
             tracked.tokens += len(change.new_token_ids)
 
-    def _output(self, request_id: str, tracked: _Tracked, finished: bool) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                c.index,
-                c.text,
-                list(c.token_ids),
-                c.finish_reason,
-                list(c.logprobs) if c.logprobs is not None else None,
-                list(c.top_logprobs) if c.top_logprobs is not None else None,
-            )  # fmt: skip
-            for c in tracked.completions
-        ]
+    def _output(self, request_id: str, tracked: _Tracked) -> RequestOutput:
         metrics = tracked.metrics or RequestMetrics(time.monotonic(), None, None, None)
-        # The prompt is shared, not copied, as the engine's own outputs do (nothing changes it once added).
-        return RequestOutput(request_id, tracked.prompt_token_ids, completions, finished, metrics)
+        completions = [c.snapshot() for c in tracked.completions]
+        return request_output(request_id, tracked.prompt_token_ids, completions, metrics)
 
     def _finish(self, request_id: str, tracked: _Tracked) -> RequestOutput:
-        output = self._output(request_id, tracked, True)
+        output = self._output(request_id, tracked)
         self._tracked.pop(request_id, None)
-        self.requests.pop(request_id, None)
         self.balancer.release(tracked.rank, tracked.tokens)
         return output
 

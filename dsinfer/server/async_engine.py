@@ -10,6 +10,9 @@ With the engine in processes of its own (``dsinfer serve``'s default, :class:`~d
 RankedEngine`) there is no engine thread: the event loop sends a request to the engine process as the handler
 asks, and reads the engine's pipe itself (:meth:`AsyncEngine.attach`, at the app's startup), so each step's report
 becomes every stream's output in the one wake-up that reads it; deadlines are timers of the loop.
+
+Either engine is driven through :class:`~dsinfer.engine.client.EngineClient` alone: requests in, outputs out, and
+its counters (:class:`~dsinfer.engine.client.EngineLoad`) for the metrics and ``--max-queue``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.client import EngineClient, ReportingEngineClient
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server.metrics import ServerMetrics
@@ -61,7 +64,7 @@ class _Channel:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         max_queue: int | None = None,
         request_timeout: float | None = None,
@@ -80,7 +83,7 @@ class AsyncEngine:
         self.alive = False
         self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
         # An engine in other processes is read in the event loop instead (no engine thread): see attach().
-        self.loop_driven = callable(getattr(engine, "attach", None))
+        self.loop_driven = isinstance(engine, ReportingEngineClient)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -112,7 +115,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return self.engine.load().waiting + self._pending_adds
 
     # ---- the HTTP side -----------------------------------------------------------------------
     async def generate(
@@ -188,7 +191,7 @@ class AsyncEngine:
 
     def _expire(self, request_id: str) -> None:
         channel = self._channels.get(request_id)
-        if channel is not None and request_id in self.engine.requests:
+        if channel is not None and self.engine.unfinished_completions(request_id):
             self.engine.abort(request_id)
             channel.queue.put_nowait(
                 RequestTimeoutError(f"request exceeded --request-timeout ({self.request_timeout} s)")
@@ -246,14 +249,13 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         """Abort a request, counting each unfinished completion as finished ones are counted."""
-        unfinished = [seq for seq in self.engine.requests.get(request_id, []) if not seq.is_finished]
-        self.metrics.finished("abort").inc(len(unfinished))
+        self.metrics.finished("abort").inc(self.engine.unfinished_completions(request_id))
         self.engine.abort(request_id)
 
     def _cut_all(self, message: str) -> None:
         self._shutdown_message = message
         for request_id, channel in list(self._channels.items()):
-            if request_id in self.engine.requests:
+            if self.engine.unfinished_completions(request_id):
                 self._abort(request_id)
                 error = ServerShuttingDownError(message)
                 channel.queue.put_nowait(error) if self.loop_driven else self._send(channel, error)
@@ -261,7 +263,8 @@ class AsyncEngine:
     def _expire_overdue(self) -> None:
         now = time.monotonic()
         for request_id, channel in list(self._channels.items()):
-            if channel.deadline is not None and now > channel.deadline and request_id in self.engine.requests:
+            overdue = channel.deadline is not None and now > channel.deadline
+            if overdue and self.engine.unfinished_completions(request_id):
                 self.engine.abort(request_id)
                 self._send(
                     channel, RequestTimeoutError(f"request exceeded --request-timeout ({self.request_timeout} s)")
@@ -311,15 +314,15 @@ class AsyncEngine:
             m.series.queue_time.observe(metrics.queue_time)
 
     def _update_gauges(self) -> None:
-        m, engine = self.metrics, self.engine
-        m.series.running.set(len(engine.scheduler.running))
-        m.series.waiting.set(len(engine.scheduler.waiting))
-        m.series.blocks_in_use.set(engine.blocks.num_used)
-        m.series.cache_usage.set(engine.blocks.num_used / max(engine.blocks.num_blocks, 1))
-        m.series.prefix_queries.inc(engine.blocks.prefix_queries - self._exported_prefix[0])
-        m.series.prefix_hits.inc(engine.blocks.prefix_hits - self._exported_prefix[1])
-        self._exported_prefix = (engine.blocks.prefix_queries, engine.blocks.prefix_hits)
-        stats = engine.spec_stats
+        m, load = self.metrics, self.engine.load()
+        m.series.running.set(load.running)
+        m.series.waiting.set(load.waiting)
+        m.series.blocks_in_use.set(load.blocks_used)
+        m.series.cache_usage.set(load.cache_usage)
+        m.series.prefix_queries.inc(load.prefix_queries - self._exported_prefix[0])
+        m.series.prefix_hits.inc(load.prefix_hits - self._exported_prefix[1])
+        self._exported_prefix = (load.prefix_queries, load.prefix_hits)
+        stats = load.spec_stats
         if stats is not None:
             done = self._exported_spec
             m.series.spec_drafts.inc(stats.num_drafts - done.num_drafts)

@@ -96,7 +96,7 @@ def build_server(options: ServeOptions, engine_config: EngineConfig):
     name = options.served_model_name or _default_served_name(options.model)
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics, options.max_queue, options.request_timeout)
-    variant = llm.engine.model.config.chat_variant  # prompts as trained
+    variant = llm.engine.model.config.family  # prompts as trained
     vision = getattr(llm.engine.model.config, "vision", None)
     settings = ServerSettings(
         name, options.api_key, llm.engine.max_model_len, chat_variant=variant, max_n=options.max_n,
