@@ -32,7 +32,7 @@ import math
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
-from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, serves
+from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, ChainRows, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
 from dsinfer.ops.registry import register
@@ -193,5 +193,5 @@ def rope_triton(
 
         return rope_reference(x, cos, sin, inverse, in_place)
     if not (in_place or inverse) and row_chain_takes(x, cos, sin):
-        return row_chain_launch(x, cos, sin, None, 0.0, NO_NORM, None, 0)
+        return row_chain_launch(ChainRows(x, cos, sin, None, 0.0, NO_NORM, None, 0))
     return rope_launch(x, cos, sin, inverse, in_place)
