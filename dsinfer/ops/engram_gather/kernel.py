@@ -47,14 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.ops.quant import dequantize_fp8_blockwise
-from dsinfer.ops.triton_support import triton_available
-
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import (  # None without Triton: CPU installs use the reference
+    tl,
+    triton,
+    triton_available,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_ROWS",

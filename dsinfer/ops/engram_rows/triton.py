@@ -13,14 +13,7 @@ import torch
 
 from dsinfer.ops.engram_rows.reference import EngramRowHashing, engram_decode_rows_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
 

@@ -48,14 +48,7 @@ from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
     from dsinfer.ops.mhc.weights_triton import _post_comb_weights, _pre_weight

@@ -41,14 +41,11 @@ from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import (  # None without Triton: CPU installs use the reference
+    tl,
+    triton,
+    triton_available,
+)
 
 __all__ = ["KernelConfig", "align_slots_fused", "choose_config", "routed_moe_triton", "triton_available"]
 

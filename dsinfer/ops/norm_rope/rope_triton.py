@@ -36,16 +36,10 @@ from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, ChainRows, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.dependent_launch import allow_dependents
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x BLOCK_ROPE)
 NOPE_CHUNK = 128  # nope channels one program copies per step (out of place)

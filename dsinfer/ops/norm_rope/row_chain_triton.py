@@ -35,12 +35,9 @@ from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP
 from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, row_layout
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.fake_quant.triton import (
         block_scale,
         e2m1_count,
@@ -49,9 +46,6 @@ try:
         scaled,
         with_sign_of,
     )
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KINDS = {None: -1, "fp8": KIND_FP8, "fp4_e4m3": KIND_FP4_E4M3, "fp4_ue8m0": KIND_FP4_UE8M0}

@@ -23,17 +23,11 @@ from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, Chain
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
 from dsinfer.ops.rope_round.triton import rope_and_round_triton
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.cache_codec.triton import encode_fp4_blocks, encode_fp8_blocks
     from dsinfer.ops.norm_rope.row_chain_triton import chain_rows
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 PLAIN = -1  # ENCODE for model-dtype storage: the row itself, cast to the pool's dtype
 ROWS_PER_PROGRAM = 1  # a decode step's few rows; with four, the FP4 / e4m3 scale search spills on sm_90

@@ -24,15 +24,11 @@ import torch
 
 from dsinfer.ops.registry import register
 from dsinfer.ops.router.reference import MoeRouteInputs, moe_route_reference
-from dsinfer.ops.triton_support import interpreted, triton_available
+from dsinfer.ops.triton_support import interpreted, tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
+if triton is not None:
     from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+else:  # pragma: no cover - depends on the install
     libdevice = None
 
 MAX_EXPERTS = 4096
