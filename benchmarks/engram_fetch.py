@@ -77,7 +77,12 @@ from dsinfer.engram.fetch import DEFAULT_SPLIT_MIN_IDS, DeviceEngramFetcher, Hos
 from dsinfer.engram.staged_gather import DEFAULT_CHUNK_ROWS
 from dsinfer.engram.store import HUGE_PAGE_BYTES, EngramMemoryError, EngramStore, RandomEngramSource, segment_bytes
 from dsinfer.engram.store.memory import meminfo
-from dsinfer.kernels.engram_gather import dequantize_rows, gather_dequantize, gather_dequantize_reference
+from dsinfer.kernels.engram_gather import (
+    GatherLaunch,
+    dequantize_rows,
+    gather_dequantize,
+    gather_dequantize_reference,
+)
 
 ROW_BYTES, SCALE_BYTES = 256, 8
 GIB = 2**30
@@ -206,15 +211,8 @@ def gather_sweep(report, store, fetcher, args, device, label, state, text_ids, c
     out = torch.empty(max_rows, ROW_BYTES, dtype=torch.bfloat16, device=device)
 
     def kernel(ids, *, scales=scale, block_rows=32, num_warps=4, programs=None):
-        gather_dequantize(
-            weight,
-            scales,
-            ids,
-            out=out[: ids.numel()],
-            block_rows=block_rows,
-            num_warps=num_warps,
-            max_programs=programs,
-        )
+        launch = GatherLaunch(block_rows, num_warps, programs)
+        gather_dequantize(weight, scales, ids, out=out[: ids.numel()], launch=launch)
 
     def record(kind, count, ms, payload_row_bytes=ROW_BYTES + SCALE_BYTES, unique=None, **extra):
         unique = count if unique is None else unique

@@ -53,7 +53,7 @@ from engram_fetch import (
 from vmm_host_memory import VmmHostMemory, cuda_driver
 
 from dsinfer.engram.fetch import HostRegistration, host_tensor
-from dsinfer.kernels.engram_gather import gather_dequantize, gather_dequantize_reference
+from dsinfer.kernels.engram_gather import GatherLaunch, gather_dequantize, gather_dequantize_reference
 
 ROWS_PER_STEP = (65_536, 262_144, 524_288)
 FOOTPRINTS_MIB = (64, 1024, 8192, None)  # None: the whole table
@@ -173,7 +173,7 @@ def gather_ms(weight, scale, sets: list[torch.Tensor], out: torch.Tensor, progra
     out = out[: sets[0].numel()]
     return time_ms(
         lambda rep: gather_dequantize(
-            weight, scale, sets[rep % ID_SETS], out=out, block_rows=64, num_warps=8, max_programs=programs
+            weight, scale, sets[rep % ID_SETS], out=out, launch=GatherLaunch(64, 8, programs)
         ),
         max_reps=MAX_REPS,
     )
@@ -311,7 +311,7 @@ def probe_records(report: Report, args, kind: str, device: torch.device, copy_gb
             head[:, ROW_BYTES:] = rng.integers(110, 140, (check_rows, SCALE_BYTES), dtype=np.uint8)
             generator = torch.Generator(device=device).manual_seed(1)
             ids = torch.randint(0, check_rows, (2000,), device=device, generator=generator)
-            got = gather_dequantize(*layouts["records"], ids, block_rows=64, num_warps=8, max_programs=32)
+            got = gather_dequantize(*layouts["records"], ids, launch=GatherLaunch(64, 8, 32))
             cpu_records = torch.from_numpy(head.copy())
             want = gather_dequantize_reference(cpu_records[:, :ROW_BYTES], cpu_records[:, ROW_BYTES:], ids.cpu())
             report.add("check", backing=f"{label} records", rows=2000, equal=bool(torch.equal(got.cpu(), want)))
@@ -351,9 +351,7 @@ def probe_records(report: Report, args, kind: str, device: torch.device, copy_gb
                         rest = ids_cpu[cut:]
                         torch.cuda.synchronize()
                         started = time.perf_counter()
-                        gather_dequantize(
-                            weight, scale, ids[:cut], out=out[:cut], block_rows=64, num_warps=8, max_programs=32
-                        )
+                        gather_dequantize(weight, scale, ids[:cut], out=out[:cut], launch=GatherLaunch(64, 8, 32))
                         cpu_gather_ms(pool, table, rest, staging.numpy()[: len(rest)], lanes)
                         raw[: len(rest)].copy_(staging[: len(rest)], non_blocking=True)
                         gather_dequantize(

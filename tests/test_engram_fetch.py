@@ -31,6 +31,7 @@ from dsinfer.kernels import engram_gather
 from dsinfer.kernels.engram_gather import dequantize_reference, gather_dequantize_reference
 
 ROWS = {1: 3001, 14: 4999}  # odd sizes: shards of unequal length
+SMALL_LAUNCH = engram_gather.GatherLaunch(block_rows=16, max_programs=3)  # several persistent steps per program
 
 
 def _source() -> RandomEngramSource:
@@ -226,21 +227,21 @@ def test_triton_kernel_matches_reference_in_the_interpreter(monkeypatch):
     weight, scale = _tables()[1]
     ids = torch.randint(0, weight.shape[0], (150,), generator=torch.Generator().manual_seed(5))
     for out_dtype in (torch.bfloat16, torch.float32):
-        out = engram_gather.gather_dequantize(weight, scale, ids, out_dtype=out_dtype, max_programs=3, block_rows=16)
+        out = engram_gather.gather_dequantize(weight, scale, ids, out_dtype=out_dtype, launch=SMALL_LAUNCH)
         assert torch.equal(_bits(out), _bits(gather_dequantize_reference(weight, scale, ids, out_dtype)))
     # Only the first `count` rows are written: a de-duplicated plan leaves the tail alone.
     scale = scale.clone()
     scale[ids[0]] = torch.tensor([0, 1, 126, 127, 128, 200, 254, 120], dtype=torch.uint8)  # 2**-127 .. 2**127
     out = torch.full((150, 256), -7.0)
-    engram_gather.gather_dequantize(
-        weight, scale, ids, count=torch.tensor([90]), out=out, out_dtype=torch.float32, max_programs=2, block_rows=8
-    )
+    launch = engram_gather.GatherLaunch(block_rows=8, max_programs=2)
+    engram_gather.gather_dequantize(weight, scale, ids, count=torch.tensor([90]), out=out, out_dtype=torch.float32,
+                                    launch=launch)  # fmt: skip
     assert torch.equal(_bits(out[:90]), _bits(gather_dequantize_reference(weight, scale, ids[:90], torch.float32)))
     assert bool((out[90:] == -7.0).all())
     # The store's layout: codes and scales as the two column ranges of 264-byte records.
     records = torch.cat([weight, scale], dim=1)
     out = engram_gather.gather_dequantize(records[:, :256], records[:, 256:], ids, out_dtype=torch.float32,
-                                          max_programs=3, block_rows=16)  # fmt: skip
+                                          launch=SMALL_LAUNCH)  # fmt: skip
     assert torch.equal(_bits(out), _bits(gather_dequantize_reference(weight, scale, ids, torch.float32)))
     with pytest.raises(ValueError, match="must have contiguous rows"):
         engram_gather.gather_dequantize(records[:, :256].t().contiguous().t(), records[:, 256:], ids)
@@ -488,7 +489,7 @@ def test_dequantize_rows_kernel_matches_reference_in_the_interpreter(monkeypatch
     codes, scales = weight[:77].clone(), scale[:77].clone()
     scales[3] = torch.tensor([0, 1, 126, 127, 128, 200, 254, 120], dtype=torch.uint8)  # 2**-127 .. 2**127
     for out_dtype in (torch.bfloat16, torch.float32):
-        out = engram_gather.dequantize_rows(codes, scales, out_dtype=out_dtype, max_programs=3, block_rows=16)
+        out = engram_gather.dequantize_rows(codes, scales, out_dtype=out_dtype, launch=SMALL_LAUNCH)
         expected = dequantize_reference(codes, scales, out_dtype)
         realistic = torch.arange(77) != 3  # bf16 subnormals (2**-127 scales) may round differently in the interpreter
         assert torch.equal(_bits(out[realistic]), _bits(expected[realistic]))

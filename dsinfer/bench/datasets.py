@@ -10,13 +10,14 @@ them (chat template and BOS included). Without ``/tokenize`` one word stands for
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from dsinfer.config.json_object import json_object
 
 # Short, frequent words: one token each (with their leading space) in every large BPE vocabulary.
 WORDS = (
@@ -64,12 +65,7 @@ def load_jsonl(path: Path, endpoint: str, default_output_len: int) -> list[Bench
 
 
 def _jsonl_request(line: str, where: str, endpoint: str, default_output_len: int) -> BenchRequest:
-    try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(entry, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(entry).__name__}")
+    entry = json_object(line, where, DatasetError)
     prompt, messages = entry.get("prompt"), entry.get("messages")
     if (prompt is None) == (messages is None):
         raise DatasetError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list)")

@@ -10,9 +10,9 @@ the model (:func:`dsinfer.speculative.support.check_speculative_support`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+from dsinfer.config.json_object import json_object, require_object
 from dsinfer.config.model import ConfigError
 
 SPECULATIVE_METHODS = ("mtp", "dspark")
@@ -57,12 +57,8 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"speculative_config: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"speculative_config: expected a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config", ConfigError)
+    value = require_object(value, "speculative_config", ConfigError)
     unknown = sorted(set(value) - set(_KNOWN_FIELDS))
     if unknown:
         raise ConfigError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_KNOWN_FIELDS)})")

@@ -40,7 +40,7 @@ import torch
 
 from dsinfer.config import engram_primes, is_prime
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
-from dsinfer.ops.engram_rows import ENGRAM_DEAD, rolling_hash
+from dsinfer.ops.engram_rows import ENGRAM_DEAD, EngramRowHashing, rolling_hash
 
 __all__ = [
     "ENGRAM_DEAD",
@@ -300,10 +300,9 @@ class EngramHasher:
         """:meth:`decode_step` for the cache's histories [slots, w], as one op (``engram_decode_rows`` of ``ops``):
         rows ``[B, num_engram_layers, n_columns]`` of the tokens at ``starts`` of the sequences in ``slots``, each
         history advanced in place (a sequence at position 0 starts from none)."""
-        return ops.engram_decode_rows(
-            token_ids, history, slots, starts, self.compressed_vocabulary, self.image_token_id,
-            self.pad_compressed_id, self._multipliers, self._primes, self._offsets,
-        )  # fmt: skip
+        hashing = EngramRowHashing(self.compressed_vocabulary, self.image_token_id, self.pad_compressed_id,
+                                   self._multipliers, self._primes, self._offsets)  # fmt: skip
+        return ops.engram_decode_rows(token_ids, history, slots, starts, hashing)
 
     def advance(self, context: EngramContext, token_ids: Sequence[int] | torch.Tensor) -> EngramContext:
         """One sequence's context moved past ``token_ids``."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsinfer.config.json_object import json_object
 
 BENCHMARKS = ("aime", "gpqa", "hle")
 #: Samples per question used for the published pass@1 numbers (DeepInfer's eval scripts).
@@ -100,12 +101,7 @@ def load_dataset(benchmark: str, path: str | Path) -> list[Question]:
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(item, dict):
-            raise EvalError(f"{where}: expected a JSON object, got {type(item).__name__}")
+        item = json_object(line, where, EvalError)
         question = _parse_item(benchmark, item, where, path.parent)
         if question.id in seen:
             raise EvalError(f"{where}: duplicate id {question.id!r} (first on line {seen[question.id]})")

@@ -13,7 +13,7 @@ from dsinfer.layers.fp8_linear import Fp8Stack
 from dsinfer.layers.joined_linear import join_linears
 from dsinfer.ops.moe import ExpertWeights, stack_experts
 from dsinfer.ops.registry import OpTable, resolve
-from dsinfer.ops.router import moe_route_reference
+from dsinfer.ops.router import MoeRouteInputs, moe_route_reference
 from dsinfer.ops.router_logits import bf16_parts, router_logits_reference
 from dsinfer.ops.side_stream import beside
 from dsinfer.ops.swiglu import clamped_swiglu_reference
@@ -104,7 +104,7 @@ class Router(nn.Module):
         else:  # image tokens pick with bias_vl: per token on the device, no host read
             bias, bias_vl, table, token_ids = self.bias, self.bias_vl, None, None
         pick = (self.top_k, self.normalize, self.scaling)
-        return route(logits, self.gate_temp, bias, bias_vl, image_mask, table, token_ids, *pick)
+        return route(MoeRouteInputs(logits, self.gate_temp, bias, bias_vl, image_mask, table, token_ids, *pick))
 
 
 class MoE(nn.Module):

@@ -101,6 +101,20 @@ def _check_finite(weight: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} contains NaN or infinite values; they have no block-scaled encoding")
 
 
+def _check_scales_fit(
+    scale: torch.Tensor, expected: tuple, values: torch.Tensor, names: tuple[str, str], blocks
+) -> None:
+    """One clear error where ``scale`` is not ``expected``'s shape for ``values`` (``names``: how the message calls
+    the values' shape and the values; ``blocks``: the block or group the scales cover) or lies on another device."""
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match {names[0]} shape {tuple(values.shape)} "
+            f"with {blocks}: expected {expected}"
+        )
+    if scale.device != values.device:
+        raise ValueError(f"scale is on {scale.device} but {names[1]} is on {values.device}")
+
+
 def _fp8_scale_shape(shape: torch.Size, block: tuple[int, int]) -> tuple[int, ...]:
     rows, cols = shape[-2], shape[-1]
     return (*shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
@@ -187,14 +201,9 @@ def dequantize_fp8_blockwise(
         raise ValueError(f"fp8_weight must have at least 2 dims [..., out, in], got {tuple(fp8_weight.shape)}")
     if scale.dtype not in _SCALE_DTYPES:
         raise ValueError(f"scale must be torch.float8_e8m0fnu or torch.float32, got dtype {scale.dtype}")
-    expected = _fp8_scale_shape(fp8_weight.shape, block)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match weight shape {tuple(fp8_weight.shape)} "
-            f"with block {block}: expected {expected}"
-        )
-    if scale.device != fp8_weight.device:
-        raise ValueError(f"scale is on {scale.device} but fp8_weight is on {fp8_weight.device}")
+    _check_scales_fit(
+        scale, _fp8_scale_shape(fp8_weight.shape, block), fp8_weight, ("weight", "fp8_weight"), f"block {block}"
+    )
 
     rows, cols = fp8_weight.shape[-2], fp8_weight.shape[-1]
     tiles = _as_blocks(_pad_to_blocks(fp8_weight.float(), block), block)
@@ -328,14 +337,7 @@ def dequantize_fp4(
     n = codes.shape[-1]
     if n % group != 0:
         raise ValueError(f"unpacked last dim {n} (packed {packed.shape[-1]} x 2) is not a multiple of group {group}")
-    expected = (*packed.shape[:-1], n // group)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match packed shape {tuple(packed.shape)} "
-            f"with group {group}: expected {expected}"
-        )
-    if scale.device != packed.device:
-        raise ValueError(f"scale is on {scale.device} but packed is on {packed.device}")
+    _check_scales_fit(scale, (*packed.shape[:-1], n // group), packed, ("packed", "packed"), f"group {group}")
 
     values = _e2m1_table(packed.device)[codes.long()]
     out = values.unflatten(-1, (-1, group)) * scale.float()[..., None]

@@ -1,4 +1,6 @@
-"""Whether Triton kernels can run here: the one check every Triton backend registers with.
+"""Whether Triton kernels can run here: the one check every Triton backend registers with, and the one import of
+``triton`` and ``triton.language`` (as ``tl``) the Triton modules take theirs from: None on an install without
+Triton, so a module's kernels stay behind ``if triton is not None`` and its backend is never chosen.
 
 A backend serves CUDA devices when Triton is installed and a GPU is present; under Triton's interpreter
 (``TRITON_INTERPRET=1``) the same kernels run on the CPU, which is how ``tests/ops`` checks them against the
@@ -13,10 +15,12 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+    tl = None
 
-__all__ = ["interpreted", "triton_available"]
+__all__ = ["interpreted", "tl", "triton", "triton_available"]
 
 
 def interpreted() -> bool:

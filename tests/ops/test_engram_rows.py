@@ -11,7 +11,7 @@ from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.ops import registry
-from dsinfer.ops.engram_rows.reference import ENGRAM_DEAD, engram_decode_rows_reference
+from dsinfer.ops.engram_rows.reference import ENGRAM_DEAD, EngramRowHashing, engram_decode_rows_reference
 
 VOCAB, COMPRESSED = 300, 97
 CASES = [(1, (1,), 4, 2, None), (6, (1, 6), 4, 3, 299), (5, (2,), 3, 8, 299), (4, (0, 3), 2, 5, None)]
@@ -36,8 +36,9 @@ def make_step(batch, ngram, generator):
 
 
 def op_args(hasher: EngramHasher, tokens, history, slots, starts):
-    return (tokens, history, slots, starts, hasher.compressed_vocabulary, hasher.image_token_id,
-            hasher.pad_compressed_id, hasher._multipliers, hasher._primes, hasher._offsets)  # fmt: skip
+    hashing = EngramRowHashing(hasher.compressed_vocabulary, hasher.image_token_id, hasher.pad_compressed_id,
+                               hasher._multipliers, hasher._primes, hasher._offsets)  # fmt: skip
+    return tokens, history, slots, starts, hashing
 
 
 def check(device: torch.device) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from interpreted import assert_interpreted_cases_pass
 
-from dsinfer.ops.router.reference import moe_route_reference
+from dsinfer.ops.router.reference import MoeRouteInputs, moe_route_reference
 
 CASES = [  # (tokens, experts, k, kind: "shared" / "image" / "hash" / "-inf", normalize, ties, gate_temp)
     (1, 256, 6, "shared", True, False, 1.0),
@@ -58,7 +58,7 @@ def make_inputs(index: int, device: str):
                 image_mask[:2] = torch.tensor([True, False])
     moved = [t.to(device) if t is not None else None for t in (logits, bias, bias_vl, image_mask, table, ids)]
     logits, bias, bias_vl, image_mask, table, ids = moved
-    return (logits, gate_temp, bias, bias_vl, image_mask, table, ids, k, normalize, 1.5)
+    return MoeRouteInputs(logits, gate_temp, bias, bias_vl, image_mask, table, ids, k, normalize, 1.5)
 
 
 def check(device: str) -> list[str]:
@@ -66,12 +66,12 @@ def check(device: str) -> list[str]:
 
     failures = []
     for index in range(len(CASES)):
-        args = make_inputs(index, device)
-        if not serves(*args[:1], *args[2:8]):
+        inputs = make_inputs(index, device)
+        if not serves(inputs):
             failures.append(f"case {index}: the kernel does not take it")
             continue
-        experts, weights = moe_route_triton(*args)
-        want_experts, want_weights = moe_route_reference(*args)  # the same device: CUDA's arithmetic on CUDA
+        experts, weights = moe_route_triton(inputs)
+        want_experts, want_weights = moe_route_reference(inputs)  # the same device: CUDA's arithmetic on CUDA
         if not torch.equal(experts, want_experts):
             failures.append(f"case {index}: experts {experts.tolist()[:2]} != {want_experts.tolist()[:2]}")
         elif not bool(((weights - want_weights).abs() <= 2e-6 * want_weights.abs() + 1e-7).all()):
@@ -98,11 +98,13 @@ def test_reference_picks_the_best_biased_scores_and_weighs_by_the_unbiased_ones(
     logits = torch.log(torch.expm1(scores.double() ** 2)).float()  # softplus(logits).sqrt() = scores (rounded)
     got = F.softplus(logits).sqrt()
     bias = torch.tensor([0.5, 0.0, 0.0, 0.0, -1.0])
-    experts, weights = moe_route_reference(logits, 1.0, bias, None, None, None, None, 3, True, 2.0)
+    experts, weights = moe_route_reference(MoeRouteInputs(logits, 1.0, bias, None, None, None, None, 3, True, 2.0))
     assert experts.tolist()[0][0] == 0 and sorted(experts.tolist()[0][1:]) == [1, 2]
     assert torch.allclose(weights, got[:, experts[0]] / got[:, experts[0]].sum() * 2.0)
     table = torch.tensor([[0, 1], [4, 3]], dtype=torch.int32)
-    experts, weights = moe_route_reference(logits, 1.0, None, None, None, table, torch.tensor([1]), 2, False, 1.0)
+    experts, weights = moe_route_reference(
+        MoeRouteInputs(logits, 1.0, None, None, None, table, torch.tensor([1]), 2, False, 1.0)
+    )
     assert experts.tolist() == [[4, 3]] and torch.equal(weights, got[:, [4, 3]])
 
 
@@ -110,12 +112,13 @@ def test_reference_is_the_routers_torch_chain():
     """Bit for bit the chain the router ran before the op took it: divide, softplus, sqrt, bias choice, pick."""
     from dsinfer.ops.topk import topk_indices
 
-    args = make_inputs(3, "cpu")
-    logits, gate_temp, bias, bias_vl, image_mask, _, _, k, _, scaling = args
+    inputs = make_inputs(3, "cpu")
+    logits, gate_temp, k, scaling = inputs.logits, inputs.gate_temp, inputs.k, inputs.scaling
+    bias, bias_vl, image_mask = inputs.bias, inputs.bias_vl, inputs.image_mask
     scores = F.softplus(logits / gate_temp).sqrt()
     keys = scores + torch.where(image_mask[:, None], bias_vl.float(), bias.float().expand_as(scores))
     experts = topk_indices(keys, k)
     weights = scores.gather(1, experts)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
-    got_experts, got_weights = moe_route_reference(*args)
+    got_experts, got_weights = moe_route_reference(inputs)
     assert torch.equal(got_experts, experts) and torch.equal(got_weights, weights)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,15 +20,38 @@ from dsinfer.engram.fetch.plan import FetchPlan, plan_fetch
 from dsinfer.kernels.engram_gather import (
     DEFAULT_BLOCK_ROWS,
     DEFAULT_NUM_WARPS,
+    GatherLaunch,
     gather_dequantize,
     gather_dequantize_reference,
 )
 from dsinfer.ops.triton_support import triton_available
 
-__all__ = ["DEDUP_MIN_IDS_CUDA", "EngramFetcher"]
+__all__ = ["DEDUP_MIN_IDS_CUDA", "EngramFetcher", "FetchSettings"]
 
 DEDUP_MIN_IDS_CUDA = 65_536
 """Below this many ids a CUDA fetch gathers in request order: sorting costs more than it saves there."""
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    """How a fetcher plans and gathers, whatever its placement.
+
+    ``dedup`` (implies ``sort``) and ``sort`` control the plan, used for fetches of at least ``dedup_min_ids`` ids
+    (None: 65,536 on CUDA, every fetch on CPU); ``max_programs``, ``block_rows`` and ``num_warps`` shape the
+    Triton gather (:class:`~dsinfer.ops.engram_gather.kernel.GatherLaunch`), ``prefetch_programs`` caps the
+    programs of gathers issued by :meth:`EngramFetcher.start` so the overlapped compute keeps most SMs;
+    ``use_kernel`` None: the kernel wherever CUDA and Triton are.
+    """
+
+    out_dtype: torch.dtype = torch.bfloat16
+    dedup: bool = True
+    sort: bool = True
+    max_programs: int | None = None
+    prefetch_programs: int | None = None
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    num_warps: int = DEFAULT_NUM_WARPS
+    use_kernel: bool | None = None
+    dedup_min_ids: int | None = None
 
 
 class EngramFetcher:
@@ -35,41 +59,29 @@ class EngramFetcher:
 
     ``tables`` maps a layer id to ``(weight [rows, 256] uint8, scale [rows, 8] uint8)`` in memory
     the fetch path can read (device memory, or host memory a CUDA tensor aliases, or CPU memory on
-    CPU). ``dedup`` (implies ``sort``) and ``sort`` control the plan, used for fetches of at least
-    ``dedup_min_ids`` ids (default 65,536 on CUDA, every fetch on CPU); ``max_programs``,
-    ``block_rows`` and ``num_warps`` tune the Triton gather, ``prefetch_programs`` caps the programs
-    of gathers issued by :meth:`start` so the overlapped compute keeps most SMs.
+    CPU). ``settings`` are the fields of :class:`FetchSettings` by name: the placements and the factory
+    pass one set of keyword options through.
     """
 
     placement = "device"
 
     def __init__(
-        self,
-        tables: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-        *,
-        device: torch.device | str,
-        out_dtype: torch.dtype = torch.bfloat16,
-        dedup: bool = True,
-        sort: bool = True,
-        max_programs: int | None = None,
-        prefetch_programs: int | None = None,
-        block_rows: int = DEFAULT_BLOCK_ROWS,
-        num_warps: int = DEFAULT_NUM_WARPS,
-        use_kernel: bool | None = None,
-        dedup_min_ids: int | None = None,
+        self, tables: Mapping[int, tuple[torch.Tensor, torch.Tensor]], *, device: torch.device | str, **settings: Any
     ):
         if not tables:
             raise ValueError("an Engram fetcher needs at least one table")
+        chosen = FetchSettings(**settings)
         self.tables = dict(tables)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.out_dtype = out_dtype
-        self.dedup, self.sort = dedup, sort or dedup
-        self.max_programs, self.prefetch_programs = max_programs, prefetch_programs
-        self.block_rows, self.num_warps = block_rows, num_warps
+        self.out_dtype = chosen.out_dtype
+        self.dedup, self.sort = chosen.dedup, chosen.sort or chosen.dedup
+        self.max_programs, self.prefetch_programs = chosen.max_programs, chosen.prefetch_programs
+        self.block_rows, self.num_warps = chosen.block_rows, chosen.num_warps
         on_cuda = self.device.type == "cuda"
-        self.use_kernel = (on_cuda and triton_available()) if use_kernel is None else use_kernel
+        self.use_kernel = (on_cuda and triton_available()) if chosen.use_kernel is None else chosen.use_kernel
+        dedup_min_ids = chosen.dedup_min_ids
         self.dedup_min_ids = (DEDUP_MIN_IDS_CUDA if on_cuda else 0) if dedup_min_ids is None else dedup_min_ids
         if self.use_kernel and not (on_cuda and triton_available()):
             raise ValueError("use_kernel=True needs a CUDA device and Triton")
@@ -205,7 +217,5 @@ class EngramFetcher:
             count=count,
             out=out,
             out_dtype=self.out_dtype,
-            block_rows=self.block_rows,
-            num_warps=self.num_warps,
-            max_programs=programs,
+            launch=GatherLaunch(self.block_rows, self.num_warps, programs),
         )

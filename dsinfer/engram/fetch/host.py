@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "HOST_METHOD_ENV",
     "HOST_ONLY_OPTIONS",
     "HostEngramFetcher",
+    "HostReadSettings",
     "resolve_host_method",
 ]
 
@@ -54,23 +56,32 @@ HOST_METHODS = ("zero_copy", "staged", "split")
 HOST_METHOD_ENV = envs.ENGRAM_HOST_METHOD.name
 DEFAULT_HOST_METHOD = "zero_copy"
 """Same prefetched step cost as the others on the H200, no host threads or synchronisation (module docstring)."""
-HOST_ONLY_OPTIONS = (
-    "scales_on_device",
-    "zero_copy_share",
-    "split_min_ids",
-    "staging_threads",
-    "staging_chunk_rows",
-    "staging_rows",
-    "staging_buffers",
-)
-"""Options of the host placement that :func:`~dsinfer.engram.fetch.factory.make_engram_fetcher` leaves out for the
-other placements."""
 DEFAULT_ZERO_COPY_SHARE = 0.5
 """Share of a ``split`` fetch's rows that the zero-copy kernel reads (the CPU stages the rest)."""
 DEFAULT_SPLIT_MIN_IDS = 131_072
 """``split`` fetches of fewer ids are read all zero-copy: below this the host round trip costs more than it saves."""
 SHARE_BITS = 10
 """The share is ``count * round(share * 2**SHARE_BITS) >> SHARE_BITS`` rows: the same integer on device and host."""
+
+
+@dataclass(frozen=True)
+class HostReadSettings:
+    """How the ``staged`` and ``split`` methods read (:class:`HostEngramFetcher`): the zero-copy share of a split
+    fetch and the size below which it is all zero-copy, and the CPU stager's lanes, chunk rows, buffer rows and
+    buffers (:class:`~dsinfer.engram.staged_gather.StagedGather`)."""
+
+    zero_copy_share: float = DEFAULT_ZERO_COPY_SHARE
+    split_min_ids: int = DEFAULT_SPLIT_MIN_IDS
+    staging_threads: int | None = None
+    staging_chunk_rows: int = DEFAULT_CHUNK_ROWS
+    staging_rows: int = DEFAULT_STAGING_ROWS
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
+
+
+READ_OPTIONS = tuple(field.name for field in fields(HostReadSettings))
+HOST_ONLY_OPTIONS = ("scales_on_device", *READ_OPTIONS)
+"""Options of the host placement that :func:`~dsinfer.engram.fetch.factory.make_engram_fetcher` leaves out for the
+other placements."""
 
 
 def resolve_host_method(requested: str | None) -> str:
@@ -122,14 +133,11 @@ class HostEngramFetcher(EngramFetcher):
         registration: HostRegistration | None = None,
         method: str | None = None,
         host_tables: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-        zero_copy_share: float = DEFAULT_ZERO_COPY_SHARE,
-        split_min_ids: int = DEFAULT_SPLIT_MIN_IDS,
-        staging_threads: int | None = None,
-        staging_chunk_rows: int = DEFAULT_CHUNK_ROWS,
-        staging_rows: int = DEFAULT_STAGING_ROWS,
-        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         **options: Any,
     ):
+        """``options``: the fields of :class:`HostReadSettings` and of :class:`~dsinfer.engram.fetch.base.FetchSettings`
+        by name (the host placement's gather shape is the default on CUDA)."""
+        reading = HostReadSettings(**{name: options.pop(name) for name in READ_OPTIONS if name in options})
         if torch.device(options["device"]).type == "cuda":
             for key, value in HOST_GATHER_SHAPE.items():
                 options.setdefault(key, value)
@@ -139,16 +147,16 @@ class HostEngramFetcher(EngramFetcher):
         self.method = resolve_host_method(method)
         self.host_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._share_parts = 0
-        self.split_min_ids = split_min_ids
+        self.split_min_ids = reading.split_min_ids
         self._stager: StagedGather | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._split_stream: torch.cuda.Stream | None = None
         if self.method == "zero_copy":
             return
         if self.method == "split":
-            if not 0.0 <= zero_copy_share <= 1.0:
-                raise ValueError(f"zero_copy_share must lie in [0, 1], got {zero_copy_share}")
-            self._share_parts = round(zero_copy_share * (1 << SHARE_BITS))
+            if not 0.0 <= reading.zero_copy_share <= 1.0:
+                raise ValueError(f"zero_copy_share must lie in [0, 1], got {reading.zero_copy_share}")
+            self._share_parts = round(reading.zero_copy_share * (1 << SHARE_BITS))
             if self.device.type == "cuda":
                 if not self.use_kernel:
                     raise ValueError("the split host method needs the Triton gather kernel on CUDA")
@@ -158,10 +166,10 @@ class HostEngramFetcher(EngramFetcher):
         weight, scale = next(iter(self.host_tables.values()))
         self._stager = StagedGather(
             self.device,
-            threads=staging_threads,
-            chunk_rows=staging_chunk_rows,
-            staging_rows=staging_rows,
-            buffers=staging_buffers,
+            threads=reading.staging_threads,
+            chunk_rows=reading.staging_chunk_rows,
+            staging_rows=reading.staging_rows,
+            buffers=reading.staging_buffers,
             row_bytes=weight.shape[1],
             scale_columns=scale.shape[1],
         )

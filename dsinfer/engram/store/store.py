@@ -169,34 +169,8 @@ class EngramStore:
         mapping = None
         try:
             reaper = start_reaper(path, stat)
-            os.ftruncate(fd, total)
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise EngramMemoryError(
-                        f"reserving {total:,} bytes for the Engram segment {path} failed: {exc.strerror}"
-                    ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            data_bytes = sum(spec.table_bytes for spec in specs)
-            header = SegmentHeader(
-                STATE_LOADING,
-                os.getpid(),
-                attachers,
-                0,
-                len(layouts),
-                0,
-                page_size,
-                total,
-                data_bytes,
-                0,
-                process_start_time(os.getpid()),
-                "",
-                layouts,
-            )
+            mapping = _reserve_and_map(fd, total, path)
+            header = _loading_header(attachers, page_size, total, sum(spec.table_bytes for spec in specs), layouts)
             header.write(mapping)
             store = cls(
                 path=path,
@@ -442,6 +416,34 @@ class EngramStore:
     def __repr__(self) -> str:
         tables = ", ".join(f"layer {t.layer_id}: {t.rows:,} rows" for t in self.tables.values())
         return f"EngramStore({self.path}, {self.nbytes:,} bytes, page {self.page_size}, {tables})"
+
+
+def _reserve_and_map(fd: int, total: int, path: Path) -> mmap.mmap:
+    """The new segment file sized to ``total`` bytes, reserved up front (a full memory file system fails here with
+    a clear error, not later as a fault while loading) and mapped shared, populated where the platform can."""
+    os.ftruncate(fd, total)
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise EngramMemoryError(
+                f"reserving {total:,} bytes for the Engram segment {path} failed: {exc.strerror}"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _loading_header(
+    attachers: int, page_size: int, total: int, data_bytes: int, layouts: list[EngramTableLayout]
+) -> SegmentHeader:
+    """The header this process writes as the segment's loader: loading, nothing attached or loaded yet."""
+    pid = os.getpid()
+    return SegmentHeader(
+        STATE_LOADING, pid, attachers, 0, len(layouts), 0, page_size, total, data_bytes, 0,
+        process_start_time(pid), "", layouts,
+    )  # fmt: skip
 
 
 def _loader_died(header: SegmentHeader, path) -> EngramStoreError:

@@ -15,14 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 CHUNK = 2048  # scores a first-pass program reads: 64 programs a row at V = 129,280
 MAX_CHUNKS = 1024  # the second pass holds a row's winners in one program: rows up to 2M scores

@@ -19,12 +19,9 @@ import torch
 
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.fake_quant.triton import (
         block_scale,
         e2m1_count,
@@ -34,9 +31,6 @@ try:
         round_e4m3,
         with_sign_of,
     )
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 ELEMENTS_PER_PROGRAM = 4096
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

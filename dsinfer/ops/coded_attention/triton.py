@@ -43,19 +43,11 @@ from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_atte
 from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-
-    from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-    from dsinfer.ops.sparse_attention.triton import _attend_tile, combine_splits, plan_splits, split_partials
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
+    from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
+    from dsinfer.ops.sparse_attention.triton import _attend_tile, combine_splits, plan_splits, split_partials
 
     @triton.jit
     def e4m3_decode(byte, HARDWARE_FP8: tl.constexpr):

@@ -28,14 +28,7 @@ from dsinfer.ops.compressor.reference import (
     compressor_decode_store_reference,
 )
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

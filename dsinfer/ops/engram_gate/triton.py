@@ -13,14 +13,7 @@ import torch
 
 from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, engram_gate_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 BLOCK = 1024  # hidden channels per step of a program's walk
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.engram_gather.kernel import gather_dequantize, gather_dequantize_reference
+from dsinfer.ops.engram_gather.kernel import GatherLaunch, gather_dequantize, gather_dequantize_reference
 from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.triton_support import triton_available
 
@@ -26,7 +26,7 @@ def engram_gather_triton(
 ) -> torch.Tensor:
     """The Triton gather + dequantise of every id (the reference's signature; ``max_programs`` None: 16 per SM)."""
     ids = ids.reshape(-1).to(torch.int64)
-    return gather_dequantize(weight, scale, ids, out_dtype=out_dtype, max_programs=max_programs)
+    return gather_dequantize(weight, scale, ids, out_dtype=out_dtype, launch=GatherLaunch(max_programs=max_programs))
 
 
 __all__ = ["engram_gather_triton", "gather_dequantize_reference"]

@@ -42,21 +42,21 @@ float32, and both round the same float32 to the output dtype).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.quant import dequantize_fp8_blockwise
-from dsinfer.ops.triton_support import triton_available
-
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import (  # None without Triton: CPU installs use the reference
+    tl,
+    triton,
+    triton_available,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_ROWS",
     "DEFAULT_NUM_WARPS",
+    "GatherLaunch",
     "dequantize_reference",
     "dequantize_rows",
     "gather_dequantize",
@@ -67,6 +67,16 @@ __all__ = [
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_NUM_WARPS = 4
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GatherLaunch:
+    """The kernel's launch shape: ``block_rows`` rows (a power of two) per program step, ``num_warps``, and at
+    most ``max_programs`` persistent programs (None: 16 per SM; host memory wants few, see the module docstring)."""
+
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    num_warps: int = DEFAULT_NUM_WARPS
+    max_programs: int | None = None
 
 
 def _check_tables(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -167,9 +177,7 @@ def gather_dequantize(
     count: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    max_programs: int | None = None,
+    launch: GatherLaunch = GatherLaunch(),
 ) -> torch.Tensor:
     """Triton gather + dequantise of rows ``ids[:count]`` into ``out[:count]`` (CUDA tensors).
 
@@ -180,7 +188,7 @@ def gather_dequantize(
     """
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise ValueError(f"ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-    return _launch(weight, scale, ids, ids.numel(), count, out, out_dtype, block_rows, num_warps, max_programs)
+    return _launch(weight, scale, ids, ids.numel(), count, out, out_dtype, launch)
 
 
 def dequantize_rows(
@@ -189,9 +197,7 @@ def dequantize_rows(
     *,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    max_programs: int | None = None,
+    launch: GatherLaunch = GatherLaunch(),
 ) -> torch.Tensor:
     """Triton dequantisation of every row of ``codes`` [n, 256] with ``scales`` [n, 8] (CUDA tensors) into ``out``.
 
@@ -199,7 +205,7 @@ def dequantize_rows(
     are in device memory.
     """
     capacity = codes.shape[0] if codes.dim() == 2 else 0
-    return _launch(codes, scales, None, capacity, None, out, out_dtype, block_rows, num_warps, max_programs)
+    return _launch(codes, scales, None, capacity, None, out, out_dtype, launch)
 
 
 def _launch(
@@ -210,9 +216,7 @@ def _launch(
     count: torch.Tensor | None,
     out: torch.Tensor | None,
     out_dtype: torch.dtype,
-    block_rows: int,
-    num_warps: int,
-    max_programs: int | None,
+    launch: GatherLaunch,
 ) -> torch.Tensor:
     """Validate and run :func:`_gather_dequantize_kernel` over ``capacity`` output rows (``ids=None``: no gather)."""
     if triton is None:
@@ -220,6 +224,7 @@ def _launch(
     row_bytes, scale_columns = _check_tables(weight, scale)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    block_rows, max_programs = launch.block_rows, launch.max_programs
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if out is None:
@@ -246,6 +251,6 @@ def _launch(
         SCALE_ROW_STRIDE=scale.stride(0),
         BLOCK_ROWS=block_rows,
         GATHER=ids is not None,
-        num_warps=num_warps,
+        num_warps=launch.num_warps,
     )
     return out

@@ -4,6 +4,11 @@ Backends: ``reference`` (torch: the hasher's decode arithmetic) and ``triton`` (
 """
 
 from dsinfer.ops.engram_rows import triton  # noqa: F401  (registers the Triton backend)
-from dsinfer.ops.engram_rows.reference import ENGRAM_DEAD, engram_decode_rows_reference, rolling_hash
+from dsinfer.ops.engram_rows.reference import (
+    ENGRAM_DEAD,
+    EngramRowHashing,
+    engram_decode_rows_reference,
+    rolling_hash,
+)
 
-__all__ = ["ENGRAM_DEAD", "engram_decode_rows_reference", "rolling_hash"]
+__all__ = ["ENGRAM_DEAD", "EngramRowHashing", "engram_decode_rows_reference", "rolling_hash"]

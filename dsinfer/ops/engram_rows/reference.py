@@ -9,6 +9,8 @@ its layer's offset. The history then drops its oldest id and keeps the token's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.registry import REFERENCE, register
@@ -33,30 +35,34 @@ def rolling_hash(
     return torch.cat(columns, dim=-1) + offsets
 
 
+@dataclass(frozen=True)
+class EngramRowHashing:
+    """The hasher's constants a decode step's rows are hashed with: ``vocabulary`` [V] maps token ids to
+    compressed ids (``image_token_id``'s to ``ENGRAM_DEAD`` when given), dead ids read as ``pad_id``;
+    ``multipliers`` [L, N], ``primes`` [L, N - 1, H], ``offsets`` [L, (N - 1) * H]."""
+
+    vocabulary: torch.Tensor
+    image_token_id: int | None
+    pad_id: int
+    multipliers: torch.Tensor
+    primes: torch.Tensor
+    offsets: torch.Tensor
+
+
 @register("engram_decode_rows", REFERENCE)
 def engram_decode_rows_reference(
-    token_ids: torch.Tensor,
-    history: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    vocabulary: torch.Tensor,
-    image_token_id: int | None,
-    pad_id: int,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor,
+    token_ids: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, hashing: EngramRowHashing
 ) -> torch.Tensor:
     """Rows [B, L, (N - 1) * H] of the tokens ``token_ids`` [B] at positions ``starts`` [B] of the sequences in
-    ``slots`` [B]; ``history`` [slots, N - 1] (int64) is advanced in place. ``vocabulary`` [V] maps token ids
-    to compressed ids; ``multipliers`` [L, N], ``primes`` [L, N - 1, H], ``offsets`` [L, (N - 1) * H]."""
+    ``slots`` [B]; ``history`` [slots, N - 1] (int64) is advanced in place."""
     looked_back = history[slots]
     contexts = torch.where((starts == 0)[:, None], torch.full_like(looked_back, ENGRAM_DEAD), looked_back)
-    compressed = vocabulary[token_ids]
-    if image_token_id is not None:
-        compressed = compressed.masked_fill(token_ids == image_token_id, ENGRAM_DEAD)
+    compressed = hashing.vocabulary[token_ids]
+    if hashing.image_token_id is not None:
+        compressed = compressed.masked_fill(token_ids == hashing.image_token_id, ENGRAM_DEAD)
     full = torch.cat([contexts, compressed[:, None]], dim=1)  # oldest first; the token last
     looked = full.flip(1)  # column k: the id at t - k
-    looked = looked.masked_fill((looked == ENGRAM_DEAD).cumsum(dim=1) > 0, pad_id)
-    rows = rolling_hash(looked.unsqueeze(1), multipliers, primes, offsets)
+    looked = looked.masked_fill((looked == ENGRAM_DEAD).cumsum(dim=1) > 0, hashing.pad_id)
+    rows = rolling_hash(looked.unsqueeze(1), hashing.multipliers, hashing.primes, hashing.offsets)
     history[slots] = full[:, 1:]
     return rows

@@ -11,16 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.engram_rows.reference import engram_decode_rows_reference
+from dsinfer.ops.engram_rows.reference import EngramRowHashing, engram_decode_rows_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
 
@@ -67,30 +60,21 @@ if triton is not None:
 @register("engram_decode_rows", "triton", devices=("cuda",), available=triton_available,
           priority=10)  # fmt: skip
 def engram_decode_rows_triton(
-    token_ids: torch.Tensor,
-    history: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    vocabulary: torch.Tensor,
-    image_token_id: int | None,
-    pad_id: int,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor,
+    token_ids: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, hashing: EngramRowHashing
 ) -> torch.Tensor:
     """Same contract and ids as the reference; a history that is not int64 rows goes to it."""
-    args = (token_ids, history, slots, starts, vocabulary, image_token_id, pad_id, multipliers, primes, offsets)
-    n_layers, n, heads = multipliers.shape[0], multipliers.shape[1], primes.shape[-1]
+    multipliers, image_token_id = hashing.multipliers, hashing.image_token_id
+    n_layers, n, heads = multipliers.shape[0], multipliers.shape[1], hashing.primes.shape[-1]
     if history.dtype != torch.int64 or history.stride(-1) != 1 or n < 2 or history.shape[-1] != n - 1:
-        return engram_decode_rows_reference(*args)
+        return engram_decode_rows_reference(token_ids, history, slots, starts, hashing)
     batch = token_ids.shape[0]
     rows = torch.empty(batch, n_layers, (n - 1) * heads, dtype=torch.int64, device=token_ids.device)
     if batch == 0:
         return rows
     _decode_rows_kernel[(batch,)](
-        token_ids.contiguous(), history, slots.contiguous(), starts.contiguous(), vocabulary.contiguous(),
-        multipliers.contiguous(), primes.contiguous(), offsets.contiguous(), rows, n_layers, history.stride(0),
-        -1 if image_token_id is None else image_token_id, pad_id, N=n, HEADS=heads,
+        token_ids.contiguous(), history, slots.contiguous(), starts.contiguous(), hashing.vocabulary.contiguous(),
+        multipliers.contiguous(), hashing.primes.contiguous(), hashing.offsets.contiguous(), rows, n_layers,
+        history.stride(0), -1 if image_token_id is None else image_token_id, hashing.pad_id, N=n, HEADS=heads,
         BLOCK_N=triton.next_power_of_2(n), BLOCK_H=triton.next_power_of_2(heads), HAS_IMAGE=image_token_id is not None,
         num_warps=1,
     )  # fmt: skip

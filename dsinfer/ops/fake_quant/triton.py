@@ -25,14 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # blocks x channels one program rounds: 16 KiB of float32 in registers

@@ -29,16 +29,11 @@ import torch
 from dsinfer import envs
 from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
+from dsinfer.ops.triton_support import tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
     from dsinfer.ops.dependent_launch import allow_dependents, wait_for_prerequisite
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 
 @dataclass(frozen=True)

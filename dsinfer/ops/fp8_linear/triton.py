@@ -32,16 +32,10 @@ from dsinfer.ops.fp8_linear.launch import (
 from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 # Steps of up to this many tokens read the codes in the kernel; more go through a dequantised weight and cuBLAS
 # ($DSINFER_FP8_KERNEL_MAX_TOKENS, 0: never the kernel). On the H200 the kernel's layer of linears took 0.122 ms

@@ -29,12 +29,7 @@ from dsinfer.ops.mhc.reference import hc_head_reference, head_pre
 from dsinfer.ops.mhc.site_triton import NUM_WARPS, collapse_blocks
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from dsinfer.ops.triton_support import triton, triton_available
 
 if triton is not None:
     from dsinfer.ops.mhc.site_triton import _site_kernel

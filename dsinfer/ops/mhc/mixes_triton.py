@@ -33,14 +33,7 @@ import torch
 
 from dsinfer.ops.mhc.triton import DTYPES
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 BLOCK_T = 64  # tokens per program in a prefill: each program reads all of fn once, so more tokens share it
 BLOCK_T_SPLIT_WEIGHTS = 128  # the same for the bf16 tensor-core path

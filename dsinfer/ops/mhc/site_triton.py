@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -47,14 +48,7 @@ from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
     from dsinfer.ops.mhc.weights_triton import _post_comb_weights, _pre_weight
@@ -208,8 +202,18 @@ def hc_site_input_triton(
         mixes = hc_mixes_triton(streams, fn, norm_eps)
         weights = functools.partial(hc_weights_triton, mixes, base, scale, iterations, hc_eps)
         return composed_parts(streams, carried_mix, weights, hc_collapse_triton)
-    site = _SplitSite(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan)
+    site = _SplitSite(streams, fn, norm_eps, SinkhornSettings(base, scale, iterations, hc_eps), carried_mix, plan)
     return SiteParts(lambda: site.launch(collapse=True), lambda: site.launch(collapse=False))
+
+
+class SinkhornSettings(NamedTuple):
+    """What the site's weights are made with besides the mixes: the ``base`` and ``scale`` of the pre, post and
+    comb parts, and the Sinkhorn normalisation's ``iterations`` and ``hc_eps``."""
+
+    base: torch.Tensor
+    scale: torch.Tensor
+    iterations: int
+    hc_eps: float
 
 
 class _SplitSite:
@@ -217,18 +221,23 @@ class _SplitSite:
     the weights when the collapse takes a carried mix), the outputs, and the site kernel's launch over either half
     of its grid."""
 
-    def __init__(self, streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix, plan) -> None:
+    def __init__(self, streams, fn, norm_eps: float, sinkhorn: SinkhornSettings, carried_mix, plan) -> None:
         self.lead, (self.n, self.width) = streams.shape[:-2], streams.shape[-2:]
         tokens, n, device = math.prod(self.lead), self.n, streams.device
         self.flat = streams.contiguous().view(tokens, n * self.width)
         self.fn, self.plan, self.partials = fn.contiguous(), plan, None
-        self.base, self.scale = base.float().contiguous(), scale.float().contiguous()
+        self.base, self.scale = sinkhorn.base.float().contiguous(), sinkhorn.scale.float().contiguous()
         self.collapsed = torch.empty(tokens, self.width, dtype=streams.dtype, device=device)
         self.pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
         self.post = torch.empty(tokens, n, dtype=torch.float32, device=device)
         self.comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
         self.carried = None if carried_mix is None else carried_mix.contiguous().view(tokens, n)
-        self.iterations, self.hc_eps, self.norm_eps, self.split = iterations, hc_eps, norm_eps, plan[1]
+        self.iterations, self.hc_eps, self.norm_eps, self.split = (
+            sinkhorn.iterations,
+            sinkhorn.hc_eps,
+            norm_eps,
+            plan[1],
+        )
         if self.carried is None:  # the collapse computes pre from the mixes' partial sums
             self.mixes()
 

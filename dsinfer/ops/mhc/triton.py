@@ -18,14 +18,7 @@ import math
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 BLOCK_D = 512  # columns per program (fewer when D is smaller): contiguous 1-2 KiB rows per stream
 COLLAPSE_BLOCK_T = 4  # tokens per program; the expand holds n output rows per token, so it takes fewer

@@ -18,14 +18,7 @@ import torch
 
 from dsinfer.ops.mhc.reference import streams_of_mixes
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 # Tokens per program and warps: one warp of 8 tokens keeps the n x n reductions of the twenty serial Sinkhorn rounds
 # inside a warp. H200, one call, CUDA graph: 3.2 us at 1 token and 3.5 us at 4,096 against 8.8 and 9.4 us with 32

@@ -58,15 +58,10 @@ from dsinfer.ops.inline_ptx import inline_ptx_available
 from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.split_arrivals import arrival_counts
+from dsinfer.ops.triton_support import tl, triton
 
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-
+if triton is not None:  # Triton is optional: CPU-only installs use the reference.
     from dsinfer.ops.dependent_launch import allow_dependents
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 __all__ = [
     "DECODE_GEMV_CONFIG",

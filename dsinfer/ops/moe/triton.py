@@ -41,14 +41,11 @@ from dsinfer.ops.moe.reference import check_inputs
 from dsinfer.ops.moe.routing import AlignedSlots, align_slots, max_aligned_blocks, sort_slots
 from dsinfer.ops.moe.weights import ExpertWeights
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
-
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from dsinfer.ops.triton_support import (  # None without Triton: CPU installs use the reference
+    tl,
+    triton,
+    triton_available,
+)
 
 __all__ = ["KernelConfig", "align_slots_fused", "choose_config", "routed_moe_triton", "triton_available"]
 
@@ -639,16 +636,32 @@ def routed_moe_triton(
         gemv = config is None and decode_triton.use_decode_gemv(x, weights, expert_ids)
     if gemv:
         return decode_triton.routed_moe_decode_gemv(x, weights, expert_ids, expert_weights, swiglu_limit)
+    num_slots = expert_ids.numel()
+    if num_slots == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16
+        config = choose_config(num_slots, weights.num_experts, fp4_dot)
+        split = decode_split(num_slots, weights.num_experts, config, weights.intermediate_size, weights.hidden_size)
+        config = KernelConfig(*config[:-1], split_k=split)
+    return grouped_moe_launch(x, weights, expert_ids, expert_weights, swiglu_limit, config)
+
+
+def grouped_moe_launch(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    swiglu_limit: float,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """The grouped kernels of :func:`routed_moe_triton` with ``config`` (checked inputs, at least one slot): the
+    slots aligned to ``config``'s row blocks, the gate-up and down GEMMs, and the split-K partial sums' swiglu and
+    combine where ``config`` splits."""
     tokens, top_k = expert_ids.shape
     num_slots = tokens * top_k
     hidden, inter = weights.hidden_size, weights.intermediate_size
-    if num_slots == 0:
-        return torch.zeros_like(x)
     fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16  # tl.dot_scaled takes bf16, not fp32, activations
-    if config is None:
-        config = choose_config(num_slots, weights.num_experts, fp4_dot)
-        split = decode_split(num_slots, weights.num_experts, config, inter, hidden)
-        config = KernelConfig(*config[:-1], split_k=split)
     block_m, block_n, block_k, num_warps, num_stages, swap_ab, columns_first, split_k = config
     if num_slots <= FUSED_ROUTING_SLOTS:
         aligned = align_slots_fused(expert_ids, weights.num_experts, block_m)

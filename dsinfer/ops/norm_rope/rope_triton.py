@@ -32,20 +32,14 @@ import math
 import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
-from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, serves
+from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, ChainRows, serves
 from dsinfer.ops.norm_rope.row_chain_triton import launch as row_chain_launch
 from dsinfer.ops.norm_rope.row_chain_triton import takes as row_chain_takes
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.dependent_launch import allow_dependents
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 ROPE_ELEMENTS_PER_PROGRAM = 2048  # rope channels one program rotates at most (BLOCK_H heads x BLOCK_ROPE)
 NOPE_CHUNK = 128  # nope channels one program copies per step (out of place)
@@ -193,5 +187,5 @@ def rope_triton(
 
         return rope_reference(x, cos, sin, inverse, in_place)
     if not (in_place or inverse) and row_chain_takes(x, cos, sin):
-        return row_chain_launch(x, cos, sin, None, 0.0, NO_NORM, None, 0)
+        return row_chain_launch(ChainRows(x, cos, sin, None, 0.0, NO_NORM, None, 0))
     return rope_launch(x, cos, sin, inverse, in_place)

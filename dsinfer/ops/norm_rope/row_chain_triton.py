@@ -27,18 +27,17 @@ not copied); the result is a new contiguous tensor. Inputs the kernel does not t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsinfer.ops.fake_quant.triton import KIND_FP4_E4M3, KIND_FP4_UE8M0, KIND_FP8
 from dsinfer.ops.norm_rope.reference import rms_normalize_rope_reference
 from dsinfer.ops.norm_rope.rms_norm_triton import MAX_ROW, norm_launch_shape, row_layout
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.fake_quant.triton import (
         block_scale,
         e2m1_count,
@@ -47,9 +46,6 @@ try:
         scaled,
         with_sign_of,
     )
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KINDS = {None: -1, "fp8": KIND_FP8, "fp4_e4m3": KIND_FP4_E4M3, "fp4_ue8m0": KIND_FP4_UE8M0}
@@ -184,35 +180,52 @@ def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight=None, ro
     return True
 
 
-def launch_chain(kernel, x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int, *outputs,
-                 rows_per_program: int | None = None, warps: int | None = None, **constants) -> None:  # fmt: skip
-    """``kernel`` (this module's or one built on :func:`chain_rows`) over ``x``'s rows, inputs :func:`takes`
+class ChainRows(NamedTuple):
+    """A row chain's rows and stages: ``x``'s rows rotated by ``cos`` / ``sin`` after the norm ``norm``
+    (``NO_NORM``, ``WEIGHTED_NORM`` with ``weight``, or ``WEIGHTLESS_NORM``; ``eps``), then rounded as ``rounding``
+    in ``block``-wide blocks (None: not rounded)."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weight: torch.Tensor | None
+    eps: float
+    norm: int
+    rounding: str | None
+    block: int
+
+
+def launch_chain(kernel, chain: ChainRows, *outputs, rows_per_program: int | None = None, warps: int | None = None,
+                 **constants) -> None:  # fmt: skip
+    """``kernel`` (this module's or one built on :func:`chain_rows`) over ``chain``'s rows, inputs :func:`takes`
     accepts: the chain's arguments, then ``outputs`` (the kernel's arguments after ``sin_ptr``'s chain arguments:
     pointers and sizes) and its extra ``constants``; ``rows_per_program`` (a power of two) and ``warps`` override
     the norm kernels' choices."""
-    width, half = x.shape[-1], cos.shape[-1]
+    x, rounding = chain.x, chain.rounding
+    width, half = x.shape[-1], chain.cos.shape[-1]
     rows = x.numel() // width
     if rows == 0:
         return
     tokens = x.shape[0]
     rows3 = row_layout(x)  # [tokens, heads, width]: a token's rows share its angles
-    cos, sin = cos.expand(tokens, half), sin.expand(tokens, half)  # one token's angles for all: stride 0
+    cos, sin = chain.cos.expand(tokens, half), chain.sin.expand(tokens, half)  # one token's angles for all: stride 0
     row_block, per_program, norm_warps = norm_launch_shape(width)
     per_program, warps = rows_per_program or per_program, warps or norm_warps
-    weight_arg = weight.contiguous() if weight is not None else cos  # never read without a weight
+    weight_arg = chain.weight.contiguous() if chain.weight is not None else cos  # never read without a weight
     kernel[(triton.cdiv(rows, per_program),)](
         rows3, weight_arg, cos, sin, *outputs, rows, width, rows3.shape[1], rows3.stride(0), rows3.stride(1),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
-        NOPE=width - 2 * half, NORM=norm, KIND=KINDS[rounding], QUANT_BLOCK=block if rounding is not None else 1,
-        ROWS=per_program, BLOCK=row_block, num_warps=warps, **constants,
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), chain.eps,
+        NOPE=width - 2 * half, NORM=chain.norm, KIND=KINDS[rounding],
+        QUANT_BLOCK=chain.block if rounding is not None else 1, ROWS=per_program, BLOCK=row_block, num_warps=warps,
+        **constants,
         enable_fp_fusion=False,  # no fused multiply-add: each stage's roundings, bit for bit
     )  # fmt: skip
 
 
-def launch(x, cos, sin, weight, eps: float, norm: int, rounding: str | None, block: int) -> torch.Tensor:
-    """The kernel over ``x``'s rows (inputs :func:`takes` accepts): a new contiguous tensor shaped like ``x``."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch_chain(_row_chain_kernel, x, cos, sin, weight, eps, norm, rounding, block, out)
+def launch(chain: ChainRows) -> torch.Tensor:
+    """The kernel over ``chain``'s rows (inputs :func:`takes` accepts): a new contiguous tensor shaped like ``x``."""
+    out = torch.empty(chain.x.shape, dtype=chain.x.dtype, device=chain.x.device)
+    launch_chain(_row_chain_kernel, chain, out)
     return out
 
 
@@ -221,4 +234,4 @@ def rms_normalize_rope_triton(x: torch.Tensor, eps: float, cos: torch.Tensor, si
     """Same contract as :func:`rms_normalize_rope_reference`; in bf16 / fp16 the unfused Triton kernels' results."""
     if not takes(x, cos, sin):
         return rms_normalize_rope_reference(x, eps, cos, sin)
-    return launch(x, cos, sin, None, eps, WEIGHTLESS_NORM, None, 0)
+    return launch(ChainRows(x, cos, sin, None, eps, WEIGHTLESS_NORM, None, 0))

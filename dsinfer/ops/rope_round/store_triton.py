@@ -19,21 +19,15 @@ import torch
 
 from dsinfer import envs
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
-from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch_chain, takes
+from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, ChainRows, launch_chain, takes
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
 from dsinfer.ops.rope_round.triton import rope_and_round_triton
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.cache_codec.triton import encode_fp4_blocks, encode_fp8_blocks
     from dsinfer.ops.norm_rope.row_chain_triton import chain_rows
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 PLAIN = -1  # ENCODE for model-dtype storage: the row itself, cast to the pool's dtype
 ROWS_PER_PROGRAM = 1  # a decode step's few rows; with four, the FP4 / e4m3 scale search spills on sm_90
@@ -153,10 +147,10 @@ def rope_round_store_triton(inputs: RopeRoundStoreInputs) -> None:
     norm = NO_NORM if inputs.weight is None else WEIGHTED_NORM
     pool = data.view(torch.uint8) if scales is not None else data
     scale_bytes = scales.view(torch.uint8) if scales is not None else pool  # never read in model-dtype storage
+    chain = ChainRows(x, inputs.cos, inputs.sin, inputs.weight, inputs.eps, norm, inputs.rounding, inputs.block)
     launch_chain(
-        _chain_store_kernel, x, inputs.cos, inputs.sin, inputs.weight, inputs.eps, norm, inputs.rounding,
-        inputs.block, pool, scale_bytes, inputs.first.contiguous(), inputs.second.contiguous(), data.shape[1],
-        modulus or 0, rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
+        _chain_store_kernel, chain, pool, scale_bytes, inputs.first.contiguous(), inputs.second.contiguous(),
+        data.shape[1], modulus or 0, rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
         CODE_BLOCK=inputs.code_block if scales is not None else 1,
         HAS_MODULUS=modulus is not None,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.norm_rope.rope_triton import rope_triton
-from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, launch, takes
+from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, ChainRows, launch, takes
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import rope_and_round_reference
 from dsinfer.ops.triton_support import triton_available
@@ -29,4 +29,4 @@ def rope_and_round_triton(
         if weight is None and rounding is None:
             return rope_triton(x, cos, sin)
         return rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
-    return launch(x, cos, sin, weight, eps, NO_NORM if weight is None else WEIGHTED_NORM, rounding, block)
+    return launch(ChainRows(x, cos, sin, weight, eps, NO_NORM if weight is None else WEIGHTED_NORM, rounding, block))

@@ -9,6 +9,8 @@ logits' GEMM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -23,19 +25,24 @@ def route_scores(logits: torch.Tensor, gate_temp: float) -> torch.Tensor:
     return F.softplus(logits).sqrt()
 
 
+@dataclass(frozen=True)
+class MoeRouteInputs:
+    """The router's logits and what its pick reads (shapes: :func:`moe_route_reference`)."""
+
+    logits: torch.Tensor
+    gate_temp: float
+    bias: torch.Tensor | None
+    bias_vl: torch.Tensor | None
+    image_mask: torch.Tensor | None
+    hash_table: torch.Tensor | None
+    token_ids: torch.Tensor | None
+    k: int
+    normalize: bool
+    scaling: float
+
+
 @register("moe_route", REFERENCE)
-def moe_route_reference(
-    logits: torch.Tensor,
-    gate_temp: float,
-    bias: torch.Tensor | None,
-    bias_vl: torch.Tensor | None,
-    image_mask: torch.Tensor | None,
-    hash_table: torch.Tensor | None,
-    token_ids: torch.Tensor | None,
-    k: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_reference(inputs: MoeRouteInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids [T, k] (int64) and float32 weights [T, k] from the router's ``logits`` [T, E] (float32).
 
     ``hash_table`` [V, k] (hash routing, with the tokens' ``token_ids`` [T]) replaces the pick by
@@ -44,15 +51,16 @@ def moe_route_reference(
     expert first. The weights are the picked experts' unbiased scores, divided by their sum (plus 1e-20) when
     ``normalize``, times ``scaling``.
     """
-    scores = route_scores(logits, gate_temp)
-    if hash_table is not None:
-        experts = hash_table[token_ids].long()
+    bias, bias_vl, image_mask = inputs.bias, inputs.bias_vl, inputs.image_mask
+    scores = route_scores(inputs.logits, inputs.gate_temp)
+    if inputs.hash_table is not None:
+        experts = inputs.hash_table[inputs.token_ids].long()
     else:
         bias = bias.float()
         if image_mask is not None and bias_vl is not None:  # per token on the device: no host read
             bias = torch.where(image_mask[:, None], bias_vl.float(), bias.expand_as(scores))
-        experts = topk_indices(scores + bias, k)
+        experts = topk_indices(scores + bias, inputs.k)
     weights = scores.gather(1, experts)
-    if normalize:
+    if inputs.normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return experts, weights * scaling
+    return experts, weights * inputs.scaling

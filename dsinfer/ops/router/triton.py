@@ -23,15 +23,12 @@ import struct
 import torch
 
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import interpreted, triton_available
+from dsinfer.ops.router.reference import MoeRouteInputs, moe_route_reference
+from dsinfer.ops.triton_support import interpreted, tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
+if triton is not None:
     from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+else:  # pragma: no cover - depends on the install
     libdevice = None
 
 MAX_EXPERTS = 4096
@@ -128,8 +125,9 @@ def _bias_ok(bias: torch.Tensor | None, experts: int) -> bool:
     return bias is not None and bias.is_floating_point() and bias.shape == (experts,) and bias.stride(0) == 1
 
 
-def serves(logits, bias, bias_vl, image_mask, hash_table, token_ids, k: int) -> bool:
+def serves(inputs: MoeRouteInputs) -> bool:
     """Whether the kernel takes these inputs (else :func:`moe_route_triton` runs the reference)."""
+    logits, k, hash_table, token_ids = inputs.logits, inputs.k, inputs.hash_table, inputs.token_ids
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.requires_grad:
         return False
     tokens, experts = logits.shape
@@ -145,49 +143,37 @@ def serves(logits, bias, bias_vl, image_mask, hash_table, token_ids, k: int) -> 
             and hash_table.stride(1) == 1
             and not hash_table.is_floating_point()
         )
-    if not _bias_ok(bias, experts):
+    if not _bias_ok(inputs.bias, experts):
         return False
+    image_mask, bias_vl = inputs.image_mask, inputs.bias_vl
     if image_mask is not None and bias_vl is not None:
         return _bias_ok(bias_vl, experts) and image_mask.shape == (tokens,) and image_mask.dtype == torch.bool
     return True
 
 
 @register("moe_route", "triton", devices=("cuda",), available=triton_available, priority=10)
-def moe_route_triton(
-    logits: torch.Tensor,
-    gate_temp: float,
-    bias: torch.Tensor | None,
-    bias_vl: torch.Tensor | None,
-    image_mask: torch.Tensor | None,
-    hash_table: torch.Tensor | None,
-    token_ids: torch.Tensor | None,
-    k: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_triton(inputs: MoeRouteInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``moe_route_reference``."""
-    if not serves(logits, bias, bias_vl, image_mask, hash_table, token_ids, k):
-        from dsinfer.ops.router.reference import moe_route_reference
-
-        args = (logits, gate_temp, bias, bias_vl, image_mask, hash_table, token_ids, k, normalize, scaling)
-        return moe_route_reference(*args)
+    if not serves(inputs):
+        return moe_route_reference(inputs)
+    logits, gate_temp, k = inputs.logits, inputs.gate_temp, inputs.k
     tokens, num_experts = logits.shape
     experts = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
     if tokens == 0:
         return experts, weights
-    hashed = hash_table is not None
-    image = not hashed and image_mask is not None and bias_vl is not None
-    image_arg = image_mask.view(torch.uint8) if image else logits
-    table = hash_table if hashed else experts
-    ids = token_ids if hashed else experts
-    bias_arg = bias if not hashed else logits
+    hashed = inputs.hash_table is not None
+    image = not hashed and inputs.image_mask is not None and inputs.bias_vl is not None
+    image_arg = inputs.image_mask.view(torch.uint8) if image else logits
+    table = inputs.hash_table if hashed else experts
+    ids = inputs.token_ids if hashed else experts
+    bias_arg = inputs.bias if not hashed else logits
     block_e = triton.next_power_of_2(num_experts)
     _route_kernel[(tokens,)](
-        logits, bias_arg, bias_vl if image else bias_arg, image_arg, table, ids, experts, weights, num_experts,
+        logits, bias_arg, inputs.bias_vl if image else bias_arg, image_arg, table, ids, experts, weights, num_experts,
         logits.stride(0), image_arg.stride(0), table.stride(0), ids.stride(0), float(gate_temp),
-        _float32(1.0 / _float32(gate_temp)), float(scaling), K=k, HASH=hashed, IMAGE=image,
-        TEMP=gate_temp != 1.0, PRECISE=not interpreted(), NORMALIZE=bool(normalize), BLOCK_E=block_e,
+        _float32(1.0 / _float32(gate_temp)), float(inputs.scaling), K=k, HASH=hashed, IMAGE=image,
+        TEMP=gate_temp != 1.0, PRECISE=not interpreted(), NORMALIZE=bool(inputs.normalize), BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(k), num_warps=4 if block_e <= 512 else 8,
     )  # fmt: skip
     return experts, weights

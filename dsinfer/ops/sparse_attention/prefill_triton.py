@@ -24,16 +24,10 @@ import torch
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
 from dsinfer.ops.sparse_attention.triton import LOG2E, DecodeConfig, choose_config
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.sparse_attention.triton import _attend_tile
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 
 NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA

@@ -33,15 +33,7 @@ import torch
 
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
-from dsinfer.ops.triton_support import triton_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 LOG2E = 1.4426950408889634
 EMPTY_MAX = -1.0e30  # running max of a split that has seen no visible key (finite, so exp2 of differences is 0)

@@ -11,16 +11,10 @@ import torch
 
 from dsinfer.ops.dependent_launch import dependent_launch
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from dsinfer.ops.dependent_launch import allow_dependents
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 BLOCK = 1024
 
