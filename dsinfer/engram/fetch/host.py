@@ -52,7 +52,7 @@ HOST_GATHER_SHAPE = {"block_rows": 64, "num_warps": 8, "max_programs": 32, "pref
 HOST_METHODS = ("zero_copy", "staged", "split")
 HOST_METHOD_ENV = envs.ENGRAM_HOST_METHOD.name
 DEFAULT_HOST_METHOD = "zero_copy"
-"""The same prefetched step cost as the others on the H200 (module docstring), no host threads or synchronisation."""
+"""Same prefetched step cost as the others on the H200, no host threads or synchronisation (module docstring)."""
 HOST_ONLY_OPTIONS = (
     "scales_on_device",
     "zero_copy_share",
