@@ -12,7 +12,8 @@ For the ``--layers`` slice (random weights built on the GPU: packed FP4 experts,
 * ``--long-decode 256:4096``: decode points of many requests at a long context (eager and graph ms/step);
 * ``--profile``: the device kernels of one eager decode step and one prefill (count, busy time, the costliest),
   so a step's time can be set against the sum of its kernels. Profiles are taken after every point is timed:
-  graphs replayed after a profiler session in the same process ran 5-15% slower on the H200.
+  graphs replayed after a profiler session in the same process ran measurably slower on the H200 (docs/perf.md,
+  history, pass 11).
 With ``--fit-layers``: the most V4-Flash layers whose weights fit beside a ``--cache-gib`` cache, built,
 cache allocated, decode timed.
 """
@@ -284,7 +285,7 @@ def main() -> None:
             print(json.dumps(results["decode"][-1]), flush=True)
             torch.cuda.empty_cache()
         results["prefill"] = [prefill_point(model, t, device, args.repeats) for t in args.prefill_tokens]
-        if args.profile:  # after every timing: graphs replayed after a profiler session ran 5-15% slower
+        if args.profile:  # after every timing: graphs replayed after a profiler session run slower (pass 11)
             for row, (sequences, context) in zip(results["decode"], points, strict=True):
                 profiled = decode_checks(model, config, sequences, context, device, 1, True, args.profile_top)
                 row.update({key: profiled[key] for key in PROFILE_KEYS if key in profiled})

@@ -23,8 +23,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LIMIT=${STAGE_SECONDS:-150}
 : "${LIMIT_serve:=300}" "${LIMIT_engine:=300}"
-# Ten timed steps left the 1-request mean 12% above its median (a few slow host steps); among 50, one step of
-# 7 ms still put it 10% above (1.291 against 1.178 ms), hence 200.
+# With ten or fifty timed steps a few slow host steps still pulled the 1-request mean well above its median
+# (docs/perf.md, history, passes 12 and 13), hence 200.
 SLICE="--flash-layers 4 --context 256 --points 1,32 --measure-steps ${SWEEP_STEPS:-200} --cache-gib 16"
 
 stage() {  # stage NAME COMMAND...: run with the limit, keep the log, say how it ended

@@ -94,8 +94,8 @@ GEMV_SWEEP_CONFIGS = {
     # (block_n, block_k, num_warps, num_stages); programs at T = 1 are 6 * 2048 / block_n (gate/up) and
     # 4096 / block_n (down). Past block_k = 256 * num_warps Triton converts each step's activations through
     # shared memory (a barrier per plane): cheap with one or two warps. On the H200 (Triton 3.6) smaller programs,
-    # more of them, were faster at one token: (16, 512, 2, 1) and (8, 512, 1, 1) beat the four-warp launches by
-    # 28% together, so the candidates go below them too.
+    # more of them, were faster at one token: (16, 512, 2, 1) and (8, 512, 1, 1) beat the four-warp launches
+    # (docs/perf.md, history, pass 7), so the candidates go below them too.
     "gate_up": [
         (16, 512, 2, 1),
         (32, 512, 4, 1),

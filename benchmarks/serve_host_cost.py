@@ -40,7 +40,7 @@ a core of its own, as a GPU host does.
 ``client``: ``dsinfer bench serve``'s own request function, for each of ``--clients`` (``light``: httpx and its own
 server-sent-events parser, the default; ``openai``: openai's client over httpx, a pydantic chunk each), reading
 ``--requests`` streams of ``--output-len`` chat chunks served from memory, one chunk per read: its CPU per chunk,
-against what 16 streams at one decode step each need (16 / 3.19 ms = 5,000 chunks/s).
+against what 16 streams at one chunk per decode step need (docs/perf.md, history: the serving host's cost).
 
 ``itl``: the light client of ``e2e`` against a server already running at ``--base-url``: ITL as vLLM counts it,
 without the openai client's parsing between the socket and the clock.

@@ -102,7 +102,8 @@ def main() -> None:
                                   enforce_eager=mode.endswith(":eager"))  # fmt: skip
             engines[mode] = LLMEngine(model, tokenizer, config)
             # Warm-up over the whole workload: each new batch shape (prompt lengths, decode buckets, verify widths)
-            # can compile kernels, and one short request does not meet them all (a first round took 3x the second).
+            # can compile kernels, and one short request does not meet them all (a first round took far longer
+            # than the second).
             for _ in range(args.warmup_rounds):
                 serve(engines[mode], prompts, streams, args.max_tokens)
             graphed[mode] = graphed_steps(engines[mode])  # counted from here: the timed rounds' steps

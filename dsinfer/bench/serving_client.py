@@ -3,11 +3,12 @@
 Two clients fill the same :class:`RequestRecord`:
 
 * ``light`` (the default): httpx streams the response and the server-sent events are split and parsed here, one
-  ``json.loads`` per ``data:`` line: under 10 us of CPU a chunk (``python benchmarks/serve_host_cost.py client``),
-  so one core keeps up with many streams at a few milliseconds per token and reads each chunk when it arrives.
+  ``json.loads`` per ``data:`` line: a small share of a core per chunk (``python benchmarks/serve_host_cost.py
+  client``; docs/perf.md, history), so one core keeps up with many streams at a few milliseconds per token and
+  reads each chunk when it arrives.
 * ``openai``: the openai SDK (``AsyncOpenAI`` over httpx, a pydantic object per chunk), for comparison. It costs
-  about ten times the CPU per chunk; on a loaded core 16 streams at a 3 ms step outrun it, and a client that falls
-  behind reads two steps' chunks back to back (an ITL near zero next to a double one).
+  an order of magnitude more CPU per chunk; on a loaded core 16 streams at a millisecond-scale step outrun it,
+  and a client that falls behind reads two steps' chunks back to back (an ITL near zero next to a double one).
 
 Every chunk of one network read carries the time of that read (as vLLM's client times them). Outcomes are as
 :mod:`dsinfer.bench.serving` describes them: an error event in the stream (``event: error`` or a data object with

@@ -5,8 +5,8 @@ A sweep's decode point at one request takes longer than the model's graph alone 
 step's input copies and the token read-back run beside it, and the host must launch each step in time): with
 ``--profile-steps N`` the sweep profiles N more steps after its timed ones and keeps this summary in the point's
 record. On a CUDA device the spans are the device's kernels and copies; on the CPU, the top-level torch ops.
-A profiler session leaves the process slower for a while (graph replays after one ran 5-15% slower on the
-H200), so a sweep that profiles should time one point: later points would read slow.
+A profiler session leaves the process slower for a while (graph replays after one ran measurably slower on the
+H200: docs/perf.md, history, pass 11), so a sweep that profiles should time one point: later points would read slow.
 """
 
 from __future__ import annotations

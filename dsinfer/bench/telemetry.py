@@ -11,7 +11,7 @@ and appends one CSV row per GPU, flushed at once, so a run that dies still leave
 One sample is taken at start and one at stop, so even a short run has two rows per GPU.
 
 Reading NVML is not free for the process being measured: on the H200, a one-request decode step that met a
-sample took 8.95 ms against a 1.19 ms median, and none did with the sampler off (docs/perf.md, pass 13).
+sample took several times the median step, and none did with the sampler off (docs/perf.md, history, pass 13).
 :meth:`TelemetrySampler.held` skips the samples due while a block runs (the sweep's decode steps, each too short
 for a reading to describe).
 

@@ -2,15 +2,16 @@
 
 Why: when the GPU reads scattered rows of host memory itself (zero-copy, :mod:`dsinfer.kernels.engram_gather`),
 every row costs an address translation outside the GPU (the host IOMMU's 4 KiB view of guest memory, whatever
-page size or CUDA allocation backs the table): on an H200 in a VM, sorted rows of a 16 GiB table arrive at 17-22 GB/s,
-random ones at 5.5 GB/s, of the 50-55 GB/s a pinned copy reaches. The CPU's own TLBs and page walkers handle
-scattered reads without that cost, so here CPU threads collect the rows into pinned staging memory and the GPU
-receives them through plain host-to-device copies. What bounds this method instead is the host's memory system:
-every byte is read from the table, written to staging and read again by the copy engine. Measured there
-(``benchmarks/engram_fetch.py --suite staged``): 16 threads gather random rows at 8.6-27 GB/s depending on the
-machine (consecutive rows at 33-37), the pipeline below delivers 80-90% of that, and the defaults (16 lanes,
-16,384-row chunks) were the best of 4-16 lanes x 4k-32k-row chunks. :mod:`dsinfer.engram.fetch.host`'s ``split``
-method runs this next to the zero-copy kernel, since the two are bound by different things.
+page size or CUDA allocation backs the table): on an H200 in a VM, sorted rows of a large table arrive at well
+under half the rate of a pinned copy and random ones at about a tenth (docs/perf.md, history, 2026-11-29). The
+CPU's own TLBs and page walkers handle scattered reads without that cost, so here CPU threads collect the rows into
+pinned staging memory and the GPU receives them through plain host-to-device copies. What bounds this method
+instead is the host's memory system: every byte is read from the table, written to staging and read again by the
+copy engine. Measured there (``benchmarks/engram_fetch.py --suite staged``; docs/perf.md, history, 2026-11-29,
+second round): how fast 16 threads gather random rows depends on the machine, the pipeline below delivers most of
+it, and the defaults (16 lanes, 16,384-row chunks) were the best of 4-16 lanes x 4k-32k-row chunks.
+:mod:`dsinfer.engram.fetch.host`'s ``split`` method runs this next to the zero-copy kernel, since the two are
+bound by different things.
 
 How a gather runs (:meth:`StagedGather.gather`):
 

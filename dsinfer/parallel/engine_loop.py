@@ -2,7 +2,7 @@
 
 :class:`EngineLoop` is what every engine process does with the API process's messages: it adds, aborts and
 finishes requests on its :class:`~dsinfer.engine.engine.LLMEngine`, and turns each step's outputs into the token
-deltas the API process rebuilds text from (:mod:`dsinfer.parallel.text`). The ranks of a multi-rank layout
+deltas the API process rebuilds text from (:mod:`dsinfer.engine.output_processor`). The ranks of a multi-rank layout
 (:mod:`dsinfer.parallel.rank_main`) and the one engine process share it.
 
 :class:`EngineProcessLoop` is ``dsinfer serve``'s default with one rank, like vLLM V1's EngineCore: the engine

@@ -34,10 +34,11 @@ zero-copy share there), then hand each layer to a worker thread that waits for t
 host and runs the CPU gather, the copies and the dequantisation; ``start`` returns at once and
 ``wait`` joins that layer's work (on CPU as well).
 
-**What it costs** (H200, PCIe 5, 55 GB/s pinned copy; ``benchmarks/engram_fetch.py``, docs/perf.md):
-scattered host reads are translation-bound (5.5 GB/s for random rows of a 16 GiB table), sorting
-and de-duplication bring a 65,536-token prefill's two layers from 104 ms to 21 ms, and prefetched
-behind the first layers with 32 programs the host placement added 2.4 ms (0.2%) to a 1.4 s step.
+**What it costs** (measured on the H200 over PCIe 5 with ``benchmarks/engram_fetch.py``; the figures are in
+docs/perf.md, history, 2026-11-29): scattered host reads are translation-bound (random rows of a large table
+arrive at a fraction of the pinned copy's rate), sorting and de-duplication cut a long prefill's fetches several
+times over, and prefetched behind the first layers with 32 programs the host placement adds well under 1% to a
+65,536-token prefill step.
 Small fetches (decode) skip the plan: below ``dedup_min_ids`` (65,536 ids on CUDA) its kernels
 cost more than the duplicate rows they save.
 

@@ -1,16 +1,15 @@
 """The ``host`` placement: the tables stay in the host's shared-memory segment, read by the GPU or staged by the CPU.
 
-**Host methods compared** (``--suite staged``, sorted unique rows, GB/s of the 264-byte rows, same
-run, 16 host cores): the staged method is bound by the host's memory system, not by translation:
-16 threads gather random rows at 8.6-27 GB/s depending on the machine, and the staged pipeline
-delivers 80-90% of that. At 524,288 rows of a 64 GiB table zero-copy reads 11.5, staged 13-17 and
-split 18.6-20.9 GB/s (34-38% of the pinned copy, 1.6-1.8x zero-copy); on a 16 GiB table zero-copy
-reads 19.4 and split 12.1 (a machine whose CPU gathered at 8.6 GB/s). Below 131,072 ids zero-copy
-is faster (staging costs 0.7-2 ms of host round trip), hence ``split_min_ids``. Prefetched behind a
-65,536-token prefill every method adds 3-15 ms (0.2-1.1%, within the step's noise). ``zero_copy``
-stays the default: the same end-to-end cost, no host threads, no host synchronisation; ``split``
-is the faster choice for large fetches from V4.1-size tables on a host with CPU to spare
-(``DSINFER_ENGRAM_HOST_METHOD=split``). No method reaches 70% of the pinned copy on this machine.
+**Host methods compared** (``benchmarks/engram_fetch.py --suite staged``, sorted unique rows of 264 bytes,
+16 host cores; the figures are in docs/perf.md, history, 2026-11-29, second round): the staged method is bound by
+the host's memory system, not by translation, and its pipeline delivers most of what the CPU threads gather. On
+a 64 GiB table ``split`` read the most (well ahead of zero-copy, still under half the pinned copy); on a 16 GiB
+table, on a machine whose CPU gathered slowly, zero-copy read more than ``split``. Small fetches favour zero-copy
+(staging costs a host round trip), hence ``split_min_ids``. Prefetched behind a 65,536-token prefill every method
+adds about 1% of the step or less, within its noise. ``zero_copy`` stays the default: the same end-to-end cost,
+no host threads, no host synchronisation; ``split`` is the faster choice for large fetches from V4.1-size tables
+on a host with CPU to spare (``DSINFER_ENGRAM_HOST_METHOD=split``). No method reaches 70% of the pinned copy on
+this machine.
 """
 
 from __future__ import annotations

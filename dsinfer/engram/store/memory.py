@@ -5,11 +5,11 @@
 or the first ``hugetlbfs`` in ``/proc/mounts``) when enough free 2 MiB pages exist; otherwise it
 logs why and falls back to 4 KiB pages in ``/dev/shm`` (:attr:`EngramStore.huge_pages_fallback`
 holds the reason). Huge pages cut the host page-table entries behind a 200 GB table 512-fold and
-make loading faster (3.3 against 1.5 GB/s for a 16 GiB table); on the H200 VM of
+make loading about twice as fast (docs/perf.md, history, 2026-11-29, third round); on the H200 VM of
 ``benchmarks/engram_fetch.py`` they did not speed up the GPU's scattered reads, whose translation
 happens outside the guest (the host IOMMU; memory from ``cuMemCreate`` at 2 MiB granularity reads
 alike). Not measured on bare metal. The CPU's own scattered reads (the ``staged`` host method) ran
-at 13-18 GB/s with either page size (docs/perf.md).
+alike with either page size (docs/perf.md).
 """
 
 from __future__ import annotations

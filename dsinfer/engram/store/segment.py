@@ -6,8 +6,8 @@ followed by each table as one region of *records*, each region aligned to 2 MiB:
 256 FP8 codes followed by its 8 scale bytes (264 bytes), so reading a row touches one stretch of
 memory. The GPU reads rows of host memory at a rate set by address translations (one per page a read
 touches, ``benchmarks/engram_translation_probe.py``): with the scales in a table of their own every
-row cost two, and the gather kernel read 65,536 sorted rows of a 64 GiB table at 7.1 GB/s; as records,
-at 9.4 GB/s (1.33x; 1.09x at 524,288 rows; docs/perf.md).
+row cost two, and the gather kernel read sorted rows of a 64 GiB table measurably slower than it reads them as
+records (docs/perf.md, history, 2026-11-29, third round).
 :meth:`~dsinfer.engram.store.EngramStore.weight` and :meth:`~dsinfer.engram.store.EngramStore.scale` are the
 two column ranges of the records.
 On Linux ``shm_open(3)`` is an ``open(2)`` under ``/dev/shm``; opening the path directly lets the
