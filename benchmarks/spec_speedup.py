@@ -13,6 +13,15 @@ stream count: median output tokens/s, the speed-up over ``plain`` (same run), τ
 engine's counters), how many replies equal plain decoding's (greedy: all of them in float32), and for drafting
 modes the share of verify steps that replayed the graphs (``graphed_steps``; the rest, steps with prefill
 chunks beside them, run eagerly).
+
+Every mode gets the same prompts, ``max_tokens`` and greedy sampling, and V4.1 prompts prefill ``exact`` in every
+mode (``--v41-prefill``): left to the engine, plain decoding of a checkpoint with a CED decoder prefills
+``bounded`` while drafting engines prefill ``exact``, and the replies would then differ for prompts longer than
+the replay without any fault in speculation. Each row names the replies that differ from the first mode's
+(``differing``) and, past the first stream count, how many equal the same mode's replies at the first stream
+count (batching alone should change no greedy reply). ``--no-rounding`` turns the model's activation rounding
+off: with it on, a last-bit difference between two kernels' sums (batch shapes choose kernels) can cross an FP8
+rounding boundary and change a reply; with it off, a differing reply is a fault, not rounding.
 """
 
 from __future__ import annotations
@@ -84,13 +93,21 @@ def main() -> None:
         "--warmup-rounds", type=int, default=1, help="untimed rounds of the whole workload (shapes compile kernels)"
     )
     parser.add_argument("--cache-gib", type=float, default=2.0)
+    parser.add_argument("--v41-prefill", default="exact", help="V4.1 prefill of every mode (exact / bounded)")
+    parser.add_argument("--no-rounding", action="store_true", help="turn the model's activation rounding off")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     directory = args.model or str(default_model_dir())
     model = load_model(directory, dtype=getattr(torch, args.dtype), device=args.device, progress=False)
+    if args.no_rounding:
+        if not hasattr(model, "set_fake_quantization"):
+            parser.error("--no-rounding: this checkpoint's model has no activation rounding to turn off")
+        model.set_fake_quantization(False)
     tokenizer = Tokenizer.from_dir(directory)
     prompts = held_out_prompts(tokenizer, args.chats)
-    result = {"model": directory, "device": args.device, "dtype": args.dtype, "prompts": len(prompts), "rows": []}
+    result = {"model": directory, "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
+              "v41_prefill": args.v41_prefill, "rounding": not args.no_rounding, "rows": []}  # fmt: skip
+    first_replies: dict[str, list] = {}  # each mode's replies at the first stream count
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(args.device)
     for streams in args.streams:
@@ -98,7 +115,7 @@ def main() -> None:
         for mode in args.modes:
             config = EngineConfig(max_num_seqs=streams, max_model_len=2048, max_num_batched_tokens=2048,
                                   device=args.device, dtype=args.dtype, cache_memory_bytes=int(args.cache_gib * 2**30),
-                                  speculative_config=speculative_config(mode),
+                                  speculative_config=speculative_config(mode), v41_prefill=args.v41_prefill,
                                   enforce_eager=mode.endswith(":eager"))  # fmt: skip
             engines[mode] = LLMEngine(model, tokenizer, config)
             # Warm-up over the whole workload: each new batch shape (prompt lengths, decode buckets, verify widths)
@@ -124,10 +141,15 @@ def main() -> None:
         plain = statistics.median(tokens / seconds for seconds, tokens in times[args.modes[0]])
         for mode in args.modes:
             rate = statistics.median(tokens / seconds for seconds, tokens in times[mode])
-            same = sum(a == b for a, b in zip(replies[mode], replies[args.modes[0]], strict=True))
+            differing = [i for i, (a, b) in enumerate(zip(replies[mode], replies[args.modes[0]], strict=True))
+                         if a != b]  # fmt: skip
+            first_replies.setdefault(mode, replies[mode])
+            across = sum(a == b for a, b in zip(replies[mode], first_replies[mode], strict=True))
             row = {"streams": streams, "mode": mode, "output_tok_s": round(rate, 1),
                    "speedup": round(rate / plain, 3), "tau": round(stats[mode], 3) if mode in stats else None,
-                   "replies_equal_to_first_mode": f"{same}/{len(prompts)}",
+                   "replies_equal_to_first_mode": f"{len(prompts) - len(differing)}/{len(prompts)}",
+                   "differing": differing,
+                   f"replies_equal_at_{args.streams[0]}_streams": f"{across}/{len(prompts)}",
                    "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][1]}" if graphed[mode][1] else None,
                    "seconds": [round(s, 2) for s, _ in times[mode]]}  # fmt: skip
             result["rows"].append(row)

@@ -179,6 +179,7 @@ class DeepseekV41(DeepseekModel):
         self.prefill_mode = "exact"
         self.replay_tokens = DEFAULT_REPLAY_TOKENS
         self._first_mix_rows: torch.Tensor | None = None  # see _first_mix
+        self._outgrown_first_mix_rows: list[torch.Tensor] = []  # kept alive: captured graphs read them
 
     # ---- settings ----------------------------------------------------------------------------------
     def attach_engram_hasher(self, hasher: EngramHasher) -> DeepseekV41:
@@ -326,13 +327,17 @@ class DeepseekV41(DeepseekModel):
     def _first_mix(self, tokens: int, device: torch.device) -> torch.Tensor:
         """[tokens, hc] float32, one-hot on stream 0: the first rows of a kept block (nothing writes to the mix),
         made again (rows rounded up to a power of two) only for more tokens or another device, and not kept when
-        made while a CUDA graph is captured (its contents exist only at replay)."""
+        made while a CUDA graph is captured (its contents exist only at replay). An outgrown block stays alive: a
+        graph captured while it was current reads its address at every replay, and freed memory would be handed
+        to other tensors."""
         kept = self._first_mix_rows
         if kept is None or kept.shape[0] < tokens or kept.device != device:
             rows = 1 << max(tokens - 1, 0).bit_length()
             kept = torch.zeros(rows, self.config.hc_mult, dtype=torch.float32, device=device)
             kept[:, 0] = 1.0
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                if self._first_mix_rows is not None:
+                    self._outgrown_first_mix_rows.append(self._first_mix_rows)
                 self._first_mix_rows = kept
         return kept[:tokens]
 
