@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.index_scores.reference import entry_scores, index_topk_reference, top_k_in_order
-from dsinfer.ops.index_scores_paged.reference import decode_paged_keys
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.registry import REFERENCE, register
 
 
@@ -22,18 +22,7 @@ def select_visible_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> 
 
 
 @register("indexer_topk_decode", REFERENCE)
-def indexer_topk_decode_reference(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-    k: int,
-    key_scales: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, nh, d] (rotated); head_weights [B, nh] float32; keys [blocks, per_block, d] (the indexer
-    compressor's entry pool: plain, or FP8 / FP4 codes with ``key_scales``, the forms of ``index_scores_paged``);
-    block_tables [B, max_blocks]; visible [B] entries each query may see."""
-    # every slot of every table: shapes never depend on values
-    gathered = decode_paged_keys(keys, key_scales, block_tables, q.shape[-1])
-    return index_topk_reference(q, gathered, head_weights, visible, k)
+def indexer_topk_decode_reference(inputs: PagedIndexInputs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of every slot of each sequence's block table (shapes: :class:`PagedIndexInputs`; the keys are
+    the indexer compressor's entry pool), gathered whole so shapes never depend on values."""
+    return index_topk_reference(inputs.q, inputs.gathered_keys(), inputs.head_weights, inputs.visible, k)
