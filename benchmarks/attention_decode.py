@@ -53,6 +53,7 @@ from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, WINDOW_KV_FORMAT
 from dsinfer.ops.coded_attention import triton as coded_backend
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_attention_decode_coded_reference
 from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.indexer import triton as indexer_backend
 from dsinfer.ops.indexer.reference import indexer_scores, indexer_topk_decode_reference
 from dsinfer.ops.sparse_attention import triton as backend
@@ -265,6 +266,16 @@ def indexer_points(args, device, gen) -> None:
             torch.cuda.empty_cache()
 
 
+def paged_index_inputs(q, weights, keys, tables, visible, k) -> PagedIndexInputs:
+    """The indexer op's inputs from one step's values (plain keys)."""
+    return PagedIndexInputs(q, weights, keys, None, tables, visible)
+
+
+def indexer_choice(*values):
+    """``indexer_topk_decode``'s Triton backend on one step's values."""
+    return indexer_backend.indexer_topk_decode_triton(paged_index_inputs(*values), values[5])
+
+
 def indexer_point(args, batch: int, context: int, device, gen) -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     per_block = BLOCK_TOKENS // RATIOS["csa"]
@@ -277,18 +288,18 @@ def indexer_point(args, batch: int, context: int, device, gen) -> None:
         torch.full((batch,), (context + 1) // RATIOS["csa"], device=device),
         args.topk,
     ]
-    reference = partial(indexer_topk_decode_reference, *values)
-    fast = partial(indexer_backend.indexer_topk_decode_triton, *values)
+    reference = partial(indexer_topk_decode_reference, paged_index_inputs(*values), args.topk)
+    fast = partial(indexer_choice, *values)
     same = all(torch.equal(a, b) for a, b in zip(fast(), reference(), strict=True))
     exact = indexer_scores(values[0], values[1], values[2][values[3]].flatten(1, 2))
-    scores = indexer_backend.indexer_scores_launch(*values[:5])
+    scores = indexer_backend.indexer_scores_launch(paged_index_inputs(*values))
     seen = torch.isfinite(scores)
     score_dev = (scores[seen] - exact[seen]).abs().max().item() if seen.any() else 0.0
     reference_ms = median_ms(reference, args.warmup, args.iters)
     triton_ms = median_ms(fast, args.warmup, args.iters)
     keys = values[2].element_size() * int(values[4].sum()) * args.index_dim  # the index keys' bytes read
     copies = copied_args(values, (2,), copy_count(keys, args.cold))
-    replay_ms = graph_ms(calls_over(indexer_backend.indexer_topk_decode_triton, copies), args.warmup, args.iters,
+    replay_ms = graph_ms(calls_over(indexer_choice, copies), args.warmup, args.iters,
                          args.inner)  # fmt: skip
     moved = keys + 4 * values[0].numel()
     gbps = moved / (replay_ms * 1e-3) / 1e9

@@ -25,7 +25,7 @@ from attention_decode import graph_ms, median_ms  # the benchmarks' timers (same
 from cold_copies import calls_over, copied_args, copy_count
 
 from dsinfer.kv.codecs import INDEX_KEY_FP8_FORMAT
-from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference
 from dsinfer.ops.indexer import triton as backend
 from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 
@@ -73,28 +73,38 @@ def make_step(args, batch: int, context: int, keys_form: str, device, gen) -> li
     ]
 
 
+def paged_inputs(q, weights, keys, tables, visible, k, scales) -> PagedIndexInputs:
+    """The op's inputs from one step's values (:func:`make_step`'s order)."""
+    return PagedIndexInputs(q, weights, keys, scales, tables, visible)
+
+
+def choose(*step):
+    """``indexer_topk_decode``'s Triton backend on one step's values."""
+    return backend.indexer_topk_decode_triton(paged_inputs(*step), step[5])
+
+
 def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> None:
     values = make_step(args, batch, context, keys_form, device, gen)
     q, weights, keys, tables, visible, k, scales = values
     row_bytes = keys[0, 0].nbytes + (0 if scales is None else scales[0, 0].nbytes)
     moved = int(visible.sum()) * row_bytes
     cycle = copied_args(values, (2,) if scales is None else (2, 6), copy_count(moved, True))
-    fast = partial(backend.indexer_topk_decode_triton, *values[:6], key_scales=scales)
-    op_ms = graph_ms(calls_over(backend.indexer_topk_decode_triton, cycle), args.warmup, args.iters, args.inner)
+    fast = partial(choose, *values)
+    op_ms = graph_ms(calls_over(choose, cycle), args.warmup, args.iters, args.inner)
 
     def score(*step):
-        return backend.indexer_scores_launch(*step[:5], key_scales=step[6])
+        return backend.indexer_scores_launch(paged_inputs(*step))
 
     scores_ms = graph_ms(calls_over(score, cycle), args.warmup, args.iters, args.inner)
     scores = score(*values)
     topk_ms = median_ms(lambda: torch.topk(scores, min(k, scores.shape[1]), dim=1), args.warmup, args.iters)
     same, deviation, reference_ms, previous_ms = "-", float("nan"), float("nan"), float("nan")
     if batch * context <= args.reference_up_to:
-        reference = partial(indexer_topk_decode_reference, *values[:6], key_scales=scales)
+        reference = partial(indexer_topk_decode_reference, paged_inputs(*values), k)
         chosen, real = fast()
         want, want_real = reference()
         same = str(torch.equal(real, want_real) and torch.equal(chosen[real], want[want_real]))
-        exact = index_scores_paged_reference(q, weights, keys, scales, tables, visible)
+        exact = index_scores_paged_reference(paged_inputs(*values))
         seen = torch.isfinite(exact)
         deviation = (scores[seen] - exact[seen]).abs().max().item()
         reference_ms = median_ms(reference, args.warmup, args.iters)

@@ -41,9 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description="DeepSeek-V4 inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with_defaults = {"formatter_class": DefaultsHelpFormatter}
+    add_generate_command(commands, device)
+    add_chat_command(commands, device)
+    add_serve_command(commands, device)
+    add_tool_commands(commands)
+    return parser
 
-    generate = commands.add_parser("generate", help="complete prompts offline through the engine", **with_defaults)
+
+def add_generate_command(commands, device: str) -> None:
+    generate = commands.add_parser("generate", help="complete prompts offline through the engine", **WITH_DEFAULTS)
     generate.add_argument("model", nargs="?", help=MODEL_HELP)
     generate.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     generate.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per prompt")
@@ -56,29 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="treat each prompt as a user message: the chat prompt, the answer without reasoning",
     )
-    add_engine_sizes(generate)
-    add_model_source(generate)
-    generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
-    generate.add_argument("--device", default=device, help="torch device")
-    add_engram_placement(generate)
-    add_async_scheduling(generate)
-    add_cuda_graphs(generate)
-    add_v41_prefill(generate)
-    add_speculative_config(generate)
-    add_load_format(generate)
+    add_engine_basics(generate, device)
+    add_engine_features(generate)
 
-    chat = commands.add_parser("chat", help="chat with a model in the terminal (streamed answers)", **with_defaults)
+
+def add_chat_command(commands, device: str) -> None:
+    chat = commands.add_parser("chat", help="chat with a model in the terminal (streamed answers)", **WITH_DEFAULTS)
     chat.add_argument("model", nargs="?", help=MODEL_HELP)
     chat.add_argument("--max-tokens", type=positive_int, default=512, help="new tokens per answer")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     chat.add_argument("--thinking", action="store_true", help="thinking mode: reasoning shown dimmed, then the answer")
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
-    add_engine_sizes(chat)
-    add_model_source(chat)
-    chat.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
-    chat.add_argument("--device", default=device, help="torch device")
+    add_engine_basics(chat, device)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **with_defaults)
+
+def add_serve_command(commands, device: str) -> None:
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server", **WITH_DEFAULTS)
     serve.add_argument("model", nargs="?", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -93,20 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-missing-model", action="store_true",
                        help="serve generation requests that name no model (as vLLM does) instead of a 400 (as "
                        "OpenAI and Anthropic answer)")  # fmt: skip
-    add_engine_sizes(serve)
-    add_model_source(serve)
+    add_engine_basics(serve, device)
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="tokens per engine step (default: 8192 on CUDA, 512 on the CPU)")  # fmt: skip
-    serve.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
-    serve.add_argument("--expert-parallel-size", type=int, default=1, help="MoE expert-parallel ranks (= DP x CP)")
-    serve.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
-    serve.add_argument("--expert-placement", default=None, metavar="FILE",
-                       help='JSON {"ranks": [[experts of rank 0], ...]}: redundant experts (EPLB)')  # fmt: skip
-    serve.add_argument("--nnodes", type=positive_int, default=1, help="hosts that share the ranks")
-    serve.add_argument("--node-rank", type=int, default=0, help="this host's index; host 0 runs the HTTP server")
-    serve.add_argument("--master-addr", default="127.0.0.1", help="host 0's address (the ranks' rendezvous)")
-    serve.add_argument("--master-port", type=int, default=None,
-                       help="rendezvous port (needed with --nnodes > 1; ranks reach the API on port + 1)")  # fmt: skip
+    add_parallel_layout(serve)
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds before a request is ended (408; default: no limit)")  # fmt: skip
     serve.add_argument("--max-queue", type=positive_int, default=None,
@@ -117,33 +106,40 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM; then streams end with an "
                        "error event and [DONE]")  # fmt: skip
-    serve.add_argument(
-        "--max-images-per-request",
-        type=positive_int,
-        default=DEFAULT_MAX_IMAGES,
-        help="V4.1 image input: images one request may carry",
-    )
-    serve.add_argument(
-        "--max-image-bytes",
-        type=positive_int,
-        default=DEFAULT_MAX_IMAGE_BYTES,
-        help="V4.1 image input: encoded bytes per image",
-    )
-    serve.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                       help="V4.1 image input: source pixels (width x height) per image")  # fmt: skip
-    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
-    serve.add_argument("--device", default=device, help="torch device")
-    add_engram_placement(serve)
-    add_async_scheduling(serve)
-    add_cuda_graphs(serve)
-    add_v41_prefill(serve)
-    add_speculative_config(serve)
-    add_load_format(serve)
+    add_image_limits(serve)
+    add_engine_features(serve)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="one rank: step the engine in the server's process (a thread there) instead of an "
                        "engine process of its own; the server's HTTP work then shares the Python lock with the "
                        "engine's step")  # fmt: skip
 
+
+def add_parallel_layout(parser: argparse.ArgumentParser) -> None:
+    """The ranks (DP x CP = EP) and the hosts they run on (see :class:`~dsinfer.parallel.config.ParallelConfig`)."""
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
+    parser.add_argument("--expert-parallel-size", type=int, default=1, help="MoE expert-parallel ranks (= DP x CP)")
+    parser.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
+    parser.add_argument("--expert-placement", default=None, metavar="FILE",
+                        help='JSON {"ranks": [[experts of rank 0], ...]}: redundant experts (EPLB)')  # fmt: skip
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="hosts that share the ranks")
+    parser.add_argument("--node-rank", type=int, default=0, help="this host's index; host 0 runs the HTTP server")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address (the ranks' rendezvous)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="rendezvous port (needed with --nnodes > 1; ranks reach the API on port + 1)")  # fmt: skip
+
+
+def add_image_limits(parser: argparse.ArgumentParser) -> None:
+    """What one request may send of V4.1's image input."""
+    parser.add_argument("--max-images-per-request", type=positive_int, default=DEFAULT_MAX_IMAGES,
+                        help="V4.1 image input: images one request may carry")  # fmt: skip
+    parser.add_argument("--max-image-bytes", type=positive_int, default=DEFAULT_MAX_IMAGE_BYTES,
+                        help="V4.1 image input: encoded bytes per image")  # fmt: skip
+    parser.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="V4.1 image input: source pixels (width x height) per image")  # fmt: skip
+
+
+def add_tool_commands(commands) -> None:
+    """The commands that hand over to a tool of their own (bench, eval) or write a checkpoint directory."""
     bench = commands.add_parser("bench", help="benchmarks: 'sweep' (engine steady state), 'serve' (any OpenAI server)")
     bench.add_argument("mode", choices=["sweep", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark (see --help there)")
@@ -151,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("mode", choices=["run", "grade"])
     evaluate.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen step (see --help there)")
 
-    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 or V4.1 checkpoint directory", **with_defaults)
+    tiny = commands.add_parser("make-tiny", help="write a tiny random V4 or V4.1 checkpoint directory", **WITH_DEFAULTS)
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--arch", choices=["v4", "v41"], default="v4", help="v41: DeepSeek-V4.1 with Engram and DSpark")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -161,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sliced = commands.add_parser(
         "make-slice", help="write a V4-Flash-width config and tokenizer, no weights (for --load-format dummy)",
-        **with_defaults,
+        **WITH_DEFAULTS,
     )  # fmt: skip
     sliced.add_argument("directory", type=Path)
     sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
-    return parser
+
+
+WITH_DEFAULTS = {"formatter_class": DefaultsHelpFormatter}
 
 
 MODEL_HELP = (
@@ -174,44 +172,23 @@ MODEL_HELP = (
 )
 
 
-def add_model_source(parser: argparse.ArgumentParser) -> None:
-    """Where a repository id's files come from, and the CPU threads of the engine that runs them."""
+def add_engine_basics(parser: argparse.ArgumentParser, device: str) -> None:
+    """What every engine command takes: the batch and context sizes, where the model comes from, dtype and device."""
+    parser.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences in the running batch")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="context length: prompt plus completion (default: the model's)")  # fmt: skip
     parser.add_argument("--revision", default=None, help="repository id only: the branch, tag or commit to fetch")
     parser.add_argument("--download-dir", default=None,
                         help="repository id only: the hub cache directory to use (default: HF_HUB_CACHE)")  # fmt: skip
     parser.add_argument("--cpu-threads", type=positive_int, default=None,
                         help="CPU engines: torch threads (default: the cores this process may use, by affinity and "
                         "cgroup quota, less one for the HTTP server when serving)")  # fmt: skip
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations")
+    parser.add_argument("--device", default=device, help="torch device")
 
 
-def add_load_format(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="'dummy': read only the model directory's config and tokenizer and draw random weights in the release "
-        "formats on the device (one rank; for measuring a shape without its checkpoint)",
-    )
-
-
-def add_engine_sizes(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences in the running batch")
-    parser.add_argument("--max-model-len", type=positive_int, default=None,
-                        help="context length: prompt plus completion (default: the model's)")  # fmt: skip
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0 (seconds); anything else is an argparse error naming the value."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def add_engram_placement(parser: argparse.ArgumentParser) -> None:
+def add_engine_features(parser: argparse.ArgumentParser) -> None:
+    """The engine features ``generate`` and ``serve`` switch (read back by :func:`engine_config`)."""
     parser.add_argument(
         "--engram-placement",
         choices=PLACEMENTS,
@@ -220,18 +197,12 @@ def add_engram_placement(parser: argparse.ArgumentParser) -> None:
         "PCIe, or split over the ranks (default: $DSINFER_ENGRAM_PLACEMENT, else 'host' when they exceed the "
         "GPU's budget, else 'device'); ignored for checkpoints without Engram layers",
     )
-
-
-def add_async_scheduling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule the next step while the device runs the current one (default: on for CUDA, off on CPU)",
     )
-
-
-def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -244,9 +215,6 @@ def add_cuda_graphs(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="batch sizes to capture decode CUDA graphs for (default: powers of two up to --max-num-seqs)",
     )
-
-
-def add_v41_prefill(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--v41-prefill",
         choices=V41_PREFILL_MODES,
@@ -261,9 +229,6 @@ def add_v41_prefill(parser: argparse.ArgumentParser) -> None:
         default=140,
         help="tokens of each prompt the V4.1 decoder layers run over in bounded prefill (default: 140)",
     )
-
-
-def add_speculative_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative-config",
         default=None,
@@ -272,6 +237,42 @@ def add_speculative_config(parser: argparse.ArgumentParser) -> None:
         "1 to 5; V4's MTP layer or V4.1's DSpark stages draft K tokens per step, the model verifies them in one "
         'forward; dspark also takes "confidence_threshold" from 0 to 1) (default: off)',
     )
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="'dummy': read only the model directory's config and tokenizer and draw random weights in the release "
+        "formats on the device (one rank; for measuring a shape without its checkpoint)",
+    )
+
+
+def engine_config(args: argparse.Namespace, **command_fields) -> EngineConfig:
+    """The engine's config from :func:`add_engine_basics`' flags and, where the command has them,
+    :func:`add_engine_features`'; ``command_fields``: the fields only one command sets."""
+    fields = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "dtype": args.dtype,
+              "device": args.device}  # fmt: skip
+    if "speculative_config" in args:
+        fields.update(
+            engram_placement=args.engram_placement,
+            async_scheduling=args.async_scheduling,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
+            speculative_config=args.speculative_config,
+            v41_prefill=args.v41_prefill,
+            v41_replay_tokens=args.v41_replay_tokens,
+        )
+    return EngineConfig(**fields, **command_fields)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (seconds); anything else is an argparse error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -279,24 +280,10 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    options = {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_num_seqs": args.max_num_seqs,
-        "engram_placement": args.engram_placement,
-        "async_scheduling": args.async_scheduling,
-        "enforce_eager": args.enforce_eager,
-        "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-        "speculative_config": args.speculative_config,
-        "v41_prefill": args.v41_prefill,
-        "v41_replay_tokens": args.v41_replay_tokens,
-    }
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
     prompts = args.prompt or (["Hello!"] if args.chat else ["The quick brown fox"])
     apply_cpu_threads(args.cpu_threads, args.device, reserved=0)
-    with LLM(args.model, load_format=args.load_format, revision=args.revision, download_dir=args.download_dir,
-             **options) as llm:  # fmt: skip
+    with LLM(args.model, engine_config(args), load_format=args.load_format, revision=args.revision,
+             download_dir=args.download_dir) as llm:  # fmt: skip
         start = time.perf_counter()
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -323,11 +310,8 @@ def run_chat_command(args: argparse.Namespace) -> int:
     from dsinfer.chat_cli import run_chat
 
     apply_cpu_threads(args.cpu_threads, args.device, reserved=0)
-    options = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs}
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    with LLM(args.model, revision=args.revision, download_dir=args.download_dir, **options) as llm:
+    with LLM(args.model, engine_config(args), revision=args.revision, download_dir=args.download_dir) as llm:
         return run_chat(llm, params, thinking=args.thinking, system=args.system)
 
 
@@ -350,15 +334,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.engine_in_process and max(args.data_parallel_size, args.expert_parallel_size) > 1:
         raise ConfigError("--engine-in-process runs one rank; several ranks always run in processes of their own")
-    engine = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        engram_placement=args.engram_placement, async_scheduling=args.async_scheduling,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-        speculative_config=args.speculative_config,
-        v41_prefill=args.v41_prefill, v41_replay_tokens=args.v41_replay_tokens,
-    )  # fmt: skip
+    engine = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens)
     return serve(options, engine)
 
 

@@ -230,6 +230,9 @@ class Tokenizer:
     """A loaded tokenizer: encode text to ids and decode ids to text.
 
     Build one with :meth:`from_dir`.  Thread-safe for concurrent encode/decode.
+
+    Read once from the config at load (None where it names none): ``bos_token`` / ``eos_token`` / ``pad_token``
+    and their ids ``bos_id`` / ``eos_id`` / ``pad_id``, and ``model_max_length``.
     """
 
     def __init__(
@@ -275,12 +278,12 @@ class Tokenizer:
                 pad = None
         except TypeError as exc:
             raise TokenizerLoadError(f"corrupt tokenizer config {config_source}: {exc}") from exc
-        self._bos_token, self._eos_token, self._pad_token = bos, eos, pad
-        self._bos_id = self._resolve(bos, "bos_token", config_source)
-        self._eos_id = self._resolve(eos, "eos_token", config_source)
-        self._pad_id = self._resolve(pad, "pad_token", config_source)
+        self.bos_token, self.eos_token, self.pad_token = bos, eos, pad
+        self.bos_id = self._resolve(bos, "bos_token", config_source)
+        self.eos_id = self._resolve(eos, "eos_token", config_source)
+        self.pad_id = self._resolve(pad, "pad_token", config_source)
         max_len = config.get("model_max_length")
-        self._model_max_length = int(max_len) if isinstance(max_len, int | float) else None
+        self.model_max_length = int(max_len) if isinstance(max_len, int | float) else None
 
     def _resolve(self, token: str | None, field: str, config_source: str) -> int | None:
         if token is None:
@@ -399,34 +402,6 @@ class Tokenizer:
         return self._vocab_size
 
     @property
-    def bos_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    @property
-    def pad_id(self) -> int | None:
-        return self._pad_id
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._bos_token
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._eos_token
-
-    @property
-    def pad_token(self) -> str | None:
-        return self._pad_token
-
-    @property
-    def model_max_length(self) -> int | None:
-        return self._model_max_length
-
-    @property
     def special_tokens(self) -> dict[str, int]:
         """Every added (control) token, string -> id, in id order.  Each encodes to
         exactly its one id when ``allow_special=True``."""
@@ -443,4 +418,4 @@ class Tokenizer:
         return dict(self._config)
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self._vocab_size}, bos_id={self._bos_id}, eos_id={self._eos_id})"
+        return f"Tokenizer(vocab_size={self._vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import FP8_SCALE_BLOCK, ModelConfigV41
-from dsinfer.ops.engram_gate import engram_gate_reference
+from dsinfer.ops.engram_gate import EngramGateInputs, engram_gate_reference
 from dsinfer.ops.registry import OpTable
 
 # The float dtypes that hold every value of a table's stored dtype exactly (its rows convert without rounding).
@@ -193,7 +193,7 @@ class Engram(nn.Module):
         key, value = self.wkv(rows).split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.unflatten(-1, (self.hc_mult, self.hidden_size))
         gate = self.ops.engram_gate if self.ops is not None else engram_gate_reference
-        return gate(streams, key, value, self.gate_weight(), gate_mask, self.eps)
+        return gate(EngramGateInputs(streams, key, value, self.gate_weight(), gate_mask, self.eps))
 
 
 def _identity(weight: torch.Tensor) -> tuple:

@@ -51,6 +51,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_scores import top_k_in_order
+from dsinfer.ops.index_scores_paged import PagedIndexInputs
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
@@ -138,7 +139,7 @@ class IndexerV41(IndexScorer):
         visible = state.get(("visible", self.ratio))  # entries each query sees: once per step and ratio
         if visible is None:
             visible = state[("visible", self.ratio)] = visible_entries(positions, self.ratio)
-        scores = ops.index_scores_paged(q, head_weights, keys, key_scales, tables, visible)
+        scores = ops.index_scores_paged(PagedIndexInputs(q, head_weights, keys, key_scales, tables, visible))
         return ops.index_topk_decode(scores, self.topk, self._candidates(x, scores, visible, state))
 
     def _query_rotation(self, quantizer: ActivationQuantizer, positions: torch.Tensor):

@@ -20,6 +20,7 @@ from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.index_scores import index_scores_reference
+from dsinfer.ops.index_scores_paged import PagedIndexInputs
 from dsinfer.ops.index_select.reference import index_topk_decode_reference
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.topk import topk_indices
@@ -165,4 +166,5 @@ class Indexer(IndexScorer):
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=angles, projected=projected)
         ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
         visible = visible_entries(positions, self.ratio)
-        return ops.indexer_topk_decode(q, head_weights, cache.entries, spans.block_tables, visible, self.topk)
+        inputs = PagedIndexInputs(q, head_weights, cache.entries, None, spans.block_tables, visible)
+        return ops.indexer_topk_decode(inputs, self.topk)

@@ -107,6 +107,22 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
     if settings.api_key:  # outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     install_openapi(app, settings, tokenizer.vocab_size)
+    _register_status_routes(app, engine, settings)
+    _register_token_routes(app, tokenizer, chat_format, settings)
+    _register_completion_routes(app, engine, tokenizer, settings)
+
+    from dsinfer.server.chat_api import register_chat_routes
+    from dsinfer.server.messages_api import register_messages_routes
+    from dsinfer.server.responses_api import register_responses_routes
+
+    register_chat_routes(app, engine, chat_format, settings)
+    register_responses_routes(app, engine, chat_format, settings)
+    register_messages_routes(app, engine, chat_format, settings)
+    return app
+
+
+def _register_status_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
+    """Health (GET and HEAD), Prometheus metrics and the model list."""
 
     @app.get("/health")
     async def health():
@@ -135,6 +151,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         _check_model(model_id, settings)
         return model_card()
 
+
+def _register_token_routes(
+    app: FastAPI, tokenizer: Tokenizer, chat_format: ChatFormat, settings: ServerSettings
+) -> None:
+    """``/tokenize`` (a prompt, or a chat as /v1/chat/completions renders it) and ``/detokenize``."""
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         _check_model(body.model, settings)
@@ -159,6 +181,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
         except ValueError as exc:
             raise APIError(400, str(exc), param="tokens") from None
 
+
+def _register_completion_routes(
+    app: FastAPI, engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings
+) -> None:
+    """``/v1/completions``: raw prompts (text or token ids), JSON or server-sent events."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings, generation=True)
@@ -175,15 +203,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSetting
             return _sse(_completion_chunks(merged(streams), body, params[0], settings, tokenizer))
         finals = await unless_disconnected(last_items(streams), request)
         return _completion_response(finals, body, settings, tokenizer)
-
-    from dsinfer.server.chat_api import register_chat_routes
-    from dsinfer.server.messages_api import register_messages_routes
-    from dsinfer.server.responses_api import register_responses_routes
-
-    register_chat_routes(app, engine, chat_format, settings)
-    register_responses_routes(app, engine, chat_format, settings)
-    register_messages_routes(app, engine, chat_format, settings)
-    return app
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -15,32 +15,23 @@ import secrets
 
 import deepseek_recipe as recipe
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat
 from dsinfer.server.limits import LimitError
-from dsinfer.server.protocol import Lenient, now
+from dsinfer.server.protocol import LibraryAPIFields, now
 from dsinfer.server.response_stream import (
     ChoiceStream,
     ClientDisconnected,
     Run,
-    accumulated_document,
-    event_frame,
-    sse_frame,
+    event_api_answer,
 )
 
 
-class MessagesFields(Lenient):
-    """The fields we read ourselves (the library reads the whole body); typed so a wrong type names the field."""
-
-    model: str | None = None
-    stream: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
+class MessagesFields(LibraryAPIFields):
     max_tokens: int | None = None
-    top_p: float | None = None
 
 
 def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -103,20 +94,9 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
         stream = engine.generate(prompt_ids, params, prepared.images)
         run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
-        if fields.stream:
-            return StreamingResponse(
-                _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
         response = recipe.MessagesResponse(message_id, model, now(), len(prompt_ids), 0)
-        document = await accumulated_document(run, request, response)
-        return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
+        return await event_api_answer(run, request, fields.stream, response, _error_event)
 
 
-async def _events(run: Run):
-    try:
-        async for _, events in run:
-            for event in events:
-                name = recipe.MessagesResponse.sse_event_name(event)
-                yield event_frame(name, event, run.choices[0].hidden_tokens)
-    except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
-        yield sse_frame("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
+def _error_event(exc: Exception) -> dict:
+    return {"type": "error", "error": {"type": "api_error", "message": str(exc)}}

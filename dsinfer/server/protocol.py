@@ -38,6 +38,17 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class LibraryAPIFields(Lenient):
+    """The fields of a Responses or Messages body that we read ourselves (deepseek-recipe reads the whole body);
+    typed so a wrong type names the field. Each API adds its own length field."""
+
+    model: str | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+
 class StreamOptions(Lenient):
     include_usage: bool = False
 

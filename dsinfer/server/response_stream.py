@@ -11,14 +11,16 @@ tools) is counted but never decoded, so ``<｜User｜>``, ``<think>`` or bos can
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import deepseek_recipe as recipe
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+from dsinfer.server.async_engine import EngineDeadError, RequestTimeoutError
 from dsinfer.server.chat_format import ChatFormat, PreparedRequest
 from dsinfer.server.disconnect import unless_disconnected
 
@@ -28,6 +30,7 @@ __all__ = [
     "ClientDisconnected",
     "Run",
     "collect",
+    "event_api_answer",
     "event_frame",
     "event_json",
     "sse_frame",
@@ -154,6 +157,31 @@ async def accumulated_document(run: Run, request: Request, response) -> dict[str
         for event in events:
             response.accumulate(event)
     return usage_with_hidden(json.loads(response.to_json()), run.choices[0].hidden_tokens)
+
+
+async def event_api_answer(
+    run: Run, request: Request, stream: bool, response, error_event: Callable[[Exception], dict[str, Any]]
+) -> Response:
+    """A Responses / Messages answer from its run: the library's events as server-sent events named by the API
+    (``response``'s type), or, not streaming, the document ``response`` accumulates. A stream that fails after
+    its first event cannot change its status any more, so it ends with the API's error event (``error_event``)."""
+    if stream:
+        return StreamingResponse(
+            _named_events(run, type(response), error_event),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    document = await accumulated_document(run, request, response)
+    return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
+
+
+async def _named_events(run: Run, response_type, error_event: Callable[[Exception], dict[str, Any]]):
+    try:
+        async for _, events in run:
+            for event in events:
+                yield event_frame(response_type.sse_event_name(event), event, run.choices[0].hidden_tokens)
+    except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
+        yield sse_frame("error", error_event(exc))
 
 
 def event_json(event) -> dict[str, Any]:

@@ -8,34 +8,23 @@ sampling, limits, cancellation and metrics as Chat Completions.
 
 from __future__ import annotations
 
-import json
 import secrets
 
 import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 
-from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
+from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.chat_format import ChatFormat
-from dsinfer.server.protocol import Lenient, now
+from dsinfer.server.protocol import LibraryAPIFields, now
 from dsinfer.server.response_stream import (
     ChoiceStream,
     Run,
-    accumulated_document,
-    event_frame,
-    sse_frame,
+    event_api_answer,
 )
 
 
-class ResponsesFields(Lenient):
-    """The fields we read ourselves (the library reads the whole body); typed so a wrong type names the field."""
-
-    model: str | None = None
-    stream: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
+class ResponsesFields(LibraryAPIFields):
     max_output_tokens: int | None = None
-    top_p: float | None = None
     top_logprobs: int | None = None
 
 
@@ -56,20 +45,9 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
             generator = generator.with_echo(prepared.echo)
         stream = engine.generate(prompt_ids, params, prepared.images)
         run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
-        if fields.stream:
-            return StreamingResponse(
-                _events(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
         response = recipe.ResponsesResponse(response_id, model, now(), len(prompt_ids), 0)
-        document = await accumulated_document(run, request, response)
-        return Response(json.dumps(document, ensure_ascii=False), media_type="application/json")
+        return await event_api_answer(run, request, fields.stream, response, _error_event)
 
 
-async def _events(run: Run):
-    try:
-        async for _, events in run:
-            for event in events:
-                name = recipe.ResponsesResponse.sse_event_name(event)
-                yield event_frame(name, event, run.choices[0].hidden_tokens)
-    except (ValueError, RequestTimeoutError, EngineDeadError) as exc:
-        yield sse_frame("error", {"type": "error", "code": type(exc).__name__, "message": str(exc), "param": None})
+def _error_event(exc: Exception) -> dict:
+    return {"type": "error", "code": type(exc).__name__, "message": str(exc), "param": None}

@@ -10,7 +10,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
-from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, engram_gate_reference
+from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, EngramGateInputs, engram_gate_reference
 
 CASES = [(1, 4, 64), (5, 4, 100), (3, 2, 2500), (2, 4, 5120)]  # tokens, streams, hidden
 
@@ -49,8 +49,8 @@ def check(device: torch.device) -> list[str]:
                 for scale in (1.0, 1e-6):  # 1e-6: dot products under the magnitude floor
                     inputs = make_inputs(tokens, streams_count, hidden, dtype, masked, generator, scale)
                     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
-                    want = engram_gate_reference(*inputs)
-                    got = backend.engram_gate_triton(*inputs)
+                    want = engram_gate_reference(EngramGateInputs(*inputs))
+                    got = backend.engram_gate_triton(EngramGateInputs(*inputs))
                     label = f"{tokens}x{streams_count}x{hidden} {dtype} masked={masked} scale={scale}"
                     if got.dtype != want.dtype or got.shape != want.shape:
                         failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}")
@@ -74,7 +74,7 @@ def test_reference_is_the_layers_former_inline_math():
     for tokens, streams_count, hidden in CASES:
         for masked in (False, True):
             inputs = make_inputs(tokens, streams_count, hidden, torch.bfloat16, masked, generator)
-            assert torch.equal(engram_gate_reference(*inputs), former_inline(*inputs))
+            assert torch.equal(engram_gate_reference(EngramGateInputs(*inputs)), former_inline(*inputs))
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():

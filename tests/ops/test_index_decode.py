@@ -19,7 +19,7 @@ from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.kv.codecs import INDEX_KEY_FORMAT, INDEX_KEY_FP8_FORMAT
 from dsinfer.ops.cache_codec.reference import cache_encode_reference
-from dsinfer.ops.index_scores_paged.reference import decode_paged_keys, index_scores_paged_reference
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, decode_paged_keys, index_scores_paged_reference
 from dsinfer.ops.index_select.reference import index_topk_decode_reference
 from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 
@@ -100,8 +100,8 @@ def check_scores(case: ScoresCase, device: torch.device, generator) -> str | Non
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
     if not backend.serves(inputs[0], inputs[2], inputs[3]):
         return f"{case}: the kernel does not take it"
-    want = index_scores_paged_reference(*inputs)
-    got = backend.paged_scores_launch(*inputs, chunk=CHUNK)
+    want = index_scores_paged_reference(PagedIndexInputs(*inputs))
+    got = backend.paged_scores_launch(PagedIndexInputs(*inputs), chunk=CHUNK)
     finite = torch.isfinite(want)
     if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
         return f"{case} visible={visible[:3]}: shape or -inf pattern differs"
@@ -152,11 +152,11 @@ def check_op(form: str, batch: int, device: torch.device, generator) -> str | No
 
     visible = visible_counts(batch, generator)
     q, weights, keys, scales, tables, visible = make_inputs(batch, 16, 64, form, torch.bfloat16, visible, generator)
-    args = [t.to(device) for t in (q, weights, keys, tables, visible)]
     scales = None if scales is None else scales.to(device)
+    args = PagedIndexInputs(*(t.to(device) for t in (q, weights, keys)), scales, tables.to(device), visible.to(device))
     for k in (8, 100):
-        chosen, real = backend.indexer_topk_decode_triton(*args, k, key_scales=scales)
-        want, want_real = indexer_topk_decode_reference(*args, k, key_scales=scales)
+        chosen, real = backend.indexer_topk_decode_triton(args, k)
+        want, want_real = indexer_topk_decode_reference(args, k)
         if not (torch.equal(real, want_real) and torch.equal(chosen[real], want[want_real])):
             return f"op {form} batch={batch} k={k}: another choice"
     return None
@@ -208,5 +208,6 @@ def test_reference_refuses_malformed_key_pools():
             64,
         )
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        index_scores_paged_reference(q, torch.ones(1, 4), torch.zeros(2, 4, 64), torch.zeros(2, 4, 1),
-                                     torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))  # fmt: skip
+        index_scores_paged_reference(PagedIndexInputs(q, torch.ones(1, 4), torch.zeros(2, 4, 64), torch.zeros(2, 4, 1),
+                                                      torch.zeros(1, 1, dtype=torch.long),
+                                                      torch.ones(1, dtype=torch.long)))  # fmt: skip

@@ -13,7 +13,7 @@ from dsinfer.ops import registry
 from dsinfer.ops.cache_codec.reference import cache_decode_reference, cache_encode_reference
 from dsinfer.ops.fake_quant import fake_quant_index
 from dsinfer.ops.index_scores.reference import index_scores_reference
-from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference
 
 CASES = [  # batch, heads, dim, per_block, table width, dtype
     (1, 32, 128, 64, 1, torch.bfloat16),
@@ -51,8 +51,8 @@ def check(device: torch.device) -> list[str]:
             if not backend.serves(inputs[0], inputs[2], inputs[3]):
                 failures.append(f"{label}: the kernel does not take it")
                 continue
-            want = index_scores_paged_reference(*inputs)
-            got = backend.index_scores_paged_triton(*inputs)
+            want = index_scores_paged_reference(PagedIndexInputs(*inputs))
+            got = backend.index_scores_paged_triton(PagedIndexInputs(*inputs))
             finite = torch.isfinite(want)
             if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
                 failures.append(f"{label}: shape or -inf pattern differs")
@@ -81,7 +81,8 @@ def test_reference_is_the_former_gather_and_score(coded):
             keys[tables], scales[tables], "e2m1", 32, "ue8m0", case[-1]
         )  # fmt: skip
         want = index_scores_reference(q, gathered.flatten(1, 2), weights, visible)
-        assert torch.equal(index_scores_paged_reference(q, weights, keys, scales, tables, visible), want)
+        paged = PagedIndexInputs(q, weights, keys, scales, tables, visible)
+        assert torch.equal(index_scores_paged_reference(paged), want)
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():

@@ -13,6 +13,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.indexer.reference import indexer_scores, indexer_topk_decode_reference
 
 
@@ -51,6 +52,13 @@ def make_inputs(case: Case) -> dict:
     }
 
 
+def op_arguments(inputs: dict) -> tuple[PagedIndexInputs, int]:
+    """``indexer_topk_decode``'s arguments for a case's tensors (plain keys: no key scales)."""
+    paged = PagedIndexInputs(inputs["q"], inputs["head_weights"], inputs["keys"], None, inputs["block_tables"],
+                             inputs["visible"])  # fmt: skip
+    return paged, inputs["k"]
+
+
 def check_case(case: Case, device: torch.device | None = None) -> str | None:
     """Scores within fp32 rounding of the reference's (-inf exactly where it has -inf); the same choice."""
     import dsinfer.ops.indexer.triton as backend
@@ -58,7 +66,7 @@ def check_case(case: Case, device: torch.device | None = None) -> str | None:
     inputs = make_inputs(case)
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    got = backend.indexer_scores_launch(*list(inputs.values())[:5])
+    got = backend.indexer_scores_launch(op_arguments(inputs)[0])
     gathered = inputs["keys"][inputs["block_tables"]].flatten(1, 2)
     expected = indexer_scores(inputs["q"], inputs["head_weights"], gathered)
     seen = torch.arange(expected.shape[1], device=expected.device) < inputs["visible"][:, None]
@@ -70,8 +78,8 @@ def check_case(case: Case, device: torch.device | None = None) -> str | None:
     limit = 1e-5 * max(1.0, expected[finite].abs().max().item() if finite.any() else 1.0)
     if not error <= limit:
         return f"{case}: max |triton - reference| score = {error:.3g} > {limit:.3g}"
-    chosen, real = backend.indexer_topk_decode_triton(*inputs.values())
-    want_chosen, want_real = indexer_topk_decode_reference(*inputs.values())
+    chosen, real = backend.indexer_topk_decode_triton(*op_arguments(inputs))
+    want_chosen, want_real = indexer_topk_decode_reference(*op_arguments(inputs))
     chosen, want_chosen = torch.where(real, chosen, -1), torch.where(want_real, want_chosen, -1)  # real ones only
     if not (torch.equal(chosen, want_chosen) and torch.equal(real, want_real)):
         return f"{case}: another choice\n{chosen}\n{want_chosen}\n{real}\n{want_real}"
@@ -101,7 +109,7 @@ if torch.cuda.is_available():  # compiled kernels: collected where CUDA is (the 
 
 def test_reference_choice_is_in_position_order_with_padding_last():
     inputs = make_inputs(CASES[1])
-    chosen, real = indexer_topk_decode_reference(*inputs.values())
+    chosen, real = indexer_topk_decode_reference(*op_arguments(inputs))
     assert chosen.shape == real.shape == (4, 6)
     assert real.sum(dim=1).tolist() == [3, 6, 6, 6]
     for row, flags in zip(chosen, real, strict=True):
@@ -126,9 +134,9 @@ def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatc
     monkeypatch.setattr(backend, "_COMPILED", set())
     inputs = make_inputs(CASES[1])
     with caplog.at_level("WARNING"):
-        got = backend.indexer_topk_decode_triton(*inputs.values())
-        again = backend.indexer_topk_decode_triton(*inputs.values())
-    expected = indexer_topk_decode_reference(*inputs.values())
+        got = backend.indexer_topk_decode_triton(*op_arguments(inputs))
+        again = backend.indexer_topk_decode_triton(*op_arguments(inputs))
+    expected = indexer_topk_decode_reference(*op_arguments(inputs))
     assert all(torch.equal(a, b) for a, b in zip(got + again, expected + expected, strict=True))
     assert sum("Triton kernel failed" in r.message for r in caplog.records) == 1
 

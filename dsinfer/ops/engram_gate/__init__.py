@@ -5,6 +5,6 @@ stream, the three sums over the hidden axis in registers, then the write).
 """
 
 from dsinfer.ops.engram_gate import triton  # noqa: F401  (registers the Triton backend)
-from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, engram_gate_reference
+from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, EngramGateInputs, engram_gate_reference
 
-__all__ = ["GATE_MAGNITUDE_FLOOR", "engram_gate_reference"]
+__all__ = ["GATE_MAGNITUDE_FLOOR", "EngramGateInputs", "engram_gate_reference"]

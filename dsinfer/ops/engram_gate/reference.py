@@ -11,6 +11,8 @@ For each token t and stream c, with h = streams[t, c] and k = key[t, c] (float32
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.registry import REFERENCE, register
@@ -18,19 +20,25 @@ from dsinfer.ops.registry import REFERENCE, register
 GATE_MAGNITUDE_FLOOR = 1e-6
 
 
+@dataclass(frozen=True)
+class EngramGateInputs:
+    """One Engram layer's gate: streams [T, hc, hidden]; key [T, hc, hidden]; value [T, hidden]; weight [hc, hidden]
+    float32; gate_mask [T] bool or None (None: every token gated); eps of both RMS factors."""
+
+    streams: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    weight: torch.Tensor
+    gate_mask: torch.Tensor | None
+    eps: float
+
+
 @register("engram_gate", REFERENCE)
-def engram_gate_reference(
-    streams: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    weight: torch.Tensor,
-    gate_mask: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """streams [T, hc, hidden]; key [T, hc, hidden]; value [T, hidden]; weight [hc, hidden] float32; gate_mask [T]
-    bool or None. Returns the new streams in their dtype."""
+def engram_gate_reference(inputs: EngramGateInputs) -> torch.Tensor:
+    """The new streams in their dtype (shapes: :class:`EngramGateInputs`)."""
+    streams, weight, value, gate_mask, eps = inputs.streams, inputs.weight, inputs.value, inputs.gate_mask, inputs.eps
     hidden = streams.shape[-1]
-    key = key.float()
+    key = inputs.key.float()
     h = streams.float()
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * weight * key).sum(-1) * rstd * hidden**-0.5

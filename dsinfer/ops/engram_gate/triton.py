@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, engram_gate_reference
+from dsinfer.ops.engram_gate.reference import GATE_MAGNITUDE_FLOOR, EngramGateInputs, engram_gate_reference
 from dsinfer.ops.registry import register
 from dsinfer.ops.triton_support import tl, triton, triton_available
 
@@ -57,20 +57,13 @@ if triton is not None:
 
 
 @register("engram_gate", "triton", devices=("cuda",), available=triton_available, priority=10)
-def engram_gate_triton(
-    streams: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    weight: torch.Tensor,
-    gate_mask: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
+def engram_gate_triton(inputs: EngramGateInputs) -> torch.Tensor:
     """Same contract as the reference; layouts the kernel does not take go to it."""
-    args = (streams, key, value, weight, gate_mask, eps)
+    streams, key, value, gate_mask, eps = inputs.streams, inputs.key, inputs.value, inputs.gate_mask, inputs.eps
     if streams.dim() != 3 or key.shape != streams.shape or min(t.stride(-1) for t in (streams, key, value)) != 1:
-        return engram_gate_reference(*args)
+        return engram_gate_reference(inputs)
     streams = streams.contiguous()
-    weight = weight.float().contiguous()
+    weight = inputs.weight.float().contiguous()
     tokens, streams_count, hidden = streams.shape
     out = torch.empty_like(streams)
     if streams.numel() == 0:

@@ -15,6 +15,14 @@ from dsinfer.ops.registry import REFERENCE, register
 from dsinfer.ops.topk import topk_indices
 
 
+def entry_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """Every entry's score [n, W] in float32, nothing masked: ``sum_h head_weights[n, h] * ReLU(q[n, h] . key) /
+    sqrt(d)``, keys [W, d] shared or [n, W, d] per query."""
+    spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
+    per_head = F.relu(torch.einsum(spec, q.float(), keys.float())) * q.shape[-1] ** -0.5
+    return (per_head * head_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
 @register("index_scores", REFERENCE)
 def index_scores_reference(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor
@@ -24,9 +32,7 @@ def index_scores_reference(
     ``head_weights`` [n, H] are already scaled (V4 / V4.1: ``weights_proj(x) / sqrt(H)``); ``visible`` [n] is how
     many leading entries each query may see.
     """
-    spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
-    per_head = F.relu(torch.einsum(spec, q.float(), keys.float())) * q.shape[-1] ** -0.5
-    scores = (per_head * head_weights.float().unsqueeze(-1)).sum(dim=1)
+    scores = entry_scores(q, keys, head_weights)
     hidden = torch.arange(scores.shape[-1], device=scores.device) >= visible[:, None]
     return scores.masked_fill(hidden, float("-inf"))
 

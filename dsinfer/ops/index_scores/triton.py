@@ -23,23 +23,13 @@ same way (``tests/ops/test_index_scores_triton.py``). ``index_topk`` is these sc
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dsinfer.ops.index_scores.reference import index_scores_reference, index_topk_reference, top_k_in_order
 from dsinfer.ops.registry import register
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-
-logger = logging.getLogger(__name__)
+from dsinfer.ops.triton_support import launch_or_reference, tl, triton, triton_available
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
@@ -72,10 +62,6 @@ def choose_config(shared_keys: bool, tensor_cores: bool, n_heads: int) -> Scores
     block_h = min(64, max(16, triton.next_power_of_2(n_heads)))
     return ScoresConfig(block_t=1, block_w=32, block_h=block_h, block_k=0 if tensor_cores else 16,
                         num_warps=8, num_stages=2)  # fmt: skip
-
-
-def index_scores_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -275,7 +261,7 @@ _FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here
     "triton",
     devices=("cuda",),
     dtypes=SERVED_DTYPES,
-    available=index_scores_triton_available,
+    available=triton_available,
     priority=10,
 )
 def index_scores_triton(
@@ -287,20 +273,14 @@ def index_scores_triton(
     if not serves(*args):
         return index_scores_reference(*args)
     setting = (q.device, q.dtype, keys.dtype, head_weights.dtype, q.shape[1:], keys.dim())  # what the build fixes
-    if setting in _FAILED:
-        return index_scores_reference(*args)
-    if setting in _COMPILED:
-        return index_scores_launch(*args)
-    try:
-        scores = index_scores_launch(*args)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise
-        logger.warning("index_scores: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return index_scores_reference(*args)
-    _COMPILED.add(setting)
-    return scores
+    return launch_or_reference(
+        "index_scores",
+        setting,
+        lambda: index_scores_launch(*args),
+        lambda: index_scores_reference(*args),
+        _FAILED,
+        _COMPILED,
+    )
 
 
 @register(
@@ -308,7 +288,7 @@ def index_scores_triton(
     "triton",
     devices=("cuda",),
     dtypes=SERVED_DTYPES,
-    available=index_scores_triton_available,
+    available=triton_available,
     priority=10,
 )
 def index_topk_triton(

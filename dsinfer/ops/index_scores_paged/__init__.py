@@ -5,6 +5,6 @@ one program per sequence and tile of slots reads its keys through the block tabl
 """
 
 from dsinfer.ops.index_scores_paged import triton  # noqa: F401  (registers the Triton backend)
-from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference
 
-__all__ = ["index_scores_paged_reference"]
+__all__ = ["PagedIndexInputs", "index_scores_paged_reference"]

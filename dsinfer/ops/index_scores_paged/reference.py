@@ -13,6 +13,8 @@ Slots past a sequence's ``visible`` entries score -inf, whatever their keys hold
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsinfer.ops.cache_codec.reference import cache_decode_reference
@@ -64,15 +66,28 @@ def decode_paged_keys(
     return cache_decode_reference(codes, scales, "e2m1", block, "ue8m0", torch.float32).flatten(1, 2)
 
 
+@dataclass(frozen=True)
+class PagedIndexInputs:
+    """A decode step's index queries and the paged index keys they score (``index_scores_paged``, and the
+    indexer's choice ``indexer_topk_decode``, read the same ones).
+
+    q [B, H, d]; head_weights [B, H] float32, already scaled; keys [blocks, per_block, d] in one of the forms above
+    with its ``key_scales`` (None: plain); block_tables [B, max_blocks]; visible [B] entries each query may see.
+    """
+
+    q: torch.Tensor
+    head_weights: torch.Tensor
+    keys: torch.Tensor
+    key_scales: torch.Tensor | None
+    block_tables: torch.Tensor
+    visible: torch.Tensor
+
+    def gathered_keys(self) -> torch.Tensor:
+        """Every block-table slot's key, decoded: [B, max_blocks * per_block, d]."""
+        return decode_paged_keys(self.keys, self.key_scales, self.block_tables, self.q.shape[-1])
+
+
 @register("index_scores_paged", REFERENCE)
-def index_scores_paged_reference(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-) -> torch.Tensor:
-    """Scores [B, max_blocks * per_block] float32 of q [B, H, d] (head weights [B, H], already scaled)."""
-    gathered = decode_paged_keys(keys, key_scales, block_tables, q.shape[-1])
-    return index_scores_reference(q, gathered, head_weights, visible)
+def index_scores_paged_reference(inputs: PagedIndexInputs) -> torch.Tensor:
+    """Scores [B, max_blocks * per_block] float32 (shapes: :class:`PagedIndexInputs`)."""
+    return index_scores_reference(inputs.q, inputs.gathered_keys(), inputs.head_weights, inputs.visible)

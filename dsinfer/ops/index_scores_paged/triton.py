@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from dsinfer.ops.index_scores_paged.reference import index_scores_paged_reference, paged_key_form
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference, paged_key_form
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
 
@@ -184,17 +184,11 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
     return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
 
 
-def paged_scores_launch(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-    chunk: int | None = None,
-) -> torch.Tensor:
+def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None) -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`)."""
+    q, head_weights, keys, key_scales = inputs.q, inputs.head_weights, inputs.keys, inputs.key_scales
+    block_tables, visible = inputs.block_tables, inputs.visible
     batch, n_heads, head_dim = q.shape
     per_block = keys.shape[1]
     width = block_tables.shape[1] * per_block
@@ -223,15 +217,8 @@ def paged_scores_launch(
 
 @register("index_scores_paged", "triton", devices=("cuda",), available=sparse_attention_triton_available,
           priority=10)  # fmt: skip
-def index_scores_paged_triton(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-) -> torch.Tensor:
+def index_scores_paged_triton(inputs: PagedIndexInputs) -> torch.Tensor:
     """Same contract as the reference; inputs the kernel does not take go to it."""
-    if not serves(q, keys, key_scales):
-        return index_scores_paged_reference(q, head_weights, keys, key_scales, block_tables, visible)
-    return paged_scores_launch(q, head_weights, keys, key_scales, block_tables, visible)
+    if not serves(inputs.q, inputs.keys, inputs.key_scales):
+        return index_scores_paged_reference(inputs)
+    return paged_scores_launch(inputs)

@@ -3,46 +3,26 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dsinfer.ops.index_scores_paged.reference import decode_paged_keys
+from dsinfer.ops.index_scores.reference import entry_scores, index_topk_reference, top_k_in_order
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.registry import REFERENCE, register
-from dsinfer.ops.topk import topk_indices
 
 
 def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """score [n, W] = sum_h head_weights[n, h] * ReLU(q[n, h] . key) / sqrt(d); keys [W, d] shared or [n, W, d]."""
-    spec = "shd,wd->shw" if keys.dim() == 2 else "shd,swd->shw"
-    per_head = F.relu(torch.einsum(spec, q, keys.float())) * q.shape[-1] ** -0.5
-    return (per_head * head_weights.unsqueeze(-1)).sum(dim=1)
+    return entry_scores(q, keys, head_weights)
 
 
 def select_visible_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``min(k, W)`` of ``scores`` [B, W] among the first ``visible`` [B] slots, in position order, and
     which of them are real (a row with fewer visible slots than k pads with masked ones after the real ones)."""
-    width = scores.shape[1]
-    seen = torch.arange(width, device=scores.device) < visible[:, None]
-    scores = scores.masked_fill(~seen, float("-inf"))
-    chosen = topk_indices(scores, min(k, width))
-    real = scores.gather(1, chosen) > float("-inf")
-    # Position order, as the per-sequence path reads them (the same sums in the same order).
-    order = torch.sort(torch.where(real, chosen, chosen + width), dim=1).indices
-    return chosen.gather(1, order), real.gather(1, order)
+    seen = torch.arange(scores.shape[1], device=scores.device) < visible[:, None]
+    return top_k_in_order(scores.masked_fill(~seen, float("-inf")), k)
 
 
 @register("indexer_topk_decode", REFERENCE)
-def indexer_topk_decode_reference(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-    k: int,
-    key_scales: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, nh, d] (rotated); head_weights [B, nh] float32; keys [blocks, per_block, d] (the indexer
-    compressor's entry pool: plain, or FP8 / FP4 codes with ``key_scales``, the forms of ``index_scores_paged``);
-    block_tables [B, max_blocks]; visible [B] entries each query may see."""
-    # every slot of every table: shapes never depend on values
-    gathered = decode_paged_keys(keys, key_scales, block_tables, q.shape[-1])
-    return select_visible_topk(indexer_scores(q.float(), head_weights.float(), gathered), visible, k)
+def indexer_topk_decode_reference(inputs: PagedIndexInputs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of every slot of each sequence's block table (shapes: :class:`PagedIndexInputs`; the keys are
+    the indexer compressor's entry pool), gathered whole so shapes never depend on values."""
+    return index_topk_reference(inputs.q, inputs.gathered_keys(), inputs.head_weights, inputs.visible, k)

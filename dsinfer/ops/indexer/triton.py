@@ -12,38 +12,19 @@ reads only the real ones. Scores agree with the reference's to float32 rounding 
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
+from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.index_scores_paged.triton import paged_scores_launch, serves
 from dsinfer.ops.index_select.triton import index_topk_decode_triton
 from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 from dsinfer.ops.registry import register
-
-try:
-    import triton
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
-logger = logging.getLogger(__name__)
+from dsinfer.ops.triton_support import launch_or_reference, triton_available
 
 
-def indexer_triton_available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def indexer_scores_launch(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-    key_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
+def indexer_scores_launch(inputs: PagedIndexInputs) -> torch.Tensor:
     """Scores [B, max_blocks * per_block] float32, -inf past each sequence's ``visible`` entries (no fallback)."""
-    return paged_scores_launch(q, head_weights, keys, key_scales, block_tables, visible)
+    return paged_scores_launch(inputs)
 
 
 _COMPILED: set[tuple] = set()
@@ -61,35 +42,21 @@ def choose_visible(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     "indexer_topk_decode",
     "triton",
     devices=("cuda",),
-    available=indexer_triton_available,
+    available=triton_available,
     priority=10,
 )
-def indexer_topk_decode_triton(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    keys: torch.Tensor,
-    block_tables: torch.Tensor,
-    visible: torch.Tensor,
-    k: int,
-    key_scales: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_topk_decode_triton(inputs: PagedIndexInputs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the reference; a kernel that fails to compile here (warned once) leaves it the work."""
-    args = (q, head_weights, keys, block_tables, visible, k, key_scales)
+    q, keys, key_scales = inputs.q, inputs.keys, inputs.key_scales
     if not serves(q, keys, key_scales):
-        return indexer_topk_decode_reference(*args)
-    setting = (q.device, q.dtype, q.shape[1:], keys.dtype, keys.shape[1:], block_tables.shape,
+        return indexer_topk_decode_reference(inputs, k)
+    setting = (q.device, q.dtype, q.shape[1:], keys.dtype, keys.shape[1:], inputs.block_tables.shape,
                None if key_scales is None else (key_scales.dtype, key_scales.shape[-1]))  # fmt: skip
-    if setting in _FAILED:
-        return indexer_topk_decode_reference(*args)
-    if setting in _COMPILED:
-        return choose_visible(indexer_scores_launch(q, head_weights, keys, block_tables, visible, key_scales), k)
-    try:
-        scores = indexer_scores_launch(q, head_weights, keys, block_tables, visible, key_scales)
-    except Exception as error:  # a compile failure (Triton version, resources): degrade, never crash
-        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise
-        logger.warning("indexer_topk_decode: Triton kernel failed (%s); using the torch reference", error)
-        _FAILED.add(setting)
-        return indexer_topk_decode_reference(*args)
-    _COMPILED.add(setting)
-    return choose_visible(scores, k)
+    return launch_or_reference(
+        "indexer_topk_decode",
+        setting,
+        lambda: choose_visible(indexer_scores_launch(inputs), k),
+        lambda: indexer_topk_decode_reference(inputs, k),
+        _FAILED,
+        _COMPILED,
+    )
