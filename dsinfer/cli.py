@@ -19,6 +19,7 @@ from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.plan_cli import add_plan_parser, run_plan
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sliced.add_argument("directory", type=Path)
     sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
+    add_plan_parser(commands)
     return parser
 
 
@@ -410,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": run_eval,
         "make-tiny": run_make_tiny,
         "make-slice": run_make_slice,
+        "plan": run_plan,
     }
     try:
         return handlers[args.command](args)
