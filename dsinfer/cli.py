@@ -19,7 +19,7 @@ from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
-from dsinfer.plan_cli import add_plan_parser, run_plan
+from dsinfer.plan_cli import add_expert_offload, add_plan_parser, run_plan
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_v41_prefill(serve)
     add_speculative_config(serve)
     add_load_format(serve)
+    add_expert_offload(serve)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="one rank: step the engine in the server's process (a thread there) instead of an "
                        "engine process of its own; the server's HTTP work then shares the Python lock with the "
@@ -360,6 +361,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         speculative_config=args.speculative_config,
         v41_prefill=args.v41_prefill, v41_replay_tokens=args.v41_replay_tokens,
+        expert_offload=args.expert_offload, expert_stats=args.expert_stats,
     )  # fmt: skip
     return serve(options, engine)
 

@@ -37,6 +37,16 @@ def expert_offload_value(text: str) -> str | float:
     return value
 
 
+def add_expert_offload(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s ``--expert-offload`` and ``--expert-stats`` (:mod:`dsinfer.offload`)."""
+    parser.add_argument("--expert-offload", type=expert_offload_value, default=None,
+                        help="'auto' or a GPU budget in GiB for routed experts; the rest stay in host memory and are "
+                        "fetched on use (default: off)")  # fmt: skip
+    parser.add_argument("--expert-stats", default=None, metavar="PATH",
+                        help="per-layer routing counts that choose the resident experts, read at start and written "
+                        "as traffic is served (default: an even split, not kept)")  # fmt: skip
+
+
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``dsinfer plan`` on the command line's sub-commands."""
     plan = commands.add_parser("plan", help="what goes where on the GPUs and in host memory, before loading")
