@@ -44,12 +44,12 @@ from dsinfer.kv.sequence_bytes import (
     v41_kind_bytes,
     v41_storages,
 )
+from dsinfer.offload.budget import FETCH_BUFFERS, ExpertSplit, largest_split
 
 GIB = 2**30
 MIB = 2**20
 # Memory each GPU reports (nvidia-smi's total, MiB): what ``--gpu-memory h100`` / ``h200`` stand for.
 GPU_PRESETS = {"h100": 81559 * MIB, "h200": 143771 * MIB}
-FETCH_BUFFERS = 2  # one layer's misses land while the layer before computes
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 FP8_SCALE_CHANNELS = 32  # channels per ue8m0 scale of an Engram row (the store's record)
 
@@ -228,42 +228,12 @@ def engram_placement(request: PlanRequest, weights: WeightBytes) -> str | None:
     return "host" if weights.engram_store > request.gpu_memory // 4 else "device"
 
 
-@dataclass(frozen=True)
-class ExpertSplit:
-    """Routed experts of one rank: how many of each layer's stay on the GPU, and the fetch pool for the rest."""
-
-    per_layer: int  # the rank's experts per layer
-    resident: int  # of them, on the GPU per layer
-    layers: int
-    expert: int  # bytes of one expert
-
-    @property
-    def offloaded(self) -> int:
-        return self.per_layer - self.resident
-
-    @property
-    def fetch_slots(self) -> int:
-        return FETCH_BUFFERS * self.offloaded if self.offloaded else 0
-
-    @property
-    def gpu_bytes(self) -> int:
-        return (self.layers * self.resident + self.fetch_slots) * self.expert
-
-    @property
-    def host_bytes(self) -> int:
-        """The host store keeps every expert of the rank (a re-balance promotes any of them)."""
-        return self.layers * self.per_layer * self.expert if self.offloaded else 0
-
-
 def split_experts(weights: WeightBytes, ranks: int, budget: int | None) -> ExpertSplit | None:
-    """The most experts per layer that fit ``budget`` bytes with their fetch pool (None: nothing fits); no budget:
-    all of them."""
+    """One rank's split of the routed experts under ``budget`` bytes (None: all resident)."""
     per_layer = math.ceil(weights.experts_per_layer / ranks)
-    for resident in range(per_layer, -1, -1):
-        split = ExpertSplit(per_layer, resident, weights.moe_layers, weights.expert)
-        if budget is None or split.gpu_bytes <= budget:
-            return split
-    return None
+    if budget is None:
+        return ExpertSplit(per_layer, per_layer, weights.moe_layers, weights.expert)
+    return largest_split(per_layer, weights.moe_layers, weights.expert, budget)
 
 
 @dataclass(frozen=True)

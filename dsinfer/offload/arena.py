@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.offload.budget import FETCH_BUFFERS
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 
-FETCH_BUFFERS = 2  # the layer about to run fetches into one while the one before computes from the other
 _PARTS = ("w13", "w13_scale", "w2", "w2_scale")
 
 

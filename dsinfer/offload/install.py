@@ -17,7 +17,8 @@ import torch
 
 from dsinfer.config import ConfigError
 from dsinfer.layers.moe import MoE
-from dsinfer.offload.arena import FETCH_BUFFERS, ExpertArena, LayerResidency
+from dsinfer.offload.arena import ExpertArena, LayerResidency
+from dsinfer.offload.budget import FETCH_BUFFERS, largest_split
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 
@@ -59,11 +60,9 @@ class ExpertOffload:
 
 def resident_for_budget(budget_gib: float, layers: int, experts: int, expert_bytes: int) -> int:
     """The most resident experts per layer that fit ``budget_gib`` with the fetch buffers (the plan's rule)."""
-    budget = int(budget_gib * GIB)
-    for resident in range(experts, -1, -1):
-        pool = FETCH_BUFFERS * (experts - resident) if resident < experts else 0
-        if (layers * resident + pool) * expert_bytes <= budget:
-            return resident
+    split = largest_split(experts, layers, expert_bytes, int(budget_gib * GIB))
+    if split is not None:
+        return split.resident
     raise ConfigError(f"--expert-offload {budget_gib:g} GiB cannot hold even the fetch buffers "
                       f"({FETCH_BUFFERS} x {experts} experts of {expert_bytes} bytes); raise it")  # fmt: skip
 
