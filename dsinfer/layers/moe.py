@@ -139,6 +139,8 @@ class MoE(nn.Module):
         # Expert parallelism (dsinfer.parallel.ep.ExpertParallel): the routed part goes through its dispatch
         # and combine, and this layer holds only the rank's experts. None: every expert is here.
         self.expert_parallel = None
+        # Experts offloaded to host memory (dsinfer.offload.LayerResidency): the slot of each expert. None: resident.
+        self.expert_residency = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, input_ids)))
@@ -196,6 +198,9 @@ class MoE(nn.Module):
             self.ops = resolve(x.device, x.dtype)
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, experts, weights)
+        if self.expert_residency is not None:
+            arena, slots = self.expert_residency.stage(experts)
+            return self.ops.routed_moe(x, arena, experts, weights, self.swiglu_limit, slot_of_expert=slots)
         return self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
 
 

@@ -273,6 +273,7 @@ def load_model(
     engram_placement: str | None = None,
     fp8_linears: str | None = None,
     owned_experts=None,
+    expert_device: str | torch.device | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards.
 
@@ -287,6 +288,9 @@ def load_model(
 
     ``owned_experts(moe_path)`` (an EP rank, :func:`dsinfer.parallel.ep.backbone_expert_filter`): the routed
     experts of that layer to load, in stacking order, or None for all; the rest are never read.
+
+    ``expert_device``: where the stacked routed experts go (None: ``device``); ``"cpu"`` keeps them in host memory
+    for :func:`dsinfer.offload.install_expert_offload`, read from the shards without passing through the GPU.
     """
     directory = Path(path)
     try:
@@ -357,7 +361,7 @@ def load_model(
             param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
     fp8.install(model, device)
     try:
-        experts.pack_into(model, device)
+        experts.pack_into(model, device if expert_device is None else expert_device)
     except ExpertPackingError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
     model.rope = RopeTables(config).to(device)

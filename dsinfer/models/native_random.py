@@ -59,6 +59,7 @@ def build_native_model(
     with_mtp: bool = False,
     fp8_linears: str = "dequantize",
     engram_tables: bool = True,
+    expert_device: torch.device | str | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert.
 
@@ -66,7 +67,9 @@ def build_native_model(
     ``fp8_linears="keep"`` keeps the linears the release stores as FP8 as codes and scales (``Fp8Linear``), as the
     loader's ``keep`` policy does; ``dequantize`` (default) leaves them in ``dtype``, as served on Hopper.
     ``engram_tables=False`` builds a V4.1 model without its Engram tables (they live outside it, as the host
-    placement keeps them; attach a fetcher), so a large table is never allocated on ``device``."""
+    placement keeps them; attach a fetcher), so a large table is never allocated on ``device``.
+    ``expert_device``: where the routed experts are drawn (None: ``device``; ``"cpu"``: host memory, for expert
+    offload)."""
     if fp8_linears not in FP8_LINEAR_POLICIES:
         raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {fp8_linears!r}")
     v41 = isinstance(config, ModelConfigV41)
@@ -86,11 +89,13 @@ def build_native_model(
     for name, param in model.state_dict(keep_vars=True).items():
         param.data = param.data.to(parameter_dtype(name, param, dtype))
     randomize_v41_(model, seed) if v41 else randomize_(model, seed)
-    generator = torch.Generator(device=device).manual_seed(seed + 7)
+    expert_device = device if expert_device is None else expert_device
+    generator = torch.Generator(device=expert_device).manual_seed(seed + 7)
     for moe in moes:
         shared = moe.shared_experts
         hidden = shared.w1.weight.shape[1] if shared is not None else config.hidden_size
-        moe.pack(random_fp4_experts(moe.n_experts, hidden, config.moe_intermediate_size, device, generator))
+        inter = config.moe_intermediate_size
+        moe.pack(random_fp4_experts(moe.n_experts, hidden, inter, expert_device, generator))
     if fp8_linears == "keep":  # the release's formats (a config without a quantization block takes the release's)
         storage = storage_format_v41 if v41 else storage_format
         stored = config if config.quantization is not None else replace(config, quantization=QuantizationConfig())
