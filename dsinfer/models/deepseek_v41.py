@@ -37,6 +37,7 @@ from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
 from dsinfer.layers.csa2 import AttentionV41
+from dsinfer.layers.csa2_state import PublishedState
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
@@ -84,9 +85,7 @@ class ForwardContext:
     batch: PackedBatch
     rope: RopeTables
     quantizer: ActivationQuantizer
-    # What KV / index sources publish to later layers: one dict per sequence, or in a decode step one dict for
-    # the whole batch (each tensor one row per sequence).
-    shared: list[dict]
+    published: PublishedState  # what KV / index sources publish to later layers
     engram_rows: torch.Tensor | None = None  # [T, engram layers, columns] row ids
     engram_reads: EngramReads | None = None  # the forward's fetched rows, shared by sliced contexts
     engram_tokens: torch.Tensor | None = None  # which tokens of the forward this context holds; None: all
@@ -103,7 +102,7 @@ class ForwardContext:
         return replace(
             self,
             batch=batch,
-            shared=[{} for _ in batch.spans],
+            published=PublishedState.per_sequence(batch),
             engram_rows=take(self.engram_rows),
             engram_tokens=rows if self.engram_tokens is None else self.engram_tokens[rows],
             gate_mask=take(self.gate_mask),
@@ -145,7 +144,7 @@ class BlockV41(HyperConnectedBlock):
         # layer's attention ``pre``, and the MoE site's ``pre`` goes on to the next layer.
         attention = self.attn
         streams, attn_pre = self.run_site(
-            streams, "attn", pre_mix, lambda x: attention(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
+            streams, "attn", pre_mix, lambda x: attention(x, ctx.batch, inv_freq, ctx.published, ctx.quantizer)
         )
         return self.run_site(streams, "ffn", attn_pre, lambda x: self.ffn(x, ctx.image_mask))
 
@@ -154,7 +153,7 @@ class BlockV41(HyperConnectedBlock):
         streams = self.with_engram(streams, ctx, keep_rows=True)  # the replay runs this layer again
         x = self.attn_norm(collapse_streams(streams, pre_mix, self.ops))
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
-        self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
+        self.attn(x, ctx.batch, inv_freq, ctx.published, ctx.quantizer, compressor_only=True)
 
 
 class DeepseekV41(DeepseekModel):
@@ -349,11 +348,7 @@ class DeepseekV41(DeepseekModel):
         positions)."""
         self.ensure_cache(batch)
         batch.rope_angle_memo.clear()
-        if batch.fixed_width is not None:  # a verify step's attention runs column by column: one dict per column
-            shared = [{} for _ in range(batch.fixed_width.width)]
-        else:
-            shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
-        ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
+        ctx = ForwardContext(batch, self.rope, self.quantizer, PublishedState.for_batch(batch))
         image_id = self.config.image_token_id
         if image_id is not None:
             ctx.image_mask = batch.input_ids == image_id
