@@ -54,7 +54,6 @@ from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.index_select import candidate_block_mask_reference
-from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
 from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs
@@ -136,7 +135,7 @@ class IndexerV41(IndexScorer):
         keys, key_scales, tables = paged_keys
         rotation = self._query_rotation(quantizer, positions)
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotation, angles, projected)
-        ops = self._ops(x)
+        ops = self.ops
         visible = state.visible.get(self.ratio)  # entries each query sees: once per step and ratio
         if visible is None:
             visible = state.visible[self.ratio] = visible_entries(positions, self.ratio)
@@ -162,15 +161,12 @@ class IndexerV41(IndexScorer):
         """The candidate source records its blocks in ``state`` (and is not limited by them); later index sources
         get the recorded mask; None: no limit."""
         if self.is_candidate_source:
-            state.candidates = self._ops(x).candidate_block_mask(
+            state.candidates = self.ops.candidate_block_mask(
                 scores, visible, self.candidate_topk_blocks, self.candidate_block_size
             )
         elif self.uses_candidates:
             return state.candidates
         return None
-
-    def _ops(self, x: torch.Tensor):
-        return self.ops if self.ops is not None else resolve(x.device, x.dtype)
 
 
 class AttentionV41(Attention):
@@ -345,7 +341,7 @@ class AttentionV41(Attention):
         ring, slots = window_view(cache, self.layer_id, spans, batch.spans, self.window)
         rows = spans.token_rows
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
-        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+        ops = self.ops
         out = ops.sparse_attention_prefill(
             SparsePrefillInputs(
                 q, kv, batch.positions, sequence_rows, spans.starts, slots, spans.window_from, ring, self.window,
@@ -449,7 +445,7 @@ class AttentionV41(Attention):
                     x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer, angles, projected
                 )
             indices, entries_layer = state.indices, state.entries_layer
-        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+        ops = self.ops
         return cache.attend_decode(
             ops, self.layer_id, entries_layer, q, batch.positions, spans, indices, self.attn_sink, self.softmax_scale
         )

@@ -41,6 +41,7 @@ from dsinfer.layers.csa2_state import PublishedState
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.models.ced import skips_decoder, split_at_decoder
 from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
@@ -48,7 +49,7 @@ from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rin
 from dsinfer.models.served import CachePlan
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.registry import OpTable
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +160,15 @@ class BlockV41(HyperConnectedBlock):
 class DeepseekV41(DeepseekModel):
     ranks_replay_graphs = False  # a sharded Engram exchange reads sizes on the host
 
-    def __init__(self, config: ModelConfigV41, with_mtp: bool = True) -> None:
+    def __init__(self, config: ModelConfigV41, with_mtp: bool = True, ops: OpTable | None = None) -> None:
+        """``ops``: the op table resolved for the device and dtype the model will run on (the loaders pass
+        ``resolve(device, dtype)``); None: every op's torch reference."""
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(BlockV41(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ops: OpTable | None = None  # bound by use_ops (the last collapse); None: the torch references
         self.rope = RopeTables(config)
         stages = config.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
@@ -178,6 +180,8 @@ class DeepseekV41(DeepseekModel):
         self.prefill_mode = "exact"
         self.replay_tokens = DEFAULT_REPLAY_TOKENS
         self._first_mix_rows: torch.Tensor | None = None  # see _first_mix
+        self.ops: OpTable = ops if ops is not None else reference_ops()  # the last collapse
+        self.use_ops(self.ops)  # every layer
 
     # ---- settings ----------------------------------------------------------------------------------
     def attach_engram_hasher(self, hasher: EngramHasher) -> DeepseekV41:
@@ -370,8 +374,7 @@ class DeepseekV41(DeepseekModel):
         # here: the engine checks prompts where they enter, against the hasher's vocabulary too.
         history, spans = batch.cache.engram_history, batch.device_spans
         if batch.is_decode:  # one token per sequence: one op, which advances the histories in place
-            ops = resolve(batch.input_ids.device, self.embed.weight.dtype)
-            return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, ops)
+            return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, self.ops)
         fresh = (spans.starts == 0)[:, None]
         contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
         rows, next_contexts = self.engram_hasher.prefill_step(

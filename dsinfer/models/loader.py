@@ -299,8 +299,9 @@ def load_model(
     stored = _scan_shards(shard_files(directory))
     has_mtp = any(strip_model_prefix(k).startswith("mtp.") for k in stored)
     model_class = DeepseekV41 if isinstance(config, ModelConfigV41) else DeepseekV4
+    ops = resolve(device, dtype)  # once, for the device and dtype the model runs on
     with torch.device("meta"):
-        model = model_class(config, with_mtp=has_mtp)
+        model = model_class(config, with_mtp=has_mtp, ops=ops)
     plan = _plan(model, stored)
     if placement in TABLES_OUTSIDE_MODEL:  # read into shared memory below, never into the model
         model.drop_engram_tables()
@@ -361,7 +362,6 @@ def load_model(
     except ExpertPackingError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
     model.rope = RopeTables(config).to(device)
-    model.use_ops(resolve(device, dtype))
     model.join_projections()
     if has_engram:
         model.attach_engram_hasher(engram_hasher_for(directory, config))
