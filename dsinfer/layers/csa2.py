@@ -119,22 +119,21 @@ class IndexerV41(IndexScorer):
         q_latent: torch.Tensor,
         positions: torch.Tensor,
         paged_keys: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-        inv_freq: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor],
         state: DecodeState,
         quantizer: ActivationQuantizer,
-        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1.
 
         ``paged_keys`` is the source's key pool, its scales (coded storage) and the step's block tables: the
         scores read the keys in place (``index_scores_paged``), one selection op chooses (``index_topk_decode``),
-        with the candidate blocks as its ``allowed`` mask. ``angles``: the positions' cos and sin, when the caller
-        has them (else computed here); ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
+        with the candidate blocks as its ``allowed`` mask. ``angles``: the positions' cos and sin (the step's);
+        ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
         (see :meth:`queries`). ``state`` (the step's) also keeps how many entries each query sees, per ratio."""
         keys, key_scales, tables = paged_keys
         rotation = self._query_rotation(quantizer, positions)
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotation, angles, projected)
+        q, head_weights = self.queries(x, q_latent, positions, None, rotation, angles, projected)
         ops = self.ops
         visible = state.visible.get(self.ratio)  # entries each query sees: once per step and ratio
         if visible is None:
@@ -442,12 +441,11 @@ class AttentionV41(Attention):
                 paged_keys = (*cache.index_key_pool(state.entries_layer), spans.block_tables)
                 angles = step_rope_angles(batch, inv_freq, ops=self.ops)
                 state.indices = self.indexer.decode_choice(
-                    x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer, angles, projected
+                    x, q_latent, batch.positions, paged_keys, angles, state, quantizer, projected
                 )
             indices, entries_layer = state.indices, state.entries_layer
-        ops = self.ops
         return cache.attend_decode(
-            ops, self.layer_id, entries_layer, q, batch.positions, spans, indices, self.attn_sink, self.softmax_scale
+            self.ops, self.layer_id, entries_layer, q, batch, indices, self.attn_sink, self.softmax_scale
         )
 
     def _write_decode_entries(

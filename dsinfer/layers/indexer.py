@@ -81,7 +81,7 @@ class IndexScorer(nn.Module):
         x: torch.Tensor,
         q_latent: torch.Tensor,
         positions: torch.Tensor,
-        inv_freq: torch.Tensor,
+        inv_freq: torch.Tensor | None,
         rotate_queries: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
@@ -89,7 +89,7 @@ class IndexScorer(nn.Module):
         """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H].
 
         ``rotate_queries(q, cos, sin)``: V4.1's RoPE and rounding of the projected queries (None: the RoPE alone).
-        ``angles``: the positions' cos and sin when the caller has them already (else computed here).
+        ``angles``: the positions' cos and sin when the caller has them already (else computed from ``inv_freq``).
         ``projected``: outputs of the caller's joined GEMMs, ``index_q`` (``wq_b(q_latent)``) and ``index_weights``
         (``weights_proj(x)``); those present stand in for this scorer's own."""
         projected = projected or {}

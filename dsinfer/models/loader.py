@@ -306,13 +306,37 @@ def load_model(
     if placement in TABLES_OUTSIDE_MODEL:  # read into shared memory below, never into the model
         model.drop_engram_tables()
         plan = {name: keys for name, keys in plan.items() if not _ENGRAM_TABLE.search(name)}
+    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
+    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
+    values = _read_checkpoint(directory, model, plan, stored, experts, fp8, dtype, progress)
+    _fill(model, values, experts, fp8, device, dtype, directory)
+    model.rope = RopeTables(config).to(device)
+    model.join_projections()
+    if has_engram:
+        model.attach_engram_hasher(engram_hasher_for(directory, config))
+        if placement in TABLES_OUTSIDE_MODEL:
+            model.attach_engram_fetcher(open_engram_tables(directory, config, placement, device=device, dtype=dtype))
+    return model.requires_grad_(False).eval()
+
+
+def _read_checkpoint(
+    directory: Path,
+    model: DeepseekV4 | DeepseekV41,
+    plan: dict[str, list[str]],
+    stored: dict[str, _Stored],
+    experts: ExpertCollector,
+    fp8: Fp8LinearCollector,
+    dtype: torch.dtype,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Read every planned tensor once: routed experts go to ``experts``, kept FP8 linears to ``fp8``, the rest come
+    back by name (zeros for the optional tensors the checkpoint lacks). Raises naming the tensors missing."""
+    config = model.config
     targets = model.state_dict()
     reader = _ShardReader()
     values: dict[str, torch.Tensor] = {}
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
-    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
-    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
@@ -348,7 +372,21 @@ def load_model(
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
-    experts.drop_modules(model)  # before the model gets memory: no dequantised copy of the experts, ever
+    return values
+
+
+def _fill(
+    model: DeepseekV4 | DeepseekV41,
+    values: dict[str, torch.Tensor],
+    experts: ExpertCollector,
+    fp8: Fp8LinearCollector,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    directory: Path,
+) -> None:
+    """Give the meta-device model memory on ``device`` and the read tensors: no dequantised copy of the routed
+    experts or kept FP8 linears is ever made (their modules go before the model gets memory)."""
+    experts.drop_modules(model)
     fp8.drop_modules(model)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -361,13 +399,6 @@ def load_model(
         experts.pack_into(model, device)
     except ExpertPackingError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
-    model.rope = RopeTables(config).to(device)
-    model.join_projections()
-    if has_engram:
-        model.attach_engram_hasher(engram_hasher_for(directory, config))
-        if placement in TABLES_OUTSIDE_MODEL:
-            model.attach_engram_fetcher(open_engram_tables(directory, config, placement, device=device, dtype=dtype))
-    return model.requires_grad_(False).eval()
 
 
 def engram_hasher_for(directory: Path, config: ModelConfigV41) -> EngramHasher:
