@@ -75,9 +75,10 @@ def build_native_model(
     v41 = isinstance(config, ModelConfigV41)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    ops = resolve(device, dtype)  # once, for the device and dtype the model runs on
     try:
         with torch.device("meta"):
-            model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=with_mtp)
+            model = DeepseekV41(config, ops=ops) if v41 else DeepseekV4(config, with_mtp=with_mtp, ops=ops)
     finally:
         torch.set_default_dtype(previous)
     if v41 and not engram_tables:
@@ -102,6 +103,5 @@ def build_native_model(
         block = stored.quantization.weight_block_size
         keep_as_fp8_(model, lambda name: storage(name, stored) == "fp8", block, dtype)
     model.rope = RopeTables(config).to(device)
-    model.use_ops(resolve(device, dtype))
     model.join_projections()
     return model.requires_grad_(False).eval()
