@@ -44,7 +44,7 @@ from dsinfer.kv.sequence_bytes import (
     v41_kind_bytes,
     v41_storages,
 )
-from dsinfer.offload.budget import FETCH_BUFFERS, ExpertSplit, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, ExpertSplit, largest_split
 
 GIB = 2**30
 MIB = 2**20

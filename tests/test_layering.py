@@ -17,11 +17,12 @@ import dsinfer
 FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"cli", "chat_cli", "__main__"}),
     frozenset({"bench", "eval", "training"}),
-    frozenset({"server", "llm", "offline_chat"}),
+    frozenset({"server", "llm", "offline_chat", "plan_cli"}),
     frozenset({"parallel"}),
     frozenset({"engine"}),
     frozenset({"speculative"}),
     frozenset({"sampling"}),
+    frozenset({"offload", "memory_plan"}),
     frozenset({"models"}),
     frozenset({"layers"}),
     frozenset({"kv"}),

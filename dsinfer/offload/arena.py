@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.offload.budget import FETCH_BUFFERS
+from dsinfer.config.expert_split import FETCH_BUFFERS
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 

@@ -18,7 +18,7 @@ import torch
 from dsinfer.config import ConfigError
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena, LayerResidency
-from dsinfer.offload.budget import FETCH_BUFFERS, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 
