@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41, QuantizationConfig
 from dsinfer.config.engine import check_expert_offload
+from dsinfer.config.expert_split import FETCH_BUFFERS, ExpertSplit, largest_split
 from dsinfer.config.tensor_shapes import TensorShape, model_tensors
 from dsinfer.kv.cache_v4 import block_tokens_for
 from dsinfer.kv.cache_v41 import block_tokens_for_v41
@@ -44,7 +45,6 @@ from dsinfer.kv.sequence_bytes import (
     v41_kind_bytes,
     v41_storages,
 )
-from dsinfer.config.expert_split import FETCH_BUFFERS, ExpertSplit, largest_split
 
 GIB = 2**30
 MIB = 2**20
@@ -204,7 +204,7 @@ def weight_bytes(request: PlanRequest) -> WeightBytes:
 def cache_kinds(request: PlanRequest) -> tuple[list[KindBytes], str]:
     """One sequence's cache at the request's context, per layer kind, and the storage's name."""
     config, tokens = request.config, request.context
-    if isinstance(config, ModelConfigV41):
+    if config.family == "v41":
         storages, engine_default = v41_storages(), "fp8"  # the release's trained-in rounding: codes and scales
         block = block_tokens_for_v41(config, request.block_tokens)
         name = engine_default if request.kv_cache_dtype == "auto" else request.kv_cache_dtype

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from dsinfer.config import ConfigError
+from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena, LayerResidency
-from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 
