@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.arg_types import positive_int
+from dsinfer.arg_types import non_negative_number, positive_int
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config.engine import V41_PREFILL_MODES
 from dsinfer.cpu_threads import apply_cpu_threads
@@ -268,14 +268,8 @@ def engine_config(args: argparse.Namespace, **command_fields) -> EngineConfig:
 
 
 def non_negative_float(text: str) -> float:
-    """A finite number >= 0 (seconds); anything else is an argparse error naming the value."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    """A finite number of seconds >= 0; anything else is an argparse error naming the value."""
+    return non_negative_number(text, "seconds")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from dsinfer.arg_types import positive_int
+from dsinfer.arg_types import non_negative_number, positive_int
 from dsinfer.config import ConfigError, EngineConfig, ModelConfig
 from dsinfer.memory_plan import (
     GIB,
@@ -28,13 +28,7 @@ def expert_offload_value(text: str) -> str | float:
     """``--expert-offload``: ``auto`` or a GPU budget for routed experts in GiB (>= 0)."""
     if text.strip().lower() == "auto":
         return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of GiB, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a GiB budget >= 0, got {text}")
-    return value
+    return non_negative_number(text, "GiB")
 
 
 def add_expert_offload(parser: argparse.ArgumentParser) -> None:

@@ -289,9 +289,9 @@ def test_v41_arch_needs_a_v41_shape(tmp_path, capsys):
 # ---- the cache per layer kind, by hand -----------------------------------------------------------------------------
 def test_v4_cache_per_kind_by_hand():
     """V4-Flash widths (head 512, indexer keys 128, window 128), 1,000 tokens in 128-token blocks: 1,024 positions."""
-    from dsinfer.bench.cache_budget import sequence_bytes, v4_kind_bytes, v4_storages
     from dsinfer.bench.shapes import flash_slice_config
     from dsinfer.kv.cache_v4 import KVCache
+    from dsinfer.kv.sequence_bytes import sequence_bytes, v4_kind_bytes, v4_storages
 
     config = flash_slice_config(3)  # window, CSA (ratio 4), HCA (ratio 128)
     storages = v4_storages()
@@ -314,9 +314,10 @@ def test_v4_cache_per_kind_by_hand():
 def test_v41_cache_per_kind_by_hand():
     """The 4-layer V4.1 slice (window + Engram, ratio-2 source, ratio-1 source, keyless index source), 1,000 tokens
     in 64-token blocks: 1,024 positions."""
-    from dsinfer.bench.cache_budget import refusal, sequence_bytes, v41_kind_bytes, v41_storages
+    from dsinfer.bench.cache_budget import refusal
     from dsinfer.bench.v41_slice import v41_slice_config
     from dsinfer.kv.cache_v41 import KVCacheV41
+    from dsinfer.kv.sequence_bytes import sequence_bytes, v41_kind_bytes, v41_storages
 
     config, storages = v41_slice_config(4, experts=8), v41_storages()
     bf16 = {kind.kind: kind.per_layer for kind in v41_kind_bytes(config, 1000, 64, storages["bf16"])}

@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.kv.sequence_bytes import (  # noqa: F401  (the sweep and its tests import the arithmetic from here)
-    KindBytes,
-    format_bytes,
-    sequence_bytes,
-    v4_kind_bytes,
-    v4_storages,
-    v41_kind_bytes,
-    v41_storages,
-)
+from dsinfer.kv.sequence_bytes import KindBytes, format_bytes, sequence_bytes
 
 CPU_CACHE_BYTES = 512 * 2**20  # the engine's cache on the CPU when no budget is given
 GPU_MEMORY_UTILIZATION = 0.9  # the engine's default share of the GPU

@@ -139,18 +139,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dsinfer.bench.cache_budget import (
-    cache_budget,
-    describe_kinds,
-    format_bytes,
-    sequence_bytes,
-    sequences_that_fit,
-)
+from dsinfer.bench.cache_budget import cache_budget, describe_kinds, sequences_that_fit
 from dsinfer.bench.published import comparison_lines
 from dsinfer.bench.sweep_model import Bench, build_bench, cache_kinds, check_fits_model
 from dsinfer.bench.sweep_options import dp_rank, parse_args, world_size
 from dsinfer.bench.sweep_points import PointSkipped, fill_budget, release_memory, run_point, warm_up
 from dsinfer.config import ConfigError
+from dsinfer.kv.sequence_bytes import format_bytes, sequence_bytes
 from dsinfer.models.loader import CheckpointError
 from dsinfer.tokenizer import TokenizerLoadError
 

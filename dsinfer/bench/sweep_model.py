@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from dsinfer.bench.cache_budget import KindBytes, v4_kind_bytes, v4_storages, v41_kind_bytes, v41_storages
 from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.bench.sweep_options import DTYPES
 from dsinfer.bench.v41_slice import attach_engram, engram_table_bytes, v41_slice_config, with_engram_gib
 from dsinfer.config import ModelConfig, ModelConfigV41
+from dsinfer.kv.sequence_bytes import KindBytes, v4_kind_bytes, v4_storages, v41_kind_bytes, v41_storages
 from dsinfer.tokenizer import Tokenizer
 
 DEFAULT_ENGRAM_GIB = 8.0  # --flash-layers --arch v41: host tables big enough that rows miss every cache

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsinfer.bench.cache_budget import cache_budget, refusal, sequence_bytes
+from dsinfer.bench.cache_budget import cache_budget, refusal
 from dsinfer.bench.published import record_estimate
 from dsinfer.bench.step_profile import profile_steps
 from dsinfer.bench.sweep_model import Bench, cache_kinds, decode_max_model_len, gpu_name
@@ -35,6 +35,7 @@ from dsinfer.bench.sweep_timing import (
 )
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.kv.sequence_bytes import sequence_bytes
 from dsinfer.sampling_params import SamplingParams
 
 
