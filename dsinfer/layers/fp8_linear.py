@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsinfer.ops.fp8_linear.reference import Fp8Weight
 from dsinfer.ops.quant import dequantize_fp8_blockwise
 from dsinfer.ops.registry import OpTable, resolve
 
@@ -41,7 +42,7 @@ class Fp8Linear(nn.Module):
         """``x @ W.T``; ``groups`` > 1: a grouped projection (``x`` [..., groups * in], see the op)."""
         if self.ops is None:
             self.ops = resolve(x.device, self.compute_dtype)
-        return self.ops.fp8_linear(x, self.codes, self.scale, self.block, self.compute_dtype, groups)
+        return self.ops.fp8_linear(x, Fp8Weight(self.codes, self.scale, self.block), self.compute_dtype, groups)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, fp8"
@@ -103,4 +104,4 @@ class Fp8Stack:
         if self.ops is None:
             self.ops = resolve(x.device, self.compute_dtype)
         codes, scale = self.rows(start, self.out_features if stop is None else stop)
-        return self.ops.fp8_linear(x, codes, scale, self.block, self.compute_dtype)
+        return self.ops.fp8_linear(x, Fp8Weight(codes, scale, self.block), self.compute_dtype)
