@@ -33,7 +33,7 @@ import torch
 from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.bench.step_profile import profiled_spans, timeline_summary
 from dsinfer.config import ModelConfig, QuantizationConfig
-from dsinfer.engine.decode_graphs import capture_graph
+from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
 from dsinfer.models.deepseek_v4 import DeepseekV4

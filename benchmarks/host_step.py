@@ -54,10 +54,10 @@ import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.host_copies import HostCopies
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.sampling.host_copies import HostCopies
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
@@ -86,7 +86,7 @@ def constant_forward(model_class: type, device_ms: float = 0.0, queued: bool = F
 
 class QueuedDevice:
     """A stand-in for a GPU's stream: work queued on it runs in order, each piece for its time, while the host
-    goes on; a read-back of results (:class:`~dsinfer.engine.host_copies.HostCopies`) waits, without the Python
+    goes on; a read-back of results (:class:`~dsinfer.sampling.host_copies.HostCopies`) waits, without the Python
     lock, until the work queued before it has run. So a step's launch costs the host only its own work, and
     the next step can launch while this one runs, as the engine's overlap does on CUDA."""
 

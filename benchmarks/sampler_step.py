@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dsinfer.engine.sampler import Sampler, make_sampling_state
-from dsinfer.engine.sampler_reference import sample_row_by_row
+from dsinfer.sampling.sampler import Sampler, make_sampling_state
+from dsinfer.sampling.sampler_reference import sample_row_by_row
 from dsinfer.sampling_params import SamplingParams
 
 VOCAB_SIZE = 129_280

@@ -44,7 +44,7 @@ from fast_path_checks import (  # noqa: E402
 )
 
 from dsinfer.bench.v41_slice import synthetic_hasher, v41_slice_config  # noqa: E402
-from dsinfer.engine.decode_graphs import capture_graph  # noqa: E402
+from dsinfer.graph_capture import capture_graph  # noqa: E402
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41  # noqa: E402
 from dsinfer.models.expert_packing import weight_bytes  # noqa: E402
 from dsinfer.models.native_random import build_native_model  # noqa: E402

@@ -21,6 +21,7 @@ from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.parallel.config import ParallelConfig
+from dsinfer.plan_cli import add_expert_offload, add_plan_parser, run_plan
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
@@ -110,6 +111,7 @@ def add_serve_command(commands, device: str) -> None:
                        "error event and [DONE]")  # fmt: skip
     add_image_limits(serve)
     add_engine_features(serve)
+    add_expert_offload(serve)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="one rank: step the engine in the server's process (a thread there) instead of an "
                        "engine process of its own; the server's HTTP work then shares the Python lock with the "
@@ -168,6 +170,7 @@ def add_tool_commands(commands) -> None:
     )  # fmt: skip
     sliced.add_argument("directory", type=Path)
     sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
+    add_plan_parser(commands)
 
 
 WITH_DEFAULTS = {"formatter_class": DefaultsHelpFormatter}
@@ -338,7 +341,12 @@ def run_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.engine_in_process and max(args.data_parallel_size, args.expert_parallel_size) > 1:
         raise ConfigError("--engine-in-process runs one rank; several ranks always run in processes of their own")
-    engine = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = engine_config(
+        args,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        expert_offload=args.expert_offload,
+        expert_stats=args.expert_stats,
+    )
     return serve(options, engine)
 
 
@@ -390,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": run_eval,
         "make-tiny": run_make_tiny,
         "make-slice": run_make_slice,
+        "plan": run_plan,
     }
     try:
         return handlers[args.command](args)

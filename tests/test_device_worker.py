@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsinfer.engine.device_worker import DeviceWorker
-from dsinfer.engine.sampler import PendingOutputs, Sampler, make_sampling_state
+from dsinfer.sampling.sampler import PendingOutputs, Sampler, make_sampling_state
 from dsinfer.sampling_params import SamplingParams
 
 

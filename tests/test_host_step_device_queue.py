@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsinfer.engine.host_copies import HostCopies, start_read_back
+from dsinfer.sampling.host_copies import HostCopies, start_read_back
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -17,8 +17,8 @@ from dsinfer.engine.output_processor import (
     request_output,
 )
 from dsinfer.engine.outputs import RequestMetrics
-from dsinfer.engine.sampler import make_sampling_state
 from dsinfer.engine.sequence import Sequence
+from dsinfer.sampling.sampler import make_sampling_state
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""Tests for SamplingParams validation and the batch-invariant sampler in dsinfer.engine.sampler."""
+"""Tests for SamplingParams validation and the batch-invariant sampler in dsinfer.sampling.sampler."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from dsinfer.engine.sampler import (
+from dsinfer.sampling.sampler import (
     Sampler,
     SamplingState,
     apply_penalties,
@@ -234,7 +234,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 def test_plain_greedy_rows_take_the_ops_argmax_of_the_raw_logits(monkeypatch):
     """Greedy rows nothing masks or penalises go straight to ``greedy_argmax`` on the raw (bf16) logits; one row
     with a penalty, a pending ``min_tokens`` or sampling sends the batch through the float32 path."""
-    import dsinfer.engine.sampler as sampler_module
+    import dsinfer.sampling.sampler as sampler_module
 
     seen = []
     real = sampler_module.resolve

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dsinfer.engine.sampler as sampler_module
-from dsinfer.engine import sampler_reference as reference
-from dsinfer.engine.sampler import Sampler, SamplingState, apply_penalties, make_sampling_state, suppress_stop_tokens
-from dsinfer.engine.token_counts import TokenCounts, count_tokens
+import dsinfer.sampling.sampler as sampler_module
+from dsinfer.sampling import sampler_reference as reference
+from dsinfer.sampling.sampler import Sampler, SamplingState, apply_penalties, make_sampling_state, suppress_stop_tokens
+from dsinfer.sampling.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

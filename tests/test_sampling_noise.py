@@ -1,4 +1,4 @@
-"""Tests for the counter-based noise in dsinfer.engine.sampling_noise: known answers, devices, statistics."""
+"""Tests for the counter-based noise in dsinfer.sampling.noise: known answers, devices, statistics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dsinfer.engine.sampling_noise import (
+from dsinfer.sampling.noise import (
     ACCEPT_STREAM,
     RACE_STREAM,
     as_int64,

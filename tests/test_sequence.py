@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dsinfer.engine.sampler import make_sampling_state
 from dsinfer.engine.sequence import Sequence
+from dsinfer.sampling.sampler import make_sampling_state
 from dsinfer.sampling_params import SamplingParams
 
 

@@ -17,10 +17,10 @@ from engine_harness import random_prompts
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.sampler import Sampler, make_sampling_state
 from dsinfer.layers.moe import MoE
 from dsinfer.models.loader import load_model
 from dsinfer.ops.moe.weights import ExpertWeights, dequantize_expert
+from dsinfer.sampling.sampler import Sampler, make_sampling_state
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.rejection import accept_argmax_drafts, rejection_sample
 from dsinfer.speculative.verify import judge_batched, speculative_output, verify_sequence

@@ -10,16 +10,16 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
-from dsinfer.engine.sampler import Sampler, SamplingState, make_sampling_state
-from dsinfer.engine.structured_output import (
+from dsinfer.kv.batch import PackedBatch
+from dsinfer.models.loader import load_model
+from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
+from dsinfer.sampling.sampler import Sampler, SamplingState, make_sampling_state
+from dsinfer.sampling.structured_output import (
     GrammarConstraint,
     GrammarViolation,
     StructuredOutputCompiler,
     apply_token_bitmask,
 )
-from dsinfer.kv.batch import PackedBatch
-from dsinfer.models.loader import load_model
-from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.sampling_params import SamplingParams, StructuredOutput
 from dsinfer.tokenizer import THINK_END_TOKEN, TOKENIZER_FILE, Tokenizer
 
@@ -282,7 +282,7 @@ def test_sampler_masks_constrained_rows_before_filtering_and_leaves_others_alone
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_grammar_masks_equal_each_row_masked_alone(tokenizer, compiler, device):
     """One bitmask for the batch: active, terminated, not yet started and unconstrained rows side by side."""
-    from dsinfer.engine.sampler import apply_constraints
+    from dsinfer.sampling.sampler import apply_constraints
 
     think_end = tokenizer.token_to_id(THINK_END_TOKEN)
     walking = compiler.make_constraint(StructuredOutput("json_schema", SCHEMA))

@@ -16,6 +16,13 @@ V41_PREFILL_MODES = ("bounded", "exact")
 """Where V4.1's Engram tables can live (``dsinfer.engram.fetch`` implements each)."""
 
 
+def check_expert_offload(value: object, field: str) -> None:
+    """None, ``auto`` or a GiB budget >= 0; anything else is one error naming ``field``."""
+    budget = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    if value is not None and value != "auto" and not budget:
+        raise ConfigError(f"{field}: expected 'auto' or a GiB budget >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: batch limits, cache budget, device. Validated on construction."""
@@ -52,6 +59,11 @@ class EngineConfig:
     # None: 'bounded' where the checkpoint has a CED decoder and no speculative decoding is on, else 'exact'.
     v41_prefill: str | None = None
     v41_replay_tokens: int = 140
+    # Routed experts beyond the GPU's room kept in host memory (dsinfer.offload): None (off), 'auto', or a GPU
+    # budget for routed experts in GiB; expert_stats: a JSON file of per-layer routing counts that chooses the
+    # resident experts, read at start and written as traffic is served (None: an even split, not kept).
+    expert_offload: str | float | None = None
+    expert_stats: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
@@ -99,6 +111,7 @@ class EngineConfig:
         replay = self.v41_replay_tokens
         if not isinstance(replay, int) or isinstance(replay, bool) or replay <= 0:
             raise ConfigError(f"engine option 'v41_replay_tokens': expected a positive integer, got {replay!r}")
+        check_expert_offload(self.expert_offload, "engine option 'expert_offload'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"engine option 'dtype': expected 'float32' or 'bfloat16', got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

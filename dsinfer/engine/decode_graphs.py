@@ -22,26 +22,10 @@ import math
 
 import torch
 
+from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_into_device
 
 logger = logging.getLogger(__name__)
-
-
-def capture_graph(forward, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Record ``forward()`` into a CUDA graph: two runs on a side stream first (compile the kernels, settle the
-    allocator outside the capture), then the capture in ``pool`` (None: a new one; pass ``graph.pool()`` of an
-    earlier graph to share memory between graphs that never run at once). Returns the graph and what the
-    captured call returned (tensors the replays overwrite)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = forward()
-    return graph, output
 
 
 def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 The engine thread hands over a step already turned into plain data (:meth:`ModelRunner.prepare`) with the
 sampling states of the sequences it samples, and gets a :class:`StepHandle` of their
-:class:`~dsinfer.engine.sampler.SampleOutput` list. One thread runs every step in submission order, so a
+:class:`~dsinfer.sampling.sampler.SampleOutput` list. One thread runs every step in submission order, so a
 step's cache writes always land before the next step reads; the engine thread meanwhile schedules the next
 step (torch releases the Python lock inside its kernels and device synchronisations).
 
@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from dsinfer.engine.sampler import PendingOutputs, SampleOutput, Sampler, SamplingState
+from dsinfer.sampling.sampler import PendingOutputs, SampleOutput, Sampler, SamplingState
 
 if TYPE_CHECKING:
     from dsinfer.engine.model_runner import ModelRunner, StepInput

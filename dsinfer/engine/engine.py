@@ -38,9 +38,9 @@ from dsinfer.engine.output_processor import (
 )
 from dsinfer.engine.outputs import RequestMetrics, RequestOutput
 from dsinfer.engine.request_check import RequestChecker
-from dsinfer.engine.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from dsinfer.engine.sequence import Sequence
+from dsinfer.sampling.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
 from dsinfer.speculative.support import check_speculative_support
@@ -134,7 +134,7 @@ class LLMEngine:
         if wanted is None:
             return None
         if self._grammar_compiler is None:
-            from dsinfer.engine.structured_output import StructuredOutputCompiler  # xgrammar imports slowly
+            from dsinfer.sampling.structured_output import StructuredOutputCompiler  # xgrammar imports slowly
 
             self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, vocab_size=self.model.config.vocab_size)
         return self._grammar_compiler.make_constraint(wanted, start_after_token=wanted.start_after_token)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dsinfer.engine.sampler import SamplingState
+from dsinfer.sampling.sampler import SamplingState
 
 if TYPE_CHECKING:
     from dsinfer.engine.output_processor import CompletionText

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from dsinfer.config import FP8_SCALE_BLOCK, ModelConfigV41
-from dsinfer.ops.engram_gate import EngramGateInputs, engram_gate_reference
-from dsinfer.ops.registry import OpTable
+from dsinfer.ops.engram_gate import EngramGateInputs
+from dsinfer.ops.registry import OpTable, reference_table
 
 # The float dtypes that hold every value of a table's stored dtype exactly (its rows convert without rounding).
 _HOLDS_EXACTLY = {
@@ -145,7 +145,7 @@ class Engram(nn.Module):
         )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the gate's torch reference
+        self.ops: OpTable = reference_table("cpu", torch.float32)  # the model binds its table when it is built
         # Inference: (what the product was computed from, the product) -- see gate_weight.
         self._gate_weight: tuple[tuple, torch.Tensor] | None = None
 
@@ -192,8 +192,7 @@ class Engram(nn.Module):
             rows = rows.to(dtype)
         key, value = self.wkv(rows).split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.unflatten(-1, (self.hc_mult, self.hidden_size))
-        gate = self.ops.engram_gate if self.ops is not None else engram_gate_reference
-        return gate(EngramGateInputs(streams, key, value, self.gate_weight(), gate_mask, self.eps))
+        return self.ops.engram_gate(EngramGateInputs(streams, key, value, self.gate_weight(), gate_mask, self.eps))
 
 
 def _identity(weight: torch.Tensor) -> tuple:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +39,12 @@ from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_
 from dsinfer.kv.compressor_state import CompressorTensors
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
-from dsinfer.ops.registry import resolve
+from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
+
+if TYPE_CHECKING:
+    from dsinfer.kv.batch import PackedBatch
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -258,12 +262,11 @@ class KVCacheV41:
 
     def attend_decode(
         self,
-        ops,
+        ops: OpTable,
         layer_id: int,
         entries_layer: int | None,
         q: torch.Tensor,
-        positions: torch.Tensor,
-        spans,
+        batch: PackedBatch,
         indices: torch.Tensor | None,
         sink: torch.Tensor,
         softmax_scale: float,
@@ -273,8 +276,9 @@ class KVCacheV41:
 
         Model-dtype storage runs V4's ``sparse_attention_decode`` on the ring and the entry pool; coded storage
         runs ``sparse_attention_decode_coded``, which decodes the FP8 ring rows and FP4 entries it reads. Both
-        take this step's row already written (:meth:`write_window`)."""
-        layer = self.layers[layer_id]
+        take this step's row already written (:meth:`write_window`); ``batch`` gives the step's positions and
+        device spans (slots, window starts, block tables)."""
+        layer, positions, spans = self.layers[layer_id], batch.positions, batch.device_spans
         source = None if entries_layer is None or indices is None else self._source(entries_layer)
         tables = spans.block_tables
         if not self.quantized_storage:

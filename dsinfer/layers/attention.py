@@ -28,10 +28,11 @@ from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.grouped_linear import grouped_linear
-from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.registry import OpTable
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
 from dsinfer.ops.sparse_attention.prefill_reference import (
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         # Inference (join_projections): the projections of the layer input, and of the low-rank query, stacked.
         self.joined_inputs: JoinedLinears | None = None
         self.joined_queries: JoinedLinears | None = None
@@ -261,7 +262,7 @@ class Attention(nn.Module):
         if isinstance(kv, RowChain):
             kv.store(*ring_rows)
         else:
-            ops = self.ops if self.ops is not None else resolve(x.device, kv.dtype)
+            ops = self.ops
             ops.cache_store(CacheStoreInputs(kv, *ring_rows))
         if self.compressor is not None:
             self.compressor.update_decode(x, batch, layer_cache.compressor, inv_freq, compressed)
@@ -279,7 +280,7 @@ class Attention(nn.Module):
         """Decode after the cache writes: the indexer's choice (CSA), the visible entries (HCA), the attention."""
         spans, positions = batch.device_spans, batch.positions
         ring = layer_cache.window
-        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
+        ops = self.ops
         entries, indices = None, None
         if self.compressor is not None:
             entries = layer_cache.compressor.entries
@@ -341,7 +342,7 @@ class Attention(nn.Module):
                 indices = torch.cat([F.pad(piece, (0, width - piece.shape[1]), value=-1) for piece in chosen])
         rows = spans.token_rows
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
-        ops = self.ops if self.ops is not None else resolve(x.device, q.dtype)
+        ops = self.ops
         out = ops.sparse_attention_prefill(
             SparsePrefillInputs(
                 q, kv, batch.positions, sequence_rows, spans.starts, spans.slots, spans.window_from, layer_cache.window,

@@ -21,13 +21,11 @@ from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.joined_linear import join_linears, joined_views
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.compressor import (
     CompressorDecodeInputs,
     CompressorStoreInputs,
-    compressor_decode_reference,
-    compressor_decode_store_reference,
-    compressor_pool_reference,
 )
 from dsinfer.ops.compressor import decode_entry_location as entry_location_on_device
 from dsinfer.ops.registry import OpTable
@@ -93,7 +91,7 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(hidden_size, width, bias=False) if ratio > 1 or slot_bias else None
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if slot_bias else None
         self.norm = RMSNorm(dim, norm_eps)
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         self.joined_projection: torch.Tensor | None = None  # inference: wkv and wgate stacked (join_projections)
         self._joined_fp32: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (stack, its version, fp32 copy)
 
@@ -220,7 +218,7 @@ class Compressor(nn.Module):
         if self.wgate is None:  # ratio 1: the token is its entry
             values = self.wkv(x) if projected is None else projected
             return self.norm(values), positions, None
-        decode = self.ops.compressor_decode if self.ops is not None else compressor_decode_reference
+        decode = self.ops.compressor_decode
         return decode(CompressorDecodeInputs(*self._decode_inputs(x, positions, spans, cache, projected), x.dtype))
 
     def update_decode(
@@ -238,7 +236,7 @@ class Compressor(nn.Module):
         of its columns: the op reads the row stride)."""
         positions, spans = batch.positions, batch.device_spans
         cos, sin = step_rope_angles(batch, inv_freq, self.ratio, self.ops)
-        store = self.ops.compressor_decode_store if self.ops is not None else compressor_decode_store_reference
+        store = self.ops.compressor_decode_store
         store(CompressorStoreInputs(
             *self._decode_inputs(x, positions, spans, cache, projected), x.dtype, cos, sin, cache.entries,
             spans.block_tables, batch.cache.trash_block,
@@ -270,7 +268,7 @@ class Compressor(nn.Module):
 
     def _pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Softmax(gate)-weighted sum over each window's slots [n, slots, dim], then RMSNorm (pre-RoPE entries)."""
-        pool = self.ops.compressor_pool if self.ops is not None else compressor_pool_reference
+        pool = self.ops.compressor_pool
         return pool(values, gates, self.norm.weight, self.norm.eps, dtype)
 
     def _overlapping_slots(

@@ -14,9 +14,10 @@ visible ones; the layers after them reuse that choice. The candidate source addi
 ``candidate_topk_blocks`` blocks of ``candidate_block_size`` entries (the newest block always) and every
 later index source chooses only inside those blocks.
 
-Within a forward, what a source publishes for the layers after it lives in one dict per sequence
-(``shared``); what outlives the forward (windows, unfinished groups, entries, keys) lives in the cache, read
-and written through its methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
+Within a forward, what a source publishes for the layers after it lives in a
+:class:`~dsinfer.layers.csa2_state.PublishedState` (per sequence, per decode step or per verify column); what
+outlives the forward (windows, unfinished groups, entries, keys) lives in the cache, read and written through its
+methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
 A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
 concatenates, which is a bug: see docs/model.md).
 
@@ -45,6 +46,7 @@ from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.layers.attention import Attention, decode_window_positions
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
+from dsinfer.layers.csa2_state import DecodeState, PrefillViews, PublishedState, SequenceState, SourceEntries
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
@@ -53,7 +55,6 @@ from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.index_scores_paged import PagedIndexInputs
 from dsinfer.ops.index_select import candidate_block_mask_reference
-from dsinfer.ops.registry import resolve
 from dsinfer.ops.rope_round import RowChain
 from dsinfer.ops.side_stream import beside
 from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs
@@ -103,7 +104,7 @@ class IndexerV41(IndexScorer):
         positions: torch.Tensor,
         keys: torch.Tensor,
         inv_freq: torch.Tensor,
-        state: dict,
+        state: SequenceState,
         quantizer: ActivationQuantizer,
     ) -> torch.Tensor:
         """Scores [n, W] (keys [W, d], or [n, W, d] per query) after the candidate-block level.
@@ -119,26 +120,25 @@ class IndexerV41(IndexScorer):
         q_latent: torch.Tensor,
         positions: torch.Tensor,
         paged_keys: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-        inv_freq: torch.Tensor,
-        state: dict,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        state: DecodeState,
         quantizer: ActivationQuantizer,
-        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step's choice [B, min(k, W)]: the entries chosen (ascending), then -1.
 
         ``paged_keys`` is the source's key pool, its scales (coded storage) and the step's block tables: the
         scores read the keys in place (``index_scores_paged``), one selection op chooses (``index_topk_decode``),
-        with the candidate blocks as its ``allowed`` mask. ``angles``: the positions' cos and sin, when the caller
-        has them (else computed here); ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
+        with the candidate blocks as its ``allowed`` mask. ``angles``: the positions' cos and sin (the step's);
+        ``projected``: the caller's joined GEMMs' ``index_q`` and ``index_weights``
         (see :meth:`queries`). ``state`` (the step's) also keeps how many entries each query sees, per ratio."""
         keys, key_scales, tables = paged_keys
         rotation = self._query_rotation(quantizer, positions)
-        q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotation, angles, projected)
-        ops = self._ops(x)
-        visible = state.get(("visible", self.ratio))  # entries each query sees: once per step and ratio
+        q, head_weights = self.queries(x, q_latent, positions, None, rotation, angles, projected)
+        ops = self.ops
+        visible = state.visible.get(self.ratio)  # entries each query sees: once per step and ratio
         if visible is None:
-            visible = state[("visible", self.ratio)] = visible_entries(positions, self.ratio)
+            visible = state.visible[self.ratio] = visible_entries(positions, self.ratio)
         scores = ops.index_scores_paged(PagedIndexInputs(q, head_weights, keys, key_scales, tables, visible))
         return ops.index_topk_decode(scores, self.topk, self._candidates(x, scores, visible, state))
 
@@ -150,24 +150,23 @@ class IndexerV41(IndexScorer):
 
         return rotate_queries
 
-    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: dict, quantizer):
+    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: SequenceState, quantizer):
         """The scores [n, W] and the candidate mask that limits them (None: no limit)."""
         scores = self.scores(x, q_latent, positions, keys, inv_freq, self._query_rotation(quantizer, positions))
         return scores, self._candidates(x, scores, visible_entries(positions, self.ratio), state)
 
-    def _candidates(self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: dict):
+    def _candidates(
+        self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: SequenceState | DecodeState
+    ) -> torch.Tensor | None:
         """The candidate source records its blocks in ``state`` (and is not limited by them); later index sources
         get the recorded mask; None: no limit."""
         if self.is_candidate_source:
-            state["candidates"] = self._ops(x).candidate_block_mask(
+            state.candidates = self.ops.candidate_block_mask(
                 scores, visible, self.candidate_topk_blocks, self.candidate_block_size
             )
-        elif self.uses_candidates and "candidates" in state:
-            return state["candidates"]
+        elif self.uses_candidates:
+            return state.candidates
         return None
-
-    def _ops(self, x: torch.Tensor):
-        return self.ops if self.ops is not None else resolve(x.device, x.dtype)
 
 
 class AttentionV41(Attention):
@@ -210,35 +209,36 @@ class AttentionV41(Attention):
         x: torch.Tensor,
         batch: PackedBatch,
         inv_freq: torch.Tensor,
-        shared: list[dict],
+        published: PublishedState,
         quantizer: ActivationQuantizer,
         compressor_only: bool = False,
     ) -> torch.Tensor | None:
-        """x: [T, hidden] packed. ``shared`` holds one dict per sequence for what sources publish.
+        """x: [T, hidden] packed. ``published``: what this forward's sources publish for the layers after them.
 
         ``compressor_only`` (CED prefill) runs just the source's compressor and index keys: it fills the
         cache's compressed entries for the batch and returns None.
         """
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
-        if batch.fixed_width is not None:  # ``shared``: one dict per column
-            return self._forward_columns(x, batch.fixed_width, inv_freq, shared, quantizer, batch.column_journal)
+        if batch.fixed_width is not None:  # one published state per column
+            sequences = published.sequences
+            return self._forward_columns(x, batch.fixed_width, inv_freq, sequences, quantizer, batch.column_journal)
         if batch.is_decode and not compressor_only:
-            return self._forward_decode(x, batch, inv_freq, shared[0], quantizer)
+            return self._forward_decode(x, batch, inv_freq, published.decode, quantizer)
         # The step's device block tables (built once per step from the host's spans): a table copied from a host
         # list in every layer would make the host wait for the copy.
         tables = batch.device_spans.block_tables if self.compressor is not None else None
         if compressor_only:
-            for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
+            states = published.sequences
+            for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), states, strict=True)):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             return None
         angles = step_rope_angles(batch, inv_freq, ops=self.ops)  # one computation per forward, shared by the layers
         cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions, inv_freq, quantizer, angles)
         entries, tables, indices, ratio = None, batch.device_spans.block_tables, None, 0
         if self.compress_ratio:
-            entries, tables, indices, ratio = self._sources_prefill(
-                x, q_latent, batch, cache, inv_freq, shared, quantizer
-            )
+            views = self._sources_prefill(x, q_latent, batch, cache, inv_freq, published, quantizer)
+            entries, tables, indices, ratio = views.entries, views.entry_tables, views.indices, views.ratio
         out = self._attend_packed(q, kv, batch, cache, entries, tables, indices, ratio)
         out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)
         return self._project_out(out)
@@ -248,7 +248,7 @@ class AttentionV41(Attention):
         x: torch.Tensor,
         batch: FixedWidthBatch,
         inv_freq: torch.Tensor,
-        published: list[dict],
+        published: list[SequenceState],
         quantizer: ActivationQuantizer,
         journal: PendingJournal,
     ) -> torch.Tensor:
@@ -269,7 +269,7 @@ class AttentionV41(Attention):
         out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
 
-    def _attend_column(self, x, q, q_latent, kv, column: PackedBatch, inv_freq, state: dict, quantizer):
+    def _attend_column(self, x, q, q_latent, kv, column: PackedBatch, inv_freq, state: SequenceState, quantizer):
         """One column's attention [B, H, D], as :meth:`_forward_decode` computes it for a decode step."""
         cache: KVCacheV41 = column.cache
         spans, positions = column.device_spans, column.positions
@@ -280,13 +280,13 @@ class AttentionV41(Attention):
             if self.compressor is not None:
                 self._publish_decode(x, column, cache, inv_freq, state, quantizer)
             if self.indexer is not None:
-                scores = self.indexer.candidate_scores(x, q_latent, positions, state["index_keys"], inv_freq, state,
-                                                       quantizer)  # fmt: skip
-                state["chosen"], state["real"] = top_k_in_order(scores, self.indexer.topk)
-            chosen = state["chosen"]
-            entries = state["entries"].gather(1, chosen[..., None].expand(-1, -1, state["entries"].shape[-1]))
+                scores = self.indexer.candidate_scores(x, q_latent, positions, state.source.index_keys, inv_freq,
+                                                       state, quantizer)  # fmt: skip
+                state.chosen, state.real = top_k_in_order(scores, self.indexer.topk)
+            chosen, source_entries = state.chosen, state.source.entries
+            entries = source_entries.gather(1, chosen[..., None].expand(-1, -1, source_entries.shape[-1]))
             keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            visible = torch.cat([visible, state["real"]], dim=1)
+            visible = torch.cat([visible, state.real], dim=1)
         return self._attend_batched(q, keys, visible)
 
     def _sources_prefill(
@@ -296,36 +296,33 @@ class AttentionV41(Attention):
         batch: PackedBatch,
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
-        shared: list[dict],
+        published: PublishedState,
         quantizer: ActivationQuantizer,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    ) -> PrefillViews:
         """Prefill: a KV source compresses and publishes per sequence, an index source chooses per sequence; every
         compressed layer gets its source's entries (op layout: paged, block tables), the latest choice as entry
-        numbers [T, K] (-1 padding) and the source's ratio.
-
-        Per sequence, ``state`` holds what the sources publish (``entries``, ``index_keys``, ``candidates``,
-        ``selected`` [n, W] boolean); the batch's op-layout views live in ``shared[0]`` (``prefill_entries``,
-        ``prefill_indices``), replaced by each later source like the rest."""
+        numbers [T, K] (-1 padding) and the source's ratio (:class:`PrefillViews`, replaced by each later source
+        like what the sources publish per sequence)."""
         tables = batch.device_spans.block_tables
         chosen = []
-        for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), shared, strict=True)):
+        states = published.sequences
+        for row, (span, tokens, state) in enumerate(zip(batch.spans, batch.sequence_slices(), states, strict=True)):
             if self.compressor is not None:
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             if self.indexer is not None:
                 positions = batch.positions[tokens]
                 scores = self.indexer.candidate_scores(
-                    x[tokens], q_latent[tokens], positions, state["index_keys"], inv_freq, state, quantizer
+                    x[tokens], q_latent[tokens], positions, state.source.index_keys, inv_freq, state, quantizer
                 )
-                indices, state["selected"] = top_k_choice(scores, self.indexer.topk)
+                indices, state.selected = top_k_choice(scores, self.indexer.topk)
                 chosen.append(indices)
-        batch_state = shared[0]
+        views = published.prefill
         if self.compressor is not None:
-            entries, entry_tables = entries_view(cache, self.layer_id, tables)
-            batch_state["prefill_entries"] = (entries, entry_tables, self.compress_ratio)
+            views.entries, views.entry_tables = entries_view(cache, self.layer_id, tables)
+            views.ratio = self.compress_ratio
         if self.indexer is not None:
-            batch_state["prefill_indices"] = packed_indices(chosen)
-        entries, entry_tables, ratio = batch_state["prefill_entries"]
-        return entries, entry_tables, batch_state["prefill_indices"], ratio
+            views.indices = packed_indices(chosen)
+        return views
 
     def _attend_packed(
         self,
@@ -344,7 +341,7 @@ class AttentionV41(Attention):
         ring, slots = window_view(cache, self.layer_id, spans, batch.spans, self.window)
         rows = spans.token_rows
         sequence_rows = torch.cat([rows.new_zeros(1), rows + 1])
-        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+        ops = self.ops
         out = ops.sparse_attention_prefill(
             SparsePrefillInputs(
                 q, kv, batch.positions, sequence_rows, spans.starts, slots, spans.window_from, ring, self.window,
@@ -399,7 +396,12 @@ class AttentionV41(Attention):
         return q_latent, apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin, ops=self.ops)
 
     def _forward_decode(
-        self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, state: dict, quantizer: ActivationQuantizer
+        self,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        inv_freq: torch.Tensor,
+        state: DecodeState,
+        quantizer: ActivationQuantizer,
     ) -> torch.Tensor:
         """One token per sequence, every sequence at once, from the step's device metadata (no host reads).
 
@@ -418,42 +420,18 @@ class AttentionV41(Attention):
         out = self._choose_and_attend(x, q, q_latent, batch, inv_freq, state, quantizer, projected)
         return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
-    def attend_decode(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        q_latent: torch.Tensor,
-        kv: torch.Tensor | RowChain,
-        batch: PackedBatch,
-        inv_freq: torch.Tensor,
-        state: dict,
-        quantizer: ActivationQuantizer,
-        projected: dict[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """A decode step's attention [B, H, D] between the projections and the output rotation.
-
-        The window row goes to the ring; a KV source writes its entries and publishes which layer's entries and
-        index keys the later layers read; an index source scores those keys where they are stored and publishes
-        its chosen entries [B, k] (-1 where none). The attention op then reads the ring and the chosen entries in
-        place, through the cache (model-dtype rows, or FP8 / FP4 codes decoded inside the op): nothing gathered.
-
-        ``projected``: the step's joined projections by name (:meth:`_queries_and_kv`); the source's and scorer's
-        projections missing from it are computed by their modules.
-        """
-        projected = projected or {}
-        self._write_decode_caches(x, kv, batch, inv_freq, state, quantizer, projected)
-        return self._choose_and_attend(x, q, q_latent, batch, inv_freq, state, quantizer, projected)
-
-    def _write_decode_caches(self, x, kv, batch: PackedBatch, inv_freq, state: dict, quantizer, projected: dict):
+    def _write_decode_caches(self, x, kv, batch: PackedBatch, inv_freq, state: DecodeState, quantizer, projected: dict):
         """Decode's cache writes: the window row to the ring; a KV source's entries and index keys (published in
         ``state`` for the later layers)."""
         cache: KVCacheV41 = batch.cache
         cache.write_window(self.layer_id, batch.device_spans.slots, batch.positions, kv)
         if self.compress_ratio and self.compressor is not None:
             self._write_decode_entries(x, batch, cache, inv_freq, quantizer, projected.get("compressor"))
-            state["entries_layer"] = self.layer_id
+            state.entries_layer = self.layer_id
 
-    def _choose_and_attend(self, x, q, q_latent, batch: PackedBatch, inv_freq, state: dict, quantizer, projected):
+    def _choose_and_attend(
+        self, x, q, q_latent, batch: PackedBatch, inv_freq, state: DecodeState, quantizer, projected
+    ) -> torch.Tensor:
         """Decode after the cache writes: an index source's choice (published in ``state``), then the attention
         over the ring and the chosen entries of the layer whose entries this one reads."""
         cache: KVCacheV41 = batch.cache
@@ -461,15 +439,14 @@ class AttentionV41(Attention):
         indices, entries_layer = None, None
         if self.compress_ratio:
             if self.indexer is not None:
-                paged_keys = (*cache.index_key_pool(state["entries_layer"]), spans.block_tables)
+                paged_keys = (*cache.index_key_pool(state.entries_layer), spans.block_tables)
                 angles = step_rope_angles(batch, inv_freq, ops=self.ops)
-                state["indices"] = self.indexer.decode_choice(
-                    x, q_latent, batch.positions, paged_keys, inv_freq, state, quantizer, angles, projected
+                state.indices = self.indexer.decode_choice(
+                    x, q_latent, batch.positions, paged_keys, angles, state, quantizer, projected
                 )
-            indices, entries_layer = state["indices"], state["entries_layer"]
-        ops = self.ops if self.ops is not None else resolve(q.device, q.dtype)
+            indices, entries_layer = state.indices, state.entries_layer
         return cache.attend_decode(
-            ops, self.layer_id, entries_layer, q, batch.positions, spans, indices, self.attn_sink, self.softmax_scale
+            self.ops, self.layer_id, entries_layer, q, batch, indices, self.attn_sink, self.softmax_scale
         )
 
     def _write_decode_entries(
@@ -510,13 +487,13 @@ class AttentionV41(Attention):
         batch: PackedBatch,
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
-        state: dict,
+        state: SequenceState,
         quantizer: ActivationQuantizer,
     ) -> None:
         """:meth:`_write_decode_entries`, then every entry and index key of every block-table slot published as
         ``[B, W, ...]`` tensors (the verify forward's column-by-column attention reads them)."""
         self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
-        state["entries"], state["index_keys"] = cache.gather_entries(self.layer_id, batch.device_spans.block_tables)
+        state.source = SourceEntries(*cache.gather_entries(self.layer_id, batch.device_spans.block_tables))
 
     def _publish(
         self,
@@ -525,7 +502,7 @@ class AttentionV41(Attention):
         block_table: torch.Tensor,
         cache: KVCacheV41,
         inv_freq: torch.Tensor,
-        state: dict,
+        state: SequenceState,
         quantizer: ActivationQuantizer,
     ) -> None:
         """Compress one sequence's new tokens, cache the finished entries and keys, publish all of them.
@@ -542,7 +519,7 @@ class AttentionV41(Attention):
             keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)
             cache.write_entries(self.layer_id, block_table, entry_ids[keep], entries[keep], keys[keep])
         count = (span.start + span.length) // self.compress_ratio
-        state["entries"], state["index_keys"] = cache.read_entries(self.layer_id, block_table, count)
+        state.source = SourceEntries(*cache.read_entries(self.layer_id, block_table, count))
 
 
 def _joined(stack: JoinedLinears | None, x: torch.Tensor, names: tuple[str, ...] | None) -> dict[str, torch.Tensor]:

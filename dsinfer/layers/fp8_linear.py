@@ -12,19 +12,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.ops.fp8_linear.reference import Fp8Weight
 from dsinfer.ops.quant import dequantize_fp8_blockwise
-from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.registry import OpTable
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int],
+        dtype: torch.dtype,
+        ops: OpTable | None = None,
+    ) -> None:
+        """``ops``: the table of the model it goes into (None: the torch references, a linear on its own)."""
         super().__init__()
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.block = tuple(block)
         self.compute_dtype = dtype
-        self.ops: OpTable | None = None
+        self.ops: OpTable = ops if ops is not None else reference_ops()
 
     @property
     def in_features(self) -> int:
@@ -40,8 +49,6 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
         """``x @ W.T``; ``groups`` > 1: a grouped projection (``x`` [..., groups * in], see the op)."""
-        if self.ops is None:
-            self.ops = resolve(x.device, self.compute_dtype)
         return self.ops.fp8_linear(x, Fp8Weight(self.codes, self.scale, self.block), self.compute_dtype, groups)
 
     def extra_repr(self) -> str:
@@ -54,9 +61,10 @@ class Fp8Stack:
 
     Not a module: the stack is no buffer, so the state dict keeps only the linears' own names."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
-        self.codes, self.scale, self.block, self.compute_dtype = codes, scale, tuple(block), dtype
-        self.ops: OpTable | None = None
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, ops: OpTable
+    ) -> None:
+        self.codes, self.scale, self.block, self.compute_dtype, self.ops = codes, scale, tuple(block), dtype, ops
 
     @property
     def out_features(self) -> int:
@@ -74,7 +82,8 @@ class Fp8Stack:
             return None
         with torch.no_grad():
             codes = torch.cat([linear.codes for linear in linears])
-            stack = cls(codes, torch.cat([linear.scale for linear in linears]), first.block, first.compute_dtype)
+            scale = torch.cat([linear.scale for linear in linears])
+            stack = cls(codes, scale, first.block, first.compute_dtype, first.ops)
             start = 0
             for linear in linears:
                 linear.codes, linear.scale = stack.rows(start, start + linear.out_features)
@@ -101,7 +110,5 @@ class Fp8Stack:
 
     def __call__(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Output columns ``start:stop`` (default: all) of the stacked projection."""
-        if self.ops is None:
-            self.ops = resolve(x.device, self.compute_dtype)
         codes, scale = self.rows(start, self.out_features if stop is None else stop)
         return self.ops.fp8_linear(x, Fp8Weight(codes, scale, self.block), self.compute_dtype)

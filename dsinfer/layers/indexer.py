@@ -18,11 +18,10 @@ from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v4 import CompressorCache
 from dsinfer.layers.compressor import Compressor, read_entries, visible_entries
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
-from dsinfer.ops.index_scores import index_scores_reference
 from dsinfer.ops.index_scores_paged import PagedIndexInputs
-from dsinfer.ops.index_select.reference import index_topk_decode_reference
-from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.registry import OpTable
 from dsinfer.ops.topk import topk_indices
 
 
@@ -45,7 +44,7 @@ class IndexScorer(nn.Module):
         self.topk, self.ratio = config.index_topk, ratio
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: chosen on first use
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         self.head_scale: torch.Tensor | None = None  # float32 [H] of n_heads^-0.5, on the weights' device
 
     def scaled_head_weights(self, weights: torch.Tensor) -> torch.Tensor:
@@ -75,7 +74,7 @@ class IndexScorer(nn.Module):
         alone); ``projected``: see :meth:`queries`.
         """
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotate_queries, projected=projected)
-        score = self.ops.index_scores if self.ops is not None else index_scores_reference
+        score = self.ops.index_scores
         return score(q, keys, head_weights, visible_entries(positions, self.ratio))
 
     def queries(
@@ -83,7 +82,7 @@ class IndexScorer(nn.Module):
         x: torch.Tensor,
         q_latent: torch.Tensor,
         positions: torch.Tensor,
-        inv_freq: torch.Tensor,
+        inv_freq: torch.Tensor | None,
         rotate_queries: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: dict[str, torch.Tensor] | None = None,
@@ -91,7 +90,7 @@ class IndexScorer(nn.Module):
         """The RoPE'd (and, V4.1, rounded) queries [n, H, d] and the scaled per-head weights [n, H].
 
         ``rotate_queries(q, cos, sin)``: V4.1's RoPE and rounding of the projected queries (None: the RoPE alone).
-        ``angles``: the positions' cos and sin when the caller has them already (else computed here).
+        ``angles``: the positions' cos and sin when the caller has them already (else computed from ``inv_freq``).
         ``projected``: outputs of the caller's joined GEMMs, ``index_q`` (``wq_b(q_latent)``) and ``index_weights``
         (``weights_proj(x)``); those present stand in for this scorer's own."""
         projected = projected or {}
@@ -138,7 +137,7 @@ class Indexer(IndexScorer):
         scores = self.scores(x, q_latent, positions, keys, inv_freq, projected=projected)
         # the one-program selection per query (``index_topk_decode``: its contract is this list's) instead of a
         # top-k over packed keys and two sorts
-        select = self.ops.index_topk_decode if self.ops is not None else index_topk_decode_reference
+        select = self.ops.index_topk_decode
         return select(scores, self.topk)
 
     def select_decode(
@@ -164,7 +163,7 @@ class Indexer(IndexScorer):
         self.compressor.update_decode(x, batch, cache, inv_freq, projected.get("index_compressor"))
         angles = step_rope_angles(batch, inv_freq, ops=self.ops)
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=angles, projected=projected)
-        ops = self.ops if self.ops is not None else resolve(x.device, x.dtype)
+        ops = self.ops
         visible = visible_entries(positions, self.ratio)
         inputs = PagedIndexInputs(q, head_weights, cache.entries, None, spans.block_tables, visible)
         return ops.indexer_topk_decode(inputs, self.topk)

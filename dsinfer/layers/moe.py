@@ -11,12 +11,12 @@ from torch import nn
 from dsinfer.config import ModelConfig, ModelConfigBase
 from dsinfer.layers.fp8_linear import Fp8Stack
 from dsinfer.layers.joined_linear import join_linears
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.ops.moe import ExpertWeights, stack_experts
-from dsinfer.ops.registry import OpTable, resolve
-from dsinfer.ops.router import MoeRouteInputs, moe_route_reference
-from dsinfer.ops.router_logits import bf16_parts, router_logits_reference
+from dsinfer.ops.registry import OpTable
+from dsinfer.ops.router import MoeRouteInputs
+from dsinfer.ops.router_logits import bf16_parts
 from dsinfer.ops.side_stream import beside
-from dsinfer.ops.swiglu import clamped_swiglu_reference
 
 
 class Expert(nn.Module):
@@ -28,7 +28,7 @@ class Expert(nn.Module):
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)  # gate
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)  # down
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)  # up
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         # inference: w1 and w3 stacked (join_projections), a weight or FP8 codes and scales kept as stored
         self.joined_gate_up: torch.Tensor | Fp8Stack | None = None
 
@@ -41,7 +41,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.joined_gate_up is not None:
-            swiglu = self.ops.clamped_swiglu if self.ops is not None else clamped_swiglu_reference
+            swiglu = self.ops.clamped_swiglu
             joined = self.joined_gate_up
             gate_up = joined(x) if isinstance(joined, Fp8Stack) else F.linear(x, joined)
             return self.w2(swiglu(gate_up, self.limit))
@@ -84,7 +84,7 @@ class Router(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if image_bias else None
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         self.weight_parts: torch.Tensor | None = None  # inference: the weight as exact bf16 parts (join_projections)
 
     def join_projections(self) -> None:
@@ -96,9 +96,9 @@ class Router(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [T, k] and mixing weights [T, k] (float32); ``image_mask`` [T] picks ``bias_vl``."""
-        router_logits = self.ops.router_logits if self.ops is not None else router_logits_reference
+        router_logits = self.ops.router_logits
         logits = router_logits(x, self.weight, self.weight_parts)
-        route = self.ops.moe_route if self.ops is not None else moe_route_reference
+        route = self.ops.moe_route
         if self.hash_routed:
             bias, bias_vl, table, token_ids = None, None, self.tid2eid, input_ids
         else:  # image tokens pick with bias_vl: per token on the device, no host read
@@ -126,7 +126,7 @@ class MoE(nn.Module):
     def _build_experts(self, config: ModelConfigBase, n_experts: int) -> None:
         self.n_experts = n_experts
         self.swiglu_limit = config.swiglu_limit
-        self.ops: OpTable | None = None
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
         self.experts: nn.ModuleList | None = nn.ModuleList(
             Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit) for _ in range(n_experts)
         )
@@ -139,6 +139,8 @@ class MoE(nn.Module):
         # Expert parallelism (dsinfer.parallel.ep.ExpertParallel): the routed part goes through its dispatch
         # and combine, and this layer holds only the rank's experts. None: every expert is here.
         self.expert_parallel = None
+        # Experts offloaded to host memory (dsinfer.offload.LayerResidency): the slot of each expert. None: resident.
+        self.expert_residency = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, input_ids)))
@@ -174,9 +176,6 @@ class MoE(nn.Module):
             [e.w1.weight for e in experts], [e.w3.weight for e in experts], [e.w2.weight for e in experts]
         )
 
-    def use_ops(self, ops: OpTable) -> None:
-        self.ops = ops
-
     def _with_shared(self, x: torch.Tensor, routed: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``routed()`` (the router and routed experts) plus the shared expert of ``x``. The shared expert reads
         nothing the routed part writes: at decode on CUDA it runs on the side stream beside the router and the
@@ -192,10 +191,11 @@ class MoE(nn.Module):
     def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Run each picked expert on its tokens and mix by ``weights`` (the routed part; the caller adds the
         shared expert)."""
-        if self.ops is None:  # a model built in memory: choose once, on first use
-            self.ops = resolve(x.device, x.dtype)
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, experts, weights)
+        if self.expert_residency is not None:
+            arena, slots = self.expert_residency.stage(experts)
+            return self.ops.routed_moe(x, arena, experts, weights, self.swiglu_limit, slot_of_expert=slots)
         return self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsinfer.ops.norm_rope import rms_norm_reference, rms_normalize_reference
+from dsinfer.layers.op_binding import reference_ops
+from dsinfer.ops.norm_rope import rms_normalize_reference
 from dsinfer.ops.registry import OpTable
 
 
@@ -16,10 +17,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch reference
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.ops.rms_norm if self.ops is not None else rms_norm_reference)(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float, ops: OpTable | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dsinfer.layers.attention import Attention
 from dsinfer.layers.mhc import expand_streams, site_input
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.side_stream import beside
@@ -47,7 +48,7 @@ class HyperConnectedBlock(nn.Module):
         self.ffn = ffn
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(config)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(config)
-        self.ops: OpTable | None = None  # bound by the model (bind_ops); None: the torch references
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
 
     def site_input(self, streams: torch.Tensor, site: str, mix: torch.Tensor | None) -> SiteParts:
         """The block input and (pre, post, comb) of site ``attn`` or ``ffn`` from its input streams, as two halves;

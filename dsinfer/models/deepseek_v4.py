@@ -15,6 +15,7 @@ from dsinfer.kv.batch import PackedBatch
 from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
 from dsinfer.layers.mhc import hyper_head
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.layers.rotary import rope_inverse_frequencies
 from dsinfer.models.block import Block
 from dsinfer.models.mtp import MTPLayer
@@ -45,7 +46,8 @@ class DeepseekModel(ServedModel):
     Subclasses own ``embed``, ``head``, ``mtp`` and the rest of the :class:`ServedModel` contract."""
 
     def use_ops(self, ops: OpTable) -> None:
-        """Run with the op backends chosen for this model's device and dtype (the loader calls this once)."""
+        """Give this model and every layer in it the op table ``ops``: the constructor binds the table it is
+        given once (see :mod:`dsinfer.layers.op_binding`); a test binds another to compare backends."""
         bind_ops(self, ops)
 
     def join_projections(self) -> None:
@@ -78,7 +80,9 @@ class DeepseekModel(ServedModel):
 
 
 class DeepseekV4(DeepseekModel):
-    def __init__(self, config: ModelConfig, with_mtp: bool = True) -> None:
+    def __init__(self, config: ModelConfig, with_mtp: bool = True, ops: OpTable | None = None) -> None:
+        """``ops``: the op table resolved for the device and dtype the model will run on (the loaders pass
+        ``resolve(device, dtype)``); None: every op's torch reference."""
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -92,12 +96,13 @@ class DeepseekV4(DeepseekModel):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.ops: OpTable | None = None  # bound by use_ops (the head's collapse); None: the torch references
         self.rope = RopeTables(config)
         self.mtp = nn.ModuleList(
             MTPLayer(config, config.num_hidden_layers + i)
             for i in range(config.num_nextn_predict_layers if with_mtp else 0)
         )
+        self.ops: OpTable = ops if ops is not None else reference_ops()  # the head's collapse
+        self.use_ops(self.ops)  # every layer
 
     def hidden_streams(self, batch: PackedBatch) -> torch.Tensor:
         """Run the embedding and every block; returns the residual streams [T, hc_mult, hidden]."""

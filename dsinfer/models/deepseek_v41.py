@@ -37,9 +37,11 @@ from dsinfer.engram.placement import EngramRowSource
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.kv.cache_v41 import KVCacheV41, block_tokens_for_v41
 from dsinfer.layers.csa2 import AttentionV41
+from dsinfer.layers.csa2_state import PublishedState
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.models.ced import skips_decoder, split_at_decoder
 from dsinfer.models.deepseek_v4 import DeepseekModel, RopeTables
@@ -47,7 +49,7 @@ from dsinfer.models.dspark import DraftBlock, DSparkStage, draft_block, seed_rin
 from dsinfer.models.served import CachePlan
 from dsinfer.models.vision import add_image_encoder, encode_images
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.registry import OpTable, resolve
+from dsinfer.ops.registry import OpTable
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +86,7 @@ class ForwardContext:
     batch: PackedBatch
     rope: RopeTables
     quantizer: ActivationQuantizer
-    # What KV / index sources publish to later layers: one dict per sequence, or in a decode step one dict for
-    # the whole batch (each tensor one row per sequence).
-    shared: list[dict]
+    published: PublishedState  # what KV / index sources publish to later layers
     engram_rows: torch.Tensor | None = None  # [T, engram layers, columns] row ids
     engram_reads: EngramReads | None = None  # the forward's fetched rows, shared by sliced contexts
     engram_tokens: torch.Tensor | None = None  # which tokens of the forward this context holds; None: all
@@ -103,7 +103,7 @@ class ForwardContext:
         return replace(
             self,
             batch=batch,
-            shared=[{} for _ in batch.spans],
+            published=PublishedState.per_sequence(batch),
             engram_rows=take(self.engram_rows),
             engram_tokens=rows if self.engram_tokens is None else self.engram_tokens[rows],
             gate_mask=take(self.gate_mask),
@@ -145,7 +145,7 @@ class BlockV41(HyperConnectedBlock):
         # layer's attention ``pre``, and the MoE site's ``pre`` goes on to the next layer.
         attention = self.attn
         streams, attn_pre = self.run_site(
-            streams, "attn", pre_mix, lambda x: attention(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer)
+            streams, "attn", pre_mix, lambda x: attention(x, ctx.batch, inv_freq, ctx.published, ctx.quantizer)
         )
         return self.run_site(streams, "ffn", attn_pre, lambda x: self.ffn(x, ctx.image_mask))
 
@@ -154,20 +154,21 @@ class BlockV41(HyperConnectedBlock):
         streams = self.with_engram(streams, ctx, keep_rows=True)  # the replay runs this layer again
         x = self.attn_norm(collapse_streams(streams, pre_mix, self.ops))
         inv_freq = ctx.rope.for_ratio(self.attn.compress_ratio)
-        self.attn(x, ctx.batch, inv_freq, ctx.shared, ctx.quantizer, compressor_only=True)
+        self.attn(x, ctx.batch, inv_freq, ctx.published, ctx.quantizer, compressor_only=True)
 
 
 class DeepseekV41(DeepseekModel):
     ranks_replay_graphs = False  # a sharded Engram exchange reads sizes on the host
 
-    def __init__(self, config: ModelConfigV41, with_mtp: bool = True) -> None:
+    def __init__(self, config: ModelConfigV41, with_mtp: bool = True, ops: OpTable | None = None) -> None:
+        """``ops``: the op table resolved for the device and dtype the model will run on (the loaders pass
+        ``resolve(device, dtype)``); None: every op's torch reference."""
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(BlockV41(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ops: OpTable | None = None  # bound by use_ops (the last collapse); None: the torch references
         self.rope = RopeTables(config)
         stages = config.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(config, i, stages) for i in range(stages))
@@ -180,6 +181,8 @@ class DeepseekV41(DeepseekModel):
         self.replay_tokens = DEFAULT_REPLAY_TOKENS
         self._first_mix_rows: torch.Tensor | None = None  # see _first_mix
         self._outgrown_first_mix_rows: list[torch.Tensor] = []  # kept alive: captured graphs read them
+        self.ops: OpTable = ops if ops is not None else reference_ops()  # the last collapse
+        self.use_ops(self.ops)  # every layer
 
     # ---- settings ----------------------------------------------------------------------------------
     def attach_engram_hasher(self, hasher: EngramHasher) -> DeepseekV41:
@@ -354,11 +357,7 @@ class DeepseekV41(DeepseekModel):
         positions)."""
         self.ensure_cache(batch)
         batch.rope_angle_memo.clear()
-        if batch.fixed_width is not None:  # a verify step's attention runs column by column: one dict per column
-            shared = [{} for _ in range(batch.fixed_width.width)]
-        else:
-            shared = [{}] if batch.is_decode else [{} for _ in batch.spans]
-        ctx = ForwardContext(batch, self.rope, self.quantizer, shared)
+        ctx = ForwardContext(batch, self.rope, self.quantizer, PublishedState.for_batch(batch))
         image_id = self.config.image_token_id
         if image_id is not None:
             ctx.image_mask = batch.input_ids == image_id
@@ -380,8 +379,7 @@ class DeepseekV41(DeepseekModel):
         # here: the engine checks prompts where they enter, against the hasher's vocabulary too.
         history, spans = batch.cache.engram_history, batch.device_spans
         if batch.is_decode:  # one token per sequence: one op, which advances the histories in place
-            ops = resolve(batch.input_ids.device, self.embed.weight.dtype)
-            return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, ops)
+            return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, self.ops)
         fresh = (spans.starts == 0)[:, None]
         contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
         rows, next_contexts = self.engram_hasher.prefill_step(

@@ -22,7 +22,7 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def build_dummy_model(
-    path: str | Path, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+    path: str | Path, dtype: torch.dtype, device: str | torch.device, seed: int = 0, expert_device=None
 ) -> DeepseekV4 | DeepseekV41:
     """The model ``path/config.json`` describes, with random weights in release precision (MTP / DSpark included
     when the config has them)."""
@@ -31,7 +31,8 @@ def build_dummy_model(
         config = ModelConfig.from_file(directory)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    model = build_native_model(config, dtype, device, seed=seed, with_mtp=bool(config.num_nextn_predict_layers))
+    with_mtp = bool(config.num_nextn_predict_layers)
+    model = build_native_model(config, dtype, device, seed=seed, with_mtp=with_mtp, expert_device=expert_device)
     if isinstance(config, ModelConfigV41) and config.engram_layer_ids:
         model.attach_engram_hasher(engram_hasher_for(directory, config))
     return model

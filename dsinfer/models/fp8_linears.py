@@ -68,7 +68,8 @@ class Fp8LinearCollector:
     def install(self, model: nn.Module, device: torch.device | str) -> None:
         for name, (codes, scale) in self._kept.items():
             parent, child = _parent(model, name)
-            setattr(parent, child, Fp8Linear(codes.to(device), scale.to(device), self.block, self.dtype))
+            linear = Fp8Linear(codes.to(device), scale.to(device), self.block, self.dtype, ops=model.ops)
+            setattr(parent, child, linear)
         self._kept.clear()
 
 
@@ -82,7 +83,7 @@ def keep_as_fp8_(model: nn.Module, is_fp8: Callable[[str], bool], block: tuple[i
         parent, child = _parent(model, f"{name}.weight")
         weight = getattr(parent, child).weight
         codes, scale = quantize_fp8_blockwise(weight.float(), block)
-        setattr(parent, child, Fp8Linear(codes, scale, block, dtype))
+        setattr(parent, child, Fp8Linear(codes, scale, block, dtype, ops=model.ops))
     return len(names)
 
 

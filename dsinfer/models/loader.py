@@ -273,6 +273,7 @@ def load_model(
     engram_placement: str | None = None,
     fp8_linears: str | None = None,
     owned_experts=None,
+    expert_device: str | torch.device | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """Build the model described by ``path/config.json`` (V4 or V4.1) and fill it from the checkpoint's shards.
 
@@ -287,6 +288,9 @@ def load_model(
 
     ``owned_experts(moe_path)`` (an EP rank, :func:`dsinfer.parallel.ep.backbone_expert_filter`): the routed
     experts of that layer to load, in stacking order, or None for all; the rest are never read.
+
+    ``expert_device``: where the stacked routed experts go (None: ``device``); ``"cpu"`` keeps them in host memory
+    for :func:`dsinfer.offload.install_expert_offload`, read from the shards without passing through the GPU.
     """
     directory = Path(path)
     try:
@@ -299,19 +303,44 @@ def load_model(
     stored = _scan_shards(shard_files(directory))
     has_mtp = any(strip_model_prefix(k).startswith("mtp.") for k in stored)
     model_class = DeepseekV41 if isinstance(config, ModelConfigV41) else DeepseekV4
+    ops = resolve(device, dtype)  # once, for the device and dtype the model runs on
     with torch.device("meta"):
-        model = model_class(config, with_mtp=has_mtp)
+        model = model_class(config, with_mtp=has_mtp, ops=ops)
     plan = _plan(model, stored)
     if placement in TABLES_OUTSIDE_MODEL:  # read into shared memory below, never into the model
         model.drop_engram_tables()
         plan = {name: keys for name, keys in plan.items() if not _ENGRAM_TABLE.search(name)}
+    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
+    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
+    values = _read_checkpoint(directory, model, plan, stored, experts, fp8, dtype, progress)
+    _fill(model, values, experts, fp8, (device, device if expert_device is None else expert_device), dtype, directory)
+    model.rope = RopeTables(config).to(device)
+    model.join_projections()
+    if has_engram:
+        model.attach_engram_hasher(engram_hasher_for(directory, config))
+        if placement in TABLES_OUTSIDE_MODEL:
+            model.attach_engram_fetcher(open_engram_tables(directory, config, placement, device=device, dtype=dtype))
+    return model.requires_grad_(False).eval()
+
+
+def _read_checkpoint(
+    directory: Path,
+    model: DeepseekV4 | DeepseekV41,
+    plan: dict[str, list[str]],
+    stored: dict[str, _Stored],
+    experts: ExpertCollector,
+    fp8: Fp8LinearCollector,
+    dtype: torch.dtype,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Read every planned tensor once: routed experts go to ``experts``, kept FP8 linears to ``fp8``, the rest come
+    back by name (zeros for the optional tensors the checkpoint lacks). Raises naming the tensors missing."""
+    config = model.config
     targets = model.state_dict()
     reader = _ShardReader()
     values: dict[str, torch.Tensor] = {}
     model_keys = set(targets)
     bar = tqdm(total=len(plan), desc=f"Loading {directory.name}", unit="tensor", disable=not progress)
-    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
-    fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
@@ -347,7 +376,23 @@ def load_model(
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
-    experts.drop_modules(model)  # before the model gets memory: no dequantised copy of the experts, ever
+    return values
+
+
+def _fill(
+    model: DeepseekV4 | DeepseekV41,
+    values: dict[str, torch.Tensor],
+    experts: ExpertCollector,
+    fp8: Fp8LinearCollector,
+    devices: tuple[str | torch.device, str | torch.device],
+    dtype: torch.dtype,
+    directory: Path,
+) -> None:
+    """Give the meta-device model memory on ``devices[0]`` (the stacked routed experts on ``devices[1]``) and the
+    read tensors: no dequantised copy of the routed experts or kept FP8 linears is ever made (their modules go
+    before the model gets memory)."""
+    device, expert_device = devices
+    experts.drop_modules(model)
     fp8.drop_modules(model)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -357,17 +402,9 @@ def load_model(
             param.data = value.to(device=device, dtype=value.dtype if kept else parameter_dtype(name, param, dtype))
     fp8.install(model, device)
     try:
-        experts.pack_into(model, device)
+        experts.pack_into(model, expert_device)
     except ExpertPackingError as exc:
         raise CheckpointError(f"{directory}: {exc}") from None
-    model.rope = RopeTables(config).to(device)
-    model.use_ops(resolve(device, dtype))
-    model.join_projections()
-    if has_engram:
-        model.attach_engram_hasher(engram_hasher_for(directory, config))
-        if placement in TABLES_OUTSIDE_MODEL:
-            model.attach_engram_fetcher(open_engram_tables(directory, config, placement, device=device, dtype=dtype))
-    return model.requires_grad_(False).eval()
 
 
 def engram_hasher_for(directory: Path, config: ModelConfigV41) -> EngramHasher:

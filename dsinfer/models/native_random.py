@@ -59,6 +59,7 @@ def build_native_model(
     with_mtp: bool = False,
     fp8_linears: str = "dequantize",
     engram_tables: bool = True,
+    expert_device: torch.device | str | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """A random model with packed FP4 routed experts, built on ``device`` without any dequantised expert.
 
@@ -66,15 +67,18 @@ def build_native_model(
     ``fp8_linears="keep"`` keeps the linears the release stores as FP8 as codes and scales (``Fp8Linear``), as the
     loader's ``keep`` policy does; ``dequantize`` (default) leaves them in ``dtype``, as served on Hopper.
     ``engram_tables=False`` builds a V4.1 model without its Engram tables (they live outside it, as the host
-    placement keeps them; attach a fetcher), so a large table is never allocated on ``device``."""
+    placement keeps them; attach a fetcher), so a large table is never allocated on ``device``.
+    ``expert_device``: where the routed experts are drawn (None: ``device``; ``"cpu"``: host memory, for expert
+    offload)."""
     if fp8_linears not in FP8_LINEAR_POLICIES:
         raise ValueError(f"fp8_linears: expected one of {list(FP8_LINEAR_POLICIES)}, got {fp8_linears!r}")
     v41 = isinstance(config, ModelConfigV41)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    ops = resolve(device, dtype)  # once, for the device and dtype the model runs on
     try:
         with torch.device("meta"):
-            model = DeepseekV41(config) if v41 else DeepseekV4(config, with_mtp=with_mtp)
+            model = DeepseekV41(config, ops=ops) if v41 else DeepseekV4(config, with_mtp=with_mtp, ops=ops)
     finally:
         torch.set_default_dtype(previous)
     if v41 and not engram_tables:
@@ -86,17 +90,18 @@ def build_native_model(
     for name, param in model.state_dict(keep_vars=True).items():
         param.data = param.data.to(parameter_dtype(name, param, dtype))
     randomize_v41_(model, seed) if v41 else randomize_(model, seed)
-    generator = torch.Generator(device=device).manual_seed(seed + 7)
+    expert_device = device if expert_device is None else expert_device
+    generator = torch.Generator(device=expert_device).manual_seed(seed + 7)
     for moe in moes:
         shared = moe.shared_experts
         hidden = shared.w1.weight.shape[1] if shared is not None else config.hidden_size
-        moe.pack(random_fp4_experts(moe.n_experts, hidden, config.moe_intermediate_size, device, generator))
+        inter = config.moe_intermediate_size
+        moe.pack(random_fp4_experts(moe.n_experts, hidden, inter, expert_device, generator))
     if fp8_linears == "keep":  # the release's formats (a config without a quantization block takes the release's)
         storage = storage_format_v41 if v41 else storage_format
         stored = config if config.quantization is not None else replace(config, quantization=QuantizationConfig())
         block = stored.quantization.weight_block_size
         keep_as_fp8_(model, lambda name: storage(name, stored) == "fp8", block, dtype)
     model.rope = RopeTables(config).to(device)
-    model.use_ops(resolve(device, dtype))
     model.join_projections()
     return model.requires_grad_(False).eval()

@@ -28,6 +28,7 @@ from dsinfer.models.expert_packing import dequantized_state_dict
 from dsinfer.models.loader import INDEX_FILE, parameter_dtype
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.ops.quant import quantize_fp4, quantize_fp8_blockwise
+from dsinfer.ops.registry import resolve
 from dsinfer.tokenizer import Tokenizer
 
 TINY_VOCAB_SIZE = 512
@@ -131,11 +132,16 @@ def build_random_model(
     A V4.1 model comes without an Engram hasher (that needs a tokenizer): attach one before running it.
     """
     v41 = isinstance(config, ModelConfigV41)
+    ops = resolve(torch.device(device), dtype)  # the backends a loaded checkpoint on this device would get
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: a full-width fp32 copy would not fit
     try:
         with torch.device(device):
-            model = randomize_v41_(DeepseekV41(config), seed) if v41 else randomize_(DeepseekV4(config), seed)
+            model = (
+                randomize_v41_(DeepseekV41(config, ops=ops), seed)
+                if v41
+                else randomize_(DeepseekV4(config, ops=ops), seed)
+            )
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():

@@ -21,8 +21,8 @@ from torch import nn
 
 from dsinfer.config.vision import VisionConfig
 from dsinfer.images.inputs import ImageInput
+from dsinfer.layers.op_binding import reference_ops
 from dsinfer.ops.registry import OpTable
-from dsinfer.ops.vision import vision_attention_reference
 
 
 class VisionRMSNorm(nn.Module):
@@ -66,12 +66,12 @@ class VisionAttention(nn.Module):
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
-        self.ops: OpTable | None = None
+        self.ops: OpTable = reference_ops()  # the model binds its table when it is built
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         q, k, v = (part.reshape(x.shape[0], self.heads, self.head_dim) for part in self.wqkv(x).chunk(3, dim=-1))
         q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
-        attend = self.ops.vision_attention if self.ops is not None else vision_attention_reference
+        attend = self.ops.vision_attention
         return self.wo(attend(q, k, v, lengths).reshape(x.shape[0], -1))
 
 

@@ -26,6 +26,7 @@ from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.dummy import build_dummy_model
 from dsinfer.models.loader import load_model
+from dsinfer.offload.install import offload_experts
 from dsinfer.parallel.messages import (
     AbortRequest,
     AddRequest,
@@ -49,12 +50,15 @@ IDLE_WAIT_SECONDS = 1.0
 def load_engine_model(model_dir: str | Path, config: EngineConfig, load_format: str = "auto"):
     """The whole model as one process serves it: the checkpoint's weights, or random ones (``load_format``
     'dummy'). Shared by the in-process :class:`~dsinfer.llm.LLM` and the one engine process."""
+    expert_device = None if config.expert_offload is None else "cpu"  # offloaded experts: read into host memory
     if load_format == "dummy":
-        return build_dummy_model(model_dir, DTYPES[config.dtype], config.device)
-    return load_model(
-        model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False,
-        engram_placement=config.engram_placement,
-    )  # fmt: skip
+        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=expert_device)
+    else:
+        model = load_model(
+            model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False,
+            engram_placement=config.engram_placement, expert_device=expert_device,
+        )  # fmt: skip
+    return offload_experts(model, config)
 
 
 class EngineLoop:

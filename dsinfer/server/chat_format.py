@@ -12,7 +12,7 @@ parsed. This module is the glue around it; it adds only what the library leaves 
   become the library's ``thinking`` field; OpenAI's ``developer`` role is the system role; ``n`` choices are
   run as ``n`` parsers over one conversion (the library converts only ``n = 1``).
 * **Forced tool calls.** ``tool_choice`` "required" or a named function is enforced by a grammar (see
-  :func:`dsinfer.engine.structured_output.forced_tool_call_tag`). In chat mode the library's prompt opens the
+  :func:`dsinfer.sampling.structured_output.forced_tool_call_tag`). In chat mode the library's prompt opens the
   call block and the grammar continues it. Thinking mode, which the library refuses for a forced choice, is
   rendered as ``auto`` with only the allowed tools, and the grammar starts after ``</think>``.
 * **Images** (V4.1 with a vision tower): the library renders one ``<｜deepseek_image｜>`` placeholder per
@@ -234,7 +234,7 @@ class ChatFormat:
         start_after = self.think_end_id if conversation.thinking_mode else None
         constraint = request.inference_options.output_constraint
         if thinking_forced or (constraint is not None and constraint.kind == "tool_call_required"):
-            from dsinfer.engine.structured_output import forced_tool_call_tag
+            from dsinfer.sampling.structured_output import forced_tool_call_tag
 
             tools = [{"name": t.name, "parameters": t.parameters} for t in conversation.tools]
             if forced not in (None, "required"):

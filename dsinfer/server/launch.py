@@ -30,6 +30,7 @@ from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.hub import is_repo_id
 from dsinfer.llm import LLM
 from dsinfer.parallel.config import ParallelConfig
+from dsinfer.plan_cli import log_serving_plan
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
@@ -139,6 +140,7 @@ def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
     if threads is not None:
         logger.info("CPU threads: %d for the engine (usable cores: %d; --cpu-threads overrides)", threads,
                     usable_cpus())  # fmt: skip
+    log_serving_plan(options.model, engine_config, parallel.world_size)
     app, engine = build_server(options, engine_config)
     freeze_heap()  # the process serves until it exits: full collections skip what start-up left alive
     engine.start()

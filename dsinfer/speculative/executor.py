@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from dsinfer.config import SpeculativeConfig
-from dsinfer.engine.sampler import Sampler, SamplingState
-from dsinfer.kv.batch import SequenceSpan, host_to_device
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
+from dsinfer.kv.cache_v4 import KVCache
+from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.models.served import ServedModel
+from dsinfer.sampling.sampler import Sampler, SamplingState
 from dsinfer.speculative.drafting import Drafter, DraftInput
 from dsinfer.speculative.dspark import DSparkDrafter
 from dsinfer.speculative.graphs import SpecGraphs
@@ -50,8 +53,22 @@ from dsinfer.speculative.verify import (
     verify_sequence,
 )
 
-if TYPE_CHECKING:
-    from dsinfer.engine.model_runner import ModelRunner
+
+class StepRunner(Protocol):
+    """What the executor reads of the engine's model runner (the engine sits above this package: a protocol, not
+    an import)."""
+
+    model: ServedModel
+    cache: KVCache | KVCacheV41
+    graph_sizes: tuple[int, ...] | None  # CUDA-graph batch buckets; None: steps run eagerly
+    spare_slot: int
+    max_model_len: int
+    capture_graphs: bool
+
+    def step_batch(self, step: Any) -> PackedBatch:
+        """The step's packed batch over the cache, once what its forward needs first is done."""
+        ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +122,7 @@ def build_drafter(model, cache, config: SpeculativeConfig) -> Drafter:
 class SpeculativeExecutor:
     """Runs steps that verify drafts and draft again, on the device worker (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, config: SpeculativeConfig) -> None:
+    def __init__(self, runner: StepRunner, sampler: Sampler, config: SpeculativeConfig) -> None:
         self.runner, self.model, self.cache, self.sampler = runner, runner.model, runner.cache, sampler
         self.drafter = build_drafter(self.model, self.cache, config)
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, self.model.engram_hasher)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.engine.decode_graphs import capture_graph
+from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dsinfer.engine.sampler import (
+from dsinfer.kv.batch import host_to_device
+from dsinfer.sampling.noise import exponentials, key_tensor
+from dsinfer.sampling.sampler import (
     SampleOutput,
     SamplingState,
     _outputs,
@@ -27,8 +29,6 @@ from dsinfer.engine.sampler import (
     race_at,
     suppress_stop_tokens,
 )
-from dsinfer.engine.sampling_noise import exponentials, key_tensor
-from dsinfer.kv.batch import host_to_device
 from dsinfer.speculative.rejection import accept_argmax_drafts, final_distribution, greedy_accept, num_accepted
 
 

@@ -219,9 +219,8 @@ def trainable_model(tokenizer: Tokenizer, settings: TrainSettings, device: str) 
     """The run's initial model on ``device``: seeded weights, the real Engram hashing, the differentiable torch
     references, no trained-in rounding yet, and gradients on every weight but the selection-only biases."""
     config = model_config(tokenizer, settings.widths)
-    model = randomize_v41_(DeepseekV41(config), settings.seed).to(device)
+    model = randomize_v41_(DeepseekV41(config, ops=reference_table(device, torch.float32)), settings.seed).to(device)
     model.attach_engram_hasher(EngramHasher.from_tokenizer(tokenizer, **config.engram_hasher_options()))
-    model.use_ops(reference_table(device, torch.float32))
     model.set_fake_quantization(False)
     model.train().requires_grad_(True)
     for name, parameter in model.named_parameters():

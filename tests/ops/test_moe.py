@@ -406,3 +406,23 @@ def test_triton_kernels_compile_for_hopper():
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"], (fp4, tokens, kernel.fn.__name__)
             assert "ld.local" not in compiled.asm["ptx"], (fp4, tokens, kernel.fn.__name__)
+
+
+def test_triton_reads_offloaded_experts_through_the_slot_table(monkeypatch):
+    """Experts stored in shuffled arena slots, read through ``slot_of_expert``: the Triton kernels in the
+    interpreter against the reference (which runs them in id order, bit for bit the unshuffled result)."""
+    _interpret(monkeypatch)
+    plain = _fp4_weights(8, 96, 32, seed=31)
+    slots = torch.randperm(11, generator=_generator(32))[:8]  # expert e in slot slots[e]; 3 slots unused
+    parts = []
+    for tensor in (plain.w13, plain.w13_scale, plain.w2, plain.w2_scale):
+        arena_part = torch.zeros((11, *tensor.shape[1:]), dtype=tensor.dtype)
+        arena_part[slots] = tensor
+        parts.append(arena_part)
+    arena = ExpertWeights(*parts, plain.intermediate_size, True)
+    ids, mix = _routing(13, 6, 8, seed=33)
+    x = torch.randn(13, 96, generator=_generator(34))
+    truth = routed_moe_reference(x, plain, ids, mix, LIMIT)
+    assert torch.equal(routed_moe_reference(x, arena, ids, mix, LIMIT, slot_of_expert=slots), truth)
+    out = moe_triton.routed_moe_triton(x, arena, ids, mix, LIMIT, slot_of_expert=slots, config=SMALL)
+    assert float((out - truth).abs().max()) <= 1e-5 * float(truth.abs().max()) + 1e-6

@@ -95,7 +95,7 @@ def test_split_gemv_chains_beside_each_other_equal_them_in_order(monkeypatch):
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
-    from dsinfer.engine.decode_graphs import capture_graph
+    from dsinfer.graph_capture import capture_graph
 
     graph, captured = capture_graph(lambda: beside(first, second, inputs[0]))
     for seed in range(2, 12):

@@ -45,8 +45,12 @@ def routed_moe_grouped_mm(
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
     swiglu_limit: float,
+    slot_of_expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output ``[T, H]`` in bf16, for dense bf16 expert weights."""
+    """The routed experts' output ``[T, H]`` in bf16, for dense bf16 expert weights (``slot_of_expert``: see the
+    reference)."""
+    if slot_of_expert is not None:
+        expert_ids = slot_of_expert[expert_ids]
     check_inputs(x, weights, expert_ids, expert_weights)
     if weights.is_fp4 or weights.w13.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         raise ValueError(

@@ -50,12 +50,19 @@ def routed_moe_reference(
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
     swiglu_limit: float,
+    slot_of_expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sum_j expert_weights[t, j] * Expert_{expert_ids[t, j]}(x[t])`` for every token, ``[T, H]`` in ``x.dtype``."""
+    """``sum_j expert_weights[t, j] * Expert_{expert_ids[t, j]}(x[t])`` for every token, ``[T, H]`` in ``x.dtype``.
+
+    ``slot_of_expert`` (int64 ``[E]``): expert ``e``'s weights are ``weights``' entry ``slot_of_expert[e]`` (experts
+    offloaded to host memory, :mod:`dsinfer.offload`); the experts still run in increasing id order, so where they
+    sit never changes a bit of the result."""
     check_inputs(x, weights, expert_ids, expert_weights)
     routed = torch.zeros_like(x)
     top_k = expert_ids.shape[1]
-    grouped = sort_slots(expert_ids, weights.num_experts)
+    num_experts = weights.num_experts if slot_of_expert is None else slot_of_expert.numel()
+    entry_of = range(num_experts) if slot_of_expert is None else slot_of_expert.tolist()
+    grouped = sort_slots(expert_ids, num_experts)
     token_of_slot = grouped.slots // top_k
     flat_weights = expert_weights.reshape(-1)
     inter = weights.intermediate_size
@@ -66,7 +73,7 @@ def routed_moe_reference(
         slots = grouped.slots[start : start + count]
         tokens = token_of_slot[start : start + count]
         start += count
-        w13, w2 = dequantize_expert(weights, expert, x.dtype)
+        w13, w2 = dequantize_expert(weights, entry_of[expert], x.dtype)
         rows = x[tokens]
         gate = F.linear(rows, w13[:inter]).clamp(max=swiglu_limit)
         up = F.linear(rows, w13[inter:]).clamp(min=-swiglu_limit, max=swiglu_limit)

@@ -615,6 +615,7 @@ def routed_moe_triton(
     expert_weights: torch.Tensor,
     swiglu_limit: float,
     *,
+    slot_of_expert: torch.Tensor | None = None,
     config: KernelConfig | None = None,
     gemv: bool | None = None,
 ) -> torch.Tensor:
@@ -629,6 +630,8 @@ def routed_moe_triton(
     """
     if triton is None:
         raise RuntimeError("the triton routed_moe backend needs Triton installed")
+    if slot_of_expert is not None:  # offloaded experts: read each at its slot (a gather on the device)
+        expert_ids = slot_of_expert[expert_ids]
     check_inputs(x, weights, expert_ids, expert_weights)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the triton routed_moe backend takes bf16 or fp32 activations, got {x.dtype}")

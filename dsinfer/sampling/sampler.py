@@ -7,14 +7,14 @@ top-p -> min-p -> an exponential race.
 
 Batch invariance is the design constraint. A request's token depends only on its own logits, its own seed and
 its output position, never on which row it sits in or what else is in the batch: the race's noise is a pure
-function of (seed, sample index, output position, vocab column) (:mod:`dsinfer.engine.sampling_noise`), so it
+function of (seed, sample index, output position, vocab column) (:mod:`dsinfer.sampling.noise`), so it
 needs no per-request generator state and is the same on every device, and every other step is an elementwise
 or per-row operation with each row's own parameters. A seeded request therefore replays exactly.
 
 The whole batch is sampled in a few batched device ops: per-row parameters travel as small tensors (pinned,
 non-blocking copies), the penalties read per-request token counts kept on the device
-(:class:`~dsinfer.engine.token_counts.TokenCounts`), grammar masks are filled into one bitmask and applied in
-one add (:mod:`dsinfer.engine.grammar_masks`), and the host reads the device once per step: the chosen tokens
+(:class:`~dsinfer.sampling.token_counts.TokenCounts`), grammar masks are filled into one bitmask and applied in
+one add (:mod:`dsinfer.sampling.grammar_masks`), and the host reads the device once per step: the chosen tokens
 and, when asked for, their logprobs. A batch of greedy rows that nothing masks or penalises skips all of that:
 its tokens are the ops seam's ``greedy_argmax`` of the raw logits (on CUDA two short Triton passes, where
 ``torch.argmax`` of one vocabulary row is a single slow block).
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsinfer.engine.grammar_masks import apply_grammar_masks
-from dsinfer.engine.host_copies import HostCopies, device_index, start_read_back, to_device
-from dsinfer.engine.sampling_noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
-from dsinfer.engine.token_counts import TokenCounts, count_tokens
 from dsinfer.ops.registry import resolve
+from dsinfer.sampling.grammar_masks import apply_grammar_masks
+from dsinfer.sampling.host_copies import HostCopies, device_index, start_read_back, to_device
+from dsinfer.sampling.noise import ACCEPT_STREAM, RACE_STREAM, key_tensor, noise_key, race, uniforms
+from dsinfer.sampling.token_counts import TokenCounts, count_tokens
 from dsinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # importing xgrammar costs seconds; only requests with structured output need it
-    from dsinfer.engine.structured_output import GrammarConstraint
+    from dsinfer.sampling.structured_output import GrammarConstraint
 
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes 64-bit seeds; wider or negative seeds wrap
 
@@ -272,7 +272,7 @@ def accept_uniforms(state: SamplingState, count: int, device: torch.device | str
     """Speculative decoding's accept / reject uniforms for drafts at the next ``count`` output positions.
 
     Float32 ``[count]`` in ``[0, 1)``: the draft at output position ``p`` always gets the uniform keyed by
-    ``(seed, sample index, p)`` on :data:`~dsinfer.engine.sampling_noise.ACCEPT_STREAM`, however many drafts are
+    ``(seed, sample index, p)`` on :data:`~dsinfer.sampling.noise.ACCEPT_STREAM`, however many drafts are
     verified with it and whatever the batch, so seeded speculative runs replay and stay batch-invariant.
     """
     start = len(state.output_token_ids)
@@ -348,7 +348,7 @@ def exponential_noise(
     Drawn as ``-log(U)`` from ``torch.rand``, several times faster on CPU than ``Tensor.exponential_``.
     ``U == 0`` gives ``inf``, which only drops that token from this one race (``p / inf == 0``). Each row is
     filled by its own generator alone, so spreading rows over ``pool`` threads changes no value. Plain
-    sampling uses the counter-based noise of :mod:`dsinfer.engine.sampling_noise` instead.
+    sampling uses the counter-based noise of :mod:`dsinfer.sampling.noise` instead.
     """
     noise = torch.empty(len(generators), vocab_size, pin_memory=pin_memory)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.engine.host_copies import to_device
+from dsinfer.sampling.host_copies import to_device
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsinfer.engine.host_copies import device_index
+from dsinfer.sampling.host_copies import device_index
 
 if TYPE_CHECKING:
-    from dsinfer.engine.structured_output import GrammarConstraint
+    from dsinfer.sampling.structured_output import GrammarConstraint
 
 # Row b holds, for the 8 tokens whose bits are byte value b, 0.0 (allowed) or -inf (forbidden).
 _BYTE_PENALTIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -1,6 +1,6 @@
 """The sampler's row-by-row steps as they were before batching: the reference the batched ones must equal.
 
-Each function handles one request at a time with plain indexing, exactly as :mod:`dsinfer.engine.sampler` did
+Each function handles one request at a time with plain indexing, exactly as :mod:`dsinfer.sampling.sampler` did
 when it drew its noise from per-request CPU generators. The tests compare the batched device ops against these
 on random inputs, and ``benchmarks/sampler_step.py`` times :func:`sample_row_by_row` (the whole former step)
 against the batched sampler.
@@ -70,7 +70,7 @@ def sample_row_by_row(logits: torch.Tensor, states, pool: ThreadPoolExecutor | N
     ``pool`` draws the rows' noise on threads, as the former sampler did. Returns the chosen ids; logprobs are
     :func:`logprobs`.
     """
-    from dsinfer.engine.sampler import exponential_noise, filtered_probs
+    from dsinfer.sampling.sampler import exponential_noise, filtered_probs
 
     scores = logits.float().clone()
     apply_penalties(scores, states)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from dsinfer.engine.host_copies import device_index
+from dsinfer.sampling.host_copies import device_index
 
 
 class _HasTokens(Protocol):

@@ -1,0 +1,49 @@
+"""How a GPU budget for routed experts splits into resident slots and the fetch buffers: the rule the plan
+(:mod:`dsinfer.memory_plan`) prints and :mod:`dsinfer.offload.install` applies.
+
+Per layer ``resident`` experts stay on the GPU; ``FETCH_BUFFERS`` buffers shared by all layers, each with room for
+one layer's non-resident experts, take the misses of the layer about to run while the layer before computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FETCH_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Routed experts of one rank: how many of each layer's stay on the GPU, and the fetch pool for the rest."""
+
+    per_layer: int  # the rank's experts per layer
+    resident: int  # of them, on the GPU per layer
+    layers: int
+    expert: int  # bytes of one expert
+
+    @property
+    def offloaded(self) -> int:
+        return self.per_layer - self.resident
+
+    @property
+    def fetch_slots(self) -> int:
+        return FETCH_BUFFERS * self.offloaded if self.offloaded else 0
+
+    @property
+    def gpu_bytes(self) -> int:
+        return (self.layers * self.resident + self.fetch_slots) * self.expert
+
+    @property
+    def host_bytes(self) -> int:
+        """The host store keeps every expert of the rank (a re-balance promotes any of them)."""
+        return self.layers * self.per_layer * self.expert if self.offloaded else 0
+
+
+def largest_split(per_layer: int, layers: int, expert: int, budget: int) -> ExpertSplit | None:
+    """The most resident experts per layer whose slots and fetch buffers fit ``budget`` bytes; None if even the
+    fetch buffers alone do not."""
+    for resident in range(per_layer, -1, -1):
+        split = ExpertSplit(per_layer, resident, layers, expert)
+        if split.gpu_bytes <= budget:
+            return split
+    return None
