@@ -23,6 +23,7 @@ import itertools
 import torch
 from cold_copies import copy_count, graph_ms, mode_line, with_copies  # --cold's copies (same folder)
 
+from dsinfer.ops.fp8_linear import Fp8Weight
 from dsinfer.ops.fp8_linear.gemv_triton import Fp8GemvConfig, default_gemv, fp8_gemv
 from dsinfer.ops.fp8_linear.triton import Fp8KernelConfig, choose_config, fp8_linear_kernel
 from dsinfer.ops.grouped_linear import grouped_linear
@@ -86,7 +87,8 @@ def main() -> None:
             copies, dense = weights[name]
             x = torch.randn(tokens, cols * groups, device=device, dtype=dtype)
             bf16 = functools.partial(grouped_linear, x, dense, groups)
-            fp8 = [functools.partial(ops.fp8_linear, x, codes, scale, BLOCK, dtype, groups) for codes, scale in copies]
+            fp8 = [functools.partial(ops.fp8_linear, x, Fp8Weight(codes, scale, BLOCK), dtype, groups)
+                   for codes, scale in copies]  # fmt: skip
             rows["bf16"].append(graph_ms(bf16, args.calls, args.repeats))
             rows["fp8"].append(graph_ms(fp8, args.calls, args.repeats))
         for policy, times in rows.items():
@@ -119,7 +121,7 @@ def sweep(args, shapes, weights, dtype) -> None:
         for config in configs:
             try:
                 kernel = fp8_gemv if isinstance(config, Fp8GemvConfig) else fp8_linear_kernel
-                launch = [functools.partial(kernel, x, codes, scale, BLOCK, dtype, groups, config=config)
+                launch = [functools.partial(kernel, x, Fp8Weight(codes, scale, BLOCK), dtype, groups, config=config)
                           for codes, scale in copies]  # fmt: skip
                 ms = graph_ms(launch, args.calls, args.repeats)
             except Exception as error:  # a launch the GPU cannot take (shared memory): skip it

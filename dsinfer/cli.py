@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from dsinfer.llm import DTYPES, LLM
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.loader import CheckpointError
 from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.parallel.config import ParallelConfig
 from dsinfer.plan_cli import add_expert_offload, add_plan_parser, run_plan
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
@@ -128,6 +130,11 @@ def add_parallel_layout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address (the ranks' rendezvous)")
     parser.add_argument("--master-port", type=int, default=None,
                         help="rendezvous port (needed with --nnodes > 1; ranks reach the API on port + 1)")  # fmt: skip
+
+
+def parallel_layout(args: argparse.Namespace) -> ParallelConfig:
+    """The layout of :func:`add_parallel_layout`'s flags, each named for its field (checked as it is made)."""
+    return ParallelConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ParallelConfig)})
 
 
 def add_image_limits(parser: argparse.ArgumentParser) -> None:
@@ -318,10 +325,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         load_format=args.load_format,
-        api_key=args.api_key, data_parallel_size=args.data_parallel_size,
-        expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-        expert_placement=args.expert_placement,
+        api_key=args.api_key, parallel=parallel_layout(args),
         request_timeout=args.request_timeout, max_queue=args.max_queue, max_n=args.max_n,
         drain_timeout=args.drain_timeout,
         image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),

@@ -341,7 +341,7 @@ def test_flash_widths_quantized_storage_is_about_a_quarter_of_bf16():
 def test_a_row_chain_writes_the_bytes_its_rows_would(quantized):
     """A decode step hands the window row, entries and index keys to the cache as :class:`RowChain`s: the pools
     must hold what writing the chains' rows gives (``rope_round_store`` against ``rope_and_round`` + store)."""
-    from dsinfer.ops.rope_round import RowChain
+    from dsinfer.ops.rope_round import RopeRoundInputs, RowChain
 
     config = tiny_config_v41()
     caches = [KVCacheV41(config, 2, 6, BLOCK_TOKENS, torch.bfloat16, "cpu", quantized_storage=quantized)
@@ -354,7 +354,7 @@ def test_a_row_chain_writes_the_bytes_its_rows_would(quantized):
         x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
         angles = torch.rand(rows, rope, generator=generator) * 100
         weight = torch.rand(width, generator=generator) + 0.5 if norm else None
-        return RowChain(ops, x, angles.cos(), angles.sin(), weight, 1e-6, rounding, block)
+        return RowChain(ops, RopeRoundInputs(x, angles.cos(), angles.sin(), weight, 1e-6, rounding, block))
 
     window = chain(3, config.head_dim, True, "fp8", 32)
     source = next(layer_id for layer_id, layer in enumerate(caches[0].layers) if layer.source is not None)

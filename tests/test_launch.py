@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from dsinfer.config import ConfigError
-from dsinfer.server.launch import ServeOptions, check_parallelism
+from dsinfer.parallel.config import ParallelConfig
+from dsinfer.server.launch import ServeOptions
 
 BACKEND = Path(__file__).resolve().parents[1] / "deploy" / "gpustack" / "dsinfer-backend.yaml"
 
@@ -16,16 +17,16 @@ BACKEND = Path(__file__).resolve().parents[1] / "deploy" / "gpustack" / "dsinfer
 @pytest.mark.parametrize(("dp", "ep", "cp"), [(2, 4, 1), (1, 2, 1), (4, 4, 2)])
 def test_parallel_sizes_must_tile(dp, ep, cp):
     with pytest.raises(ConfigError, match=rf"got {dp} x {cp} != {ep}"):
-        check_parallelism(ServeOptions(None, data_parallel_size=dp, expert_parallel_size=ep, context_parallel_size=cp))
+        ServeOptions(None, parallel=ParallelConfig(dp, ep, cp))
 
 
 def test_the_flags_give_the_rank_layout():
-    layout = check_parallelism(ServeOptions(None, data_parallel_size=4, expert_parallel_size=4, nnodes=2,
-                                            node_rank=1, master_port=29500))  # fmt: skip
+    layout = ServeOptions(None, parallel=ParallelConfig(data_parallel_size=4, expert_parallel_size=4, nnodes=2,
+                                                        node_rank=1, master_port=29500)).parallel  # fmt: skip
     assert (layout.world_size, layout.ranks_per_node, list(layout.local_ranks)) == (4, 2, [2, 3])
-    assert not check_parallelism(ServeOptions(None)).is_multi_rank  # one rank: in-process, as before
+    assert not ServeOptions(None).parallel.is_multi_rank  # one rank: in-process, as before
     with pytest.raises(ConfigError, match="context parallelism is not available yet"):
-        check_parallelism(ServeOptions(None, data_parallel_size=1, expert_parallel_size=2, context_parallel_size=2))
+        ServeOptions(None, parallel=ParallelConfig(1, 2, 2))
 
 
 def test_gpustack_backend_runs_dsinfer_serve():

@@ -25,6 +25,7 @@ from server_harness import free_port, running_server
 
 from dsinfer.config import EngineConfig
 from dsinfer.llm import LLM
+from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.ranked_engine import RankDiedError
 from dsinfer.sampling_params import SamplingParams
 
@@ -110,7 +111,7 @@ def test_server_on_two_ranks_answers_like_one_rank(tiny_checkpoint):
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
     with LLM(tiny_checkpoint, config) as one:
         expected = [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
-    with running_server(tiny_checkpoint, config, data_parallel_size=2, expert_parallel_size=2) as (base, _):
+    with running_server(tiny_checkpoint, config, parallel=ParallelConfig(2, 2)) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         results: dict[int, str] = {}
 

@@ -27,9 +27,9 @@ def inputs():
 def recording_table(calls: list):
     table = resolve("cpu", torch.bfloat16)
 
-    def fused(*args):
-        calls.append(args[3:])
-        return table.rope_and_round(*args)
+    def fused(inputs):
+        calls.append((inputs.weight, inputs.eps, inputs.rounding, inputs.block))
+        return table.rope_and_round(inputs)
 
     return SimpleNamespace(rope_and_round=fused, rope=table.rope)
 
@@ -98,7 +98,7 @@ def test_defer_hands_the_one_op_to_the_cache_write_as_a_row_chain():
     ops, quantizer, positions = resolve("cpu", torch.bfloat16), ActivationQuantizer(), torch.arange(5)
     chain = rope_and_round(x, cos, sin, ops, norm, quantizer, "window_kv", 0, positions, defer=True)
     assert isinstance(chain, RowChain) and chain.ops is ops and chain.shape == x.shape
-    assert chain.weight is norm.weight and (chain.rounding, chain.block) == ("fp8", 32)
+    assert chain.inputs.weight is norm.weight and (chain.inputs.rounding, chain.inputs.block) == ("fp8", 32)
     assert torch.equal(chain.rows(), rope_and_round(x, cos, sin, ops, norm, quantizer, "window_kv", 0, positions))
 
     class Overriding(ActivationQuantizer):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dsinfer.layers.op_binding import reference_ops
+from dsinfer.ops.fp8_linear.reference import Fp8Weight
 from dsinfer.ops.quant import dequantize_fp8_blockwise
 from dsinfer.ops.registry import OpTable
 
@@ -48,7 +49,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
         """``x @ W.T``; ``groups`` > 1: a grouped projection (``x`` [..., groups * in], see the op)."""
-        return self.ops.fp8_linear(x, self.codes, self.scale, self.block, self.compute_dtype, groups)
+        return self.ops.fp8_linear(x, Fp8Weight(self.codes, self.scale, self.block), self.compute_dtype, groups)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, fp8"
@@ -110,4 +111,4 @@ class Fp8Stack:
     def __call__(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Output columns ``start:stop`` (default: all) of the stacked projection."""
         codes, scale = self.rows(start, self.out_features if stop is None else stop)
-        return self.ops.fp8_linear(x, codes, scale, self.block, self.compute_dtype)
+        return self.ops.fp8_linear(x, Fp8Weight(codes, scale, self.block), self.compute_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.mhc import (
+    HcSiteInputs,
     hc_collapse_reference,
     hc_expand_reference,
     hc_head_reference,
@@ -61,7 +62,7 @@ def site_input(
     ``ops`` is the model's op table (its ``hc_site_input`` backend: at decode on CUDA the mixes, then one launch
     for each half); without one the torch reference runs, the same functions composed."""
     run = ops.hc_site_input if ops is not None else hc_site_input_reference
-    return run(streams, fn, base, scale, sinkhorn_iterations, hc_eps, norm_eps, carried_mix)
+    return run(HcSiteInputs(streams, fn, base, scale, sinkhorn_iterations, hc_eps, norm_eps, carried_mix))
 
 
 def collapse_streams(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:

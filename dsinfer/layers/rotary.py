@@ -16,7 +16,7 @@ from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.norm_rope import rms_normalize_rope_reference, rope_reference
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.rope_angles import rope_angles_reference
-from dsinfer.ops.rope_round import RowChain
+from dsinfer.ops.rope_round import RopeRoundInputs, RowChain
 
 
 def rope_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -114,7 +114,7 @@ def rope_and_round(
     if ops is not None and rounding is not None:
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         if defer:
-            return RowChain(ops, x, cos, sin, weight, eps, *rounding)
-        return ops.rope_and_round(x, cos, sin, weight, eps, *rounding)
+            return RowChain(ops, RopeRoundInputs(x, cos, sin, weight, eps, *rounding))
+        return ops.rope_and_round(RopeRoundInputs(x, cos, sin, weight, eps, *rounding))
     y = apply_rope(norm(x) if norm is not None else x, cos, sin, ops=ops)
     return getattr(quantizer, point)(y, layer, ids) if quantizer is not None else y

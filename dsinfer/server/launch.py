@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -51,14 +51,7 @@ class ServeOptions:
     served_model_name: str | None = None
     load_format: str = "auto"  # 'dummy': the directory's config and tokenizer, random weights (dsinfer.models.dummy)
     api_key: str | None = None
-    data_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    context_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    expert_placement: str | None = None  # a JSON file of each EP rank's experts (redundant experts)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the rank layout, checked when it is made
     request_timeout: float | None = None
     max_queue: int | None = None
     max_n: int = DEFAULT_MAX_N
@@ -75,21 +68,13 @@ class ServeOptions:
     download_dir: str | None = None  # the hub cache for a repository id (default: HF_HUB_CACHE)
 
 
-def check_parallelism(options: ServeOptions) -> ParallelConfig:
-    """The rank layout of the flags: DP attention x CP must tile the EP group exactly (the DeepInfer layout)."""
-    return ParallelConfig(
-        options.data_parallel_size, options.expert_parallel_size, options.context_parallel_size,
-        options.nnodes, options.node_rank, options.master_addr, options.master_port, options.expert_placement,
-    )  # fmt: skip
-
-
 def build_server(options: ServeOptions, engine_config: EngineConfig):
     """The FastAPI app and its engine thread (not started), ready for uvicorn; the engine process (with
     ``options.engine_process``, or several ranks) is started and ready.
 
     The app keeps the :class:`~dsinfer.llm.LLM` in ``app.state.llm``: close it after stopping the engine.
     """
-    parallel = check_parallelism(options)
+    parallel = options.parallel
     llm = LLM(
         options.model, engine_config, parallel, load_format=options.load_format,
         engine_process=options.engine_process, revision=options.revision, download_dir=options.download_dir,
@@ -145,7 +130,7 @@ def _default_served_name(model: str | None) -> str:
 def serve(options: ServeOptions, engine_config: EngineConfig) -> int:
     """Run until SIGTERM / Ctrl-C (exit status 0) or until an engine process dies (1, after /health has said 503)."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parallel = check_parallelism(options)
+    parallel = options.parallel
     if parallel.node_rank > 0:  # this host only runs ranks; the API process lives on host 0
         from dsinfer.parallel.ranked_engine import run_remote_ranks
 

@@ -25,6 +25,7 @@ def test_off_on_the_cpu_and_bad_settings_are_errors(monkeypatch):
 
 
 def _chain():
+    from dsinfer.ops.fp8_linear import Fp8Weight
     from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv
     from dsinfer.ops.norm_rope.rms_norm_triton import rms_norm_triton
     from dsinfer.ops.quant import quantize_fp8_blockwise
@@ -34,16 +35,16 @@ def _chain():
     weights = []
     for rows, inputs in ((4096, 2048), (2048, 4096), (2048, 1024)):
         codes, scale = quantize_fp8_blockwise(torch.randn(rows, inputs, generator=gen) * 0.05, (128, 128))
-        weights.append((codes.cuda(), scale.cuda()))
+        weights.append(Fp8Weight(codes.cuda(), scale.cuda(), (128, 128)))
     norm_weight = torch.randn(2048, generator=gen).cuda()
     x = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
 
     def run() -> torch.Tensor:
         h = rms_norm_triton(x, norm_weight.to(x.dtype), 1e-6)
-        h = fp8_gemv(h, *weights[0], (128, 128), torch.bfloat16)
-        h = fp8_gemv(h, *weights[1], (128, 128), torch.bfloat16)
+        h = fp8_gemv(h, weights[0], torch.bfloat16)
+        h = fp8_gemv(h, weights[1], torch.bfloat16)
         h = clamped_swiglu_triton(h, 10.0)
-        return fp8_gemv(h, *weights[2], (128, 128), torch.bfloat16)
+        return fp8_gemv(h, weights[2], torch.bfloat16)
 
     return x, run
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from interpreted import assert_interpreted_cases_pass
 
-from dsinfer.ops.fp8_linear import fp8_linear_reference
+from dsinfer.ops.fp8_linear import Fp8Weight, fp8_linear_reference
 from dsinfer.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 # (label, tokens, rows, inputs, groups, block, config (block_n, block_k, warps, stages[, splits]) or None)
@@ -55,8 +55,8 @@ GEMV_CASES = [
 
 
 def bound_failures(label, got, x, codes, scale, block, dtype, groups) -> list[str]:
-    want = fp8_linear_reference(x, codes, scale, block, dtype, groups)
-    truth = fp8_linear_reference(x.float(), codes, scale, block, torch.float32, groups)
+    want = fp8_linear_reference(x, Fp8Weight(codes, scale, block), dtype, groups)
+    truth = fp8_linear_reference(x.float(), Fp8Weight(codes, scale, block), torch.float32, groups)
     if got.shape != want.shape or got.dtype != dtype:
         return [f"{label} {dtype}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {dtype}"]
     magnitude = float(truth.abs().max())
@@ -79,7 +79,7 @@ def check(device: str) -> list[str]:
             x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(index + 50)).to(device)
             launch = Fp8KernelConfig(*config) if config else None
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                got = fp8_linear_kernel(x.to(dtype), codes, scale, block, dtype, groups, config=launch)
+                got = fp8_linear_kernel(x.to(dtype), Fp8Weight(codes, scale, block), dtype, groups, config=launch)
                 failures += bound_failures(f"{label} ({scale_dtype})", got.cpu(), x.to(dtype).cpu(), codes.cpu(),
                                            scale.cpu(), block, dtype, groups)  # fmt: skip
             for dtype in (torch.float32, torch.bfloat16):
@@ -95,8 +95,8 @@ def check(device: str) -> list[str]:
             x = torch.randn(1, inputs, generator=torch.Generator().manual_seed(index + 80))
             launch = Fp8GemvConfig(*config) if config else None
             for dtype in (torch.float32, torch.bfloat16):
-                got = fp8_gemv(x.to(dtype).to(device), codes.to(device), scale.to(device), block, dtype, groups,
-                               config=launch)  # fmt: skip
+                weight = Fp8Weight(codes.to(device), scale.to(device), block)
+                got = fp8_gemv(x.to(dtype).to(device), weight, dtype, groups, config=launch)
                 failures += bound_failures(f"{label} ({scale_dtype})", got.cpu(), x.to(dtype), codes, scale, block,
                                            dtype, groups)  # fmt: skip
     # Every split launch set its tiles' counts back to zero for the next launch.
@@ -108,7 +108,7 @@ def check(device: str) -> list[str]:
     # Lead dimensions and a strided input (a column slice) keep the reference's shape.
     codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=99)
     wide = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(7)).to(device)
-    got = fp8_linear_kernel(wide[..., :64], codes.to(device), scale.to(device), (32, 32), torch.float32,
+    got = fp8_linear_kernel(wide[..., :64], Fp8Weight(codes.to(device), scale.to(device), (32, 32)), torch.float32,
                             config=Fp8KernelConfig(16, 32, 1, 1))  # fmt: skip
     failures += bound_failures("strided lead dims", got.cpu(), wide[..., :64].cpu(), codes, scale, (32, 32),
                                torch.float32, 1)  # fmt: skip
@@ -143,7 +143,7 @@ def test_fp8_linear_backend_on_cuda_at_flash_widths(tokens):
         codes, scale = random_weight(rows, inputs // groups, (128, 128), torch.float8_e8m0fnu, seed=tokens)
         codes, scale = codes.cuda(), scale.cuda()
         x = torch.randn(tokens, inputs, device="cuda", dtype=torch.bfloat16)
-        got = fp8_linear_triton(x, codes, scale, (128, 128), torch.bfloat16, groups)
+        got = fp8_linear_triton(x, Fp8Weight(codes, scale, (128, 128)), torch.bfloat16, groups)
         failures = bound_failures("flash", got, x, codes, scale, (128, 128), torch.bfloat16, groups)
         assert failures == []
 
@@ -160,37 +160,38 @@ def test_dispatch_and_errors(monkeypatch):
     monkeypatch.setattr(backend, "dequantize_fp8_triton", lambda codes, scale, block, dtype: calls.append("dequant")
                         or dequantize_fp8_blockwise(codes, scale, block, dtype=dtype))  # fmt: skip
     codes, scale = random_weight(32, 64, (32, 32), torch.float8_e8m0fnu, seed=3)
+    weight = Fp8Weight(codes, scale, (32, 32))
     few, many = torch.randn(backend.MAX_KERNEL_TOKENS, 64), torch.randn(backend.MAX_KERNEL_TOKENS + 1, 64)
-    assert backend.fp8_linear_triton(few, codes, scale, (32, 32), torch.float32) == "k"
-    assert backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32) == "g"  # one token: the GEMV
-    out = backend.fp8_linear_triton(many, codes, scale, (32, 32), torch.float32)
-    torch.testing.assert_close(out, fp8_linear_reference(many, codes, scale, (32, 32), torch.float32))
+    assert backend.fp8_linear_triton(few, weight, torch.float32) == "k"
+    assert backend.fp8_linear_triton(few[:1], weight, torch.float32) == "g"  # one token: the GEMV
+    out = backend.fp8_linear_triton(many, weight, torch.float32)
+    torch.testing.assert_close(out, fp8_linear_reference(many, weight, torch.float32))
     monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")
-    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    backend.fp8_linear_triton(few[:1], weight, torch.float32)
     assert calls == ["kernel", "gemv", "dequant", "dequant"]
     # A weight over the GEMV's size limit goes to the kernel unless its rows are long; 0 turns the GEMV off.
     from dsinfer.ops.fp8_linear import gemv_triton
 
     monkeypatch.delenv("DSINFER_FP8_KERNEL_MAX_TOKENS")
     monkeypatch.setenv("DSINFER_FP8_GEMV_MAX_WEIGHT", str(codes.numel() - 1))
-    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    backend.fp8_linear_triton(few[:1], weight, torch.float32)
     monkeypatch.setattr(gemv_triton, "GEMV_MIN_INPUTS", codes.shape[1])
-    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    backend.fp8_linear_triton(few[:1], weight, torch.float32)
     monkeypatch.setenv("DSINFER_FP8_GEMV_MAX_WEIGHT", "0")
-    backend.fp8_linear_triton(few[:1], codes, scale, (32, 32), torch.float32)
+    backend.fp8_linear_triton(few[:1], weight, torch.float32)
     assert calls[4:] == ["kernel", "gemv", "kernel"]
     monkeypatch.setenv("DSINFER_FP8_KERNEL_MAX_TOKENS", "0")  # the grouped calls below: the dequantised weight
     grouped = torch.randn(3, 2 * 64)
-    out = backend.fp8_linear_triton(grouped, codes, scale, (32, 32), torch.float32, groups=2)
-    torch.testing.assert_close(out, fp8_linear_reference(grouped, codes, scale, (32, 32), torch.float32, groups=2))
+    out = backend.fp8_linear_triton(grouped, weight, torch.float32, groups=2)
+    torch.testing.assert_close(out, fp8_linear_reference(grouped, weight, torch.float32, groups=2))
     # A dtype other than the compute dtype is the reference's to handle (it raises as F.linear would).
-    assert not backend.serves(few.double(), codes, scale, (32, 32), torch.float32, 1)
-    assert not backend.serves(few, codes, scale, (32, 32), torch.float32, 32)  # one row a group: no 16-row tile
+    assert not backend.serves(few.double(), weight, torch.float32, 1)
+    assert not backend.serves(few, weight, torch.float32, 32)  # one row a group: no 16-row tile
     for fn in (fp8_linear_reference, backend.fp8_linear_triton):
         with pytest.raises(ValueError, match="do not split into 3 groups"):
-            fn(grouped, codes, scale, (32, 32), torch.float32, 3)
+            fn(grouped, weight, torch.float32, 3)
         with pytest.raises(ValueError, match="expected 2 groups x 64 = 128"):
-            fn(torch.randn(3, 100), codes, scale, (32, 32), torch.float32, 2)
+            fn(torch.randn(3, 100), weight, torch.float32, 2)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

@@ -26,7 +26,7 @@ from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.layers.mhc import collapse_streams, hyper_connection_weights, site_input
 from dsinfer.ops import registry
-from dsinfer.ops.mhc.reference import hc_collapse_reference, hc_site_input_reference
+from dsinfer.ops.mhc.reference import HcSiteInputs, hc_collapse_reference, hc_site_input_reference
 
 HC_EPS = 1e-6
 NORM_EPS = 1e-6
@@ -113,15 +113,16 @@ def check_site(case: Case, device: torch.device) -> list[str]:
 
     inputs = make_inputs(case, device)
     args = (inputs["streams"], inputs["fn"], inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
-    got = [value.cpu() for value in hc_site_input_triton(*args, inputs["carried_mix"]).all()]
-    parts = hc_site_input_triton(*args, inputs["carried_mix"])  # the halves the other way round: the same bits
+    site = HcSiteInputs(*args, inputs["carried_mix"])
+    got = [value.cpu() for value in hc_site_input_triton(site).all()]
+    parts = hc_site_input_triton(site)  # the halves the other way round: the same bits
     weights_first = [value.cpu() for value in (*parts.weights(), parts.collapse())]
-    parts = hc_site_input_triton(*args, inputs["carried_mix"])
+    parts = hc_site_input_triton(site)
     collapse_ran_weights = _collapse_runs_weights(parts)
     inputs = {name: None if value is None else value.cpu() for name, value in inputs.items()}
     streams, carried = inputs["streams"], inputs["carried_mix"]
     args = (streams, inputs["fn"], inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
-    expected = hc_site_input_reference(*args, carried).all()
+    expected = hc_site_input_reference(HcSiteInputs(*args, carried)).all()
     failures = []
     if collapse_ran_weights:
         failures.append(f"{case}: the collapse ran the weights' work (a race where they run on another stream)")
@@ -160,7 +161,8 @@ def check_unsplit_runs_the_separate_backends() -> list[str]:
     streams, fn = inputs["streams"], inputs["fn"]
     if plan_for(streams, fn)[1] != 1:
         return ["the unsplit case splits"]
-    got = hc_site_input_triton(streams, fn, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS, None).all()
+    site = HcSiteInputs(streams, fn, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS, NORM_EPS)
+    got = hc_site_input_triton(site).all()
     mixes = hc_mixes_triton(streams, fn, NORM_EPS)
     weights = hc_weights_triton(mixes, inputs["base"], inputs["scale"], ITERATIONS, HC_EPS)
     expected = (hc_collapse_triton(streams, weights[0]), *weights)
@@ -217,8 +219,9 @@ def test_inputs_the_kernel_does_not_take_go_to_the_reference():
         if cast:
             inputs["carried_mix"] = inputs["carried_mix"].bfloat16()
         args = tuple(inputs[k] for k in ("streams", "fn", "base", "scale"))
-        got = hc_site_input_triton(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"]).all()
-        expected = hc_site_input_reference(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"]).all()
+        site = HcSiteInputs(*args, ITERATIONS, HC_EPS, NORM_EPS, inputs["carried_mix"])
+        got = hc_site_input_triton(site).all()
+        expected = hc_site_input_reference(site).all()
         for value, want in zip(got, expected, strict=True):
             assert torch.equal(value, want)
 

@@ -21,7 +21,7 @@ from interpreted import assert_interpreted_cases_pass
 from test_norm_rope_triton import make_inputs as rows_and_angles
 
 from dsinfer.ops import registry
-from dsinfer.ops.rope_round.reference import rope_and_round_reference, round_rows
+from dsinfer.ops.rope_round.reference import RopeRoundInputs, rope_and_round_reference, round_rows
 
 # Rows per program: 4 at 512 channels, 16 at 128 and 96: 5 and 17 tokens end every chain in a partial program, 17
 # after one or more whole ones.
@@ -81,14 +81,14 @@ def check_cases(device: torch.device) -> list[str]:
             failures.append(f"{label}: the kernel does not take it")
             continue
         before = x.clone()
-        got = backend.rope_and_round_triton(x, cos, sin, weight, 1e-6, rounding, block)
+        got = backend.rope_and_round_triton(RopeRoundInputs(x, cos, sin, weight, 1e-6, rounding, block))
         # Without a norm the reference is the truth; only a norm's chain is checked against the unfused kernels.
         want = unfused(x, cos, sin, weight, rounding, block) if weight is not None else None
         if got.dtype != x.dtype or got.shape != x.shape or not got.is_contiguous():
             failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}, want {x.dtype} {tuple(x.shape)}")
             continue
         if weight is None:  # RoPE and the rounding are the reference's bits
-            reference = rope_and_round_reference(x, cos, sin, None, 1e-6, rounding, block)
+            reference = rope_and_round_reference(RopeRoundInputs(x, cos, sin, None, 1e-6, rounding, block))
             if not torch.equal(got, reference):
                 failures.append(f"{label}: {(got != reference).sum().item()} elements differ from the reference")
         elif dtype != torch.float32 and not torch.equal(got, want):
@@ -132,8 +132,9 @@ def test_inputs_the_kernel_does_not_take_go_to_the_reference():
     angles = torch.rand(3, 8)
     x = torch.randn(3, 48)
     assert not backend.takes(x, angles.cos(), angles.sin(), None, "fp8", 32)  # 48 channels: no whole blocks
-    got = backend.rope_and_round_triton(x, angles.cos(), angles.sin(), None, 1e-6, "fp8", 32)
-    assert torch.equal(got, rope_and_round_reference(x, angles.cos(), angles.sin(), None, 1e-6, "fp8", 32))
+    inputs = RopeRoundInputs(x, angles.cos(), angles.sin(), None, 1e-6, "fp8", 32)
+    got = backend.rope_and_round_triton(inputs)
+    assert torch.equal(got, rope_and_round_reference(inputs))
     assert torch.equal(got[:, :32], x[:, :32])  # the reference passes a row of no whole block through unrounded
 
 
@@ -142,7 +143,7 @@ def test_reference_is_norm_then_rope_then_rounding():
     from dsinfer.ops.norm_rope.reference import rms_norm_reference, rope_reference
 
     x, weight, angles = torch.randn(4, 64).bfloat16(), torch.rand(64) + 0.5, torch.rand(4, 8)
-    got = rope_and_round_reference(x, angles.cos(), angles.sin(), weight, 1e-6, "fp8", 32)
+    got = rope_and_round_reference(RopeRoundInputs(x, angles.cos(), angles.sin(), weight, 1e-6, "fp8", 32))
     want = fake_quant_fp8(rope_reference(rms_norm_reference(x, weight, 1e-6), angles.cos(), angles.sin()), 32)
     assert torch.equal(got, want)
     assert not torch.equal(got, rope_reference(rms_norm_reference(x, weight, 1e-6), angles.cos(), angles.sin()))

@@ -24,7 +24,7 @@ from test_rope_round import make_inputs
 from dsinfer.ops import registry
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs, cache_store_reference
 from dsinfer.ops.rope_round import RowChain, rope_round_store_reference
-from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs, rope_and_round_reference
+from dsinfer.ops.rope_round.reference import RopeRoundInputs, RopeRoundStoreInputs, rope_and_round_reference
 
 POOL_ROWS = (6, 16)  # pool [first, second, width]
 # (dim, has weight, rounding, block, (element, code_block, scale) or None for model-dtype storage, modulus)
@@ -69,18 +69,18 @@ def check_cases(device: torch.device) -> list[str]:
                     second = (second + (3 * POOL_ROWS[1] if modulus else 0)).to(device)  # positions past the ring
                     element, code_block, scale = store if store is not None else (None, 0, None)
                     pools = [make_pool(dim, dtype, store, device) for _ in range(3)]
-                    chain = (x, cos, sin, weight, 1e-6, rounding, block)
+                    chain = RopeRoundInputs(x, cos, sin, weight, 1e-6, rounding, block)
                     where = (first, second, modulus, element, code_block, scale)
-                    if not backend.fused_store_takes(RopeRoundStoreInputs(*chain, *pools[1], *where)):
+                    if not backend.fused_store_takes(RopeRoundStoreInputs.of(chain, *pools[1], *where)):
                         failures.append(f"{label}: the kernel does not take it")
                         continue
-                    backend.rope_round_store_triton(RopeRoundStoreInputs(*chain, *pools[1], *where))
-                    unfused = backend.rope_and_round_triton(*chain)
+                    backend.rope_round_store_triton(RopeRoundStoreInputs.of(chain, *pools[1], *where))
+                    unfused = backend.rope_and_round_triton(chain)
                     backend.cache_store_triton(CacheStoreInputs(unfused, *pools[2], *where))
                     if dtype == torch.float32 and weight is not None:
                         failures += _close(label, pools[2], pools[1])
                         continue
-                    rope_round_store_reference(RopeRoundStoreInputs(*chain, *pools[0], *where))
+                    rope_round_store_reference(RopeRoundStoreInputs.of(chain, *pools[0], *where))
                     for name, truth in (("the two Triton ops", pools[2]), ("the reference", pools[0])):
                         for want, got in zip(truth, pools[1], strict=True):
                             if want is not None and not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
@@ -99,11 +99,11 @@ def _fallback_cases(device: torch.device, generator: torch.Generator) -> list[st
     first, second = torch.tensor([1, 3, 0], device=device), torch.tensor([0, 2, 2], device=device)
     pools = [torch.zeros(4, 3, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
     where = (first, second, None, None, 0, None)
-    chain = (x, cos, sin, weight, 1e-6, "fp8", 32)
-    if backend.fused_store_takes(RopeRoundStoreInputs(*chain, pools[1][:, :, :128], None, *where)):
+    chain = RopeRoundInputs(x, cos, sin, weight, 1e-6, "fp8", 32)
+    if backend.fused_store_takes(RopeRoundStoreInputs.of(chain, pools[1][:, :, :128], None, *where)):
         return ["fallback: the kernel takes a pool that is not contiguous"]
-    rope_round_store_reference(RopeRoundStoreInputs(*chain, pools[0][:, :, :128], None, *where))
-    backend.rope_round_store_triton(RopeRoundStoreInputs(*chain, pools[1][:, :, :128], None, *where))
+    rope_round_store_reference(RopeRoundStoreInputs.of(chain, pools[0][:, :, :128], None, *where))
+    backend.rope_round_store_triton(RopeRoundStoreInputs.of(chain, pools[1][:, :, :128], None, *where))
     if not torch.equal(pools[0], pools[1]) or not pools[1].any():
         return ["fallback: the pool differs from the reference's"]
     return []
@@ -154,9 +154,11 @@ def test_reference_is_rope_and_round_then_cache_store():
     first, second = torch.tensor([0, 2, 5]), torch.tensor([1, 9, 4])
     pools = [make_pool(128, torch.bfloat16, store, "cpu") for _ in range(2)]
     rope_round_store_reference(
-        RopeRoundStoreInputs(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32, *pools[0], first, second, None, *store)
+        RopeRoundStoreInputs.of(
+            RopeRoundInputs(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32), *pools[0], first, second, None, *store
+        )
     )
-    rows = rope_and_round_reference(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32)
+    rows = rope_and_round_reference(RopeRoundInputs(x, cos, sin, weight, 1e-6, "fp4_ue8m0", 32))
     cache_store_reference(CacheStoreInputs(rows, *pools[1], first, second, None, *store))
     for want, got in zip(pools[0], pools[1], strict=True):
         assert torch.equal(want, got)
@@ -168,9 +170,9 @@ def test_row_chain_runs_its_op_table():
     generator = torch.Generator().manual_seed(5)
     x, cos, sin, weight = make_inputs(2, (), 512, 64, True, torch.float32, "contiguous", generator, "cpu")
     ops = registry.resolve(torch.device("cpu"), torch.float32)
-    chain = RowChain(ops, x, cos, sin, weight, 1e-6, "fp8", 32)
+    chain = RowChain(ops, RopeRoundInputs(x, cos, sin, weight, 1e-6, "fp8", 32))
     assert chain.shape == x.shape
-    assert torch.equal(chain.rows(), rope_and_round_reference(x, cos, sin, weight, 1e-6, "fp8", 32))
+    assert torch.equal(chain.rows(), rope_and_round_reference(RopeRoundInputs(x, cos, sin, weight, 1e-6, "fp8", 32)))
     pool = torch.zeros(2, 4, 512)
     chain.store(pool, None, torch.tensor([1, 0]), torch.tensor([2, 3]), None, None, 0, None)
     assert torch.equal(pool[1, 2], chain.rows()[0]) and torch.equal(pool[0, 3], chain.rows()[1])
@@ -185,7 +187,9 @@ def test_pools_the_kernel_does_not_take_are_refused():
     pool = torch.zeros(4, 3, 128)[:, :, :64]  # a column slice: not contiguous
     first, second = torch.tensor([1, 3]), torch.tensor([0, 2])
     assert not backend.fused_store_takes(
-        RopeRoundStoreInputs(x, cos, sin, weight, 1e-6, None, 0, pool, None, first, second, None, None, 0, None)
+        RopeRoundStoreInputs.of(
+            RopeRoundInputs(x, cos, sin, weight, 1e-6), pool, None, first, second, None, None, 0, None
+        )
     )
 
 

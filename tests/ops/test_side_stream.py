@@ -56,6 +56,7 @@ def test_each_lane_has_its_own_arrival_counts_and_the_lane_is_restored():
 
 
 def _gemv_chains():
+    from dsinfer.ops.fp8_linear import Fp8Weight
     from dsinfer.ops.fp8_linear.gemv_triton import fp8_gemv
     from dsinfer.ops.quant import quantize_fp8_blockwise
 
@@ -73,7 +74,7 @@ def _gemv_chains():
         def chain():
             y = x
             for codes, scale in weights:  # wide inputs: split-K launches, which count their tiles' arrivals
-                y = fp8_gemv(y, codes, scale, (128, 128), torch.bfloat16)
+                y = fp8_gemv(y, Fp8Weight(codes, scale, (128, 128)), torch.bfloat16)
             return y
 
         return chain

@@ -29,6 +29,7 @@ import torch
 from dsinfer import envs
 from dsinfer.ops.dependent_launch import launch_options
 from dsinfer.ops.fp8_linear.launch import choose_splits, hardware_fp8, kernel_operands, plan_splits, scale_operand
+from dsinfer.ops.fp8_linear.reference import Fp8Weight
 from dsinfer.ops.triton_support import tl, triton
 
 if triton is not None:
@@ -84,18 +85,19 @@ def gemv_max_weight() -> int:
     return GEMV_MAX_WEIGHT if setting is None else setting
 
 
-def gemv_serves(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int], groups: int, config=None) -> bool:
+def gemv_serves(x: torch.Tensor, weight: Fp8Weight, groups: int, config=None) -> bool:
     """Whether the GEMV takes a one-token call whose other inputs the ``tl.dot`` kernel takes: a weight of at most
     :func:`gemv_max_weight` elements, or a larger one of rows at least GEMV_MIN_INPUTS long (while that limit is
     not 0); a program's rows (``config``, else the launch :func:`default_gemv` picks) in one scale block of rows and
     in one group."""
+    codes = weight.codes
     config = config or default_gemv(codes.shape[0], groups)
     tokens = x.numel() // max(1, x.shape[-1])
     rows_per_group = codes.shape[0] // groups
     limit = gemv_max_weight()
     if tokens != 1 or limit == 0 or (codes.numel() > limit and codes.shape[1] < GEMV_MIN_INPUTS):
         return False
-    return block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
+    return weight.block[0] % config.block_n == 0 and rows_per_group % config.block_n == 0
 
 
 if triton is not None:
@@ -186,15 +188,10 @@ if triton is not None:
 
 
 def fp8_gemv(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    dtype: torch.dtype,
-    groups: int = 1,
-    config: Fp8GemvConfig | None = None,
+    x: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype, groups: int = 1, config: Fp8GemvConfig | None = None
 ) -> torch.Tensor:
     """``fp8_linear`` of one token (``x`` [..., groups * in] with one row; :func:`gemv_serves` must hold)."""
+    codes, scale, block = weight.codes, weight.scale, weight.block
     config = config or default_gemv(codes.shape[0], groups)
     lead, (rows, inputs) = x.shape[:-1], codes.shape
     flat, out, work = kernel_operands(x, rows, inputs, dtype)

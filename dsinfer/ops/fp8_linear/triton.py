@@ -29,7 +29,7 @@ from dsinfer.ops.fp8_linear.launch import (
     plan_splits,
     scale_operand,
 )
-from dsinfer.ops.fp8_linear.reference import check_groups, fp8_linear_reference
+from dsinfer.ops.fp8_linear.reference import Fp8Weight, check_groups, fp8_linear_reference
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import register
 from dsinfer.ops.triton_support import tl, triton, triton_available
@@ -88,8 +88,9 @@ def step_columns(block: tuple[int, int]) -> int:
     return columns
 
 
-def serves(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block, dtype, groups: int) -> bool:
+def serves(x: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype, groups: int) -> bool:
     """Whether the kernel takes this call (else the reference's contract is served another way)."""
+    codes, scale = weight.codes, weight.scale
     if x.dtype != dtype or dtype not in _COMPUTE_DTYPES or x.requires_grad or codes.dim() != 2:
         return False
     if codes.dtype != torch.float8_e4m3fn or not codes.is_contiguous() or not scale.is_contiguous():
@@ -98,7 +99,7 @@ def serves(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block, dty
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
         return False  # the e4m3 cast is Triton's from sm_89
-    return step_columns(block) >= 16 and (codes.shape[0] // groups) % 16 == 0
+    return step_columns(weight.block) >= 16 and (codes.shape[0] // groups) % 16 == 0
 
 
 if triton is not None:
@@ -212,16 +213,11 @@ if triton is not None:
 
 
 def fp8_linear_kernel(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    dtype: torch.dtype,
-    groups: int = 1,
-    config: Fp8KernelConfig | None = None,
+    x: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype, groups: int = 1, config: Fp8KernelConfig | None = None
 ) -> torch.Tensor:
     """The kernel's ``fp8_linear`` for any number of tokens (callers keep it to few); ``config`` for sweeps."""
-    check_groups(x, codes, groups)
+    check_groups(x, weight, groups)
+    codes, scale, block = weight.codes, weight.scale, weight.block
     lead, (rows, inputs) = x.shape[:-1], codes.shape
     flat, out, work = kernel_operands(x, rows, inputs, dtype)
     if not work:
@@ -264,21 +260,14 @@ def dequantize_fp8_triton(
 
 
 @register("fp8_linear", "triton", devices=("cuda",), available=triton_available, priority=10)
-def fp8_linear_triton(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    dtype: torch.dtype,
-    groups: int = 1,
-) -> torch.Tensor:
+def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
     """Same contract as ``fp8_linear_reference``: few tokens through the kernel, more through a dequantised
     weight (one Triton pass) and ``F.linear``; inputs neither takes go to the reference."""
-    check_groups(x, codes, groups)
-    if not serves(x, codes, scale, block, dtype, groups):
-        return fp8_linear_reference(x, codes, scale, block, dtype, groups)
+    check_groups(x, weight, groups)
+    if not serves(x, weight, dtype, groups):
+        return fp8_linear_reference(x, weight, dtype, groups)
     tokens = x.numel() // max(1, x.shape[-1])
     if tokens <= kernel_max_tokens():
-        kernel = fp8_gemv if tokens == 1 and gemv_serves(x, codes, block, groups) else fp8_linear_kernel
-        return kernel(x, codes, scale, block, dtype, groups)
-    return grouped_linear(x, dequantize_fp8_triton(codes, scale, block, dtype), groups)
+        kernel = fp8_gemv if tokens == 1 and gemv_serves(x, weight, groups) else fp8_linear_kernel
+        return kernel(x, weight, dtype, groups)
+    return grouped_linear(x, dequantize_fp8_triton(weight.codes, weight.scale, weight.block, dtype), groups)

@@ -14,6 +14,7 @@ its own.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -92,23 +93,32 @@ def hc_head_reference(
     return hc_collapse_reference(streams, pre)
 
 
+@dataclass(frozen=True)
+class HcSiteInputs:
+    """One mHC site's input streams [..., n, D] and what its weights are made with: the mixes' ``fn``
+    [2n + n*n, n * D] and ``norm_eps``, the ``base`` [2n + n*n] and ``scale`` [3] of the pre, post and comb parts,
+    Sinkhorn's ``iterations`` and ``hc_eps``; ``carried_mix`` [..., n] float32 where the streams collapse with
+    another site's ``pre`` (V4.1), else None."""
+
+    streams: torch.Tensor
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    iterations: int
+    hc_eps: float
+    norm_eps: float
+    carried_mix: torch.Tensor | None = None
+
+
 @register("hc_site_input", REFERENCE)
-def hc_site_input_reference(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iterations: int,
-    hc_eps: float,
-    norm_eps: float,
-    carried_mix: torch.Tensor | None,
-) -> SiteParts:
-    """One mHC site from its input streams [..., n, D], as :class:`~dsinfer.ops.mhc.site_parts.SiteParts`: the
-    block input [..., D] (streams' dtype) and the site's float32 ``pre`` [..., n], ``post`` [..., n] and ``comb``
-    [..., n, n]. The streams collapse with ``pre``, or with ``carried_mix`` [..., n] where given (V4.1 collapses a
-    site with the previous site's ``pre``). Exactly the mixes, weights and collapse references composed (the mixes
-    now, and the weights too where the collapse reads ``pre``; the rest when asked), so a model on it computes what
-    it did before the op."""
-    mixes = hc_mixes_reference(streams, fn, norm_eps)
-    weights = functools.partial(hc_weights_reference, mixes, base, scale, iterations, hc_eps)
-    return composed_parts(streams, carried_mix, weights, hc_collapse_reference)
+def hc_site_input_reference(inputs: HcSiteInputs) -> SiteParts:
+    """One mHC site from its input streams, as :class:`~dsinfer.ops.mhc.site_parts.SiteParts`: the block input
+    [..., D] (streams' dtype) and the site's float32 ``pre`` [..., n], ``post`` [..., n] and ``comb`` [..., n, n].
+    The streams collapse with ``pre``, or with ``carried_mix`` where given (V4.1 collapses a site with the previous
+    site's ``pre``). Exactly the mixes, weights and collapse references composed (the mixes now, and the weights
+    too where the collapse reads ``pre``; the rest when asked), so a model on it computes what it did before the
+    op."""
+    mixes = hc_mixes_reference(inputs.streams, inputs.fn, inputs.norm_eps)
+    sinkhorn = (inputs.base, inputs.scale, inputs.iterations, inputs.hc_eps)
+    weights = functools.partial(hc_weights_reference, mixes, *sinkhorn)
+    return composed_parts(inputs.streams, inputs.carried_mix, weights, hc_collapse_reference)

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 
 from dsinfer.ops.mhc import mixes_triton
 from dsinfer.ops.mhc.mixes_triton import hc_mixes_triton, launch_mixes, mixes_block, plan_for
+from dsinfer.ops.mhc.reference import HcSiteInputs, hc_site_input_reference
 from dsinfer.ops.mhc.site_parts import SiteParts, composed_parts
 from dsinfer.ops.mhc.triton import DTYPES, hc_collapse_triton
 from dsinfer.ops.mhc.weights_triton import hc_weights_triton
@@ -145,18 +145,12 @@ if triton is not None:
             tl.store(dst + token[:, None] * D + column[None, :], acc.to(dst.dtype.element_ty), mask=mask)
 
 
-def _serves(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iterations: int,
-    carried_mix: torch.Tensor | None,
-) -> bool:
+def _serves(inputs: HcSiteInputs) -> bool:
     """What the three backends together take: [..., n, D] streams of a float dtype with n a power of two (2 or 4:
     the mixes take at most ``MAX_M`` = 64 of 2n + n*n), an [2n + n*n, n * D] ``fn``, a matching ``base``, three
     ``scale`` entries, at least one Sinkhorn iteration and a float32 [..., n] carried mix if any."""
-    if not mixes_triton._serves(streams, fn) or streams.dtype not in DTYPES or iterations < 1:
+    streams, fn, base, scale, carried_mix = inputs.streams, inputs.fn, inputs.base, inputs.scale, inputs.carried_mix
+    if not mixes_triton._serves(streams, fn) or streams.dtype not in DTYPES or inputs.iterations < 1:
         return False
     n = streams.shape[-2]
     width = 2 * n + n * n
@@ -176,44 +170,25 @@ def collapse_blocks(tokens: int, width: int, split: int) -> tuple[int, int]:
 
 
 @register("hc_site_input", "triton", devices=("cuda",), available=triton_available, priority=10)
-def hc_site_input_triton(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iterations: int,
-    hc_eps: float,
-    norm_eps: float,
-    carried_mix: torch.Tensor | None,
-) -> SiteParts:
+def hc_site_input_triton(inputs: HcSiteInputs) -> SiteParts:
     """Same contract as the reference; what the kernels do not take goes to it. With a column split the collapse
     is the site kernel's column blocks, the weights its column 0, each its own launch of the same kernel, when
     :class:`~dsinfer.ops.mhc.site_parts.SiteParts` asks for it (the collapse programs compute ``pre`` again rather
     than read column 0's). The mixes kernel runs now when the collapse reads them (its own ``pre``); a collapse
     with a carried mix (V4.1) reads none, so the mixes run with the weights, off the block's path too. Without a
     column split the weights run now where the collapse reads their ``pre``."""
-    if not _serves(streams, fn, base, scale, iterations, carried_mix):
-        from dsinfer.ops.mhc.reference import hc_site_input_reference
-
-        return hc_site_input_reference(streams, fn, base, scale, iterations, hc_eps, norm_eps, carried_mix)
+    if not _serves(inputs):
+        return hc_site_input_reference(inputs)
+    streams, fn = inputs.streams, inputs.fn
     tokens = math.prod(streams.shape[:-2])
     plan = plan_for(streams, fn) if tokens else None
     if plan is None or plan[1] == 1:  # no column split: the three backends, one launch each
-        mixes = hc_mixes_triton(streams, fn, norm_eps)
-        weights = functools.partial(hc_weights_triton, mixes, base, scale, iterations, hc_eps)
-        return composed_parts(streams, carried_mix, weights, hc_collapse_triton)
-    site = _SplitSite(streams, fn, norm_eps, SinkhornSettings(base, scale, iterations, hc_eps), carried_mix, plan)
+        mixes = hc_mixes_triton(streams, fn, inputs.norm_eps)
+        sinkhorn = (inputs.base, inputs.scale, inputs.iterations, inputs.hc_eps)
+        weights = functools.partial(hc_weights_triton, mixes, *sinkhorn)
+        return composed_parts(streams, inputs.carried_mix, weights, hc_collapse_triton)
+    site = _SplitSite(inputs, plan)
     return SiteParts(lambda: site.launch(collapse=True), lambda: site.launch(collapse=False))
-
-
-class SinkhornSettings(NamedTuple):
-    """What the site's weights are made with besides the mixes: the ``base`` and ``scale`` of the pre, post and
-    comb parts, and the Sinkhorn normalisation's ``iterations`` and ``hc_eps``."""
-
-    base: torch.Tensor
-    scale: torch.Tensor
-    iterations: int
-    hc_eps: float
 
 
 class _SplitSite:
@@ -221,21 +196,22 @@ class _SplitSite:
     the weights when the collapse takes a carried mix), the outputs, and the site kernel's launch over either half
     of its grid."""
 
-    def __init__(self, streams, fn, norm_eps: float, sinkhorn: SinkhornSettings, carried_mix, plan) -> None:
+    def __init__(self, inputs: HcSiteInputs, plan) -> None:
+        streams, carried_mix = inputs.streams, inputs.carried_mix
         self.lead, (self.n, self.width) = streams.shape[:-2], streams.shape[-2:]
         tokens, n, device = math.prod(self.lead), self.n, streams.device
         self.flat = streams.contiguous().view(tokens, n * self.width)
-        self.fn, self.plan, self.partials = fn.contiguous(), plan, None
-        self.base, self.scale = sinkhorn.base.float().contiguous(), sinkhorn.scale.float().contiguous()
+        self.fn, self.plan, self.partials = inputs.fn.contiguous(), plan, None
+        self.base, self.scale = inputs.base.float().contiguous(), inputs.scale.float().contiguous()
         self.collapsed = torch.empty(tokens, self.width, dtype=streams.dtype, device=device)
         self.pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
         self.post = torch.empty(tokens, n, dtype=torch.float32, device=device)
         self.comb = torch.empty(tokens, n, n, dtype=torch.float32, device=device)
         self.carried = None if carried_mix is None else carried_mix.contiguous().view(tokens, n)
         self.iterations, self.hc_eps, self.norm_eps, self.split = (
-            sinkhorn.iterations,
-            sinkhorn.hc_eps,
-            norm_eps,
+            inputs.iterations,
+            inputs.hc_eps,
+            inputs.norm_eps,
             plan[1],
         )
         if self.carried is None:  # the collapse computes pre from the mixes' partial sums

@@ -8,35 +8,24 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
+from dsinfer.ops.rope_round.reference import RopeRoundInputs, RopeRoundStoreInputs
 
 
 class RowChain(NamedTuple):
-    """``ops.rope_and_round(x, cos, sin, weight, eps, rounding, block)`` not run yet: the rows it would give are
-    ``x.shape`` and ``x.dtype``."""
+    """``ops.rope_and_round(inputs)`` not run yet: the rows it would give are ``inputs.x.shape`` and
+    ``inputs.x.dtype``."""
 
     ops: Any  # the layer's OpTable
-    x: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    weight: torch.Tensor | None
-    eps: float
-    rounding: str | None
-    block: int
+    inputs: RopeRoundInputs
 
     @property
     def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def arguments(self) -> tuple:
-        """``rope_and_round``'s arguments (what ``rope_round_store`` takes before the pool's)."""
-        return tuple(self)[1:]
+        return self.inputs.x.shape
 
     def rows(self) -> torch.Tensor:
         """The chain's rows (a new tensor)."""
-        return self.ops.rope_and_round(*self.arguments)
+        return self.ops.rope_and_round(self.inputs)
 
     def store(self, *pool) -> None:
-        """The rows written as ``cache_store(rows, *pool)`` would write them, in one op."""
-        self.ops.rope_round_store(RopeRoundStoreInputs(*self.arguments, *pool))
+        """The rows written as ``cache_store(CacheStoreInputs(rows, *pool))`` would write them, in one op."""
+        self.ops.rope_round_store(RopeRoundStoreInputs.of(self.inputs, *pool))

@@ -10,7 +10,7 @@ off).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,61 +33,54 @@ def round_rows(x: torch.Tensor, rounding: str | None, block: int) -> torch.Tenso
     raise ValueError(f"rope_and_round: unknown rounding {rounding!r} (expected one of {ROUNDINGS} or None)")
 
 
-@register("rope_and_round", REFERENCE)
-def rope_and_round_reference(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    rounding: str | None = None,
-    block: int = 0,
-) -> torch.Tensor:
-    """``round(rope(rms_norm(x, weight, eps), cos, sin))`` over the last axis of ``x`` ([N, ..., dim]).
-
-    ``weight`` None: no norm. ``cos`` / ``sin`` [N, rope_dim // 2] rotate the trailing rope channels (see
-    :func:`rope_reference`); ``rounding`` (one of :data:`ROUNDINGS`, or None) rounds the rotated rows in blocks of
-    ``block`` channels. A new tensor shaped and typed like ``x``."""
-    y = x if weight is None else rms_norm_reference(x, weight, eps)
-    y = rope_reference(y, cos, sin, in_place=y is not x and not (torch.is_grad_enabled() and y.requires_grad))
-    return round_rows(y, rounding, block)
-
-
 @dataclass(frozen=True)
-class RopeRoundStoreInputs:
-    """A decode step's rows, ``rope_and_round(x, cos, sin, weight, eps, rounding, block)``, and the cache pool they
-    are written to as ``cache_store`` writes them (``data`` .. ``scale``; the format's block is ``code_block``)."""
+class RopeRoundInputs:
+    """A row chain: the rows ``x`` [N, ..., dim] through the weighted RMSNorm (``weight`` [dim] and ``eps``; None:
+    no norm), RoPE by ``cos`` / ``sin`` [N, rope_dim // 2] on the trailing rope channels (see
+    :func:`rope_reference`), then ``rounding`` (one of :data:`ROUNDINGS`, or None) in blocks of ``block``
+    channels."""
 
     x: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    weight: torch.Tensor | None
-    eps: float
-    rounding: str | None
-    block: int
-    data: torch.Tensor
-    scales: torch.Tensor | None
-    first: torch.Tensor
-    second: torch.Tensor
-    modulus: int | None
-    element: str | None
-    code_block: int
-    scale: str | None
+    weight: torch.Tensor | None = None
+    eps: float = 0.0
+    rounding: str | None = None
+    block: int = 0
 
-    @property
-    def chain(self) -> tuple:
-        """``rope_and_round``'s arguments."""
-        return self.x, self.cos, self.sin, self.weight, self.eps, self.rounding, self.block
+
+@register("rope_and_round", REFERENCE)
+def rope_and_round_reference(inputs: RopeRoundInputs) -> torch.Tensor:
+    """``round(rope(rms_norm(x, weight, eps), cos, sin))`` over the last axis of ``x`` (see
+    :class:`RopeRoundInputs`): a new tensor shaped and typed like ``x``."""
+    x, weight = inputs.x, inputs.weight
+    y = x if weight is None else rms_norm_reference(x, weight, inputs.eps)
+    in_place = y is not x and not (torch.is_grad_enabled() and y.requires_grad)
+    y = rope_reference(y, inputs.cos, inputs.sin, in_place=in_place)
+    return round_rows(y, inputs.rounding, inputs.block)
+
+
+@dataclass(frozen=True)
+class RopeRoundStoreInputs:
+    """A decode step's row chain and the cache write of its rows: ``store`` is ``cache_store``'s inputs with the
+    chain's input rows ``chain.x`` standing for the rows the chain gives (their shape and dtype); the op writes
+    the chain's rows in their place (:meth:`store_of`). :meth:`of` makes one from a chain and a pool."""
+
+    chain: RopeRoundInputs
+    store: CacheStoreInputs
+
+    @classmethod
+    def of(cls, chain: RopeRoundInputs, *pool) -> RopeRoundStoreInputs:
+        """The chain's rows to be written as ``cache_store(CacheStoreInputs(rows, *pool))`` writes them."""
+        return cls(chain, CacheStoreInputs(chain.x, *pool))
 
     def store_of(self, rows: torch.Tensor) -> CacheStoreInputs:
-        """``cache_store``'s arguments for ``rows`` (the chain's rows, however computed)."""
-        return CacheStoreInputs(rows, self.data, self.scales, self.first, self.second, self.modulus, self.element,
-                                self.code_block, self.scale)  # fmt: skip
+        """``cache_store``'s inputs for ``rows`` (the chain's rows, however computed)."""
+        return replace(self.store, values=rows)
 
 
 @register("rope_round_store", REFERENCE)
 def rope_round_store_reference(inputs: RopeRoundStoreInputs) -> None:
-    """``cache_store(rope_and_round(x, cos, sin, weight, eps, rounding, block), data, scales, first, second,
-    modulus, element, code_block, scale)``: a decode step's rows computed and written to the cache in one op, so a
-    backend can do both in one pass (the rows themselves are not kept)."""
-    cache_store_reference(inputs.store_of(rope_and_round_reference(*inputs.chain)))
+    """``cache_store`` of ``rope_and_round``'s rows: a decode step's rows computed and written to the cache in one
+    op, so a backend can do both in one pass (the rows themselves are not kept)."""
+    cache_store_reference(inputs.store_of(rope_and_round_reference(inputs.chain)))

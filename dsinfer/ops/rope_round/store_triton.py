@@ -19,10 +19,10 @@ import torch
 
 from dsinfer import envs
 from dsinfer.ops.cache_codec.triton import OUT_DTYPES, cache_store_triton, encoding_kind
-from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, ChainRows, launch_chain, takes
+from dsinfer.ops.norm_rope.row_chain_triton import launch_chain
 from dsinfer.ops.registry import register
 from dsinfer.ops.rope_round.reference import RopeRoundStoreInputs
-from dsinfer.ops.rope_round.triton import rope_and_round_triton
+from dsinfer.ops.rope_round.triton import chain_rows_of, kernel_takes, rope_and_round_triton
 from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
@@ -119,8 +119,9 @@ def fused_store_takes(inputs: RopeRoundStoreInputs) -> bool:
     """Whether the one kernel takes these inputs: rows the row chain takes, 2-D, one pool row index each, into a
     contiguous pool of the rows' width (model dtype) or of their codes (a power-of-two width in whole blocks of
     a format the encoder has)."""
-    x, data, scales, first, second = inputs.x, inputs.data, inputs.scales, inputs.first, inputs.second
-    if x.dim() != 2 or not takes(x, inputs.cos, inputs.sin, inputs.weight, inputs.rounding, inputs.block):
+    x, store = inputs.chain.x, inputs.store
+    data, scales, first, second = store.data, store.scales, store.first, store.second
+    if x.dim() != 2 or not kernel_takes(inputs.chain):
         return False
     rows, width = x.shape
     if data.dim() != 3 or not data.is_contiguous() or data.device != x.device:
@@ -129,8 +130,8 @@ def fused_store_takes(inputs: RopeRoundStoreInputs) -> bool:
         return False
     if scales is None:
         return data.dtype in OUT_DTYPES and data.shape[-1] == width
-    code_block = inputs.code_block
-    kind = encoding_kind(inputs.element, code_block, inputs.scale)
+    code_block = store.block
+    kind = encoding_kind(store.element, code_block, store.scale)
     if kind is None or width & (width - 1) or width % code_block or not scales.is_contiguous():
         return False
     return data.shape[-1] == (width if kind == 0 else width // 2) and scales.shape[-1] == width // code_block
@@ -141,17 +142,16 @@ def rope_round_store_triton(inputs: RopeRoundStoreInputs) -> None:
     """Same contract and pool bytes as the reference; one launch where :func:`fused_store_takes` holds, else the
     ``rope_and_round`` and ``cache_store`` backends one after the other."""
     if not fused_store_takes(inputs):
-        return cache_store_triton(inputs.store_of(rope_and_round_triton(*inputs.chain)))
-    x, data, scales, modulus = inputs.x, inputs.data, inputs.scales, inputs.modulus
-    encode = PLAIN if scales is None else encoding_kind(inputs.element, inputs.code_block, inputs.scale)
-    norm = NO_NORM if inputs.weight is None else WEIGHTED_NORM
+        return cache_store_triton(inputs.store_of(rope_and_round_triton(inputs.chain)))
+    store = inputs.store
+    data, scales, modulus = store.data, store.scales, store.modulus
+    encode = PLAIN if scales is None else encoding_kind(store.element, store.block, store.scale)
     pool = data.view(torch.uint8) if scales is not None else data
     scale_bytes = scales.view(torch.uint8) if scales is not None else pool  # never read in model-dtype storage
-    chain = ChainRows(x, inputs.cos, inputs.sin, inputs.weight, inputs.eps, norm, inputs.rounding, inputs.block)
     launch_chain(
-        _chain_store_kernel, chain, pool, scale_bytes, inputs.first.contiguous(), inputs.second.contiguous(),
-        data.shape[1], modulus or 0, rows_per_program=ROWS_PER_PROGRAM, warps=store_warps(x.shape[-1]), ENCODE=encode,
-        CODE_BLOCK=inputs.code_block if scales is not None else 1,
+        _chain_store_kernel, chain_rows_of(inputs.chain), pool, scale_bytes, store.first.contiguous(),
+        store.second.contiguous(), data.shape[1], modulus or 0, rows_per_program=ROWS_PER_PROGRAM,
+        warps=store_warps(inputs.chain.x.shape[-1]), ENCODE=encode, CODE_BLOCK=store.block if scales is not None else 1,
         HAS_MODULUS=modulus is not None,
     )  # fmt: skip
     return None

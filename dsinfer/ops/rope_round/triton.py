@@ -9,24 +9,27 @@ import torch
 from dsinfer.ops.norm_rope.rope_triton import rope_triton
 from dsinfer.ops.norm_rope.row_chain_triton import NO_NORM, WEIGHTED_NORM, ChainRows, launch, takes
 from dsinfer.ops.registry import register
-from dsinfer.ops.rope_round.reference import rope_and_round_reference
+from dsinfer.ops.rope_round.reference import RopeRoundInputs, rope_and_round_reference
 from dsinfer.ops.triton_support import triton_available
 
 
+def kernel_takes(inputs: RopeRoundInputs) -> bool:
+    """Whether the row-chain kernel takes the chain (:func:`~dsinfer.ops.norm_rope.row_chain_triton.takes`)."""
+    return takes(inputs.x, inputs.cos, inputs.sin, inputs.weight, inputs.rounding, inputs.block)
+
+
+def chain_rows_of(inputs: RopeRoundInputs) -> ChainRows:
+    """The chain as the row-chain kernel's launch takes it: the weighted norm where there is a weight, else none."""
+    norm = NO_NORM if inputs.weight is None else WEIGHTED_NORM
+    return ChainRows(inputs.x, inputs.cos, inputs.sin, inputs.weight, inputs.eps, norm, inputs.rounding, inputs.block)
+
+
 @register("rope_and_round", "triton", devices=("cuda",), available=triton_available, priority=10)
-def rope_and_round_triton(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    rounding: str | None = None,
-    block: int = 0,
-) -> torch.Tensor:
+def rope_and_round_triton(inputs: RopeRoundInputs) -> torch.Tensor:
     """Same contract as :func:`rope_and_round_reference`; inputs the kernel does not take go to it (a bare RoPE to
     the ``rope`` op's backend)."""
-    if not takes(x, cos, sin, weight, rounding, block):
-        if weight is None and rounding is None:
-            return rope_triton(x, cos, sin)
-        return rope_and_round_reference(x, cos, sin, weight, eps, rounding, block)
-    return launch(ChainRows(x, cos, sin, weight, eps, NO_NORM if weight is None else WEIGHTED_NORM, rounding, block))
+    if not kernel_takes(inputs):
+        if inputs.weight is None and inputs.rounding is None:
+            return rope_triton(inputs.x, inputs.cos, inputs.sin)
+        return rope_and_round_reference(inputs)
+    return launch(chain_rows_of(inputs))
