@@ -50,7 +50,7 @@ from dsinfer.layers.csa2_state import DecodeState, PrefillViews, PublishedState,
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles, step_rope_angles
+from dsinfer.layers.rotary import RoundingPoint, apply_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
 from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.index_scores_paged import PagedIndexInputs
@@ -94,7 +94,13 @@ class IndexerV41(IndexScorer):
         """Index keys ``k_norm(wk(latent))`` of new entries, RoPE'd at their groups' first positions, rounded
         (``defer``: as :func:`rope_and_round`'s, for a cache write)."""
         return rope_and_round(
-            self.wk(latents), cos, sin, self.ops, self.k_norm, quantizer, "index_keys", layer_id, entry_ids, defer
+            self.wk(latents),
+            cos,
+            sin,
+            self.ops,
+            self.k_norm,
+            RoundingPoint(quantizer, "index_keys", layer_id, entry_ids),
+            defer,
         )
 
     def candidate_scores(
@@ -146,7 +152,9 @@ class IndexerV41(IndexScorer):
         """The queries' RoPE and rounding (``index_queries``) at ``positions``, one op on the fast path."""
 
         def rotate_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            return rope_and_round(q, cos, sin, self.ops, None, quantizer, "index_queries", self.layer_id, positions)
+            return rope_and_round(
+                q, cos, sin, self.ops, None, RoundingPoint(quantizer, "index_queries", self.layer_id, positions)
+            )
 
         return rotate_queries
 
@@ -383,7 +391,13 @@ class AttentionV41(Attention):
         q_a = projected["q_a"] if "q_a" in projected else self.wq_a(x)
         kv = projected["kv"] if "kv" in projected else self.wkv(x)
         kv = rope_and_round(
-            kv, cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", self.layer_id, positions, defer_kv
+            kv,
+            cos,
+            sin,
+            self.ops,
+            self.kv_norm,
+            RoundingPoint(quantizer, "window_kv", self.layer_id, positions),
+            defer_kv,
         )
         return q_a, kv
 
@@ -473,7 +487,13 @@ class AttentionV41(Attention):
         real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
         # Entries and keys are only written: their chains run in the writes (one op each with its store).
         entries = rope_and_round(
-            latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, real_ids, defer=True
+            latents,
+            cos,
+            sin,
+            self.ops,
+            None,
+            RoundingPoint(quantizer, "compressed_kv", self.layer_id, real_ids),
+            defer=True,
         )
         keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, real_ids, defer=True)
         blocks, block_rows = decode_entry_location(
@@ -513,7 +533,7 @@ class AttentionV41(Attention):
         if entry_ids.numel():
             cos, sin = rope_angles(entry_ids * self.compress_ratio, inv_freq)
             entries = rope_and_round(
-                latents, cos, sin, self.ops, None, quantizer, "compressed_kv", self.layer_id, entry_ids
+                latents, cos, sin, self.ops, None, RoundingPoint(quantizer, "compressed_kv", self.layer_id, entry_ids)
             )
             keys = self.indexer.keys(latents, cos, sin, quantizer, self.layer_id, entry_ids)
             keep = kept_entries(span.start // self.compress_ratio, span.reuse_below, self.compress_ratio)

@@ -43,26 +43,15 @@ def hyper_connection_weights(
     return weights(mixes, base, scale, sinkhorn_iterations, hc_eps)
 
 
-def site_input(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    sinkhorn_iterations: int,
-    hc_eps: float,
-    norm_eps: float,
-    carried_mix: torch.Tensor | None = None,
-    ops: OpTable | None = None,
-) -> SiteParts:
+def site_input(inputs: HcSiteInputs, ops: OpTable | None = None) -> SiteParts:
     """One site's block input [T, D] and its ``pre``, ``post`` and ``comb`` from its input streams [T, n, D], as
     two halves (:class:`~dsinfer.ops.mhc.site_parts.SiteParts`: ``collapse()``, ``weights()``, or ``all()``):
-    :func:`hyper_connection_weights`, and :func:`collapse_streams` with ``pre``, or with ``carried_mix`` where
-    given (V4.1 collapses with the previous site's ``pre``).
+    :func:`hyper_connection_weights`, and :func:`collapse_streams` with ``pre``, or with ``inputs.carried_mix``
+    where given (V4.1 collapses with the previous site's ``pre``).
 
     ``ops`` is the model's op table (its ``hc_site_input`` backend: at decode on CUDA the mixes, then one launch
     for each half); without one the torch reference runs, the same functions composed."""
-    run = ops.hc_site_input if ops is not None else hc_site_input_reference
-    return run(HcSiteInputs(streams, fn, base, scale, sinkhorn_iterations, hc_eps, norm_eps, carried_mix))
+    return (ops.hc_site_input if ops is not None else hc_site_input_reference)(inputs)
 
 
 def collapse_streams(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:

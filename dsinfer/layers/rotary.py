@@ -8,6 +8,7 @@ the output back with the query's angle (``inverse=True``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -91,30 +92,39 @@ def normalize_and_rope(
     return (ops.rms_normalize_rope if ops is not None else rms_normalize_rope_reference)(x, eps, cos, sin)
 
 
+@dataclass(frozen=True)
+class RoundingPoint:
+    """Where a row is rounded as trained: ``quantizer``'s method ``point`` (``window_kv``, ``index_keys``, ...),
+    called with ``layer`` and ``ids``; no quantizer: no rounding."""
+
+    quantizer: ActivationQuantizer | None
+    point: str
+    layer: object = None
+    ids: torch.Tensor | None = None
+
+
 def rope_and_round(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     ops: OpTable | None,
     norm: torch.nn.Module | None = None,
-    quantizer: ActivationQuantizer | None = None,
-    point: str = "",
-    layer: object = None,
-    ids: torch.Tensor | None = None,
+    rounding: RoundingPoint | None = None,
     defer: bool = False,
 ) -> torch.Tensor | RowChain:
-    """``norm(x)`` (an ``RMSNorm``; None: ``x``) through :func:`apply_rope`, then ``quantizer``'s rounding at
-    ``point`` (one of its methods, called with ``layer`` and ``ids``; no quantizer: no rounding): a new tensor.
+    """``norm(x)`` (an ``RMSNorm``; None: ``x``) through :func:`apply_rope`, then the rounding at ``rounding``'s
+    point (None: no rounding): a new tensor.
 
     With an op table the chain is one op (``rope_and_round``) wherever the quantizer rounds the point as its
     class's base does; otherwise (the reference path, a quantizer that overrides the point) the steps run one
     after the other, each as before. ``defer`` (rows whose only use is a cache write): where the chain would be
     that one op, its arguments come back as a :class:`RowChain` instead, for the write to run with its store."""
-    rounding = (None, 0) if quantizer is None else quantizer.fusable_rounding(point)
-    if ops is not None and rounding is not None:
+    quantizer = rounding.quantizer if rounding is not None else None
+    fused = (None, 0) if quantizer is None else quantizer.fusable_rounding(rounding.point)
+    if ops is not None and fused is not None:
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         if defer:
-            return RowChain(ops, RopeRoundInputs(x, cos, sin, weight, eps, *rounding))
-        return ops.rope_and_round(RopeRoundInputs(x, cos, sin, weight, eps, *rounding))
+            return RowChain(ops, RopeRoundInputs(x, cos, sin, weight, eps, *fused))
+        return ops.rope_and_round(RopeRoundInputs(x, cos, sin, weight, eps, *fused))
     y = apply_rope(norm(x) if norm is not None else x, cos, sin, ops=ops)
-    return getattr(quantizer, point)(y, layer, ids) if quantizer is not None else y
+    return getattr(quantizer, rounding.point)(y, rounding.layer, rounding.ids) if quantizer is not None else y

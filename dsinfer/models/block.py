@@ -14,6 +14,7 @@ from dsinfer.layers.mhc import expand_streams, site_input
 from dsinfer.layers.moe import MoE
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.op_binding import reference_ops
+from dsinfer.ops.mhc import HcSiteInputs
 from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.side_stream import beside
@@ -55,7 +56,8 @@ class HyperConnectedBlock(nn.Module):
         the streams collapse with ``mix`` where given, else with the site's own ``pre``."""
         cfg = self.config
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-        return site_input(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, mix, self.ops)
+        inputs = HcSiteInputs(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, mix)
+        return site_input(inputs, self.ops)
 
     def run_site(
         self,

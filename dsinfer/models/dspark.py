@@ -33,7 +33,7 @@ from dsinfer.layers.attention import Attention, sink_softmax
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import apply_rope, rope_and_round, rope_angles
+from dsinfer.layers.rotary import RoundingPoint, apply_rope, rope_and_round, rope_angles
 from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.ops.fake_quant import ActivationQuantizer
 
@@ -60,7 +60,12 @@ class DSparkAttention(Attention):
     ) -> torch.Tensor:
         cos, sin = rope_angles(positions, inv_freq)
         return rope_and_round(
-            self.wkv(x), cos, sin, self.ops, self.kv_norm, quantizer, "window_kv", f"mtp.{self.stage}", positions
+            self.wkv(x),
+            cos,
+            sin,
+            self.ops,
+            self.kv_norm,
+            RoundingPoint(quantizer, "window_kv", f"mtp.{self.stage}", positions),
         )
 
     def forward(

@@ -246,12 +246,12 @@ def test_layer_path_is_the_separate_ops_bit_for_bit(dtype, carried):
     collapsed = collapse_streams(streams, pre if carried_mix is None else carried_mix)
     for ops in (None, registry.reference_table("cpu", dtype)):
         for weights_first in (False, True):
-            parts = site_input(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS, carried_mix, ops)
+            site = HcSiteInputs(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS, carried_mix)
+            parts = site_input(site, ops)
             if weights_first:
                 parts.weights()
             got = parts.all()
             for value, want in zip(got, (collapsed, pre, post, comb), strict=True):
                 assert torch.equal(value, want)
             assert parts.collapse() is got[0] and parts.weights()[0] is got[1]  # each half runs once
-            assert not _collapse_runs_weights(site_input(streams, fn, base, scale, ITERATIONS, HC_EPS, NORM_EPS,
-                                                         carried_mix, ops))  # fmt: skip
+            assert not _collapse_runs_weights(site_input(site, ops))
