@@ -48,7 +48,7 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
                 prepared.request, request_id, model))
             for _ in range(body.n)
         ]  # fmt: skip
-        run = Run(engine.generate(prompt_ids, params, prepared.images), choices)
+        run = Run(engine.generate(prompt_ids, params, prepared.images), choices, engine.finish)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chunks(run, include_usage, request_id, model, created, _offered_tools(prepared)))

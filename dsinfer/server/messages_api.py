@@ -93,7 +93,7 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         message_id, model = "msg_" + secrets.token_hex(12), settings.served_model_name
         generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
         stream = engine.generate(prompt_ids, params, prepared.images)
-        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)], engine.finish)
         response = recipe.MessagesResponse(message_id, model, now(), len(prompt_ids), 0)
         return await event_api_answer(run, request, fields.stream, response, _error_event)
 

@@ -114,10 +114,15 @@ class ChoiceStream:
 
 @dataclass
 class Run:
-    """A request's engine stream and its choice processors; iterate to get ``(choice index, chunks)``."""
+    """A request's engine stream and its choice processors; iterate to get ``(choice index, chunks)``.
+
+    ``finish`` (the engine's :meth:`~dsinfer.server.async_engine.AsyncEngine.finish`) is told when every choice's
+    parser has finished before the engine did (a stop sequence), so the request ends as ``stop``, not ``abort``.
+    """
 
     stream: AsyncIterator[RequestOutput]
     choices: list[ChoiceStream]
+    finish: Callable[[str], None] | None = None
     final: RequestOutput | None = field(default=None)
 
     async def __aiter__(self):
@@ -129,6 +134,8 @@ class Run:
                     if events:
                         yield completion.index, events
                 if all(choice.done for choice in self.choices):
+                    if self.finish is not None and not output.finished:
+                        self.finish(output.request_id)
                     break  # e.g. a stop sequence: the engine request ends with the stream
         finally:
             await self.stream.aclose()

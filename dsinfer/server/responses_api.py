@@ -44,7 +44,7 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
         if prepared.echo is not None:
             generator = generator.with_echo(prepared.echo)
         stream = engine.generate(prompt_ids, params, prepared.images)
-        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)], engine.finish)
         response = recipe.ResponsesResponse(response_id, model, now(), len(prompt_ids), 0)
         return await event_api_answer(run, request, fields.stream, response, _error_event)
 
