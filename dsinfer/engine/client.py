@@ -50,6 +50,12 @@ class EngineClient(Protocol):
         """End a request now and free what it holds; unknown or finished ids are ignored."""
         ...
 
+    def finish(self, request_id: str, reason: str = "stop") -> None:
+        """End a request its consumer has completed (a stop string the protocol parser found in its text): what
+        it holds is freed as by ``abort``, but its unfinished completions end with ``reason``, not ``abort``, so
+        whoever counts finish reasons counts a stop. Unknown or finished ids are ignored."""
+        ...
+
     def step(self) -> list[RequestOutput]:
         """Advance the engine; every request that changed since the last call, with all its output so far."""
         ...

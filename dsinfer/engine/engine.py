@@ -141,9 +141,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its cache; unknown or finished ids are ignored."""
+        self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str = "stop") -> None:
+        """End a request its consumer completed, freeing its cache; its running completions end with ``reason``."""
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 seq.finish_time = time.monotonic()
                 self.scheduler.finish(seq)
 

@@ -383,6 +383,11 @@ class RankedEngine:
         if self.failure is None:
             self._send(tracked.rank, messages.AbortRequest(request_id))
 
+    def finish(self, request_id: str, reason: str = "stop") -> None:
+        """End a request its consumer completed: the ranks free it as for an abort (they report nothing more of
+        it, so the reason matters only to the caller, which counts it)."""
+        self.abort(request_id)
+
     @property
     def requests(self) -> dict[str, list[CompletionOutput]]:
         """The requests in flight, each with its completions so far (a copy: this process keeps its own)."""

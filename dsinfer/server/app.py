@@ -417,18 +417,6 @@ def _visible_text(text: str, finished: bool, hold: int) -> str:
     return text[: len(text) - hold] if hold else text
 
 
-def _token_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs, tops) -> list[dict]:
-    entries = []
-    for position, token in enumerate(ids):
-        text = tokenizer.decode([token])
-        top = [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
-               for t, lp in (tops[position] if tops else [])]  # fmt: skip
-        entries.append(
-            {"token": text, "logprob": logprobs[position], "bytes": list(text.encode()), "top_logprobs": top}
-        )
-    return entries
-
-
 # ---- text completions --------------------------------------------------------------------------
 def _completion_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs, tops, offset: int) -> dict:
     """Legacy completions logprobs; ``text_offset`` counts characters from the start of the choice's text."""

@@ -1,7 +1,7 @@
 """The HTTP side's engine: requests in, each request's outputs out through an asyncio queue.
 
 With the engine in this process (``--engine-in-process``, embedding code, tests) it runs in its own thread, fed by
-a command queue: HTTP handlers post "add" and "abort" commands and await their request's channel. The engine thread
+a command queue: HTTP handlers post "add" and "end" commands and await their request's channel. The engine thread
 applies commands between steps, steps while there is work, delivers each request's outputs to its channel, ends
 requests past their deadline, and keeps the metrics current. A client that goes away aborts its request, which
 frees its cache before the next step.
@@ -59,6 +59,7 @@ class _Channel:
     last_token_time: dict[int, float] = field(default_factory=dict)
     tokens_seen: dict[int, int] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None  # the deadline, with the engine in other processes
+    ended_by_consumer: str | None = None  # the finish reason its consumer gave (see AsyncEngine.finish)
 
 
 class AsyncEngine:
@@ -121,7 +122,8 @@ class AsyncEngine:
     async def generate(
         self, prompt: list[int], params: SamplingParams, images: list | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iteration early (disconnect, cancel) aborts the request."""
+        """Stream a request's outputs; leaving the iteration early (disconnect, cancel) aborts the request, unless
+        its consumer said it completed it first (:meth:`finish`)."""
         if not self.alive:
             raise EngineDeadError("the engine has stopped; see the server log")
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
@@ -160,11 +162,20 @@ class AsyncEngine:
             if channel.timer is not None:
                 channel.timer.cancel()
             if not finished:
+                reason = channel.ended_by_consumer or "abort"
                 if self.loop_driven:
-                    self._abort(request_id)
+                    self._end(request_id, reason)
                 else:
-                    self._post(("abort", request_id))
+                    self._post(("end", request_id, reason))
             self._channels.pop(request_id, None)
+
+    def finish(self, request_id: str, reason: str = "stop") -> None:
+        """The consumer of a stream has completed its request (the protocol parser found a stop string): when the
+        stream is closed, the engine ends the request with ``reason`` and the metrics count it so, not as an
+        abort. Call it before leaving the iteration; unknown ids are ignored."""
+        channel = self._channels.get(request_id)
+        if channel is not None:
+            channel.ended_by_consumer = reason
 
     def cut_all(self, message: str) -> None:
         """End every request now (the drain deadline passed): each stream gets ``ServerShuttingDownError``.
@@ -244,19 +255,23 @@ class AsyncEngine:
                     self.engine.add_request(command[2], command[3], request_id=request_id, images=command[4])
                 except ValueError as exc:
                     self._send(channel, exc)
-            elif kind == "abort":  # the client left before the end
-                self._abort(request_id)
+            elif kind == "end":  # the client left before the end, or its consumer completed it
+                self._end(request_id, command[2])
 
-    def _abort(self, request_id: str) -> None:
-        """Abort a request, counting each unfinished completion as finished ones are counted."""
-        self.metrics.finished("abort").inc(self.engine.unfinished_completions(request_id))
-        self.engine.abort(request_id)
+    def _end(self, request_id: str, reason: str) -> None:
+        """End a request early (``abort``, or the consumer's reason), counting each unfinished completion as
+        finished ones are counted."""
+        self.metrics.finished(reason).inc(self.engine.unfinished_completions(request_id))
+        if reason == "abort":
+            self.engine.abort(request_id)
+        else:
+            self.engine.finish(request_id, reason)
 
     def _cut_all(self, message: str) -> None:
         self._shutdown_message = message
         for request_id, channel in list(self._channels.items()):
             if self.engine.unfinished_completions(request_id):
-                self._abort(request_id)
+                self._end(request_id, "abort")
                 error = ServerShuttingDownError(message)
                 channel.queue.put_nowait(error) if self.loop_driven else self._send(channel, error)
 

@@ -4,7 +4,9 @@ The library converts the body, renders the prompt and parses the output into its
 What is ours: the sampling fields vLLM and SGLang add (top_k, min_p, penalties, min_tokens...), ``n``
 choices (one stream processor each, their chunks re-indexed), ``reasoning`` next to ``reasoning_content``
 (vLLM's newer name for the same text), and usage in its own last chunk when ``stream_options.include_usage``
-asks for it, as OpenAI sends it.
+asks for it, as OpenAI sends it. Logprobs come from the library too, streamed or not, so both carry the same
+entries: each chunk those of the tokens its delta shows, answer tokens under ``content`` and reasoning tokens
+under ``reasoning_content`` (DeepSeek's API), control tokens (end of sentence) in neither.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dsinfer.server.response_stream import ChoiceStream, Run, collect
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:
-    from dsinfer.server.app import _check_model, _params, _sse, _token_logprobs, prepare_off_loop
+    from dsinfer.server.app import _check_model, _params, _sse, prepare_off_loop
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -46,7 +48,7 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
                 prepared.request, request_id, model))
             for _ in range(body.n)
         ]  # fmt: skip
-        run = Run(engine.generate(prompt_ids, params, prepared.images), choices)
+        run = Run(engine.generate(prompt_ids, params, prepared.images), choices, engine.finish)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chunks(run, include_usage, request_id, model, created, _offered_tools(prepared)))
@@ -59,14 +61,6 @@ def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFor
         offered = _offered_tools(prepared)
         for choice in merged["choices"]:
             offered_calls_only(choice, offered)
-        if logprobs is not None and run.final is not None:  # the engine's logprobs of every generated token
-            completions = {completion.index: completion for completion in run.final.outputs}
-            for choice in merged["choices"]:
-                completion = completions.get(choice["index"])
-                if completion is not None and completion.logprobs is not None:
-                    content = _token_logprobs(chat_format.tokenizer, completion.token_ids, completion.logprobs,
-                                              completion.top_logprobs)  # fmt: skip
-                    choice["logprobs"] = {"content": content}
         return Response(json.dumps(merged, ensure_ascii=False), media_type="application/json")
 
 

@@ -77,20 +77,26 @@ class PreparedRequest:
         return bool(self.request.parsing_options.parse_tool_calls and self.request.conversation.tools)
 
     def sampling_params(
-        self, default_max_tokens: int, *, temperature: float | None = None, top_k: int | None = None
+        self,
+        default_max_tokens: int,
+        *,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
     ) -> SamplingParams:
         """Engine sampling for a Responses or Messages request, from the library's inference options.
 
-        A temperature the request gives is used as given (the library reports 1.0 in thinking mode); stop
-        sequences are not the engine's business: the stream processor applies them to answer text only, and it
-        decodes the token ids itself, so the engine keeps no text.
+        A temperature the request gives is used as given (the library reports 1.0 in thinking mode), and so is
+        a seed (the library reads none from Responses or Messages bodies); stop sequences are not the engine's
+        business: the stream processor applies them to answer text only, and it decodes the token ids itself,
+        so the engine keeps no text.
         """
         options = self.request.inference_options
         values: dict[str, Any] = {
             "max_tokens": options.max_tokens or default_max_tokens,
             "temperature": temperature if temperature is not None else options.temperature,
             "top_p": options.top_p,
-            "seed": options.seed,
+            "seed": seed if seed is not None else options.seed,
             "logprobs": (options.top_logprobs or 0) if options.logprobs else None,
             "structured_output": self.structured_output,
             "detokenize": False,

@@ -88,12 +88,12 @@ def register_messages_routes(app: FastAPI, engine: AsyncEngine, chat_format: Cha
         _check_model(fields.model, settings, generation=True)
         prepared = await prepare_off_loop(chat_format, "messages", body, settings)
         params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
-                                          top_k=fields.top_k)  # fmt: skip
+                                          top_k=fields.top_k, seed=fields.seed)  # fmt: skip
         prompt_ids = _checked_prompt(prepared.prompt_ids, settings, fields.max_tokens)
         message_id, model = "msg_" + secrets.token_hex(12), settings.served_model_name
         generator = recipe.MessagesRequest.chunk_generator(prepared.request, message_id, model)
         stream = engine.generate(prompt_ids, params, prepared.images)
-        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)], engine.finish)
         response = recipe.MessagesResponse(message_id, model, now(), len(prompt_ids), 0)
         return await event_api_answer(run, request, fields.stream, response, _error_event)
 

@@ -47,6 +47,9 @@ class LibraryAPIFields(Lenient):
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    # The library reads no seed from these APIs; vLLM's extension, read here so a seeded request samples the
+    # same tokens on every route (the same seed through chat completions gives the same tool call).
+    seed: integer(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
 
 
 class StreamOptions(Lenient):

@@ -3,9 +3,9 @@
 The library's ``StreamProcessor`` turns generated tokens into Chat Completions chunks, Responses events or
 Messages events: reasoning until ``</think>``, DSML tool calls, stop sequences (answer text only), finish
 reasons and usage. The glue here feeds it the engine's tokens, one processor per choice, and keeps control
-tokens away from it: an added token other than ``</think>`` (and the DSML marker, when the request has
-tools) is counted but never decoded, so ``<｜User｜>``, ``<think>`` or bos can never reach ``content`` or
-``reasoning_content``. When every processor has finished (a stop sequence, say) the engine request ends.
+tokens away from it: an added token other than ``</think>`` (in thinking mode) and the DSML marker (when
+the request has tools) is counted but never decoded, so ``<｜User｜>``, ``<think>`` or bos can never reach
+``content`` or ``reasoning_content``. When every processor has finished (a stop sequence, say) the engine request ends.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class ChoiceStream:
 
     def __init__(self, chat_format: ChatFormat, prepared: PreparedRequest, generator) -> None:
         self._processor = recipe.StreamProcessor(generator, prepared.parsing_options, chat_format.recipe_tokenizer)
-        meaningful = {chat_format.think_end_id}
+        # </think> ends reasoning only in thinking mode; otherwise the prompt already closed it, and the library
+        # would take a generated one for text (a tool argument "</think>imgrad").
+        meaningful = {chat_format.think_end_id} if prepared.thinking else set()
         if prepared.parses_tool_calls:
             meaningful.add(chat_format.dsml_id)
         self._hidden = chat_format.control_ids - meaningful
@@ -112,10 +114,15 @@ class ChoiceStream:
 
 @dataclass
 class Run:
-    """A request's engine stream and its choice processors; iterate to get ``(choice index, chunks)``."""
+    """A request's engine stream and its choice processors; iterate to get ``(choice index, chunks)``.
+
+    ``finish`` (the engine's :meth:`~dsinfer.server.async_engine.AsyncEngine.finish`) is told when every choice's
+    parser has finished before the engine did (a stop sequence), so the request ends as ``stop``, not ``abort``.
+    """
 
     stream: AsyncIterator[RequestOutput]
     choices: list[ChoiceStream]
+    finish: Callable[[str], None] | None = None
     final: RequestOutput | None = field(default=None)
 
     async def __aiter__(self):
@@ -127,6 +134,8 @@ class Run:
                     if events:
                         yield completion.index, events
                 if all(choice.done for choice in self.choices):
+                    if self.finish is not None and not output.finished:
+                        self.finish(output.request_id)
                     break  # e.g. a stop sequence: the engine request ends with the stream
         finally:
             await self.stream.aclose()

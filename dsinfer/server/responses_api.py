@@ -36,7 +36,7 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
         _check_model(fields.model, settings, generation=True)
         prepared = await prepare_off_loop(chat_format, "responses", await request.json(), settings)
         params = prepared.sampling_params(settings.default_max_tokens, temperature=fields.temperature,
-                                          top_k=fields.top_k)  # fmt: skip
+                                          top_k=fields.top_k, seed=fields.seed)  # fmt: skip
         prompt_ids = _checked_prompt(prepared.prompt_ids, settings, fields.max_output_tokens, "max_output_tokens",
                                      "input")  # fmt: skip
         response_id, model = "resp_" + secrets.token_hex(12), settings.served_model_name
@@ -44,7 +44,7 @@ def register_responses_routes(app: FastAPI, engine: AsyncEngine, chat_format: Ch
         if prepared.echo is not None:
             generator = generator.with_echo(prepared.echo)
         stream = engine.generate(prompt_ids, params, prepared.images)
-        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)])
+        run = Run(stream, [ChoiceStream(chat_format, prepared, generator)], engine.finish)
         response = recipe.ResponsesResponse(response_id, model, now(), len(prompt_ids), 0)
         return await event_api_answer(run, request, fields.stream, response, _error_event)
 

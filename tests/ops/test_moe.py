@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -173,10 +175,14 @@ def _interpret(monkeypatch, dot_scaled: bool = True) -> None:
 
     def bf16_dot_scaled(lhs, lhs_scale, lhs_format, rhs, rhs_scale, rhs_format, fast_math, lhs_k_pack, rhs_k_pack, acc):
         # The interpreter reads bf16 operands of tl.dot_scaled through fp16 (losing range); the GPU does not.
+        prepare = interpreter._prepare_dot_scaled_operand
+        # Triton 3.9 added the scales' compute type (bf16 here: a power-of-two scale is exact in it); 3.8 has none.
+        compute = {"compute_type": tl.bfloat16} if "compute_type" in inspect.signature(prepare).parameters else {}
+
         def operand(value, scale, fmt, k_pack, is_rhs):
             if value.dtype.scalar == tl.bfloat16:
                 return widen(value).data
-            return interpreter._prepare_dot_scaled_operand(value, scale, fmt, k_pack, tl.bfloat16, is_rhs)
+            return prepare(value, scale, fmt, k_pack, is_rhs=is_rhs, **compute)
 
         product = np.matmul(operand(lhs, lhs_scale, lhs_format, lhs_k_pack, False),
                             operand(rhs, rhs_scale, rhs_format, rhs_k_pack, True))  # fmt: skip
