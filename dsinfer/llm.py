@@ -18,11 +18,9 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.hub import resolve_model_dir
 from dsinfer.models.dummy import LOAD_FORMATS
 from dsinfer.models.tiny import default_model_dir
-from dsinfer.offline_chat import DEFAULT_CHAT_PARAMS, conversations_of, parsed_output, prepare_chat
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.engine_loop import DTYPES, load_engine_model
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import Tokenizer
 
 __all__ = ["DTYPES", "LLM"]
@@ -62,7 +60,7 @@ class LLM:
         # A directory, or a Hugging Face repository id (ORG/NAME) fetched into (or found in) the hub's cache.
         model_dir = resolve_model_dir(model, revision, download_dir) if model is not None else default_model_dir()
         self.model_dir = model_dir
-        self._chat_format: ChatFormat | None = None
+        self._chat_format = None  # the chat protocol (deepseek-recipe) loads on the first chat()
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: no CUDA device is available")
         self.model = None
@@ -138,16 +136,20 @@ class LLM:
         Sampling defaults to greedy with up to 512 tokens (:data:`~dsinfer.offline_chat.DEFAULT_CHAT_PARAMS`).
         """
         chat_format = self.chat_format()
+        from dsinfer.offline_chat import DEFAULT_CHAT_PARAMS, conversations_of, parsed_output, prepare_chat
+
         params = sampling_params or DEFAULT_CHAT_PARAMS
         prepared = [prepare_chat(chat_format, conversation, params, tools, chat_template_kwargs)
                     for conversation in conversations_of(messages)]  # fmt: skip
         outputs = self.generate([p.prompt_ids for p, _ in prepared], [sp for _, sp in prepared], use_tqdm=use_tqdm)
         return [parsed_output(chat_format, p, output) for (p, _), output in zip(prepared, outputs, strict=True)]
 
-    def chat_format(self) -> ChatFormat:
+    def chat_format(self):
         """The chat format of this checkpoint (V4.1 prompts for V4.1 checkpoints), built on first use."""
         if self._chat_format is None:
             config = self.model.config if self.model is not None else ModelConfig.from_file(self.model_dir)
             variant = config.family
+            from dsinfer.server.chat_format import ChatFormat
+
             self._chat_format = ChatFormat(self.tokenizer, variant, "offline")
         return self._chat_format
