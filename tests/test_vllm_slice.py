@@ -155,3 +155,32 @@ def test_a_spent_budget_starts_no_child_and_still_prints_the_table(tmp_path):
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert "| 1 | decode 2 @ 16 | ms/step | - (not started: the run's --budget was spent) |" in finished.stdout
     assert not list(tmp_path.glob("*.log"))  # no child ran
+
+
+def test_vllm_dummy_weights_fix_computes_the_mhc_broadcast_on_first_use(tmp_path, monkeypatch):
+    """The installed vLLM's first-layer assert becomes a lazy computation, once; the patched code runs."""
+    package = tmp_path / "vllm" / "models" / "deepseek_v4" / "nvidia"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "vllm", *list(package.parents)[:3], package):
+        (folder / "__init__.py").touch()
+    (package / "model.py").write_text(
+        "class Layer:\n"
+        "    def forward(self):\n"
+        "        if True:\n"
+        "            if True:\n" + slice_engines._MHC_ASSERT + "        return self.hc_attn_fn_broadcast\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    slice_engines.patch_dummy_mhc_broadcast()
+    slice_engines.patch_dummy_mhc_broadcast()  # a second call leaves the patched file alone
+    patched = (package / "model.py").read_text()
+    assert slice_engines._MHC_ASSERT not in patched and patched.count("dummy weights") == 1
+    namespace: dict = {}
+    exec(patched, namespace)
+    layer = namespace["Layer"]()
+    layer.hc_attn_fn_broadcast, layer.hc_mult, layer.hidden_size = None, 2, 3
+    import torch
+
+    layer.hc_attn_fn = torch.arange(12.0).view(2, 6)
+    assert torch.equal(layer.forward(), torch.arange(12.0).view(-1, 2, 3).sum(dim=1))

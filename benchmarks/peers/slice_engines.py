@@ -134,6 +134,7 @@ class VllmEngine(OfflineEngine):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
+        patch_dummy_mhc_broadcast()
         llm = LLM(**engine_args)
         super().__init__(llm, llm.llm_engine, SamplingParams)
         self.tokens_prompt = TokensPrompt
@@ -153,6 +154,33 @@ class VllmEngine(OfflineEngine):
         cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
         blocks, size, dtype = (getattr(cache, name, "?") for name in ("num_gpu_blocks", "block_size", "cache_dtype"))
         return f"{built}; cache {blocks} blocks of {size} tokens ({dtype})"
+
+
+# vLLM 0.26.0's DeepSeek-V4 computes the first layer's mHC broadcast weights in ``load_weights``, which
+# ``load_format="dummy"`` never calls: its first forward then fails on ``assert self.hc_attn_fn_broadcast is not
+# None``. The fix computes them on first use, as ``finalize_mhc_broadcast_weights`` would have. It edits the
+# installed file because vLLM's engine core runs in a process of its own, where a monkeypatch would not reach.
+_MHC_ASSERT = "                assert self.hc_attn_fn_broadcast is not None\n"
+_MHC_LAZY = (
+    "                if self.hc_attn_fn_broadcast is None:  # dummy weights: load_weights never ran\n"
+    "                    self.hc_attn_fn_broadcast = (\n"
+    "                        self.hc_attn_fn.detach().view(-1, self.hc_mult, self.hidden_size).sum(dim=1)\n"
+    "                    )\n"
+)
+
+
+def patch_dummy_mhc_broadcast() -> None:
+    """Make vLLM's V4 model run with dummy weights (see above); says so when it edits the file."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.models.deepseek_v4.nvidia.model")
+    if spec is None or spec.origin is None:
+        return
+    path = Path(spec.origin)
+    source = path.read_text()
+    if source.count(_MHC_ASSERT) == 1:
+        path.write_text(source.replace(_MHC_ASSERT, _MHC_LAZY))
+        print(f"vllm: {path} computes the first layer's mHC broadcast on first use (dummy weights)", flush=True)
 
 
 def describe_vllm_model(model) -> str:
