@@ -9,10 +9,7 @@ references on machines without a GPU.
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
@@ -23,10 +20,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["interpreted", "launch_or_reference", "tl", "triton", "triton_available"]
-
-logger = logging.getLogger(__name__)
-Result = TypeVar("Result")
+__all__ = ["interpreted", "tl", "triton", "triton_available"]
 
 
 def interpreted() -> bool:
@@ -37,33 +31,3 @@ def interpreted() -> bool:
 def triton_available() -> bool:
     """Whether Triton kernels can run: Triton installed, and a CUDA device or the interpreter."""
     return triton is not None and (torch.cuda.is_available() or interpreted())
-
-
-def launch_or_reference(
-    op: str,
-    setting: tuple,
-    launch: Callable[[], Result],
-    reference: Callable[[], Result],
-    failed: set[tuple],
-    compiled: set[tuple],
-) -> Result:
-    """``launch()``, or ``reference()`` where this ``setting`` (what the kernel build fixes) failed to compile.
-
-    A kernel that raises on its setting's first launch (this Triton version, the device's resources) is warned
-    about once and the reference serves that setting from then on (``failed``); once a setting has run
-    (``compiled``), a later error is a real one and propagates, as it does inside a CUDA graph capture, which
-    must not record a half-run kernel."""
-    if setting in failed:
-        return reference()
-    if setting in compiled:
-        return launch()
-    try:
-        out = launch()
-    except Exception as error:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise
-        logger.warning("%s: Triton kernel failed (%s); using the torch reference", op, error)
-        failed.add(setting)
-        return reference()
-    compiled.add(setting)
-    return out

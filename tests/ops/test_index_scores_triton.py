@@ -193,19 +193,22 @@ def _refuse(*args, **kwargs):
 
 
 def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatch, caplog):
+    """A kernel that does not compile here is warned about once (by the registry's fallback, the only one) and
+    the reference answers instead, for the scores and the choice built on them."""
     import dsinfer.ops.index_scores.triton as backend
 
     monkeypatch.setattr(backend, "index_scores_launch", _refuse)
-    monkeypatch.setattr(backend, "_FAILED", set())
-    monkeypatch.setattr(backend, "_COMPILED", set())
+    scores = registry.falls_back_to_reference("index_scores", "triton", backend.index_scores_triton)
+    topk = registry.falls_back_to_reference("index_topk", "triton", backend.index_topk_triton)
     inputs = make_inputs(CASES[1])
     with caplog.at_level("WARNING"):
-        got = backend.index_scores_triton(*inputs)
-        chosen, real = backend.index_topk_triton(*inputs, 8)
-    assert torch.equal(got, index_scores_reference(*inputs))
+        got = scores(*inputs)
+        again = scores(*inputs)
+    chosen, real = topk(*inputs, 8)
+    assert torch.equal(got, index_scores_reference(*inputs)) and torch.equal(again, got)
     want_chosen, want_real = index_topk_reference(*inputs, 8)
     assert torch.equal(chosen, want_chosen) and torch.equal(real, want_real)
-    assert sum("Triton kernel failed" in r.message for r in caplog.records) == 1
+    assert sum("index_scores: the triton backend failed" in r.message for r in caplog.records) == 1
 
 
 def test_inputs_the_kernels_do_not_take_go_to_the_reference(monkeypatch):

@@ -29,7 +29,7 @@ import torch
 
 from dsinfer.ops.index_scores.reference import index_scores_reference, index_topk_reference, top_k_in_order
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import launch_or_reference, tl, triton, triton_available
+from dsinfer.ops.triton_support import tl, triton, triton_available
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
@@ -252,10 +252,6 @@ def index_scores_launch(
     return scores
 
 
-_COMPILED: set[tuple] = set()  # launch settings that compiled and ran once (errors after that are real ones)
-_FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here: the reference serves them
-
-
 @register(
     "index_scores",
     "triton",
@@ -267,20 +263,12 @@ _FAILED: set[tuple] = set()  # launch settings whose kernel did not compile here
 def index_scores_triton(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as the reference; inputs the kernels do not take, or a kernel that fails to compile here
-    (warned once per setting), go to the reference."""
+    """Same contract as the reference; inputs the kernels do not take go to the reference (a kernel that fails to
+    compile here is the registry's to fall back from)."""
     args = (q, keys, head_weights, visible)
     if not serves(*args):
         return index_scores_reference(*args)
-    setting = (q.device, q.dtype, keys.dtype, head_weights.dtype, q.shape[1:], keys.dim())  # what the build fixes
-    return launch_or_reference(
-        "index_scores",
-        setting,
-        lambda: index_scores_launch(*args),
-        lambda: index_scores_reference(*args),
-        _FAILED,
-        _COMPILED,
-    )
+    return index_scores_launch(*args)
 
 
 @register(

@@ -19,16 +19,12 @@ from dsinfer.ops.index_scores_paged.triton import paged_scores_launch, serves
 from dsinfer.ops.index_select.triton import index_topk_decode_triton
 from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 from dsinfer.ops.registry import register
-from dsinfer.ops.triton_support import launch_or_reference, triton_available
+from dsinfer.ops.triton_support import triton_available
 
 
 def indexer_scores_launch(inputs: PagedIndexInputs) -> torch.Tensor:
     """Scores [B, max_blocks * per_block] float32, -inf past each sequence's ``visible`` entries (no fallback)."""
     return paged_scores_launch(inputs)
-
-
-_COMPILED: set[tuple] = set()
-_FAILED: set[tuple] = set()
 
 
 def choose_visible(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,17 +42,9 @@ def choose_visible(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     priority=10,
 )
 def indexer_topk_decode_triton(inputs: PagedIndexInputs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as the reference; a kernel that fails to compile here (warned once) leaves it the work."""
+    """Same contract as the reference; inputs the kernels do not take go to the reference (a kernel that fails to
+    compile here is the registry's to fall back from)."""
     q, keys, key_scales = inputs.q, inputs.keys, inputs.key_scales
     if not serves(q, keys, key_scales):
         return indexer_topk_decode_reference(inputs, k)
-    setting = (q.device, q.dtype, q.shape[1:], keys.dtype, keys.shape[1:], inputs.block_tables.shape,
-               None if key_scales is None else (key_scales.dtype, key_scales.shape[-1]))  # fmt: skip
-    return launch_or_reference(
-        "indexer_topk_decode",
-        setting,
-        lambda: choose_visible(indexer_scores_launch(inputs), k),
-        lambda: indexer_topk_decode_reference(inputs, k),
-        _FAILED,
-        _COMPILED,
-    )
+    return choose_visible(indexer_scores_launch(inputs), k)
