@@ -213,5 +213,18 @@ def test_configuration_lists_exactly_the_declared_environment_variables():
     assert shown == env_table(), "regenerate the table with: python tests/test_docs_paths.py"
 
 
+# --- the floors and imports table in docs/architecture.md -----------------------------------------------------
+
+
+def test_architecture_lists_the_floors_and_imports_the_layering_test_computes():
+    from test_layering import IMPORT_TABLE_HEADER, import_table
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index(IMPORT_TABLE_HEADER)
+    end = text.find("\n\n", start)
+    shown = text[start : len(text) if end < 0 else end + 1]
+    assert shown == import_table(), "regenerate the table with: python tests/test_layering.py"
+
+
 if __name__ == "__main__":
     print(env_table(), end="")

@@ -140,3 +140,25 @@ def test_speculative_never_imports_the_engine():
     edges = import_edges()
     assert ("speculative", "engine") not in edges, edges.get(("speculative", "engine"))
     assert ("sampling", "engine") not in edges, edges.get(("sampling", "engine"))
+
+
+IMPORT_TABLE_HEADER = "| floor | unit | imports of dsinfer's |\n| --- | --- | --- |\n"
+
+
+def import_table() -> str:
+    """The floors and what each unit imports, as docs/architecture.md shows them: one row a unit, top floor first
+    (numbered from 1), its imports in floor order (``python tests/test_layering.py`` prints it for the page)."""
+    edges = import_edges()
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    modules = {path.stem for path in ROOT.glob("*.py") if path.stem != "__init__"}
+    order = {unit: (_floor(unit), unit) for unit in packages | modules}
+    rows = []
+    for unit in sorted(order, key=order.get):
+        imported = sorted((target for source, target in edges if source == unit), key=order.get)
+        spelled = f"`{unit}/`" if unit in packages else f"`{unit}.py`"
+        rows.append(f"| {_floor(unit) + 1} | {spelled} | {', '.join(imported) or 'nothing'} |\n")
+    return IMPORT_TABLE_HEADER + "".join(rows)
+
+
+if __name__ == "__main__":
+    print(import_table(), end="")
