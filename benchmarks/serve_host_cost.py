@@ -210,13 +210,14 @@ def _frame_of_token(frames: list[bytes]) -> dict[tuple[str, int], int]:
 def api_side(args, directory: str) -> dict:
     import deepseek_recipe as recipe
 
+    from dsinfer.chat.format import ChatFormat
+    from dsinfer.chat.stream import ChoiceStream
     from dsinfer.server.app import ServerSettings, _completion_chunks
     from dsinfer.server.async_engine import AsyncEngine
     from dsinfer.server.chat_api import _chunks as chat_chunks
-    from dsinfer.server.chat_format import ChatFormat
     from dsinfer.server.metrics import ServerMetrics
     from dsinfer.server.protocol import CompletionRequest
-    from dsinfer.server.response_stream import ChoiceStream, Run, sse_frame
+    from dsinfer.server.response_stream import Run, sse_frame
     from dsinfer.server.streams import merged
 
     frames: list[bytes] = []

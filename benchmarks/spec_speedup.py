@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
+from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.training import corpus
 from dsinfer.training.render import SampleRenderer

@@ -14,10 +14,10 @@ from typing import TextIO
 
 import deepseek_recipe as recipe
 
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.llm import LLM
 from dsinfer.offline_chat import OFFLINE_MODEL_NAME, prepare_chat
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.response_stream import ChoiceStream
 
 DIM, RESET = "\033[2m", "\033[0m"
 COMMANDS = "/reset forgets the conversation, /exit leaves"

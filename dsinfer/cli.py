@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from dsinfer.arg_types import non_negative_number, positive_int
+from dsinfer.chat.image_reader import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
+from dsinfer.chat.limits import DEFAULT_MAX_N
 from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config.engine import V41_PREFILL_MODES
 from dsinfer.cpu_threads import apply_cpu_threads
@@ -24,8 +26,6 @@ from dsinfer.parallel.config import ParallelConfig
 from dsinfer.plan_cli import add_expert_offload, add_plan_parser, run_plan
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
-from dsinfer.server.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
-from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
 from dsinfer.tokenizer import TokenizerLoadError
 

@@ -149,7 +149,7 @@ class LLM:
         if self._chat_format is None:
             config = self.model.config if self.model is not None else ModelConfig.from_file(self.model_dir)
             variant = config.family
-            from dsinfer.server.chat_format import ChatFormat
+            from dsinfer.chat.format import ChatFormat
 
             self._chat_format = ChatFormat(self.tokenizer, variant, "offline")
         return self._chat_format

@@ -1,7 +1,7 @@
 """``LLM.chat``: conversations through the same deepseek-recipe path as the server's chat completions.
 
-The conversation is converted and its prompt encoded by :class:`~dsinfer.server.chat_format.ChatFormat`, the
-engine generates token ids, and the library's stream processor (:class:`~dsinfer.server.response_stream.ChoiceStream`)
+The conversation is converted and its prompt encoded by :class:`~dsinfer.chat.format.ChatFormat`, the
+engine generates token ids, and the library's stream processor (:class:`~dsinfer.chat.stream.ChoiceStream`)
 parses them exactly as ``/v1/chat/completions`` does: the reasoning up to ``</think>`` goes to ``reasoning``,
 DSML tool calls to ``tool_calls``, the answer to ``text``; stop strings end the answer only.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import deepseek_recipe as recipe
 
+from dsinfer.chat.format import ChatFormat, PreparedRequest
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.chat_format import ChatFormat, PreparedRequest
-from dsinfer.server.response_stream import ChoiceStream
 
 #: Offline chat samples greedily unless told otherwise, so the same question gets the same answer.
 DEFAULT_CHAT_PARAMS = SamplingParams(max_tokens=512, temperature=0.0)

@@ -33,13 +33,13 @@ import sys
 
 import torch
 
+from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import EOS_TOKEN, Tokenizer
 from dsinfer.training import corpus
 from dsinfer.training.draft_loss import draft_block_logits

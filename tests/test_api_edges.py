@@ -357,8 +357,8 @@ def test_tool_calls_to_tools_the_request_did_not_offer_are_dropped():
 
 
 def test_a_typed_image_placeholder_is_plain_text():
+    from dsinfer.chat.format import IMAGE_PLACEHOLDER, ChatFormat
     from dsinfer.models.tiny import default_model_dir
-    from dsinfer.server.chat_format import IMAGE_PLACEHOLDER, ChatFormat
     from dsinfer.tokenizer import Tokenizer
 
     chat_format = ChatFormat(Tokenizer.from_dir(default_model_dir()), "v41", "m")

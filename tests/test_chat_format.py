@@ -15,10 +15,10 @@ import json
 import deepseek_recipe as recipe
 import pytest
 
+from dsinfer.chat.format import MODEL_VERSIONS, ChatFormat
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.engine.outputs import CompletionOutput
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
-from dsinfer.server.chat_format import MODEL_VERSIONS, ChatFormat
-from dsinfer.server.response_stream import ChoiceStream
 from dsinfer.tokenizer import TOKENIZER_FILE, Tokenizer
 
 VARIANTS = ("v4", "v41")

@@ -16,6 +16,7 @@ import torch
 from engine_harness import random_prompts, run_all
 from server_harness import running_server
 
+from dsinfer.chat.format import encode_chat
 from dsinfer.cli import main
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -25,7 +26,6 @@ from dsinfer.kv.batch import PackedBatch
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.models.loader import load_model
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.chat_format import encode_chat
 from dsinfer.tokenizer import Tokenizer
 
 

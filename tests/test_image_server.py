@@ -14,10 +14,10 @@ import pytest
 from PIL import Image
 from server_harness import running_server
 
+from dsinfer.chat.format import IMAGE_PLACEHOLDER
+from dsinfer.chat.image_reader import ImageLimits
 from dsinfer.config import EngineConfig
 from dsinfer.images.plan import plan_image
-from dsinfer.server.chat_format import IMAGE_PLACEHOLDER
-from dsinfer.server.images import ImageLimits
 from dsinfer.tokenizer import Tokenizer
 
 

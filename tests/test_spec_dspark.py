@@ -233,7 +233,7 @@ def default_model():
 
 
 def _default_prompts(tokenizer) -> list[list[int]]:
-    from dsinfer.server.chat_format import ChatFormat
+    from dsinfer.chat.format import ChatFormat
     from dsinfer.training import corpus
     from dsinfer.training.render import SampleRenderer
 

@@ -15,11 +15,11 @@ import deepseek_recipe as recipe
 import pytest
 import torch
 
+from dsinfer.chat.format import ChatFormat
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.engine.outputs import CompletionOutput
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
-from dsinfer.server.chat_format import ChatFormat
-from dsinfer.server.response_stream import ChoiceStream
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.training import corpus
 from dsinfer.training.render import SampleRenderer

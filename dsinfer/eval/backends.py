@@ -179,11 +179,11 @@ class OfflineBackend:
             options["max_model_len"] = max_model_len
         self.model_dir = Path(model_dir).resolve()
         self.llm = LLM(self.model_dir, **options)
-        from dsinfer.server.chat_format import ChatFormat
+        from dsinfer.chat.format import ChatFormat
 
         model_type = str(getattr(self.llm.engine.model.config, "model_type", ""))
         self.chat_variant = "v41" if model_type.startswith("deepseek_v41") else "v4"
-        from dsinfer.server.images import ImageReader
+        from dsinfer.chat.image_reader import ImageReader
 
         vision = getattr(self.llm.engine.model.config, "vision", None)
         reader = ImageReader(vision) if vision is not None else None  # HLE image questions
@@ -245,7 +245,7 @@ class OfflineBackend:
     def _result(output, options: GenerationOptions, prepared, chat_format) -> dict[str, Any]:
         import deepseek_recipe as recipe
 
-        from dsinfer.server.response_stream import ChoiceStream
+        from dsinfer.chat.stream import ChoiceStream
 
         completion = output.outputs[0]
         generator = recipe.ChatCompletionRequest.chunk_generator(prepared.request, "eval", "eval")

@@ -2,8 +2,8 @@
 
 Handlers validate, encode the prompt, hand the request to the engine thread (:class:`AsyncEngine`) and turn
 its outputs into JSON or server-sent events. Chat Completions, Responses and Anthropic Messages go through
-deepseek-recipe (``chat_format`` converts and encodes, ``response_stream`` parses) and live in their own
-modules. Every error is OpenAI-style JSON (Anthropic-style on ``/v1/messages``) with a 4xx status; the engine
+deepseek-recipe (:mod:`dsinfer.chat.format` converts and encodes, :mod:`dsinfer.chat.stream` parses) and live in
+their own modules. Every error is OpenAI-style JSON (Anthropic-style on ``/v1/messages``) with a 4xx status; the engine
 keeps serving.
 """
 
@@ -24,6 +24,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsinfer.chat.format import ChatFormat, Variant
+from dsinfer.chat.image_reader import ImageLimits, ImageReader
+from dsinfer.chat.limits import (
+    DEFAULT_MAX_N,
+    PROMPT_FIELDS,
+    SCHEMA_FIELDS,
+    LimitError,
+    check_n,
+    check_text_fits,
+    completion_budget,
+    text_chars,
+)
 from dsinfer.config.vision import VisionConfig
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling_params import SamplingParams
@@ -35,20 +47,8 @@ from dsinfer.server.async_engine import (
     ServerShuttingDownError,
 )
 from dsinfer.server.auth import APIKeyMiddleware
-from dsinfer.server.chat_format import ChatFormat, Variant
 from dsinfer.server.disconnect import unless_disconnected
 from dsinfer.server.guided import GUIDED_FIELDS, check_schema, guided_output
-from dsinfer.server.images import ImageLimits, ImageReader
-from dsinfer.server.limits import (
-    DEFAULT_MAX_N,
-    PROMPT_FIELDS,
-    SCHEMA_FIELDS,
-    LimitError,
-    check_n,
-    check_text_fits,
-    completion_budget,
-    text_chars,
-)
 from dsinfer.server.openapi import install_openapi
 from dsinfer.server.protocol import (
     CompletionRequest,

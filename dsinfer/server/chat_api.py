@@ -19,11 +19,12 @@ import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from dsinfer.chat.format import ChatFormat
+from dsinfer.chat.limits import check_n
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.server.async_engine import AsyncEngine
-from dsinfer.server.chat_format import ChatFormat
-from dsinfer.server.limits import check_n
 from dsinfer.server.protocol import ChatCompletionRequest, completion_id, now
-from dsinfer.server.response_stream import ChoiceStream, Run, collect
+from dsinfer.server.response_stream import Run, collect
 
 
 def register_chat_routes(app: FastAPI, engine: AsyncEngine, chat_format: ChatFormat, settings) -> None:

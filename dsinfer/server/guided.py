@@ -18,8 +18,8 @@ import json
 import re
 from typing import Any
 
+from dsinfer.chat.limits import LimitError
 from dsinfer.sampling_params import StructuredOutput
-from dsinfer.server.limits import LimitError
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")

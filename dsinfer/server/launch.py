@@ -24,6 +24,8 @@ from pathlib import Path
 
 import uvicorn
 
+from dsinfer.chat.image_reader import ImageLimits
+from dsinfer.chat.limits import DEFAULT_MAX_N
 from dsinfer.config import EngineConfig
 from dsinfer.cpu_threads import apply_cpu_threads, usable_cpus
 from dsinfer.engine.gc_heap import freeze_heap
@@ -35,8 +37,6 @@ from dsinfer.server import DEFAULT_SERVED_MODEL_NAME
 from dsinfer.server.app import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.drain import BACKSTOP_SECONDS, Drain
-from dsinfer.server.images import ImageLimits
-from dsinfer.server.limits import DEFAULT_MAX_N
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.request_guard import DEFAULT_MAX_REQUEST_BYTES
 

@@ -18,12 +18,12 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from dsinfer.chat.format import ChatFormat
+from dsinfer.chat.limits import LimitError
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
-from dsinfer.server.chat_format import ChatFormat
-from dsinfer.server.limits import LimitError
 from dsinfer.server.protocol import LibraryAPIFields, now
 from dsinfer.server.response_stream import (
-    ChoiceStream,
     ClientDisconnected,
     Run,
     event_api_answer,

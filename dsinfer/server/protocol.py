@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from dsinfer.chat.limits import MAX_STOP_SEQUENCES, SEED_RANGE
 from dsinfer.sampling_params import MAX_LOGPROBS, SamplingParams
-from dsinfer.server.limits import MAX_STOP_SEQUENCES, SEED_RANGE
 
 
 def _integral(value: Any) -> Any:

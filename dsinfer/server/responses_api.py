@@ -13,11 +13,11 @@ import secrets
 import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
 
+from dsinfer.chat.format import ChatFormat
+from dsinfer.chat.stream import ChoiceStream
 from dsinfer.server.async_engine import AsyncEngine
-from dsinfer.server.chat_format import ChatFormat
 from dsinfer.server.protocol import LibraryAPIFields, now
 from dsinfer.server.response_stream import (
-    ChoiceStream,
     Run,
     event_api_answer,
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.server.chat_format import ChatFormat
+from dsinfer.chat.format import ChatFormat
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.training.corpus import sample_stream
 from dsinfer.training.render import SampleRenderer

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from dsinfer.server.chat_format import ChatFormat
+from dsinfer.chat.format import ChatFormat
 from dsinfer.tokenizer import EOS_TOKEN, THINK_END_TOKEN
 from dsinfer.training.corpus import Completion, Sample
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dsinfer.chat.format import ChatFormat
 from dsinfer.config import ModelConfigV41
 from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.vocabulary import build_compressed_vocabulary
@@ -50,7 +51,6 @@ from dsinfer.models.tiny import (
 )
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.ops.registry import reference_table
-from dsinfer.server.chat_format import ChatFormat
 from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, DSPARK_NOISE_TOKEN, Tokenizer
 from dsinfer.training.chat_stream import ChatStream
 from dsinfer.training.corpus import training_samples

@@ -16,7 +16,7 @@ parsed. This module is the glue around it; it adds only what the library leaves 
   call block and the grammar continues it. Thinking mode, which the library refuses for a forced choice, is
   rendered as ``auto`` with only the allowed tools, and the grammar starts after ``</think>``.
 * **Images** (V4.1 with a vision tower): the library renders one ``<｜deepseek_image｜>`` placeholder per
-  image part; :class:`~dsinfer.server.images.ImageReader` reads the parts and each placeholder is widened
+  image part; :class:`~dsinfer.chat.image_reader.ImageReader` reads the parts and each placeholder is widened
   into its image's span (:func:`~dsinfer.images.inputs.expand_placeholders`).
 * **Output constraints** the library reports (JSON schema, JSON object, regex) become the engine's
   structured-output grammar, applied after ``</think>`` in thinking mode.
@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 import deepseek_recipe as recipe
 
+from dsinfer.chat.image_reader import ImageReader, ImageRejected
+from dsinfer.chat.limits import LimitError
 from dsinfer.images.inputs import ImageInput, expand_placeholders
 from dsinfer.sampling_params import SamplingParams, StructuredOutput
-from dsinfer.server.images import ImageReader, ImageRejected
-from dsinfer.server.limits import LimitError
 from dsinfer.tokenizer import ASSISTANT_TOKEN, DSML_TOKEN, THINK_END_TOKEN, Tokenizer
 
 __all__ = ["MODEL_VERSIONS", "ChatFormat", "PreparedRequest", "Protocol", "Variant", "encode_chat"]
