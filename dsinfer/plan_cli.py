@@ -100,10 +100,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def log_serving_plan(model: str | None, engine: EngineConfig, ranks: int) -> None:
     """``dsinfer serve``'s start-up plan on CUDA (the engine's own sizing then decides; a plan that does not fit
-    is a warning here, not a refusal). Skipped on the CPU and for a model not on disk yet."""
-    if not engine.device.startswith("cuda") or model is None or not Path(model).exists():
-        return
+    is a warning here, not a refusal). Skipped on the CPU, without a usable GPU (the engine's own checks then say
+    what is wrong) and for a model not on disk yet."""
     import torch
+
+    if not engine.device.startswith("cuda") or not torch.cuda.is_available():
+        return
+    if model is None or not Path(model).exists():
+        return
 
     from dsinfer.models.fp8_linears import resolve_fp8_linears
 
