@@ -12,7 +12,7 @@ import pytest
 from engine_harness import random_prompts
 
 from dsinfer.llm import LLM
-from dsinfer.models.tiny import make_tiny_checkpoint
+from dsinfer.models.tiny import default_model_dir, make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeStats
 
@@ -60,6 +60,20 @@ def test_greedy_on_two_speculating_ranks_matches_one_ranks_plain_decoding(checkp
         assert load.spec_stats == SpeculativeStats.total(per_rank)
         assert load.spec_stats.num_draft_tokens == sum(stats.num_draft_tokens for stats in per_rank)
     assert got == plain_tokens[model]
+
+
+def test_accepted_drafts_reach_the_api_process_as_several_tokens_a_step():
+    # The tiny random models' drafts are almost never right; the embedded default's trained DSpark stages are,
+    # so whole accepted runs cross the pipe and are appended token by token.
+    prompts, greedy = random_prompts(4, seed=2, low=10, high=30), SamplingParams(temperature=0, max_tokens=16)
+    with LLM(default_model_dir(), max_model_len=128) as one:
+        expected = [out.outputs[0].token_ids for out in one.generate(prompts, greedy, use_tqdm=False)]
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    with LLM(default_model_dir(), max_model_len=128, data_parallel_size=2, expert_parallel_size=2,
+             speculative_config=spec) as llm:  # fmt: skip
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert got == expected
 
 
 def test_many_requests_on_two_speculating_ranks_return_every_block(tiny_checkpoint):
