@@ -17,6 +17,12 @@ the dispatch takes its variable-size path. When the maximum is 0 nobody runs a f
 
 With one rank there is nobody to agree with: the exchange is skipped and the engine runs the plain
 single-rank graph path, with the EP dispatch inside the graph.
+
+A speculative step (:class:`~dsinfer.speculative.executor.SpeculativeExecutor`) runs one target forward too (its
+verify forward, prefill chunks included; the MTP and DSpark drafters hold whole experts and run no collective),
+but not through the runner's ``execute``: it counts as this rank's forward of the step all the same. Ranks that
+speculate run eagerly (the rank loop turns graphs off), so its forward meets the others' eager forwards or
+idle passes.
 """
 
 from __future__ import annotations
@@ -31,14 +37,29 @@ from dsinfer.parallel.ep import ExpertParallel, run_idle_pass
 class GraphStepAgreement:
     """Runs the rank's forwards (it replaces ``runner.execute``) and its idle passes, agreeing on graphs."""
 
-    def __init__(self, runner: ModelRunner, dispatcher: ExpertParallel, control_group, world_size: int) -> None:
+    def __init__(self, runner: ModelRunner, dispatcher: ExpertParallel, control_group, world_size: int,
+                 speculative=None) -> None:  # fmt: skip
         self.runner, self.dispatcher, self.group, self.world_size = runner, dispatcher, control_group, world_size
         self.graphs = runner.decode_graphs
-        self.ran_forward = False  # set by every forward; the rank loop clears it before each step
+        self.speculative = speculative  # the engine's SpeculativeExecutor, if any: its steps are forwards too
+        self.forwards = 0  # forwards run through ``execute``
+        self._forwards_before = 0
         self.graph_steps = 0  # forwards this rank ran in a decode bucket, with sequences
         self.padded_graph_steps = 0  # idle steps this rank ran as a bucket of padding rows
         self._runner_execute = runner.execute
         runner.execute = self.execute  # the device worker calls the runner's execute for every forward
+
+    def _all_forwards(self) -> int:
+        return self.forwards + (self.speculative.steps if self.speculative is not None else 0)
+
+    def begin_step(self) -> None:
+        """Called by the rank loop before each engine step: :attr:`ran_forward` then tells whether it ran one."""
+        self._forwards_before = self._all_forwards()
+
+    @property
+    def ran_forward(self) -> bool:
+        """Whether the engine step since :meth:`begin_step` ran a forward (plain or speculative)."""
+        return self._all_forwards() != self._forwards_before
 
     @property
     def _eager_vote(self) -> int:
@@ -57,7 +78,7 @@ class GraphStepAgreement:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """The step's logits [k, vocab], from a decode bucket when every rank can replay one, else eagerly."""
-        self.ran_forward = True
+        self.forwards += 1
         graphs, runner = self.graphs, self.runner
         if graphs is None:
             return self._runner_execute(step)

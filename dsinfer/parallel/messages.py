@@ -142,7 +142,7 @@ class RankLoad:
     preemptions: int = 0
     graph_steps: int = 0  # forwards run in a decode bucket (dsinfer.parallel.graph_steps)
     padded_graph_steps: int = 0  # idle steps run as a decode bucket of padding rows
-    spec_stats: SpeculativeStats | None = None  # speculative decoding's totals (one engine process only)
+    spec_stats: SpeculativeStats | None = None  # speculative decoding's totals on this rank
 
 
 _LOAD_FIELDS = tuple(f.name for f in dataclass_fields(RankLoad))

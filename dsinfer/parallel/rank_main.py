@@ -136,14 +136,18 @@ class _RankLoop(EngineLoop):
         # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
         # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
         # eagerly, since its sharded Engram exchange reads sizes on the host (the model says: ranks_replay_graphs).
-        eager = spec.engine.enforce_eager or not model.ranks_replay_graphs
+        # Speculative steps run eagerly too: their verify and draft graphs would need the ranks to agree on
+        # buckets as plain decode graphs do (dsinfer.parallel.graph_steps), which they do not yet.
+        speculative = spec.engine.speculative_config is not None
+        eager = spec.engine.enforce_eager or not model.ranks_replay_graphs or speculative
         engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager)
         with self.dispatcher.fixed_capacity():  # the only forwards while building are the graph captures
             engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), engine_config)
         super().__init__(spec, conn, model, engine)
         self.steps = GraphStepAgreement(
-            self.engine.runner, self.dispatcher, self.groups.control_group, self.groups.world_size
-        )
+            self.engine.runner, self.dispatcher, self.groups.control_group, self.groups.world_size,
+            self.engine.worker.speculative,
+        )  # fmt: skip
         self.device = device
         if spec.rank == 0:
             log.warning("expert placement: %s", placement.describe())
@@ -162,7 +166,7 @@ class _RankLoop(EngineLoop):
                     break
                 idle = flags[0].item() == 0
                 if not idle:
-                    self.steps.ran_forward = False
+                    self.steps.begin_step()
                     outputs = self.engine.step() if local_work else []
                     if not self.steps.ran_forward:
                         self.steps.idle(self.device)

@@ -73,8 +73,6 @@ class RankDiedError(RuntimeError):
 
 def check_layout(parallel: ParallelConfig, model_config: ModelConfig, engine: EngineConfig) -> None:
     """Every layout check that needs no weights: experts over EP, GPUs per host, the placement file."""
-    if engine.speculative_config is not None and parallel.is_multi_rank:
-        raise ConfigError("--speculative-config: speculative decoding runs on one rank only for now")
     parallel.check_model(model_config.n_routed_experts)
     if engine.device.startswith("cuda"):
         import torch
@@ -127,11 +125,11 @@ _SUMMED_LOAD_FIELDS = tuple(f.name for f in fields(EngineLoad) if f.name != "spe
 
 
 def total_load(loads: dict[int, RankLoad]) -> EngineLoad:
-    """The engine's counters summed over its ranks' last reports (speculative decoding runs on one rank only)."""
+    """The engine's counters summed over its ranks' last reports (speculative decoding's totals too: each DP
+    rank drafts and verifies its own requests)."""
     reports = list(loads.values())
     totals = {name: sum(getattr(load, name) for load in reports) for name in _SUMMED_LOAD_FIELDS}
-    spec_stats = next((load.spec_stats for load in reports if load.spec_stats is not None), None)
-    return EngineLoad(**totals, spec_stats=spec_stats)
+    return EngineLoad(**totals, spec_stats=SpeculativeStats.total(load.spec_stats for load in reports))
 
 
 class RankedEngine:
@@ -450,7 +448,7 @@ class RankedEngine:
 
     @property
     def spec_stats(self) -> SpeculativeStats | None:
-        """Speculative decoding's totals as the engine process last reported them (None: not speculating)."""
+        """Speculative decoding's totals over the ranks as they last reported them (None: not speculating)."""
         return total_load(self._loads).spec_stats
 
     @property

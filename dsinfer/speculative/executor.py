@@ -29,6 +29,7 @@ draft replay. Any other step takes the eager path above.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,6 +102,22 @@ class SpeculativeStats:
             self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    @classmethod
+    def total(cls, parts: Iterable[SpeculativeStats | None]) -> SpeculativeStats | None:
+        """The sum of several engines' totals (data-parallel ranks each verify their own requests); None when
+        none of them speculates."""
+        present = [part for part in parts if part is not None]
+        if not present:
+            return None
+        width = max(len(part.accepted_per_position) for part in present)
+        return cls(
+            sum(part.num_drafts for part in present),
+            sum(part.num_draft_tokens for part in present),
+            sum(part.num_accepted_tokens for part in present),
+            [sum(part.accepted_per_position[i] for part in present if i < len(part.accepted_per_position))
+             for i in range(width)],
+        )  # fmt: skip
 
     @property
     def acceptance_rate(self) -> float | None:
