@@ -9,8 +9,8 @@ point: the torch reference (eager), the Triton op (``indexer_topk_decode``: spli
 replayed from a CUDA graph whose calls cycle through copies of the key pool (no key read from L2), its scores
 kernel alone, ``torch.topk`` on the same scores for scale, the bytes the step must read (the visible keys and
 their scales), GB/s, the share of the HBM roofline (3.35 TB/s H100, 4.8 TB/s H200, by the device's name), whether
-the choice equals the reference's and the largest score deviation. bf16 points also time the previous kernel
-(one program per sequence and 16 slots, float32 IEEE products) where it fits in the time.
+the choice equals the reference's and the largest score deviation. The kernel these replaced took 10.07 ms at
+64 x 131,072 on an H100 (docs/perf.md, 2026-12-06, has it beside these).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> No
     scores_ms = graph_ms(calls_over(score, cycle), args.warmup, args.iters, args.inner)
     scores = score(*values)
     topk_ms = median_ms(lambda: torch.topk(scores, min(k, scores.shape[1]), dim=1), args.warmup, args.iters)
-    same, deviation, reference_ms, previous_ms = "-", float("nan"), float("nan"), float("nan")
+    same, deviation, reference_ms = "-", float("nan"), float("nan")
     if batch * context <= args.reference_up_to:
         reference = partial(indexer_topk_decode_reference, paged_inputs(*values), k)
         chosen, real = fast()
@@ -108,14 +108,9 @@ def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> No
         seen = torch.isfinite(exact)
         deviation = (scores[seen] - exact[seen]).abs().max().item()
         reference_ms = median_ms(reference, args.warmup, args.iters)
-        if scales is None:
-            from indexer_decode_previous import previous_indexer_topk_decode
-
-            previous = partial(previous_indexer_topk_decode, *values[:6])
-            previous_ms = median_ms(previous, args.warmup, args.iters)
     roof = moved / (roofline_tb_s(device) * 1e12) * 1e3
     print(f"{keys_form:>4} {batch:>5} {context:>7} {tables.shape[1] * keys.shape[1]:>6} {reference_ms:>9.3f} "
-          f"{previous_ms:>9.3f} {op_ms:>8.4f} {scores_ms:>9.4f} {topk_ms:>10.4f} {moved / op_ms / 1e6:>7.0f} "
+          f"{op_ms:>8.4f} {scores_ms:>9.4f} {topk_ms:>10.4f} {moved / op_ms / 1e6:>7.0f} "
           f"{100 * roof / op_ms:>6.1f}% {100 * roof / scores_ms:>6.1f}% {same:>5} {deviation:>9.2e}")  # fmt: skip
 
 
@@ -129,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device)
     print(f"{name} (roofline {roofline_tb_s(device)} TB/s); {args.heads} index heads x "
           f"{args.dim}, ratio {RATIO}, top-{args.topk}; graph calls read cold keys")  # fmt: skip
-    print(f"{'keys':>4} {'batch':>5} {'context':>7} {'slots':>6} {'ref ms':>9} {'prev ms':>9} {'op ms':>8} "
+    print(f"{'keys':>4} {'batch':>5} {'context':>7} {'slots':>6} {'ref ms':>9} {'op ms':>8} "
           f"{'scores ms':>9} {'torch.topk':>10} {'GB/s':>7} {'op roof':>7} {'scr roof':>7} {'same':>5} "
           f"{'score dev':>9}")  # fmt: skip
     for keys_form in args.keys:
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     print(
         "op / scr roof: the roofline's ms (visible keys and scales at the HBM rate) / the op's or its scores "
-        "kernel's graph-replay ms. ref / prev: eager ms of the torch reference and of the previous kernel."
+        "kernel's graph-replay ms. ref: eager ms of the torch reference."
     )
     return 0
 
