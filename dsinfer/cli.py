@@ -219,6 +219,13 @@ def add_engine_features(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly instead of replaying CUDA graphs (default: graphs on CUDA)",
     )
     parser.add_argument(
+        "--kernel-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="at start-up, compile every prefill kernel shape a prompt up to --max-model-len can reach, so the "
+        "first long prompt runs at the speed of the next (default: on for CUDA, off on CPU)",
+    )
+    parser.add_argument(
         "--cuda-graph-sizes",
         type=positive_int,
         nargs="+",
@@ -266,6 +273,7 @@ def engine_config(args: argparse.Namespace, **command_fields) -> EngineConfig:
             engram_placement=args.engram_placement,
             async_scheduling=args.async_scheduling,
             enforce_eager=args.enforce_eager,
+            kernel_warmup=args.kernel_warmup,
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
             speculative_config=args.speculative_config,
             v41_prefill=args.v41_prefill,

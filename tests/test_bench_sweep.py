@@ -409,3 +409,15 @@ def test_chart_overlays_published_points_and_the_estimate(tmp_path, monkeypatch)
     text = comparison_lines(records)
     assert "DeepInfer      2600 tok/s/GPU" in text[1] and "DeepInfer     26000 tok/s/GPU" in text[3]
     assert f"{records[1]['full_depth']['ms_per_step']:8.2f} ms/step" in text[2]
+
+
+def test_decode_fill_forks_the_sequences_past_fill_prompts(tiny_v41_config, tmp_path):
+    path, _ = tiny_v41_config
+    argv = ["decode", "--config", str(path), "--arch", "v41", "--context", "48", "--device", "cpu", "--points", "3",
+            "--fill-prompts", "1", "--warmup-steps", "1", "--measure-steps", "2", "--out-root", str(tmp_path),
+            "--tag", "fork"]  # fmt: skip
+    assert sweep.main(argv) == 0
+    (record,) = read_records(tmp_path / "fork" / "results.jsonl")
+    assert_consistent(record)
+    assert record["fill_prompts"] == 1 and record["fill_forks"] == 2 and record["tokens_per_step"] == 3
+    assert record["context_range"][0] > 48 and record["preemptions"] == 0

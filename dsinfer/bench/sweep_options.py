@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: token budget of the untimed fill; auto (default): on CUDA the candidate of "
         f"{', '.join(map(str, FILL_CANDIDATES))} that prefills fastest, else {CPU_FILL_BUDGET}",
     )
+    parser.add_argument(
+        "--fill-prompts",
+        type=int,
+        default=4,
+        help="decode: distinct prompts prefilled per point; the other sequences are device copies of their "
+        "caches (0: prefill every prompt; speculative points always do) (default: 4)",
+    )
     parser.add_argument("--telemetry-interval", type=float, default=5.0, help="seconds between GPU samples; 0: off")
     parser.add_argument("--compare-published", action="store_true", help="plot DeepInfer's B200 points too")
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
@@ -140,6 +147,7 @@ def _check_args(args: argparse.Namespace) -> None:
         (args.warmup_steps >= 0, f"--warmup-steps: must not be negative, got {args.warmup_steps}"),
         (args.measure_steps >= 1, f"--measure-steps: expected at least 1, got {args.measure_steps}"),
         (args.profile_steps >= 0, f"--profile-steps: must not be negative, got {args.profile_steps}"),
+        (args.fill_prompts >= 0, f"--fill-prompts: must not be negative, got {args.fill_prompts}"),
         (args.prefill_chunk is None or args.prefill_chunk >= 1,
          f"--prefill-chunk: expected a positive integer or 'auto', got {args.prefill_chunk}"),
         (args.engram_gib is None or args.engram_gib > 0, f"--engram-gib: must be positive, got {args.engram_gib}"),

@@ -161,15 +161,8 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
                          max_model_len=max_model_len, speculative_config=args.speculative, num_cache_blocks=blocks,
                          **graphs)  # fmt: skip
     check_cache_holds(engine, num_requests, max_model_len)
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
-    for prompt in random_prompts(num_requests, args.context, bench.model.config.vocab_size, args.seed):
-        engine.add_request(prompt, params)
+    fill = fill_decode_point(bench, engine, num_requests, budget)
     sequences = [seq for group in engine.requests.values() for seq in group]
-    fill_start, fill_steps = time.perf_counter(), 0
-    while not all(seq.output_token_ids for seq in sequences):  # untimed: every prompt prefilled once
-        checked_step(engine)
-        fill_steps += 1
-    fill = {"fill_steps": fill_steps, "fill_s": time.perf_counter() - fill_start, "fill_budget": budget}
     run_steps(engine, args.warmup_steps)
     measured, drafted, extra = _timed_decode(bench, engine, sequences)
     accounting = speculative_accounting(args.nextn, args.accept, num_requests, measured, drafted)
@@ -188,6 +181,28 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
         "cache": cache,
         "engine": asdict(engine.config),
     }
+
+
+def fill_decode_point(bench: Bench, engine: LLMEngine, num_requests: int, budget: int) -> dict[str, Any]:
+    """Untimed: ``num_requests`` sequences of ``context`` tokens, each past its prefill. ``--fill-prompts`` of them
+    are prefilled from distinct random prompts; the others are forks of those (their caches copied on the device
+    into blocks of their own, :meth:`LLMEngine.fork_request`), so a 256 x 131,072 point fills in seconds while
+    every decode step still reads each sequence's own cache. Speculative points prefill every prompt."""
+    args = bench.args
+    distinct = num_requests if args.fill_prompts == 0 or args.speculative is not None else args.fill_prompts
+    distinct = min(distinct, num_requests)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    sources = [engine.add_request(prompt, params)
+               for prompt in random_prompts(distinct, args.context, bench.model.config.vocab_size, args.seed)]  # fmt: skip
+    sequences = [seq for group in engine.requests.values() for seq in group]
+    fill_start, fill_steps = time.perf_counter(), 0
+    while not all(seq.output_token_ids for seq in sequences):  # every distinct prompt prefilled once
+        checked_step(engine)
+        fill_steps += 1
+    for index in range(num_requests - distinct):
+        engine.fork_request(sources[index % distinct], params)
+    return {"fill_steps": fill_steps, "fill_s": time.perf_counter() - fill_start, "fill_budget": budget,
+            "fill_prompts": distinct, "fill_forks": num_requests - distinct}  # fmt: skip
 
 
 def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dict, dict | None, dict]:

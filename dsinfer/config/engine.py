@@ -52,6 +52,9 @@ class EngineConfig:
     # sizes runs the same static-shape decode eagerly (for tests); nothing is captured there.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Compile every prefill kernel shape a served prompt can reach at start-up (dsinfer.engine.warmup), so the
+    # first long prompt runs as fast as the second; None: on for CUDA, off on the CPU (no kernels compile there).
+    kernel_warmup: bool | None = None
     # Speculative decoding (vLLM's spelling): a SpeculativeConfig, its dict or its JSON; None: off.
     speculative_config: SpeculativeConfig | None = None
     # How V4.1 prompts prefill (dsinfer.models.ced): 'bounded' runs the decoder layers over only the last
@@ -92,6 +95,8 @@ class EngineConfig:
             raise ConfigError(
                 f"engine option 'async_scheduling': expected true, false or null, got {self.async_scheduling!r}"
             )
+        if self.kernel_warmup is not None and not isinstance(self.kernel_warmup, bool):
+            raise ConfigError(f"engine option 'kernel_warmup': expected true, false or null, got {self.kernel_warmup!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"engine option 'enforce_eager': expected true or false, got {self.enforce_eager!r}")
         if self.cuda_graph_sizes is not None:
@@ -139,6 +144,11 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return self.device.startswith("cuda")
+
+    @property
+    def resolved_kernel_warmup(self) -> bool:
+        """The start-up warm-up as configured, else on for a CUDA device."""
+        return self.device.startswith("cuda") if self.kernel_warmup is None else self.kernel_warmup
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

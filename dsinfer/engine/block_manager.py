@@ -36,6 +36,17 @@ class BlockManager:
         """Extra blocks ``seq`` needs so that its first ``num_tokens`` positions have a block."""
         return max(0, -(-num_tokens // self.block_tokens) - len(seq.block_table))
 
+    def blocks_needed_for(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` positions takes."""
+        return -(-num_tokens // self.block_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block's hash (vLLM's ``reset_prefix_cache``): no later prompt reuses what is cached now.
+        The counters start again too."""
+        self.block_hash.clear()
+        self.hash_to_block.clear()
+        self.prefix_queries = self.prefix_hits = 0
+
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Attach the longest run of cached full blocks matching the sequence's tokens; return their tokens.
 

@@ -40,6 +40,7 @@ from dsinfer.engine.outputs import RequestMetrics, RequestOutput
 from dsinfer.engine.request_check import RequestChecker
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.warmup import warm_up_kernels
 from dsinfer.sampling.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
@@ -105,6 +106,8 @@ class LLMEngine:
         self.steps_fed_on_device = 0
         self.last_step: StepStats | None = None
         self._grammar_compiler = None  # built on the first structured-output request
+        # Start-up: every prefill kernel shape a prompt can reach compiled now, not during the first long prompt.
+        self.warm_up = warm_up_kernels(self) if config.resolved_kernel_warmup else None
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -126,6 +129,36 @@ class LLMEngine:
         self.requests[request.request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
+        return request.request_id
+
+    def fork_request(self, source_id: str, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> str:  # fmt: skip
+        """A new request that goes on from where running request ``source_id`` is: the same prompt and tokens so far,
+        its caches copied on the device into a slot and blocks of its own (nothing shared, so every later step
+        reads them as it would a separately prefilled sequence's), sampled with ``params``. The benchmarks fill
+        long contexts this way (one prefill, then copies). Settles the step in flight first.
+
+        Refused with ``ValueError``: an unknown or finished source, one of several completions, one still
+        prefilling, images, structured output, speculative decoding, or no free slot or blocks."""
+        self.settle()
+        sources = self.requests.get(source_id, [])
+        if len(sources) != 1 or sources[0].is_finished or sources[0].num_uncomputed != 1:
+            raise ValueError(f"fork: {source_id!r} is not one running completion past its prefill")
+        source = sources[0]
+        if self.config.speculative_config is not None or source.images:
+            raise ValueError("fork: not with speculative decoding or images (their state lives outside the cache)")
+        request = self.checker.check(source.prompt_token_ids, params, request_id, None, self.requests)
+        if request.params.n != 1 or request.params.structured_output is not None:
+            raise ValueError("fork: params must ask for one completion without structured output")
+        state = make_sampling_state(request.params, request.prompt_token_ids, self.tokenizer.eos_id)
+        clone = Sequence(request.request_id, 0, list(request.prompt_token_ids), state,
+                         output_text=CompletionText(self.tokenizer, request.params))  # fmt: skip
+        clone.output_token_ids.extend(source.output_token_ids)
+        self.scheduler.fork(source, clone)
+        computed = len(clone.block_table)
+        self.runner.cache.copy_sequence(source.slot, clone.slot, source.block_table[:computed], clone.block_table)
+        clone.first_token_time = time.monotonic()
+        self.requests[request.request_id] = [clone]
         return request.request_id
 
     def _constraint(self, params: SamplingParams):
@@ -182,6 +215,17 @@ class LLMEngine:
             self._inflight.handle.result()
             self._inflight = None
         self.worker.close()
+
+    def settle(self) -> list[RequestOutput]:
+        """Finish the step in flight, if any, without launching another (overlap scheduling keeps one running
+        between calls to :meth:`step`); returns what it produced. The engine is then at rest."""
+        current, self._inflight = self._inflight, None
+        if current is None:
+            return []
+        results = self._wait_for(current, launched_ahead=False)
+        now = time.monotonic()
+        touched, with_text = self._take_results(current, results, now)
+        return self._finish_step(touched, with_text, now)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -103,6 +103,22 @@ class Scheduler:
             budget -= count
         return out
 
+    def fork(self, source: Sequence, clone: Sequence) -> None:
+        """Run ``clone`` from where ``source`` is: a state slot and blocks of its own for every computed position
+        (the caller copies the cache into them). Raises ``ValueError`` when no slot or too few blocks are free."""
+        needed = self.blocks.blocks_needed(clone, source.num_computed)
+        if not self.free_slots or needed > self.blocks.num_free:
+            raise ValueError(
+                f"fork: needs a free state slot and {needed} free blocks; {len(self.free_slots)} slots and "
+                f"{self.blocks.num_free} blocks are free"
+            )
+        self.blocks.allocate(clone, source.num_computed)
+        clone.slot = self.free_slots.pop()
+        clone.num_computed, clone.window_from = source.num_computed, source.window_from
+        clone.status = SequenceStatus.RUNNING
+        clone.first_scheduled_time = time.monotonic()
+        self.running.append(clone)
+
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's slot and blocks."""
         if seq in self.running:

@@ -22,6 +22,7 @@ import torch
 
 from dsinfer.config import ModelConfig
 from dsinfer.kv.compressor_state import CompressorTensors
+from dsinfer.kv.sequence_copy import copy_sequence_state
 
 
 @dataclass
@@ -143,6 +144,25 @@ class KVCache:
                     previous = (compressor.previous_values, compressor.previous_gates) if compressor.overlap else None
                     pending = (compressor.pending_values, compressor.pending_gates)
                     yield CompressorTensors(compressor, compressor.ratio, pending, previous, [compressor.entries])
+
+    def slot_tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor indexed by state slot: windows and the compressors' unfinished windows."""
+        out: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            out.append(layer.window)
+            for compressor in (layer.compressor, layer.indexer):
+                if compressor is not None:
+                    out += [compressor.pending_values, compressor.pending_gates,
+                            compressor.previous_values, compressor.previous_gates]  # fmt: skip
+        return out
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block: the compressed entries and the index keys."""
+        return [c.entries for layer in self.layers for c in (layer.compressor, layer.indexer) if c is not None]
+
+    def copy_sequence(self, source_slot: int, target_slot: int, source_blocks, target_blocks) -> None:
+        """Copy one sequence's state onto another slot and other blocks (:mod:`dsinfer.kv.sequence_copy`)."""
+        copy_sequence_state(self, source_slot, target_slot, source_blocks, target_blocks)
 
     def _layer(self, ratio: int, slots: int, blocks: int, dtype: torch.dtype, device) -> LayerCache:
         cfg = self.config

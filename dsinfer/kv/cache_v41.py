@@ -37,6 +37,7 @@ from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.block_table import block_table_tensor
 from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
 from dsinfer.kv.compressor_state import CompressorTensors
+from dsinfer.kv.sequence_copy import copy_sequence_state
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
 from dsinfer.ops.registry import OpTable, resolve
@@ -175,6 +176,29 @@ class KVCacheV41:
             pending = None if source.pending_values is None else (source.pending_values, source.pending_gates)
             stored = (source.entries, source.index_keys, source.entry_scales, source.index_key_scales)
             yield CompressorTensors(source, source.ratio, pending, None, [t for t in stored if t is not None])
+
+    def slot_tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor indexed by state slot: windows (and their scales), the sources' unfinished windows, the
+        Engram history and the draft rings."""
+        out: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            out += [layer.window, layer.window_scales]
+            if layer.source is not None:
+                out += [layer.source.pending_values, layer.source.pending_gates]
+        return [*out, self.engram_history, *self.dspark_rings]
+
+    def block_tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor indexed by block: the sources' entries and index keys, with their scales when coded."""
+        out: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            source = layer.source
+            if source is not None:
+                out += [source.entries, source.index_keys, source.entry_scales, source.index_key_scales]
+        return out
+
+    def copy_sequence(self, source_slot: int, target_slot: int, source_blocks, target_blocks) -> None:
+        """Copy one sequence's state onto another slot and other blocks (:mod:`dsinfer.kv.sequence_copy`)."""
+        copy_sequence_state(self, source_slot, target_slot, source_blocks, target_blocks)
 
     # ---- what the layers call ----------------------------------------------------------------------
     def check_fake_quantization(self, enabled: bool) -> None:
