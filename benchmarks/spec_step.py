@@ -41,6 +41,7 @@ from dsinfer.engine.engine import LLMEngine
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.speculative import graphs as graphs_module
 from dsinfer.tokenizer import Tokenizer
 
 PHASES = ("snapshot", "forward", "judge", "rollback", "draft", "other")
@@ -96,19 +97,26 @@ class HostReadCounter(TorchDispatchMode):
 
 
 class PhaseClock:
-    """Wraps the executor's parts so each call's time (and host reads, when counting) lands in its phase."""
+    """Wraps the executor's parts so each call's time (and host reads, when counting) lands in its phase; a call
+    inside another wrapped call counts in its own phase only (nested time is taken out of the outer phase)."""
 
     def __init__(self, executor) -> None:
         self.times: Counter[str] = Counter()
         self.counter: HostReadCounter | None = None
+        self._stack: list[str] = []
         drafter, rollback = executor.drafter, executor.rollback
         self._wrap(executor.model, "forward_for_drafter", "forward")
         self._wrap(drafter, "draft", "draft")
         self._wrap(executor, "_judge", "judge")
         graphs = executor.graphs  # verify and draft steps in buckets (CUDA graphs, or their static path on the CPU)
         if graphs is not None:
+            # The graphs' parts, as the CPU runs them eagerly (on a GPU the replays are one call each).
             self._wrap(graphs, "verify", "forward")
-            self._wrap(graphs, "draft", "draft")
+            self._wrap(graphs, "finish", "draft")
+            self._wrap(graphs, "prepare", "other")
+            self._wrap(graphs.fixed_rollback, "snapshot", "snapshot")
+            self._wrap(graphs.fixed_rollback, "rollback", "rollback")
+            self._wrap(graphs_module, "judge_greedy_fixed", "judge")
         for name in ("snapshot", "snapshot_spans"):
             self._wrap(rollback, name, "snapshot")
         for name in ("rollback", "rollback_spans"):
@@ -122,18 +130,20 @@ class PhaseClock:
         clock = self
 
         def timed(*args, **kwargs):
-            counter = clock.counter
+            counter, stack = clock.counter, clock._stack
             outer = counter.phase if counter is not None else None
             if counter is not None:
                 counter.phase = phase
+            stack.append(phase)
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
+                stack.pop()
                 clock.times[phase] += elapsed
-                if phase != "other":
-                    clock.times["other"] -= elapsed  # nested inside run: counted once, in its own phase
+                if stack:
+                    clock.times[stack[-1]] -= elapsed  # nested: counted once, in its own phase
                 if counter is not None:
                     counter.phase = outer
 

@@ -49,6 +49,7 @@ from dsinfer.speculative.rollback import CacheRollback
 from dsinfer.speculative.verify import (
     SpeculativeOutput,
     judge_batched,
+    judged_on_device,
     needs_own_pass,
     speculative_output,
     verify_sequence,
@@ -149,7 +150,7 @@ class SpeculativeExecutor:
             if config.num_speculative_tokens + 1 > self.model.config.sliding_window:
                 logger.info("speculative CUDA graphs off: K + 1 positions overrun the sliding window")
             else:
-                self.graphs = SpecGraphs(self.drafter, self.cache, runner.graph_sizes, runner.spare_slot,
+                self.graphs = SpecGraphs(self.drafter, self.rollback, runner.graph_sizes, runner.spare_slot,
                                          runner.max_model_len, runner.capture_graphs)  # fmt: skip
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
@@ -181,20 +182,26 @@ class SpeculativeExecutor:
         return outputs
 
     def _run_graphed(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
-        """The same step from the graphs: every span snapshotted at full width, then the verify replay, the judge,
-        the rollback (filler drafts always rolled back) and the draft replay."""
-        graphs = self.graphs
+        """The same step from the graphs: the verify replay (snapshot, forward, greedy judge), the draft replay
+        (rollback, drafts), one host read. Sequences the device judge cannot decide are judged on the host between
+        the replays, from the verify logits."""
+        graphs, plan = self.graphs, step.speculation
         with torch.inference_mode():
             run = graphs.prepare(step)
-            tokens = run.token_ids if self.rollback.engram_history is not None else None
-            snapshot = self.rollback.snapshot_spans(run.spans, tokens)
-            logits = graphs.verify(run)
-        outputs = self._judge(logits, step.speculation, states)
+            graphs.verify(run)
+        outputs = None
+        if not all(judged_on_device(state) for state in states):
+            outputs = self._judge(graphs.judged_logits(run), plan, states)
+            with torch.inference_mode():
+                graphs.take_judgement(run, [(output.num_accepted, output.token_ids[-1]) for output in outputs])
         with torch.inference_mode():
-            kept = [1 + output.num_accepted for output in outputs]
-            self.rollback.rollback_spans(snapshot, run.journal, kept)
-            for output, drafts in zip(outputs, graphs.draft(run, outputs), strict=True):
-                output.next_drafts = drafts
+            results = graphs.finish(run)
+        if outputs is None:
+            drafts = (d for d, token in zip(plan.drafts, plan.following_token, strict=True) if token is None)
+            outputs = [SpeculativeOutput(d[: r.num_accepted] + [r.last_token], None, None, len(d), r.num_accepted)
+                       for d, r in zip(drafts, results, strict=True)]  # fmt: skip
+        for output, result in zip(outputs, results, strict=True):
+            output.next_drafts = result.next_drafts
         return outputs
 
     def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, verifying, snapshot) -> None:
