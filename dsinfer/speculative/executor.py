@@ -29,7 +29,7 @@ draft replay. Any other step takes the eager path above.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -145,6 +145,9 @@ class SpeculativeExecutor:
         self.drafter = build_drafter(self.model, self.cache, config)
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, self.model.engram_hasher)
         self.steps = self.graphed_steps = 0  # steps run here since start, and those the graphs served
+        # A benchmark's stand-in for judging (``dsinfer.bench.coin_acceptance``: drafts accepted by a seeded coin,
+        # for timing models whose random weights draft badly); no engine or server option sets it.
+        self.judge_override: Callable[[list[list[int]]], list[tuple[int, int]]] | None = None
         self.graphs: SpecGraphs | None = None
         if runner.graph_sizes is not None:
             if config.num_speculative_tokens + 1 > self.model.config.sliding_window:
@@ -176,7 +179,7 @@ class SpeculativeExecutor:
                     tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
                 snapshot = self.rollback.snapshot_spans([step.spans[i] for i in verifying], tokens)
             logits, target_hidden = self.model.forward_for_drafter(batch, step.sample_rows)
-        outputs = self._judge(logits, plan, states)
+        outputs = self._judge(logits, plan, states) if self.judge_override is None else self._overridden_judge(plan)
         with torch.inference_mode():
             self._roll_back_and_draft(step, target_hidden, plan, outputs, verifying, snapshot)
         return outputs
@@ -190,8 +193,11 @@ class SpeculativeExecutor:
             run = graphs.prepare(step)
             graphs.verify(run)
         outputs = None
-        if not all(judged_on_device(state) for state in states):
+        if self.judge_override is not None:
+            outputs = self._overridden_judge(plan)
+        elif not all(judged_on_device(state) for state in states):
             outputs = self._judge(graphs.judged_logits(run), plan, states)
+        if outputs is not None:
             with torch.inference_mode():
                 graphs.take_judgement(run, [(output.num_accepted, output.token_ids[-1]) for output in outputs])
         with torch.inference_mode():
@@ -203,6 +209,12 @@ class SpeculativeExecutor:
         for output, result in zip(outputs, results, strict=True):
             output.next_drafts = result.next_drafts
         return outputs
+
+    def _overridden_judge(self, plan: SpeculationPlan) -> list[SpeculativeOutput]:
+        """The benchmark stand-in's verdicts (accepted drafts, the token after them) as the step's outputs."""
+        drafts = [d for d, token in zip(plan.drafts, plan.following_token, strict=True) if token is None]
+        return [SpeculativeOutput(d[:accepted] + [last], None, None, len(d), accepted)
+                for d, (accepted, last) in zip(drafts, self.judge_override(drafts), strict=True)]  # fmt: skip
 
     def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, verifying, snapshot) -> None:
         """Undo the rejected positions' cache writes (every verify span at once), then draft from the kept
