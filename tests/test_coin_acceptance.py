@@ -2,7 +2,7 @@
 
 ``dsinfer.bench.coin_acceptance`` stands in for judging so random weights can be timed at the official
 accounting's acceptance (each draft accepted with probability 0.75). It must accept at that rate, replay from its
-seed, still run the rollback (200 requests leave no block in use), and no option of ``dsinfer serve``, ``LLM`` or
+seed, still run the rollback (every block back in the pool at the end), and no option of ``dsinfer serve``, ``LLM`` or
 the engine may turn it on.
 """
 
