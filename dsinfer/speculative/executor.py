@@ -20,10 +20,11 @@ instead of the plain forward + sampler:
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 
-A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs its forward and
-its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static
-buffers run eagerly on the CPU when ``cuda_graph_sizes`` are given): snapshot, verify replay, judge, rollback,
-draft replay. Any other step takes the eager path above.
+A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs from CUDA graphs
+when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static buffers run eagerly on the CPU when
+``cuda_graph_sizes`` are given): the verify replay (snapshot, forward, greedy judge on the device), the draft
+replay (rollback, drafts), one host read; requests the device judge cannot decide are judged on the host between
+the replays. Any other step takes the eager path above.
 """
 
 from __future__ import annotations
