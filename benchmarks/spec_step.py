@@ -18,7 +18,9 @@ logprobs), ``rollback`` (undoing rejected positions' cache writes), ``draft`` (t
 per step and phase: every op that needs a device value on the host (``item``, ``nonzero``, ``is_nonzero``,
 boolean-mask indexing) and every ``Tensor.tolist``; on a GPU each one is a synchronisation. It also counts the
 tensors built from host lists (``torch.tensor(list)``): each is a copy to the device, a synchronisation too
-unless it goes through pinned memory (``dsinfer.kv.batch.host_to_device``).
+unless it goes through pinned memory (``dsinfer.kv.batch.host_to_device``). ``ops outside graphs`` counts the
+torch ops a step dispatches outside what the CUDA graphs replay (each one a kernel launch on a GPU, paid on the
+host): with ``--graphs buckets`` on the CPU, the host work a graphed GPU step keeps.
 
 On the CPU every phase is host time; the numbers say how much per-sequence work a step does, which on a GPU is
 what a verify step pays beyond its forward. Medians over the timed steps.
@@ -41,6 +43,7 @@ from dsinfer.engine.engine import LLMEngine
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import make_tiny_checkpoint
 from dsinfer.sampling_params import SamplingParams
+from dsinfer.speculative import graphs as graphs_module
 from dsinfer.tokenizer import Tokenizer
 
 PHASES = ("snapshot", "forward", "judge", "rollback", "draft", "other")
@@ -65,11 +68,15 @@ class HostReadCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.host_tensors: Counter[str] = Counter()  # tensors built from host lists (a copy to the device each)
+        self.launches: Counter[str] = Counter()  # ops outside the graphed region (each a kernel launch on a GPU)
+        self.captured = False  # inside what a CUDA graph replays (the static path's forwards)
         self.phase = "outside"
         self._tolist = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.captured:
+            self.launches[self.phase] += 1
         if func is aten.lift_fresh.default:
             self.host_tensors[self.phase] += 1
         if func in HOST_READS or (
@@ -96,24 +103,51 @@ class HostReadCounter(TorchDispatchMode):
 
 
 class PhaseClock:
-    """Wraps the executor's parts so each call's time (and host reads, when counting) lands in its phase."""
+    """Wraps the executor's parts so each call's time (and host reads, when counting) lands in its phase; a call
+    inside another wrapped call counts in its own phase only (nested time is taken out of the outer phase)."""
 
     def __init__(self, executor) -> None:
         self.times: Counter[str] = Counter()
         self.counter: HostReadCounter | None = None
+        self._stack: list[str] = []
+        self.replayed = 0.0  # seconds inside what a CUDA graph replays (the static path's forwards)
         drafter, rollback = executor.drafter, executor.rollback
         self._wrap(executor.model, "forward_for_drafter", "forward")
         self._wrap(drafter, "draft", "draft")
         self._wrap(executor, "_judge", "judge")
         graphs = executor.graphs  # verify and draft steps in buckets (CUDA graphs, or their static path on the CPU)
         if graphs is not None:
+            # The graphs' parts, as the CPU runs them eagerly (on a GPU the replays are one call each).
             self._wrap(graphs, "verify", "forward")
-            self._wrap(graphs, "draft", "draft")
+            self._wrap(graphs, "finish", "draft")
+            self._wrap(graphs, "prepare", "other")
+            self._wrap(graphs.fixed_rollback, "snapshot", "snapshot")
+            self._wrap(graphs.fixed_rollback, "rollback", "rollback")
+            self._wrap(graphs_module, "judge_greedy_fixed", "judge")
+            for name in ("_verify_forward", "_draft_forward"):  # what a CUDA graph replays
+                self._mark_captured(graphs, name)
         for name in ("snapshot", "snapshot_spans"):
             self._wrap(rollback, name, "snapshot")
         for name in ("rollback", "rollback_spans"):
             self._wrap(rollback, name, "rollback")
         self._wrap(executor, "run", "other")
+
+    def _mark_captured(self, owner, name: str) -> None:
+        """Ops inside ``owner.name`` are what a CUDA graph replays: not counted as launches."""
+        method, clock = getattr(owner, name), self
+
+        def captured(*args, **kwargs):
+            counter, start = clock.counter, time.perf_counter()
+            if counter is not None:
+                outer, counter.captured = counter.captured, True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                clock.replayed += time.perf_counter() - start  # apart from the phases: they count it too
+                if counter is not None:
+                    counter.captured = outer
+
+        setattr(owner, name, captured)
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         method = getattr(owner, name, None)
@@ -122,18 +156,20 @@ class PhaseClock:
         clock = self
 
         def timed(*args, **kwargs):
-            counter = clock.counter
+            counter, stack = clock.counter, clock._stack
             outer = counter.phase if counter is not None else None
             if counter is not None:
                 counter.phase = phase
+            stack.append(phase)
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
+                stack.pop()
                 clock.times[phase] += elapsed
-                if phase != "other":
-                    clock.times["other"] -= elapsed  # nested inside run: counted once, in its own phase
+                if stack:
+                    clock.times[stack[-1]] -= elapsed  # nested: counted once, in its own phase
                 if counter is not None:
                     counter.phase = outer
 
@@ -177,9 +213,10 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
     for _ in range(steps):
         _sync(torch_device)
         clock.times.clear()
+        clock.replayed = 0.0
         engine.step()
         _sync(torch_device)
-        per_step.append(dict(clock.times))
+        per_step.append({**clock.times, "replayed": clock.replayed})
     counter = HostReadCounter()
     clock.counter = counter
     with counter:
@@ -187,17 +224,22 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
         engine.step()
     clock.counter = None
     times = {phase: 1e3 * statistics.median(step.get(phase, 0.0) for step in per_step) for phase in PHASES}
-    times["total"] = 1e3 * statistics.median(sum(step.values()) for step in per_step)
+    times["total"] = 1e3 * statistics.median(sum(step.get(phase, 0.0) for phase in PHASES) for step in per_step)
+    # Host time outside the graphed region (on the CPU the static path runs eagerly inside it).
+    times["outside_graphs"] = 1e3 * statistics.median(sum(step.get(phase, 0.0) for phase in PHASES)
+                                                      - step["replayed"] for step in per_step)  # fmt: skip
     reads = {phase: counter.counts.get(phase, 0) for phase in PHASES}
     reads["total"] = sum(reads.values())
     built = {phase: counter.host_tensors.get(phase, 0) for phase in PHASES}
     built["total"] = sum(built.values())
+    launches = {phase: counter.launches.get(phase, 0) for phase in PHASES}
+    launches["total"] = sum(launches.values())
     drafted = sum(len(seq.draft_token_ids) for seq in engine.scheduler.running)
     graphed = executor.graphs is not None
     return {"method": method, "sequences": sequences, "k": k, "temperature": temperature, "steps": steps,
             "graphs": graphs, "graphed": graphed,
             "ms": {name: round(value, 3) for name, value in times.items()}, "host_reads": reads,
-            "host_tensors": built,
+            "host_tensors": built, "launches": launches,
             "running": len(engine.scheduler.running), "drafts_next_step": drafted}  # fmt: skip
 
 
@@ -206,8 +248,10 @@ def _line(point: dict) -> str:
         return " ".join(f"{phase}={values[phase]:.{digits}f}" for phase in (*PHASES, "total"))
 
     head = f"{point['method']:6} seqs={point['sequences']:3} K={point['k']} graphed={point['graphed']!s:5}"
+    outside = f"  (host ms outside graphs: {point['ms']['outside_graphs']:.2f})" if point["graphed"] else ""
     return (f"{head}  ms: {row(point['ms'], 2)}\n{head}  host reads: {row(point['host_reads'], 0)}"
-            f"  | host-built tensors: {row(point['host_tensors'], 0)}")  # fmt: skip
+            f"  | host-built tensors: {row(point['host_tensors'], 0)}\n"
+            f"{head}  ops outside graphs: {row(point['launches'], 0)}{outside}")  # fmt: skip
 
 
 def main() -> None:

@@ -223,6 +223,21 @@ def test_decode_sweep_with_real_drafts_reports_the_measured_tau(tiny_checkpoint,
     assert record["irregular_steps"] == 0 and record["assumed"]["tokens_per_step_per_user"] == 2.5
 
 
+def test_decode_sweep_with_coin_acceptance_reports_the_coins_tau(tiny_checkpoint, tmp_path):
+    """The benchmark device accepts each draft with the coin's probability: tau near 1 + K x rate, named as such."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    args = sweep_args(tiny_checkpoint, tmp_path, "decode", "4", "--tag", "coin", "--speculative-config", spec,
+                      "--coin-acceptance", "0.75", "--measure-steps", "12")  # fmt: skip
+    assert sweep.main(args) == 0
+    (record,) = read_records(tmp_path / "coin" / "results.jsonl")
+    measured = record["measured"]
+    assert "seeded coin at 0.75" in measured["basis"]
+    assert measured["accepted"] / measured["drafts"] == pytest.approx(0.75, abs=0.12)
+    assert measured["tau"] == pytest.approx(1 + 3 * 0.75, abs=0.4)
+    with pytest.raises(ValueError, match="--coin-acceptance"):
+        sweep_options.parse_args(["decode", "--coin-acceptance", "0.75"])
+
+
 def test_speculative_config_is_checked_at_the_flag():
     with pytest.raises(ValueError, match="--speculative-config: speculative_config 'num_speculative_tokens'"):
         sweep_options.parse_args(["decode", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'])

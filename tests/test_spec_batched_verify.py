@@ -135,7 +135,8 @@ class GatheredMoE:
         return (out * expert_weights[..., None].to(x.dtype)).sum(dim=1)
 
 
-def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int) -> dict:
+def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int, greedy: bool = False,
+                         graph_sizes: tuple[int, ...] | None = None) -> dict:  # fmt: skip
     saved = {}
     dtype = model.embed.weight.dtype
     for module in model.modules():
@@ -143,12 +144,15 @@ def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int) 
             saved[module], module.ops = module.ops, GatheredMoE(module.routed_weights(), dtype)
     try:
         config = EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=512, max_model_len=120,
-                              speculative_config={"method": method, "num_speculative_tokens": k})  # fmt: skip
+                              speculative_config={"method": method, "num_speculative_tokens": k},
+                              cuda_graph_sizes=graph_sizes)  # fmt: skip
         engine = LLMEngine(model, tokenizer, config)
         prompts = random_prompts(sequences, seed=sequences, low=20, high=30)
         for i, prompt in enumerate(prompts):  # greedy, seeded sampling, logprobs, min_tokens
-            engine.add_request(prompt, SamplingParams(temperature=0.8 * (i % 2), seed=i, logprobs=2 if i % 3 else None,
-                                                      min_tokens=4, max_tokens=60, ignore_eos=True))  # fmt: skip
+            params = SamplingParams(temperature=0.8 * (i % 2), seed=i, logprobs=2 if i % 3 else None, min_tokens=4,
+                                    max_tokens=60, ignore_eos=True)  # fmt: skip
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True) if greedy else
+                               params)  # fmt: skip
         for _ in range(3):
             engine.step()
         assert all(seq.draft_token_ids for seq in engine.scheduler.running)
@@ -160,7 +164,8 @@ def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int) 
             with counter:
                 engine.step()
             reads.append(sum(counter.counts[phase] for phase in spec_step.PHASES))
-        return {"reads": reads, "drafts": engine.spec_stats.num_draft_tokens}
+        executor = engine.worker.speculative
+        return {"reads": reads, "drafts": engine.spec_stats.num_draft_tokens, "graphed": executor.graphed_steps}
     finally:
         for module, ops in saved.items():
             module.ops = ops
@@ -177,3 +182,19 @@ def test_a_v41_verify_step_reads_the_host_twice_whatever_the_batch(tiny_v41_chec
     tokenizer = Tokenizer.from_dir(tiny_v41_checkpoint)
     result = _host_reads_per_step(model, tokenizer, "dspark", 5, 2)
     assert result["reads"] == [2, 2, 2] and result["drafts"] > 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_a_graphed_greedy_verify_step_reads_the_host_once(tiny_v4_model, tiny_v4_tokenizer, tiny_v41_checkpoint,
+                                                          method):  # fmt: skip
+    """Snapshot, judge, rollback and drafts run in the bucket's static path; the host reads the step's result once
+    (a sampled or logprobs request adds the host judge's read)."""
+    if method == "mtp":
+        model, tokenizer = tiny_v4_model, tiny_v4_tokenizer
+    else:
+        model = load_model(tiny_v41_checkpoint, progress=False).set_fake_quantization(False)
+        tokenizer = Tokenizer.from_dir(tiny_v41_checkpoint)
+    result = _host_reads_per_step(model, tokenizer, method, 3, 3, greedy=True, graph_sizes=(4,))
+    assert result["reads"] == [1, 1, 1] and result["drafts"] > 0 and result["graphed"] >= 3
+    result = _host_reads_per_step(model, tokenizer, method, 3, 3, graph_sizes=(4,))
+    assert result["reads"] == [2, 2, 2] and result["graphed"] >= 3

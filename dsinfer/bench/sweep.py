@@ -126,6 +126,8 @@ tau = 1 + nextn * accept = 3.25 tokens per step. The ``assumed`` accounting appl
 step. With ``--speculative-config`` the engine really drafts (V4's MTP layer; random weights get an MTP layer
 of random weights too) and verifies 1 + K tokens per sequence per step, so the step time is the real one and
 ``measured`` holds the real tau (about 1 on random weights, which draft badly); ``--nextn`` defaults to K there.
+``--coin-acceptance 0.75`` (a benchmark device, :mod:`dsinfer.bench.coin_acceptance`) accepts each draft by a
+seeded coin instead, so random weights time the verify steps the assumed accounting counts.
 V4.1 drafts with its DSpark stages: ``'{"method": "dspark", "num_speculative_tokens": 3}'``.
 Without it, ``--nextn`` only feeds the assumed accounting of a step that runs no drafts.
 """

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='decode: run speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
     )
+    parser.add_argument(
+        "--coin-acceptance",
+        type=float,
+        metavar="RATE",
+        default=None,
+        help="decode with --speculative-config: a benchmark device that accepts each draft by a seeded coin of this "
+        "rate (e.g. 0.75) instead of judging it, to time random weights' verify steps as real drafts would run them",
+    )
     parser.add_argument("--points", help="comma-separated: requests per rank (decode) or batch tokens (prefill)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
@@ -112,6 +120,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.speculative = parse_speculative_config(args.speculative_config)
     except ConfigError as exc:
         raise ValueError(f"--speculative-config: {exc}") from None
+    if args.coin_acceptance is not None and (args.speculative is None or not 0 <= args.coin_acceptance <= 1):
+        raise ValueError("--coin-acceptance: a rate from 0 to 1, with --speculative-config (it judges real drafts)")
     if args.speculative is not None and args.nextn == 0:
         args.nextn = args.speculative.num_speculative_tokens
     args.prefill_chunk = _parse_fill_budget(args.prefill_chunk)

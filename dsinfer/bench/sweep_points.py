@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dsinfer.bench.cache_budget import cache_budget, refusal
+from dsinfer.bench.coin_acceptance import accept_by_coin
 from dsinfer.bench.published import record_estimate
 from dsinfer.bench.step_profile import profile_steps
 from dsinfer.bench.sweep_model import Bench, cache_kinds, decode_max_model_len, gpu_name
@@ -161,6 +162,8 @@ def run_decode_point(bench: Bench, num_requests: int) -> dict[str, Any]:
                          max_model_len=max_model_len, speculative_config=args.speculative, num_cache_blocks=blocks,
                          **graphs)  # fmt: skip
     check_cache_holds(engine, num_requests, max_model_len)
+    if args.coin_acceptance is not None:  # the benchmark device: drafts accepted by a seeded coin
+        accept_by_coin(engine, args.coin_acceptance, args.seed)
     fill = fill_decode_point(bench, engine, num_requests, budget)
     sequences = [seq for group in engine.requests.values() for seq in group]
     run_steps(engine, args.warmup_steps)
@@ -233,6 +236,7 @@ def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dic
             "draft_tokens": stats.num_draft_tokens - stats_before.num_draft_tokens,
             "accepted": stats.num_accepted_tokens - stats_before.num_accepted_tokens,
             "graphed_steps": executor.graphed_steps - graphed_before,
+            "coin_acceptance": args.coin_acceptance,
         }
     return measured, drafted, extra
 

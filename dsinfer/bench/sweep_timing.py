@@ -108,7 +108,9 @@ def speculative_accounting(
         per_user = drafted["sampled"] / measured["steps"] / num_requests
         rounds = drafted["drafts"]
         real = {
-            "basis": "tokens sampled in the timed steps, drafts verified by the engine",
+            "basis": "tokens sampled in the timed steps, drafts verified by the engine"
+            if drafted.get("coin_acceptance") is None
+            else f"drafts accepted by a seeded coin at {drafted['coin_acceptance']} (benchmark device)",
             "tau": 1 + drafted["accepted"] / rounds if rounds else 1.0,
             "drafts": drafted["draft_tokens"],
             "accepted": drafted["accepted"],

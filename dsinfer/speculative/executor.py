@@ -20,16 +20,17 @@ instead of the plain forward + sampler:
 
 The engine then appends the emitted tokens one at a time (stop rules inside an accepted run cut it there).
 
-A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs its forward and
-its drafting from CUDA graphs when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static
-buffers run eagerly on the CPU when ``cuda_graph_sizes`` are given): snapshot, verify replay, judge, rollback,
-draft replay. Any other step takes the eager path above.
+A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs from CUDA graphs
+when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static buffers run eagerly on the CPU when
+``cuda_graph_sizes`` are given): the verify replay (snapshot, forward, greedy judge on the device), the draft
+replay (rollback, drafts), one host read; requests the device judge cannot decide are judged on the host between
+the replays. Any other step takes the eager path above.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,6 +50,7 @@ from dsinfer.speculative.rollback import CacheRollback
 from dsinfer.speculative.verify import (
     SpeculativeOutput,
     judge_batched,
+    judged_on_device,
     needs_own_pass,
     speculative_output,
     verify_sequence,
@@ -144,12 +146,15 @@ class SpeculativeExecutor:
         self.drafter = build_drafter(self.model, self.cache, config)
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, self.model.engram_hasher)
         self.steps = self.graphed_steps = 0  # steps run here since start, and those the graphs served
+        # A benchmark's stand-in for judging (``dsinfer.bench.coin_acceptance``: drafts accepted by a seeded coin,
+        # for timing models whose random weights draft badly); no engine or server option sets it.
+        self.judge_override: Callable[[list[list[int]]], list[tuple[int, int]]] | None = None
         self.graphs: SpecGraphs | None = None
         if runner.graph_sizes is not None:
             if config.num_speculative_tokens + 1 > self.model.config.sliding_window:
                 logger.info("speculative CUDA graphs off: K + 1 positions overrun the sliding window")
             else:
-                self.graphs = SpecGraphs(self.drafter, self.cache, runner.graph_sizes, runner.spare_slot,
+                self.graphs = SpecGraphs(self.drafter, self.rollback, runner.graph_sizes, runner.spare_slot,
                                          runner.max_model_len, runner.capture_graphs)  # fmt: skip
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
@@ -175,27 +180,42 @@ class SpeculativeExecutor:
                     tokens = step.input_ids.index_select(0, host_to_device(rows, torch.long, step.input_ids.device))
                 snapshot = self.rollback.snapshot_spans([step.spans[i] for i in verifying], tokens)
             logits, target_hidden = self.model.forward_for_drafter(batch, step.sample_rows)
-        outputs = self._judge(logits, plan, states)
+        outputs = self._judge(logits, plan, states) if self.judge_override is None else self._overridden_judge(plan)
         with torch.inference_mode():
             self._roll_back_and_draft(step, target_hidden, plan, outputs, verifying, snapshot)
         return outputs
 
     def _run_graphed(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
-        """The same step from the graphs: every span snapshotted at full width, then the verify replay, the judge,
-        the rollback (filler drafts always rolled back) and the draft replay."""
-        graphs = self.graphs
+        """The same step from the graphs: the verify replay (snapshot, forward, greedy judge), the draft replay
+        (rollback, drafts), one host read. Sequences the device judge cannot decide are judged on the host between
+        the replays, from the verify logits."""
+        graphs, plan = self.graphs, step.speculation
         with torch.inference_mode():
             run = graphs.prepare(step)
-            tokens = run.token_ids if self.rollback.engram_history is not None else None
-            snapshot = self.rollback.snapshot_spans(run.spans, tokens)
-            logits = graphs.verify(run)
-        outputs = self._judge(logits, step.speculation, states)
+            graphs.verify(run)
+        outputs = None
+        if self.judge_override is not None:
+            outputs = self._overridden_judge(plan)
+        elif not all(judged_on_device(state) for state in states):
+            outputs = self._judge(graphs.judged_logits(run), plan, states)
+        if outputs is not None:
+            with torch.inference_mode():
+                graphs.take_judgement(run, [(output.num_accepted, output.token_ids[-1]) for output in outputs])
         with torch.inference_mode():
-            kept = [1 + output.num_accepted for output in outputs]
-            self.rollback.rollback_spans(snapshot, run.journal, kept)
-            for output, drafts in zip(outputs, graphs.draft(run, outputs), strict=True):
-                output.next_drafts = drafts
+            results = graphs.finish(run)
+        if outputs is None:
+            drafts = (d for d, token in zip(plan.drafts, plan.following_token, strict=True) if token is None)
+            outputs = [SpeculativeOutput(d[: r.num_accepted] + [r.last_token], None, None, len(d), r.num_accepted)
+                       for d, r in zip(drafts, results, strict=True)]  # fmt: skip
+        for output, result in zip(outputs, results, strict=True):
+            output.next_drafts = result.next_drafts
         return outputs
+
+    def _overridden_judge(self, plan: SpeculationPlan) -> list[SpeculativeOutput]:
+        """The benchmark stand-in's verdicts (accepted drafts, the token after them) as the step's outputs."""
+        drafts = [d for d, token in zip(plan.drafts, plan.following_token, strict=True) if token is None]
+        return [SpeculativeOutput(d[:accepted] + [last], None, None, len(d), accepted)
+                for d, (accepted, last) in zip(drafts, self.judge_override(drafts), strict=True)]  # fmt: skip
 
     def _roll_back_and_draft(self, step, target_hidden, plan: SpeculationPlan, outputs, verifying, snapshot) -> None:
         """Undo the rejected positions' cache writes (every verify span at once), then draft from the kept

@@ -1,19 +1,28 @@
-"""Speculative verify and draft steps replayed from CUDA graphs, one pair per batch-size bucket.
+"""Speculative verify steps replayed from CUDA graphs, one pair per batch-size bucket, with one host read a step.
 
 A verify step in which every sequence decodes (its last token and at most K drafts, no prefill chunk beside it)
-has a fixed shape once each sequence is given exactly K + 1 positions: the target's verify forward
-(``ServedModel.verify_forward``) and the drafter's next drafts (``Drafter.draft_fixed``) then run from device
-tensors alone, so each is recorded once per bucket, as plain decode steps are
-(:mod:`dsinfer.engine.decode_graphs`), and replayed. A step of ``B`` sequences runs in the smallest bucket
-``>= B``: the rows past ``B`` are padding that runs in the cache's spare slot against the trash block, and a
-sequence with fewer than K drafts gets filler drafts that are never judged and always rolled back (their entries
-of blocks it does not own go to the trash block, through block tables padded with it).
+has a fixed shape once each sequence is given exactly K + 1 positions, so everything between the host's inputs
+and the step's result runs from device tensors alone and is recorded once per bucket, as plain decode steps are
+(:mod:`dsinfer.engine.decode_graphs`), and replayed:
 
-Between the two graphs the host judges the drafts (:mod:`dsinfer.speculative.verify`, from the verify graph's
-logits) and rolls back rejected positions (:mod:`dsinfer.speculative.rollback`, from the snapshot taken before the
-replay and the padded journal the verify graph writes). Static buffers hold the step's inputs (one copy from
-the host per graph) and every output (logits, what the drafter reads, the journal, the drafts), shared by all
-buckets. Without capture (``capture=False``: CPU, tests) the same buffers and padding run eagerly.
+1. the **verify graph**: the snapshot of what the step may overwrite
+   (:class:`~dsinfer.speculative.fixed_rollback.FixedWidthRollback`), the target's verify forward
+   (``ServedModel.verify_forward``) and the greedy judge (:func:`~dsinfer.speculative.verify.judge_greedy_fixed`:
+   accepted counts and the token after them);
+2. the **draft graph**: the rollback of rejected positions from those accepted counts, then the drafter's next
+   drafts (``Drafter.draft_fixed``) from the kept positions.
+
+The host then reads the step's result once (accepted counts, tokens, next drafts: one row per sequence). A step
+with a sequence the device judge cannot decide (sampled, a grammar, penalties, logprobs, ``min_tokens``; see
+:func:`~dsinfer.speculative.verify.judged_on_device`) is judged on the host between the two replays, from the
+verify graph's logits, and its accepted counts and tokens are copied into the draft graph's input.
+
+A step of ``B`` sequences runs in the smallest bucket ``>= B``: the rows past ``B`` are padding that runs in the
+cache's spare slot against the trash block, and a sequence with fewer than K drafts gets filler drafts that are
+never accepted and always rolled back (their entries of blocks it does not own go to the trash block, through
+block tables padded with it). Static buffers hold the step's inputs (one copy from the host) and every output
+(logits, what the drafter reads, the journal, the snapshot, the result), shared by all buckets. Without capture
+(``capture=False``: CPU, tests) the same buffers and padding run eagerly.
 """
 
 from __future__ import annotations
@@ -28,9 +37,14 @@ from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter
-from dsinfer.speculative.rollback import PaddedJournal
+from dsinfer.speculative.fixed_rollback import FixedWidthRollback
+from dsinfer.speculative.rollback import CacheRollback
+from dsinfer.speculative.verify import judge_greedy_fixed
 
 logger = logging.getLogger(__name__)
+
+# The verify graph's input row of one sequence: ids [width] | start | slot | window_from | drafts | block table.
+_FIELDS = 4
 
 
 @dataclass
@@ -39,19 +53,27 @@ class GraphedVerify:
 
     size: int  # the bucket
     spans: list[SequenceSpan]  # the step's spans at full width, block tables padded with the trash block
-    token_ids: torch.Tensor  # [count * width] their ids on the device (filler drafts included)
     own_ids: list[list[int]]  # each span's last token and real drafts, on the host
-    judged_rows: list[int] | None  # rows of the logits the judge reads; None: all of them (no filler)
-    journal: PaddedJournal | None = None
+    judged_rows: list[int] | None  # rows of the logits a host judge reads; None: all of them (no filler)
+
+
+@dataclass
+class StepResult:
+    """One sequence's result of a graphed step, from the step's one host read."""
+
+    num_accepted: int
+    last_token: int  # the token after the accepted drafts
+    next_drafts: list[int]
 
 
 class SpecGraphs:
     """Static-shape verify and draft steps for batches up to the largest bucket (see the module docstring)."""
 
-    def __init__(
-        self, drafter: Drafter, cache, sizes: tuple[int, ...], spare_slot: int, max_model_len: int, capture: bool
-    ) -> None:
+    def __init__(self, drafter: Drafter, rollback: CacheRollback, sizes: tuple[int, ...], spare_slot: int,
+                 max_model_len: int, capture: bool) -> None:  # fmt: skip
+        cache = rollback.cache
         self.drafter, self.cache, self.spare_slot, self.capture = drafter, cache, spare_slot, capture
+        self.fixed_rollback = FixedWidthRollback(rollback)
         self.num_drafts = drafter.num_tokens
         self.width = self.num_drafts + 1
         self.sizes = tuple(sorted(set(sizes)))
@@ -59,17 +81,18 @@ class SpecGraphs:
         self.table_width = math.ceil((max_model_len + self.width) / cache.block_tokens)
         self.device = cache.layers[0].window.device
         largest = self.sizes[-1]
-        # One row per sequence: ids [width] | start | slot | window_from | block table [table_width].
-        self.inputs = torch.zeros(largest, self.width + 3 + self.table_width, dtype=torch.long, device=self.device)
+        self.inputs = torch.zeros(largest, self.width + _FIELDS + self.table_width, dtype=torch.long,
+                                  device=self.device)  # fmt: skip
         self.inputs.copy_(torch.tensor([self._padding_row()] * largest, dtype=torch.long))
-        # One row per sequence: the token after each position [width] | how many positions it kept.
-        self.draft_inputs = torch.zeros(largest, self.width + 1, dtype=torch.long, device=self.device)
-        self.draft_inputs[:, self.width] = 1
+        # The step's result, one row per sequence: accepted | the token after them | next drafts [K] | how many
+        # of them to verify. The verify graph (or the host's judge) writes the first two, the draft graph the rest.
+        self.result = torch.zeros(largest, 3 + self.num_drafts, dtype=torch.long, device=self.device)
+        self.drafts = self.result[:, 2:]
         # Outputs, allocated by the first forward (before any capture) for the largest bucket.
         self.logits: torch.Tensor | None = None
         self.features: torch.Tensor | None = None
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.drafts: torch.Tensor | None = None
+        self.saved: list[torch.Tensor] | None = None  # the snapshot
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         if capture:
             self._capture_all()
@@ -92,7 +115,7 @@ class SpecGraphs:
 
     # ---- a step ---------------------------------------------------------------------------------------
     def prepare(self, step) -> GraphedVerify:
-        """Fill the verify graph's inputs for ``step`` (one copy from the host); the spans the rollback snapshots."""
+        """Fill the verify graph's inputs for ``step`` (one copy from the host)."""
         plan, width, trash = step.speculation, self.width, self.cache.trash_block
         count = len(step.spans)
         size = next(s for s in self.sizes if s >= count)
@@ -104,50 +127,49 @@ class SpecGraphs:
             judged += range(index * width, index * width + len(ids))
             table = span.block_table + [trash] * max(0, self._blocks_needed(span) - len(span.block_table))
             spans.append(SequenceSpan(span.start, width, span.slot, table, span.reuse_below, span.window_from))
-            rows += ids + [0] * (width - len(ids)) + [span.start, span.slot, span.window_from]
+            rows += ids + [0] * (width - len(ids)) + [span.start, span.slot, span.window_from, len(ids) - 1]
             rows += table + [trash] * (self.table_width - len(table))
         rows += self._padding_row() * (size - count)
         host_into_device(self.inputs[:size], rows)
-        token_ids = self.inputs[:count, :width].reshape(-1)
-        return GraphedVerify(size, spans, token_ids, own_ids, None if len(judged) == count * width else judged)
+        return GraphedVerify(size, spans, own_ids, None if len(judged) == count * width else judged)
 
-    def verify(self, run: GraphedVerify) -> torch.Tensor:
-        """Run the verify forward; the logits the judge reads (each span's last token and real drafts, in order).
-        Sets ``run.journal``. The tensors are the graphs' buffers: valid until the next step's verify."""
+    def verify(self, run: GraphedVerify) -> None:
+        """Snapshot, verify forward and greedy judge of the step (the verify graph's replay)."""
         if self.capture:
             self.graphs[run.size][0].replay()
         else:
             self._verify_forward(run.size)
-        count = len(run.spans)
-        run.journal = PaddedJournal(self.records).first(count)
-        logits = self.logits[: count * self.width]
+
+    def judged_logits(self, run: GraphedVerify) -> torch.Tensor:
+        """The logits a host judge reads (each span's last token and real drafts, in order): the graphs' buffer,
+        valid until the next step's verify."""
+        logits = self.logits[: len(run.spans) * self.width]
         if run.judged_rows is not None:
             logits = logits.index_select(0, host_to_device(run.judged_rows, torch.long, self.device))
         return logits
 
-    def draft(self, run: GraphedVerify, outputs) -> list[list[int]]:
-        """The next drafts of every sequence after judging (``outputs``: accepted counts and emitted tokens) and
-        rolling back; one host read."""
-        width, count = self.width, len(run.spans)
-        rows = []
-        for ids, output in zip(run.own_ids, outputs, strict=True):
-            kept = 1 + output.num_accepted
-            rows += ids[1:kept] + [output.token_ids[-1]] + [0] * (width - kept) + [kept]
-        rows += ([0] * width + [1]) * (run.size - count)
-        host_into_device(self.draft_inputs[: run.size], rows)
+    def take_judgement(self, run: GraphedVerify, judged: list[tuple[int, int]]) -> None:
+        """The host's judgement (accepted drafts, the token after them) of every sequence, in place of the
+        device's, for the draft graph (one copy)."""
+        rows = [[accepted, token] + [0] * (self.num_drafts + 1) for accepted, token in judged]
+        host_into_device(self.result[: len(run.spans)], [value for row in rows for value in row])
+
+    def finish(self, run: GraphedVerify) -> list[StepResult]:
+        """Roll back and draft (the draft graph's replay); then the step's one host read."""
         if self.capture:
             self.graphs[run.size][1].replay()
         else:
             self._draft_forward(run.size)
-        return [row[: row[-1]] for row in self.drafts[:count].tolist()]  # the drafts' one host read
+        rows = self.result[: len(run.spans)].tolist()  # the step's one host read
+        return [StepResult(row[0], row[1], row[2 : 2 + row[-1]]) for row in rows]
 
     # ---- internals ------------------------------------------------------------------------------------
     def _blocks_needed(self, span: SequenceSpan) -> int:
         return math.ceil((span.start + self.width) / self.cache.block_tokens)
 
     def _padding_row(self) -> list[int]:
-        """A row that runs positions 0 .. width - 1 of the spare slot against the trash block."""
-        return [0] * self.width + [0, self.spare_slot, 0] + [self.cache.trash_block] * self.table_width
+        """A row that runs positions 0 .. width - 1 of the spare slot against the trash block, with no draft."""
+        return [0] * self.width + [0, self.spare_slot, 0, 0] + [self.cache.trash_block] * self.table_width
 
     def _batch(self, size: int) -> FixedWidthBatch:
         inputs, width = self.inputs[:size], self.width
@@ -156,10 +178,11 @@ class SpecGraphs:
             return inputs[:, index].contiguous()
 
         return FixedWidthBatch(inputs[:, :width].contiguous(), column(width), column(width + 1), column(width + 2),
-                               inputs[:, width + 3 :].contiguous(), self.cache, self.spare_slot)  # fmt: skip
+                               inputs[:, width + _FIELDS :].contiguous(), self.cache, self.spare_slot)  # fmt: skip
 
     def _verify_forward(self, size: int) -> None:
         batch = self._batch(size)
+        saved = self.fixed_rollback.snapshot(batch)
         journal = PendingJournal(batch)
         logits, features = self.drafter.model.verify_forward(batch, journal)
         rows = size * self.width
@@ -169,20 +192,31 @@ class SpecGraphs:
             self.features = features.new_empty(largest * self.width, *features.shape[1:])
             self.records = {key: (v.new_zeros(largest, *v.shape[1:]), g.new_zeros(largest, *g.shape[1:]))
                             for key, (v, g) in journal.records.items()}  # fmt: skip
+            self.saved = [tensor.new_zeros(largest, *tensor.shape[1:]) for tensor in saved]
         self.logits[:rows].copy_(logits)
         self.features[:rows].copy_(features)
         for key, (values, gates) in journal.records.items():
             self.records[key][0][:size].copy_(values)
             self.records[key][1][:size].copy_(gates)
+        for buffer, tensor in zip(self.saved, saved, strict=True):
+            buffer[:size].copy_(tensor)
+        draft_counts = self.inputs[:size, self.width + 3]
+        accepted, last = judge_greedy_fixed(logits, batch.input_ids[:, 1:], draft_counts)
+        self.result[:size, 0].copy_(accepted)
+        self.result[:size, 1].copy_(last)
 
     def _draft_forward(self, size: int) -> None:
-        batch = self._batch(size)
-        inputs = self.draft_inputs[:size]
-        next_ids, kept = inputs[:, : self.width].contiguous(), inputs[:, self.width].contiguous()
-        drafts = self.drafter.draft_fixed(batch, self.features[: size * self.width], next_ids, kept)
-        if self.drafts is None:
-            self.drafts = drafts.new_zeros(self.sizes[-1], *drafts.shape[1:])
-        self.drafts[:size].copy_(drafts)
+        batch, width = self._batch(size), self.width
+        accepted, last = self.result[:size, 0], self.result[:size, 1]
+        records = {key: (values[:size], gates[:size]) for key, (values, gates) in self.records.items()}
+        self.fixed_rollback.rollback(batch, [buffer[:size] for buffer in self.saved], records, accepted)
+        # The token after each kept position: the accepted drafts, then the judged token; zeros past it.
+        columns = torch.arange(width, device=accepted.device)[None, :]
+        following = torch.cat([batch.input_ids[:, 1:], torch.zeros_like(batch.input_ids[:, :1])], dim=1)
+        following = torch.where(columns < accepted[:, None], following, 0)
+        following = following.scatter(1, accepted[:, None], last[:, None])
+        drafts = self.drafter.draft_fixed(batch, self.features[: size * width], following, accepted + 1)
+        self.result[:size, 2:].copy_(drafts)
 
     def _capture_all(self) -> None:
         """Record every bucket's verify and draft steps (largest first, sharing one memory pool), every row

@@ -52,6 +52,33 @@ def needs_own_pass(state: SamplingState) -> bool:
     )
 
 
+def judged_on_device(state: SamplingState) -> bool:
+    """Whether a fixed-width step's own device judge decides this sequence (:func:`judge_greedy_fixed`): a greedy
+    request that nothing on the host touches between its rows (no grammar, penalties or ``min_tokens`` mask still
+    in force) and that wants no logprobs. Its tokens are then the argmax of the raw logits, plain decoding's."""
+    params = state.params
+    min_tokens_done = not state.stop_token_ids or len(state.output_token_ids) >= params.min_tokens
+    return params.greedy and params.logprobs is None and min_tokens_done and not needs_own_pass(state)
+
+
+def judge_greedy_fixed(
+    logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy judging of a fixed-width step on the device, no host read: ``logits`` [B * width, V] (sequence after
+    sequence), ``draft_ids`` [B, width - 1], ``num_drafts`` [B] (the drafts past it are filler, never accepted).
+    Returns ``(accepted [B], last [B])``: the leading drafts equal to the argmax, then the argmax after them
+    (lowest id on ties, as plain decoding)."""
+    count, width = draft_ids.shape[0], draft_ids.shape[1] + 1
+    return _accept_targets(logits.view(count, width, -1).argmax(dim=-1), draft_ids, num_drafts)
+
+
+def _accept_targets(target: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """Leading drafts equal to the target ids [B, width] (up to ``num_drafts``), and the target after them."""
+    valid = torch.arange(draft_ids.shape[1], device=target.device)[None, :] < num_drafts[:, None]
+    accepted = ((target[:, :-1] == draft_ids) & valid).long().cumprod(-1).sum(-1)
+    return accepted, target.gather(1, accepted[:, None])[:, 0]
+
+
 def allowed_drafts(drafts: list[int], state: SamplingState, vocab_size: int) -> int:
     """Leading drafts that ``min_tokens`` lets through (a batched row has no other mask): a stop token is
     masked while the output, with the drafts before it, is shorter than ``min_tokens``."""
@@ -83,9 +110,7 @@ def judge_batched(
     draft_ids = host_to_device(padded, torch.long, device).view(len(drafts), width - 1)
     num_drafts = host_to_device(counts, torch.long, device)
     target = scores.view(len(drafts), width, vocab).argmax(dim=-1)  # lowest id on ties, as plain decoding
-    valid = torch.arange(width - 1, device=device)[None, :] < num_drafts[:, None]
-    accepted = ((target[:, :-1] == draft_ids) & valid).long().cumprod(-1).sum(-1)
-    last = target.gather(1, accepted[:, None])[:, 0]
+    accepted, last = _accept_targets(target, draft_ids, num_drafts)
     sampled = [b for b, state in enumerate(states) if not state.params.greedy]
     if sampled:
         rows = host_to_device(sampled, torch.long, device)

@@ -1,0 +1,134 @@
+"""The verify-step table: ms per speculative verify step against the plain graphed decode step, one process.
+
+    python benchmarks/spec_verify_step.py                       # V4 (MTP) and V4.1 (DSpark) 4-layer slices, CUDA
+    python benchmarks/spec_verify_step.py --arch v4 --requests 1,32 --k 3 --contexts 256,131072
+    python benchmarks/spec_verify_step.py --tiny                # tiny checkpoints on the CPU (what the test runs)
+
+Each model is built once, as ``dsinfer bench sweep decode --flash-layers 4`` builds it (random weights at
+V4-Flash / V4.1-Flash widths; the V4 slice gets a random MTP layer, the V4.1 slice its DSpark stages). For every
+context and request count the sweep's decode point (:func:`dsinfer.bench.sweep_points.run_decode_point`: fill
+the prompts untimed, warm up, time steady steps; on CUDA one graph bucket of the request count) runs plain, then
+with ``num_speculative_tokens`` K for every ``--k``. Random weights draft badly, so drafts are accepted by the
+benchmark's seeded coin (:mod:`dsinfer.bench.coin_acceptance`, ``--coin`` 0.75 by default: the official
+accounting's acceptance); the verify forward, snapshot, rollback and drafting all run as with real drafts.
+``--coin 0`` times real judging instead (tau about 1).
+
+Columns: ``plain ms`` (a plain decode step), ``verify ms`` (a verify step: K + 1 positions a sequence, drafts
+for the next), ``ratio`` (verify / plain, same process, same model), ``tau`` (tokens a sequence gets per verify
+step), ``tok/s x`` (output tokens per second against plain's). Issue 46's bar: K = 3 at most 1.3x plain at one
+request and 1.6x at 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from dsinfer.bench.sweep_model import build_bench
+from dsinfer.bench.sweep_options import parse_args as parse_sweep_args
+from dsinfer.bench.sweep_points import run_decode_point
+from dsinfer.models.tiny import make_tiny_checkpoint
+
+METHODS = {"v4": "mtp", "v41": "dspark"}
+
+
+def _sweep_argv(arch: str, options: argparse.Namespace, checkpoint: str | None, k: int) -> list[str]:
+    """The sweep options of one model's points (its speculative config is the largest K: the drafter it builds)."""
+    spec = json.dumps({"method": METHODS[arch], "num_speculative_tokens": k})
+    argv = ["decode", "--device", options.device, "--speculative-config", spec, "--v41-prefill", "exact",
+            "--warmup-steps", str(options.warmup_steps), "--measure-steps", str(options.measure_steps),
+            "--prefill-chunk", str(options.prefill_chunk), "--seed", "0"]  # fmt: skip
+    if checkpoint is not None:
+        argv += ["--model", checkpoint, "--cache-gib", "0.0625"]
+    else:
+        argv += ["--flash-layers", str(options.layers), "--arch", arch]
+    return argv
+
+
+def _point(bench, requests: int, speculative, coin: float) -> dict:
+    """One decode point: ms a step and tokens a sequence per step (plain when ``speculative`` is None)."""
+    args = bench.args
+    args.speculative, args.nextn = speculative, speculative.num_speculative_tokens if speculative else 0
+    args.coin_acceptance = coin if speculative is not None and coin > 0 else None
+    record = run_decode_point(bench, requests)
+    tau = record["measured"].get("tau", 1.0) if speculative is not None else 1.0
+    return {"ms": record["ms_per_step"], "tau": tau, "graphed": record["measured"].get("graphed_steps")}
+
+
+def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None = None) -> list[dict]:
+    """Every (context, requests, K) row of one model, plain first."""
+    ks = sorted(options.k)
+    args = parse_sweep_args(_sweep_argv(arch, options, checkpoint, ks[-1]))
+    spec = args.speculative
+    bench = build_bench(args)
+    rows = []
+    try:
+        for context in options.contexts:
+            args.context, bench.fill_budget = context, None
+            for requests in options.requests:
+                plain = _point(bench, requests, None, 0.0)
+                for k in ks:
+                    point = _point(bench, requests, replace(spec, num_speculative_tokens=k), options.coin)
+                    row = {"arch": arch, "method": spec.method, "context": context, "requests": requests, "k": k,
+                           "plain_ms": plain["ms"], "verify_ms": point["ms"], "ratio": point["ms"] / plain["ms"],
+                           "tau": point["tau"], "speedup": point["tau"] * plain["ms"] / point["ms"],
+                           "graphed_steps": point["graphed"], "coin": options.coin}  # fmt: skip
+                    rows.append(row)
+                    print(_line(row), flush=True)
+    finally:
+        bench.close()
+    return rows
+
+
+def _line(row: dict) -> str:
+    return (f"{row['arch']:4} {row['method']:6} ctx={row['context']:6} requests={row['requests']:3} K={row['k']}  "
+            f"plain ms={row['plain_ms']:8.3f}  verify ms={row['verify_ms']:8.3f}  ratio={row['ratio']:5.2f}  "
+            f"tau={row['tau']:4.2f}  tok/s x={row['speedup']:4.2f}  graphed={row['graphed_steps']}")  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(value) for value in text.split(",") if value]
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", default="v4,v41", help="comma list: v4 (MTP), v41 (DSpark)")
+    parser.add_argument("--k", type=_ints, default=[1, 3, 5], help="num_speculative_tokens values")
+    parser.add_argument("--requests", type=_ints, default=[1, 32, 64])
+    parser.add_argument("--contexts", type=_ints, default=[256], help="prompt tokens (131072: a long fill)")
+    parser.add_argument("--layers", type=int, default=4, help="--flash-layers of the slices")
+    parser.add_argument("--coin", type=float, default=0.75, help="draft acceptance by the seeded coin; 0: judge")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--measure-steps", type=int, default=20)
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="fill tokens a step (skips the probe)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny checkpoints instead of the slices (CPU test)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    options = parser.parse_args(argv)
+    if options.tiny and options.contexts == [256]:
+        options.contexts = [24]
+    return options
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    options = parse_options(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for arch in options.arch.split(","):
+            checkpoint = None
+            if options.tiny:
+                block = {"dspark_block_size": 5} if arch == "v41" else {}
+                checkpoint = str(make_tiny_checkpoint(f"{root}/{arch}", seed=0, arch=arch, **block))
+            rows += measure_model(arch, options, checkpoint)
+    if options.out:
+        with open(options.out, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Snapshot and rollback of a fixed-width verify step from device tensors alone, for the step's CUDA graphs.
+
+:class:`~dsinfer.speculative.rollback.CacheRollback` builds its gather and scatter indexes on the host from the
+spans' metadata; a step replayed from a CUDA graph cannot. Here every sequence of a fixed-width batch
+(:class:`~dsinfer.kv.fixed_width.FixedWidthBatch`: ``width`` = K + 1 new positions each) is snapshotted and rolled
+back at full width, with the accepted counts as a device tensor: each cache tensor is read at every position the
+step may write and written back where the position was rejected (a ``where`` over the full width, no shape
+depending on a device value), so the snapshot, the judge and the rollback are captured with the verify forward and
+its drafts, and the host reads the step's result once.
+
+What is restored is what :class:`~dsinfer.speculative.rollback.CacheRollback` restores, the same way: window-ring
+rows of rejected positions from the snapshot; each compressor's unfinished window (and, overlapping, its last
+complete one) rebuilt from the fixed-width journal (:class:`~dsinfer.kv.fixed_width.PendingJournal`) cut at the
+accepted length; compressed entries (index keys, scales) of windows only rejected positions completed; V4.1's
+Engram look-back from the context before the span and the accepted tokens. Padding rows run in the spare slot
+against the trash block, and entry addresses a row does not own are sent to the trash block too, so no write
+lands on another sequence's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.engram.hashing import ENGRAM_DEAD
+from dsinfer.kv.fixed_width import FixedWidthBatch
+from dsinfer.speculative.rollback import CacheRollback, _bytes
+
+
+@dataclass
+class EntryIndex:
+    """Where a fixed-width step may write the entries of one compressor ratio: ``per_row`` entries of each
+    sequence from the one its first position falls in; ``owned`` marks those its positions complete."""
+
+    entry_ids: torch.Tensor  # [B, per_row]
+    blocks: torch.Tensor  # [B, per_row], the trash block where not owned
+    offsets: torch.Tensor  # [B, per_row]
+    owned: torch.Tensor  # [B, per_row] bool
+
+
+def _expand_like(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``mask`` [B, n] with trailing singleton dimensions, to select rows of ``values`` [B, n, ...]."""
+    return mask.view(*mask.shape, *([1] * (values.dim() - mask.dim())))
+
+
+class FixedWidthRollback:
+    """Snapshot [B, ...] tensors before a fixed-width verify forward and roll rejected positions back after it."""
+
+    def __init__(self, rollback: CacheRollback) -> None:
+        self.rings, self.compressors = rollback.rings, rollback.compressors
+        self.engram_history, self.engram_hasher = rollback.engram_history, rollback.engram_hasher
+
+    # ---- snapshot ------------------------------------------------------------------------------------
+    def snapshot(self, batch: FixedWidthBatch) -> list[torch.Tensor]:
+        """Everything the step may overwrite, each tensor's first dimension the batch's sequences: ring rows of
+        every position, each overlapping compressor's last complete window, the entries each sequence may
+        write, and V4.1's Engram look-back before the step (a sequence at position 0 has none)."""
+        saved = [_bytes(ring)[self._ring_index(batch, ring)] for ring in self.rings]
+        for compressor in self.compressors:
+            if compressor.previous is not None:
+                saved += [part[batch.slots] for part in compressor.previous]
+            index = self._entry_index(batch, compressor)
+            saved += [_bytes(entries)[index.blocks, index.offsets] for entries in compressor.entries]
+        if self.engram_history is not None:
+            history = self.engram_history[batch.slots]
+            saved.append(history.masked_fill((batch.starts == 0)[:, None], ENGRAM_DEAD))
+        return saved
+
+    # ---- rollback ------------------------------------------------------------------------------------
+    def rollback(self, batch: FixedWidthBatch, saved: list[torch.Tensor], records: dict, accepted: torch.Tensor):
+        """Make each sequence's state hold only its first ``accepted + 1`` positions (``accepted`` [B] on the
+        device); ``saved`` is :meth:`snapshot`'s list, ``records`` the step's journal (``id(state)`` -> padded
+        values and gates [B, L, width])."""
+        kept = accepted + 1
+        saved = list(reversed(saved))  # taken from the end, in snapshot order
+        columns = torch.arange(batch.width, device=kept.device)
+        rejected = columns[None, :] >= kept[:, None]  # [B, width]
+        for ring in self.rings:
+            index, rows = self._ring_index(batch, ring), saved.pop()
+            view = _bytes(ring)
+            view[index] = torch.where(_expand_like(rejected, rows), rows, view[index])
+        kept_end, cut = batch.starts + kept, kept < batch.width
+        for compressor in self.compressors:
+            previous = None
+            if compressor.previous is not None:
+                previous = (saved.pop(), saved.pop())
+            if compressor.pending is not None:
+                values, gates = records[id(compressor.journal_key)]
+                self._rollback_pending(batch, compressor, (values, gates), previous, kept_end, cut)
+            index = self._entry_index(batch, compressor)
+            undo = index.owned & cut[:, None] & (index.entry_ids >= (kept_end // compressor.ratio)[:, None])
+            for entries in compressor.entries:
+                view, rows = _bytes(entries), saved.pop()
+                current = view[index.blocks, index.offsets]
+                view[index.blocks, index.offsets] = torch.where(_expand_like(undo, rows), rows, current)
+        if self.engram_history is not None:
+            self._rollback_engram(batch, saved.pop(), kept, cut)
+
+    def _rollback_pending(self, batch, compressor, records, previous, kept_end, cut) -> None:
+        """The unfinished window of each cut sequence (rows before its accepted end) and, overlapping, its last
+        complete window, from the journal's record (positions from the first of the window the step started in)
+        or, when that window completed before the step, from the snapshot."""
+        ratio, slots = compressor.ratio, batch.slots
+        length = records[0].shape[1]
+        first = batch.starts - batch.starts % ratio
+        window_start = kept_end - kept_end % ratio
+        lo = window_start - first  # the record's row of the accepted end's window
+        rows = torch.arange(ratio, device=slots.device)
+        take = cut[:, None] & (rows[None, :] < (kept_end - window_start)[:, None])  # [B, ratio]
+        source = (lo[:, None] + rows).clamp(max=length - 1)
+        for state, record in zip(compressor.pending, records, strict=True):
+            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1])).to(state.dtype)
+            state[slots] = torch.where(take[..., None], fresh, state[slots])
+        if compressor.previous is None:
+            return
+        recorded = cut & (lo >= ratio)  # the last complete window ended inside the accepted positions
+        restored = cut & (lo < ratio)
+        source = (lo[:, None] - ratio + rows).clamp(min=0, max=length - 1)
+        for state, record, before in zip(compressor.previous, records, previous, strict=True):
+            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1])).to(state.dtype)
+            current = state[slots]
+            value = torch.where(recorded[:, None, None], fresh, torch.where(restored[:, None, None], before, current))
+            state[slots] = value
+
+    def _rollback_engram(self, batch: FixedWidthBatch, context: torch.Tensor, kept, cut) -> None:
+        """The look-back after the accepted tokens: the last ``w`` of the context and the kept tokens."""
+        hasher, width = self.engram_hasher, context.shape[1]
+        ids = batch.input_ids
+        compressed = hasher.compressed_vocabulary[ids].masked_fill(~hasher.gate_mask(ids), ENGRAM_DEAD)
+        joined = torch.cat([context, compressed.to(context.dtype)], dim=1)  # [B, w + width], oldest first
+        columns = kept[:, None] + torch.arange(width, device=kept.device)[None, :]
+        after = joined.gather(1, columns)
+        slots = batch.slots
+        self.engram_history[slots] = torch.where(cut[:, None], after, self.engram_history[slots])
+
+    # ---- indexes -------------------------------------------------------------------------------------
+    @staticmethod
+    def _ring_index(batch: FixedWidthBatch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, ring rows) [B, width] of every position of the step."""
+        return batch.slots[:, None].expand(-1, batch.width), batch.positions % ring.shape[1]
+
+    @staticmethod
+    def _entry_index(batch: FixedWidthBatch, compressor) -> EntryIndex:
+        """The entries each sequence's positions may complete (at most ``(ratio - 1 + width) // ratio``)."""
+        ratio, entries = compressor.ratio, compressor.entries[0]
+        per_block, table_width = entries.shape[1], batch.block_tables.shape[1]
+        per_row = (ratio - 1 + batch.width) // ratio
+        first = batch.starts // ratio
+        entry_ids = first[:, None] + torch.arange(per_row, device=first.device)[None, :]
+        owned = entry_ids < ((batch.starts + batch.width) // ratio)[:, None]
+        blocks = batch.block_tables.gather(1, (entry_ids // per_block).clamp(max=table_width - 1))
+        blocks = torch.where(owned, blocks, batch.cache.trash_block)
+        return EntryIndex(entry_ids, blocks, entry_ids % per_block, owned)

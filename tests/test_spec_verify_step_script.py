@@ -1,0 +1,32 @@
+"""``benchmarks/spec_verify_step.py --tiny``: the verify-step table's rows on tiny checkpoints (the GPU run's
+code path, the slices swapped for tiny checkpoints): plain and speculative points from the sweep, the ratio their
+quotient, tau from the coin's accepted drafts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import spec_verify_step  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_the_verify_step_table_on_tiny_checkpoints(arch, tmp_path):
+    out = tmp_path / "rows.json"
+    rows = spec_verify_step.main(["--tiny", "--arch", arch, "--requests", "1,2", "--k", "1,3", "--warmup-steps", "1",
+                                  "--measure-steps", "4", "--device", "cpu", "--out", str(out)])  # fmt: skip
+    assert [(row["requests"], row["k"]) for row in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert out.exists()
+    for row in rows:
+        assert row["method"] == {"v4": "mtp", "v41": "dspark"}[arch] and row["context"] == 24
+        assert row["plain_ms"] > 0 and row["ratio"] == pytest.approx(row["verify_ms"] / row["plain_ms"])
+        assert 1.0 <= row["tau"] <= row["k"] + 1
+        assert row["speedup"] == pytest.approx(row["tau"] / row["ratio"])
+    # The coin accepts three quarters of the drafts: K = 3 gets well past one token a step.
+    assert all(row["tau"] > 1.5 for row in rows if row["k"] == 3)
+    assert len({row["plain_ms"] for row in rows if row["requests"] == 1}) == 1  # one plain point per request count
