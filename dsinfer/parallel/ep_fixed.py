@@ -100,7 +100,7 @@ def dispatch_fixed(
     rows = blocks.rows(received).reshape(-1, hidden)  # in place at one rank, gathered from the blocks at more
     local_ids = blocks.ids(received).reshape(-1, 1)
     weights = blocks.weights(received).reshape(-1, 1)
-    out = moe.ops.routed_moe(rows, moe.routed_weights(), local_ids, weights, moe.swiglu_limit)
+    out = moe.run_routed(rows, local_ids, weights)
     back = _exchange(ep, out)
     if index is not None:
         back = back.index_select(0, index)
