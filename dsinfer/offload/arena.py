@@ -7,7 +7,8 @@ misses can be copied in (on the copy stream) while layer ``l`` still reads its o
 expert the layer does not keep resident, so no step can miss more experts than it holds.
 
 The arena also keeps the traffic counters on the device (a captured step adds to them like an eager one), read
-on the host only for metrics: expert reads, reads served by resident experts, and experts copied in.
+on the host only for metrics: expert reads, reads served by resident experts, experts copied in, and of them
+those copied ahead (predicted for the next layer).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dsinfer.config.expert_split import FETCH_BUFFERS
 from dsinfer.offload.host_store import PARTS
 from dsinfer.ops.moe import ExpertWeights
 
-READS, GPU_READS, FETCHED = range(3)  # the counters' entries
+READS, GPU_READS, FETCHED, FETCHED_AHEAD = range(4)  # the counters' entries (FETCHED counts both kinds)
 
 
 def _empty_like_rows(weights: ExpertWeights, rows: int, device: torch.device | str) -> ExpertWeights:
@@ -37,7 +38,7 @@ class ExpertArena:
         self.device = torch.device(device)
         self.weights = _empty_like_rows(like, layers * resident + FETCH_BUFFERS * fetch_slots, device)
         self.expert_bytes = like.nbytes // like.num_experts
-        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         # Fetch-ahead copies run here on CUDA (created before any graph capture needs it); the CPU has one order.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -59,8 +60,8 @@ class ExpertArena:
 
     def counts(self) -> dict[str, int]:
         """The counters on the host (a synchronisation: metrics and tests only)."""
-        reads, gpu_reads, fetched = self.counters.tolist()
-        return {"reads": reads, "gpu_reads": gpu_reads, "fetched": fetched}
+        reads, gpu_reads, fetched, ahead = self.counters.tolist()
+        return {"reads": reads, "gpu_reads": gpu_reads, "fetched": fetched, "fetched_ahead": ahead}
 
     @property
     def fetched_experts(self) -> int:

@@ -20,9 +20,10 @@ from dsinfer.config import ConfigError
 from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena
-from dsinfer.offload.host_store import HostStore
+from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.residency import LayerResidency
 from dsinfer.offload.stats import ExpertStats
+from dsinfer.ops.moe import ExpertWeights
 
 logger = logging.getLogger(__name__)
 REBALANCE_EVERY = 64  # steps between re-balances of the resident sets (and writes of the stats file)
@@ -95,9 +96,11 @@ def install_expert_offload(
     stats_path: str | Path | None = None,
     rebalance_every: int = REBALANCE_EVERY,
     fetch_ahead: bool = True,
+    host_keeps_every_expert: bool = True,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
-    memory (every expert stays in the host store); None (nothing changed) when every expert stays resident.
+    memory; None (nothing changed) when every expert stays resident. ``host_keeps_every_expert`` False: the host
+    store keeps only the offloaded experts (a re-balance swaps; :mod:`dsinfer.offload.host_store`).
 
     Under expert parallelism each rank offloads its own experts (``resident_per_layer`` of them per layer) and
     keeps its counts in its own file (``PATH.rank<r>``); the next layer's router names global experts, so ranks
@@ -121,11 +124,30 @@ def install_expert_offload(
     arena = ExpertArena(like, len(moes), resident_per_layer, experts - resident_per_layer, device)
     layers = []
     for row, (_, moe) in enumerate(moes):
-        host = HostStore(moe.routed_weights(), list(range(experts)), experts, device)
-        router = moe.gate if parallel is None else None
+        weights, router = moe.routed_weights(), moe.gate if parallel is None else None
+        if host_keeps_every_expert:
+            host = HostStore(weights, list(range(experts)), experts, device)
+            layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+            layers[-1].rebalance()
+            continue
+        wanted = stats.resident(row, resident_per_layer)
+        offloaded = [e for e in range(experts) if e not in set(wanted)]
+        host = HostStore(_select_experts(weights, offloaded), offloaded, experts, device)
         layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
-        layers[-1].rebalance()
+        resident_weights = _select_experts(weights, wanted)
+        for name in PARTS:
+            if getattr(weights, name) is not None:
+                slots = getattr(arena.weights, name)[arena.resident_rows(row).start : arena.resident_rows(row).stop]
+                slots.copy_(getattr(resident_weights, name))
+        layers[-1].place(wanted, filled=True)
     return attach_offload(model, layers, stats, stats_path, rebalance_every, fetch_ahead)
+
+
+def _select_experts(weights: ExpertWeights, experts: list[int]) -> ExpertWeights:
+    """The rows of ``experts`` (a copy, in that order)."""
+    index = torch.tensor(experts, dtype=torch.int64, device=weights.w13.device)
+    parts = [None if getattr(weights, n) is None else getattr(weights, n).index_select(0, index) for n in PARTS]
+    return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)
 
 
 def attach_offload(model, layers: list[LayerResidency], stats: ExpertStats, stats_path, every: int, fetch_ahead: bool):

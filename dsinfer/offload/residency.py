@@ -57,7 +57,7 @@ class LayerResidency:
         self._copy_needed(need)
         self.prefetched.zero_()
         reads = torch.stack([chosen.sum(), (chosen & self.resident_mask).sum(), need.sum()])
-        self.arena.counters.add_(reads)
+        self.arena.counters[:3].add_(reads)
         if self.next_layer is not None and x.shape[0]:
             self.next_layer.prefetch(x, input_ids)
         return self.arena.weights, self.slot_of_expert
@@ -79,7 +79,7 @@ class LayerResidency:
         need = self._mask(predicted) & ~self.resident_mask
         self._copy_needed(need)
         self.prefetched.copy_(need)
-        self.arena.counters[2:].add_(need.sum())
+        self.arena.counters[2:].add_(need.sum())  # fetched, and fetched ahead
 
     def _join_prefetch(self) -> None:
         if self._in_flight is not None:

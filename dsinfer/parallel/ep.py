@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from dsinfer.config.model import ConfigError
 from dsinfer.layers.moe import MoE
-from dsinfer.parallel.ep_fixed import dispatch_fixed
+from dsinfer.parallel.ep_fixed import dispatch_fixed, routed_rows
 
 log = logging.getLogger("dsinfer.parallel")
 
@@ -185,7 +185,7 @@ class ExpertParallel:
         recv_meta = self._all_to_all(meta, recv, send)
         if recv_rows.shape[0]:
             local_ids = recv_meta[:, :1].long()
-            out = moe.run_routed(recv_rows, local_ids, recv_meta[:, 1:].contiguous())
+            out = routed_rows(moe, recv_rows, local_ids, recv_meta[:, 1:].contiguous())
         else:
             out = recv_rows
         back = self._all_to_all(out, send, recv)
