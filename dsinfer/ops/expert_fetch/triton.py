@@ -44,9 +44,15 @@ if triton is not None:
 
 @register("copy_expert_rows", "triton", devices=("cuda",), available=triton_available)
 def copy_expert_rows_triton(
-    source: torch.Tensor, target: torch.Tensor, source_rows: torch.Tensor, target_rows: torch.Tensor
+    source: torch.Tensor,
+    target: torch.Tensor,
+    source_rows: torch.Tensor,
+    target_rows: torch.Tensor,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
-    """The reference's copy in one launch with a fixed grid (``source`` may alias pinned host memory)."""
+    """The reference's copy in one launch with a fixed grid (``source`` may alias pinned host memory;
+    ``chunk_bytes``: bytes of a row per program, smaller in tests so rows span several chunks)."""
     if triton is None:
         raise RuntimeError("the triton copy_expert_rows backend needs Triton installed")
     check_rows(source, target, source_rows, target_rows)
@@ -55,6 +61,6 @@ def copy_expert_rows_triton(
         return
     word = target.element_size()
     block = min(BLOCK_BYTES // word, triton.next_power_of_2(row_words))
-    chunk = max(block, min(CHUNK_BYTES // word, triton.cdiv(row_words, block) * block))
+    chunk = max(block, min(chunk_bytes // word, triton.cdiv(row_words, block) * block))
     grid = (entries, triton.cdiv(row_words, chunk))
     _copy_rows_kernel[grid](source, target, source_rows, target_rows, row_words, CHUNK=chunk, BLOCK=block)
