@@ -25,6 +25,9 @@ class StandInRunner:
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits, self.ran = logits, []
 
+    def before_step(self) -> None:
+        """Nothing to re-balance between steps."""
+
     def execute(self, batch):
         if batch.fail:
             raise RuntimeError("the forward failed")

@@ -108,6 +108,7 @@ class DeviceWorker:
             if previous is None:
                 raise RuntimeError("a step launched ahead follows a step that sampled no tokens")
             batch.pending_fill.apply(batch.input_ids, previous)
+        self.runner.before_step()
         if batch.speculation is not None:
             return self.speculative.run(batch, states)
         logits = self.runner.execute(batch)

@@ -178,6 +178,13 @@ class ModelRunner:
             fill,
         )
 
+    def before_step(self) -> None:
+        """Between steps: a model with offloaded experts may re-balance its resident sets (never inside a
+        forward, which a CUDA graph may replay)."""
+        offload = getattr(self.model, "expert_offload", None)
+        if offload is not None:
+            offload.before_step()
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Compute a prepared step over the cache; logits [k, vocab] for its sampled sequences."""

@@ -143,7 +143,7 @@ class MoE(nn.Module):
         self.expert_residency = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, input_ids)))
+        return self._with_shared(x, lambda: self._dispatch(x, *self.gate(x, input_ids), input_ids=input_ids))
 
     # ---- the routed experts' two forms --------------------------------------------------------------
     def pack(self, weights: ExpertWeights, num_local: int | None = None) -> None:
@@ -188,13 +188,18 @@ class MoE(nn.Module):
         shared, out = beside(lambda: self.shared_experts(x), routed, x)
         return out + shared
 
-    def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, input_ids=None) -> torch.Tensor:
         """Run each picked expert on its tokens and mix by ``weights`` (the routed part; the caller adds the
         shared expert)."""
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, experts, weights)
+        return self.run_routed(x, experts, weights, input_ids)
+
+    def run_routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, input_ids=None) -> torch.Tensor:
+        """The ``routed_moe`` op over this layer's (or this EP rank's) experts; offloaded experts are staged first
+        (:meth:`dsinfer.offload.residency.LayerResidency.stage`) and read through the slot table."""
         if self.expert_residency is not None:
-            arena, slots = self.expert_residency.stage(experts)
+            arena, slots = self.expert_residency.stage(x, experts, input_ids)
             return self.ops.routed_moe(x, arena, experts, weights, self.swiglu_limit, slot_of_expert=slots)
         return self.ops.routed_moe(x, self.routed_weights(), experts, weights, self.swiglu_limit)
 

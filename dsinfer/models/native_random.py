@@ -91,7 +91,8 @@ def build_native_model(
         param.data = param.data.to(parameter_dtype(name, param, dtype))
     randomize_v41_(model, seed) if v41 else randomize_(model, seed)
     expert_device = device if expert_device is None else expert_device
-    generator = torch.Generator(device=expert_device).manual_seed(seed + 7)
+    meta = torch.device(expert_device).type == "meta"  # shapes only: an offload builder fills the experts in place
+    generator = None if meta else torch.Generator(device=expert_device).manual_seed(seed + 7)
     for moe in moes:
         shared = moe.shared_experts
         hidden = shared.w1.weight.shape[1] if shared is not None else config.hidden_size

@@ -1,11 +1,12 @@
 """Turn a loaded model's routed experts into offloaded ones: the layers' stacked experts become the host store,
-an arena of device slots takes each layer's resident experts, and the MoE layers read through their tables.
+an arena of device slots takes each layer's resident experts, and the MoE layers read through their tables
+(:mod:`dsinfer.offload.residency`: misses found and fetched on the device, so decode steps stay capturable).
 
 The model is loaded with its routed experts in host memory (``load_model(..., expert_device="cpu")``: read
 straight from the safetensors into host memory, never through the GPU); :func:`install_expert_offload` pins them
 (CUDA), builds the arena on the model's device and hands each backbone MoE layer its
-:class:`~dsinfer.offload.arena.LayerResidency`. Every ``rebalance_every`` steps, before the first offloaded layer
-runs, the resident sets follow the counts and the counts are written to ``--expert-stats``.
+:class:`~dsinfer.offload.residency.LayerResidency`. Every ``rebalance_every`` steps, between steps, the resident
+sets follow the counts and the counts are written to ``--expert-stats``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 from dsinfer.config import ConfigError
 from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
 from dsinfer.layers.moe import MoE
-from dsinfer.offload.arena import ExpertArena, LayerResidency
+from dsinfer.offload.arena import ExpertArena
+from dsinfer.offload.host_store import PARTS, HostStore
+from dsinfer.offload.residency import LayerResidency
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
 
@@ -28,7 +31,11 @@ GIB = 2**30
 
 
 class ExpertOffload:
-    """Every offloaded layer of one model: the arena, the counts, and when to re-balance."""
+    """Every offloaded layer of one model: the arena, the counts, and when to re-balance.
+
+    :meth:`before_step` runs between steps (the model runner calls it before each forward, eager or replayed
+    from a graph), never inside a forward: a re-balance reads the counts on the host and rewrites the tables in
+    place, which a captured step then reads."""
 
     def __init__(self, layers: list[LayerResidency], stats: ExpertStats, stats_path: str | None, every: int) -> None:
         self.layers, self.stats, self.stats_path, self.every = layers, stats, stats_path, every
@@ -39,7 +46,7 @@ class ExpertOffload:
         return self.layers[0].arena
 
     def before_step(self) -> None:
-        """Called as the first offloaded layer starts a step: re-balance when due (no layer is mid-step)."""
+        """A step is about to run: re-balance when due (no layer is mid-step)."""
         self.steps += 1
         if self.steps % self.every == 0:
             self.rebalance()
@@ -52,10 +59,21 @@ class ExpertOffload:
             self.stats.save(self.stats_path)
         return moved
 
+    def set_fetch_ahead(self, enabled: bool) -> None:
+        """Each offloaded layer fetches the next one's predicted misses (on) or every layer fetches its own."""
+        for layer, following in zip(self.layers, self.layers[1:] + [None], strict=True):
+            layer.next_layer = following if enabled and following is not None and following.router else None
+
     def hit_rate(self) -> float:
         """Fraction of expert reads served by resident experts (1.0 before any read)."""
-        served = self.arena.served_experts
-        return 1.0 if not served else 1 - self.arena.fetched_experts / served
+        counts = self.arena.counts()
+        return 1.0 if not counts["reads"] else counts["gpu_reads"] / counts["reads"]
+
+    def traffic(self) -> dict[str, int]:
+        """Counters since the start: expert reads, of them served by resident experts, and host -> device bytes."""
+        counts = self.arena.counts()
+        return {"reads": counts["reads"], "gpu_reads": counts["gpu_reads"],
+                "copied_bytes": counts["fetched"] * self.arena.expert_bytes}  # fmt: skip
 
 
 def resident_for_budget(budget_gib: float, layers: int, experts: int, expert_bytes: int) -> int:
@@ -77,45 +95,74 @@ def install_expert_offload(
     resident_per_layer: int,
     stats_path: str | Path | None = None,
     rebalance_every: int = REBALANCE_EVERY,
+    fetch_ahead: bool = True,
+    host_keeps_every_expert: bool = True,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
-    memory; None (nothing changed) when every expert stays resident."""
+    memory; None (nothing changed) when every expert stays resident. ``host_keeps_every_expert`` False: the host
+    store keeps only the offloaded experts (a re-balance swaps; :mod:`dsinfer.offload.host_store`).
+
+    Under expert parallelism each rank offloads its own experts (``resident_per_layer`` of them per layer) and
+    keeps its counts in its own file (``PATH.rank<r>``); the next layer's router names global experts, so ranks
+    fetch each layer's misses as it runs instead of ahead."""
     moes = backbone_moes(model)
     if not moes or any(not moe.is_packed for _, moe in moes):
         raise ConfigError("expert offload needs a loaded model (routed experts stacked in checkpoint form)")
-    if any(moe.expert_parallel is not None for _, moe in moes):
-        raise ConfigError("expert offload with expert parallelism is not supported yet; use one rank")
-    experts = moes[0][1].n_experts
+    like = moes[0][1].routed_weights()
+    experts = like.num_experts  # the rank's experts per layer
     if not 0 <= resident_per_layer <= experts:
         raise ConfigError(f"resident experts per layer: expected 0..{experts}, got {resident_per_layer}")
     if resident_per_layer == experts:
         return None
     device = model.embed.weight.device
+    parallel = moes[0][1].expert_parallel
+    if parallel is not None and stats_path is not None and parallel.ep_size > 1:
+        stats_path = f"{stats_path}.rank{parallel.rank}"
     stats = ExpertStats([layer_id for layer_id, _ in moes], experts, device)
     if stats_path is not None:
         stats.load(stats_path)
-    like = moes[0][1].routed_weights()
     arena = ExpertArena(like, len(moes), resident_per_layer, experts - resident_per_layer, device)
-    layers = [LayerResidency(row, _host_store(moe.routed_weights()), arena, stats) for row, (_, moe) in enumerate(moes)]
-    offload = ExpertOffload(layers, stats, None if stats_path is None else str(stats_path), rebalance_every)
-    layers[0].before_step = offload.before_step
-    for layer, (_, moe) in zip(layers, moes, strict=True):
-        moe.expert_residency = layer
-    logger.info("expert offload: %d of %d experts per layer resident in %d layers, the rest in host memory",
-                resident_per_layer, experts, len(moes))  # fmt: skip
-    return offload
+    layers = []
+    for row, (_, moe) in enumerate(moes):
+        weights, router = moe.routed_weights(), moe.gate if parallel is None else None
+        if host_keeps_every_expert:
+            host = HostStore(weights, list(range(experts)), experts, device)
+            layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+            layers[-1].rebalance()
+            continue
+        wanted = stats.resident(row, resident_per_layer)
+        offloaded = [e for e in range(experts) if e not in set(wanted)]
+        host = HostStore(_select_experts(weights, offloaded), offloaded, experts, device)
+        layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+        resident_weights = _select_experts(weights, wanted)
+        for name in PARTS:
+            if getattr(weights, name) is not None:
+                slots = getattr(arena.weights, name)[arena.resident_rows(row).start : arena.resident_rows(row).stop]
+                slots.copy_(getattr(resident_weights, name))
+        layers[-1].place(wanted, filled=True)
+    return attach_offload(model, layers, stats, stats_path, rebalance_every, fetch_ahead)
 
 
-def _host_store(weights: ExpertWeights) -> ExpertWeights:
-    """The layer's experts as the host keeps them: on CUDA pinned (copies to the GPU run asynchronously)."""
-    if weights.w13.device.type != "cpu" or not torch.cuda.is_available():
-        return weights
-
-    def pinned(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.pin_memory()
-
-    parts = (pinned(weights.w13), pinned(weights.w13_scale), pinned(weights.w2), pinned(weights.w2_scale))
+def _select_experts(weights: ExpertWeights, experts: list[int]) -> ExpertWeights:
+    """The rows of ``experts`` (a copy, in that order)."""
+    index = torch.tensor(experts, dtype=torch.int64, device=weights.w13.device)
+    parts = [None if getattr(weights, n) is None else getattr(weights, n).index_select(0, index) for n in PARTS]
     return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)
+
+
+def attach_offload(model, layers: list[LayerResidency], stats: ExpertStats, stats_path, every: int, fetch_ahead: bool):
+    """Hand each backbone MoE layer its residency and the model its :class:`ExpertOffload` (also what a builder
+    of random experts in place calls, :mod:`dsinfer.offload.random_experts`)."""
+    offload = ExpertOffload(layers, stats, None if stats_path is None else str(stats_path), every)
+    offload.set_fetch_ahead(fetch_ahead)
+    for layer, (_, moe) in zip(layers, backbone_moes(model), strict=True):
+        moe.expert_residency = layer
+    model.expert_offload = offload
+    arena = offload.arena
+    logger.info("expert offload: %d of %d experts per layer resident in %d layers, the rest in host memory; "
+                "fetch-ahead %s", arena.resident, arena.resident + arena.fetch_slots, arena.layers,
+                "on" if fetch_ahead else "off")  # fmt: skip
+    return offload
 
 
 def offload_experts(model: torch.nn.Module, config) -> torch.nn.Module:
@@ -127,11 +174,9 @@ def offload_experts(model: torch.nn.Module, config) -> torch.nn.Module:
     """
     if config.expert_offload is None:
         return model
-    if model.embed.weight.device.type == "cuda" and not config.enforce_eager:
-        raise ConfigError("--expert-offload finds misses on the host, which a CUDA graph cannot capture yet: "
-                          "add --enforce-eager")  # fmt: skip
     moes = backbone_moes(model)
-    experts, like = moes[0][1].n_experts, moes[0][1].routed_weights()
+    like = moes[0][1].routed_weights()
+    experts = like.num_experts
     expert_bytes = like.nbytes // like.num_experts
     if config.expert_offload != "auto":
         resident = resident_for_budget(float(config.expert_offload), len(moes), experts, expert_bytes)

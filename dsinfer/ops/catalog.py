@@ -8,6 +8,7 @@ import dsinfer.ops.compressor  # noqa: F401  compressor_pool; compressor_decode(
 import dsinfer.ops.engram_gate  # noqa: F401  engram_gate: reference, triton (CUDA)
 import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton (CUDA)
 import dsinfer.ops.engram_rows  # noqa: F401  engram_decode_rows: reference, triton (CUDA)
+import dsinfer.ops.expert_fetch  # noqa: F401  copy_expert_rows: reference, triton (CUDA: reads pinned host memory)
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from dsinfer.config.model import ConfigError
 from dsinfer.layers.moe import MoE
-from dsinfer.parallel.ep_fixed import dispatch_fixed
+from dsinfer.parallel.ep_fixed import dispatch_fixed, routed_rows
 
 log = logging.getLogger("dsinfer.parallel")
 
@@ -185,9 +185,7 @@ class ExpertParallel:
         recv_meta = self._all_to_all(meta, recv, send)
         if recv_rows.shape[0]:
             local_ids = recv_meta[:, :1].long()
-            out = moe.ops.routed_moe(
-                recv_rows, moe.routed_weights(), local_ids, recv_meta[:, 1:].contiguous(), moe.swiglu_limit
-            )
+            out = routed_rows(moe, recv_rows, local_ids, recv_meta[:, 1:].contiguous())
         else:
             out = recv_rows
         back = self._all_to_all(out, send, recv)

@@ -100,11 +100,18 @@ def dispatch_fixed(
     rows = blocks.rows(received).reshape(-1, hidden)  # in place at one rank, gathered from the blocks at more
     local_ids = blocks.ids(received).reshape(-1, 1)
     weights = blocks.weights(received).reshape(-1, 1)
-    out = moe.ops.routed_moe(rows, moe.routed_weights(), local_ids, weights, moe.swiglu_limit)
+    out = routed_rows(moe, rows, local_ids, weights)
     back = _exchange(ep, out)
     if index is not None:
         back = back.index_select(0, index)
     return back.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def routed_rows(moe, rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The ``routed_moe`` op over the rank's experts for received rows (staged first when they are offloaded)."""
+    if getattr(moe, "expert_residency", None) is not None:
+        return moe.run_routed(rows, local_ids, weights)
+    return moe.ops.routed_moe(rows, moe.routed_weights(), local_ids, weights, moe.swiglu_limit)
 
 
 def _exchange(ep: ExpertParallel, send: torch.Tensor) -> torch.Tensor:

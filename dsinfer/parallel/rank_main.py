@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dsinfer import envs
 from dsinfer.config import ModelConfig
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.offload.install import offload_experts
 from dsinfer.parallel.engine_loop import EngineLoop, EngineProcessLoop
 from dsinfer.parallel.ep import ExpertParallel, ExpertPlacement, backbone_expert_filter
 from dsinfer.parallel.graph_steps import GraphStepAgreement
@@ -129,10 +130,12 @@ class _RankLoop(EngineLoop):
             progress=False,
             engram_placement=spec.engine.engram_placement,
             owned_experts=backbone_expert_filter(placement, spec.rank),
+            expert_device=None if spec.engine.expert_offload is None else "cpu",  # offloaded: into host memory
         )
         groups = self.groups
         self.dispatcher = ExpertParallel(placement, spec.rank, groups.expert_group, device, groups.graph_expert_group)
         self.dispatcher.attach(model)
+        model = offload_experts(model, replace(spec.engine, device=str(device)))  # each rank offloads its own
         # One thread steps (collectives from two threads would interleave). V4 decode replays CUDA graphs
         # (the fixed-capacity dispatch inside, captured here by every rank in the same order); V4.1 runs
         # eagerly, since its sharded Engram exchange reads sizes on the host (the model says: ranks_replay_graphs).

@@ -630,6 +630,7 @@ def routed_moe_triton(
     """
     if triton is None:
         raise RuntimeError("the triton routed_moe backend needs Triton installed")
+    routed_experts = weights.num_experts if slot_of_expert is None else slot_of_expert.numel()  # sizes the tiles
     if slot_of_expert is not None:  # offloaded experts: read each at its slot (a gather on the device)
         expert_ids = slot_of_expert[expert_ids]
     check_inputs(x, weights, expert_ids, expert_weights)
@@ -644,8 +645,8 @@ def routed_moe_triton(
         return torch.zeros_like(x)
     if config is None:
         fp4_dot = weights.is_fp4 and x.dtype == torch.bfloat16
-        config = choose_config(num_slots, weights.num_experts, fp4_dot)
-        split = decode_split(num_slots, weights.num_experts, config, weights.intermediate_size, weights.hidden_size)
+        config = choose_config(num_slots, routed_experts, fp4_dot)
+        split = decode_split(num_slots, routed_experts, config, weights.intermediate_size, weights.hidden_size)
         config = KernelConfig(*config[:-1], split_k=split)
     return grouped_moe_launch(x, weights, expert_ids, expert_weights, swiglu_limit, config)
 
