@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_steps = prefill_steps(engine, warm, log, bench.device)
     first, second = random_prompts(2, length, vocab, args.seed)
     runs = [prefill_steps(engine, first, log, bench.device), prefill_steps(engine, second, log, bench.device)]
-    print(f"start-up request: {sum(s['s'] for s in warm_steps):.2f} s, {len(log.take()) + sum(len(s['compiled']) for s in warm_steps)} compiles")
+    print(
+        f"start-up request: {sum(s['s'] for s in warm_steps):.2f} s, {len(log.take()) + sum(len(s['compiled']) for s in warm_steps)} compiles"
+    )
     print(f"{'step':>4} {'tokens':>6} {'first s':>8} {'second s':>9} {'ratio':>6}  compiled during the first")
     for index, (a, b) in enumerate(zip(*runs, strict=True)):
         names = ", ".join(f"{name} {sec:.2f}s" for name, sec in a["compiled"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.sequence import Sequence, new_table_token
 
 
 class BlockManager:
@@ -96,6 +96,8 @@ class BlockManager:
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Return the tail blocks ``seq`` no longer needs for its first ``num_tokens`` positions (rejected drafts)."""
         keep = max(-(-num_tokens // self.block_tokens), len(seq.block_hashes))
+        if len(seq.block_table) > keep:
+            seq.table_token = new_table_token()  # the table shrinks: staged copies of it are stale
         while len(seq.block_table) > keep:
             block = seq.block_table.pop()
             self.ref_counts[block] -= 1
@@ -108,6 +110,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         seq.block_table = []
+        seq.table_token = new_table_token()
         seq.block_hashes = []
 
     def _reference(self, block: int) -> None:

@@ -4,7 +4,8 @@ A decode step (one token per sequence) of either model is driven by device tenso
 history and FP8 / FP4 cache writes included), so it can be recorded once and replayed: the host then issues
 one launch instead of several hundred small kernels per layer, which is most of an eager step's time at small
 batches. Each bucket owns one static input buffer (token ids, positions, state slots, window starts, block
-tables at full width, end to end), which a step fills with one copy from the host and one of its token ids on
+tables at full width, end to end), which a step fills with one copy from the host (staged by
+:mod:`dsinfer.engine.graph_inputs`, block-table rows written only where they changed) and one of its token ids on
 the device, and the logits the graph writes. A step of ``B`` sequences runs in the smallest
 bucket ``>= B``; the rows past ``B`` are padding that decodes position 0 of the cache's spare slot, whose block
 tables point at the trash block, so they touch nothing a sequence owns (V4.1: their Engram history is the spare
@@ -23,7 +24,8 @@ import math
 import torch
 
 from dsinfer.graph_capture import capture_graph
-from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_into_device
+from dsinfer.engine.graph_inputs import StagedGraphInputs
+from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ class DecodeGraphs:
         # Per bucket: ids | positions | slots | window starts (one row of the bucket's size each) | block tables.
         self.inputs = {size: torch.empty(size * (4 + self.table_width), dtype=torch.long, device=device)
                        for size in self.sizes}  # fmt: skip
+        self.staged = StagedGraphInputs(self.sizes, self.table_width, cache.trash_block, spare_slot,
+                                        pinned=device.type == "cuda")  # fmt: skip
         for size, inputs in self.inputs.items():
-            host_into_device(inputs, self._layout([], size))
+            self.staged.write(inputs, [], size)
         self.rows = torch.arange(self.sizes[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
@@ -75,7 +79,7 @@ class DecodeGraphs:
             size = next(s for s in self.sizes if s >= count)
         elif size not in self.sizes or size < count:
             raise ValueError(f"bucket {size} cannot run {count} sequences (buckets {list(self.sizes)})")
-        host_into_device(self.inputs[size], self._layout(spans, size))
+        self.staged.write(self.inputs[size], spans, size)
         self._views(size)[0][:count].copy_(input_ids)
         if self.capture:
             graph, logits = self.graphs[size]
@@ -84,19 +88,6 @@ class DecodeGraphs:
         return self._forward(size)[:count]
 
     # ---- internals ------------------------------------------------------------------------------------
-    def _layout(self, spans: list[SequenceSpan], size: int) -> list[int]:
-        """Bucket ``size``'s inputs as one host list: ``spans`` first, then padding rows (position 0 of the spare
-        slot, every block the trash block). Token ids are 0 here; the step's own are copied on the device."""
-        padding, trash, width = size - len(spans), self.cache.trash_block, self.table_width
-        tables = [block for span in spans for block in span.block_table + [trash] * (width - len(span.block_table))]
-        return (
-            [0] * size
-            + [span.start for span in spans] + [0] * padding
-            + [span.slot for span in spans] + [self.spare_slot] * padding
-            + [span.window_from for span in spans] + [0] * padding
-            + tables + [trash] * (width * padding)
-        )  # fmt: skip
-
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
         """Bucket ``size``'s ids, positions, slots, window starts ``[size]`` and block tables ``[size, width]``."""
         inputs = self.inputs[size]

@@ -155,7 +155,18 @@ class ModelRunner:
             positions += range(start, start + count)
             table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
             decoder_from = max(0, len(seq.prompt_token_ids) - self.replay_tokens) if self.replay_tokens else 0
-            spans.append(SequenceSpan(start, count, seq.slot, table, seq.reuse_below, seq.window_from, decoder_from))
+            spans.append(
+                SequenceSpan(
+                    start,
+                    count,
+                    seq.slot,
+                    table,
+                    seq.reuse_below,
+                    seq.window_from,
+                    decoder_from,
+                    table_token=seq.table_token,
+                )
+            )
             if item.completes_sequence:
                 sample_rows += range(offset + known - 1, offset + count)  # the last token's row and the drafts'
             offset += count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,6 +13,14 @@ from dsinfer.sampling.sampler import SamplingState
 if TYPE_CHECKING:
     from dsinfer.engine.output_processor import CompletionText
     from dsinfer.images.inputs import ImageInput
+
+
+_TABLE_TOKENS = itertools.count(1)
+
+
+def new_table_token() -> int:
+    """A number never handed out before: names one block table for as long as it only grows."""
+    return next(_TABLE_TOKENS)
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +46,9 @@ class Sequence:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # content hashes of the leading computed blocks
+    # Names the block table while it only grows (a new token when it is rebuilt or shrinks): decode graphs
+    # rewrite a staged table row only when its token changes (dsinfer.engine.graph_inputs).
+    table_token: int = field(default_factory=new_table_token)
     reuse_below: int = 0  # prefix-cache hit: entries for windows ending at or before this position are shared
     window_from: int = 0  # oldest position whose window KV the ring holds
     num_preemptions: int = 0
@@ -87,6 +99,7 @@ class Sequence:
         self.num_computed = 0
         self.slot = None
         self.block_table = []
+        self.table_token = new_table_token()
         self.block_hashes = []
         self.reuse_below = 0
         self.window_from = 0

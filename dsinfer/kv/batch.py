@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dsinfer.kv.cache_v4 import KVCache
@@ -35,6 +36,8 @@ class SequenceSpan:
     # Speculative verify spans: the compressors record (cache, first position, values, gates) of their update
     # here, so rejected drafts can be rolled back (dsinfer.speculative.rollback); None: nothing recorded.
     journal: list | None = field(default=None, repr=False, compare=False)
+    # Names ``block_table`` while it only grows (the sequence's ``table_token``); None: unknown, always restaged.
+    table_token: int | None = field(default=None, repr=False, compare=False)
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -45,6 +48,15 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     """
     device = torch.device(device)
     return _staged(values, dtype, device.type == "cuda").to(device, non_blocking=True)
+
+
+def array_to_device(values: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array as a device tensor without a host synchronisation (as :func:`host_to_device`)."""
+    device = torch.device(device)
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _staged(values: list, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
@@ -144,13 +156,15 @@ class PackedBatch:
             device = self.input_ids.device
             trash = self.cache.trash_block
             width = max(1, max(len(span.block_table) for span in self.spans))
-            tables = [span.block_table + [trash] * (width - len(span.block_table)) for span in self.spans]
+            tables = np.full((len(self.spans), width), trash, dtype=np.int64)  # row by row: no nested list
+            for row, span in enumerate(self.spans):
+                tables[row, : len(span.block_table)] = span.block_table
             rows = [piece.stop - 1 for piece in self._slices]
             self._device_spans = DeviceSpans(
                 slots=host_to_device([span.slot for span in self.spans], torch.long, device),
                 starts=host_to_device([span.start for span in self.spans], torch.long, device),
                 window_from=host_to_device([span.window_from for span in self.spans], torch.long, device),
-                block_tables=host_to_device(tables, torch.long, device),
+                block_tables=array_to_device(tables, device),
                 token_rows=host_to_device(rows, torch.long, device),
             )
         return self._device_spans
