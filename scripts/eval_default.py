@@ -81,17 +81,22 @@ def _chat(client: openai.OpenAI, model: str, sample: corpus.Sample):
 _FINAL_NUMBER = re.compile(r"=\s*(-?\d+)\.?\s*$")
 
 
+def _json_or_text(text: str):
+    """The JSON value of ``text``, or the text itself when it is not JSON (then it matches nothing expected)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def _score(eval_set: str, sample: corpus.Sample, message) -> tuple[object, bool]:
     """(what the reply gave, whether it is what the sample expects) for one chat reply."""
     if eval_set in ("tools", "cities_world"):
-        calls = [(c.function.name, json.loads(c.function.arguments)) for c in (message.tool_calls or [])]
+        calls = [(c.function.name, _json_or_text(c.function.arguments)) for c in (message.tool_calls or [])]
         got = calls[0] if len(calls) == 1 else calls
         return got, got == (sample.expected["name"], sample.expected["arguments"])
     if eval_set in ("extraction", "extraction_world"):
-        try:
-            got = json.loads(message.content or "")
-        except json.JSONDecodeError:
-            got = message.content
+        got = _json_or_text(message.content or "")
         return got, got == sample.expected
     if eval_set == "subtraction":  # the answer line: "a - b = value."
         found = _FINAL_NUMBER.search((message.content or "").strip())
