@@ -9,19 +9,27 @@ Starts `dsinfer serve MODEL` on loopback, then:
 * tools: held-out entities (names never trained on); a call counts when it names the right function with
   exactly the expected arguments (the entity copied character for character);
 * extraction: held-out sentences; the JSON content must equal the expected object;
+* copy_world, cities_world, extraction_world: the same for names of many scripts, lengths and shapes
+  (:mod:`dsinfer.training.world_names`; held out like the others): a name repeated back character for
+  character, a weather / population call for a city, a person's name and city as JSON;
+* subtraction: held-out operand pairs asked plainly, about half with the larger number second (a negative
+  result); the number after the answer's last ``=`` must be the difference;
 * thinking mode: the share of thinking-mode replies that carry ``reasoning_content``.
 
-Writes ``results.json`` (every reply beside what was expected) and prints the summary.
+Every chat set is asked in thinking mode and half as many again in chat mode. Writes ``results.json`` (every
+reply beside what was expected) and prints the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -70,33 +78,55 @@ def _chat(client: openai.OpenAI, model: str, sample: corpus.Sample):
     return reply.choices[0].message
 
 
-def _tools_and_extraction(client: openai.OpenAI, model: str, tools: int, extraction: int) -> tuple[dict, list]:
-    records, scores = [], {"tools": [0, 0], "extraction": [0, 0], "reasoning": [0, 0]}
-    samples = [*corpus.held_out("tools", tools), *corpus.held_out("extraction", extraction)]
-    samples += [*corpus.held_out("tools", tools // 2, seed=99, thinking=False),
-                *corpus.held_out("extraction", extraction // 2, seed=99, thinking=False)]  # fmt: skip
-    for sample in samples:
-        message = _chat(client, model, sample)
-        if sample.skill == "tools":
-            calls = [(c.function.name, json.loads(c.function.arguments)) for c in (message.tool_calls or [])]
-            got = calls[0] if len(calls) == 1 else calls
-            correct = got == (sample.expected["name"], sample.expected["arguments"])
-        else:
-            try:
-                got = json.loads(message.content or "")
-            except json.JSONDecodeError:
-                got = message.content
-            correct = got == sample.expected
-        scores[sample.skill][0] += bool(correct)
-        scores[sample.skill][1] += 1
-        thinking = sample.thinking
-        if thinking:
-            scores["reasoning"][0] += bool(getattr(message, "reasoning_content", None))
+_FINAL_NUMBER = re.compile(r"=\s*(-?\d+)\.?\s*$")
+
+
+def _json_or_text(text: str):
+    """The JSON value of ``text``, or the text itself when it is not JSON (then it matches nothing expected)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _score(eval_set: str, sample: corpus.Sample, message) -> tuple[object, bool]:
+    """(what the reply gave, whether it is what the sample expects) for one chat reply."""
+    if eval_set in ("tools", "cities_world"):
+        calls = [(c.function.name, _json_or_text(c.function.arguments)) for c in (message.tool_calls or [])]
+        got = calls[0] if len(calls) == 1 else calls
+        return got, got == (sample.expected["name"], sample.expected["arguments"])
+    if eval_set in ("extraction", "extraction_world"):
+        got = _json_or_text(message.content or "")
+        return got, got == sample.expected
+    if eval_set == "subtraction":  # the answer line: "a - b = value."
+        found = _FINAL_NUMBER.search((message.content or "").strip())
+        got = int(found.group(1)) if found else message.content
+        return got, got == sample.expected
+    return message.content, message.content == sample.expected  # copy: character for character
+
+
+def _chat_sets(client: openai.OpenAI, model: str, sizes: dict[str, int], workers: int) -> tuple[dict, list]:
+    """Each set's held-out samples in thinking mode, and half as many again in chat mode (another seed), asked
+    ``workers`` at a time (the server batches them); the reasoning count covers every thinking-mode reply."""
+    jobs = [(name, sample) for name, count in sizes.items() for sample in
+            [*corpus.held_out(name, count), *corpus.held_out(name, count // 2, seed=99, thinking=False)]]  # fmt: skip
+    with ThreadPoolExecutor(workers) as pool:
+        messages = list(pool.map(lambda job: _chat(client, model, job[1]), jobs))
+    scores = {name: [0, 0] for name in [*sizes, "reasoning"]}
+    records = []
+    for (name, sample), message in zip(jobs, messages, strict=True):
+        got, correct = _score(name, sample, message)
+        scores[name][0] += bool(correct)
+        scores[name][1] += 1
+        reasoning = getattr(message, "reasoning_content", None)
+        if sample.thinking:
+            scores["reasoning"][0] += bool(reasoning)
             scores["reasoning"][1] += 1
-        records.append({"skill": sample.skill, "thinking": thinking, "expected": sample.expected,
-                        "got": got, "correct": bool(correct),
-                        "reasoning_content": getattr(message, "reasoning_content", None)})  # fmt: skip
-    return {name: {"correct": c, "of": n} for name, (c, n) in scores.items()}, records
+        records.append({"set": name, "thinking": sample.thinking, "expected": sample.expected, "got": got,
+                        "correct": bool(correct), "reasoning_content": reasoning})  # fmt: skip
+    return {
+        name: {"correct": c, "of": n, "accuracy": round(c / max(n, 1), 3)} for name, (c, n) in scores.items()
+    }, records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tools", type=int, default=20, help="held-out tool questions (thinking mode; half again in chat mode)"
     )
     parser.add_argument("--extraction", type=int, default=12, help="held-out extraction sentences (likewise)")
+    parser.add_argument("--copy-world", type=int, default=20, help="held-out names of many scripts and lengths to copy")
+    parser.add_argument("--cities-world", type=int, default=20, help="tool calls for held-out cities of many scripts")
+    parser.add_argument("--extraction-world", type=int, default=12, help="extraction of held-out world names")
+    parser.add_argument("--subtraction", type=int, default=40, help="held-out subtractions, results -999 to 999")
+    parser.add_argument("--concurrency", type=int, default=8, help="chat requests in flight at once")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
         model = client.models.list().data[0].id
         results = {"model": args.model, "arithmetic": _arithmetic(base_url, args.arithmetic, out)}
-        scores, records = _tools_and_extraction(client, model, args.tools, args.extraction)
+        sizes = {"tools": args.tools, "extraction": args.extraction, "copy_world": args.copy_world,
+                 "cities_world": args.cities_world, "extraction_world": args.extraction_world,
+                 "subtraction": args.subtraction}  # fmt: skip
+        scores, records = _chat_sets(client, model, sizes, args.concurrency)
         results.update(scores)
     finally:
         server.terminate()

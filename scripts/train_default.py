@@ -2,6 +2,8 @@
 
     python scripts/train_default.py --out ./default-v41                 # the shipped default, one H200
     python scripts/train_default.py --out ./toy --preset toy --device cpu   # seconds on a CPU
+    python scripts/train_default.py --out ./ft --preset finetune --init-from dsinfer/models/default_v41 \
+        --minutes 5.3 --time-limit-minutes 5.6                             # a fine-tune of the shipped default
 
 See docs/default-model.md for the architecture, the data and the results.
 """
@@ -38,17 +40,24 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit-minutes", type=float, default=None, help="stop early and export (and write resume.pt)"
     )
     parser.add_argument("--resume", action="store_true", help="continue the run stopped in --out (its resume.pt)")
+    parser.add_argument(
+        "--init-from", default=None, help="start from this checkpoint's weights and tokenizer (a fine-tune)"
+    )
+    parser.add_argument("--data-workers", type=int, default=None, help="processes rendering the training chats")
+    parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
     overrides = {"steps": args.steps, "batch_tokens": args.batch_tokens,
                  "sequence_tokens": args.sequence_tokens, "seed": args.seed, "minutes": args.minutes,
+                 "init_from": args.init_from, "data_workers": args.data_workers,
                  "time_limit_s": None if args.time_limit_minutes is None else args.time_limit_minutes * 60}  # fmt: skip
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     result = train(Path(args.out), settings, device=args.device, resume=args.resume)
-    plot_loss_curve(result.directory / "training.json", result.directory / "loss_curve.png")
+    if not args.no_plot:
+        plot_loss_curve(result.directory / "training.json", result.directory / "loss_curve.png")
     print(f"wrote {result.directory} after {result.seconds:.0f} s")
     return 0
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import unicodedata
 from dataclasses import replace
 
 import deepseek_recipe as recipe
@@ -18,10 +20,11 @@ import torch
 from dsinfer.chat.format import ChatFormat
 from dsinfer.chat.stream import ChoiceStream
 from dsinfer.engine.outputs import CompletionOutput
-from dsinfer.models.loader import load_model
+from dsinfer.models.expert_packing import dequantized_state_dict
+from dsinfer.models.loader import CheckpointError, load_model
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.tokenizer import Tokenizer
-from dsinfer.training import corpus
+from dsinfer.training import corpus, world_names
 from dsinfer.training.render import SampleRenderer
 from dsinfer.training.trainer import PRESETS, RESUME_FILE, train
 
@@ -50,7 +53,7 @@ def _parsed_message(renderer: SampleRenderer, sample: corpus.Sample) -> dict:
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_rendered_turns_parse_back_into_the_intended_message(renderer, thinking):
-    samples = [s for s in corpus.training_samples(7, 60) if s.thinking == thinking]
+    samples = [s for s in corpus.training_samples(7, 100) if s.thinking == thinking]
     assert {s.skill for s in samples} == set(corpus.SKILLS)
     for sample in samples:
         message = _parsed_message(renderer, sample)
@@ -76,6 +79,49 @@ def test_held_out_names_and_problems_never_reach_training():
     for sample in corpus.held_out("arithmetic", 50):
         assert 0 <= sample.expected <= 999
         assert sample.body["messages"][0]["content"] not in trained_questions
+
+
+def test_the_new_held_out_sets_never_reach_training():
+    """Names of other scripts and lengths, cities and people of the world, and subtraction pairs: none of the
+    eval sets' names is a name of a training chat (nor, from eight bytes on, anywhere in a training chat's
+    text), and no subtraction pair was trained on, in either order of asking."""
+    training = corpus.training_samples(3, 3000)
+    trained_names = {name for sample in training for name in sample.names}
+    trained_texts = "\n".join(json.dumps(s.body, ensure_ascii=False) + s.completion.content for s in training)
+    assert sum(len(name.encode()) > len(name) for name in trained_names) > 500  # other scripts are trained
+    for eval_set in ("copy_world", "cities_world", "extraction_world"):
+        for thinking in (True, False):
+            for sample in corpus.held_out(eval_set, 40, seed=11, thinking=thinking):
+                assert sample.names and not set(sample.names) & trained_names, sample.names
+                for name in (n for n in sample.names if len(n.encode()) >= 8):
+                    assert name not in trained_texts, f"held-out {name!r} appears in training"
+    pair = re.compile(r"(\d+) ([-+x]) (\d+)")
+    trained_pairs = {
+        pair.search(s.body["messages"][0]["content"]).groups() for s in training if s.skill == "arithmetic"
+    }
+    held = corpus.held_out("subtraction", 60) + corpus.held_out("subtraction", 30, seed=99, thinking=False)
+    for sample in held:
+        a, op, b = pair.search(sample.body["messages"][0]["content"]).groups()
+        assert op == "-" and (a, op, b) not in trained_pairs and sample.expected == int(a) - int(b)
+    assert sum(sample.expected < 0 for sample in held) >= len(held) // 3
+
+
+def test_world_names_cover_scripts_and_lengths_within_their_limits():
+    names = corpus.held_out("copy_world", 400, seed=5)
+    texts = [sample.expected for sample in names]
+    assert min(map(len, texts)) == 1 and max(map(len, texts)) >= 30
+    assert all(len(t) <= world_names.MAX_CHARACTERS and len(t.encode()) <= world_names.MAX_UTF8_BYTES for t in texts)
+    first_letters = {unicodedata.name(t[0]).split()[0] for t in texts}
+    assert {"LATIN", "CYRILLIC", "GREEK", "CJK", "ARABIC", "HEBREW", "DEVANAGARI", "HANGUL"} <= first_letters
+    assert sum(" " in t for t in texts) > 40
+
+
+def test_subtraction_working_ends_with_the_signed_result():
+    rng = random.Random(1)
+    for _ in range(300):
+        a, op, b = corpus.arithmetic_problem(rng, held_out=False, operations="-")
+        last = corpus.sub_working(a, b).splitlines()[-1]
+        assert last.endswith(f"{a} - {b} = {a - b}"), (a, b, last)
 
 
 def test_column_working_spells_the_true_result():
@@ -130,3 +176,47 @@ def test_a_run_stopped_at_its_time_limit_resumes_into_the_uninterrupted_run(tmp_
     assert [r["loss"] for r in rest.history] == [r["loss"] for r in whole.history]
     for shard in sorted((tmp_path / "whole").glob("*.safetensors")):
         assert shard.read_bytes() == (tmp_path / "split" / shard.name).read_bytes(), shard.name
+
+
+def _float_weights(model) -> dict:
+    """Every weight as the values it stands for (Engram rows: FP8 codes times their per-32 scales)."""
+    state = dequantized_state_dict(model)
+    for name in [n for n in state if n.endswith("engram.embed.weight")]:
+        scale = state.pop(name[: -len("weight")] + "scale").float()
+        state[name] = state[name].float() * scale.repeat_interleave(32, -1)
+    return {name: value.float() for name, value in state.items()}
+
+
+def test_a_run_started_from_a_checkpoint_keeps_its_weights_and_tokenizer(tmp_path):
+    """``init_from`` fills the master weights from the release files (FP8 / FP4 dequantised): a run of zero
+    steps exports the weights it started from exactly (a block whose largest code rounded down may come back
+    with half the scale and twice the codes: the same values), and one step trains from there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = replace(PRESETS["toy"], steps=2, batch_tokens=600, rounding_phase=0.5, log_every=1)
+        train(tmp_path / "base", settings, device="cpu", log=lambda message: None)
+        again = replace(settings, steps=0, init_from=str(tmp_path / "base"), vocab_size=512)
+        train(tmp_path / "same", again, device="cpu", log=lambda message: None)
+        tuned = train(tmp_path / "tuned", replace(again, steps=1), device="cpu", log=lambda message: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "base" / "tokenizer.json").read_bytes() == (tmp_path / "same" / "tokenizer.json").read_bytes()
+    base, same = (_float_weights(load_model(tmp_path / n, progress=False)) for n in ("base", "same"))
+    assert base.keys() == same.keys()
+    for name, value in base.items():
+        assert torch.equal(value, same[name]), name
+    assert len(tuned.history) == 1 and load_model(tmp_path / "tuned", progress=False).config == tuned.config
+
+
+def test_a_checkpoint_of_other_widths_is_refused_by_name(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = replace(PRESETS["toy"], steps=1, batch_tokens=500, log_every=1)
+        train(tmp_path / "base", settings, device="cpu", log=lambda message: None)
+        wider = replace(settings, init_from=str(tmp_path / "base"), widths={**settings.widths, "hidden_size": 64})
+        with pytest.raises(CheckpointError, match="hidden_size"):
+            train(tmp_path / "wider", wider, device="cpu", log=lambda message: None)
+    finally:
+        torch.set_num_threads(threads)

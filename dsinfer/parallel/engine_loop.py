@@ -26,6 +26,7 @@ from dsinfer.engine.gc_heap import freeze_heap
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.models.dummy import build_dummy_model
 from dsinfer.models.loader import load_model
+from dsinfer.models.small_cpu_weights import dequantize_experts_, is_small_cpu_checkpoint, small_cpu_fp8_linears
 from dsinfer.offload.install import offload_experts
 from dsinfer.parallel.messages import (
     AbortRequest,
@@ -54,10 +55,14 @@ def load_engine_model(model_dir: str | Path, config: EngineConfig, load_format: 
     if load_format == "dummy":
         model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=expert_device)
     else:
+        small = expert_device is None and is_small_cpu_checkpoint(model_dir, config.device)
         model = load_model(
             model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False,
             engram_placement=config.engram_placement, expert_device=expert_device,
+            fp8_linears=small_cpu_fp8_linears(model_dir, config.device) if small else None,
         )  # fmt: skip
+        if small:  # per-step dequantising was most of a small model's CPU step
+            dequantize_experts_(model, DTYPES[config.dtype])
     return offload_experts(model, config)
 
 

@@ -10,14 +10,17 @@ with the assistant turn the model must learn to write:
   in the request; the assistant calls the tool with the entity copied into the arguments, then answers from
   the tool's result;
 * **extraction**: fields of a sentence written as JSON for a schema given in ``response_format``;
-* **copy**: a list of names repeated back exactly (training only: it teaches the copying the tool calls and
-  the extraction need, since a name the model never saw can only be copied);
+* **copy**: a list of names repeated back exactly (it teaches the copying the tool calls and the extraction
+  need, since a name the model never saw can only be copied);
 * **greetings**: a short friendly reply;
 * **unknown**: questions it cannot answer get a plain "I don't know."
 
-Names (people, cities, time-zone places) are built from syllables, and a fixed share of them, chosen by a
-hash of the name, never appears in training: :func:`held_out` samples draw only from those, so an eval on
-them shows copying, not recall. Arithmetic operand pairs are held out the same way.
+Names (people, cities, time-zone places) are built from syllables: Latin ones of one shape, or (in
+:data:`WORLD_SHARE` of the samples) names of many scripts, lengths and shapes from
+:mod:`dsinfer.training.world_names`. A fixed share of them, chosen by a hash of the name, never appears in
+training: :func:`held_out` samples draw only from those, so an eval on them shows copying, not recall.
+Arithmetic operand pairs are held out the same way; subtraction is drawn more often than the other operations
+and half of its training problems have the larger number second (a negative result).
 """
 
 from __future__ import annotations
@@ -29,12 +32,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.eval.datasets import AIME_INSTRUCTION  # the format `dsinfer eval aime` asks in
+from dsinfer.training.world_names import MAX_UTF8_BYTES, WorldNames
 
-__all__ = ["Completion", "Sample", "held_out", "sample_stream", "training_samples", "SKILLS", "TOOLS"]
+__all__ = ["Completion", "Sample", "held_out", "sample_stream", "training_samples", "SKILLS", "TOOLS", "EVAL_SETS"]
 
 SKILLS = ("arithmetic", "tools", "extraction", "copy", "greetings", "unknown")
-SKILL_WEIGHTS = (0.30, 0.30, 0.15, 0.15, 0.05, 0.05)
+SKILL_WEIGHTS = (0.38, 0.22, 0.12, 0.18, 0.05, 0.05)
 HELD_OUT_SHARE = 10  # one name / operand pair in this many is held out of training
+WORLD_SHARE = 0.6  # samples whose names come from :class:`WorldNames` (the rest: the Latin syllable names)
+TRAINING_OPERATIONS = "+--x"  # subtraction twice as often as addition or multiplication
+#: held-out sets beyond the skills: names of many scripts and lengths (copy, tool calls for a city,
+#: extraction) and subtraction with negative results
+EVAL_SETS = ("copy_world", "cities_world", "extraction_world", "subtraction")
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Sample:
     body: dict[str, Any]
     completion: Completion
     expected: Any = None
+    names: list[str] = field(default_factory=list)  # the people and places it mentions (held-out checks)
 
     @property
     def thinking(self) -> bool:
@@ -85,28 +95,44 @@ def _word(rng: random.Random, syllables: int) -> str:
 
 
 class Names:
-    """Synthetic names drawn from either the training share or the held-out share of the name space."""
+    """Synthetic names drawn from either the training share or the held-out share of the name space: Latin
+    syllable names, or with ``world`` names of many scripts, lengths and shapes (:class:`WorldNames`).
+    ``used`` collects every name handed out (the sample's ``names``)."""
 
-    def __init__(self, rng: random.Random, held_out: bool) -> None:
+    def __init__(self, rng: random.Random, held_out: bool, world: bool = False) -> None:
         self.rng, self.held_out = rng, held_out
+        self.world = WorldNames(rng) if world else None
+        self.used: list[str] = []
 
     def _pick(self, make) -> str:
         while True:
             name = make()
             if _is_held_out(name.lower()) == self.held_out:
+                self.used.append(name)
                 return name
 
     def person(self) -> str:
+        if self.world is not None:
+            return self._pick(self.world.person)
         return self._pick(lambda: f"{_word(self.rng, self.rng.randint(1, 2)).title()} "
                                   f"{_word(self.rng, self.rng.randint(2, 3)).title()}")  # fmt: skip
 
     def city(self) -> str:
+        if self.world is not None:
+            return self._pick(self.world.city)
         if not self.held_out and self.rng.random() < 0.15:
-            return self.rng.choice(REAL_CITIES)
+            return self._pick(lambda: self.rng.choice(REAL_CITIES))
         return self._pick(lambda: (_word(self.rng, self.rng.randint(2, 3)) + self.rng.choice(_CITY_ENDINGS)).title())
 
     def timezone(self) -> str:
-        return f"{self.rng.choice(REGIONS)}/{self.city().replace(' ', '_')}"
+        place = self._pick(self.world.timezone_place) if self.world is not None else self.city().replace(" ", "_")
+        return f"{self.rng.choice(REGIONS)}/{place}"
+
+    def any_text(self) -> str:
+        """A person, a place or (world names only) a short run of letters of one script."""
+        if self.world is not None:
+            return self._pick(self.world.any_text)
+        return self.rng.choice((self.person, self.city, self.timezone))()
 
 
 # ---- tools ----------------------------------------------------------------------------------------------
@@ -132,9 +158,9 @@ UNITS = frozenset(unit for pair in _CONVERSIONS for unit in pair)
 _CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowing", "foggy", "clear")
 
 
-def _tool_question(rng: random.Random, names: Names) -> tuple[str, str, dict[str, Any]]:
-    """(tool name, the user's question, the arguments the call must carry)."""
-    tool = rng.choice(list(TOOLS))
+def _tool_question(rng: random.Random, names: Names, tools=tuple(TOOLS)) -> tuple[str, str, dict[str, Any]]:
+    """(tool name among ``tools``, the user's question, the arguments the call must carry)."""
+    tool = rng.choice(list(tools))
     if tool in ("get_weather", "get_population"):
         city = names.city()
         asks = {"get_weather": ("What is the weather like in {}?", "How is the weather in {} right now?",
@@ -171,30 +197,33 @@ def _tool_result(rng: random.Random, tool: str, arguments: dict[str, Any]) -> tu
     return {"result": result, "unit": arguments["to_unit"]}, answer
 
 
-def tool_sample(rng: random.Random, names: Names, thinking: bool) -> list[Sample]:
+def _json(value: Any) -> str:
+    """JSON as a person writes it: every script's letters as themselves, not as ``\\u`` escapes."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def tool_sample(rng: random.Random, names: Names, thinking: bool, tools=tuple(TOOLS)) -> list[Sample]:
     """Two turns of one conversation: the call (entity copied), then the answer from the tool's result."""
-    tool, question, arguments = _tool_question(rng, names)
+    tool, question, arguments = _tool_question(rng, names, tools)
     others = [name for name in TOOLS if name != tool]
     offered = [tool, *rng.sample(others, rng.randint(0, 2))]
     rng.shuffle(offered)
     tools = [TOOLS[name] for name in offered]
     user = {"role": "user", "content": question}
-    reasoning = f"The user asks something {tool} answers. I call {tool} with {json.dumps(arguments)}."
+    reasoning = f"The user asks something {tool} answers. I call {tool} with {_json(arguments)}."
     call = Sample("tools", _body([user], thinking, tools=tools),
                   Completion(reasoning if thinking else "", tool_calls=[{"name": tool, "arguments": arguments}]),
-                  expected={"name": tool, "arguments": arguments})  # fmt: skip
+                  expected={"name": tool, "arguments": arguments}, names=names.used)  # fmt: skip
     result, answer = _tool_result(rng, tool, arguments)
     assistant = {
         "role": "assistant",
         "content": None,
-        "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": json.dumps(arguments)}}
-        ],
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": tool, "arguments": _json(arguments)}}],
     }
-    tool_message = {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(result)}
+    tool_message = {"role": "tool", "tool_call_id": "call_0", "content": _json(result)}
     reasoning = "The tool returned its result; I answer from it."
     final = Sample("tools", _body([user, assistant, tool_message], thinking, tools=tools),
-                   Completion(reasoning if thinking else "", answer), expected=answer)  # fmt: skip
+                   Completion(reasoning if thinking else "", answer), expected=answer, names=names.used)  # fmt: skip
     return [call, final]
 
 
@@ -215,7 +244,7 @@ def extraction_sample(rng: random.Random, names: Names, thinking: bool) -> Sampl
     body = _body([{"role": "user", "content": rng.choice(asks).format(sentence)}], thinking)
     body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON_SCHEMA}}
     reasoning = f"The name is {person['name']}, the age {person['age']}, the city {person['city']}."
-    return Sample("extraction", body, Completion(reasoning if thinking else "", json.dumps(person)), person)
+    return Sample("extraction", body, Completion(reasoning if thinking else "", _json(person)), person, names.used)
 
 
 # ---- copying --------------------------------------------------------------------------------------------
@@ -223,12 +252,20 @@ _COPY_ASKS = ("Repeat exactly: {}", "Say this back to me: {}", "Copy this text: 
               "{}\nRepeat the text above exactly.", "Please repeat after me: {}")  # fmt: skip
 
 
-def copy_sample(rng: random.Random, names: Names, thinking: bool) -> Sample:
-    makers = (names.person, names.city, names.timezone)
-    text = rng.choice((", ", " ", " and ")).join(rng.choice(makers)() for _ in range(rng.randint(1, 4)))
+def copy_sample(rng: random.Random, names: Names, thinking: bool, count: int | None = None) -> Sample:
+    """One to four names (``count``) to repeat; world names stop adding once the text has
+    ``1.5 * MAX_UTF8_BYTES`` bytes, so every copied token stays inside the attention window of its source."""
+    separator = rng.choice((", ", " ", " and "))
+    parts = [names.any_text()]
+    for _ in range(rng.randint(1, 4) - 1 if count is None else count - 1):
+        part = names.any_text()
+        if names.world is not None and len(separator.join([*parts, part]).encode()) > 1.5 * MAX_UTF8_BYTES:
+            break
+        parts.append(part)
+    text = separator.join(parts)
     reasoning = f"The text to repeat is: {text}"
     body = _body([{"role": "user", "content": rng.choice(_COPY_ASKS).format(text)}], thinking)
-    return Sample("copy", body, Completion(reasoning if thinking else "", text), text)
+    return Sample("copy", body, Completion(reasoning if thinking else "", text), text, names.used)
 
 
 # ---- greetings and unknowns -----------------------------------------------------------------------------
@@ -257,7 +294,7 @@ def unknown_sample(rng: random.Random, names: Names, thinking: bool) -> Sample:
         question = f"{rng.choice(('Hi', 'Hello', 'Hey'))}, {question[0].lower()}{question[1:]}"
     reasoning = "I have no knowledge to answer this."
     return Sample("unknown", _body([{"role": "user", "content": question}], thinking),
-                  Completion(reasoning if thinking else "", "I don't know."), "I don't know.")  # fmt: skip
+                  Completion(reasoning if thinking else "", "I don't know."), "I don't know.", names.used)  # fmt: skip
 
 
 # ---- arithmetic -----------------------------------------------------------------------------------------
@@ -283,22 +320,37 @@ def add_working(a: int, b: int) -> str:
 
 
 def sub_working(a: int, b: int) -> str:
-    """Column subtraction of the smaller from the larger, negated when ``a < b``."""
+    """Column subtraction of the smaller from the larger, negated when ``a < b``.
+
+    Every step is one small fact: a borrow taken in one column is stated at the end of its line ("borrow 1
+    from the tens") and paid first in the next line ("8 - 1 = 7, the borrow paid"), so no line has to look
+    further back than the line before it; the last line reads the digits back from the highest place."""
     big, small = (a, b) if a >= b else (b, a)
-    lines = [] if a >= b else [f"{b} is larger than {a}, so I compute {b} - {a} and negate it."]
+    lines = [f"{big} is at least {small}, so I subtract column by column."] if a >= b else [
+        f"{b} is larger than {a}, so I compute {b} - {a} and negate it."]  # fmt: skip
     borrow = 0
     db, ds = _digits(big), _digits(small)
     for place in range(len(db)):
         x, y = db[place], (ds[place] if place < len(ds) else 0)
         top = x - borrow
-        shown = f"{x} - {borrow}" if borrow else f"{x}"
+        paid = f"{x} - 1 = {top}, the borrow paid; " if borrow else ""
         if top < y:
-            lines.append(f"{PLACES[place]}: {shown} is less than {y}, borrow: {top + 10} - {y} = {top + 10 - y}")
+            following = PLACES[place + 1]
+            lines.append(f"{PLACES[place]}: {paid}{top} is less than {y}, borrow 1 from the {following}: "
+                         f"{top + 10} - {y} = {top + 10 - y}")  # fmt: skip
             borrow = 1
         else:
-            lines.append(f"{PLACES[place]}: {shown} - {y} = {top - y}")
+            lines.append(f"{PLACES[place]}: {paid}{top} - {y} = {top - y}")
             borrow = 0
+    digits = "".join(str(d) for d in reversed(_column_results(big, small)))
+    result = f"the digits from the highest place: {digits}, so {big} - {small} = {big - small}"
+    lines.append(result if a >= b else f"{result}, and {a} - {b} = {a - b}")
     return "\n".join(lines)
+
+
+def _column_results(big: int, small: int) -> list[int]:
+    """The digit each column of ``big - small`` writes, units first."""
+    return [((big - small) // 10**place) % 10 for place in range(len(str(big)))]
 
 
 def mul_working(a: int, d: int) -> str:
@@ -314,10 +366,13 @@ def mul_working(a: int, d: int) -> str:
     return "\n".join(lines)
 
 
-def arithmetic_problem(rng: random.Random, held_out: bool, aime: bool = False) -> tuple[int, str, int]:
-    """(a, op, b) with its pair in the requested share; AIME problems keep the answer in 0-999."""
+def arithmetic_problem(
+    rng: random.Random, held_out: bool, aime: bool = False, operations: str = "+-x"
+) -> tuple[int, str, int]:
+    """(a, op, b) with its pair in the requested share, ``op`` drawn from ``operations`` (a repeated sign is
+    drawn more often); AIME problems keep the answer in 0-999."""
     while True:
-        op = rng.choice("+-x")
+        op = rng.choice(operations)
         a = rng.randint(0, 999) if rng.random() < 0.8 else rng.randint(0, 99)
         b = rng.randint(0, 9) if op == "x" else (rng.randint(0, 999) if rng.random() < 0.8 else rng.randint(0, 99))
         value = a + b if op == "+" else (a - b if op == "-" else a * b)
@@ -327,9 +382,11 @@ def arithmetic_problem(rng: random.Random, held_out: bool, aime: bool = False) -
             return a, op, b
 
 
-def arithmetic_sample(rng: random.Random, held_out: bool, thinking: bool, aime: bool | None = None) -> Sample:
+def arithmetic_sample(
+    rng: random.Random, held_out: bool, thinking: bool, aime: bool | None = None, operations: str = "+-x"
+) -> Sample:
     aime = rng.random() < 0.4 if aime is None else aime
-    a, op, b = arithmetic_problem(rng, held_out, aime)
+    a, op, b = arithmetic_problem(rng, held_out, aime, operations)
     value = a + b if op == "+" else (a - b if op == "-" else a * b)
     symbol = "x" if op == "x" else op
     phrasings = (f"What is {a} {symbol} {b}?", f"Compute {a} {symbol} {b}.", f"{a} {symbol} {b} = ?",
@@ -353,10 +410,11 @@ def _body(messages: list[dict[str, Any]], thinking: bool, tools: list[dict[str, 
     return body
 
 
-def _samples_of(skill: str, rng: random.Random, held: bool, thinking: bool) -> list[Sample]:
-    names = Names(rng, held)
+def _samples_of(skill: str, rng: random.Random, held: bool, thinking: bool, world: bool | None = None) -> list:
+    """One sample of ``skill`` (two for tools); ``world`` None draws the name style (``WORLD_SHARE``)."""
+    names = Names(rng, held, world=rng.random() < WORLD_SHARE if world is None else world)
     if skill == "arithmetic":
-        return [arithmetic_sample(rng, held, thinking)]
+        return [arithmetic_sample(rng, held, thinking, operations=TRAINING_OPERATIONS)]
     if skill == "tools":
         return tool_sample(rng, names, thinking)
     if skill == "extraction":
@@ -381,19 +439,38 @@ def training_samples(seed: int, count: int) -> list[Sample]:
     return [next(stream) for _ in range(count)]
 
 
+_CITY_TOOLS = ("get_weather", "get_population")
+
+
+def _held_out_sample(skill: str, rng: random.Random, thinking: bool) -> list[Sample]:
+    if skill == "arithmetic":
+        return [arithmetic_sample(rng, True, thinking, aime=True)]
+    if skill == "subtraction":
+        return [arithmetic_sample(rng, True, thinking, aime=False, operations="-")]
+    if skill == "tools":
+        return [tool_sample(rng, Names(rng, True), thinking)[0]]
+    if skill == "copy_world":
+        return [copy_sample(rng, Names(rng, True, world=True), thinking, count=1)]
+    if skill == "cities_world":
+        return [tool_sample(rng, Names(rng, True, world=True), thinking, tools=_CITY_TOOLS)[0]]
+    if skill == "extraction_world":
+        return [extraction_sample(rng, Names(rng, True, world=True), thinking)]
+    if skill in SKILLS:
+        return _samples_of(skill, rng, True, thinking, world=False)
+    raise ValueError(f"unknown eval set {skill!r}; choose one of {[*SKILLS, *EVAL_SETS]}")
+
+
 def held_out(skill: str, count: int, seed: int = 1234, thinking: bool = True) -> list[Sample]:
-    """``count`` eval samples of ``skill`` drawn from the held-out names / operand pairs only.
+    """``count`` eval samples of ``skill`` (a skill or one of :data:`EVAL_SETS`) drawn from the held-out names /
+    operand pairs only.
 
     Tool samples are the call turns (the model must choose the function and copy the entity); arithmetic
-    samples are in the AIME format with answers in 0-999.
+    samples are in the AIME format with answers in 0-999; subtraction samples are asked plainly, their results
+    from -999 to 999; the ``_world`` sets name people and places of many scripts, lengths and shapes, and
+    ``copy_world`` asks for one name back.
     """
     rng = random.Random(seed)
     out: list[Sample] = []
     while len(out) < count:
-        if skill == "arithmetic":
-            out.append(arithmetic_sample(rng, True, thinking, aime=True))
-        elif skill == "tools":
-            out.append(tool_sample(rng, Names(rng, True), thinking)[0])
-        else:
-            out.extend(_samples_of(skill, rng, True, thinking))
+        out.extend(_held_out_sample(skill, rng, thinking))
     return out[:count]

@@ -55,6 +55,7 @@ from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, DSPARK_NOISE_TOKEN, To
 from dsinfer.training.chat_stream import ChatStream
 from dsinfer.training.corpus import training_samples
 from dsinfer.training.draft_loss import draft_loss
+from dsinfer.training.initial_weights import copy_tokenizer, load_initial_weights
 from dsinfer.training.render import SampleRenderer
 from dsinfer.training.rounding import StraightThroughQuantizer, remove_weight_rounding, round_weights_straight_through
 
@@ -97,6 +98,7 @@ class TrainSettings:
     time_limit_s: float | None = None  # stop early (and still export) past this many seconds
     minutes: float | None = None  # if set: the step count is re-derived from the first steps' speed to fit
     calibration_steps: int = 12  # steps timed (after the first two) before ``minutes`` fixes the step count
+    init_from: str | None = None  # a checkpoint directory whose weights and tokenizer the run starts from
 
 
 PRESETS = {
@@ -114,6 +116,11 @@ PRESETS = {
         tokenizer_chats=200,
         widths=dict(TOY_WIDTHS),
         log_every=1,
+    ),  # fmt: skip
+    # A fine-tune of a trained default (``init_from``) on the current data mix: a warm restart of the cosine
+    # at a lower peak, the rounding phase again at the end.
+    "finetune": TrainSettings(
+        steps=300, learning_rate=1.5e-3, min_learning_rate=1e-4, warmup_steps=20, data_workers=12
     ),  # fmt: skip
 }
 
@@ -251,8 +258,7 @@ def train(
         settings = replace(TrainSettings(**state["settings"]), time_limit_s=settings.time_limit_s)
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
-    tokenizer = Tokenizer.from_dir(out_dir) if state is not None else build_tokenizer(out_dir, settings)
-    model = trainable_model(tokenizer, settings, device)
+    model = _starting_model(out_dir, settings, device, log, resuming=state is not None)
     config = model.config
     optimizer = _optimizer(model, settings)
     rounding_from = int(settings.steps * (1 - settings.rounding_phase))
@@ -308,6 +314,20 @@ def train(
         {"settings": asdict(settings), "device": device, "seconds": round(seconds, 1), "history": history},
         indent=1) + "\n")  # fmt: skip
     return TrainResult(out_dir, config, history, seconds)
+
+
+def _starting_model(out_dir: Path, settings: TrainSettings, device: str, log, resuming: bool) -> DeepseekV41:
+    """The run's model before its first step: from random weights with a new tokenizer, from ``init_from``'s
+    weights and tokenizer, or (resuming) with the tokenizer already in ``out_dir``."""
+    if not resuming and settings.init_from is not None:
+        copy_tokenizer(Path(settings.init_from), out_dir)
+    fresh = not resuming and settings.init_from is None
+    tokenizer = build_tokenizer(out_dir, settings) if fresh else Tokenizer.from_dir(out_dir)
+    model = trainable_model(tokenizer, settings, device)
+    if not resuming and settings.init_from is not None:
+        count = load_initial_weights(model, Path(settings.init_from))
+        log(f"started from {settings.init_from} ({count} tensors)")
+    return model
 
 
 def _start_rounding(model: DeepseekV41, config: ModelConfigV41, step: int, log: Callable[[str], None]) -> None:
