@@ -232,3 +232,19 @@ def test_v41_steps_fed_on_device_give_serial_tokens(tiny_v41_checkpoint):
     for engine in (serial, overlapped):
         assert engine.blocks.num_used == 0 and not engine.requests
         engine.close()
+
+
+def test_min_tokens_does_not_stop_steps_being_launched_ahead(model, tokenizer):
+    """``min_tokens`` masks stop tokens by the output's length alone, which a step planned ahead knows: the
+    engine keeps launching ahead (the benchmarks' min_tokens = max_tokens runs) and the tokens are the serial
+    engine's, eos kept out until min_tokens."""
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, stop_token_ids=[5, 6, 7])
+    results = []
+    for overlap in (False, True):
+        engine = _engine(model, tokenizer, overlap)
+        results.append(_summary(run_all(engine, prompts, [params] * 4)))
+        if overlap:
+            assert engine.steps_fed_on_device > 5  # decode steps went ahead of the host read (0 before)
+    assert results[0] == results[1]
+    assert all(len(c[0]) == 10 for out in results[1] for c in out)

@@ -136,7 +136,10 @@ class Sampler:
             raise ValueError(f"logits must be [len(states)={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
             return PendingOutputs.done([])
-        if all(state.params.greedy and not reads_output_so_far(state) for state in states):
+        positions = output_positions or [len(state.output_token_ids) for state in states]
+        plain = (state.params.greedy and not reads_output_so_far(state) and not masks_stop_tokens(state, position)
+                 for state, position in zip(states, positions, strict=True))  # fmt: skip
+        if all(plain):
             # Nothing changes these rows' scores: the argmax of the raw logits is the float32 copy's (exact).
             token_ids = resolve(logits.device, logits.dtype).greedy_argmax(logits)
             self.last_token_ids = token_ids
@@ -147,7 +150,7 @@ class Sampler:
             rows = [states[row] for row in penalised]
             counts, prompt_seen = self._token_counts.gather(rows, scores.shape[-1], scores.device)
             _penalise_rows(scores, penalised, rows, counts, prompt_seen)
-        suppress_stop_tokens(scores, states)
+        suppress_stop_tokens(scores, states, positions)
         apply_constraints(scores, states)
         token_ids = choose_token_tensor(scores, states, output_positions)
         self.last_token_ids = token_ids
@@ -156,10 +159,17 @@ class Sampler:
 
 def reads_output_so_far(state: SamplingState) -> bool:
     """Whether sampling this state's next token reads its output tokens (penalties count them, a grammar has
-    accepted them, ``min_tokens`` is not met yet). Such a row can only be sampled once the host has every
-    earlier token; any other row needs no more than its planned output position."""
-    params = state.params
-    return _has_penalties(params) or state.constraint is not None or len(state.output_token_ids) < params.min_tokens
+    accepted them). Such a row can only be sampled once the host has every earlier token; any other row needs no
+    more than its planned output position (``min_tokens`` included: :func:`masks_stop_tokens`)."""
+    return _has_penalties(state.params) or state.constraint is not None
+
+
+def masks_stop_tokens(state: SamplingState, position: int | None = None) -> bool:
+    """Whether the token at output ``position`` (default: the next, ``len(output_token_ids)``) is drawn with the
+    stop tokens masked: ``min_tokens`` not met yet and some stop token to mask. It needs the output's length
+    only, never its tokens, so a step planned before the host has the previous token can apply it."""
+    position = len(state.output_token_ids) if position is None else position
+    return position < state.params.min_tokens and bool(state.stop_token_ids)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -217,8 +227,11 @@ def penalise(
     return scores - (frequency[:, None] * counts + presence[:, None] * generated)
 
 
-def suppress_stop_tokens(scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Mask the stop token ids of rows whose output is still shorter than ``min_tokens``; in place, returns it.
+def suppress_stop_tokens(
+    scores: torch.Tensor, states: list[SamplingState], output_positions: list[int] | None = None
+) -> torch.Tensor:
+    """Mask the stop token ids of rows whose output is still shorter than ``min_tokens`` (at ``output_positions``,
+    default the states' output lengths); in place, returns it.
 
     Ids beyond the vocabulary are ignored: ``stop_token_ids`` come from the user, who cannot know our vocab.
     A row whose structured-output grammar is complete is left alone: the grammar's end wins over
@@ -227,8 +240,9 @@ def suppress_stop_tokens(scores: torch.Tensor, states: list[SamplingState]) -> t
     vocab_size = scores.shape[-1]
     rows: list[int] = []
     token_ids: list[int] = []
-    for row, state in enumerate(states):
-        if len(state.output_token_ids) >= state.params.min_tokens:
+    positions = output_positions or [len(state.output_token_ids) for state in states]
+    for row, (state, position) in enumerate(zip(states, positions, strict=True)):
+        if not masks_stop_tokens(state, position):
             continue
         if state.constraint is not None and state.constraint.is_completed():
             continue
