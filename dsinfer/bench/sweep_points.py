@@ -195,8 +195,8 @@ def fill_decode_point(bench: Bench, engine: LLMEngine, num_requests: int, budget
     distinct = num_requests if args.fill_prompts == 0 or args.speculative is not None else args.fill_prompts
     distinct = min(distinct, num_requests)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
-    sources = [engine.add_request(prompt, params)
-               for prompt in random_prompts(distinct, args.context, bench.model.config.vocab_size, args.seed)]  # fmt: skip
+    prompts = random_prompts(distinct, args.context, bench.model.config.vocab_size, args.seed)
+    sources = [engine.add_request(prompt, params) for prompt in prompts]
     sequences = [seq for group in engine.requests.values() for seq in group]
     fill_start, fill_steps = time.perf_counter(), 0
     while not all(seq.output_token_ids for seq in sequences):  # every distinct prompt prefilled once

@@ -96,7 +96,9 @@ class EngineConfig:
                 f"engine option 'async_scheduling': expected true, false or null, got {self.async_scheduling!r}"
             )
         if self.kernel_warmup is not None and not isinstance(self.kernel_warmup, bool):
-            raise ConfigError(f"engine option 'kernel_warmup': expected true, false or null, got {self.kernel_warmup!r}")
+            raise ConfigError(
+                f"engine option 'kernel_warmup': expected true, false or null, got {self.kernel_warmup!r}"
+            )
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"engine option 'enforce_eager': expected true or false, got {self.enforce_eager!r}")
         if self.cuda_graph_sizes is not None:

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from dsinfer.graph_capture import capture_graph
 from dsinfer.engine.graph_inputs import StagedGraphInputs
+from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 
 logger = logging.getLogger(__name__)
