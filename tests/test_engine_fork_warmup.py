@@ -78,10 +78,14 @@ def test_fork_without_room_names_what_is_missing(served):
 
 
 def test_warm_up_positions_cover_every_power_of_two_bucket():
-    assert warm_up_positions(16384, 131073) == [
-        (0, 16384), (0, ODD_TAIL), (16384, 16384), (32768, 16384), (65536, 16384), (131072 - ODD_TAIL, ODD_TAIL)
+    chunks = warm_up_positions(16384, 131073)
+    at_zero = sorted(n for start, n in chunks if start == 0)
+    powers = [2**k for k in range(15)]
+    assert at_zero == sorted({1, *powers, *(p - 1 for p in powers if p > 1)} - {0})
+    assert [c for c in chunks if c[0]] == [
+        (16384, 16384), (32768, 16384), (65536, 16384), (131072 - ODD_TAIL, ODD_TAIL)
     ]  # fmt: skip
-    assert warm_up_positions(512, 100) == [(0, 99), (0, ODD_TAIL)]
+    assert warm_up_positions(512, 100) == [(0, n) for n in (99, 64, 63, 32, 31, 16, 15, 8, 7, 4, 3, 2, 1)]
 
 
 def test_warm_up_leaves_a_fresh_engine(served):

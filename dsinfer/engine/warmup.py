@@ -3,9 +3,10 @@
 The Triton kernels specialise on what a step's shapes make of them (block widths chosen from the tokens of a
 chunk, power-of-two buckets of the entries a chunk attends to and selects from, whether a count divides by 16,
 V4.1's bounded replay at a prompt's end), and each new specialisation compiles on first use: a 131,072-token
-prompt after a short start-up request met about 6 s of compiles in its first chunks. The warm-up runs one
-prefill chunk at each position where a bucket can change: chunks of the full step budget and of an odd size
-that end a prompt, starting at 0 and at the budget times every power of two below ``max_model_len``. A chunk
+prompt after a short start-up request met about 6 s of compiles in its first chunks, and a 16-token request after
+a warm-up of long chunks only, 8 s. The warm-up runs one prefill chunk at each shape where a bucket can change:
+prompts of every power of two up to the step budget and one token short of each, then full chunks at the budget
+times every power of two below ``max_model_len`` and the longest prompt's odd last chunk. A chunk
 starts past position 0 the way a prefix-cache hit does (``num_computed`` set, the earlier blocks allocated but
 left as they are): the kernels' shapes are a real chunk's, only the numbers they read are stale, and nothing
 they produce is kept. Afterwards the blocks are free, the prefix cache is emptied (the warm-up prompts' blocks
@@ -30,10 +31,16 @@ ODD_TAIL = 13  # an odd final chunk: counts that do not divide by 16 compile the
 
 
 def warm_up_positions(budget: int, max_model_len: int) -> list[tuple[int, int]]:
-    """``(start, tokens)`` of each warm-up chunk: the full budget and an odd tail at 0, then a full chunk (or what
-    is left before ``max_model_len``) at ``budget * 2**k`` for every k that stays inside it."""
+    """``(start, tokens)`` of each warm-up chunk. At position 0: a prompt of every power of two up to the budget and
+    one token short of each (the block widths a launcher picks from a chunk's tokens, and counts that do or do not
+    divide by 16); then a full chunk (or what is left before ``max_model_len``) at ``budget * 2**k`` for every k
+    that stays inside it, and the longest prompt's odd last chunk."""
     longest = max_model_len - 1  # a prompt leaves room for its first output token
-    chunks = [(0, min(budget, longest)), (0, min(ODD_TAIL, longest))]
+    sizes, size = {1, min(budget, longest)}, 2
+    while size <= min(budget, longest):
+        sizes.update((size, size - 1))
+        size *= 2
+    chunks = [(0, n) for n in sorted(sizes, reverse=True)]
     start = budget
     while start < longest:
         chunks.append((start, min(budget, longest - start)))
