@@ -11,7 +11,10 @@
 # (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it), gemv
 # (every launch of the one-token FP8 GEMV with no weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with
 # its rounding on, fast path vs the reference path on CUDA, ROUNDING_PROMPTS prompts), stepprofile (the engine's decode
-# step at PROFILE_POINT requests, then PROFILE_STEPS steps profiled: its kernels, copies and gaps). FP8_LINEARS=keep runs the
+# step at PROFILE_POINT requests, then PROFILE_STEPS steps profiled: its kernels, copies and gaps), seed (engine decode
+# at 131,072 tokens, 1 to 256 requests, V4 and V4.1 slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1
+# bounded and exact), firstprompt (the first long prompt after start-up against the second), verify (speculative
+# verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
 # default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
@@ -25,6 +28,9 @@ LIMIT=${STAGE_SECONDS:-150}
 : "${LIMIT_serve:=300}" "${LIMIT_engine:=300}"
 # With ten or fifty timed steps a few slow host steps still pulled the 1-request mean well above its median
 # (docs/perf.md, history, passes 12 and 13), hence 200.
+# The sweep as `dsinfer bench sweep` runs it, without the CLI's server imports (a GPU image may lack them).
+SWEEP="python3 -m dsinfer.bench.sweep"
+LONG="--flash-layers 4 --context 131072 --points 1,8,64,256 --profile-steps 1 --telemetry-interval 0"
 SLICE="--flash-layers 4 --context 256 --points 1,32 --measure-steps ${SWEEP_STEPS:-200} --cache-gib 16"
 
 stage() {  # stage NAME COMMAND...: run with the limit, keep the log, say how it ended
@@ -72,9 +78,9 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
 }
 
 spec_sweeps() {  # decode step time on the slice: plain, then MTP drafts of each K (verify steps)
-    python3 -m dsinfer.cli bench sweep decode $SLICE --tag plain || return 1
+    $SWEEP decode $SLICE --tag plain || return 1
     for k in ${SPEC_K:-1 2 3 4 5}; do
-        python3 -m dsinfer.cli bench sweep decode $SLICE --tag "mtp-k$k" \
+        $SWEEP decode $SLICE --tag "mtp-k$k" \
             --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" || return 1
     done
 }
@@ -92,25 +98,39 @@ for name in "$@"; do
         ep) stage ep python3 benchmarks/ep_overhead.py --flash-layers 4 --device cuda --dtype bfloat16 \
                 --batches 1,16,64 --context 1024 --rounds 3 --steps 20 --cache-gib 4 \
                 --modes single,single-eager,ep1-graph,ep1-graph-local ;;
-        sweep) stage sweep python3 -m dsinfer.cli bench sweep decode $SLICE --tag graphs ;;
-        stepprofile) stage stepprofile python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 256 \
+        sweep) stage sweep $SWEEP decode $SLICE --tag graphs ;;
+        stepprofile) stage stepprofile $SWEEP decode --flash-layers 4 --context 256 \
                          --points "${PROFILE_POINT:-1}" --measure-steps "${SWEEP_STEPS:-200}" --cache-gib 16 \
                          --profile-steps "${PROFILE_STEPS:-10}" --tag stepprofile ;;  # its own process: see step_profile
         spec) export -f spec_sweeps; export SLICE; stage spec bash -c spec_sweeps ;;
         speedup) stage speedup python3 benchmarks/spec_speedup.py --device cuda --streams ${SPEEDUP_STREAMS:-1 16} \
                      --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds "${SPEEDUP_ROUNDS:-2}" \
                      --out "$OUT/speedup.json" ;;
-        prefill) stage prefill python3 -m dsinfer.cli bench sweep prefill --flash-layers 4 --context 16384 \
+        prefill) stage prefill $SWEEP prefill --flash-layers 4 --context 16384 \
                      --points 4096,16384 --cache-gib 16 --telemetry-interval 0.25 --warmup-steps "${PREFILL_WARMUP:-8}" \
                      --measure-steps "${PREFILL_STEPS:-48}" --tag prefill ;;
         engine) stage engine python3 benchmarks/cuda_engine_check.py --slice-layers 4 ${ENGINE_ARGS:-} ;;
-        long) stage long python3 -m dsinfer.cli bench sweep decode --flash-layers 4 --context 8192 --points 16 \
+        long) stage long $SWEEP decode --flash-layers 4 --context 8192 --points 16 \
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
         gemv) stage gemv python3 benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold --top 0 \
                   --model "${GEMV_MODEL:-v4}" ;;
         rounding) stage rounding python3 benchmarks/cuda_engine_check.py --rounding-only \
                       --prompts "${ROUNDING_PROMPTS:-96}" ;;
+        seed) stage seed bash -c "$SWEEP decode $LONG --prefill-chunk 32768 --tag v4-d131k && \
+                  $SWEEP decode $LONG --arch v41 --engram-gib 4 --prefill-chunk 16384 --compare-published --tag v41-d131k" ;;
+        seedprefill) stage seedprefill bash -c "for ctx in 131072 16384; do \
+                  $SWEEP prefill --flash-layers 4 --context \$ctx --points 8192,32768 --tag v4-p\$ctx && \
+                  $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --context \$ctx --points 8192,32768 \
+                      --compare-published --tag v41-p\$ctx && \
+                  $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --v41-prefill exact --context \$ctx \
+                      --points 8192,32768 --tag v41x-p\$ctx; done" ;;
+        firstprompt) stage firstprompt bash -c "python3 benchmarks/first_long_prompt.py --flash-layers 4 \
+                  --context 131072 && python3 benchmarks/first_long_prompt.py --flash-layers 4 --arch v41 \
+                  --engram-gib 4 --context 131072" ;;
+        verify) stage verify bash -c "python3 benchmarks/spec_verify_step.py --device cuda --arch v4 && \
+                    python3 benchmarks/spec_verify_step.py --device cuda --arch v41" ;;
+        offload) stage offload python3 benchmarks/expert_offload.py --out "$OUT/expert_offload.json" ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done
