@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.config import ConfigError
-from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, largest_split
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena
 from dsinfer.offload.host_store import PARTS, HostStore
@@ -107,7 +107,7 @@ def install_expert_offload(
     stats_path: str | Path | None = None,
     rebalance_every: int = REBALANCE_EVERY,
     fetch_ahead: bool = True,
-    host_keeps_every_expert: bool = True,
+    host_keeps_every_expert: bool = HOST_KEEPS_EVERY_EXPERT,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
     memory; None (nothing changed) when every expert stays resident. ``host_keeps_every_expert`` False: the host
