@@ -20,7 +20,10 @@ The arithmetic follows the engine's own rules, so the numbers are what a load wo
 experts that do not fit stay in host memory (:mod:`dsinfer.offload`): per layer ``resident`` experts live on the
 GPU, and a fetch pool of ``FETCH_BUFFERS`` buffers, each with room for one layer's non-resident experts, takes
 the misses of the layer about to run while the one before computes. ``auto`` gives the cache what
-``max_num_seqs`` sequences of ``max_model_len`` need and the experts the rest.
+``max_num_seqs`` sequences of ``max_model_len`` need and the experts the rest. The host memory counted for the
+experts follows the engine's host store: every routed expert by default (``HOST_KEEPS_EVERY_EXPERT``, what
+``--expert-offload`` installs), or only the offloaded ones with ``host_keeps_every_expert=False`` (the store of
+:func:`dsinfer.offload.install_expert_offload` with that argument); the printout names which.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41, QuantizationConfig
 from dsinfer.config.engine import check_expert_offload
-from dsinfer.config.expert_split import FETCH_BUFFERS, ExpertSplit, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, ExpertSplit, largest_split
 from dsinfer.config.tensor_shapes import TensorShape, model_tensors
 from dsinfer.kv.cache_v4 import block_tokens_for
 from dsinfer.kv.cache_v41 import block_tokens_for_v41
@@ -117,6 +120,7 @@ class PlanRequest:
     max_model_len: int | None = None  # None: the engine's default, min(model's positions, 16384)
     max_num_seqs: int = 16
     expert_offload: str | float | None = None  # None: off; "auto"; or a GPU budget for routed experts in GiB
+    host_keeps_every_expert: bool = HOST_KEEPS_EVERY_EXPERT  # the host store: every expert, or the offloaded ones
     kv_cache_dtype: str = "auto"
     dtype_bytes: int = 2
     fp8_linears: str = "dequantize"
@@ -282,9 +286,15 @@ class MemoryPlan:
         return max(0, self.cache_budget // max(self.per_sequence, 1))
 
     @property
+    def expert_host_bytes(self) -> int:
+        """One rank's host store of routed experts: every expert, or only the offloaded ones, as requested."""
+        experts = self.experts
+        return experts.host_bytes if self.request.host_keeps_every_expert else experts.offloaded_host_bytes
+
+    @property
     def host_bytes(self) -> int:
         engram = self.weights.engram_store if self.engram == "host" else 0
-        return self.experts.host_bytes * self.request.gpus + engram
+        return self.expert_host_bytes * self.request.gpus + engram
 
     @property
     def host_memory(self) -> int:
@@ -386,8 +396,9 @@ def _host_lines(plan: MemoryPlan) -> list[str]:
     source = "--host-memory" if plan.request.host_memory is not None else "this machine"
     lines.append(f"host memory ({format_bytes(plan.host_memory)}, {source}):")
     if experts.offloaded:
-        lines.append(f"  {'routed experts (every expert, checkpoint form)':<44}"
-                     f"{format_bytes(experts.host_bytes * plan.request.gpus):>12}"
+        kept = "every expert" if plan.request.host_keeps_every_expert else "offloaded only"
+        lines.append(f"  {f'routed experts ({kept}, checkpoint form)':<44}"
+                     f"{format_bytes(plan.expert_host_bytes * plan.request.gpus):>12}"
                      f"  ({experts.offloaded} of {experts.per_layer} per layer fetched on use)")  # fmt: skip
     if plan.engram == "host":
         lines.append(f"  {'Engram tables (one copy per host)':<44}{format_bytes(plan.weights.engram_store):>12}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,11 +19,13 @@ from dsinfer.memory_plan import (
     build_plan,
     gpu_memory_bytes,
     plan_config,
+    plan_lines,
     weight_bytes,
 )
 from dsinfer.models.deepseek_v4 import DeepseekV4
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.tiny import tiny_config, tiny_config_v41
+from dsinfer.offload import install_expert_offload
 
 H100, H200 = 81559 * MIB, 143771 * MIB
 V4_EXPERT = 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32  # packed e2m1 codes + one ue8m0 byte per 32 inputs
@@ -161,3 +165,27 @@ def test_cli_plans_a_checkpoint_directory_and_rejects_bad_input(tmp_path, capsys
         gpu_memory_bytes("a100")
     with pytest.raises(SystemExit):
         main(["plan", "deepseek-v4-flash", "--expert-offload", "lots"])
+
+
+def test_a_host_store_of_the_offloaded_experts_only_by_hand():
+    """V4-Flash on 1 x H100 beside 128 GiB of host memory: the engine's default store (every expert, 147 GB) does
+    not fit the host; a store of only the offloaded experts counts those alone, and the printout says which."""
+    config, label = plan_config("deepseek-v4-flash")
+    every = PlanRequest(config, gpus=1, gpu_memory=H100, host_memory=128 * GIB, max_model_len=8192,
+                        max_num_seqs=8, expert_offload="auto")  # fmt: skip
+    engine_default = inspect.signature(install_expert_offload).parameters["host_keeps_every_expert"].default
+    assert every.host_keeps_every_expert and engine_default  # the plan assumes what the engine does by default
+    default_plan = build_plan(every, label, "H100")
+    assert default_plan.host_bytes == 43 * 256 * V4_EXPERT
+    with pytest.raises(PlanError, match="host memory is short by"):
+        default_plan.check()
+    assert any("routed experts (every expert, checkpoint form)" in line for line in plan_lines(default_plan))
+    offloaded_only = build_plan(replace(every, host_keeps_every_expert=False), label, "H100")
+    resident = offloaded_only.experts.resident
+    assert resident == default_plan.experts.resident and 0 < resident < 256  # the GPU side does not change
+    assert offloaded_only.host_bytes == 43 * (256 - resident) * V4_EXPERT
+    assert any("routed experts (offloaded only, checkpoint form)" in line for line in plan_lines(offloaded_only))
+    offloaded_only.check()
+    tiny = PlanRequest(tiny_config(), gpu_memory=GIB, host_memory=GIB, expert_offload=80_000 / GIB,
+                       host_keeps_every_expert=False)  # fmt: skip
+    assert build_plan(tiny).host_bytes == 4 * (8 - 4) * 3264  # 4 layers, 4 of 8 experts offloaded

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FETCH_BUFFERS = 2
+# The engine's host store keeps every routed expert of the rank (True) or only the offloaded ones (False: a
+# re-balance then swaps experts between GPU and host); :func:`dsinfer.offload.install_expert_offload`'s default,
+# and what the plan assumes unless told otherwise.
+HOST_KEEPS_EVERY_EXPERT = True
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class ExpertSplit:
     def host_bytes(self) -> int:
         """The host store keeps every expert of the rank (a re-balance promotes any of them)."""
         return self.layers * self.per_layer * self.expert if self.offloaded else 0
+
+    @property
+    def offloaded_host_bytes(self) -> int:
+        """A host store of only the offloaded experts (a re-balance swaps experts between GPU and host)."""
+        return self.layers * self.offloaded * self.expert
 
 
 def largest_split(per_layer: int, layers: int, expert: int, budget: int) -> ExpertSplit | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.offload.traffic import OffloadTraffic
 from dsinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class EngineLoad:
     prefix_hits: int = 0  # blocks found there
     preemptions: int = 0  # sequences preempted to make room, since the start
     spec_stats: SpeculativeStats | None = None  # speculative decoding's totals (None: not speculating)
+    expert_offload: OffloadTraffic | None = None  # expert-offload traffic (None: every expert resident)
 
     @property
     def cache_usage(self) -> float:

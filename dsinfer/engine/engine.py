@@ -41,6 +41,7 @@ from dsinfer.engine.request_check import RequestChecker
 from dsinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.warmup import warm_up_kernels
+from dsinfer.offload.traffic import poll_offload_traffic
 from dsinfer.sampling.sampler import SampleOutput, Sampler, make_sampling_state, reads_output_so_far
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeExecutor, SpeculativeOutput, SpeculativeStats
@@ -207,6 +208,7 @@ class LLMEngine:
         return EngineLoad(
             len(scheduler.waiting), len(scheduler.running), blocks.num_used, blocks.num_blocks,
             blocks.prefix_queries, blocks.prefix_hits, scheduler.num_preemptions, self.spec_stats,
+            poll_offload_traffic(self.model),
         )  # fmt: skip
 
     def close(self) -> None:

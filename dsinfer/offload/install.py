@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from dsinfer.config import ConfigError
-from dsinfer.config.expert_split import FETCH_BUFFERS, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, largest_split
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena
 from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.residency import LayerResidency
 from dsinfer.offload.stats import ExpertStats
+from dsinfer.offload.traffic import OffloadTraffic, TrafficReader
 from dsinfer.ops.moe import ExpertWeights
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ExpertOffload:
     def __init__(self, layers: list[LayerResidency], stats: ExpertStats, stats_path: str | None, every: int) -> None:
         self.layers, self.stats, self.stats_path, self.every = layers, stats, stats_path, every
         self.steps = 0
+        self._traffic_reader: TrafficReader | None = None
 
     @property
     def arena(self) -> ExpertArena:
@@ -75,6 +77,15 @@ class ExpertOffload:
         return {"reads": counts["reads"], "gpu_reads": counts["gpu_reads"],
                 "copied_bytes": counts["fetched"] * self.arena.expert_bytes}  # fmt: skip
 
+    def poll_traffic(self) -> OffloadTraffic:
+        """The counters and the resident / offloaded expert counts for metrics, without waiting for the device
+        (:mod:`dsinfer.offload.traffic`: CUDA's numbers lag by at most one call)."""
+        if self._traffic_reader is None:
+            arena, per_layer = self.arena, self.layers[0].num_experts
+            self._traffic_reader = TrafficReader(arena.counters, arena.expert_bytes, arena.layers * arena.resident,
+                                                 arena.layers * (per_layer - arena.resident))  # fmt: skip
+        return self._traffic_reader.poll()
+
 
 def resident_for_budget(budget_gib: float, layers: int, experts: int, expert_bytes: int) -> int:
     """The most resident experts per layer that fit ``budget_gib`` with the fetch buffers (the plan's rule)."""
@@ -96,7 +107,7 @@ def install_expert_offload(
     stats_path: str | Path | None = None,
     rebalance_every: int = REBALANCE_EVERY,
     fetch_ahead: bool = True,
-    host_keeps_every_expert: bool = True,
+    host_keeps_every_expert: bool = HOST_KEEPS_EVERY_EXPERT,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
     memory; None (nothing changed) when every expert stays resident. ``host_keeps_every_expert`` False: the host

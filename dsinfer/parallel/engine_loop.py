@@ -28,6 +28,7 @@ from dsinfer.models.dummy import build_dummy_model
 from dsinfer.models.loader import load_model
 from dsinfer.models.small_cpu_weights import dequantize_experts_, is_small_cpu_checkpoint, small_cpu_fp8_linears
 from dsinfer.offload.install import offload_experts
+from dsinfer.offload.traffic import poll_offload_traffic
 from dsinfer.parallel.messages import (
     AbortRequest,
     AddRequest,
@@ -75,6 +76,7 @@ class EngineLoop:
         self._sent: dict[tuple[str, int], int] = {}  # tokens already reported per completion
         self._sequences: dict[str, list] = {}  # a request's sequences (the engine forgets finished ones)
         self._stop = False
+        self._sent_traffic = None  # the expert-offload traffic of the last report
 
     def send_ready(self, placement: str) -> None:
         hasher = getattr(self.model, "engram_hasher", None)
@@ -154,11 +156,18 @@ class EngineLoop:
 
     def _load(self, **extra) -> RankLoad:
         engine = self.engine
+        self._sent_traffic = poll_offload_traffic(self.model)
         return RankLoad(
             len(engine.scheduler.waiting), len(engine.scheduler.running), engine.blocks.num_used,
             engine.blocks.num_blocks, engine.blocks.prefix_queries, engine.blocks.prefix_hits,
-            engine.scheduler.num_preemptions, spec_stats=engine.spec_stats, **extra,
+            engine.scheduler.num_preemptions, spec_stats=engine.spec_stats, expert_offload=self._sent_traffic,
+            **extra,
         )  # fmt: skip
+
+    def offload_traffic_moved(self) -> bool:
+        """While idle: the expert-offload counters differ from the last report (on CUDA they lag by a poll, so
+        the last step's counts arrive with an idle report)."""
+        return self._sent_traffic is not None and poll_offload_traffic(self.model) != self._sent_traffic
 
 
 class EngineProcessLoop(EngineLoop):
@@ -187,7 +196,7 @@ class EngineProcessLoop(EngineLoop):
                 stepped = self.engine.has_unfinished_requests()
                 if stepped:
                     report.deltas = [self._delta(output) for output in self.engine.step()]
-                if touched or stepped:
+                if touched or stepped or self.offload_traffic_moved():
                     report.load = self._load()
                     self.conn.send(report)
         finally:

@@ -26,6 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.outputs import RequestMetrics
+from dsinfer.offload.traffic import OffloadTraffic
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.executor import SpeculativeStats
@@ -143,6 +144,7 @@ class RankLoad:
     graph_steps: int = 0  # forwards run in a decode bucket (dsinfer.parallel.graph_steps)
     padded_graph_steps: int = 0  # idle steps run as a decode bucket of padding rows
     spec_stats: SpeculativeStats | None = None  # speculative decoding's totals on this rank
+    expert_offload: OffloadTraffic | None = None  # expert-offload traffic on this rank (None: none offloaded)
 
 
 _LOAD_FIELDS = tuple(f.name for f in dataclass_fields(RankLoad))

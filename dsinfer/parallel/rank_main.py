@@ -175,7 +175,7 @@ class _RankLoop(EngineLoop):
                     if not self.steps.ran_forward:
                         self.steps.idle(self.device)
                     report.deltas = [self._delta(out) for out in outputs]
-                if touched or not idle:
+                if touched or not idle or self.offload_traffic_moved():
                     report.load = self._load()
                     self.conn.send(report)
         finally:

@@ -40,6 +40,7 @@ from dsinfer.engine.client import EngineLoad
 from dsinfer.engine.output_processor import ReportedCompletion, request_output
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request_check import RequestChecker
+from dsinfer.offload.traffic import OffloadTraffic
 from dsinfer.parallel import messages
 from dsinfer.parallel.config import ParallelConfig
 from dsinfer.parallel.dp import RequestBalancer
@@ -121,7 +122,8 @@ class _Tracked:
         return all(c.finished for c in self.completions)
 
 
-_SUMMED_LOAD_FIELDS = tuple(f.name for f in fields(EngineLoad) if f.name != "spec_stats")  # RankLoad has them all
+_TOTALLED_APART = ("spec_stats", "expert_offload")
+_SUMMED_LOAD_FIELDS = tuple(f.name for f in fields(EngineLoad) if f.name not in _TOTALLED_APART)  # RankLoad has all
 
 
 def total_load(loads: dict[int, RankLoad]) -> EngineLoad:
@@ -129,7 +131,8 @@ def total_load(loads: dict[int, RankLoad]) -> EngineLoad:
     rank drafts and verifies its own requests)."""
     reports = list(loads.values())
     totals = {name: sum(getattr(load, name) for load in reports) for name in _SUMMED_LOAD_FIELDS}
-    return EngineLoad(**totals, spec_stats=SpeculativeStats.total(load.spec_stats for load in reports))
+    return EngineLoad(**totals, spec_stats=SpeculativeStats.total(load.spec_stats for load in reports),
+                      expert_offload=OffloadTraffic.total(load.expert_offload for load in reports))  # fmt: skip
 
 
 class RankedEngine:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 
 from dsinfer.engine.client import EngineClient, ReportingEngineClient
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.offload.traffic import OffloadTraffic
 from dsinfer.sampling_params import SamplingParams
-from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.metrics import OFFLOAD_COUNTERS, OFFLOAD_GAUGES, ServerMetrics
 from dsinfer.speculative.executor import SpeculativeStats
 
 log = logging.getLogger("dsinfer.server")
@@ -81,6 +82,7 @@ class AsyncEngine:
         self._shutdown_message: str | None = None  # set once in-flight requests have been cut for shutdown
         self._exported_prefix = (0, 0)  # prefix-cache counters already added to the metrics
         self._exported_spec = SpeculativeStats()  # speculative-decoding counters already added
+        self._exported_offload = OffloadTraffic()  # expert-offload counters already added
         self.alive = False
         self.thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
         # An engine in other processes is read in the event loop instead (no engine thread): see attach().
@@ -347,6 +349,17 @@ class AsyncEngine:
                 before = done.accepted_per_position[position] if position < len(done.accepted_per_position) else 0
                 m.accepted_at(position).inc(count - before)
             self._exported_spec = replace(stats, accepted_per_position=list(stats.accepted_per_position))
+        if load.expert_offload is not None:
+            self._export_offload(load.expert_offload)
+
+    def _export_offload(self, traffic: OffloadTraffic) -> None:
+        """Add the expert-offload counters' growth since the last export; set the resident / offloaded gauges."""
+        series, done = self.metrics.offload_series(), self._exported_offload
+        for name in OFFLOAD_COUNTERS:
+            series[name].inc(max(0, getattr(traffic, name) - getattr(done, name)))
+        for name in OFFLOAD_GAUGES:
+            series[name].set(getattr(traffic, name))
+        self._exported_offload = traffic
 
     @staticmethod
     def _send(channel: _Channel, item) -> None:

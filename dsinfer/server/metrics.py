@@ -1,6 +1,9 @@
 """Prometheus metrics of the server, vLLM-style names under the ``dsinfer:`` prefix.
 
 Each server owns its registry, so several servers (tests) in one process never share counters.
+
+The expert-offload families (``dsinfer:expert_offload_*``, :mod:`dsinfer.offload`) are registered on the first
+report of an engine that offloads experts, so a server whose experts are all resident does not export them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,18 @@ SERIES = (
     "running", "waiting", "cache_usage", "blocks_in_use", "prompt_tokens", "generation_tokens", "ttft", "itl", "e2e",
     "queue_time", "prefix_queries", "prefix_hits", "spec_drafts", "spec_draft_tokens", "spec_accepted",
 )  # fmt: skip
+# The expert-offload counters: (family, help) by OffloadTraffic field; the gauges follow.
+OFFLOAD_COUNTERS = {
+    "reads": ("expert_offload_reads", "Routed-expert reads of offloaded layers (one per expert a step chose)"),
+    "gpu_reads": ("expert_offload_gpu_hits", "Of those reads, the ones served by experts resident on the GPU"),
+    "fetched_experts": ("expert_offload_fetched_experts", "Experts copied host -> GPU (misses and fetches ahead)"),
+    "fetched_ahead": ("expert_offload_fetched_ahead_experts", "Of those, the experts fetched ahead of their layer"),
+    "copied_bytes": ("expert_offload_pcie_bytes", "Bytes of routed experts copied host -> GPU"),
+}
+OFFLOAD_GAUGES = {
+    "resident_experts": ("expert_offload_resident_experts", "Routed experts kept on the GPU (all offloaded layers)"),
+    "offloaded_experts": ("expert_offload_offloaded_experts", "Routed experts kept in host memory only"),
+}
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 
 
@@ -58,6 +73,17 @@ class ServerMetrics:
         self.series = SimpleNamespace(**{name: getattr(self, name).labels(model_name) for name in SERIES})
         self._finished: dict[str, object] = {}
         self._accepted_at: dict[int, object] = {}
+        self._offload_series: dict[str, object] | None = None
+
+    def offload_series(self) -> dict[str, object]:
+        """The served model's expert-offload series by traffic field, registered on the first call."""
+        if self._offload_series is None:
+            families = {field: Counter(f"dsinfer:{name}", doc, ["model_name"], registry=self.registry)
+                        for field, (name, doc) in OFFLOAD_COUNTERS.items()}  # fmt: skip
+            families |= {field: Gauge(f"dsinfer:{name}", doc, ["model_name"], registry=self.registry)
+                         for field, (name, doc) in OFFLOAD_GAUGES.items()}  # fmt: skip
+            self._offload_series = {field: family.labels(self.model_name) for field, family in families.items()}
+        return self._offload_series
 
     def finished(self, reason: str):
         """The served model's ``request_success`` series for one finish reason."""
