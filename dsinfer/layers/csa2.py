@@ -120,6 +120,45 @@ class IndexerV41(IndexScorer):
         scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
         return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
 
+    def prefill_choice(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        state: SequenceState,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers, -1 where fewer are finite.
+
+        What :meth:`candidate_scores` and ``top_k_choice`` give, computed in row slices of the queries
+        (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget; ``state`` gets
+        the choice as a boolean [n, W] (``selected``) and, from the candidate source, its blocks (``candidates``),
+        each joined from the slices'. A later index source limits each slice by those rows of the candidates."""
+        queries = self.queries(x, q_latent, positions, inv_freq, self._query_rotation(quantizer, positions))
+        visible = visible_entries(positions, self.ratio)
+        limit = state.candidates if self.uses_candidates else None
+        shape = (x.shape[0], keys.shape[0])  # written slice by slice: no list of pieces beside a joined copy
+        selected = torch.empty(shape, dtype=torch.bool, device=x.device)
+        blocks = torch.empty(shape, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
+
+        def choose(rows: slice, scores: torch.Tensor) -> torch.Tensor:
+            if blocks is not None:  # the candidate source records its blocks and is not limited by them
+                blocks[rows] = self.ops.candidate_block_mask(
+                    scores, visible[rows], self.candidate_topk_blocks, self.candidate_block_size
+                )
+            elif limit is not None:
+                scores = scores.masked_fill(~limit[rows], float("-inf"))
+            indices, selected[rows] = top_k_choice(scores, self.topk)
+            return indices
+
+        indices = torch.cat(self.choose_by_row_slices(queries, keys, visible, choose))
+        if blocks is not None:
+            state.candidates = blocks
+        state.selected = selected
+        return indices
+
     def decode_choice(
         self,
         x: torch.Tensor,
@@ -319,11 +358,9 @@ class AttentionV41(Attention):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             if self.indexer is not None:
                 positions = batch.positions[tokens]
-                scores = self.indexer.candidate_scores(
+                chosen.append(self.indexer.prefill_choice(
                     x[tokens], q_latent[tokens], positions, state.source.index_keys, inv_freq, state, quantizer
-                )
-                indices, state.selected = top_k_choice(scores, self.indexer.topk)
-                chosen.append(indices)
+                ))  # fmt: skip
         views = published.prefill
         if self.compressor is not None:
             views.entries, views.entry_tables = entries_view(cache, self.layer_id, tables)
