@@ -61,14 +61,14 @@ def _record_scores(monkeypatch, model, scorer_type) -> list[tuple[int, int]]:
 
 
 def _v41_runs(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Logits and every index source's prefill choice (entries, candidates, selection) of a batch of two fresh
+    """Logits and every index source's prefill choice (and the candidate source's blocks) of a batch of two fresh
     prompts and of a prompt prefilled in two chunks through a cache (the second chunk sees earlier entries)."""
     choices: list[torch.Tensor] = []
     original = IndexerV41.prefill_choice
 
     def record(self, x, q_latent, positions, keys, inv_freq, state, quantizer):
         indices = original(self, x, q_latent, positions, keys, inv_freq, state, quantizer)
-        choices.extend([indices.clone(), state.selected.clone()])
+        choices.append(indices.clone())
         if self.is_candidate_source:
             choices.append(state.candidates.clone())
         return indices

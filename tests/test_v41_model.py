@@ -222,7 +222,7 @@ def test_keyless_index_source_chooses_inside_the_candidate_blocks(model):
     tokens = _tokens(90, 9)
     _, _, ctx = model.run_layers(PackedBatch.from_sequences([tokens]))
     state = ctx.published.sequences[0]  # after the last layer: candidates of layer 5, selection of layer 7
-    candidates, selected = state.candidates, state.selected
+    candidates, selected = state.candidates, chosen_mask(ctx.published.prefill.indices, 90)  # layer 7's choice
     assert selected.shape == candidates.shape == (90, 90)
     assert not (selected & ~candidates).any()
     visible = torch.arange(90)[None, :] <= torch.arange(90)[:, None]  # ratio 1: entry j visible from position j

@@ -133,15 +133,15 @@ class IndexerV41(IndexScorer):
         """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers, -1 where fewer are finite.
 
         What :meth:`candidate_scores` and ``top_k_choice`` give, computed in row slices of the queries
-        (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget; ``state`` gets
-        the choice as a boolean [n, W] (``selected``) and, from the candidate source, its blocks (``candidates``),
-        each joined from the slices'. A later index source limits each slice by those rows of the candidates."""
+        (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget. The candidate
+        source records its blocks in ``state`` (``candidates``, a boolean [n, W] written slice by slice); a later
+        index source limits each slice by those rows of them."""
         queries = self.queries(x, q_latent, positions, inv_freq, self._query_rotation(quantizer, positions))
         visible = visible_entries(positions, self.ratio)
         limit = state.candidates if self.uses_candidates else None
-        shape = (x.shape[0], keys.shape[0])  # written slice by slice: no list of pieces beside a joined copy
-        selected = torch.empty(shape, dtype=torch.bool, device=x.device)
-        blocks = torch.empty(shape, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
+        blocks = None
+        if self.is_candidate_source:  # written slice by slice: no list of pieces beside a joined copy
+            blocks = torch.empty((x.shape[0], keys.shape[0]), dtype=torch.bool, device=x.device)
 
         def choose(rows: slice, scores: torch.Tensor) -> torch.Tensor:
             if blocks is not None:  # the candidate source records its blocks and is not limited by them
@@ -150,13 +150,11 @@ class IndexerV41(IndexScorer):
                 )
             elif limit is not None:
                 scores = scores.masked_fill(~limit[rows], float("-inf"))
-            indices, selected[rows] = top_k_choice(scores, self.topk)
-            return indices
+            return top_k_choice(scores, self.topk)
 
         indices = torch.cat(self.choose_by_row_slices(queries, keys, visible, choose))
         if blocks is not None:
             state.candidates = blocks
-        state.selected = selected
         return indices
 
     def decode_choice(

@@ -38,7 +38,6 @@ class SequenceState:
 
     source: SourceEntries | None = None  # the latest KV source's entries and keys
     candidates: torch.Tensor | None = None  # bool [n, W]: the entries inside the candidate source's best blocks
-    selected: torch.Tensor | None = None  # prefill: bool [n, W], the latest index source's choice
     chosen: torch.Tensor | None = None  # verify column: entry numbers [B, k] in ascending order
     real: torch.Tensor | None = None  # verify column: bool [B, k], which of ``chosen`` are entries at all
 
