@@ -70,7 +70,7 @@ def _v41_runs(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor
         indices = original(self, x, q_latent, positions, keys, inv_freq, state, quantizer)
         choices.append(indices.clone())
         if self.is_candidate_source:
-            choices.append(state.candidates.clone())
+            choices.append(state.candidate_blocks.clone())
         return indices
 
     monkeypatch.setattr(IndexerV41, "prefill_choice", record)

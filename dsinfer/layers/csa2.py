@@ -45,7 +45,15 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.layers.attention import Attention, decode_window_positions
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
-from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
+from dsinfer.layers.csa2_prefill import (
+    candidate_block_rows,
+    candidate_entries,
+    entries_view,
+    packed_indices,
+    top_k_choice,
+    window_view,
+    write_windows,
+)
 from dsinfer.layers.csa2_state import DecodeState, PrefillViews, PublishedState, SequenceState, SourceEntries
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.joined_linear import JoinedLinears
@@ -134,27 +142,27 @@ class IndexerV41(IndexScorer):
 
         What :meth:`candidate_scores` and ``top_k_choice`` give, computed in row slices of the queries
         (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget. The candidate
-        source records its blocks in ``state`` (``candidates``, a boolean [n, W] written slice by slice); a later
-        index source limits each slice by those rows of them."""
+        source records its blocks in ``state`` (``candidate_blocks``, a boolean per block, written slice by slice);
+        a later index source limits each slice to the entries of those rows' blocks."""
         queries = self.queries(x, q_latent, positions, inv_freq, self._query_rotation(quantizer, positions))
         visible = visible_entries(positions, self.ratio)
-        limit = state.candidates if self.uses_candidates else None
+        width, block_size = keys.shape[0], self.candidate_block_size
+        limit = state.candidate_blocks if self.uses_candidates else None
         blocks = None
         if self.is_candidate_source:  # written slice by slice: no list of pieces beside a joined copy
-            blocks = torch.empty((x.shape[0], keys.shape[0]), dtype=torch.bool, device=x.device)
+            blocks = torch.empty((x.shape[0], -(-width // block_size)), dtype=torch.bool, device=x.device)
 
         def choose(rows: slice, scores: torch.Tensor) -> torch.Tensor:
             if blocks is not None:  # the candidate source records its blocks and is not limited by them
-                blocks[rows] = self.ops.candidate_block_mask(
-                    scores, visible[rows], self.candidate_topk_blocks, self.candidate_block_size
-                )
+                mask = self.ops.candidate_block_mask(scores, visible[rows], self.candidate_topk_blocks, block_size)
+                blocks[rows] = candidate_block_rows(mask, block_size)
             elif limit is not None:
-                scores = scores.masked_fill(~limit[rows], float("-inf"))
+                scores = scores.masked_fill(~candidate_entries(limit[rows], block_size, width), float("-inf"))
             return top_k_choice(scores, self.topk)
 
         indices = torch.cat(self.choose_by_row_slices(queries, keys, visible, choose))
         if blocks is not None:
-            state.candidates = blocks
+            state.candidate_blocks = blocks
         return indices
 
     def decode_choice(

@@ -36,6 +36,17 @@ def top_k_choice(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(scores.gather(-1, chosen) > float("-inf"), chosen, -1)
 
 
+def candidate_block_rows(mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The candidate blocks [n, ceil(W / block_size)] of an entry mask [n, W] that keeps or drops whole blocks
+    (``candidate_block_mask``'s): each block's first entry, ``block_size`` times fewer bytes to keep."""
+    return mask[:, ::block_size].contiguous()
+
+
+def candidate_entries(blocks: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """The entry mask [n, width] of candidate blocks [n, ceil(width / block_size)]: every entry of a kept block."""
+    return blocks.repeat_interleave(block_size, dim=-1)[:, :width]
+
+
 def packed_indices(pieces: list[torch.Tensor]) -> torch.Tensor:
     """Per-sequence entry numbers [n_i, k_i] as one [T, max k_i] (-1 padding), rows in packed order."""
     width = max(piece.shape[1] for piece in pieces)
