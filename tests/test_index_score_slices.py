@@ -34,6 +34,17 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _two_chunks(model, cache, tokens: list[int], table: list[int]) -> list[torch.Tensor]:
+    """The logits of ``tokens`` prefilled in two chunks through ``cache`` (slot 1, block table ``table``)."""
+    logits, start = [], 0
+    for length in (50, len(tokens) - 50):
+        span = SequenceSpan(start, length, 1, table)
+        positions = torch.arange(start, start + length)
+        logits.append(model(PackedBatch(torch.tensor(tokens[start : start + length]), positions, [span], cache)))
+        start += length
+    return logits
+
+
 class RecordingOps:
     """An op table that passes every call through and records the [rows, W] of each ``index_scores`` call."""
 
@@ -76,13 +87,8 @@ def _v41_runs(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor
     monkeypatch.setattr(IndexerV41, "prefill_choice", record)
     logits = [model(PackedBatch.from_sequences([_tokens(90, 1), _tokens(37, 2)]))]
     cache = KVCacheV41(model.config, 2, 24, 8, torch.float32, "cpu", with_dspark=True)
-    tokens, table, start = _tokens(90, 3), [20, 3, 7, 11, 0, 5, 9, 14, 2, 17, 22, 1, 13], 0
-    for length in (50, 40):
-        span = SequenceSpan(start, length, 1, table)
-        positions = torch.arange(start, start + length)
-        logits.append(model(PackedBatch(torch.tensor(tokens[start : start + length]), positions, [span], cache)))
-        start += length
-    return logits, choices
+    table = [20, 3, 7, 11, 0, 5, 9, 14, 2, 17, 22, 1, 13]
+    return logits + _two_chunks(model, cache, _tokens(90, 3), table), choices
 
 
 def test_row_slices_cover_the_queries_within_the_budget(monkeypatch):
@@ -139,13 +145,7 @@ def _v4_runs(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]
     logits = [model(PackedBatch.from_sequences([_tokens(90, 5), _tokens(41, 6)]))]
     cfg = model.config
     cache = KVCache(cfg, attention_layer_ratios(cfg, True), 2, 12, block_tokens_for(cfg), torch.float32, "cpu")
-    tokens, table, start = _tokens(90, 7), [7, 2, 9], 0
-    for length in (50, 40):
-        span = SequenceSpan(start, length, 1, table)
-        positions = torch.arange(start, start + length)
-        logits.append(model(PackedBatch(torch.tensor(tokens[start : start + length]), positions, [span], cache)))
-        start += length
-    return logits, choices
+    return logits + _two_chunks(model, cache, _tokens(90, 7), [7, 2, 9]), choices
 
 
 def test_v4_sliced_prefill_equals_the_unsliced_one(v4_model, monkeypatch):
