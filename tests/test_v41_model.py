@@ -13,6 +13,7 @@ import torch
 
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
+from dsinfer.layers.csa2_prefill import candidate_entries
 from dsinfer.models.deepseek_v41 import DeepseekV41
 from dsinfer.models.loader import load_model
 from dsinfer.ops.fake_quant import ActivationQuantizer
@@ -222,7 +223,8 @@ def test_keyless_index_source_chooses_inside_the_candidate_blocks(model):
     tokens = _tokens(90, 9)
     _, _, ctx = model.run_layers(PackedBatch.from_sequences([tokens]))
     state = ctx.published.sequences[0]  # after the last layer: candidates of layer 5, selection of layer 7
-    candidates, selected = state.candidates, state.selected
+    candidates = candidate_entries(state.candidate_blocks, cfg.candidate_block_size, 90)
+    selected = chosen_mask(ctx.published.prefill.indices, 90)  # layer 7's choice
     assert selected.shape == candidates.shape == (90, 90)
     assert not (selected & ~candidates).any()
     visible = torch.arange(90)[None, :] <= torch.arange(90)[:, None]  # ratio 1: entry j visible from position j

@@ -45,7 +45,15 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.layers.attention import Attention, decode_window_positions
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
-from dsinfer.layers.csa2_prefill import entries_view, packed_indices, top_k_choice, window_view, write_windows
+from dsinfer.layers.csa2_prefill import (
+    candidate_block_rows,
+    candidate_entries,
+    entries_view,
+    packed_indices,
+    top_k_choice,
+    window_view,
+    write_windows,
+)
 from dsinfer.layers.csa2_state import DecodeState, PrefillViews, PublishedState, SequenceState, SourceEntries
 from dsinfer.layers.indexer import IndexScorer
 from dsinfer.layers.joined_linear import JoinedLinears
@@ -119,6 +127,43 @@ class IndexerV41(IndexScorer):
         """
         scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
         return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+    def prefill_choice(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        inv_freq: torch.Tensor,
+        state: SequenceState,
+        quantizer: ActivationQuantizer,
+    ) -> torch.Tensor:
+        """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers, -1 where fewer are finite.
+
+        What :meth:`candidate_scores` and ``top_k_choice`` give, computed in row slices of the queries
+        (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget. The candidate
+        source records its blocks in ``state`` (``candidate_blocks``, a boolean per block, written slice by slice);
+        a later index source limits each slice to the entries of those rows' blocks."""
+        queries = self.queries(x, q_latent, positions, inv_freq, self._query_rotation(quantizer, positions))
+        visible = visible_entries(positions, self.ratio)
+        width, block_size = keys.shape[0], self.candidate_block_size
+        limit = state.candidate_blocks if self.uses_candidates else None
+        blocks = None
+        if self.is_candidate_source:  # written slice by slice: no list of pieces beside a joined copy
+            blocks = torch.empty((x.shape[0], -(-width // block_size)), dtype=torch.bool, device=x.device)
+
+        def choose(rows: slice, scores: torch.Tensor) -> torch.Tensor:
+            if blocks is not None:  # the candidate source records its blocks and is not limited by them
+                mask = self.ops.candidate_block_mask(scores, visible[rows], self.candidate_topk_blocks, block_size)
+                blocks[rows] = candidate_block_rows(mask, block_size)
+            elif limit is not None:
+                scores = scores.masked_fill(~candidate_entries(limit[rows], block_size, width), float("-inf"))
+            return top_k_choice(scores, self.topk)
+
+        indices = torch.cat(self.choose_by_row_slices(queries, keys, visible, choose))
+        if blocks is not None:
+            state.candidate_blocks = blocks
+        return indices
 
     def decode_choice(
         self,
@@ -319,11 +364,9 @@ class AttentionV41(Attention):
                 self._publish(x[tokens], span, tables[row], cache, inv_freq, state, quantizer)
             if self.indexer is not None:
                 positions = batch.positions[tokens]
-                scores = self.indexer.candidate_scores(
+                chosen.append(self.indexer.prefill_choice(
                     x[tokens], q_latent[tokens], positions, state.source.index_keys, inv_freq, state, quantizer
-                )
-                indices, state.selected = top_k_choice(scores, self.indexer.topk)
-                chosen.append(indices)
+                ))  # fmt: skip
         views = published.prefill
         if self.compressor is not None:
             views.entries, views.entry_tables = entries_view(cache, self.layer_id, tables)

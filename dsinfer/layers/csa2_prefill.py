@@ -26,16 +26,25 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.ops.topk import topk_indices
 
 
-def top_k_choice(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` best finite scores of ``scores`` [n, W]: entry numbers [n, min(k, W)] (-1 where fewer
-    are finite) and the same choice as a boolean [n, W] (:func:`dsinfer.layers.indexer.top_k_visible`'s)."""
+def top_k_choice(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's ``k`` best finite scores of ``scores`` [n, W]: entry numbers [n, min(k, W)], -1 where fewer are
+    finite (the choice :func:`dsinfer.layers.indexer.top_k_visible` marks)."""
     n, width = scores.shape
     if width == 0:
-        return scores.new_zeros((n, 0), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
+        return scores.new_zeros((n, 0), dtype=torch.long)
     chosen = topk_indices(scores, min(k, width))
-    real = scores.gather(-1, chosen) > float("-inf")
-    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, real)
-    return torch.where(real, chosen, -1), mask
+    return torch.where(scores.gather(-1, chosen) > float("-inf"), chosen, -1)
+
+
+def candidate_block_rows(mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The candidate blocks [n, ceil(W / block_size)] of an entry mask [n, W] that keeps or drops whole blocks
+    (``candidate_block_mask``'s): each block's first entry, ``block_size`` times fewer bytes to keep."""
+    return mask[:, ::block_size].contiguous()
+
+
+def candidate_entries(blocks: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """The entry mask [n, width] of candidate blocks [n, ceil(width / block_size)]: every entry of a kept block."""
+    return blocks.repeat_interleave(block_size, dim=-1)[:, :width]
 
 
 def packed_indices(pieces: list[torch.Tensor]) -> torch.Tensor:

@@ -37,8 +37,8 @@ class SequenceState:
     """What the sources published for one sequence of a prefill, or one column of a verify forward."""
 
     source: SourceEntries | None = None  # the latest KV source's entries and keys
-    candidates: torch.Tensor | None = None  # bool [n, W]: the entries inside the candidate source's best blocks
-    selected: torch.Tensor | None = None  # prefill: bool [n, W], the latest index source's choice
+    candidates: torch.Tensor | None = None  # verify column: bool [B, W], the entries of the candidate source's blocks
+    candidate_blocks: torch.Tensor | None = None  # prefill: bool [n, ceil(W / block)], the candidate source's blocks
     chosen: torch.Tensor | None = None  # verify column: entry numbers [B, k] in ascending order
     real: torch.Tensor | None = None  # verify column: bool [B, k], which of ``chosen`` are entries at all
 

@@ -10,6 +10,7 @@ rule, shared by both variants (its arithmetic is the ``index_scores`` / ``index_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +24,21 @@ from dsinfer.layers.rotary import apply_rope, rope_angles, step_rope_angles
 from dsinfer.ops.index_scores_paged import PagedIndexInputs
 from dsinfer.ops.registry import OpTable
 from dsinfer.ops.topk import topk_indices
+
+SCORE_SLICE_BYTES = 512 * 2**20
+"""The most bytes of float32 scores [rows, W] a prefill computes at once: a chunk scores its queries in row slices
+of this size. One dense [n, W] would not fit beside the weights at long contexts (16,384 queries against 131,072
+ratio-1 entries: 8 GiB, and the selection copies it). A row's scores and choice read no other row, so the slices
+choose what the whole chunk would."""
+
+Choice = TypeVar("Choice")
+
+
+def score_row_slices(count: int, width: int) -> list[slice]:
+    """Consecutive row slices covering ``count`` queries, each one's float32 scores against ``width`` entries
+    within :data:`SCORE_SLICE_BYTES` (at least one row a slice; no queries: one empty slice)."""
+    rows = max(1, SCORE_SLICE_BYTES // (4 * max(width, 1)))
+    return [slice(start, min(start + rows, count)) for start in range(0, max(count, 1), rows)]
 
 
 def top_k_visible(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -76,6 +92,26 @@ class IndexScorer(nn.Module):
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, rotate_queries, projected=projected)
         score = self.ops.index_scores
         return score(q, keys, head_weights, visible_entries(positions, self.ratio))
+
+    def choose_by_row_slices(
+        self,
+        queries: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+        choose: Callable[[slice, torch.Tensor], Choice],
+    ) -> list[Choice]:
+        """``choose(rows, scores)`` for each row slice of the queries (:func:`score_row_slices`), in order: a
+        prefill's scores [rows, W] against keys [W, d] (or [n, W, d] per query), invisible entries -inf, one slice
+        alive at a time.
+
+        ``queries``: the chunk's queries [n, H, d] and scaled head weights [n, H] (:meth:`queries`, projected once
+        for the chunk); ``visible`` [n]: how many leading entries each query sees."""
+        q, head_weights = queries
+        chosen = []
+        for rows in score_row_slices(q.shape[0], keys.shape[-2]):
+            row_keys = keys if keys.dim() == 2 else keys[rows]
+            chosen.append(choose(rows, self.ops.index_scores(q[rows], row_keys, head_weights[rows], visible[rows])))
+        return chosen
 
     def queries(
         self,
@@ -134,11 +170,12 @@ class Indexer(IndexScorer):
             return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
         keys = read_entries(cache, table, n_entries)  # the cache's dtype: the op widens what it must
-        scores = self.scores(x, q_latent, positions, keys, inv_freq, projected=projected)
+        queries = self.queries(x, q_latent, positions, inv_freq, projected=projected)
         # the one-program selection per query (``index_topk_decode``: its contract is this list's) instead of a
-        # top-k over packed keys and two sorts
+        # top-k over packed keys and two sorts; row slices bound the scores' memory
         select = self.ops.index_topk_decode
-        return select(scores, self.topk)
+        visible = visible_entries(positions, self.ratio)
+        return torch.cat(self.choose_by_row_slices(queries, keys, visible, lambda _, scores: select(scores, self.topk)))
 
     def select_decode(
         self,
