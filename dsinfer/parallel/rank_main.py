@@ -143,8 +143,9 @@ class _RankLoop(EngineLoop):
         # buckets as plain decode graphs do (dsinfer.parallel.graph_steps), which they do not yet.
         speculative = spec.engine.speculative_config is not None
         eager = spec.engine.enforce_eager or not model.ranks_replay_graphs or speculative
-        engine_config = replace(spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager,
-                                kernel_warmup=False)  # the ranks' forwards must pair up: no local warm-up
+        engine_config = replace(
+            spec.engine, device=str(device), async_scheduling=False, enforce_eager=eager, kernel_warmup=False
+        )  # the ranks' forwards must pair up: no local warm-up
         with self.dispatcher.fixed_capacity():  # the only forwards while building are the graph captures
             engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), engine_config)
         super().__init__(spec, conn, model, engine)
