@@ -53,7 +53,7 @@ def warm_up_positions(budget: int, max_model_len: int) -> list[tuple[int, int]]:
 def warm_up_kernels(engine: LLMEngine) -> dict[str, float]:
     """Run every warm-up chunk through ``engine`` and leave it as if none had run; returns what it did."""
     started = time.perf_counter()
-    budget, vocab = engine.config.step_token_budget, engine.model.config.vocab_size
+    budget, vocab = engine.config.step_token_budget, engine.checker.vocab_size  # what a prompt may hold
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     ran = 0
