@@ -13,17 +13,26 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import random_prompts, run_all, use_oracle_drafts
+from test_spec_dspark import checkpoint  # noqa: F401 (a fixture: V4.1 with DSpark blocks of 5)
+from test_spec_dspark import model as dspark_model  # noqa: F401 (a fixture, over it)
+from test_spec_dspark import tokenizer as dspark_tokenizer  # noqa: F401 (a fixture)
 
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.models.loader import load_model
-from dsinfer.sampling.noise import ACCEPT_STREAM, RACE_STREAM, as_int64, mix64, mix64_tensor, noise_key
-from dsinfer.sampling.noise import position_keys, stream_key
+from dsinfer.sampling.noise import (
+    ACCEPT_STREAM,
+    RACE_STREAM,
+    as_int64,
+    mix64,
+    mix64_tensor,
+    noise_key,
+    position_keys,
+    stream_key,
+)
 from dsinfer.sampling.sampler import make_sampling_state
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.speculative.fixed_judge import FixedJudge, JudgeMode
 from dsinfer.speculative.verify import judge_batched
-from dsinfer.tokenizer import Tokenizer
 
 VOCAB = 40
 STOP = 7
@@ -116,11 +125,6 @@ def test_only_requests_the_device_cannot_judge_go_to_the_host():
 # ---- engine runs: the device judge against the host judge on the same graphed steps ------------------------------
 
 
-@pytest.fixture(scope="module")
-def v41_model(tiny_v41_checkpoint):
-    return load_model(tiny_v41_checkpoint, progress=False).set_fake_quantization(False)
-
-
 # Low temperatures: plain sampling's tokens, the oracle's drafts, are then often accepted.
 PARAMS = [SamplingParams(temperature=0.05, seed=11, max_tokens=14, ignore_eos=True),
           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -153,12 +157,14 @@ def _run(model, tokenizer, prompts, spec: dict | None = None, on_device: bool = 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
 def test_graphed_sampled_decoding_judged_on_the_device_equals_the_host_judge(
-    tiny_v4_model, tiny_v4_tokenizer, v41_model, tiny_v41_checkpoint, method, k
+    tiny_v4_model,
+    tiny_v4_tokenizer,
+    dspark_model,
+    dspark_tokenizer,
+    method,
+    k,  # noqa: F811 (fixtures)
 ):
-    if method == "mtp":
-        model, tokenizer = tiny_v4_model, tiny_v4_tokenizer
-    else:
-        model, tokenizer = v41_model, Tokenizer.from_dir(tiny_v41_checkpoint)
+    model, tokenizer = (tiny_v4_model, tiny_v4_tokenizer) if method == "mtp" else (dspark_model, dspark_tokenizer)
     prompts = random_prompts(4, seed=k, low=20, high=40)
     plain, _ = _run(model, tokenizer, prompts)
     references = {f"req-{i}": tokens for i, tokens in enumerate(plain)}

@@ -75,8 +75,7 @@ class FixedJudge:
             params, position = state.params, len(state.output_token_ids)
             masked = min(max(params.min_tokens - position, 0), width) if state.stop_token_ids else 0
             stops = sorted(state.stop_token_ids)[:STOP_SLOTS] if masked else []
-            keys = [as_int64(stream_key(state.seed, state.sample_index, stream)) for stream in (RACE_STREAM,
-                                                                                               ACCEPT_STREAM)]  # fmt: skip
+            keys = [as_int64(stream_key(state.seed, state.sample_index, s)) for s in (RACE_STREAM, ACCEPT_STREAM)]
             rows += [int(sampling), position, masked, *keys, *stops] + [-1] * (STOP_SLOTS - len(stops))
             values += [params.temperature, params.top_k, params.top_p, params.min_p] if sampling else _NEUTRAL
         padding = size - len(states)
