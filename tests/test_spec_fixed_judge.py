@@ -35,6 +35,7 @@ from dsinfer.speculative.fixed_judge import FixedJudge, JudgeMode
 from dsinfer.speculative.verify import judge_batched
 
 VOCAB = 40
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STOP = 7
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,11 +85,13 @@ def _fixed_case(seed: int, width: int):
     return logits, draft_ids, counts, states, size
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("width", [2, 4, 6])
-def test_the_device_judge_emits_the_host_judges_tokens(seed, width):
+def test_the_device_judge_emits_the_host_judges_tokens(seed, width, device):
     logits, draft_ids, counts, states, size = _fixed_case(seed, width)
-    judge = FixedJudge(size, torch.device("cpu"))
+    logits, draft_ids, counts = logits.to(device), draft_ids.to(device), counts.to(device)
+    judge = FixedJudge(size, torch.device(device))
     mode = judge.plan(states, size, width)
     assert mode is JudgeMode.FILTERED_TOP
     accepted, last = judge.judge(logits, draft_ids, counts, mode)
@@ -101,7 +104,7 @@ def test_the_device_judge_emits_the_host_judges_tokens(seed, width):
     kept = [0, 1, 3, 5]
     mode = judge.plan([states[b] for b in kept], size, width)
     assert mode is JudgeMode.FILTERED
-    rows = torch.tensor(kept + [7] * (size - len(kept)))
+    rows = torch.tensor(kept + [7] * (size - len(kept)), device=device)
     fixed = logits.view(size, width, VOCAB)[rows].flatten(0, 1)
     accepted, last = judge.judge(fixed, draft_ids[rows], counts[rows], mode)
     expected = judge_batched(fixed, [b * width for b in range(len(kept))], [drafts[b] for b in kept],
@@ -156,15 +159,11 @@ def _run(model, tokenizer, prompts, spec: dict | None = None, on_device: bool = 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
-def test_graphed_sampled_decoding_judged_on_the_device_equals_the_host_judge(
-    tiny_v4_model,
-    tiny_v4_tokenizer,
-    dspark_model,
-    dspark_tokenizer,
-    method,
-    k,  # noqa: F811 (fixtures)
-):
-    model, tokenizer = (tiny_v4_model, tiny_v4_tokenizer) if method == "mtp" else (dspark_model, dspark_tokenizer)
+def test_graphed_sampled_decoding_judged_on_the_device_equals_the_host_judge(request, method, k):
+    if method == "mtp":
+        model, tokenizer = request.getfixturevalue("tiny_v4_model"), request.getfixturevalue("tiny_v4_tokenizer")
+    else:  # V4.1 with DSpark blocks of 5
+        model, tokenizer = request.getfixturevalue("dspark_model"), request.getfixturevalue("dspark_tokenizer")
     prompts = random_prompts(4, seed=k, low=20, high=40)
     plain, _ = _run(model, tokenizer, prompts)
     references = {f"req-{i}": tokens for i, tokens in enumerate(plain)}
