@@ -3,6 +3,7 @@
     python benchmarks/spec_step.py                                  # tiny V4 (MTP) and tiny V4.1 (DSpark)
     python benchmarks/spec_step.py --arch v4 --sequences 1,32 --k 1,3,5 --steps 10 --out spec_step.json
     python benchmarks/spec_step.py --device cuda --temperature 0.8  # on a GPU: phases include the device wait
+    python benchmarks/spec_step.py --graphs buckets --temperature 0.8 --top-p 0.9  # sampled, judged on the device
     python benchmarks/spec_step.py --device cuda --graphs eager     # the eager verify path, for comparison
 
 On a GPU the verify and draft steps replay CUDA graphs (``dsinfer.speculative.graphs``) unless ``--graphs
@@ -124,7 +125,8 @@ class PhaseClock:
             self._wrap(graphs.fixed_rollback, "snapshot", "snapshot")
             self._wrap(graphs.fixed_rollback, "rollback", "rollback")
             self._wrap(graphs_module, "judge_greedy_fixed", "judge")
-            for name in ("_verify_forward", "_draft_forward"):  # what a CUDA graph replays
+            self._wrap(graphs, "_judge_forward", "judge")  # sampled and min_tokens requests, on the device
+            for name in ("_verify_forward", "_judge_forward", "_draft_forward"):  # what a CUDA graph replays
                 self._mark_captured(graphs, name)
         for name in ("snapshot", "snapshot_spans"):
             self._wrap(rollback, name, "snapshot")
@@ -181,9 +183,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, temperature: float, device: str,
+def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, sampling: dict, device: str,
             graphs: str = "default"):  # fmt: skip
     """One point: median host ms per phase and host reads per phase, per verify step.
+
+    ``sampling``: every request's temperature, top_k and top_p (seeded, each its own seed).
 
     ``graphs``: ``default`` (CUDA graphs on a GPU, eager on the CPU), ``eager`` (``enforce_eager``) or
     ``buckets`` (buckets up to ``sequences``: on the CPU, the graphs' static path run eagerly)."""
@@ -203,7 +207,7 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
     generator = torch.Generator().manual_seed(sequences * 10 + k)
     for index in range(sequences):
         prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()
-        params = SamplingParams(temperature=temperature, seed=index, max_tokens=max_model_len, ignore_eos=True)
+        params = SamplingParams(**sampling, seed=index, max_tokens=max_model_len, ignore_eos=True)
         engine.add_request(prompt, params)
     for _ in range(4):  # prefill, then steps until every sequence drafts
         engine.step()
@@ -236,7 +240,7 @@ def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, t
     launches["total"] = sum(launches.values())
     drafted = sum(len(seq.draft_token_ids) for seq in engine.scheduler.running)
     graphed = executor.graphs is not None
-    return {"method": method, "sequences": sequences, "k": k, "temperature": temperature, "steps": steps,
+    return {"method": method, "sequences": sequences, "k": k, **sampling, "steps": steps,
             "graphs": graphs, "graphed": graphed,
             "ms": {name: round(value, 3) for name, value in times.items()}, "host_reads": reads,
             "host_tensors": built, "launches": launches,
@@ -261,6 +265,8 @@ def main() -> None:
     parser.add_argument("--k", default="1,3,5", help="num_speculative_tokens values")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0, help="every request's top_k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: off)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
     parser.add_argument(
@@ -285,7 +291,8 @@ def main() -> None:
             method = "dspark" if arch == "v41" else "mtp"
             for sequences in (int(s) for s in args.sequences.split(",")):
                 for k in (int(v) for v in args.k.split(",")):
-                    point = measure(model, tokenizer, method, sequences, k, args.steps, args.temperature, args.device,
+                    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+                    point = measure(model, tokenizer, method, sequences, k, args.steps, sampling, args.device,
                                     args.graphs)  # fmt: skip
                     results.append(point)
                     print(_line(point), flush=True)

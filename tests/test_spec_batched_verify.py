@@ -136,7 +136,7 @@ class GatheredMoE:
 
 
 def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int, greedy: bool = False,
-                         graph_sizes: tuple[int, ...] | None = None) -> dict:  # fmt: skip
+                         graph_sizes: tuple[int, ...] | None = None, sampled_only: bool = False) -> dict:  # fmt: skip
     saved = {}
     dtype = model.embed.weight.dtype
     for module in model.modules():
@@ -151,6 +151,9 @@ def _host_reads_per_step(model, tokenizer, method: str, sequences: int, k: int, 
         for i, prompt in enumerate(prompts):  # greedy, seeded sampling, logprobs, min_tokens
             params = SamplingParams(temperature=0.8 * (i % 2), seed=i, logprobs=2 if i % 3 else None, min_tokens=4,
                                     max_tokens=60, ignore_eos=True)  # fmt: skip
+            if sampled_only:  # seeded and unseeded sampling, top-k / top-p, min_tokens: no logprobs
+                params = SamplingParams(temperature=0.8, seed=i if i % 2 else None, top_k=5 * (i % 3), min_tokens=30,
+                                        top_p=0.9 if i % 2 else 1.0, max_tokens=60)  # fmt: skip
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True) if greedy else
                                params)  # fmt: skip
         for _ in range(3):
@@ -198,3 +201,16 @@ def test_a_graphed_greedy_verify_step_reads_the_host_once(tiny_v4_model, tiny_v4
     assert result["reads"] == [1, 1, 1] and result["drafts"] > 0 and result["graphed"] >= 3
     result = _host_reads_per_step(model, tokenizer, method, 3, 3, graph_sizes=(4,))
     assert result["reads"] == [2, 2, 2] and result["graphed"] >= 3
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_a_graphed_sampled_verify_step_reads_the_host_once(tiny_v4_model, tiny_v4_tokenizer, tiny_v41_checkpoint,
+                                                           method):  # fmt: skip
+    """Sampled requests (and min_tokens masks) are judged on the device between the verify and draft replays."""
+    if method == "mtp":
+        model, tokenizer = tiny_v4_model, tiny_v4_tokenizer
+    else:
+        model = load_model(tiny_v41_checkpoint, progress=False).set_fake_quantization(False)
+        tokenizer = Tokenizer.from_dir(tiny_v41_checkpoint)
+    result = _host_reads_per_step(model, tokenizer, method, 3, 3, graph_sizes=(4,), sampled_only=True)
+    assert result["reads"] == [1, 1, 1] and result["drafts"] > 0 and result["graphed"] >= 3

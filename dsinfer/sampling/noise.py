@@ -9,7 +9,8 @@ The construction is SplitMix64 (Steele, Lea and Flood, 2014; the finaliser is St
 
 * a row key: ``seed`` (taken modulo 2**64), then the stream, the sample index and the output position are folded
   in one after the other, each by ``h = mix64((h ^ part) + GOLDEN)``; this runs on the host in Python integers
-  (a handful of operations per row, exact uint64 arithmetic);
+  (a handful of operations per row, exact uint64 arithmetic), or, for a step captured in a CUDA graph, up to the
+  sample index on the host (:func:`stream_key`) and the position on the device (:func:`position_keys`);
 * column ``c`` of a row with key ``k`` is the ``c``-th SplitMix64 output from state ``k``:
   ``mix64(k + (c + 1) * GOLDEN)``; this runs on the logits' device in int64 torch ops (wrapping multiply and
   add, logical shifts written as an arithmetic shift and a mask), so CPU and CUDA produce the same bits;
@@ -48,12 +49,18 @@ def mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def noise_key(seed: int, sample_index: int, position: int, stream: int = RACE_STREAM) -> int:
-    """The row key (uint64, as a Python int) of one request's draws at one output position."""
+def stream_key(seed: int, sample_index: int, stream: int = RACE_STREAM) -> int:
+    """One request's key of one stream before the output position is folded in (uint64, as a Python int): a
+    device folds positions into it itself (:func:`position_keys`)."""
     key = seed & MASK64
-    for part in (stream, sample_index, position):
+    for part in (stream, sample_index):
         key = mix64((key ^ (part & MASK64)) + GOLDEN)
     return key
+
+
+def noise_key(seed: int, sample_index: int, position: int, stream: int = RACE_STREAM) -> int:
+    """The row key (uint64, as a Python int) of one request's draws at one output position."""
+    return mix64((stream_key(seed, sample_index, stream) ^ (position & MASK64)) + GOLDEN)
 
 
 def as_int64(value: int) -> int:
@@ -77,6 +84,24 @@ def _column_offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
         offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device).mul_(as_int64(GOLDEN))
         _COLUMN_OFFSETS[(device, vocab_size)] = offsets
     return offsets
+
+
+def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 values taken as uint64 (torch shifts arithmetically)."""
+    return values.bitwise_right_shift(bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def mix64_tensor(values: torch.Tensor) -> torch.Tensor:
+    """:func:`mix64` on an int64 tensor holding uint64 bits (wrapping multiplies): the same bits as the host's."""
+    values = values.bitwise_xor(_shift_right(values, 30)).mul_(as_int64(MIX1))
+    values = values.bitwise_xor_(_shift_right(values, 27)).mul_(as_int64(MIX2))
+    return values.bitwise_xor_(_shift_right(values, 31))
+
+
+def position_keys(stream_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`noise_key` on the device: each :func:`stream_key` (int64 bits) with its output position (int64,
+    non-negative; broadcast together) folded in, so a captured step keys its draws without the host."""
+    return mix64_tensor(stream_keys.bitwise_xor(positions).add_(as_int64(GOLDEN)))
 
 
 def uniform_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

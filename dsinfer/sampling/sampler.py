@@ -322,10 +322,15 @@ def filter_probs(
     use_min_p: bool = True,
 ) -> torch.Tensor:
     """:func:`filtered_probs` on per-row parameter tensors (``top_k`` may be float: its values are integers);
-    ``use_top`` / ``use_min_p`` False skip the filters that no row uses (their neutral values change nothing)."""
+    ``use_top`` / ``use_min_p`` False skip the filters that no row uses (their neutral values change nothing).
+
+    A row without top-k or top-p keeps its scores whatever the other rows use: the nucleus cut at ``top_p = 1``
+    would drop tail tokens wherever the float32 running sum reaches 1 early, so a row's probabilities would
+    depend on its batch (and a captured step, which always runs the filter, would differ from an eager one)."""
     scores = scores / temperature[:, None]
     if use_top:
-        scores = _mask_top_k_top_p(scores, top_k, top_p)
+        uses_top = (top_k > 0) | (top_p < 1.0)
+        scores = torch.where(uses_top[:, None], _mask_top_k_top_p(scores, top_k, top_p), scores)
     probs = scores.softmax(dim=-1)
     if use_min_p:
         cut = min_p[:, None] * probs.amax(dim=-1, keepdim=True)

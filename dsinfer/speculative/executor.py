@@ -23,8 +23,9 @@ The engine then appends the emitted tokens one at a time (stop rules inside an a
 A step in which every sequence decodes (no prefill chunk, no Engram history to rebuild) runs from CUDA graphs
 when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static buffers run eagerly on the CPU when
 ``cuda_graph_sizes`` are given): the verify replay (snapshot, forward, greedy judge on the device), the draft
-replay (rollback, drafts), one host read; requests the device judge cannot decide are judged on the host between
-the replays. Any other step takes the eager path above.
+replay (rollback, drafts), one host read; sampled requests and ``min_tokens`` masks are judged on the device too
+(:mod:`dsinfer.speculative.fixed_judge`), requests with a grammar, penalties or logprobs on the host between the
+replays. Any other step takes the eager path above.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from dsinfer.speculative.rollback import CacheRollback
 from dsinfer.speculative.verify import (
     SpeculativeOutput,
     judge_batched,
-    judged_on_device,
     needs_own_pass,
     speculative_output,
     verify_sequence,
@@ -186,17 +186,18 @@ class SpeculativeExecutor:
         return outputs
 
     def _run_graphed(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
-        """The same step from the graphs: the verify replay (snapshot, forward, greedy judge), the draft replay
-        (rollback, drafts), one host read. Sequences the device judge cannot decide are judged on the host between
-        the replays, from the verify logits."""
+        """The same step from the graphs: the verify replay (snapshot, forward, greedy judge; then the sampled
+        judge when a sequence samples), the draft replay (rollback, drafts), one host read. A step with a sequence
+        the device judge cannot decide is judged on the host between the replays, from the verify logits."""
         graphs, plan = self.graphs, step.speculation
         with torch.inference_mode():
             run = graphs.prepare(step)
+            judged_on_device = self.judge_override is None and graphs.plan_judge(run, states)
             graphs.verify(run)
         outputs = None
         if self.judge_override is not None:
             outputs = self._overridden_judge(plan)
-        elif not all(judged_on_device(state) for state in states):
+        elif not judged_on_device:
             outputs = self._judge(graphs.judged_logits(run), plan, states)
         if outputs is not None:
             with torch.inference_mode():

@@ -8,13 +8,15 @@ and the step's result runs from device tensors alone and is recorded once per bu
 1. the **verify graph**: the snapshot of what the step may overwrite
    (:class:`~dsinfer.speculative.fixed_rollback.FixedWidthRollback`), the target's verify forward
    (``ServedModel.verify_forward``) and the greedy judge (:func:`~dsinfer.speculative.verify.judge_greedy_fixed`:
-   accepted counts and the token after them);
+   accepted counts and the token after them); when a sequence samples or has stop tokens masked by
+   ``min_tokens``, a **judge graph** after it judges every sequence from the verify logits
+   (:class:`~dsinfer.speculative.fixed_judge.FixedJudge`: rejection sampling with the host judge's noise keys);
 2. the **draft graph**: the rollback of rejected positions from those accepted counts, then the drafter's next
    drafts (``Drafter.draft_fixed``) from the kept positions.
 
 The host then reads the step's result once (accepted counts, tokens, next drafts: one row per sequence). A step
-with a sequence the device judge cannot decide (sampled, a grammar, penalties, logprobs, ``min_tokens``; see
-:func:`~dsinfer.speculative.verify.judged_on_device`) is judged on the host between the two replays, from the
+with a sequence the device judge cannot decide (a grammar, penalties, logprobs; see
+:func:`~dsinfer.speculative.fixed_judge.judged_on_device`) is judged on the host between the two replays, from the
 verify graph's logits, and its accepted counts and tokens are copied into the draft graph's input.
 
 A step of ``B`` sequences runs in the smallest bucket ``>= B``: the rows past ``B`` are padding that runs in the
@@ -37,6 +39,7 @@ from dsinfer.graph_capture import capture_graph
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter
+from dsinfer.speculative.fixed_judge import FixedJudge, JudgeMode
 from dsinfer.speculative.fixed_rollback import FixedWidthRollback
 from dsinfer.speculative.rollback import CacheRollback
 from dsinfer.speculative.verify import judge_greedy_fixed
@@ -55,6 +58,7 @@ class GraphedVerify:
     spans: list[SequenceSpan]  # the step's spans at full width, block tables padded with the trash block
     own_ids: list[list[int]]  # each span's last token and real drafts, on the host
     judged_rows: list[int] | None  # rows of the logits a host judge reads; None: all of them (no filler)
+    mode: JudgeMode = JudgeMode.ARGMAX  # the device's judge (the host's, when it overrides it)
 
 
 @dataclass
@@ -88,12 +92,14 @@ class SpecGraphs:
         # of them to verify. The verify graph (or the host's judge) writes the first two, the draft graph the rest.
         self.result = torch.zeros(largest, 3 + self.num_drafts, dtype=torch.long, device=self.device)
         self.drafts = self.result[:, 2:]
+        self.judge = FixedJudge(largest, self.device)  # the judge graphs' inputs
         # Outputs, allocated by the first forward (before any capture) for the largest bucket.
         self.logits: torch.Tensor | None = None
         self.features: torch.Tensor | None = None
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.saved: list[torch.Tensor] | None = None  # the snapshot
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        self.judge_graphs: dict[tuple[int, JudgeMode], torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
 
@@ -133,12 +139,24 @@ class SpecGraphs:
         host_into_device(self.inputs[:size], rows)
         return GraphedVerify(size, spans, own_ids, None if len(judged) == count * width else judged)
 
+    def plan_judge(self, run: GraphedVerify, states: list) -> bool:
+        """Whether the device judges every sequence of the step (``states``: the spans' sampling states, in
+        order); if so, the judge's inputs are filled and ``run.mode`` says which judge graph replays."""
+        mode = self.judge.plan(states, run.size, self.width)
+        run.mode = mode or JudgeMode.ARGMAX
+        return mode is not None
+
     def verify(self, run: GraphedVerify) -> None:
-        """Snapshot, verify forward and greedy judge of the step (the verify graph's replay)."""
+        """Snapshot, verify forward and greedy judge of the step (the verify graph's replay), then the sampled
+        judge when the step needs it (the judge graph's)."""
         if self.capture:
             self.graphs[run.size][0].replay()
-        else:
-            self._verify_forward(run.size)
+            if run.mode is not JudgeMode.ARGMAX:
+                self.judge_graphs[run.size, run.mode].replay()
+            return
+        self._verify_forward(run.size)
+        if run.mode is not JudgeMode.ARGMAX:
+            self._judge_forward(run.size, run.mode)
 
     def judged_logits(self, run: GraphedVerify) -> torch.Tensor:
         """The logits a host judge reads (each span's last token and real drafts, in order): the graphs' buffer,
@@ -205,6 +223,14 @@ class SpecGraphs:
         self.result[:size, 0].copy_(accepted)
         self.result[:size, 1].copy_(last)
 
+    def _judge_forward(self, size: int, mode: JudgeMode) -> None:
+        """Every sequence's judgement from the verify logits, with the sampled and ``min_tokens`` inputs."""
+        width = self.width
+        draft_ids, draft_counts = self.inputs[:size, 1:width], self.inputs[:size, width + 3]
+        accepted, last = self.judge.judge(self.logits[: size * width], draft_ids, draft_counts, mode)
+        self.result[:size, 0].copy_(accepted)
+        self.result[:size, 1].copy_(last)
+
     def _draft_forward(self, size: int) -> None:
         batch, width = self._batch(size), self.width
         accepted, last = self.result[:size, 0], self.result[:size, 1]
@@ -219,13 +245,15 @@ class SpecGraphs:
         self.result[:size, 2:].copy_(drafts)
 
     def _capture_all(self) -> None:
-        """Record every bucket's verify and draft steps (largest first, sharing one memory pool), every row
-        padding. The verify graph runs once before the draft's capture: the draft reads what it wrote."""
+        """Record every bucket's verify, judge and draft steps (largest first, sharing one memory pool), every row
+        padding. The verify graph runs once before the others' capture: they read what it wrote."""
         pool = None
         for size in reversed(self.sizes):
             verify, _ = capture_graph(lambda size=size: self._verify_forward(size), pool)
             pool = verify.pool()
             verify.replay()
+            for mode in (JudgeMode.FILTERED, JudgeMode.FILTERED_TOP):
+                self.judge_graphs[size, mode], _ = capture_graph(lambda s=size, m=mode: self._judge_forward(s, m), pool)
             draft, _ = capture_graph(lambda size=size: self._draft_forward(size), pool)
             self.graphs[size] = (verify, draft)
         torch.cuda.synchronize()

@@ -109,16 +109,34 @@ def accept_argmax_drafts(
         noise = noise[:, 0]
     if columns == 0:
         return torch.zeros(count, dtype=torch.long, device=probs.device), (probs[:, 0] / noise).argmax(-1)
+    accepted = accepted_argmax_drafts(probs, draft_ids, num_drafts, uniforms)
+    if noise.dim() == 3:
+        noise = noise[rows, accepted]
+    return accepted, (argmax_drafts_final(probs, draft_ids, num_drafts, accepted) / noise).argmax(-1)
+
+
+def accepted_argmax_drafts(
+    probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """:func:`accept_argmax_drafts`' leading accepted drafts [B] (at least one draft column): draft j is accepted
+    when ``u_j < p_j(d_j)``."""
+    columns = draft_ids.shape[1]
     p_draft = probs[:, :columns].gather(-1, draft_ids[..., None]).squeeze(-1)
     mass = probs[:, :columns].sum(-1)
     valid = torch.arange(columns, device=probs.device)[None, :] < num_drafts[:, None]
-    accepted = ((uniforms * mass < p_draft) & valid).long().cumprod(-1).sum(-1)  # u < p(d) / sum(p), undivided
-    row = probs[rows, accepted]
+    return ((uniforms * mass < p_draft) & valid).long().cumprod(-1).sum(-1)  # u < p(d) / sum(p), undivided
+
+
+def argmax_drafts_final(
+    probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor
+) -> torch.Tensor:
+    """What :func:`accept_argmax_drafts` draws the token after ``accepted`` drafts from [B, V] (unnormalised):
+    ``p_j`` without ``d_j`` after a rejection at j, the bonus row after all drafts. Apart from the race, so a
+    caller can key the race's noise by the position it lands on once ``accepted`` is known."""
+    columns = draft_ids.shape[1]
+    row = probs[torch.arange(probs.shape[0], device=probs.device), accepted]
     stopped_at = draft_ids.gather(1, accepted.clamp(max=columns - 1)[:, None])
     residual = row.scatter(-1, stopped_at, 0.0)
     # A rejection happens only where p(d) < 1, so the residual has mass there; guard rounding anyway.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
-    final = torch.where((accepted < num_drafts)[:, None], residual, row)
-    if noise.dim() == 3:
-        noise = noise[rows, accepted]
-    return accepted, (final / noise).argmax(-1)
+    return torch.where((accepted < num_drafts)[:, None], residual, row)

@@ -52,15 +52,6 @@ def needs_own_pass(state: SamplingState) -> bool:
     )
 
 
-def judged_on_device(state: SamplingState) -> bool:
-    """Whether a fixed-width step's own device judge decides this sequence (:func:`judge_greedy_fixed`): a greedy
-    request that nothing on the host touches between its rows (no grammar, penalties or ``min_tokens`` mask still
-    in force) and that wants no logprobs. Its tokens are then the argmax of the raw logits, plain decoding's."""
-    params = state.params
-    min_tokens_done = not state.stop_token_ids or len(state.output_token_ids) >= params.min_tokens
-    return params.greedy and params.logprobs is None and min_tokens_done and not needs_own_pass(state)
-
-
 def judge_greedy_fixed(
     logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +60,12 @@ def judge_greedy_fixed(
     Returns ``(accepted [B], last [B])``: the leading drafts equal to the argmax, then the argmax after them
     (lowest id on ties, as plain decoding)."""
     count, width = draft_ids.shape[0], draft_ids.shape[1] + 1
-    return _accept_targets(logits.view(count, width, -1).argmax(dim=-1), draft_ids, num_drafts)
+    return accept_targets(logits.view(count, width, -1).argmax(dim=-1), draft_ids, num_drafts)
 
 
-def _accept_targets(target: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+def accept_targets(
+    target: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Leading drafts equal to the target ids [B, width] (up to ``num_drafts``), and the target after them."""
     valid = torch.arange(draft_ids.shape[1], device=target.device)[None, :] < num_drafts[:, None]
     accepted = ((target[:, :-1] == draft_ids) & valid).long().cumprod(-1).sum(-1)
@@ -110,7 +103,7 @@ def judge_batched(
     draft_ids = host_to_device(padded, torch.long, device).view(len(drafts), width - 1)
     num_drafts = host_to_device(counts, torch.long, device)
     target = scores.view(len(drafts), width, vocab).argmax(dim=-1)  # lowest id on ties, as plain decoding
-    accepted, last = _accept_targets(target, draft_ids, num_drafts)
+    accepted, last = accept_targets(target, draft_ids, num_drafts)
     sampled = [b for b, state in enumerate(states) if not state.params.greedy]
     if sampled:
         rows = host_to_device(sampled, torch.long, device)
