@@ -104,3 +104,37 @@ def test_warm_up_leaves_a_fresh_engine(served):
                 done[out.request_id] = out.outputs[0].token_ids
         results.append([done[i] for i in ids])
     assert results[0] == results[1]
+
+
+def test_a_fork_under_speculation_drafts_as_its_source():
+    """The embedded default's DSpark drafts are accepted (its rings hold real state): a fork taken mid-run
+    accepts exactly what its source accepts, step for step, so the drafter's rings and pending drafts were copied;
+    and both continue with plain decoding's tokens."""
+    from dsinfer.chat.format import ChatFormat
+    from dsinfer.models.tiny import default_model_dir
+    from dsinfer.training import corpus
+    from dsinfer.training.render import SampleRenderer
+
+    directory = default_model_dir()
+    served = load_model(directory, progress=False), Tokenizer.from_dir(directory)
+    renderer = SampleRenderer(ChatFormat(served[1], "v41", "default"))
+    prompt = renderer.prompt_ids(corpus.held_out("tools", 1)[0])
+    options = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "block_tokens": 64, "num_cache_blocks": 64}
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    plain = _engine(served, **options)
+    expected = plain.add_request(prompt, GREEDY)
+    _decode_until(plain, [expected], 40)
+    accepted = []
+    for forks in (0, 1):
+        engine = _engine(served, **options, speculative_config=spec)
+        source = engine.add_request(prompt, GREEDY)
+        _decode_until(engine, [source], 4)
+        ids = [source] + [engine.fork_request(source, GREEDY) for _ in range(forks)]
+        before = engine.spec_stats.num_accepted_tokens
+        for _ in range(8):
+            engine.step()
+        accepted.append(engine.spec_stats.num_accepted_tokens - before)
+        for request_id in ids:
+            produced = _tokens(engine, request_id)
+            assert produced == _tokens(plain, expected)[: len(produced)]
+    assert accepted[0] > 4 and accepted[1] == 2 * accepted[0]

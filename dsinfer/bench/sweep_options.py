@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help="decode: distinct prompts prefilled per point; the other sequences are device copies of their "
-        "caches (0: prefill every prompt; speculative points always do) (default: 4)",
+        "caches (0: prefill every prompt) (default: 4)",
     )
     parser.add_argument("--telemetry-interval", type=float, default=5.0, help="seconds between GPU samples; 0: off")
     parser.add_argument("--compare-published", action="store_true", help="plot DeepInfer's B200 points too")

@@ -190,9 +190,9 @@ def fill_decode_point(bench: Bench, engine: LLMEngine, num_requests: int, budget
     """Untimed: ``num_requests`` sequences of ``context`` tokens, each past its prefill. ``--fill-prompts`` of them
     are prefilled from distinct random prompts; the others are forks of those (their caches copied on the device
     into blocks of their own, :meth:`LLMEngine.fork_request`), so a 256 x 131,072 point fills in seconds while
-    every decode step still reads each sequence's own cache. Speculative points prefill every prompt."""
+    every decode step still reads each sequence's own cache (with speculative decoding, the drafter's rings too)."""
     args = bench.args
-    distinct = num_requests if args.fill_prompts == 0 or args.speculative is not None else args.fill_prompts
+    distinct = num_requests if args.fill_prompts == 0 else args.fill_prompts
     distinct = min(distinct, num_requests)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     prompts = random_prompts(distinct, args.context, bench.model.config.vocab_size, args.seed)

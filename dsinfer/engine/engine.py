@@ -139,15 +139,18 @@ class LLMEngine:
         reads them as it would a separately prefilled sequence's), sampled with ``params``. The benchmarks fill
         long contexts this way (one prefill, then copies). Settles the step in flight first.
 
+        With speculative decoding the drafter's state is part of the copied caches (V4's MTP window rings,
+        V4.1's DSpark rings) and the clone takes the source's pending drafts.
+
         Refused with ``ValueError``: an unknown or finished source, one of several completions, one still
-        prefilling, images, structured output, speculative decoding, or no free slot or blocks."""
+        prefilling, images, structured output, or no free slot or blocks."""
         self.settle()
         sources = self.requests.get(source_id, [])
         if len(sources) != 1 or sources[0].is_finished or sources[0].num_uncomputed != 1:
             raise ValueError(f"fork: {source_id!r} is not one running completion past its prefill")
         source = sources[0]
-        if self.config.speculative_config is not None or source.images:
-            raise ValueError("fork: not with speculative decoding or images (their state lives outside the cache)")
+        if source.images:
+            raise ValueError("fork: not of a request with images (their spans live outside the cache)")
         request = self.checker.check(source.prompt_token_ids, params, request_id, None, self.requests)
         if request.params.n != 1 or request.params.structured_output is not None:
             raise ValueError("fork: params must ask for one completion without structured output")
@@ -155,6 +158,7 @@ class LLMEngine:
         clone = Sequence(request.request_id, 0, list(request.prompt_token_ids), state,
                          output_text=CompletionText(self.tokenizer, request.params))  # fmt: skip
         clone.output_token_ids.extend(source.output_token_ids)
+        clone.draft_token_ids = list(source.draft_token_ids)
         self.scheduler.fork(source, clone)
         computed = len(clone.block_table)
         self.runner.cache.copy_sequence(source.slot, clone.slot, source.block_table[:computed], clone.block_table)
