@@ -11,12 +11,12 @@ the FP8 linears when it is set.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dsinfer import envs
 from dsinfer.layers.moe import MoE
 from dsinfer.models.loader import INDEX_FILE
 from dsinfer.ops.moe.weights import ExpertWeights, dequantize_expert
@@ -40,7 +40,7 @@ def is_small_cpu_checkpoint(model_dir: str | Path, device: str | torch.device) -
 def small_cpu_fp8_linears(model_dir: str | Path, device: str | torch.device) -> str | None:
     """The loader's ``fp8_linears`` for this checkpoint: ``dequantize`` for a small one on a CPU unless
     ``$DSINFER_FP8_LINEARS`` is set; None (the loader's own default) otherwise."""
-    if os.environ.get("DSINFER_FP8_LINEARS") or not is_small_cpu_checkpoint(model_dir, device):
+    if envs.FP8_LINEARS.get() or not is_small_cpu_checkpoint(model_dir, device):
         return None
     return "dequantize"
 
