@@ -92,16 +92,20 @@ def score_bound(inputs: list) -> torch.Tensor:
     return magnitude
 
 
-def check_scores(case: ScoresCase, device: torch.device, generator) -> str | None:
+def check_scores(
+    case: ScoresCase, device: torch.device, generator, fp4_layout: str = "halves", visible: list[int] | None = None
+) -> str | None:
+    """The scores kernel (FP4 tiles in ``fp4_layout``) against the reference on random inputs whose sequences see
+    ``visible`` entries each (None: :func:`visible_counts`)."""
     import dsinfer.ops.index_scores_paged.triton as backend
 
-    visible = visible_counts(case.batch, generator)
+    visible = visible if visible is not None else visible_counts(case.batch, generator)
     inputs = make_inputs(case.batch, case.heads, case.dim, case.form, case.q_dtype, visible, generator)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
     if not backend.serves(inputs[0], inputs[2], inputs[3]):
         return f"{case}: the kernel does not take it"
     want = index_scores_paged_reference(PagedIndexInputs(*inputs))
-    got = backend.paged_scores_launch(PagedIndexInputs(*inputs), chunk=CHUNK)
+    got = backend.paged_scores_launch(PagedIndexInputs(*inputs), chunk=CHUNK, fp4_layout=fp4_layout)
     finite = torch.isfinite(want)
     if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
         return f"{case} visible={visible[:3]}: shape or -inf pattern differs"

@@ -51,6 +51,8 @@ PROGRAMS_PER_SM = 4  # B x chunks aims at this many programs per multiprocessor
 MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
+FP4_LAYOUTS = ("halves", "joined")  # how a tile of packed FP4 keys meets the query (module docstring)
+MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:
 
@@ -93,6 +95,50 @@ if triton is not None:
         return keys, factor
 
     @triton.jit
+    def e2m1_bf16(nibble, exponent_base, half_bits):
+        """The bf16 value of e2m1 code ``nibble`` (0..15: bit 3 the sign, bits 0-2 the magnitude 0, 0.5, 1, 1.5,
+        2, 3, 4, 6) times its block's scale ``2**(b - 127)``, built as bits with integer ops (no float decode).
+
+        ``exponent_base`` is ``(b - 1) << 7`` and ``half_bits`` the bits of ``0.5 * 2**(b - 127)``
+        (:func:`fp4_scale_fields`, once a byte for both nibbles). Magnitude codes 2..7 are the normal e2m1 values
+        ``2**(e - 1) * (1 + m / 2)`` (``e`` = code >> 1, ``m`` = code & 1): shifted by 6 the code is the bf16 bits
+        of ``2**(e - 127) * (1 + m / 2)``, and adding ``(b - 1) << 7`` adds ``b - 1`` to that exponent field, the
+        scale applied exactly (an integer add, not a float multiply) while the field stays in 1..254. Code 1
+        (the subnormal 0.5) has no implicit bit to shift, so it takes ``half_bits``; code 0 is zero; the sign is
+        bit 15. Exact, bit for bit, for every scale the codec writes (:mod:`dsinfer.kv.codecs`): its amax floor
+        gives ``b >= 1`` (b = 1 and code 1 is the bf16 subnormal ``2**-127``, in ``half_bits``), and a finite
+        float block has amax < 2**128, so under ``b = 253`` no code exceeds 4 (exponent field 255: infinity, as
+        the float32 reference overflows too); ``b = 0`` (never written) would need subnormals here as well."""
+        magnitude = nibble & 0x7
+        bits = tl.where(magnitude >= 2, (magnitude << 6) + exponent_base, tl.where(magnitude == 1, half_bits, 0))
+        bits = bits | ((nibble & 0x8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def fp4_scale_fields(exponent):
+        """For ue8m0 bytes ``exponent`` (int32): ``(b - 1) << 7`` and the bf16 bits of ``2**(b - 128)`` (a normal
+        bf16 for ``b >= 2``, else the subnormal ``2**-127`` or ``2**-128``), what :func:`e2m1_bf16` adds and
+        selects."""
+        exponent_base = (exponent - 1) << 7
+        half_bits = tl.where(exponent >= 2, exponent_base, tl.where(exponent == 1, 0x40, 0x20))
+        return exponent_base, half_bits
+
+    @triton.jit
+    def _tile_fp4_halves(keys_ptr, scales_ptr, row, scale_row, seen, HEAD_DIM: tl.constexpr,
+                         SCALE_BLOCK: tl.constexpr):  # fmt: skip
+        """One tile of packed FP4 keys as two bf16 halves [BLOCK_E, HEAD_DIM / 2]: the even channels (low
+        nibbles) and the odd ones (high nibbles), never interleaved. Channels ``2j`` and ``2j + 1`` share byte
+        ``j`` and (``SCALE_BLOCK`` even) its scale block ``j // (SCALE_BLOCK / 2)``."""
+        pairs = tl.arange(0, HEAD_DIM // 2)
+        packed = tl.load(keys_ptr + row[:, None] + pairs[None, :], mask=seen[:, None], other=0).to(tl.int32)
+        exponent = tl.load(scales_ptr + scale_row[:, None] + (pairs // (SCALE_BLOCK // 2))[None, :],
+                           mask=seen[:, None], other=127).to(tl.int32)  # fmt: skip
+        exponent_base, half_bits = fp4_scale_fields(exponent)
+        even = e2m1_bf16(packed & 0xF, exponent_base, half_bits)
+        odd = e2m1_bf16(packed >> 4, exponent_base, half_bits)
+        return even, odd
+
+    @triton.jit
     def _split_scores_kernel(
         q_ptr, weights_ptr, keys_ptr, scales_ptr, tables_ptr, visible_ptr, scores_ptr,
         n_heads, width, chunk, stride_qb, stride_qh, stride_wb, stride_kb, stride_kp, stride_sb_, stride_sp,
@@ -100,7 +146,7 @@ if triton is not None:
         PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_E: tl.constexpr, FORM: tl.constexpr, UE8M0: tl.constexpr, ROW_SCALE: tl.constexpr,
         DOT: tl.constexpr, SPLIT_Q: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, FP4_HALVES: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(1).to(tl.int64)
         first = tl.program_id(0) * chunk
@@ -112,12 +158,16 @@ if triton is not None:
         out = scores_ptr + seq * stride_ob
         n_scored = tl.cdiv(tl.maximum(scored_end - first, 0), BLOCK_E)
         head_ok = heads < n_heads
-        q = tl.load(
-            q_ptr + seq * stride_qb + heads[None, :] * stride_qh + dims[:, None],
-            mask=head_ok[None, :] & dim_ok[:, None],
-            other=0.0,
-        )  # fmt: skip  [BLOCK_D, BLOCK_H]: the dot's right operand, read once a chunk
-        q_high, q_low = _split_bf16(q, SPLIT_Q, DOT)
+        q_row = q_ptr + seq * stride_qb + heads[None, :] * stride_qh
+        if FP4_HALVES:  # the even and the odd channels [HEAD_DIM / 2, BLOCK_H], each the right operand of a dot
+            pairs = tl.arange(0, HEAD_DIM // 2)
+            q_even = tl.load(q_row + 2 * pairs[:, None], mask=head_ok[None, :], other=0.0)
+            q_odd = tl.load(q_row + 2 * pairs[:, None] + 1, mask=head_ok[None, :], other=0.0)
+            q_high, q_low = _split_bf16(q_even, SPLIT_Q, DOT)
+            q_odd_high, q_odd_low = _split_bf16(q_odd, SPLIT_Q, DOT)
+        else:  # [BLOCK_D, BLOCK_H]: the dot's right operand, read once a chunk
+            q = tl.load(q_row + dims[:, None], mask=head_ok[None, :] & dim_ok[:, None], other=0.0)
+            q_high, q_low = _split_bf16(q, SPLIT_Q, DOT)
         weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
         table = tables_ptr + seq * stride_tb
         for tile in tl.range(0, n_scored, num_stages=NUM_STAGES):
@@ -125,14 +175,23 @@ if triton is not None:
             seen = entry < scored_end
             block = tl.load(table + entry // PER_BLOCK, mask=seen, other=0).to(tl.int64)
             in_block = (entry % PER_BLOCK).to(tl.int64)
-            keys, factor = _tile_keys(keys_ptr, scales_ptr, block * stride_kb + in_block * stride_kp,
-                                      block * stride_sb_ + in_block * stride_sp, seen, dims, dim_ok, HEAD_DIM,
-                                      SCALE_BLOCK, FORM, UE8M0, ROW_SCALE)  # fmt: skip
-            keys = keys.to(DOT)
-            products = tl.dot(keys, q_high, input_precision=PRECISION)
-            if SPLIT_Q:
-                products = tl.dot(keys, q_low, products)
-            products = tl.maximum(products * factor[:, None], 0.0)
+            key_row, scale_row = block * stride_kb + in_block * stride_kp, block * stride_sb_ + in_block * stride_sp
+            if FP4_HALVES:
+                even, odd = _tile_fp4_halves(keys_ptr, scales_ptr, key_row, scale_row, seen, HEAD_DIM, SCALE_BLOCK)
+                products = tl.dot(even, q_high)
+                products = tl.dot(odd, q_odd_high, products)
+                if SPLIT_Q:
+                    products = tl.dot(even, q_low, products)
+                    products = tl.dot(odd, q_odd_low, products)
+                products = tl.maximum(products, 0.0)
+            else:
+                keys, factor = _tile_keys(keys_ptr, scales_ptr, key_row, scale_row, seen, dims, dim_ok, HEAD_DIM,
+                                          SCALE_BLOCK, FORM, UE8M0, ROW_SCALE)  # fmt: skip
+                keys = keys.to(DOT)
+                products = tl.dot(keys, q_high, input_precision=PRECISION)
+                if SPLIT_Q:
+                    products = tl.dot(keys, q_low, products)
+                products = tl.maximum(products * factor[:, None], 0.0)
             summed = tl.sum(products * weights[None, :], axis=1) * scale
             tl.store(out + entry, tl.where(seen, summed, float("-inf")), mask=entry < last)
         for start in range(first + n_scored * BLOCK_E, last, BLOCK_E):  # past the visible entries: no key read
@@ -184,9 +243,13 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
     return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
 
 
-def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None) -> torch.Tensor:
+def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "halves") -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
-    ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`)."""
+    ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
+    FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots; ``"joined"`` below 32 channels,
+    where a half is shallower than a dot) or ``"joined"`` (the codes interleaved into one float32 tile)."""
+    if fp4_layout not in FP4_LAYOUTS:
+        raise ValueError(f"fp4_layout must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
     q, head_weights, keys, key_scales = inputs.q, inputs.head_weights, inputs.keys, inputs.key_scales
     block_tables, visible = inputs.block_tables, inputs.visible
     batch, n_heads, head_dim = q.shape
@@ -211,6 +274,7 @@ def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None) -> t
         UE8M0=coded and key_scales.dtype == torch.uint8, ROW_SCALE=form == "fp8" and scale_block == head_dim,
         DOT=DOT_TYPES[dot], SPLIT_Q=split_q, PRECISION="ieee" if dot == torch.float32 else "tf32",
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        FP4_HALVES=form == "fp4" and fp4_layout == "halves" and head_dim // 2 >= MIN_DOT_DEPTH,
     )  # fmt: skip
     return scores
 
