@@ -14,7 +14,13 @@ fill the GPU alike and each key is read by exactly one program.
 
 Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dtype multiply exactly into float32
 sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
-an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. A query that is not of
+an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. FP4 tiles take one of
+two layouts (``paged_scores_launch(fp4_layout=...)``). ``halves``, the default: the even channels (each byte's low
+nibble) and the odd ones (its high nibble) are two [BLOCK_E, d / 2] tiles, scored by two dots against the query's
+even and odd channels (loaded once a chunk with a channel stride of 2), and each nibble becomes bf16 bits with
+integer ops, the ue8m0 scale added to the exponent field (:func:`e2m1_bf16`: exact for every byte the codec writes).
+``joined``, the first: the nibbles interleaved into one [BLOCK_E, d] tile (``tl.join`` + ``tl.reshape``, a layout
+shuffle) and decoded in float32. A query that is not of
 the dot's dtype (float32, the tests' and some callers') is split into a high and a low bf16 half and takes two dots
 (float32 keys likewise: three), which leaves about 2^-16 of each product's magnitude. Then ReLU, the head weights,
 the sum over heads and 1 / sqrt(d); slots past the visible entries write -inf without reading a key. Sums run in
