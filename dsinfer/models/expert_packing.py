@@ -91,12 +91,10 @@ class ExpertCollector:
             layer.scales[key] = scale
 
     def collected_names(self) -> set[str]:
-        deferred = set() if self.deferred is None else self.deferred.names()
-        return {
-            f"{moe}.experts.{expert}.{which}.weight"
-            for moe, layer in self._layers.items()
-            for which, expert in layer.weights
-        } | self._skipped | deferred
+        taken = {
+            f"{moe}.experts.{e}.{which}.weight" for moe, layer in self._layers.items() for which, e in layer.weights
+        }
+        return taken | self._skipped | (set() if self.deferred is None else self.deferred.names())
 
     def drop_modules(self, model: nn.Module) -> None:
         """Remove the per-expert modules of every collected or deferred layer (before the model gets memory)."""

@@ -55,7 +55,8 @@ def load_engine_model(model_dir: str | Path, config: EngineConfig, load_format: 
     offloading = config.expert_offload is not None
     expert_device = "meta" if offloading else None  # offloaded experts: each read once, where it is placed
     if load_format == "dummy":  # random experts drawn in host memory, then offloaded
-        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device="cpu" if offloading else None)
+        drawn_on = "cpu" if offloading else None
+        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=drawn_on)
     else:
         small = expert_device is None and is_small_cpu_checkpoint(model_dir, config.device)
         model = load_model(
