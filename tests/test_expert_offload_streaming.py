@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_harness import random_prompts, run_all
 
-from dsinfer.config import EngineConfig
+from dsinfer.config import ConfigError, EngineConfig
 from dsinfer.config.expert_split import FETCH_BUFFERS
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.models.loader import load_model
@@ -149,3 +149,9 @@ def test_a_rebalance_after_a_streamed_load_swaps_experts_and_keeps_the_tokens(ti
     for layer in offload.layers:  # the store still holds exactly the experts not resident
         held = {e for e, row in enumerate(layer.host.row_list) if row >= 0}
         assert held == set(range(8)) - set(layer.resident)
+
+
+def test_deferred_experts_refuse_a_store_of_every_expert(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, progress=False, expert_device="meta")
+    with pytest.raises(ConfigError, match="host store of the offloaded ones only"):
+        install_expert_offload(model, 3, host_keeps_every_expert=True)
