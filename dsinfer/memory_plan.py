@@ -21,8 +21,9 @@ experts that do not fit stay in host memory (:mod:`dsinfer.offload`): per layer 
 GPU, and a fetch pool of ``FETCH_BUFFERS`` buffers, each with room for one layer's non-resident experts, takes
 the misses of the layer about to run while the one before computes. ``auto`` gives the cache what
 ``max_num_seqs`` sequences of ``max_model_len`` need and the experts the rest. The host memory counted for the
-experts follows the engine's host store: every routed expert by default (``HOST_KEEPS_EVERY_EXPERT``, what
-``--expert-offload`` installs), or only the offloaded ones with ``host_keeps_every_expert=False`` (the store of
+experts follows the engine's host store: only the offloaded experts by default (``HOST_KEEPS_EVERY_EXPERT``
+False: ``--expert-offload`` reads each expert from the checkpoint straight into its GPU slot or host row, and a
+re-balance swaps), or every routed expert with ``host_keeps_every_expert=True`` (the store of
 :func:`dsinfer.offload.install_expert_offload` with that argument); the printout names which.
 """
 

@@ -97,7 +97,7 @@ def test_v4_flash_on_one_h100_offloads_by_hand():
     resident = (budget - 2 * 256 * V4_EXPERT) // ((43 - 2) * V4_EXPERT)  # 43 r + 2 (256 - r) experts fit
     assert plan.experts.resident == resident and 0 < resident < 256
     assert plan.experts.fetch_slots == 2 * (256 - resident)
-    assert plan.host_bytes == 43 * 256 * V4_EXPERT
+    assert plan.host_bytes == 43 * (256 - resident) * V4_EXPERT  # the engine's store: the offloaded experts only
     experts_on_gpu = (43 * resident + 2 * (256 - resident)) * V4_EXPERT
     assert plan.sequences_per_gpu == (int(H100 * 0.9) - fixed - experts_on_gpu) // per_sequence
     assert plan.shortfalls() == []
@@ -168,13 +168,14 @@ def test_cli_plans_a_checkpoint_directory_and_rejects_bad_input(tmp_path, capsys
 
 
 def test_a_host_store_of_the_offloaded_experts_only_by_hand():
-    """V4-Flash on 1 x H100 beside 128 GiB of host memory: the engine's default store (every expert, 147 GB) does
-    not fit the host; a store of only the offloaded experts counts those alone, and the printout says which."""
+    """V4-Flash on 1 x H100 beside 128 GiB of host memory: a store of every expert (147 GB) does not fit the host;
+    the engine's default store of only the offloaded experts counts those alone, and the printout says which."""
     config, label = plan_config("deepseek-v4-flash")
-    every = PlanRequest(config, gpus=1, gpu_memory=H100, host_memory=128 * GIB, max_model_len=8192,
-                        max_num_seqs=8, expert_offload="auto")  # fmt: skip
+    offloaded_request = PlanRequest(config, gpus=1, gpu_memory=H100, host_memory=128 * GIB, max_model_len=8192,
+                                    max_num_seqs=8, expert_offload="auto")  # fmt: skip
     engine_default = inspect.signature(install_expert_offload).parameters["host_keeps_every_expert"].default
-    assert every.host_keeps_every_expert and engine_default  # the plan assumes what the engine does by default
+    assert not offloaded_request.host_keeps_every_expert and not engine_default  # the plan assumes the engine's
+    every = replace(offloaded_request, host_keeps_every_expert=True)
     default_plan = build_plan(every, label, "H100")
     assert default_plan.host_bytes == 43 * 256 * V4_EXPERT
     with pytest.raises(PlanError, match="host memory is short by"):

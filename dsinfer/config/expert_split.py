@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 FETCH_BUFFERS = 2
 # The engine's host store keeps every routed expert of the rank (True) or only the offloaded ones (False: a
-# re-balance then swaps experts between GPU and host); :func:`dsinfer.offload.install_expert_offload`'s default,
-# and what the plan assumes unless told otherwise.
-HOST_KEEPS_EVERY_EXPERT = True
+# re-balance then swaps experts between GPU and host, through the layer's fetch buffer);
+# :func:`dsinfer.offload.install_expert_offload`'s default, and what the plan assumes unless told otherwise. The
+# engine reads each expert from the checkpoint straight into its GPU slot or host row
+# (:mod:`dsinfer.offload.streaming`), so its host holds only the offloaded experts: V4-Flash's 147 GB of experts
+# load beside 128 GiB of RAM.
+HOST_KEEPS_EVERY_EXPERT = False
 
 
 @dataclass(frozen=True)

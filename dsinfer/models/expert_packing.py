@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from dsinfer.layers.fp8_linear import Fp8Linear
 from dsinfer.layers.moe import MoE
 from dsinfer.ops.moe import ExpertWeights, dequantize_expert, stack_experts
 from dsinfer.ops.quant import dequantize_fp8_blockwise
+
+if TYPE_CHECKING:
+    from dsinfer.models.deferred_experts import DeferredExperts
 
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.experts\.(?P<expert>\d+)\.(?P<which>w[123])\.weight$")
 
@@ -39,12 +43,24 @@ class _LayerExperts:
 class ExpertCollector:
     """Routed-expert tensors as the loader reads them, grouped by MoE layer until they are stacked."""
 
-    def __init__(self, owned_experts=None) -> None:
+    def __init__(self, owned_experts=None, deferred: DeferredExperts | None = None) -> None:
         """``owned_experts(moe_path)``: the experts an EP rank keeps of that layer, in stacking order (None:
-        all of them); the others are never read (:func:`dsinfer.parallel.ep.backbone_expert_filter`)."""
+        all of them); the others are never read (:func:`dsinfer.parallel.ep.backbone_expert_filter`).
+        ``deferred``: where the backbone layers' experts are recorded instead of read
+        (:mod:`dsinfer.models.deferred_experts`); their layers get shapes-only stacks."""
         self._layers: dict[str, _LayerExperts] = {}
         self._owned = owned_experts
         self._skipped: set[str] = set()
+        self.deferred = deferred
+
+    def defers(self, name: str) -> bool:
+        """Whether routed-expert weight ``name`` is recorded for a later read instead of read now."""
+        return self.deferred is not None and self.deferred.defers(name)
+
+    def stacking_order(self, moe: str, n_experts: int) -> list[int]:
+        """The experts of layer ``moe`` this rank stacks, in order (all ``n_experts`` without a filter)."""
+        owned = self._owned(moe) if self._owned is not None else None
+        return list(range(n_experts)) if owned is None else list(owned)
 
     def wants(self, name: str) -> bool:
         """False for a routed expert this rank does not hold (counted as collected, never read)."""
@@ -75,15 +91,14 @@ class ExpertCollector:
             layer.scales[key] = scale
 
     def collected_names(self) -> set[str]:
-        return {
-            f"{moe}.experts.{expert}.{which}.weight"
-            for moe, layer in self._layers.items()
-            for which, expert in layer.weights
-        } | self._skipped
+        taken = {
+            f"{moe}.experts.{e}.{which}.weight" for moe, layer in self._layers.items() for which, e in layer.weights
+        }
+        return taken | self._skipped | (set() if self.deferred is None else self.deferred.names())
 
     def drop_modules(self, model: nn.Module) -> None:
-        """Remove the per-expert modules of every collected layer (before the model gets real memory)."""
-        for moe in self._layers:
+        """Remove the per-expert modules of every collected or deferred layer (before the model gets memory)."""
+        for moe in [*self._layers, *(self.deferred.layers if self.deferred is not None else ())]:
             _moe_module(model, moe).experts = None
 
     def pack_into(self, model: nn.Module, device: torch.device | str) -> None:
@@ -113,6 +128,9 @@ class ExpertCollector:
                                         column("w2", layer.weights))  # fmt: skip
             module.pack(_to_device(stacked, device), None if owned is None else len(owned))
         self._layers.clear()
+        for moe in self.deferred.layers if self.deferred is not None else ():
+            like = self.deferred.like(moe)  # shapes only until dsinfer.offload reads the experts
+            _moe_module(model, moe).pack(like, like.num_experts)
 
 
 def _moe_module(model: nn.Module, path: str) -> MoE:

@@ -28,7 +28,8 @@ from dsinfer.engram.hashing import EngramHasher
 from dsinfer.engram.placement import TABLES_OUTSIDE_MODEL, check_placement, choose_placement, open_engram_tables
 from dsinfer.models.deepseek_v4 import DeepseekV4, RopeTables
 from dsinfer.models.deepseek_v41 import DeepseekV41
-from dsinfer.models.expert_packing import ExpertCollector, ExpertPackingError
+from dsinfer.models.deferred_experts import DeferredExperts
+from dsinfer.models.expert_packing import ROUTED_EXPERT, ExpertCollector, ExpertPackingError
 from dsinfer.models.fp8_linears import Fp8LinearCollector, resolve_fp8_linears
 from dsinfer.models.hf_names import FUSED_EXPERTS, strip_model_prefix, to_hf_name, v41_name
 from dsinfer.ops.quant import dequantize_fp4, dequantize_fp8_blockwise
@@ -39,6 +40,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP4_DTYPES = (torch.int8, torch.uint8)
+FP4_STORED = ("I8", "U8")  # the same, as a shard's header spells them
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 # Parameters kept in float32 whatever the compute dtype (as DeepSeek and Hugging Face keep them).
 _FP32_PARAMETER = re.compile(
@@ -170,6 +172,35 @@ class _ShardReader:
         except SafetensorError as exc:
             raise CheckpointError(f"{item.shard}: cannot read tensor {item.key!r} ({exc})") from None
 
+    def get_row(self, item: _Stored, index: int) -> torch.Tensor:
+        """Entry ``index`` of the tensor's first dimension, reading only its bytes."""
+        handle = self.handles.get(item.shard)
+        if handle is None:
+            handle = self.handles[item.shard] = safe_open(item.shard, "pt")
+        try:
+            return handle.get_slice(item.key)[index]
+        except SafetensorError as exc:
+            raise CheckpointError(f"{item.shard}: cannot read tensor {item.key!r} ({exc})") from None
+
+
+class _DeferredReader:
+    """Reads deferred routed experts (:mod:`dsinfer.models.deferred_experts`) with the loader's checks and
+    dequantisation, after the rest of the model has loaded."""
+
+    def __init__(self, stored: dict[str, _Stored], config: ModelConfig | ModelConfigV41, dtype: torch.dtype) -> None:
+        self.stored, self.config, self.dtype = stored, config, dtype
+        self.reader = _ShardReader()
+
+    def part(self, key: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        target = torch.empty(shape, device="meta")
+        return _read_expert(key, target, self.stored, self.reader, self.config, self.dtype)
+
+    def row(self, key: str, index: int) -> torch.Tensor:
+        return self.reader.get_row(self.stored[key], index).to(self.dtype)
+
+    def close(self) -> None:
+        self.reader.handles.clear()
+
 
 def _materialise(
     key: str,
@@ -291,6 +322,9 @@ def load_model(
 
     ``expert_device``: where the stacked routed experts go (None: ``device``); ``"cpu"`` keeps them in host memory
     for :func:`dsinfer.offload.install_expert_offload`, read from the shards without passing through the GPU.
+    ``"meta"`` reads none of the backbone layers' experts: they stay shapes only, and ``model.deferred_experts``
+    (:mod:`dsinfer.models.deferred_experts`) says where each is stored, for the expert offload to read each one
+    once straight into its GPU slot or host row (the drafter's experts load onto ``device``).
     """
     directory = Path(path)
     try:
@@ -310,10 +344,15 @@ def load_model(
     if placement in TABLES_OUTSIDE_MODEL:  # read into shared memory below, never into the model
         model.drop_engram_tables()
         plan = {name: keys for name, keys in plan.items() if not _ENGRAM_TABLE.search(name)}
-    experts = ExpertCollector(owned_experts)  # routed experts stay in checkpoint precision, stacked per layer
+    deferring = expert_device is not None and torch.device(expert_device).type == "meta"
+    deferred = DeferredExperts(_DeferredReader(stored, config, dtype), dtype) if deferring else None
+    experts = ExpertCollector(owned_experts, deferred)  # routed experts stay in checkpoint precision, stacked
     fp8 = Fp8LinearCollector(resolve_fp8_linears(fp8_linears, device), _fp8_block(config), dtype, stored)
     values = _read_checkpoint(directory, model, plan, stored, experts, fp8, dtype, progress)
-    _fill(model, values, experts, fp8, (device, device if expert_device is None else expert_device), dtype, directory)
+    stacked_on = device if expert_device is None or deferring else expert_device
+    _fill(model, values, experts, fp8, (device, stacked_on), dtype, directory)
+    if deferred is not None:
+        model.deferred_experts = deferred
     model.rope = RopeTables(config).to(device)
     model.join_projections()
     if has_engram:
@@ -344,6 +383,10 @@ def _read_checkpoint(
     for name, keys in plan.items():
         if name.startswith("fused:"):
             _, layer, kind = name.split(":")
+            if experts.defers(f"layers.{layer}.ffn.experts.0.w1.weight"):
+                _defer_fused(model, experts, f"layers.{layer}.ffn", kind, stored[keys[0]])
+                bar.update(1)
+                continue
             fused = reader.get(stored[keys[0]])
             for expert_name, tensor in _fused_expert_tensors(kind, layer, fused, model_keys):
                 if expert_name not in targets or tuple(tensor.shape) != tuple(targets[expert_name].shape):
@@ -356,6 +399,10 @@ def _read_checkpoint(
                 raise CheckpointError(f"tensor {name!r} is stored twice: {keys}")
             if experts.is_routed_expert(name):
                 if not experts.wants(name):  # another EP rank's expert
+                    bar.update(1)
+                    continue
+                if experts.defers(name):  # read later, straight to where the expert offload puts it
+                    _defer_expert(model, experts, name, keys[0], stored)
                     bar.update(1)
                     continue
                 experts.take(name, *_read_expert(keys[0], targets[name], stored, reader, config, dtype))
@@ -377,6 +424,31 @@ def _read_checkpoint(
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}{more}")
     return values
+
+
+def _defer_expert(model, experts: ExpertCollector, name: str, key: str, stored: dict[str, _Stored]) -> None:
+    """Check a deferred expert weight's stored shape from the shard's header and record where it is."""
+    moe = ROUTED_EXPERT.match(name)["moe"]
+    want = tuple(model.get_parameter(name).shape)
+    item, scale_key = stored[key], _scale_key(key, stored)
+    fp4 = item.dtype in FP4_STORED and scale_key is not None
+    if fp4:
+        shapes = (torch.empty(item.shape, device="meta"), torch.empty(stored[scale_key].shape, device="meta"))
+        _check_fp4_shapes(key, *shapes, want, model.config)
+    elif item.shape != want:
+        raise CheckpointError(f"tensor {key!r}: shape {item.shape}, expected {want}")
+    order = experts.stacking_order(moe, model.get_submodule(moe).n_experts)
+    experts.deferred.record(name, key, fp4, order, tuple(model.get_parameter(f"{moe}.experts.0.w1.weight").shape))
+
+
+def _defer_fused(model, experts: ExpertCollector, moe: str, kind: str, item: _Stored) -> None:
+    """Check Hugging Face's stacked ``gate_up_proj`` / ``down_proj`` of a deferred layer and record it."""
+    inter, hidden = model.get_parameter(f"{moe}.experts.0.w1.weight").shape
+    count = model.get_submodule(moe).n_experts
+    want = (count, 2 * inter, hidden) if kind == "gate_up_proj" else (count, hidden, inter)
+    if item.shape != want:
+        raise CheckpointError(f"tensor {item.key!r}: shape {item.shape} does not match the config's experts {want}")
+    experts.deferred.record_fused(moe, kind, item.key, experts.stacking_order(moe, count), (inter, hidden))
 
 
 def _fill(

@@ -22,9 +22,14 @@ from dsinfer.ops.moe import ExpertWeights
 READS, GPU_READS, FETCHED, FETCHED_AHEAD = range(4)  # the counters' entries (FETCHED counts both kinds)
 
 
-def _empty_like_rows(weights: ExpertWeights, rows: int, device: torch.device | str) -> ExpertWeights:
+def empty_like_rows(weights: ExpertWeights, rows: int, device, pinned: bool = False) -> ExpertWeights:
+    """``rows`` experts of ``weights``' layout, uninitialised, on ``device`` (``pinned``: page-locked host memory,
+    what the GPU reads a host store from)."""
+
     def empty(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+        if tensor is None:
+            return None
+        return torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=device, pin_memory=pinned)
 
     parts = [empty(getattr(weights, name)) for name in PARTS]
     return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)
@@ -36,7 +41,7 @@ class ExpertArena:
     def __init__(self, like: ExpertWeights, layers: int, resident: int, fetch_slots: int, device) -> None:
         self.layers, self.resident, self.fetch_slots = layers, resident, fetch_slots
         self.device = torch.device(device)
-        self.weights = _empty_like_rows(like, layers * resident + FETCH_BUFFERS * fetch_slots, device)
+        self.weights = empty_like_rows(like, layers * resident + FETCH_BUFFERS * fetch_slots, device)
         self.expert_bytes = like.nbytes // like.num_experts
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         # Fetch-ahead copies run here on CUDA (created before any graph capture needs it); the CPU has one order.

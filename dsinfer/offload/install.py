@@ -1,12 +1,14 @@
-"""Turn a loaded model's routed experts into offloaded ones: the layers' stacked experts become the host store,
-an arena of device slots takes each layer's resident experts, and the MoE layers read through their tables
-(:mod:`dsinfer.offload.residency`: misses found and fetched on the device, so decode steps stay capturable).
+"""Turn a loaded model's routed experts into offloaded ones: an arena of device slots takes each layer's resident
+experts, a host store the others, and the MoE layers read through their tables (:mod:`dsinfer.offload.residency`:
+misses found and fetched on the device, so decode steps stay capturable).
 
-The model is loaded with its routed experts in host memory (``load_model(..., expert_device="cpu")``: read
-straight from the safetensors into host memory, never through the GPU); :func:`install_expert_offload` pins them
-(CUDA), builds the arena on the model's device and hands each backbone MoE layer its
-:class:`~dsinfer.offload.residency.LayerResidency`. Every ``rebalance_every`` steps, between steps, the resident
-sets follow the counts and the counts are written to ``--expert-stats``.
+The engine loads the model with its routed experts deferred (``load_model(..., expert_device="meta")``): every
+other weight is on the device, and :func:`install_expert_offload` reads each expert once from the shards straight
+into its arena slot or its row of a pinned host store of only the offloaded experts
+(:mod:`dsinfer.offload.streaming`). A model loaded with its experts in host memory (``expert_device="cpu"``)
+works too: its stacked experts are pinned and become the host store (every expert, or the offloaded ones). Every
+``rebalance_every`` steps, between steps, the resident sets follow the counts and the counts are written to
+``--expert-stats``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dsinfer.offload.arena import ExpertArena
 from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.residency import LayerResidency
 from dsinfer.offload.stats import ExpertStats
+from dsinfer.offload.streaming import stream_offloaded, stream_resident
 from dsinfer.offload.traffic import OffloadTraffic, TrafficReader
 from dsinfer.ops.moe import ExpertWeights
 
@@ -110,8 +113,10 @@ def install_expert_offload(
     host_keeps_every_expert: bool = HOST_KEEPS_EVERY_EXPERT,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
-    memory; None (nothing changed) when every expert stays resident. ``host_keeps_every_expert`` False: the host
-    store keeps only the offloaded experts (a re-balance swaps; :mod:`dsinfer.offload.host_store`).
+    memory; None when every expert stays resident. ``host_keeps_every_expert`` False: the host store keeps only
+    the offloaded experts (a re-balance swaps; :mod:`dsinfer.offload.host_store`); a model with deferred experts
+    (``load_model(..., expert_device="meta")``) is read into such a store, and every expert resident into the
+    device's stacks.
 
     Under expert parallelism each rank offloads its own experts (``resident_per_layer`` of them per layer) and
     keeps its counts in its own file (``PATH.rank<r>``); the next layer's router names global experts, so ranks
@@ -123,9 +128,14 @@ def install_expert_offload(
     experts = like.num_experts  # the rank's experts per layer
     if not 0 <= resident_per_layer <= experts:
         raise ConfigError(f"resident experts per layer: expected 0..{experts}, got {resident_per_layer}")
-    if resident_per_layer == experts:
-        return None
+    deferred = getattr(model, "deferred_experts", None) is not None
+    if deferred and host_keeps_every_expert:
+        raise ConfigError("experts read on demand from the checkpoint go to a host store of the offloaded ones only")
     device = model.embed.weight.device
+    if resident_per_layer == experts:
+        if deferred:
+            stream_resident(model, moes, device)
+        return None
     parallel = moes[0][1].expert_parallel
     if parallel is not None and stats_path is not None and parallel.ep_size > 1:
         stats_path = f"{stats_path}.rank{parallel.rank}"
@@ -133,9 +143,13 @@ def install_expert_offload(
     if stats_path is not None:
         stats.load(stats_path)
     arena = ExpertArena(like, len(moes), resident_per_layer, experts - resident_per_layer, device)
+    routers = [moe.gate if parallel is None else None for _, moe in moes]
+    if deferred:
+        layers = stream_offloaded(model, moes, arena, stats, routers)
+        return attach_offload(model, layers, stats, stats_path, rebalance_every, fetch_ahead)
     layers = []
-    for row, (_, moe) in enumerate(moes):
-        weights, router = moe.routed_weights(), moe.gate if parallel is None else None
+    for row, ((_, moe), router) in enumerate(zip(moes, routers, strict=True)):
+        weights = moe.routed_weights()
         if host_keeps_every_expert:
             host = HostStore(weights, list(range(experts)), experts, device)
             layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
@@ -177,19 +191,23 @@ def attach_offload(model, layers: list[LayerResidency], stats: ExpertStats, stat
 
 
 def offload_experts(model: torch.nn.Module, config) -> torch.nn.Module:
-    """Apply the engine's ``expert_offload`` to a loaded model (its routed experts in host memory); the model.
+    """Apply the engine's ``expert_offload`` to a loaded model (its routed experts deferred, or in host memory);
+    the model. The budget is sized after every other weight is on the device, before any expert is read.
 
     A GiB budget gives the routed experts that much of the GPU (resident slots plus fetch buffers). ``auto``
     gives them what the GPU has left after the other weights, the engine's work share and a cache of
     ``max_num_seqs`` full-length sequences; on the CPU (host and device are one memory) everything stays resident.
     """
-    if config.expert_offload is None:
+    deferred = getattr(model, "deferred_experts", None) is not None
+    if config.expert_offload is None and not deferred:
         return model
     moes = backbone_moes(model)
     like = moes[0][1].routed_weights()
     experts = like.num_experts
     expert_bytes = like.nbytes // like.num_experts
-    if config.expert_offload != "auto":
+    if config.expert_offload is None:
+        resident = experts
+    elif config.expert_offload != "auto":
         resident = resident_for_budget(float(config.expert_offload), len(moes), experts, expert_bytes)
     elif model.embed.weight.device.type != "cuda":
         resident = experts

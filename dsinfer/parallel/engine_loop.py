@@ -52,9 +52,11 @@ IDLE_WAIT_SECONDS = 1.0
 def load_engine_model(model_dir: str | Path, config: EngineConfig, load_format: str = "auto"):
     """The whole model as one process serves it: the checkpoint's weights, or random ones (``load_format``
     'dummy'). Shared by the in-process :class:`~dsinfer.llm.LLM` and the one engine process."""
-    expert_device = None if config.expert_offload is None else "cpu"  # offloaded experts: read into host memory
-    if load_format == "dummy":
-        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=expert_device)
+    offloading = config.expert_offload is not None
+    expert_device = "meta" if offloading else None  # offloaded experts: each read once, where it is placed
+    if load_format == "dummy":  # random experts drawn in host memory, then offloaded
+        drawn_on = "cpu" if offloading else None
+        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=drawn_on)
     else:
         small = expert_device is None and is_small_cpu_checkpoint(model_dir, config.device)
         model = load_model(

@@ -130,7 +130,7 @@ class _RankLoop(EngineLoop):
             progress=False,
             engram_placement=spec.engine.engram_placement,
             owned_experts=backbone_expert_filter(placement, spec.rank),
-            expert_device=None if spec.engine.expert_offload is None else "cpu",  # offloaded: into host memory
+            expert_device=None if spec.engine.expert_offload is None else "meta",  # offloaded: read where placed
         )
         groups = self.groups
         self.dispatcher = ExpertParallel(placement, spec.rank, groups.expert_group, device, groups.graph_expert_group)
