@@ -183,14 +183,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, tokenizer, method: str, sequences: int, k: int, steps: int, sampling: dict, device: str,
+def measure(served: tuple, method: str, sequences: int, k: int, steps: int, sampling: dict, device: str,
             graphs: str = "default"):  # fmt: skip
-    """One point: median host ms per phase and host reads per phase, per verify step.
+    """One point: median host ms per phase and host reads per phase, per verify step (``served``: the model and
+    its tokenizer).
 
     ``sampling``: every request's temperature, top_k and top_p (seeded, each its own seed).
 
     ``graphs``: ``default`` (CUDA graphs on a GPU, eager on the CPU), ``eager`` (``enforce_eager``) or
     ``buckets`` (buckets up to ``sequences``: on the CPU, the graphs' static path run eagerly)."""
+    model, tokenizer = served
     prompt_len, torch_device = 24, torch.device(device)
     max_model_len = prompt_len + (steps * 2 + 8) * (k + 1) + 16
     config = EngineConfig(
@@ -292,7 +294,7 @@ def main() -> None:
             for sequences in (int(s) for s in args.sequences.split(",")):
                 for k in (int(v) for v in args.k.split(",")):
                     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-                    point = measure(model, tokenizer, method, sequences, k, args.steps, sampling, args.device,
+                    point = measure((model, tokenizer), method, sequences, k, args.steps, sampling, args.device,
                                     args.graphs)  # fmt: skip
                     results.append(point)
                     print(_line(point), flush=True)
