@@ -40,8 +40,9 @@ class SequenceSpan:
     table_token: int | None = field(default=None, repr=False, compare=False)
 
 
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a device tensor without a host synchronisation (pinned memory, asynchronous copy).
+def host_to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list (or numpy array) as a device tensor without a host synchronisation (pinned memory, asynchronous
+    copy).
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the stream; metadata built
     every step must not make the host wait for the GPU, or the scheduler could never run ahead of it.
@@ -50,18 +51,9 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     return _staged(values, dtype, device.type == "cuda").to(device, non_blocking=True)
 
 
-def array_to_device(values: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """A host array as a device tensor without a host synchronisation (as :func:`host_to_device`)."""
-    device = torch.device(device)
-    host = torch.from_numpy(values)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def _staged(values: list, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+def _staged(values: list | np.ndarray, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
     """``values`` as a host tensor, pinned when bound for a CUDA device (so its copy need not wait)."""
-    host = torch.tensor(values, dtype=dtype)
+    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     return host.pin_memory() if cuda else host
 
 
@@ -164,7 +156,7 @@ class PackedBatch:
                 slots=host_to_device([span.slot for span in self.spans], torch.long, device),
                 starts=host_to_device([span.start for span in self.spans], torch.long, device),
                 window_from=host_to_device([span.window_from for span in self.spans], torch.long, device),
-                block_tables=array_to_device(tables, device),
+                block_tables=host_to_device(tables, torch.long, device),
                 token_rows=host_to_device(rows, torch.long, device),
             )
         return self._device_spans

@@ -141,21 +141,15 @@ def test_triton_backend_falls_back_to_reference_when_the_kernel_fails(monkeypatc
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_triton_scores_kernel_compiles_for_hopper():
-    """sm_90 cubin at V4-Flash shapes (64 index heads x 128, 32 entries per block), no register spills."""
+def _compile_scores_kernel_for_hopper(pointers: dict, constants: dict):
+    """The split-scores kernel compiled for sm_90 with ``constants``; (triton, the compiled kernel)."""
     triton = pytest.importorskip("triton")
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import dsinfer.ops.index_scores_paged.triton as backend
 
     kernel = backend._split_scores_kernel
-    pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*bf16", "scales_ptr": "*bf16",
-                "scores_ptr": "*fp32"}  # fmt: skip
-    constants = dict(PER_BLOCK=32, HEAD_DIM=128, SCALE_BLOCK=128, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, FORM=0,
-                     UE8M0=False, ROW_SCALE=False, DOT=tl.bfloat16, SPLIT_Q=False, PRECISION="tf32", BLOCK_D=128,
-                     NUM_STAGES=backend.NUM_STAGES, FP4_HALVES=False)  # fmt: skip
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -165,7 +159,22 @@ def test_triton_scores_kernel_compiles_for_hopper():
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
     source = ASTSource(kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=backend.NUM_WARPS))
+    return triton, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=backend.NUM_WARPS))
+
+
+def test_triton_scores_kernel_compiles_for_hopper():
+    """sm_90 cubin at V4-Flash shapes (64 index heads x 128, 32 entries per block), no register spills."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    import dsinfer.ops.index_scores_paged.triton as backend
+
+    pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*bf16", "scales_ptr": "*bf16",
+                "scores_ptr": "*fp32"}  # fmt: skip
+    constants = dict(PER_BLOCK=32, HEAD_DIM=128, SCALE_BLOCK=128, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, FORM=0,
+                     UE8M0=False, ROW_SCALE=False, DOT=tl.bfloat16, SPLIT_Q=False, PRECISION="tf32", BLOCK_D=128,
+                     NUM_STAGES=backend.NUM_STAGES, FP4_HALVES=False)  # fmt: skip
+    triton, compiled = _compile_scores_kernel_for_hopper(pointers, constants)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -180,28 +189,16 @@ def test_triton_scores_kernel_compiles_for_hopper():
 def test_triton_fp4_halves_scores_kernel_compiles_for_hopper():
     """The FP4 even / odd halves layout (V4.1's coded index keys: 128 channels, a ue8m0 byte per 32, 64 entries per
     block) compiles to an sm_90 cubin without local memory."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import dsinfer.ops.index_scores_paged.triton as backend
 
-    kernel = backend._split_scores_kernel
     pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*u8",
                 "scores_ptr": "*fp32"}  # fmt: skip
     constants = dict(PER_BLOCK=64, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, FORM=2,
                      UE8M0=True, ROW_SCALE=False, DOT=tl.bfloat16, SPLIT_Q=False, PRECISION="tf32", BLOCK_D=128,
                      NUM_STAGES=backend.NUM_STAGES, FP4_HALVES=True)  # fmt: skip
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*i64")
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    source = ASTSource(kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=backend.NUM_WARPS))
+    _, compiled = _compile_scores_kernel_for_hopper(pointers, constants)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
