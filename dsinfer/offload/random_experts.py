@@ -30,8 +30,9 @@ def _fill(part: torch.Tensor, name: str, weights: ExpertWeights, generator: torc
         part.fill_(fp4_scale_byte(weights.hidden_size if name == "w13_scale" else weights.intermediate_size))
     elif part.device.type == "cpu":
         part.random_(0, 256, generator=generator)
-    else:
-        part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, device=part.device, generator=generator))
+    else:  # in place, a few experts at a time: a GPU arena can be most of the GPU
+        for start in range(0, part.shape[0], DRAW_ROWS):
+            part[start : start + DRAW_ROWS].random_(0, 256, generator=generator)
 
 
 def _host_rows(like: ExpertWeights, rows: int, device: torch.device, generator: torch.Generator) -> ExpertWeights:
