@@ -16,20 +16,24 @@ from __future__ import annotations
 import torch
 
 from dsinfer.config.expert_split import FETCH_BUFFERS
+from dsinfer.engram.fetch.host_memory import registered_empty
 from dsinfer.offload.host_store import PARTS
 from dsinfer.ops.moe import ExpertWeights
 
 READS, GPU_READS, FETCHED, FETCHED_AHEAD = range(4)  # the counters' entries (FETCHED counts both kinds)
 
 
-def empty_like_rows(weights: ExpertWeights, rows: int, device, pinned: bool = False) -> ExpertWeights:
-    """``rows`` experts of ``weights``' layout, uninitialised, on ``device`` (``pinned``: page-locked host memory,
-    what the GPU reads a host store from)."""
+def empty_like_rows(weights: ExpertWeights, rows: int, device, mapped_for: torch.device | None = None) -> ExpertWeights:
+    """``rows`` experts of ``weights``' layout, uninitialised, on ``device``; with ``mapped_for`` (a CUDA device) in
+    page-locked host memory that device reads in place (what a host store is), each part of its exact size."""
 
     def empty(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        return torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=device, pin_memory=pinned)
+        shape = (rows, *tensor.shape[1:])
+        if mapped_for is not None:  # not torch's pinned allocator: it rounds every part up to a power of two
+            return registered_empty(shape, tensor.dtype, mapped_for)
+        return torch.empty(shape, dtype=tensor.dtype, device=device)
 
     parts = [empty(getattr(weights, name)) for name in PARTS]
     return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)

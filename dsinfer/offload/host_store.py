@@ -32,10 +32,17 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return alias.view(host.dtype).view(host.shape)
 
 
-def pinned_weights(weights: ExpertWeights) -> ExpertWeights:
-    """``weights`` in pinned host memory (each part copied once unless it is pinned already)."""
-    parts = [getattr(weights, name) for name in PARTS]
-    parts = [part if part is None or part.is_pinned() else part.pin_memory() for part in parts]
+def pinned_weights(weights: ExpertWeights, device: torch.device) -> ExpertWeights:
+    """``weights`` in page-locked host memory ``device`` reads (each part copied once unless it is pinned already;
+    a copy takes exactly its bytes, see :func:`~dsinfer.engram.fetch.host_memory.registered_empty`)."""
+    from dsinfer.engram.fetch.host_memory import registered_empty
+
+    def pinned(part: torch.Tensor | None) -> torch.Tensor | None:
+        if part is None or part.is_pinned():
+            return part
+        return registered_empty(tuple(part.shape), part.dtype, device).copy_(part)
+
+    parts = [pinned(getattr(weights, name)) for name in PARTS]
     return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)
 
 
@@ -47,7 +54,7 @@ class HostStore:
             raise ValueError(f"{weights.num_experts} stored rows for {len(experts_held)} experts")
         device = torch.device(device)
         if device.type == "cuda":
-            weights = pinned_weights(weights)
+            weights = pinned_weights(weights, device)
         self.weights, self.num_experts, self.device = weights, num_experts, device
         self.row_list = [-1] * num_experts  # the host's mirror of row_of_expert (read between steps)
         for row, expert in enumerate(experts_held):

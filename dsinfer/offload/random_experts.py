@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.offload.arena import ExpertArena
+from dsinfer.offload.arena import ExpertArena, empty_like_rows
 from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.install import REBALANCE_EVERY, ExpertOffload, attach_offload, backbone_moes
 from dsinfer.offload.residency import LayerResidency
@@ -37,11 +37,10 @@ def _fill(part: torch.Tensor, name: str, weights: ExpertWeights, generator: torc
 
 def _host_rows(like: ExpertWeights, rows: int, device: torch.device, generator: torch.Generator) -> ExpertWeights:
     """``rows`` random experts in host memory (pinned on CUDA, drawn on the GPU a few experts at a time)."""
-    pinned = device.type == "cuda"
+    host_rows = empty_like_rows(like, rows, "cpu", mapped_for=device if device.type == "cuda" else None)
     parts = []
     for name in PARTS:
-        shape = (rows, *getattr(like, name).shape[1:])
-        host = torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
+        host = getattr(host_rows, name)
         for start in range(0, rows, DRAW_ROWS):
             block = host[start : start + DRAW_ROWS]
             drawn = torch.empty(block.shape, dtype=torch.uint8, device=device)

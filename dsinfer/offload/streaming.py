@@ -24,7 +24,7 @@ from dsinfer.ops.moe import ExpertWeights
 
 def host_rows(like: ExpertWeights, rows: int, device: torch.device) -> ExpertWeights:
     """A host store's rows: ``rows`` experts in host memory, pinned when the GPU reads them (CUDA)."""
-    return empty_like_rows(like, rows, "cpu", pinned=device.type == "cuda")
+    return empty_like_rows(like, rows, "cpu", mapped_for=device if device.type == "cuda" else None)
 
 
 def stream_resident(model: torch.nn.Module, moes: list, device: torch.device) -> None:

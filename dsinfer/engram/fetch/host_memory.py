@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+import weakref
+
 import torch
 
-__all__ = ["HostRegistration", "host_tensor"]
+__all__ = ["HostRegistration", "host_tensor", "registered_empty"]
 
 
 class _CudaArrayInterface:
@@ -55,3 +59,40 @@ class HostRegistration:
             self._registered = False
             with torch.cuda.device(self.device):
                 torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def registered_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised host tensor of exactly its bytes, page-locked and mapped for ``device`` when that is CUDA.
+
+    ``torch.empty(pin_memory=True)`` draws from torch's caching host allocator, which rounds every block up to a
+    power of two: a 1.2 GiB layer of offloaded experts takes 2 GiB, and V4-Flash's 84 GiB of them would take about
+    130. This maps anonymous pages of the exact size (its own pages: no other allocation shares a registered page)
+    and registers them; the registration ends when the last tensor on them is freed. On a CPU ``device`` it is a
+    plain tensor.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype)
+    return mapped_pages(shape, dtype, lambda address, nbytes: HostRegistration(address, nbytes, device))
+
+
+def mapped_pages(shape: tuple[int, ...], dtype: torch.dtype, register) -> torch.Tensor:
+    """A tensor on anonymous pages of its exact size; ``register(address, nbytes)`` returns what ``close()``s when
+    the pages are no longer used, called while they are still mapped."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(pages)  # the tensor's storage holds this view; its end ends the registration, then the pages
+    flat = torch.frombuffer(view, dtype=torch.uint8)
+    registration = register(flat.data_ptr(), nbytes)
+    weakref.finalize(view, _release, registration, pages)
+    return flat.view(dtype).view(shape)
+
+
+def _release(registration, pages: mmap.mmap) -> None:
+    """Unregister while the pages are mapped; they are unmapped when ``pages`` goes with this call."""
+    registration.close()
+    del pages
