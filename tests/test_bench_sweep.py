@@ -384,6 +384,21 @@ def test_the_fill_takes_the_fastest_budget_that_runs():
         fastest_fill_budget([32768], probe)
 
 
+def test_the_fill_probes_only_budgets_a_prompt_needs_two_steps_of():
+    from types import SimpleNamespace
+
+    from dsinfer.bench.sweep_points import fill_budget, probed_fill_candidates
+
+    assert probed_fill_candidates(131072) == [8192, 16384, 32768]
+    assert probed_fill_candidates(32768) == [8192, 16384]
+    assert probed_fill_candidates(16384) == [8192]
+    assert probed_fill_candidates(256) == []
+    # A short context on CUDA takes the smallest budget without a probe (a probe's second step would find no work).
+    bench = SimpleNamespace(fill_budget=None, args=SimpleNamespace(prefill_chunk=None, context=256),
+                            device=torch.device("cuda"), info={})  # fmt: skip
+    assert fill_budget(bench) == 8192 and "fill_budget_probe" not in bench.info
+
+
 def test_full_depth_estimate_arithmetic():
     from dsinfer.bench.published import full_depth_estimate, record_estimate
 

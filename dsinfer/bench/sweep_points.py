@@ -114,10 +114,16 @@ def fastest_fill_budget(candidates: Iterable[int], probe: Callable[[int], float]
     return max(timed, key=timed.get), results
 
 
+def probed_fill_candidates(context: int) -> list[int]:
+    """The fill budgets worth probing at ``context``: those a prompt fills in two steps or more (the probe times
+    the second step of one prompt; a shorter prompt would have finished)."""
+    return [budget for budget in FILL_CANDIDATES if 2 * budget <= context]
+
+
 def probe_fill(bench: Bench, budget: int) -> float:
     """Tokens per second of one ``budget``-token prefill step of a long prompt (after one untimed step at that
     shape, which compiles what the shape needs)."""
-    length = min(bench.args.context, 2 * budget)
+    length = 2 * budget
     blocks, _ = sized_cache(bench, 1, length + 1)
     engine = make_engine(bench, max_num_seqs=1, max_num_batched_tokens=budget, max_model_len=length + 1,
                          num_cache_blocks=blocks)  # fmt: skip
@@ -141,8 +147,9 @@ def fill_budget(bench: Bench) -> int:
             bench.fill_budget = args.prefill_chunk
         elif bench.device.type != "cuda":
             bench.fill_budget = CPU_FILL_BUDGET
+        elif not (candidates := probed_fill_candidates(args.context)):
+            bench.fill_budget = FILL_CANDIDATES[0]  # every prompt fills in at most two steps of any budget
         else:
-            candidates = [c for c in FILL_CANDIDATES if c <= max(args.context, FILL_CANDIDATES[0])]
             bench.fill_budget, results = fastest_fill_budget(candidates, lambda b: probe_fill(bench, b))
             bench.info["fill_budget_probe"] = {str(b): r for b, r in results.items()}
             print(f"decode fill budget: {bench.fill_budget} tokens a step (prefill tokens/s by budget: {results})")
