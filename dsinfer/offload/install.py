@@ -201,21 +201,25 @@ def offload_experts(model: torch.nn.Module, config) -> torch.nn.Module:
     deferred = getattr(model, "deferred_experts", None) is not None
     if config.expert_offload is None and not deferred:
         return model
+    offload = install_expert_offload(model, resident_per_layer(model, config), config.expert_stats)
+    model.expert_offload = offload
+    return model
+
+
+def resident_per_layer(model: torch.nn.Module, config) -> int:
+    """Routed experts each backbone MoE layer keeps on the device under the engine's ``expert_offload`` (see
+    :func:`offload_experts`; every expert when it is off, or on a CPU under ``auto``)."""
     moes = backbone_moes(model)
     like = moes[0][1].routed_weights()
     experts = like.num_experts
     expert_bytes = like.nbytes // like.num_experts
     if config.expert_offload is None:
-        resident = experts
-    elif config.expert_offload != "auto":
-        resident = resident_for_budget(float(config.expert_offload), len(moes), experts, expert_bytes)
-    elif model.embed.weight.device.type != "cuda":
-        resident = experts
-    else:
-        resident = resident_for_budget(_auto_budget_gib(model, config), len(moes), experts, expert_bytes)
-    offload = install_expert_offload(model, resident, config.expert_stats)
-    model.expert_offload = offload
-    return model
+        return experts
+    if config.expert_offload != "auto":
+        return resident_for_budget(float(config.expert_offload), len(moes), experts, expert_bytes)
+    if model.embed.weight.device.type != "cuda":
+        return experts
+    return resident_for_budget(_auto_budget_gib(model, config), len(moes), experts, expert_bytes)
 
 
 def _auto_budget_gib(model: torch.nn.Module, config) -> float:

@@ -14,7 +14,13 @@ import torch
 
 from dsinfer.offload.arena import ExpertArena, empty_like_rows
 from dsinfer.offload.host_store import PARTS, HostStore
-from dsinfer.offload.install import REBALANCE_EVERY, ExpertOffload, attach_offload, backbone_moes
+from dsinfer.offload.install import (
+    REBALANCE_EVERY,
+    ExpertOffload,
+    attach_offload,
+    backbone_moes,
+    resident_per_layer,
+)
 from dsinfer.offload.residency import LayerResidency
 from dsinfer.offload.stats import ExpertStats
 from dsinfer.ops.moe import ExpertWeights
@@ -73,3 +79,38 @@ def offload_random_experts(model, resident_per_layer: int, seed: int = 0, fetch_
         layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, moe.gate))
         layers[-1].place(wanted, filled=True)
     return attach_offload(model, layers, stats, None, REBALANCE_EVERY, fetch_ahead)
+
+
+def draw_meta_experts(model, device, seed: int = 0, skip=()) -> None:
+    """Random routed experts on ``device`` for every MoE of ``model`` still holding shapes only (built with
+    ``expert_device="meta"``), except those in ``skip`` (the layers an offload draws in place)."""
+    from dsinfer.layers.moe import MoE
+    from dsinfer.models.native_random import random_fp4_experts
+
+    generator = torch.Generator(device=device).manual_seed(seed + 11)
+    skipped = {id(moe) for moe in skip}
+    for moe in model.modules():
+        if not isinstance(moe, MoE) or id(moe) in skipped or not moe.is_packed:
+            continue
+        like = moe.routed_weights()
+        if like.w13.device.type == "meta":
+            hidden = 2 * like.w13.shape[-1]  # packed FP4: two codes a byte
+            weights = random_fp4_experts(like.num_experts, hidden, like.intermediate_size, device, generator)
+            moe.pack(weights, None if like.num_experts == moe.n_experts else like.num_experts)  # an EP rank's own
+
+
+def offload_dummy_experts(model, config, seed: int = 0):
+    """Random experts for a model built with ``expert_device="meta"`` under the engine's ``expert_offload``: the
+    backbone's drawn where the offload keeps them (:func:`offload_random_experts`, so V4-Flash's 147 GB of experts
+    never sit whole in host memory), the drafter's on the device; every expert on the device when all fit. The
+    model, with ``expert_offload`` set (None: nothing offloaded)."""
+    moes = backbone_moes(model)
+    device = model.embed.weight.device
+    resident = resident_per_layer(model, config)
+    if resident >= moes[0][1].routed_weights().num_experts:
+        draw_meta_experts(model, device, seed)
+        model.expert_offload = None
+        return model
+    offload_random_experts(model, resident, seed)
+    draw_meta_experts(model, device, seed, skip=[moe for _, moe in moes])
+    return model

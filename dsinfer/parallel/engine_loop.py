@@ -28,6 +28,7 @@ from dsinfer.models.dummy import build_dummy_model
 from dsinfer.models.loader import load_model
 from dsinfer.models.small_cpu_weights import dequantize_experts_, is_small_cpu_checkpoint, small_cpu_fp8_linears
 from dsinfer.offload.install import offload_experts
+from dsinfer.offload.random_experts import offload_dummy_experts
 from dsinfer.offload.traffic import poll_offload_traffic
 from dsinfer.parallel.messages import (
     AbortRequest,
@@ -54,18 +55,17 @@ def load_engine_model(model_dir: str | Path, config: EngineConfig, load_format: 
     'dummy'). Shared by the in-process :class:`~dsinfer.llm.LLM` and the one engine process."""
     offloading = config.expert_offload is not None
     expert_device = "meta" if offloading else None  # offloaded experts: each read once, where it is placed
-    if load_format == "dummy":  # random experts drawn in host memory, then offloaded
-        drawn_on = "cpu" if offloading else None
-        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=drawn_on)
-    else:
-        small = expert_device is None and is_small_cpu_checkpoint(model_dir, config.device)
-        model = load_model(
-            model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False,
-            engram_placement=config.engram_placement, expert_device=expert_device,
-            fp8_linears=small_cpu_fp8_linears(model_dir, config.device) if small else None,
-        )  # fmt: skip
-        if small:  # per-step dequantising was most of a small model's CPU step
-            dequantize_experts_(model, DTYPES[config.dtype])
+    if load_format == "dummy":  # random experts, drawn where the offload keeps them
+        model = build_dummy_model(model_dir, DTYPES[config.dtype], config.device, expert_device=expert_device)
+        return offload_dummy_experts(model, config) if offloading else model
+    small = expert_device is None and is_small_cpu_checkpoint(model_dir, config.device)
+    model = load_model(
+        model_dir, dtype=DTYPES[config.dtype], device=config.device, progress=False,
+        engram_placement=config.engram_placement, expert_device=expert_device,
+        fp8_linears=small_cpu_fp8_linears(model_dir, config.device) if small else None,
+    )  # fmt: skip
+    if small:  # per-step dequantising was most of a small model's CPU step
+        dequantize_experts_(model, DTYPES[config.dtype])
     return offload_experts(model, config)
 
 
