@@ -14,7 +14,9 @@
 # step at PROFILE_POINT requests, then PROFILE_STEPS steps profiled: its kernels, copies and gaps), seed (engine decode
 # at 131,072 tokens, 1 to 256 requests, V4 and V4.1 slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1
 # bounded and exact), firstprompt (the first long prompt after start-up against the second), verify (speculative
-# verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py). FP8_LINEARS=keep runs the
+# verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py),
+# servespec (the serve stage with MTP K = 3 drafts, then without: 16 prompts of 8k in, 256 out), fulldepth
+# (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
 # default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
@@ -47,11 +49,11 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
     local model=${SERVE_MODEL:-} port=${SERVE_PORT:-8123} ready=0
     if [ -z "$model" ]; then
         model=$(mktemp -d)/slice
-        python3 -m dsinfer.cli make-slice "$model" --flash-layers 4 || return 1
+        python3 -m dsinfer.cli make-slice "$model" --flash-layers "${SERVE_LAYERS:-4}" || return 1
     fi
     python3 -m dsinfer.cli serve "$model" --load-format dummy --device "${SERVE_DEVICE:-cuda}" \
-        --dtype "${SERVE_DTYPE:-bfloat16}" --port "$port" --served-model-name slice --max-num-seqs 16 \
-        --max-model-len $((${SERVE_INPUT:-8192} + ${SERVE_OUTPUT:-1024} + 64)) >"$OUT/server.log" 2>&1 &
+        --dtype "${SERVE_DTYPE:-bfloat16}" --port "$port" --served-model-name slice --max-num-seqs "${SERVE_SEQS:-16}" \
+        --max-model-len $((${SERVE_INPUT:-8192} + ${SERVE_OUTPUT:-1024} + 64)) ${SERVE_ARGS:-} >"$OUT/server.log" 2>&1 &
     local server=$!
     for _ in $(seq 1 "${SERVE_WAIT:-240}"); do
         if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
@@ -66,8 +68,9 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
     if [ $ready = 1 ]; then
         python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
             --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
-            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 16 --seed 0 --disable-tqdm --out "$OUT/serve.json" \
-            ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}
+            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency "${SERVE_CONCURRENCY:-16}" --seed 0 --disable-tqdm \
+            --out "$OUT/${SERVE_TAG:-serve}.json" ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}
+        python3 -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" >"$OUT/${SERVE_TAG:-serve}.metrics" 2>&1
     else
         echo "the server did not answer /health"; tail -n 30 "$OUT/server.log"
     fi
@@ -113,6 +116,19 @@ for name in "$@"; do
         long) stage long $SWEEP decode --flash-layers 4 --context 8192 --points 16 \
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
+        servespec) export -f serve_run; export OUT  # the slice served with MTP K = 3 drafts, then without
+                   SERVE_TAG=serve-mtp3 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                       SERVE_ARGS="--speculative-config {\"method\":\"mtp\",\"num_speculative_tokens\":3}" \
+                       stage servespec bash -c serve_run
+                   SERVE_TAG=serve-plain SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                       stage serveplain bash -c serve_run ;;
+        fulldepth) export -f serve_run; export OUT  # full-depth V4-Flash, random experts, --expert-offload auto
+                   for streams in ${FULLDEPTH_STREAMS:-1 8}; do
+                       SERVE_TAG=fulldepth-$streams SERVE_LAYERS=43 SERVE_SEQS=8 SERVE_CONCURRENCY=$streams \
+                           SERVE_PROMPTS=$((streams * 2)) SERVE_OUTPUT=256 SERVE_WAIT=420 \
+                           SERVE_ARGS="--expert-offload auto" LIMIT_fulldepth=${LIMIT_fulldepth:-540} \
+                           stage fulldepth bash -c serve_run
+                   done ;;
         gemv) stage gemv python3 benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold --top 0 \
                   --model "${GEMV_MODEL:-v4}" ;;
         rounding) stage rounding python3 benchmarks/cuda_engine_check.py --rounding-only \
