@@ -15,7 +15,9 @@ accounting's acceptance); the verify forward, snapshot, rollback and drafting al
 
 Columns: ``plain ms`` (a plain decode step), ``verify ms`` (a verify step: K + 1 positions a sequence, drafts
 for the next), ``ratio`` (verify / plain, same process, same model), ``tau`` (tokens a sequence gets per verify
-step), ``tok/s x`` (output tokens per second against plain's). Issue 46's bar: K = 3 at most 1.3x plain at one
+step), ``tok/s x`` (output tokens per second against plain's), ``host share`` (the shares of the step the engine
+spends scheduling and processing outputs, plain and verify: a verify step reads its results on the host before the
+next can be planned, so its host work is not hidden behind the GPU's). Issue 46's bar: K = 3 at most 1.3x plain at one
 request and 1.6x at 32.
 """
 
@@ -56,7 +58,9 @@ def _point(bench, requests: int, speculative, coin: float) -> dict:
     args.coin_acceptance = coin if speculative is not None and coin > 0 else None
     record = run_decode_point(bench, requests)
     tau = record["measured"].get("tau", 1.0) if speculative is not None else 1.0
-    return {"ms": record["ms_per_step"], "tau": tau, "graphed": record["measured"].get("graphed_steps")}
+    shares = record.get("step_time_share") or {}
+    return {"ms": record["ms_per_step"], "tau": tau, "graphed": record["measured"].get("graphed_steps"),
+            "host_share": shares.get("schedule", 0.0) + shares.get("postprocess", 0.0)}  # fmt: skip
 
 
 def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None = None) -> list[dict]:
@@ -76,7 +80,8 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
                     row = {"arch": arch, "method": spec.method, "context": context, "requests": requests, "k": k,
                            "plain_ms": plain["ms"], "verify_ms": point["ms"], "ratio": point["ms"] / plain["ms"],
                            "tau": point["tau"], "speedup": point["tau"] * plain["ms"] / point["ms"],
-                           "graphed_steps": point["graphed"], "coin": options.coin}  # fmt: skip
+                           "graphed_steps": point["graphed"], "coin": options.coin,
+                           "plain_host_share": plain["host_share"], "verify_host_share": point["host_share"]}  # fmt: skip
                     rows.append(row)
                     print(_line(row), flush=True)
     finally:
@@ -87,7 +92,8 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
 def _line(row: dict) -> str:
     return (f"{row['arch']:4} {row['method']:6} ctx={row['context']:6} requests={row['requests']:3} K={row['k']}  "
             f"plain ms={row['plain_ms']:8.3f}  verify ms={row['verify_ms']:8.3f}  ratio={row['ratio']:5.2f}  "
-            f"tau={row['tau']:4.2f}  tok/s x={row['speedup']:4.2f}  graphed={row['graphed_steps']}")  # fmt: skip
+            f"tau={row['tau']:4.2f}  tok/s x={row['speedup']:4.2f}  graphed={row['graphed_steps']}  "
+            f"host share plain / verify={row['plain_host_share']:.2f} / {row['verify_host_share']:.2f}")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:

@@ -199,19 +199,23 @@ class Attention(nn.Module):
         compressors' unfinished windows (None: a window-only layer)."""
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        projected = self._input_projections(x)  # every row at once, as a decode step's rows: one joined GEMM
+        q_latent = self.q_norm(projected.pop("q_a"))
+        projected.update(self._query_projections(q_latent))
+        q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
         q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)  # the chains of forward
-        kv = rope_and_round(self.wkv(x), cos, sin, self.ops, self.kv_norm)
+        kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm)
         states = [state for state in (layer_cache.compressor, layer_cache.indexer) if state is not None]
         if states and journal is None:
             raise ValueError("a compressed layer's fixed-width forward needs a journal (the rollback reads it)")
         before = journal.before(states) if states else []
         written, outputs = [], []
         xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
+        by_column = {name: batch.columns(t) for name, t in projected.items()}  # the compressors' and indexer's
         for j in range(batch.width):
-            column = batch.column(j)
-            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq))
+            column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
+            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
+                                               column_projected))  # fmt: skip
             if states:
                 written.append(journal.column(states, j))
         if states:
