@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from dsinfer.engram.fetch.host_memory import mapped_pages, registered_empty
+from dsinfer.engram.fetch.host_memory import is_page_locked, mapped_pages, registered_empty
 
 
 class RecordingRegistration:
@@ -37,6 +37,8 @@ def test_pages_hold_exactly_the_tensors_bytes_and_stay_registered_while_a_view_l
     assert RecordingRegistration.log == [("register", 60)]
     tensor.fill_(7)
     view = tensor[1:]
+    assert is_page_locked(tensor) and is_page_locked(view)  # known by their range, as registered pages
+    assert not is_page_locked(torch.empty(3))
     del tensor
     gc.collect()
     assert RecordingRegistration.log == [("register", 60)]  # the view still reads the pages
@@ -44,6 +46,7 @@ def test_pages_hold_exactly_the_tensors_bytes_and_stay_registered_while_a_view_l
     del view
     gc.collect()
     assert RecordingRegistration.log == [("register", 60), ("close", (7).to_bytes(4, "little") * 15)]
+    assert not is_page_locked(torch.empty(3, dtype=torch.int32))  # the range is forgotten with the pages
 
 
 def test_an_empty_shape_registers_nothing():

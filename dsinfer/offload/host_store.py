@@ -24,9 +24,9 @@ PARTS = ("w13", "w13_scale", "w2", "w2_scale")
 
 def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor of ``host``'s (pinned) bytes, same shape and dtype, that kernels read over PCIe in place."""
-    from dsinfer.engram.fetch.host_memory import host_tensor
+    from dsinfer.engram.fetch.host_memory import host_tensor, is_page_locked
 
-    if not host.is_pinned():
+    if not is_page_locked(host):
         raise ValueError("a host store read in place by the GPU must be pinned memory")
     alias = host_tensor(host.data_ptr(), host.numel() * host.element_size(), device)
     return alias.view(host.dtype).view(host.shape)
@@ -35,10 +35,10 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def pinned_weights(weights: ExpertWeights, device: torch.device) -> ExpertWeights:
     """``weights`` in page-locked host memory ``device`` reads (each part copied once unless it is pinned already;
     a copy takes exactly its bytes, see :func:`~dsinfer.engram.fetch.host_memory.registered_empty`)."""
-    from dsinfer.engram.fetch.host_memory import registered_empty
+    from dsinfer.engram.fetch.host_memory import is_page_locked, registered_empty
 
     def pinned(part: torch.Tensor | None) -> torch.Tensor | None:
-        if part is None or part.is_pinned():
+        if part is None or is_page_locked(part):
             return part
         return registered_empty(tuple(part.shape), part.dtype, device).copy_(part)
 

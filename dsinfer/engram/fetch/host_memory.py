@@ -8,7 +8,9 @@ import weakref
 
 import torch
 
-__all__ = ["HostRegistration", "host_tensor", "registered_empty"]
+__all__ = ["HostRegistration", "host_tensor", "is_page_locked", "registered_empty"]
+
+_MAPPED: dict[int, int] = {}  # live ranges of mapped_pages: start address -> bytes
 
 
 class _CudaArrayInterface:
@@ -88,11 +90,22 @@ def mapped_pages(shape: tuple[int, ...], dtype: torch.dtype, register) -> torch.
     view = memoryview(pages)  # the tensor's storage holds this view; its end ends the registration, then the pages
     flat = torch.frombuffer(view, dtype=torch.uint8)
     registration = register(flat.data_ptr(), nbytes)
-    weakref.finalize(view, _release, registration, pages)
+    _MAPPED[flat.data_ptr()] = nbytes
+    weakref.finalize(view, _release, registration, pages, flat.data_ptr())
     return flat.view(dtype).view(shape)
 
 
-def _release(registration, pages: mmap.mmap) -> None:
+def _release(registration, pages: mmap.mmap, address: int) -> None:
     """Unregister while the pages are mapped; they are unmapped when ``pages`` goes with this call."""
+    _MAPPED.pop(address, None)
     registration.close()
     del pages
+
+
+def is_page_locked(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in page-locked host memory: torch's pinned allocations, or pages of
+    :func:`registered_empty` (known here by their range, whatever torch reports for registered memory)."""
+    address = tensor.data_ptr()
+    if any(start <= address < start + nbytes for start, nbytes in _MAPPED.items()):
+        return True
+    return tensor.device.type == "cpu" and tensor.is_pinned()
