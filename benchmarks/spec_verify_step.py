@@ -17,8 +17,10 @@ Columns: ``plain ms`` (a plain decode step), ``verify ms`` (a verify step: K + 1
 for the next), ``ratio`` (verify / plain, same process, same model), ``tau`` (tokens a sequence gets per verify
 step), ``tok/s x`` (output tokens per second against plain's), ``host share`` (the shares of the step the engine
 spends scheduling and processing outputs, plain and verify: a verify step reads its results on the host before the
-next can be planned, so its host work is not hidden behind the GPU's). Issue 46's bar: K = 3 at most 1.3x plain at one
-request and 1.6x at 32.
+next can be planned, so its host work is not hidden behind the GPU's), and the ``replays``' device time
+(:mod:`dsinfer.speculative.phase_clock`): ``verify`` (snapshot, the target forward over the K + 1 positions, judge;
+``forward_ratio`` in the JSON divides it by the plain step) and ``draft`` (rollback, the next drafts). Issue 46's
+bar: K = 3 at most 1.3x plain at one request and 1.6x at 32.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _sweep_argv(arch: str, options: argparse.Namespace, checkpoint: str | None, 
     spec = json.dumps({"method": METHODS[arch], "num_speculative_tokens": k})
     argv = ["decode", "--device", options.device, "--speculative-config", spec, "--v41-prefill", "exact",
             "--warmup-steps", str(options.warmup_steps), "--measure-steps", str(options.measure_steps),
-            "--prefill-chunk", str(options.prefill_chunk), "--seed", "0"]  # fmt: skip
+            "--prefill-chunk", str(options.prefill_chunk), "--seed", "0", "--time-spec-phases"]  # fmt: skip
     if checkpoint is not None:
         argv += ["--model", checkpoint, "--cache-gib", "0.0625"]
     else:
@@ -58,9 +60,10 @@ def _point(bench, requests: int, speculative, coin: float) -> dict:
     args.coin_acceptance = coin if speculative is not None and coin > 0 else None
     record = run_decode_point(bench, requests)
     tau = record["measured"].get("tau", 1.0) if speculative is not None else 1.0
-    shares = record.get("step_time_share") or {}
-    return {"ms": record["ms_per_step"], "tau": tau, "graphed": record["measured"].get("graphed_steps"),
-            "host_share": shares.get("schedule", 0.0) + shares.get("postprocess", 0.0)}  # fmt: skip
+    shares, measured = record.get("step_time_share") or {}, record["measured"]
+    return {"ms": record["ms_per_step"], "tau": tau, "graphed": measured.get("graphed_steps"),
+            "host_share": shares.get("schedule", 0.0) + shares.get("postprocess", 0.0),
+            "verify_forward_ms": measured.get("verify_ms"), "draft_ms": measured.get("draft_ms")}  # fmt: skip
 
 
 def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None = None) -> list[dict]:
@@ -81,7 +84,9 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
                            "plain_ms": plain["ms"], "verify_ms": point["ms"], "ratio": point["ms"] / plain["ms"],
                            "tau": point["tau"], "speedup": point["tau"] * plain["ms"] / point["ms"],
                            "graphed_steps": point["graphed"], "coin": options.coin,
-                           "plain_host_share": plain["host_share"], "verify_host_share": point["host_share"]}  # fmt: skip
+                           "plain_host_share": plain["host_share"], "verify_host_share": point["host_share"],
+                           "verify_forward_ms": point["verify_forward_ms"], "draft_ms": point["draft_ms"],
+                           "forward_ratio": _ratio(point["verify_forward_ms"], plain["ms"])}  # fmt: skip
                     rows.append(row)
                     print(_line(row), flush=True)
     finally:
@@ -89,11 +94,20 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
     return rows
 
 
+def _ratio(part_ms: float | None, plain_ms: float) -> float | None:
+    return None if part_ms is None else part_ms / plain_ms
+
+
+def _ms(value: float | None) -> str:
+    return "   -   " if value is None else f"{value:7.3f}"
+
+
 def _line(row: dict) -> str:
     return (f"{row['arch']:4} {row['method']:6} ctx={row['context']:6} requests={row['requests']:3} K={row['k']}  "
             f"plain ms={row['plain_ms']:8.3f}  verify ms={row['verify_ms']:8.3f}  ratio={row['ratio']:5.2f}  "
             f"tau={row['tau']:4.2f}  tok/s x={row['speedup']:4.2f}  graphed={row['graphed_steps']}  "
-            f"host share plain / verify={row['plain_host_share']:.2f} / {row['verify_host_share']:.2f}")  # fmt: skip
+            f"host share plain / verify={row['plain_host_share']:.2f} / {row['verify_host_share']:.2f}  "
+            f"replays: verify {_ms(row['verify_forward_ms'])} ms, draft {_ms(row['draft_ms'])} ms")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode with --speculative-config: a benchmark device that accepts each draft by a seeded coin of this "
         "rate (e.g. 0.75) instead of judging it, to time random weights' verify steps as real drafts would run them",
     )
+    parser.add_argument(
+        "--time-spec-phases",
+        action="store_true",
+        help="decode with --speculative-config: time each graphed step's verify and draft replays apart (events "
+        "around the replays; verify_ms and draft_ms in the record's measured block)",
+    )
     parser.add_argument("--points", help="comma-separated: requests per rank (decode) or batch tokens (prefill)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")

@@ -224,7 +224,11 @@ def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dic
     stats_before = replace(engine.spec_stats) if engine.spec_stats is not None else None
     executor = engine.worker.speculative
     graphed_before = executor.graphed_steps if executor is not None else 0
+    graphs = executor.graphs if executor is not None else None
+    clock = graphs.start_phase_clock() if args.time_spec_phases and graphs is not None else None
     timed, collector, window = timed_steps(engine, args.measure_steps, bench.telemetry_held())
+    if clock is not None:
+        graphs.phase_clock = None
     if any(seq.is_finished for seq in sequences):
         raise RuntimeError("a sequence finished inside the timed window (a sweep bookkeeping bug)")
     extra = {"context_range": [shortest, max(seq.num_tokens for seq in sequences)], "timed_window": window,
@@ -244,6 +248,7 @@ def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dic
             "accepted": stats.num_accepted_tokens - stats_before.num_accepted_tokens,
             "graphed_steps": executor.graphed_steps - graphed_before,
             "coin_acceptance": args.coin_acceptance,
+            "phases": clock.medians() if clock is not None else None,
         }
     return measured, drafted, extra
 

@@ -115,6 +115,7 @@ def speculative_accounting(
             "drafts": drafted["draft_tokens"],
             "accepted": drafted["accepted"],
             "graphed_steps": drafted.get("graphed_steps", 0),
+            **(drafted.get("phases") or {}),  # verify_ms, draft_ms (--time-spec-phases)
         }
         speculative = drafted["config"]
     return {

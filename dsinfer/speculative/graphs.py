@@ -41,6 +41,7 @@ from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter
 from dsinfer.speculative.fixed_judge import FixedJudge, JudgeMode
 from dsinfer.speculative.fixed_rollback import FixedWidthRollback
+from dsinfer.speculative.phase_clock import PhaseClock
 from dsinfer.speculative.rollback import CacheRollback
 from dsinfer.speculative.verify import judge_greedy_fixed
 
@@ -100,6 +101,7 @@ class SpecGraphs:
         self.saved: list[torch.Tensor] | None = None  # the snapshot
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self.judge_graphs: dict[tuple[int, JudgeMode], torch.cuda.CUDAGraph] = {}
+        self.phase_clock: PhaseClock | None = None  # a benchmark's split of each step (start_phase_clock)
         if capture:
             self._capture_all()
 
@@ -146,17 +148,26 @@ class SpecGraphs:
         run.mode = mode or JudgeMode.ARGMAX
         return mode is not None
 
+    def start_phase_clock(self) -> PhaseClock:
+        """Time every later step's verify and draft replays apart (a benchmark's; :mod:`.phase_clock`)."""
+        self.phase_clock = PhaseClock(self.device)
+        return self.phase_clock
+
     def verify(self, run: GraphedVerify) -> None:
         """Snapshot, verify forward and greedy judge of the step (the verify graph's replay), then the sampled
         judge when the step needs it (the judge graph's)."""
+        if self.phase_clock is not None:
+            self.phase_clock.mark()
         if self.capture:
             self.graphs[run.size][0].replay()
             if run.mode is not JudgeMode.ARGMAX:
                 self.judge_graphs[run.size, run.mode].replay()
-            return
-        self._verify_forward(run.size)
-        if run.mode is not JudgeMode.ARGMAX:
-            self._judge_forward(run.size, run.mode)
+        else:
+            self._verify_forward(run.size)
+            if run.mode is not JudgeMode.ARGMAX:
+                self._judge_forward(run.size, run.mode)
+        if self.phase_clock is not None:
+            self.phase_clock.mark()
 
     def judged_logits(self, run: GraphedVerify) -> torch.Tensor:
         """The logits a host judge reads (each span's last token and real drafts, in order): the graphs' buffer,
@@ -178,7 +189,11 @@ class SpecGraphs:
             self.graphs[run.size][1].replay()
         else:
             self._draft_forward(run.size)
+        if self.phase_clock is not None:
+            self.phase_clock.mark()
         rows = self.result[: len(run.spans)].tolist()  # the step's one host read
+        if self.phase_clock is not None:
+            self.phase_clock.close_step()
         return [StepResult(row[0], row[1], row[2 : 2 + row[-1]]) for row in rows]
 
     # ---- internals ------------------------------------------------------------------------------------
