@@ -85,12 +85,13 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
 
 def traffic_delta(offload, before: dict | None, tokens: int) -> dict:
     if offload is None:
-        return {"pcie_bytes_per_processed_token": 0.0, "gpu_served_fraction": 1.0}
+        return {"pcie_bytes_per_processed_token": 0.0, "gpu_served_fraction": 1.0, "fetched_ahead_fraction": 0.0}
     now = offload.traffic()
-    before = before or {"reads": 0, "gpu_reads": 0, "copied_bytes": 0}
-    reads = now["reads"] - before["reads"]
+    before = before or dict.fromkeys(now, 0)
+    reads, fetched = now["reads"] - before["reads"], now["fetched"] - before["fetched"]
     return {"pcie_bytes_per_processed_token": (now["copied_bytes"] - before["copied_bytes"]) / max(1, tokens),
-            "gpu_served_fraction": (now["gpu_reads"] - before["gpu_reads"]) / max(1, reads)}  # fmt: skip
+            "gpu_served_fraction": (now["gpu_reads"] - before["gpu_reads"]) / max(1, reads),
+            "fetched_ahead_fraction": (now["fetched_ahead"] - before["fetched_ahead"]) / max(1, fetched)}  # fmt: skip
 
 
 def engine_for(model, tokenizer, args, streams: int, input_len: int) -> LLMEngine:

@@ -75,10 +75,12 @@ class ExpertOffload:
         return 1.0 if not counts["reads"] else counts["gpu_reads"] / counts["reads"]
 
     def traffic(self) -> dict[str, int]:
-        """Counters since the start: expert reads, of them served by resident experts, and host -> device bytes."""
+        """Counters since the start: expert reads, of them served by resident experts, host -> device bytes, and
+        experts fetched in all and of them ahead of their layer."""
         counts = self.arena.counts()
         return {"reads": counts["reads"], "gpu_reads": counts["gpu_reads"],
-                "copied_bytes": counts["fetched"] * self.arena.expert_bytes}  # fmt: skip
+                "copied_bytes": counts["fetched"] * self.arena.expert_bytes, "fetched": counts["fetched"],
+                "fetched_ahead": counts["fetched_ahead"]}  # fmt: skip
 
     def poll_traffic(self) -> OffloadTraffic:
         """The counters and the resident / offloaded expert counts for metrics, without waiting for the device
