@@ -6,7 +6,9 @@
 (a) ``--layers`` layers of V4-Flash widths (random packed weights), same process: decode at 1 request, all
     resident, then with ``--resident-fraction`` of each layer's experts resident and the skewed router (after a
     warm-up and one re-balance, so the resident sets follow the counts); decode time per token and per layer, and
-    the ratio (target <= 1.5). Prefill tokens/s of one ``--prefill-len``-token prompt in one chunk, both ways.
+    the ratio (target <= 1.5), and the offloaded decode again with fetch-ahead off (each layer fetching its own
+    misses), so one run says which look-ahead pays. Prefill tokens/s of one ``--prefill-len``-token prompt in one
+    chunk, both ways.
 (b) Full-depth V4-Flash (43 layers, release shapes, random packed weights drawn where they live: the resident
     experts in the GPU's slots, the rest in pinned host memory; never all 147 GB in RAM), resident experts as
     ``--expert-offload auto`` sizes them (what the GPU has left after the other weights and ``--cache-gib``),
@@ -146,9 +148,18 @@ def per_layer_part(args, tokenizer) -> dict:
         out[name] = {**decode, "per_layer_decode_ms": 1e3 * decode["tpot_s"] / config.num_hidden_layers,
                      "prefill_tokens_per_s": args.prefill_len / prefill_s,
                      "prefill_traffic": traffic_delta(offload, before, args.prefill_len)}  # fmt: skip
+        if offload is not None:  # the same layers with every layer fetching its own misses: is look-ahead worth it
+            offload.set_fetch_ahead(False)
+            alone = measure(model, offload, tokenizer, args, 1, args.decode_prompt, warm=True)
+            out[f"{name}_no_fetch_ahead"] = {
+                **alone,
+                "per_layer_decode_ms": 1e3 * alone["tpot_s"] / config.num_hidden_layers,
+            }
         del model, offload, engine
         release()
     out["decode_ratio"] = out["offloaded_skewed"]["tpot_s"] / out["all_resident"]["tpot_s"]
+    out["decode_ratio_no_fetch_ahead"] = (out["offloaded_skewed_no_fetch_ahead"]["tpot_s"]
+                                          / out["all_resident"]["tpot_s"])  # fmt: skip
     out["prefill_ratio"] = out["offloaded_skewed"]["prefill_tokens_per_s"] / out["all_resident"]["prefill_tokens_per_s"]
     return out
 
