@@ -154,13 +154,13 @@ def install_expert_offload(
         weights = moe.routed_weights()
         if host_keeps_every_expert:
             host = HostStore(weights, list(range(experts)), experts, device)
-            layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+            layers.append(LayerResidency(row, host, arena, stats, moe.ops, router))
             layers[-1].rebalance()
             continue
         wanted = stats.resident(row, resident_per_layer)
         offloaded = [e for e in range(experts) if e not in set(wanted)]
         host = HostStore(_select_experts(weights, offloaded), offloaded, experts, device)
-        layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+        layers.append(LayerResidency(row, host, arena, stats, moe.ops, router))
         resident_weights = _select_experts(weights, wanted)
         for name in PARTS:
             if getattr(weights, name) is not None:

@@ -76,7 +76,7 @@ def offload_random_experts(model, resident_per_layer: int, seed: int = 0, fetch_
     layers = []
     for row, (_, moe) in enumerate(moes):
         host = HostStore(_host_rows(like, len(offloaded), device, generator), offloaded, experts, device)
-        layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, moe.gate))
+        layers.append(LayerResidency(row, host, arena, stats, moe.ops, moe.gate))
         layers[-1].place(wanted, filled=True)
     return attach_offload(model, layers, stats, None, REBALANCE_EVERY, fetch_ahead)
 

@@ -5,14 +5,16 @@ The layer's table ``slot_of_expert [E]`` names an arena entry for every expert, 
 (its rank among the offloaded ids). So the ``routed_moe`` op reads every chosen expert through a table whose
 contents a captured step never has to change; a step only has to fill the fetch rows it reads.
 
-:meth:`LayerResidency.stage` does that on the device with fixed-size tensors, no host read: from the router's
-top-k ids a mask of chosen experts, of them those neither resident nor already fetched ahead, and one
-``copy_expert_rows`` call over the layer's offloaded experts (an entry per fetch row, -1 where the expert is not
-needed). Then, with fetch-ahead on, it starts the next offloaded layer's fetch: that layer's router run on this
-layer's MoE input predicts its choices (exactly, for V4's hash-routed layers), and the predicted misses are
-copied on the copy stream while this layer's experts and the next layer's attention compute. When the next layer
-stages, the compute stream waits for that copy and fetches only what the prediction missed. A prefill chunk
-routes to most experts, so it streams each layer's offloaded experts one layer ahead the same way.
+:meth:`LayerResidency.stage` does that on the device with fixed-size tensors, no host read: the
+``offload_fetch_list`` op turns the router's top-k ids into the experts chosen, of them those neither resident nor
+already fetched ahead, and the list over the layer's offloaded experts (an entry per fetch row, -1 where the expert
+is not needed), keeping the routing counts and traffic counters as it goes (one program on CUDA); then one
+``copy_expert_rows`` call a part copies the listed rows. Then, with fetch-ahead on, it starts the next offloaded
+layer's fetch: that layer's router run on this layer's MoE input predicts its choices (exactly, for V4's hash-routed
+layers), and the predicted misses are copied on the copy stream while this layer's experts and the next layer's
+attention compute. When the next layer stages, the compute stream waits for that copy and fetches only what the
+prediction missed. A prefill chunk routes to most experts, so it streams each layer's offloaded experts one layer
+ahead the same way.
 
 On the CPU host and device are one memory and there is one stream: the same masks, lists and copies run in
 program order, which is how the CPU tests check this path against every expert resident.
@@ -25,13 +27,15 @@ import torch
 from dsinfer.offload.arena import ExpertArena
 from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.stats import ExpertStats
+from dsinfer.ops.fetch_list import FetchListInputs
 
 
 class LayerResidency:
     """One offloaded layer's resident set, tables and fetches (``row``: its index among offloaded layers)."""
 
-    def __init__(self, row: int, host: HostStore, arena: ExpertArena, stats: ExpertStats, copy, router=None):
-        self.row, self.host, self.arena, self.stats, self.copy = row, host, arena, stats, copy
+    def __init__(self, row: int, host: HostStore, arena: ExpertArena, stats: ExpertStats, ops, router=None):
+        self.row, self.host, self.arena, self.stats = row, host, arena, stats
+        self.copy, self.fetch_list = ops.copy_expert_rows, ops.offload_fetch_list  # the op table's backends
         self.router = router  # this layer's router: what the layer before runs to fetch ahead for it
         self.num_experts = host.num_experts
         device = arena.device
@@ -40,6 +44,7 @@ class LayerResidency:
         self.offloaded_ids = torch.zeros(arena.fetch_slots, dtype=torch.int64, device=device)
         self.fetch_entries = torch.tensor(list(arena.fetch_rows(row)), dtype=torch.int64, device=device)
         self.prefetched = torch.zeros(self.num_experts, dtype=torch.bool, device=device)  # fetched ahead
+        self.marks = torch.zeros(self.num_experts, dtype=torch.int32, device=device)  # the fetch list op's scratch
         self.resident: list[int] = []
         self.slot_list: dict[int, int] = {}  # resident expert -> arena entry (the host's mirror)
         self.next_layer: LayerResidency | None = None  # fetched ahead by this layer (None: off or the last)
@@ -50,14 +55,8 @@ class LayerResidency:
         """Count this step's choices and make every chosen expert readable; the arena and the table to read by.
 
         ``x`` and ``input_ids`` (the layer's MoE input and the step's tokens) feed the next layer's fetch-ahead."""
-        self.stats.record(self.row, expert_ids)
-        chosen = self._mask(expert_ids)
-        self._join_prefetch()
-        need = chosen & ~self.resident_mask & ~self.prefetched
-        self._copy_needed(need)
-        self.prefetched.zero_()
-        reads = torch.stack([chosen.sum(), (chosen & self.resident_mask).sum(), need.sum()])
-        self.arena.counters[:3].add_(reads)
+        self._join_prefetch()  # the fetched-ahead mask and rows are the copy stream's until then
+        self._copy_listed(expert_ids, self.stats.counting(self.row))
         if self.next_layer is not None and x.shape[0]:
             self.next_layer.prefetch(x, input_ids)
         return self.arena.weights, self.slot_of_expert
@@ -76,28 +75,20 @@ class LayerResidency:
         self._in_flight = (predicted,)  # kept alive until the compute stream has waited for the copy
 
     def _fetch_ahead(self, predicted: torch.Tensor) -> None:
-        need = self._mask(predicted) & ~self.resident_mask
-        self._copy_needed(need)
-        self.prefetched.copy_(need)
-        self.arena.counters[2:].add_(need.sum())  # fetched, and fetched ahead
+        self._copy_listed(predicted, None)  # marks what it fetched; counts it as fetched, and fetched ahead
 
     def _join_prefetch(self) -> None:
         if self._in_flight is not None:
             torch.cuda.current_stream(self.arena.device).wait_stream(self.arena.copy_stream)
             self._in_flight = None
 
-    def _mask(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """bool ``[E]``: the experts ``expert_ids`` names (a scatter: no shape depends on the ids)."""
-        flat = expert_ids.reshape(-1)
-        marks = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
-        return marks.scatter_(0, flat, 1).bool()
-
-    def _copy_needed(self, need: torch.Tensor) -> None:
-        """Copy the ``need``-ed offloaded experts into their fetch rows: one entry per fetch row, -1 to skip."""
-        wanted = need.index_select(0, self.offloaded_ids)
-        rows = self.host.row_of_expert.index_select(0, self.offloaded_ids)
-        source_rows = torch.where(wanted, rows, torch.full_like(rows, -1))
-        self.arena.copy_rows(self.copy, self.host, source_rows, self.fetch_entries)
+    def _copy_listed(self, expert_ids: torch.Tensor, counts: torch.Tensor | None) -> None:
+        """The ``offload_fetch_list`` op's list for ``expert_ids`` (a stage's choices with ``counts``, else a fetch
+        ahead's prediction), then one ``copy_expert_rows`` per part into the layer's fetch rows."""
+        inputs = FetchListInputs(expert_ids, self.resident_mask, self.prefetched, self.offloaded_ids,
+                                 self.host.row_of_expert, self.arena.counters, counts, self.marks,
+                                 ahead=counts is None)  # fmt: skip
+        self.arena.copy_rows(self.copy, self.host, self.fetch_list(inputs), self.fetch_entries)
 
     # ---- between steps (host side) -----------------------------------------------------------------------
     def rebalance(self) -> int:

@@ -34,8 +34,12 @@ class ExpertStats:
     def record(self, row: int, expert_ids: torch.Tensor) -> None:
         """Count one step's choices of the layer at ``row`` (device-side)."""
         flat = expert_ids.reshape(-1)
-        self.counts[row].index_add_(0, flat, torch.ones_like(flat))
+        self.counting(row).index_add_(0, flat, torch.ones_like(flat))
+
+    def counting(self, row: int) -> torch.Tensor:
+        """The counts ``[experts]`` of the layer at ``row``, for an op that adds this step's choices to them."""
         self.observed = True
+        return self.counts[row]
 
     def resident(self, row: int, count: int) -> list[int]:
         """The ``count`` most-routed experts of the layer at ``row`` (ties: lower ids), sorted; before any

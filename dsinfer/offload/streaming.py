@@ -60,7 +60,7 @@ def stream_offloaded(model: torch.nn.Module, moes: list, arena: ExpertArena, sta
     layers = []
     for row, ((_, moe), router) in enumerate(zip(moes, routers, strict=True)):
         host = HostStore(stores[row], offloaded_sets[row], experts, device)
-        layers.append(LayerResidency(row, host, arena, stats, moe.ops.copy_expert_rows, router))
+        layers.append(LayerResidency(row, host, arena, stats, moe.ops, router))
         layers[-1].place(resident_sets[row], filled=True)
     return layers
 

@@ -10,6 +10,7 @@ import dsinfer.ops.engram_gather  # noqa: F401  engram_gather: reference, triton
 import dsinfer.ops.engram_rows  # noqa: F401  engram_decode_rows: reference, triton (CUDA)
 import dsinfer.ops.expert_fetch  # noqa: F401  copy_expert_rows: reference, triton (CUDA: reads pinned host memory)
 import dsinfer.ops.fake_quant  # noqa: F401  fake_quant_fp8, fake_quant_fp4: reference, triton (CUDA)
+import dsinfer.ops.fetch_list  # noqa: F401  offload_fetch_list: reference, triton (CUDA: one program a layer)
 import dsinfer.ops.fp8_linear  # noqa: F401
 import dsinfer.ops.index_scores  # noqa: F401  index_scores, index_topk: reference, triton (CUDA)
 import dsinfer.ops.index_scores_paged  # noqa: F401  index_scores_paged: reference, triton (CUDA)
