@@ -50,6 +50,19 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
         server.should_exit = True
         thread.join(timeout=30)
         engine.stop()
+        forget_endpoints()
+
+
+def forget_endpoints() -> None:
+    """Empty FastAPI's module-level caches of endpoint callables. They keep every app's route functions, and with
+    them each test server's engine (its model and a 512 MiB cache), for the rest of the process: a pytest worker
+    that starts dozens of servers grew past 12 GB and was killed for memory. A served process builds one app."""
+    from fastapi.dependencies import models
+
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(models, name, None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def metric_value(base: str, name: str) -> float:
