@@ -159,6 +159,14 @@ class Attention(nn.Module):
             projected["q"] = self.wq_b(q_latent)
         return projected
 
+    def _queries(self, projected: dict[str, torch.Tensor], cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed, RoPE'd queries [T, H, D] and the low-rank query from ``projected``'s ``q_a``; the query
+        GEMMs' other outputs (``index_q`` when joined) go into ``projected``."""
+        q_latent = self.q_norm(projected.pop("q_a"))
+        projected.update(self._query_projections(q_latent))
+        q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
+        return normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops), q_latent
+
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled). A fixed-width verify
         batch (``batch.fixed_width``) attends column by column (:meth:`_forward_columns`)."""
@@ -170,10 +178,7 @@ class Attention(nn.Module):
         kv_row = projected.pop("kv")
 
         def queries() -> tuple[torch.Tensor, torch.Tensor]:
-            q_latent = self.q_norm(projected.pop("q_a"))
-            projected.update(self._query_projections(q_latent))
-            q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
-            return normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops), q_latent
+            return self._queries(projected, cos, sin)
 
         # The norm and RoPE: one op; at decode the row's only use is the ring's write, which runs it with the store.
         kv = rope_and_round(kv_row, cos, sin, self.ops, self.kv_norm, defer=batch.is_decode)
@@ -200,10 +205,7 @@ class Attention(nn.Module):
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
         projected = self._input_projections(x)  # every row at once, as a decode step's rows: one joined GEMM
-        q_latent = self.q_norm(projected.pop("q_a"))
-        projected.update(self._query_projections(q_latent))
-        q = projected.pop("q").view(-1, self.n_heads, self.head_dim)
-        q = normalize_and_rope(q, self.config.rms_norm_eps, cos, sin, self.ops)  # the chains of forward
+        q, q_latent = self._queries(projected, cos, sin)
         kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm)
         states = [state for state in (layer_cache.compressor, layer_cache.indexer) if state is not None]
         if states and journal is None:
