@@ -50,6 +50,22 @@ def random_fp4_experts(
     )  # fmt: skip
 
 
+def draw_meta_experts(model, device, seed: int = 0, skip=()) -> None:
+    """Random routed experts on ``device`` for every MoE of ``model`` still holding shapes only (built with
+    ``expert_device="meta"``), except those in ``skip`` (the layers an expert offload draws in place), as
+    :func:`build_native_model` draws them."""
+    generator = torch.Generator(device=device).manual_seed(seed + 11)
+    skipped = {id(moe) for moe in skip}
+    for moe in model.modules():
+        if not isinstance(moe, MoE) or id(moe) in skipped or not moe.is_packed:
+            continue
+        like = moe.routed_weights()
+        if like.w13.device.type == "meta":
+            hidden = 2 * like.w13.shape[-1]  # packed FP4: two codes a byte
+            weights = random_fp4_experts(like.num_experts, hidden, like.intermediate_size, device, generator)
+            moe.pack(weights, None if like.num_experts == moe.n_experts else like.num_experts)  # an EP rank's own
+
+
 @torch.no_grad()
 def build_native_model(
     config: ModelConfig | ModelConfigV41,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.models.native_random import draw_meta_experts
 from dsinfer.offload.arena import ExpertArena, empty_like_rows
 from dsinfer.offload.host_store import PARTS, HostStore
 from dsinfer.offload.install import (
@@ -79,24 +80,6 @@ def offload_random_experts(model, resident_per_layer: int, seed: int = 0, fetch_
         layers.append(LayerResidency(row, host, arena, stats, moe.ops, moe.gate))
         layers[-1].place(wanted, filled=True)
     return attach_offload(model, layers, stats, None, REBALANCE_EVERY, fetch_ahead)
-
-
-def draw_meta_experts(model, device, seed: int = 0, skip=()) -> None:
-    """Random routed experts on ``device`` for every MoE of ``model`` still holding shapes only (built with
-    ``expert_device="meta"``), except those in ``skip`` (the layers an offload draws in place)."""
-    from dsinfer.layers.moe import MoE
-    from dsinfer.models.native_random import random_fp4_experts
-
-    generator = torch.Generator(device=device).manual_seed(seed + 11)
-    skipped = {id(moe) for moe in skip}
-    for moe in model.modules():
-        if not isinstance(moe, MoE) or id(moe) in skipped or not moe.is_packed:
-            continue
-        like = moe.routed_weights()
-        if like.w13.device.type == "meta":
-            hidden = 2 * like.w13.shape[-1]  # packed FP4: two codes a byte
-            weights = random_fp4_experts(like.num_experts, hidden, like.intermediate_size, device, generator)
-            moe.pack(weights, None if like.num_experts == moe.n_experts else like.num_experts)  # an EP rank's own
 
 
 def offload_dummy_experts(model, config, seed: int = 0):
