@@ -100,13 +100,21 @@ def test_row_slices_cover_the_queries_within_the_budget(monkeypatch):
     assert score_row_slices(10, 100) == [slice(0, 10)]
 
 
-def test_v41_sliced_prefill_equals_the_unsliced_one(v41_model, monkeypatch):
+def _unsliced_then_sliced(monkeypatch, runs, model, scorer_type=None):
+    """``runs(model, patch)`` with one slice a sequence, then in slices of TINY_BUDGET; the second's score shapes
+    when ``scorer_type`` is given."""
     with monkeypatch.context() as patch:
         patch.setattr(indexer_module, "SCORE_SLICE_BYTES", UNBOUNDED)
-        want_logits, want_choices = _v41_runs(v41_model, patch)
+        want = runs(model, patch)
     with monkeypatch.context() as patch:
         patch.setattr(indexer_module, "SCORE_SLICE_BYTES", TINY_BUDGET)
-        got_logits, got_choices = _v41_runs(v41_model, patch)
+        shapes = None if scorer_type is None else _record_scores(patch, model, scorer_type)
+        got = runs(model, patch)
+    return want, got, shapes
+
+
+def test_v41_sliced_prefill_equals_the_unsliced_one(v41_model, monkeypatch):
+    (want_logits, want_choices), (got_logits, got_choices), _ = _unsliced_then_sliced(monkeypatch, _v41_runs, v41_model)
     assert len(got_choices) == len(want_choices) > 0
     for got, want in zip(got_choices, want_choices, strict=True):
         assert torch.equal(got, want)
@@ -149,13 +157,8 @@ def _v4_runs(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 
 def test_v4_sliced_prefill_equals_the_unsliced_one(v4_model, monkeypatch):
-    with monkeypatch.context() as patch:
-        patch.setattr(indexer_module, "SCORE_SLICE_BYTES", UNBOUNDED)
-        want_logits, want_choices = _v4_runs(v4_model, patch)
-    with monkeypatch.context() as patch:
-        patch.setattr(indexer_module, "SCORE_SLICE_BYTES", TINY_BUDGET)
-        shapes = _record_scores(patch, v4_model, Indexer)
-        got_logits, got_choices = _v4_runs(v4_model, patch)
+    want, got, shapes = _unsliced_then_sliced(monkeypatch, _v4_runs, v4_model, Indexer)
+    (want_logits, want_choices), (got_logits, got_choices) = want, got
     assert max(rows * width * 4 for rows, width in shapes) <= TINY_BUDGET
     assert len(shapes) > len(got_choices) > 0  # some chunk was split into several slices
     assert any(choice.shape[1] == v4_model.config.index_topk for choice in want_choices)  # a real top-k
