@@ -66,11 +66,14 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
         SERVE_OFFLINE_STEP_MS=$(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])['ms_per_step'])" $long)
     fi
     if [ $ready = 1 ]; then
-        python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
-            --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
-            --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency "${SERVE_CONCURRENCY:-16}" --seed 0 --disable-tqdm \
-            --out "$OUT/${SERVE_TAG:-serve}.json" ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}
-        python3 -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" >"$OUT/${SERVE_TAG:-serve}.metrics" 2>&1
+        for streams in ${SERVE_CONCURRENCY:-16}; do  # one server, one bench run per concurrency
+            local tag=${SERVE_TAG:-serve}${SERVE_TAG_STREAMS:+-$streams}
+            python3 -m dsinfer.cli bench serve --base-url "http://127.0.0.1:$port" --model slice --dataset random \
+                --input-len "${SERVE_INPUT:-8192}" --output-len "${SERVE_OUTPUT:-1024}" \
+                --num-prompts "${SERVE_PROMPTS:-$((streams * 2))}" --max-concurrency "$streams" --seed 0 \
+                --disable-tqdm --out "$OUT/$tag.json" ${SERVE_OFFLINE_STEP_MS:+--offline-step-ms "$SERVE_OFFLINE_STEP_MS"}
+            python3 -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" >"$OUT/$tag.metrics" 2>&1
+        done
     else
         echo "the server did not answer /health"; tail -n 30 "$OUT/server.log"
     fi
@@ -123,12 +126,10 @@ for name in "$@"; do
                    SERVE_TAG=serve-plain SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
                        stage serveplain bash -c serve_run ;;
         fulldepth) export -f serve_run; export OUT  # full-depth V4-Flash, random experts, --expert-offload auto
-                   for streams in ${FULLDEPTH_STREAMS:-1 8}; do
-                       SERVE_TAG=fulldepth-$streams SERVE_LAYERS=43 SERVE_SEQS=8 SERVE_CONCURRENCY=$streams \
-                           SERVE_PROMPTS=$((streams * 2)) SERVE_OUTPUT=256 SERVE_WAIT=420 \
-                           SERVE_ARGS="--expert-offload auto" LIMIT_fulldepth=${LIMIT_fulldepth:-540} \
-                           stage fulldepth bash -c serve_run
-                   done ;;
+                   SERVE_TAG=fulldepth SERVE_TAG_STREAMS=1 SERVE_LAYERS=43 SERVE_SEQS=8 \
+                       SERVE_CONCURRENCY="${FULLDEPTH_STREAMS:-1 8}" SERVE_OUTPUT=256 SERVE_WAIT=420 \
+                       SERVE_ARGS="--expert-offload auto" LIMIT_fulldepth=${LIMIT_fulldepth:-540} \
+                       stage fulldepth bash -c serve_run ;;
         gemv) stage gemv python3 benchmarks/fp8_linear_choice.py --sweep --gemv-only --tokens 1 --cold --top 0 \
                   --model "${GEMV_MODEL:-v4}" ;;
         rounding) stage rounding python3 benchmarks/cuda_engine_check.py --rounding-only \
