@@ -34,10 +34,10 @@ import functools
 
 import torch
 
+from dsinfer.ops.index_scores_paged.fp4_words import words_layout_fits, words_scores_launch
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference, paged_key_form
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
-from dsinfer.ops.triton_support import interpreted
 
 try:
     import triton
@@ -59,12 +59,9 @@ MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
 FP4_LAYOUTS = ("halves", "joined", "words")  # how a tile of packed FP4 keys meets the query (module docstring)
-FP4_LAYOUT_CODES = {"joined": 0, "halves": 1, "words": 2}
-MIN_DOT_DEPTH = 16  # tl.dot's smallest K: halves needs head_dim >= 32, words head_dim >= 64
-CODES_PER_WORD = 8  # packed e2m1 codes in one int32 of the words layout
+MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:
-    WORD_CODES = tl.constexpr(CODES_PER_WORD)
 
     @triton.jit
     def _split_bf16(x, SPLIT: tl.constexpr, DOT: tl.constexpr):
@@ -149,75 +146,6 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _bf16_product(x, y, NATIVE_BF16: tl.constexpr):
-        """``x * y`` for bf16 tensors whose product is a bf16 value (powers of two times e2m1 codes): one packed
-        bf16 multiply a pair where compiled (``NATIVE_BF16``); in float32 where Triton's interpreter runs (it
-        multiplies bf16 bits as integers)."""
-        if NATIVE_BF16:
-            product = x * y
-        else:
-            product = (_bf16_widened(x) * _bf16_widened(y)).to(tl.bfloat16)
-        return product
-
-    @triton.jit
-    def _bf16_widened(x):
-        """bf16 ``x`` as float32 through its bits (the interpreter's own cast flushes bf16 subnormals to zero)."""
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _fp4_word_scales(scales_ptr, scale_row, seen, WORDS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                         SCALE_WORD: tl.constexpr):  # fmt: skip
-        """Each key word's ue8m0 scale ``2**(b - 127)`` as bf16 bits, once a word [BLOCK_E, WORDS] (int32).
-        ``SCALE_WORD``: a row's four scale bytes are one int32, read with one 4-byte copy (which the loop's pipeline
-        prefetches; single bytes it reads when they are used). Exact for every byte the codec writes (1..254: a
-        normal bf16; 0 and 255 it never writes)."""
-        block = tl.arange(0, WORDS) * WORD_CODES // SCALE_BLOCK  # the scale block of each word
-        if SCALE_WORD:
-            packed = tl.load(scales_ptr + scale_row, mask=seen, other=0x7F7F7F7F)
-            exponent = (packed[:, None] >> (8 * block)[None, :]) & 0xFF
-        else:
-            exponent = tl.load(scales_ptr + scale_row[:, None] + block[None, :], mask=seen[:, None],
-                               other=127).to(tl.int32)  # fmt: skip
-        return exponent << 7
-
-    @triton.jit
-    def _fp4_code_pair(words, POSITION: tl.constexpr):
-        """Codes ``POSITION`` and ``POSITION + 4`` of every word as the bits of two bf16 ``code * 2**-126`` in the
-        low and the high half-word: the two codes sit 16 bits apart, so one shift and mask a pair places both
-        magnitudes ``e1 e0 m`` at bits 6..8 of their half-words (bf16's two lowest exponent bits and its top
-        mantissa bit; exponent field 0 makes codes 0 and 1, zero and 0.5, subnormals) and both signs at bit 15."""
-        if POSITION < 2:
-            magnitude = words << (6 - 4 * POSITION)
-        else:
-            magnitude = words >> (4 * POSITION - 6)
-        return (magnitude & 0x01C001C0) | ((words << (12 - 4 * POSITION)) & -0x7FFF8000)  # the mask 0x80008000
-
-    @triton.jit
-    def _fp4_word_keys(words, scale_bits, NATIVE_BF16: tl.constexpr):
-        """One tile's keys [BLOCK_E, 8 * WORDS] bf16 from its packed words [BLOCK_E, WORDS] and their scales'
-        bf16 bits (:func:`_fp4_word_scales`), column ``8w + 2p + i`` holding channel ``8w + p + 4i`` (code ``p +
-        4i`` of word ``w``, :func:`fp4_word_channels`): each int32 of code pairs (:func:`_fp4_code_pair`) stays
-        one register of two bf16 (``join`` adds a dimension inside each thread), no byte shuffles. One multiply
-        by ``2**126`` makes each code's value, one by the scale applies it: both exact (bf16 holds every e2m1
-        value times a power of two down to ``2**-133``; the codec's largest scales overflow to infinity as the
-        float32 reference does)."""
-        pairs = tl.join(tl.join(_fp4_code_pair(words, 0), _fp4_code_pair(words, 2)),
-                        tl.join(_fp4_code_pair(words, 1), _fp4_code_pair(words, 3)))  # fmt: skip
-        halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))
-        shape: tl.constexpr = [words.shape[0], words.shape[1] * WORD_CODES]
-        codes = tl.reshape(halves, shape).to(tl.bfloat16, bitcast=True)
-        scales = tl.reshape(tl.broadcast_to(scale_bits.to(tl.int16)[:, :, None], [words.shape[0], words.shape[1],
-                            WORD_CODES]), shape).to(tl.bfloat16, bitcast=True)  # fmt: skip
-        return _bf16_product(_bf16_product(codes, tl.full(shape, 2.0**126, tl.bfloat16), NATIVE_BF16), scales,
-                             NATIVE_BF16)  # fmt: skip
-
-    @triton.jit
-    def fp4_word_channels(HEAD_DIM: tl.constexpr):
-        """The channel of each column of :func:`_fp4_word_keys`' tiles: ``8w + 2p + i`` holds ``8w + p + 4i``."""
-        column = tl.arange(0, HEAD_DIM)
-        return column // WORD_CODES * WORD_CODES + column % WORD_CODES // 2 + 4 * (column % 2)
-
-    @triton.jit
     def _split_scores_kernel(
         q_ptr, weights_ptr, keys_ptr, scales_ptr, tables_ptr, visible_ptr, scores_ptr,
         n_heads, width, chunk, stride_qb, stride_qh, stride_wb, stride_kb, stride_kp, stride_sb_, stride_sp,
@@ -225,8 +153,7 @@ if triton is not None:
         PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_E: tl.constexpr, FORM: tl.constexpr, UE8M0: tl.constexpr, ROW_SCALE: tl.constexpr,
         DOT: tl.constexpr, SPLIT_Q: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-        NUM_STAGES: tl.constexpr, FP4_LAYOUT: tl.constexpr, NATIVE_BF16: tl.constexpr,
-        SCALE_WORD: tl.constexpr,
+        NUM_STAGES: tl.constexpr, FP4_HALVES: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(1).to(tl.int64)
         first = tl.program_id(0) * chunk
@@ -239,10 +166,7 @@ if triton is not None:
         n_scored = tl.cdiv(tl.maximum(scored_end - first, 0), BLOCK_E)
         head_ok = heads < n_heads
         q_row = q_ptr + seq * stride_qb + heads[None, :] * stride_qh
-        if FP4_LAYOUT == 2:  # [HEAD_DIM, BLOCK_H] in the column order of the words layout's key tiles
-            q = tl.load(q_row + fp4_word_channels(HEAD_DIM)[:, None], mask=head_ok[None, :], other=0.0)
-            q_high, q_low = _split_bf16(q, SPLIT_Q, DOT)
-        elif FP4_LAYOUT == 1:  # the even and the odd channels [HEAD_DIM / 2, BLOCK_H], each a dot's right operand
+        if FP4_HALVES:  # the even and the odd channels [HEAD_DIM / 2, BLOCK_H], each the right operand of a dot
             pairs = tl.arange(0, HEAD_DIM // 2)
             q_even = tl.load(q_row + 2 * pairs[:, None], mask=head_ok[None, :], other=0.0)
             q_odd = tl.load(q_row + 2 * pairs[:, None] + 1, mask=head_ok[None, :], other=0.0)
@@ -259,16 +183,7 @@ if triton is not None:
             block = tl.load(table + entry // PER_BLOCK, mask=seen, other=0).to(tl.int64)
             in_block = (entry % PER_BLOCK).to(tl.int64)
             key_row, scale_row = block * stride_kb + in_block * stride_kp, block * stride_sb_ + in_block * stride_sp
-            if FP4_LAYOUT == 2:
-                words = tl.load(keys_ptr + key_row[:, None] + tl.arange(0, HEAD_DIM // WORD_CODES)[None, :],
-                                mask=seen[:, None], other=0)  # fmt: skip
-                scales = _fp4_word_scales(scales_ptr, scale_row, seen, HEAD_DIM // WORD_CODES, SCALE_BLOCK, SCALE_WORD)
-                keys = _fp4_word_keys(words, scales, NATIVE_BF16)
-                products = tl.dot(keys, q_high)
-                if SPLIT_Q:
-                    products = tl.dot(keys, q_low, products)
-                products = tl.maximum(products, 0.0)
-            elif FP4_LAYOUT == 1:
+            if FP4_HALVES:
                 even, odd = _tile_fp4_halves(keys_ptr, scales_ptr, key_row, scale_row, seen, HEAD_DIM, SCALE_BLOCK)
                 products = tl.dot(even, q_high)
                 products = tl.dot(odd, q_odd_high, products)
@@ -335,33 +250,12 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
     return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
 
 
-def _int32_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` [blocks, per_block, n] views as int32 words: contiguous rows of whole, aligned words."""
-    return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(v % 4 == 0 for v in (*x.stride()[:2], x.storage_offset()))
-
-
-def fp4_layout_taken(
-    keys: torch.Tensor, key_scales: torch.Tensor, head_dim: int, fp4_layout: str
-) -> tuple[int, torch.Tensor, torch.Tensor, bool]:
-    """The FP4 layout a launch takes (its code), the keys and scales as the kernel reads them, and whether it
-    reads each row's scales as one int32. ``words`` reads int32 words of 8 codes (rows of whole words, one scale a
-    word, a dot at least ``MIN_DOT_DEPTH`` deep); ``halves`` needs ``head_dim >= 32``; else ``joined``."""
-    scale_block = head_dim // key_scales.shape[-1]
-    if fp4_layout == "words" and scale_block % CODES_PER_WORD == 0 and _int32_rows(keys) and head_dim >= 16:
-        scale_word = key_scales.shape[-1] == 4 and _int32_rows(key_scales)
-        scales = key_scales.view(torch.int32) if scale_word else key_scales
-        return FP4_LAYOUT_CODES["words"], keys.view(torch.int32), scales, scale_word
-    if fp4_layout in ("words", "halves") and head_dim // 2 >= MIN_DOT_DEPTH:
-        return FP4_LAYOUT_CODES["halves"], keys, key_scales, False
-    return FP4_LAYOUT_CODES["joined"], keys, key_scales, False
-
-
 def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "halves") -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
-    FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots), ``"words"`` (int32 words of 8 codes, one
-    dot, the query's channels permuted to the codes' order) or ``"joined"`` (the codes interleaved into one float32 tile); a layout a shape does not
-    take falls back (:func:`fp4_layout_taken`)."""
+    FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots; ``"joined"`` below 32 channels,
+    where a half is shallower than a dot), ``"words"`` (int32 words of 8 codes, :mod:`.fp4_words`; ``"halves"``
+    where they do not fit) or ``"joined"`` (the codes interleaved into one float32 tile)."""
     if fp4_layout not in FP4_LAYOUTS:
         raise ValueError(f"fp4_layout must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
     q, head_weights, keys, key_scales = inputs.q, inputs.head_weights, inputs.keys, inputs.key_scales
@@ -379,9 +273,10 @@ def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_
     chunk = chunk or choose_chunk(batch, width, q.device)
     weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
     scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
-    layout, scale_word = 0, False
-    if form == "fp4":
-        layout, keys, scales_arg, scale_word = fp4_layout_taken(keys, key_scales, head_dim, fp4_layout)
+    if form == "fp4" and fp4_layout == "words" and words_layout_fits(keys, key_scales, head_dim):
+        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+        words_scores_launch(inputs, weights, tables, scores, chunk, launch)
+        return scores
     _split_scores_kernel[(triton.cdiv(width, chunk), batch)](
         q, weights, keys, scales_arg, tables, visible, scores, n_heads, width, chunk, q.stride(0), q.stride(1),
         weights.stride(0), keys.stride(0), keys.stride(1), scales_arg.stride(0) if coded else 0,
@@ -391,7 +286,7 @@ def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_
         UE8M0=coded and key_scales.dtype == torch.uint8, ROW_SCALE=form == "fp8" and scale_block == head_dim,
         DOT=DOT_TYPES[dot], SPLIT_Q=split_q, PRECISION="ieee" if dot == torch.float32 else "tf32",
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
-        FP4_LAYOUT=layout, NATIVE_BF16=not interpreted(), SCALE_WORD=scale_word,
+        FP4_HALVES=form == "fp4" and fp4_layout == "halves" and head_dim // 2 >= MIN_DOT_DEPTH,
     )  # fmt: skip
     return scores
 
