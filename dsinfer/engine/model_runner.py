@@ -26,6 +26,12 @@ from dsinfer.speculative.executor import SpeculationPlan
 
 logger = logging.getLogger(__name__)
 
+# A mixed step (decodes and prefill chunks together) whose leading decode rows number at least this many runs them
+# as a decode forward of their own (a graph replay where a bucket holds them) beside the chunks' forward: the
+# prefill path's compressors and indexer run sequence by sequence, a few small kernels a layer each, which past
+# a few sequences costs more than the second read of the weights.
+MIXED_STEP_DECODE_SPLIT_ROWS = 4
+
 
 @dataclass
 class EngramResume:
@@ -125,6 +131,9 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.cache, self.graph_sizes, self.spare_slot, max_model_len,
                                               capture=self.capture_graphs)  # fmt: skip
         self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
+        # Mixed steps may run as two forwards (MIXED_STEP_DECODE_SPLIT_ROWS); expert-parallel ranks turn this off,
+        # since their forwards pair up collective by collective.
+        self.split_mixed_steps = True
 
     @property
     def num_blocks(self) -> int:
@@ -203,7 +212,36 @@ class ModelRunner:
         plain = step.engram_resume is None and not step.image_pieces  # a graph holds only the decode forward
         if graphs is not None and plain and graphs.serves(step.spans, int(step.sample_rows.shape[0])):
             return graphs.run(step.input_ids, step.spans)
+        decodes = self.leading_decodes(step) if plain and self.split_mixed_steps else 0
+        if decodes >= MIXED_STEP_DECODE_SPLIT_ROWS:
+            return self._execute_split(step, decodes)
         return self.model(self.step_batch(step), logits_for=step.sample_rows)
+
+    @staticmethod
+    def leading_decodes(step: StepInput) -> int:
+        """How many of a mixed step's first spans decode one token each, ahead of a prefill chunk (0: the step
+        is not mixed). The scheduler puts decodes first; each samples its row."""
+        count = 0
+        for span in step.spans:
+            if span.length != 1:
+                break
+            count += 1
+        return count if count < len(step.spans) else 0
+
+    def _execute_split(self, step: StepInput, decodes: int) -> torch.Tensor:
+        """A mixed step as two forwards: the leading ``decodes`` one-token spans on the decode path (their graph
+        where a bucket holds them), then the prefill chunks; their logits in the step's sample order."""
+        ids, positions, spans = step.input_ids, step.positions, step.spans
+        head, tail = spans[:decodes], spans[decodes:]
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.serves(head, decodes):
+            decoded = graphs.run(ids[:decodes], head)
+        else:
+            rows = torch.arange(decodes, device=ids.device)
+            decoded = self.model(PackedBatch(ids[:decodes], positions[:decodes], head, self.cache), logits_for=rows)
+        chunks = PackedBatch(ids[decodes:], positions[decodes:], tail, self.cache)
+        prefilled = self.model(chunks, logits_for=step.sample_rows[decodes:] - decodes)
+        return torch.cat([decoded, prefilled])
 
     def step_batch(self, step: StepInput) -> PackedBatch:
         """The step's packed batch over the cache, once what its forward needs first is done: the Engram history

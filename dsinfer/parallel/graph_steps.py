@@ -47,6 +47,7 @@ class GraphStepAgreement:
         self.graph_steps = 0  # forwards this rank ran in a decode bucket, with sequences
         self.padded_graph_steps = 0  # idle steps this rank ran as a bucket of padding rows
         self._runner_execute = runner.execute
+        runner.split_mixed_steps = False  # one forward a step on every rank, so the collectives pair up
         runner.execute = self.execute  # the device worker calls the runner's execute for every forward
 
     def _all_forwards(self) -> int:
