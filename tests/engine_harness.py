@@ -47,9 +47,9 @@ def use_oracle_drafts(engine: LLMEngine, references: dict[str, list[int]]) -> No
     take, calls = engine._take_verified, [0]
 
     def take_with_oracle(seq, result, now):
-        take(seq, result, now)
+        text_made = take(seq, result, now)
         if seq.is_finished:
-            return
+            return text_made
         produced, count = len(seq.output_token_ids), len(seq.draft_token_ids)
         drafts = list(references[seq.request_id][produced : produced + count])
         calls[0] += 1
@@ -57,6 +57,7 @@ def use_oracle_drafts(engine: LLMEngine, references: dict[str, list[int]]) -> No
         if wrong < len(drafts):
             drafts[wrong] = (drafts[wrong] + 1) % engine.model.config.vocab_size
         seq.draft_token_ids = drafts
+        return text_made
 
     engine._take_verified = take_with_oracle
 

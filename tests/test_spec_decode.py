@@ -20,6 +20,7 @@ from engine_harness import (
 )
 
 from dsinfer.config import ConfigError, EngineConfig, SpeculativeConfig
+from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.sampling_params import SamplingParams, StructuredOutput
 
@@ -98,6 +99,33 @@ def _slot_state(engine: LLMEngine, seq) -> list[torch.Tensor]:
             table = torch.tensor(seq.block_table, dtype=torch.long)
             parts.append(compressor.entries[table[entries // per_block], entries % per_block])
     return parts
+
+
+def test_a_verified_run_without_stop_strings_is_detokenized_once_a_step(tiny_v4_model, tiny_v4_tokenizer, monkeypatch):
+    """Only stop strings need a verified run's text token by token: without them the whole run is detokenized in one
+    push, after the next step is launched, and the text is plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = run_all(_engine(tiny_v4_model, tiny_v4_tokenizer), PROMPTS[:1], params)[0].outputs[0]
+    engine = _engine(tiny_v4_model, tiny_v4_tokenizer, 3)
+    use_oracle_drafts(engine, {"req-0": expected.token_ids})
+    pushes, steps, push = [0], [0], IncrementalDetokenizer.push
+
+    def counting_push(detokenizer, token_ids):
+        pushes[0] += 1
+        return push(detokenizer, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", counting_push)
+    step = engine.step
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counting_step
+    got = run_all(engine, PROMPTS[:1], params)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, expected.finish_reason)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert pushes[0] <= steps[0] < len(expected.token_ids)
 
 
 def test_caches_after_rejected_drafts_equal_a_run_that_never_drafted(tiny_v4_model, tiny_v4_tokenizer):

@@ -195,8 +195,9 @@ def _record_drafts(engine: LLMEngine) -> dict[str, list[list[int]]]:
     take, drafts = engine._take_verified, {}
 
     def recording(seq, result, now):
-        take(seq, result, now)
+        text_made = take(seq, result, now)
         drafts.setdefault(seq.request_id, []).append(list(result.next_drafts))
+        return text_made
 
     engine._take_verified = recording
     return drafts

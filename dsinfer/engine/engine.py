@@ -331,8 +331,8 @@ class LLMEngine:
         for seq, result in zip(current.sampled, results, strict=True):
             if not seq.is_finished:  # an abort, or a stop string found while this step ran, ended it
                 if isinstance(result, SpeculativeOutput):
-                    self._take_verified(seq, result, now)
-                    with_text.add(id(seq))
+                    if self._take_verified(seq, result, now):
+                        with_text.add(id(seq))
                 else:
                     self._append_token(seq, result, now)
                 touched.append(seq)
@@ -404,19 +404,23 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason, now)
 
-    def _take_verified(self, seq: Sequence, result: SpeculativeOutput, now: float) -> None:
+    def _take_verified(self, seq: Sequence, result: SpeculativeOutput, now: float) -> bool:
         """Take a verified run of tokens one at a time (a stop rule inside the run ends it there), then keep the
-        accepted drafts' cache, return the blocks past them and store the next drafts."""
+        accepted drafts' cache, return the blocks past them and store the next drafts. True when the run's text
+        is made here: only stop strings need it token by token (one may end the run early); otherwise the whole
+        run is detokenized at once after the next step is launched (:meth:`_finish_step`)."""
         self.spec_stats.record(result.num_drafts, result.num_accepted)
+        text_by_token = bool(seq.sampling.params.stop)
         for index, token in enumerate(result.token_ids):
             self._append_token(seq, SampleOutput(
                 [token],
                 None if result.logprobs is None else [result.logprobs[index]],
                 None if result.top_logprobs is None else [result.top_logprobs[index]],
             ), now)  # fmt: skip
-            self._update_text(seq, now)
+            if text_by_token:
+                self._update_text(seq, now)
             if seq.is_finished:
-                return
+                return text_by_token
         seq.num_computed += result.num_accepted
         self.blocks.register_computed(seq)
         self.blocks.trim(seq, seq.num_tokens)
@@ -425,6 +429,7 @@ class LLMEngine:
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - len(seq.output_token_ids) - 1)
         seq.draft_token_ids = result.next_drafts[: max(0, min(k, room))]
+        return text_by_token
 
     def _update_text(self, seq: Sequence, now: float) -> None:
         """Detokenize the new tokens and apply stop strings (which may end the sequence)."""
