@@ -2,12 +2,13 @@
 
     python benchmarks/indexer_decode.py                       # batch 1 8 64 256 x context 4k 16k 131k, bf16 + fp8
     python benchmarks/indexer_decode.py --batch 64 --context 131072 --keys fp8
-    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts halves joined
+    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts halves words
 
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
 (``--fp4-layouts``: ``halves``, the even and odd channels as two dots, the default; ``joined``, the codes
-interleaved into one tile), a row each, the op (``op ms``) with the default.
+interleaved into one tile; ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot), a row
+each, the op (``op ms``) with the default.
 
 V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
 ``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each

@@ -69,7 +69,7 @@ def run_interpreted_cases() -> list[str]:
     from test_sparse_attention import _interpret_bf16_as_hardware
 
     _interpret_bf16_as_hardware()
-    return check(torch.device("cpu"))
+    return check(torch.device("cpu")) + check_words(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("coded", [False, True])
@@ -98,3 +98,110 @@ def test_triton_kernel_matches_the_reference_on_cuda():
 def test_registry_picks_the_kernel_on_cuda_only():
     assert [b.name for b in registry.backends("index_scores_paged")] == ["triton", "reference"]
     assert registry.choose("index_scores_paged", "cpu", torch.float32).name == "reference"
+
+
+# The FP4 words layout (dsinfer/ops/index_scores_paged/fp4_words.py) against the reference: the stated bound of
+# test_index_decode (float32 sums in another order, plus 2^-16 of each product's magnitude for float32 queries split
+# into two bf16 halves) at 1 request (every tile and chunk edge, a case each) and 64 (the edges and random counts);
+# its decode bit for bit against the codec's for every byte under every scale byte the codec writes; and the
+# indexer's choice from its scores equal to the reference's on untied scores.
+try:
+    import triton
+    import triton.language as tl
+
+    from dsinfer.ops.index_scores_paged.fp4_words import _fp4_word_keys, fp4_word_channels
+
+    @triton.jit
+    def _decode_words_kernel(words_ptr, exponents_ptr, keys_ptr, n, NATIVE_BF16: tl.constexpr):
+        """Each word's 8 keys (the words layout's column order) under its scale byte."""
+        rows = tl.program_id(0) * 64 + tl.arange(0, 64)
+        inside = rows < n
+        words = tl.load(words_ptr + rows, mask=inside, other=0)[:, None]
+        exponents = tl.load(exponents_ptr + rows, mask=inside, other=127).to(tl.int32)[:, None]
+        keys = _fp4_word_keys(words, exponents << 7, NATIVE_BF16)
+        tl.store(keys_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :], keys, mask=inside[:, None])
+
+    @triton.jit
+    def _word_channels_kernel(channels_ptr):
+        tl.store(channels_ptr + tl.arange(0, 8), fp4_word_channels(8))
+
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+WORDS_CASES = [  # batch, query dtype, heads, dim
+    (1, torch.bfloat16, 16, 64),
+    (1, torch.float32, 20, 128),
+    (64, torch.bfloat16, 16, 64),
+    (64, torch.bfloat16, 64, 128),
+    (64, torch.float32, 64, 128),
+]
+
+
+def check_words_layout(device: torch.device) -> list[str]:
+    from test_index_decode import EDGES, ScoresCase, check_scores
+
+    generator = torch.Generator().manual_seed(2)
+    messages = []
+    for batch, q_dtype, heads, dim in WORDS_CASES:
+        case = ScoresCase(batch, "fp4", q_dtype, heads, dim)
+        counts = [[edge] for edge in EDGES] if batch == 1 else [None]
+        messages += [check_scores(case, device, generator, fp4_layout="words", visible=visible) for visible in counts]
+    return [f"words: {message}" for message in messages if message]
+
+
+def check_words_decode(device: torch.device) -> str | None:
+    """Each packed byte, four times in a word, under each scale byte the codec writes: the words layout's keys
+    against the codec reference's decode (float32 products, cast to bf16), bit for bit."""
+    from test_index_scores_fp4 import codec_bytes
+
+    from dsinfer.ops.triton_support import interpreted
+
+    packed, exponents = codec_bytes()
+    words = (packed.to(torch.int64) * 0x01010101).to(torch.int32).to(device)
+    keys = torch.empty(packed.numel(), 8, dtype=torch.bfloat16, device=device)
+    _decode_words_kernel[(triton.cdiv(packed.numel(), 64),)](words, exponents.to(device), keys, packed.numel(),
+                                                            not interpreted())  # fmt: skip
+    channels = torch.empty(8, dtype=torch.int32, device=device)
+    _word_channels_kernel[(1,)](channels)
+    codes = packed[:, None].expand(-1, 4).contiguous()
+    want = cache_decode_reference(codes, exponents[:, None], "e2m1", 8, "ue8m0", torch.bfloat16)
+    want = want[:, channels.cpu().long()].to(device)
+    differs = keys.view(torch.int16) != want.view(torch.int16)
+    if differs.any():
+        row = int(differs.any(-1).nonzero()[0])
+        return f"words decode of byte {int(packed[row])} under scale byte {int(exponents[row])}: {keys[row]}"
+    return None
+
+
+def check_words_choice(device: torch.device) -> list[str]:
+    """The top-k of the words layout's scores is the reference's, 64 requests, k 8 and 100."""
+    from test_index_decode import make_inputs, visible_counts
+
+    import dsinfer.ops.index_scores_paged.triton as backend
+    from dsinfer.ops.index_select.reference import index_topk_decode_reference
+
+    generator = torch.Generator().manual_seed(3)
+    inputs = make_inputs(64, 64, 128, "fp4", torch.bfloat16, visible_counts(64, generator), generator)
+    paged = PagedIndexInputs(*(t.to(device) for t in inputs))
+    got = backend.paged_scores_launch(paged, chunk=128, fp4_layout="words")
+    want = index_scores_paged_reference(paged)
+    messages = []
+    for k in (8, 100):
+        if not torch.equal(index_topk_decode_reference(got, k), index_topk_decode_reference(want, k)):
+            messages.append(f"words: another top-{k}")
+    return messages
+
+
+def check_words(device: torch.device) -> list[str]:
+    messages = check_words_layout(device) + check_words_choice(device)
+    return messages + [message for message in [check_words_decode(device)] if message]
+
+
+def test_fp4_words_layout_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_cases_pass("test_index_scores_paged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter test covers the CPU)")
+def test_fp4_words_layout_matches_the_reference_on_cuda():
+    assert check_words(torch.device("cuda")) == []
