@@ -186,8 +186,9 @@ def full_depth_part(args, tokenizer) -> dict:
         if router == "skewed":
             skew_router(model, args.zipf)
         for streams in args.streams:
-            out[f"{router}_{streams}_streams"] = measure(model, offload, tokenizer, args, streams, args.input_len,
-                                                         warm=True)  # fmt: skip
+            key = f"{router}_{streams}_streams"
+            out[key] = measure(model, offload, tokenizer, args, streams, args.input_len, warm=True)
+            print(json.dumps({key: out[key]}), flush=True)  # each point as it lands: a long run may be cut short
     return out
 
 
