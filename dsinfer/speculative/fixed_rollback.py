@@ -4,9 +4,10 @@
 spans' metadata; a step replayed from a CUDA graph cannot. Here every sequence of a fixed-width batch
 (:class:`~dsinfer.kv.fixed_width.FixedWidthBatch`: ``width`` = K + 1 new positions each) is snapshotted and rolled
 back at full width, with the accepted counts as a device tensor: each cache tensor is read at every position the
-step may write and written back where the position was rejected (a ``where`` over the full width, no shape
-depending on a device value), so the snapshot, the judge and the rollback are captured with the verify forward and
-its drafts, and the host reads the step's result once.
+step may write and written back at full width in one scatter per tensor, the rows of kept positions sent where no
+sequence reads (ring rows to the spare slot, entries to the trash block; no shape depends on a device value), so
+the snapshot, the judge and the rollback are captured with the verify forward and its drafts, and the host reads
+the step's result once.
 
 What is restored is what :class:`~dsinfer.speculative.rollback.CacheRollback` restores, the same way: window-ring
 rows of rejected positions from the snapshot; each compressor's unfinished window (and, overlapping, its last
@@ -39,11 +40,6 @@ class EntryIndex:
     owned: torch.Tensor  # [B, per_row] bool
 
 
-def _expand_like(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``mask`` [B, n] with trailing singleton dimensions, to select rows of ``values`` [B, n, ...]."""
-    return mask.view(*mask.shape, *([1] * (values.dim() - mask.dim())))
-
-
 class FixedWidthRollback:
     """Snapshot [B, ...] tensors before a fixed-width verify forward and roll rejected positions back after it."""
 
@@ -56,11 +52,12 @@ class FixedWidthRollback:
         """Everything the step may overwrite, each tensor's first dimension the batch's sequences: ring rows of
         every position, each overlapping compressor's last complete window, the entries each sequence may
         write, and V4.1's Engram look-back before the step (a sequence at position 0 has none)."""
-        saved = [_bytes(ring)[self._ring_index(batch, ring)] for ring in self.rings]
+        ring_rows, entry_indexes = self._ring_rows(batch), {}
+        saved = [_bytes(ring)[batch.slots[:, None], ring_rows[ring.shape[1]]] for ring in self.rings]
         for compressor in self.compressors:
             if compressor.previous is not None:
                 saved += [part[batch.slots] for part in compressor.previous]
-            index = self._entry_index(batch, compressor)
+            index = self._shared_entry_index(batch, compressor, entry_indexes)
             saved += [_bytes(entries)[index.blocks, index.offsets] for entries in compressor.entries]
         if self.engram_history is not None:
             history = self.engram_history[batch.slots]
@@ -71,16 +68,20 @@ class FixedWidthRollback:
     def rollback(self, batch: FixedWidthBatch, saved: list[torch.Tensor], records: dict, accepted: torch.Tensor):
         """Make each sequence's state hold only its first ``accepted + 1`` positions (``accepted`` [B] on the
         device); ``saved`` is :meth:`snapshot`'s list, ``records`` the step's journal (``id(state)`` -> padded
-        values and gates [B, L, width])."""
+        values and gates [B, L, width]).
+
+        Every saved row is written back, each in one scatter: a rejected position's to where it was, a kept one's
+        to a place no sequence reads (ring rows to the spare slot, entries to the trash block), so no scatter
+        needs the cache's current rows or a select between them."""
         kept = accepted + 1
         saved = list(reversed(saved))  # taken from the end, in snapshot order
         columns = torch.arange(batch.width, device=kept.device)
         rejected = columns[None, :] >= kept[:, None]  # [B, width]
+        ring_slots = torch.where(rejected, batch.slots[:, None], batch.spare_slot)
+        ring_rows = self._ring_rows(batch)
         for ring in self.rings:
-            index, rows = self._ring_index(batch, ring), saved.pop()
-            view = _bytes(ring)
-            view[index] = torch.where(_expand_like(rejected, rows), rows, view[index])
-        kept_end, cut = batch.starts + kept, kept < batch.width
+            _bytes(ring)[ring_slots, ring_rows[ring.shape[1]]] = saved.pop()
+        kept_end, cut, entry_indexes = batch.starts + kept, kept < batch.width, {}
         for compressor in self.compressors:
             previous = None
             if compressor.previous is not None:
@@ -88,12 +89,11 @@ class FixedWidthRollback:
             if compressor.pending is not None:
                 values, gates = records[id(compressor.journal_key)]
                 self._rollback_pending(batch, compressor, (values, gates), previous, kept_end, cut)
-            index = self._entry_index(batch, compressor)
+            index = self._shared_entry_index(batch, compressor, entry_indexes)
             undo = index.owned & cut[:, None] & (index.entry_ids >= (kept_end // compressor.ratio)[:, None])
+            blocks = torch.where(undo, index.blocks, batch.cache.trash_block)
             for entries in compressor.entries:
-                view, rows = _bytes(entries), saved.pop()
-                current = view[index.blocks, index.offsets]
-                view[index.blocks, index.offsets] = torch.where(_expand_like(undo, rows), rows, current)
+                _bytes(entries)[blocks, index.offsets] = saved.pop()
         if self.engram_history is not None:
             self._rollback_engram(batch, saved.pop(), kept, cut)
 
@@ -135,10 +135,16 @@ class FixedWidthRollback:
         self.engram_history[slots] = torch.where(cut[:, None], after, self.engram_history[slots])
 
     # ---- indexes -------------------------------------------------------------------------------------
-    @staticmethod
-    def _ring_index(batch: FixedWidthBatch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, ring rows) [B, width] of every position of the step."""
-        return batch.slots[:, None].expand(-1, batch.width), batch.positions % ring.shape[1]
+    def _ring_rows(self, batch: FixedWidthBatch) -> dict[int, torch.Tensor]:
+        """The ring row [B, width] of every position of the step, per ring width."""
+        return {width: batch.positions % width for width in {ring.shape[1] for ring in self.rings}}
+
+    def _shared_entry_index(self, batch: FixedWidthBatch, compressor, built: dict) -> EntryIndex:
+        """:meth:`_entry_index`, built once for the compressors of one ratio and block layout (``built``: by key)."""
+        key = (compressor.ratio, compressor.entries[0].shape[1])
+        if key not in built:
+            built[key] = self._entry_index(batch, compressor)
+        return built[key]
 
     @staticmethod
     def _entry_index(batch: FixedWidthBatch, compressor) -> EntryIndex:
