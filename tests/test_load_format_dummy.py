@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -12,7 +13,7 @@ from server_harness import running_server
 
 from dsinfer.bench.shapes import flash_slice_config
 from dsinfer.cli import main
-from dsinfer.config import EngineConfig, ModelConfig
+from dsinfer.config import EngineConfig, ModelConfig, QuantizationConfig
 from dsinfer.layers.moe import MoE
 from dsinfer.llm import LLM
 from dsinfer.models.loader import CheckpointError
@@ -58,7 +59,8 @@ def test_dummy_runs_one_rank_and_names_the_formats(tiny_checkpoint):
 def test_make_slice_writes_the_flash_widths_and_a_whole_vocabulary(tmp_path, capsys):
     assert main(["make-slice", str(tmp_path / "slice"), "--flash-layers", "3"]) == 0
     assert "--load-format dummy" in capsys.readouterr().out
-    assert ModelConfig.from_file(tmp_path / "slice") == flash_slice_config(3)
+    declared = replace(flash_slice_config(3), quantization=QuantizationConfig())  # what the dummy weights draw
+    assert ModelConfig.from_file(tmp_path / "slice") == declared
     assert Tokenizer.from_dir(tmp_path / "slice").vocab_size == flash_slice_config(3).vocab_size
     assert not list((tmp_path / "slice").glob("*.safetensors"))
     assert json.loads((tmp_path / "slice" / "config.json").read_text())["num_hidden_layers"] == 3

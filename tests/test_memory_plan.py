@@ -9,7 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dsinfer.bench.shapes import write_slice_directory
 from dsinfer.cli import main
+from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.config.tensor_shapes import model_tensors
 from dsinfer.memory_plan import (
     GIB,
@@ -80,6 +82,14 @@ def test_v4_flash_weights_by_hand():
     shared = 3 * 2048 * 4096 * 2
     assert weights.dense_ffn == 43 * (256 * 4096 * 2 + shared) + 40 * 256 * 4 + hash_tables
     assert weights.ends == 2 * 129280 * 4096 * 2 + 4096 * 4 + 4 * (4 * 16384 + 4 + 1)
+
+
+def test_make_slice_declares_the_formats_its_dummy_weights_draw(tmp_path):
+    """The served slice's start-up plan sizes its experts as the dummy weights store them (packed FP4), not as
+    16-bit tensors (which had the plan call a 43-layer slice 482 GiB of host store where 97 GiB were used)."""
+    config = ModelConfig.from_file(write_slice_directory(tmp_path, 3) / "config.json")
+    assert config.quantization == QuantizationConfig()
+    assert weight_bytes(PlanRequest(config)).expert == V4_EXPERT
 
 
 def test_v4_flash_on_one_h100_offloads_by_hand():

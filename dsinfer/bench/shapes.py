@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import pre_tokenizers
 
-from dsinfer.config import ModelConfig
+from dsinfer.config import ModelConfig, QuantizationConfig
 from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, TOKENIZER_FILE
 
@@ -33,7 +33,9 @@ def write_slice_directory(directory: str | Path, num_layers: int) -> Path:
     every one decodes to text, so a served stream carries a chunk per token as a real model's does)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = flash_slice_config(num_layers)
+    # The release's formats declared, as the dummy weights draw them (FP4 experts, FP8 block-scaled linears): the
+    # start-up plan and `dsinfer plan` then size the experts as what the GPU and the host store hold.
+    config = replace(flash_slice_config(num_layers), quantization=QuantizationConfig())
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     build_tiny_tokenizer(directory, vocab_size=config.vocab_size, filler="words")
     words_into_vocabulary(directory / TOKENIZER_FILE)
