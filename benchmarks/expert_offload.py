@@ -6,8 +6,9 @@
 (a) ``--layers`` layers of V4-Flash widths (random packed weights), same process: decode at 1 request, all
     resident, then with ``--resident-fraction`` of each layer's experts resident and the skewed router (after a
     warm-up and one re-balance, so the resident sets follow the counts); decode time per token and per layer, and
-    the ratio (target <= 1.5), and the offloaded decode again with fetch-ahead off (each layer fetching its own
-    misses), so one run says which look-ahead pays. Prefill tokens/s of one ``--prefill-len``-token prompt in one
+    the ratio (target <= 1.5), first with fetch-ahead on, then again with it off (each layer fetching its own
+    misses), so one run says which look-ahead pays (``fetch_ahead_by_default``: what the engine would pick for
+    this share resident). Prefill tokens/s of one ``--prefill-len``-token prompt in one
     chunk, both ways.
 (b) Full-depth V4-Flash (43 layers, release shapes, random packed weights drawn where they live: the resident
     experts in the GPU's slots, the rest in pinned host memory; never all 147 GB in RAM), resident experts as
@@ -138,6 +139,9 @@ def per_layer_part(args, tokenizer) -> dict:
     out = {"layers": config.num_hidden_layers, "resident_per_layer": resident, "experts": experts}
     for name, kept in (("all_resident", None), ("offloaded_skewed", resident)):
         model, offload = build(config, args, kept, args.zipf if kept else 0.0)
+        if offload is not None:  # first with fetch-ahead, then without (below), whatever the default chose
+            out["fetch_ahead_by_default"] = offload.layers[0].next_layer is not None
+            offload.set_fetch_ahead(True)
         decode = measure(model, offload, tokenizer, args, 1, args.decode_prompt, warm=True)
         before = None if offload is None else offload.traffic()
         engine = engine_for(model, tokenizer, args, 1, args.prefill_len)

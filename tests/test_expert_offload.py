@@ -137,3 +137,12 @@ def test_engine_option_and_budget(tiny_checkpoint):
     budget = (2 * 5 + 16) * expert_bytes / 2**30  # 4 layers: 5 resident each plus 2 x 3 fetch slots = 26 experts
     offload_experts(model, EngineConfig(expert_offload=budget))
     assert [len(layer.resident) for layer in model.expert_offload.layers] == [5] * 4
+
+
+@pytest.mark.parametrize(("resident", "ahead"), [(0, True), (3, True), (4, False), (7, False)])
+def test_fetch_ahead_is_on_by_default_only_where_few_experts_are_resident(tiny_checkpoint, resident, ahead):
+    """Of 8 experts a layer: on below half resident (FETCH_AHEAD_BELOW_RESIDENT_SHARE), unless the caller says."""
+    offload = install_expert_offload(load_model(tiny_checkpoint, progress=False), resident)
+    assert (offload.layers[0].next_layer is not None) == ahead
+    forced = install_expert_offload(load_model(tiny_checkpoint, progress=False), resident, fetch_ahead=True)
+    assert forced.layers[0].next_layer is not None

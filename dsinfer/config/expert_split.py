@@ -17,6 +17,16 @@ FETCH_BUFFERS = 2
 # (:mod:`dsinfer.offload.streaming`), so its host holds only the offloaded experts: V4-Flash's 147 GB of experts
 # load beside 128 GiB of RAM.
 HOST_KEEPS_EVERY_EXPERT = False
+# Fetch-ahead (the next layer's router run on this layer's MoE input, its predicted misses copied on the copy
+# stream) is on by default only where fewer than this share of a layer's experts are resident. On one H100, at
+# 1 request with 80% resident and a Zipf-skewed router (benchmarks/expert_offload.py, docs/perf.md), it fetched
+# 0.3% of the misses ahead and cost 0.23 ms a layer: decode 2.17x all-resident with it, 1.47x without.
+FETCH_AHEAD_BELOW_RESIDENT_SHARE = 0.5
+
+
+def fetch_ahead_by_default(resident: int, per_layer: int) -> bool:
+    """Whether fetch-ahead is on when the caller does not say (:data:`FETCH_AHEAD_BELOW_RESIDENT_SHARE`)."""
+    return resident < FETCH_AHEAD_BELOW_RESIDENT_SHARE * per_layer
 
 
 @dataclass(frozen=True)

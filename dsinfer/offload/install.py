@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.config import ConfigError
-from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, largest_split
+from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, fetch_ahead_by_default, largest_split
 from dsinfer.layers.moe import MoE
 from dsinfer.offload.arena import ExpertArena
 from dsinfer.offload.host_store import PARTS, HostStore
@@ -111,7 +111,7 @@ def install_expert_offload(
     resident_per_layer: int,
     stats_path: str | Path | None = None,
     rebalance_every: int = REBALANCE_EVERY,
-    fetch_ahead: bool = True,
+    fetch_ahead: bool | None = None,
     host_keeps_every_expert: bool = HOST_KEEPS_EVERY_EXPERT,
 ) -> ExpertOffload | None:
     """Keep ``resident_per_layer`` experts of each backbone MoE layer on the model's device, the rest in host
@@ -177,10 +177,14 @@ def _select_experts(weights: ExpertWeights, experts: list[int]) -> ExpertWeights
     return ExpertWeights(*parts, weights.intermediate_size, weights.is_fp4)
 
 
-def attach_offload(model, layers: list[LayerResidency], stats: ExpertStats, stats_path, every: int, fetch_ahead: bool):
+def attach_offload(model, layers: list[LayerResidency], stats: ExpertStats, stats_path, every: int,
+                   fetch_ahead: bool | None):  # fmt: skip
     """Hand each backbone MoE layer its residency and the model its :class:`ExpertOffload` (also what a builder
-    of random experts in place calls, :mod:`dsinfer.offload.random_experts`)."""
+    of random experts in place calls, :mod:`dsinfer.offload.random_experts`). ``fetch_ahead`` None: on where
+    few experts are resident (:func:`~dsinfer.config.expert_split.fetch_ahead_by_default`)."""
     offload = ExpertOffload(layers, stats, None if stats_path is None else str(stats_path), every)
+    if fetch_ahead is None:
+        fetch_ahead = fetch_ahead_by_default(offload.arena.resident, offload.arena.resident + offload.arena.fetch_slots)
     offload.set_fetch_ahead(fetch_ahead)
     for layer, (_, moe) in zip(layers, backbone_moes(model), strict=True):
         moe.expert_residency = layer

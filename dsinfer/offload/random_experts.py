@@ -57,7 +57,9 @@ def _host_rows(like: ExpertWeights, rows: int, device: torch.device, generator: 
     return ExpertWeights(*parts, like.intermediate_size, like.is_fp4)
 
 
-def offload_random_experts(model, resident_per_layer: int, seed: int = 0, fetch_ahead: bool = True) -> ExpertOffload:
+def offload_random_experts(
+    model, resident_per_layer: int, seed: int = 0, fetch_ahead: bool | None = None
+) -> ExpertOffload:
     """Draw every backbone MoE layer's experts in place: ``resident_per_layer`` (an even spread of ids) in the
     arena on the model's device, the rest in the host store; the model's :class:`ExpertOffload`."""
     moes = backbone_moes(model)
