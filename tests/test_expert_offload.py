@@ -146,3 +146,21 @@ def test_fetch_ahead_is_on_by_default_only_where_few_experts_are_resident(tiny_c
     assert (offload.layers[0].next_layer is not None) == ahead
     forced = install_expert_offload(load_model(tiny_checkpoint, progress=False), resident, fetch_ahead=True)
     assert forced.layers[0].next_layer is not None
+
+
+def test_a_background_rebalance_moves_a_few_experts_a_layer_and_converges(tiny_checkpoint):
+    """Between steps the engine swaps at most REBALANCE_MOVES_PER_LAYER experts a layer (service waits on the
+    copies); repeated re-balances reach the most-routed set, and the tokens stay the all-resident ones."""
+    expected, _, _ = _greedy_tokens(tiny_checkpoint, None)
+    tokens, _, offload = _greedy_tokens(tiny_checkpoint, 2, every=10**9)  # no re-balance while serving
+    assert tokens == expected
+    offload.stats.snapshot()
+    targets = [offload.stats.resident(layer.row, 2) for layer in offload.layers]
+    before = [list(layer.resident) for layer in offload.layers]
+    moved = offload.rebalance(1)
+    assert moved == sum(len(set(t) - set(b)) > 0 for t, b in zip(targets, before, strict=True))
+    for layer, start in zip(offload.layers, before, strict=True):
+        assert len(set(layer.resident) - set(start)) <= 1
+    while offload.rebalance(1):
+        pass
+    assert [layer.resident for layer in offload.layers] == targets

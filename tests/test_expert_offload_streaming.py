@@ -143,7 +143,7 @@ def test_a_rebalance_after_a_streamed_load_swaps_experts_and_keeps_the_tokens(ti
     model = load_model(tiny_checkpoint, progress=False, expert_device="meta")
     offload = install_expert_offload(model, 4, tmp_path / "stats.json", rebalance_every=1)
     moved, rebalance = [], offload.rebalance
-    offload.rebalance = lambda: moved.append(rebalance()) or moved[-1]
+    offload.rebalance = lambda *limit: moved.append(rebalance(*limit)) or moved[-1]
     assert _tokens(model, tiny_checkpoint) == expected
     assert len(moved) > 10 and sum(moved) > 0
     for layer in offload.layers:  # the store still holds exactly the experts not resident

@@ -74,12 +74,12 @@ class HostStore:
 
     def write_back(self, experts: list[int], rows: list[int], arena: ExpertWeights, entries: list[int]) -> None:
         """Store the device copies of ``experts`` (arena ``entries``) in host ``rows`` (between steps)."""
-        index = torch.tensor(entries, dtype=torch.int64, device=arena.w13.device)
-        host_rows = torch.tensor(rows, dtype=torch.int64)
-        for name in PARTS:
+        for name in PARTS:  # row by row, device to the (page-locked) host rows: DMA, in the stream's order
             host = getattr(self.weights, name)
             if host is not None:
-                host.index_copy_(0, host_rows, getattr(arena, name).index_select(0, index).to("cpu"))
+                device_part = getattr(arena, name)
+                for entry, row in zip(entries, rows, strict=True):
+                    host[row].copy_(device_part[entry], non_blocking=True)
         for expert, row in zip(experts, rows, strict=True):
             self.row_list[expert] = row
 

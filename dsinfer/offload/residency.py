@@ -91,9 +91,16 @@ class LayerResidency:
         self.arena.copy_rows(self.copy, self.host, self.fetch_list(inputs), self.fetch_entries)
 
     # ---- between steps (host side) -----------------------------------------------------------------------
-    def rebalance(self) -> int:
-        """Make the layer's most-routed experts resident; how many experts moved in."""
-        return self.place(self.stats.resident(self.row, self.arena.resident))
+    def rebalance(self, most_moves: int | None = None) -> int:
+        """Make the layer's most-routed experts resident; how many experts moved in. ``most_moves``: move at most
+        that many, the most-routed of the missing in for the least-routed of the unwanted (None: all)."""
+        wanted = self.stats.resident(self.row, self.arena.resident)
+        if most_moves is not None and self.stats.observed:
+            ranked, kept = self.stats.ranked(self.row), set(wanted)
+            entering = [e for e in ranked if e in kept and e not in self.slot_list][:most_moves]
+            leaving = [e for e in reversed(ranked) if e in self.slot_list and e not in kept][: len(entering)]
+            wanted = sorted((set(self.slot_list) - set(leaving)) | set(entering))
+        return self.place(wanted)
 
     def place(self, wanted: list[int], filled: bool = False) -> int:
         """Make ``wanted`` the resident set (``filled``: their slots already hold them, in order, on a first

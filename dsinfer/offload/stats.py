@@ -46,10 +46,13 @@ class ExpertStats:
         traffic, an even spread over the ids."""
         if not self.observed:
             return self.even_resident(count)
+        return sorted(self.ranked(row)[:count])
+
+    def ranked(self, row: int) -> list[int]:
+        """Every expert of the layer at ``row``, most routed first (ties: lower ids), as of the last snapshot."""
         if self._host_counts is None:
             self.snapshot()
-        order = sorted(range(self.n_experts), key=lambda e: (-self._host_counts[row][e], e))
-        return sorted(order[:count])
+        return sorted(range(self.n_experts), key=lambda e: (-self._host_counts[row][e], e))
 
     def snapshot(self) -> None:
         """Read the counts to the host (between steps): what :meth:`resident` and :meth:`save` then use."""
