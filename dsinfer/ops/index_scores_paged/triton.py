@@ -15,11 +15,14 @@ fill the GPU alike and each key is read by exactly one program.
 Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dtype multiply exactly into float32
 sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
 an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. FP4 tiles take one of
-two layouts (``paged_scores_launch(fp4_layout=...)``). ``halves``, the default: the even channels (each byte's low
+three layouts (``paged_scores_launch(fp4_layout=...)``). ``words``, the default (:mod:`.fp4_words`): the keys
+read as int32 words of 8 codes, two codes a shift and mask, one dot; on one H100 at 64 and 256 requests x 131,072
+its scores kernel took 0.78 and 2.56 ms against ``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``).
+``halves``, where words do not fit: the even channels (each byte's low
 nibble) and the odd ones (its high nibble) are two [BLOCK_E, d / 2] tiles, scored by two dots against the query's
 even and odd channels (loaded once a chunk with a channel stride of 2), and each nibble becomes bf16 bits with
 integer ops, the ue8m0 scale added to the exponent field (:func:`e2m1_bf16`: exact for every byte the codec writes).
-``joined``, the first: the nibbles interleaved into one [BLOCK_E, d] tile (``tl.join`` + ``tl.reshape``, a layout
+``joined``: the nibbles interleaved into one [BLOCK_E, d] tile (``tl.join`` + ``tl.reshape``, a layout
 shuffle) and decoded in float32. A query that is not of
 the dot's dtype (float32, the tests' and some callers') is split into a high and a low bf16 half and takes two dots
 (float32 keys likewise: three), which leaves about 2^-16 of each product's magnitude. Then ReLU, the head weights,
@@ -250,7 +253,7 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
     return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
 
 
-def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "halves") -> torch.Tensor:
+def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words") -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
     FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots; ``"joined"`` below 32 channels,
