@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsinfer.config import ConfigError, ModelConfig, ModelConfigV41, QuantizationConfig
-from dsinfer.config.engine import check_expert_offload
+from dsinfer.config.engine import KV_CACHE_DTYPES, check_expert_offload
 from dsinfer.config.expert_split import FETCH_BUFFERS, HOST_KEEPS_EVERY_EXPERT, ExpertSplit, largest_split
 from dsinfer.config.tensor_shapes import TensorShape, model_tensors
 from dsinfer.kv.cache_v4 import block_tokens_for
@@ -54,7 +54,6 @@ GIB = 2**30
 MIB = 2**20
 # Memory each GPU reports (nvidia-smi's total, MiB): what ``--gpu-memory h100`` / ``h200`` stand for.
 GPU_PRESETS = {"h100": 81559 * MIB, "h200": 143771 * MIB}
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 FP8_SCALE_CHANNELS = 32  # channels per ue8m0 scale of an Engram row (the store's record)
 
 

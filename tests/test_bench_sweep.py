@@ -306,6 +306,7 @@ def test_v4_cache_per_kind_by_hand():
     """V4-Flash widths (head 512, indexer keys 128, window 128), 1,000 tokens in 128-token blocks: 1,024 positions."""
     from dsinfer.bench.shapes import flash_slice_config
     from dsinfer.kv.cache_v4 import KVCache
+    from dsinfer.kv.codecs import INDEX_KEY_FP8_FORMAT
     from dsinfer.kv.sequence_bytes import sequence_bytes, v4_kind_bytes, v4_storages
 
     config = flash_slice_config(3)  # window, CSA (ratio 4), HCA (ratio 128)
@@ -318,12 +319,12 @@ def test_v4_cache_per_kind_by_hand():
         "HCA (ratio 128)": 131072 + 2 * 128 * 512 * 2 + 8 * 512 * 2,
     }
     fp8 = {kind.kind: kind.per_layer for kind in v4_kind_bytes(config, 1000, 128, storages["fp8"])}
-    row = 512 + 16  # e4m3 codes and a ue8m0 byte per 32 channels
-    assert fp8 == {"window": 128 * row, "CSA (ratio 4)": 128 * row + 40960 + 256 * (row + 128 + 4),
-                   "HCA (ratio 128)": 128 * row + 262144 + 8 * row}  # fmt: skip
-    cache = KVCache(config, list(config.compress_ratios), 1, 8, 128, torch.bfloat16, "meta")  # the engine's count
-    expected = cache.slot_bytes() + 8 * cache.block_bytes()
-    assert sequence_bytes(v4_kind_bytes(config, 1000, 128, storages["bf16"])) == expected
+    key = 128 + 1  # the indexer keys only: e4m3 codes and one ue8m0 byte per 128 channels
+    assert fp8 == {**bf16, "CSA (ratio 4)": 131072 + 40960 + 256 * (512 * 2 + key)}
+    for name, index_keys in (("bf16", None), ("fp8", INDEX_KEY_FP8_FORMAT)):  # the engine's count agrees
+        cache = KVCache(config, list(config.compress_ratios), 1, 8, 128, torch.bfloat16, "meta", index_keys)
+        expected = cache.slot_bytes() + 8 * cache.block_bytes()
+        assert sequence_bytes(v4_kind_bytes(config, 1000, 128, storages[name])) == expected
 
 
 def test_v41_cache_per_kind_by_hand():

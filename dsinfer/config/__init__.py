@@ -1,6 +1,6 @@
 """Configuration, parsed and validated once at the edge: the model (V4, and V4.1 on top of it) and the engine."""
 
-from dsinfer.config.engine import ENGRAM_PLACEMENTS, EngineConfig
+from dsinfer.config.engine import ENGRAM_PLACEMENTS, KV_CACHE_DTYPES, EngineConfig
 from dsinfer.config.model import (
     HF_LAYER_TYPE_NAMES,
     SUPPORTED_MODEL_TYPES,
@@ -19,6 +19,7 @@ __all__ = [
     "ENGRAM_PLACEMENTS",
     "FP8_SCALE_BLOCK",
     "HF_LAYER_TYPE_NAMES",
+    "KV_CACHE_DTYPES",
     "SUPPORTED_MODEL_TYPES",
     "V41_MARKER_KEYS",
     "ConfigError",

@@ -12,8 +12,11 @@ if TYPE_CHECKING:
     from dsinfer.config.model import ModelConfig
 
 ENGRAM_PLACEMENTS = ("device", "host", "sharded")
-V41_PREFILL_MODES = ("bounded", "exact")
 """Where V4.1's Engram tables can live (``dsinfer.engram.fetch`` implements each)."""
+V41_PREFILL_MODES = ("bounded", "exact")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+"""How the caches that have both forms store their rows (vLLM's ``--kv-cache-dtype``): ``auto`` the model's default
+(V4: bf16, V4.1: FP8 / FP4 codes where its trained-in rounding is on), ``bf16`` the model dtype, ``fp8`` codes."""
 
 
 def check_expert_offload(value: object, field: str) -> None:
@@ -37,6 +40,10 @@ class EngineConfig:
     block_tokens: int | None = None  # None: the lcm of the compression ratios (128 for V4-Flash)
     cache_memory_bytes: int | None = None  # cache budget; None: 512 MiB on CPU, gpu_memory_utilization on CUDA
     num_cache_blocks: int | None = None  # exact number of compressed-cache blocks (overrides the byte budget)
+    # Cache storage (vLLM's spelling, KV_CACHE_DTYPES): 'fp8' keeps V4's indexer keys as the release does (e4m3
+    # codes, a ue8m0 scale per 128 channels: half of bf16, so more blocks fit) and V4.1's rows as FP8 / FP4 codes;
+    # 'bf16' keeps both in the model dtype; 'auto' each model's default (V4 bf16, V4.1 codes under its rounding).
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     dtype: str = "float32"
     device: str = "cpu"
@@ -85,6 +92,11 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"engine option 'gpu_memory_utilization': must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"engine option 'kv_cache_dtype' (--kv-cache-dtype): expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.engram_placement is not None and self.engram_placement not in ENGRAM_PLACEMENTS:
             raise ConfigError(

@@ -39,7 +39,8 @@ def cache_blocks_for_budget(model: ServedModel, engine: EngineConfig, num_slots:
     if engine.num_cache_blocks is not None:
         return engine.num_cache_blocks
     with_drafter = engine.speculative_config is not None
-    probe = model.build_cache(CachePlan(0, 0, block_tokens, "meta", with_drafter))  # byte accounting only: no memory
+    plan = CachePlan(0, 0, block_tokens, "meta", with_drafter, engine.kv_cache_dtype)
+    probe = model.build_cache(plan)  # byte accounting only: no memory
     budget = engine.cache_memory_bytes
     if budget is None:
         device = torch.device(engine.device)

@@ -116,7 +116,7 @@ class ModelRunner:
         self.speculative = engine.speculative_config is not None
         self.replay_tokens = model.bounded_replay_tokens(engine)
         self.cache = model.build_cache(
-            CachePlan(num_slots, num_blocks, self.block_tokens, self.device, self.speculative)
+            CachePlan(num_slots, num_blocks, self.block_tokens, self.device, self.speculative, engine.kv_cache_dtype)
         )
         self._engram_width = model.engram_history_width()
         self.max_model_len = max_model_len

@@ -10,6 +10,13 @@ Two kinds of memory:
   covers ``block_tokens`` token positions and holds, for every compressed layer, the ``block_tokens / ratio``
   entries those positions produce (CSA and HCA KV, indexer keys). A sequence's block table lists its blocks
   in position order; full blocks can be shared between sequences with the same prefix.
+
+**Index-key storage.** The indexer's keys are kept in the model dtype, or (``index_key_format``, the engine's
+``kv_cache_dtype: fp8``) as the release keeps them: FP8 e4m3 codes with one ue8m0 exponent byte per 128 channels
+(:data:`~dsinfer.kv.codecs.INDEX_KEY_FP8_FORMAT`), half the bytes of bf16. Those keys are rounded, not lossless:
+the top-k choice can change where two entries' scores lie within the rounding of each other. Every write goes
+through :meth:`CompressorCache.store_rows`, every read through :meth:`CompressorCache.load_rows` or the paged
+scoring op, which reads the codes and scales in place.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.config import ModelConfig
+from dsinfer.kv.codecs import CacheFormat
 from dsinfer.kv.compressor_state import CompressorTensors
 from dsinfer.kv.sequence_copy import copy_sequence_state
+from dsinfer.ops.registry import OpTable
 
 
 @dataclass
@@ -36,7 +45,40 @@ class CompressorCache:
     pending_gates: torch.Tensor  # [slots, ratio, width]
     previous_values: torch.Tensor | None  # [slots, ratio, width]: last complete window (overlap only)
     previous_gates: torch.Tensor | None
-    entries: torch.Tensor  # [blocks, block_tokens // ratio, dim]
+    entries: torch.Tensor  # [blocks, block_tokens // ratio, dim]; coded: the format's codes
+    entry_format: CacheFormat | None = None  # None: entries in the model dtype
+    entry_scales: torch.Tensor | None = None  # coded only: [blocks, block_tokens // ratio, dim / block] scales
+
+    def entry_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by block: the entries and, coded, their scales."""
+        return [self.entries] if self.entry_scales is None else [self.entries, self.entry_scales]
+
+    def store_rows(
+        self, blocks: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, ops: OpTable | None = None
+    ) -> None:
+        """``values`` [n, dim] into ``(blocks[i], rows[i])``, encoded when the entries are coded (``ops``: the table
+        the layer encodes with; None: the one for the values' device and dtype)."""
+        if self.entry_format is None:
+            self.entries[blocks, rows] = values.to(self.entries.dtype)
+            return
+        codes, scales = self.entry_format.encode(values, ops)
+        _as_bytes(self.entries)[blocks, rows] = _as_bytes(codes)
+        _as_bytes(self.entry_scales)[blocks, rows] = _as_bytes(scales)
+
+    def load_rows(self, blocks: torch.Tensor, rows: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:
+        """The entries at ``(blocks[i], rows[i])`` [n, dim]: as stored, or decoded to float32 (exact: an e4m3 code
+        times a power of two), what the scoring ops widen plain keys to."""
+        if self.entry_format is None:
+            return self.entries[blocks, rows]
+        codes = _as_bytes(self.entries)[blocks, rows].view(self.entries.dtype)
+        scales = _as_bytes(self.entry_scales)[blocks, rows].view(self.entry_scales.dtype)
+        return self.entry_format.decode(codes, scales, torch.float32, ops)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """One-byte tensors (FP8 codes, scales) through a uint8 view: advanced indexing of float8 is missing on some
+    devices and torch versions."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
 @dataclass
@@ -70,6 +112,7 @@ class CacheLayout:
     ratios: tuple[int, ...]
     block_tokens: int
     element_bytes: int
+    index_key_format: CacheFormat | None = None  # None: index keys in the model dtype
 
     def slot_bytes(self) -> int:
         cfg, total = self.config, 0
@@ -83,14 +126,19 @@ class CacheLayout:
                     total += 4 * ratio * 2 * cfg.index_head_dim
         return total * self.element_bytes
 
+    def index_key_bytes(self) -> int:
+        """Bytes of one index key: codes and scales, or ``index_head_dim`` values of the model dtype."""
+        dim = self.config.index_head_dim
+        return dim * self.element_bytes if self.index_key_format is None else self.index_key_format.row_bytes(dim)
+
     def block_bytes(self) -> int:
         cfg, total = self.config, 0
         for ratio in self.ratios:
             if ratio:
-                total += self.block_tokens // ratio * cfg.head_dim
+                total += self.block_tokens // ratio * cfg.head_dim * self.element_bytes
                 if ratio == cfg.csa_ratio:
-                    total += self.block_tokens // ratio * cfg.index_head_dim
-        return total * self.element_bytes
+                    total += self.block_tokens // ratio * self.index_key_bytes()
+        return total
 
     def bytes_per_token(self) -> dict[str, float]:
         """Compressed-cache bytes per token position, by kind (what grows with context length)."""
@@ -98,7 +146,7 @@ class CacheLayout:
         for ratio in self.ratios:
             if ratio == cfg.csa_ratio:
                 out["csa_kv"] += cfg.head_dim / ratio * self.element_bytes
-                out["indexer_keys"] += cfg.index_head_dim / ratio * self.element_bytes
+                out["indexer_keys"] += self.index_key_bytes() / ratio
             elif ratio:
                 out["hca_kv"] += cfg.head_dim / ratio * self.element_bytes
         return out
@@ -116,9 +164,14 @@ class KVCache:
         block_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        index_key_format: CacheFormat | None = None,
     ) -> None:
         self.config, self.num_slots, self.num_blocks, self.block_tokens = config, num_slots, num_blocks, block_tokens
-        self.layout = CacheLayout(config, tuple(ratios), block_tokens, torch.finfo(dtype).bits // 8)
+        if index_key_format is not None:
+            index_key_format.check_channels(config.index_head_dim)
+        self.index_key_format = index_key_format
+        element_bytes = torch.finfo(dtype).bits // 8
+        self.layout = CacheLayout(config, tuple(ratios), block_tokens, element_bytes, index_key_format)
         self.layers = [self._layer(ratio, num_slots, num_blocks, dtype, device) for ratio in ratios]
 
     spare_blocks = 1  # the trash block, allocated beside the pool
@@ -143,7 +196,7 @@ class KVCache:
                 if compressor is not None:
                     previous = (compressor.previous_values, compressor.previous_gates) if compressor.overlap else None
                     pending = (compressor.pending_values, compressor.pending_gates)
-                    yield CompressorTensors(compressor, compressor.ratio, pending, previous, [compressor.entries])
+                    yield CompressorTensors(compressor, compressor.ratio, pending, previous, compressor.entry_tensors())
 
     def slot_tensors(self) -> list[torch.Tensor | None]:
         """Every tensor indexed by state slot: windows and the compressors' unfinished windows."""
@@ -157,8 +210,9 @@ class KVCache:
         return out
 
     def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor indexed by block: the compressed entries and the index keys."""
-        return [c.entries for layer in self.layers for c in (layer.compressor, layer.indexer) if c is not None]
+        """Every tensor indexed by block: the compressed entries, the index keys and, coded, their scales."""
+        compressors = [c for layer in self.layers for c in (layer.compressor, layer.indexer) if c is not None]
+        return [tensor for compressor in compressors for tensor in compressor.entry_tensors()]
 
     def copy_sequence(self, source_slot: int, target_slot: int, source_blocks, target_blocks) -> None:
         """Copy one sequence's state onto another slot and other blocks (:mod:`dsinfer.kv.sequence_copy`)."""
@@ -171,15 +225,27 @@ class KVCache:
             return LayerCache(window, None, None)
         overlap = ratio == cfg.csa_ratio
         compressor = self._compressor(ratio, cfg.head_dim, overlap, slots, blocks, dtype, device)
-        indexer = self._compressor(ratio, cfg.index_head_dim, True, slots, blocks, dtype, device) if overlap else None
+        indexer = None
+        if overlap:
+            indexer = self._compressor(ratio, cfg.index_head_dim, True, slots, blocks, dtype, device,
+                                       self.index_key_format)  # fmt: skip
         return LayerCache(window, compressor, indexer)
 
-    def _compressor(self, ratio, dim, overlap, slots, blocks, dtype, device) -> CompressorCache:
+    def _compressor(self, ratio, dim, overlap, slots, blocks, dtype, device, entry_format=None) -> CompressorCache:
         width = (2 if overlap else 1) * dim
 
         def state() -> torch.Tensor:
             return torch.zeros(slots, ratio, width, dtype=dtype, device=device)
 
+        # One block more than the pool: the trash block, where batched writes of entries that are not complete yet
+        # go (a device-side choice of destination, so no host read decides whether to write).
+        rows = (blocks + 1, self.block_tokens // ratio)
+        scales = None
+        if entry_format is None:
+            entries = torch.zeros(*rows, dim, dtype=dtype, device=device)
+        else:
+            entries = torch.zeros(*rows, entry_format.code_width(dim), dtype=entry_format.code_dtype, device=device)
+            scales = torch.zeros(*rows, entry_format.scale_width(dim), dtype=entry_format.scale_dtype, device=device)
         return CompressorCache(
             ratio=ratio,
             dim=dim,
@@ -188,9 +254,9 @@ class KVCache:
             pending_gates=state(),
             previous_values=state() if overlap else None,
             previous_gates=state() if overlap else None,
-            # One block more than the pool: the trash block, where batched writes of entries that are not
-            # complete yet go (a device-side choice of destination, so no host read decides whether to write).
-            entries=torch.zeros(blocks + 1, self.block_tokens // ratio, dim, dtype=dtype, device=device),
+            entries=entries,
+            entry_format=entry_format,
+            entry_scales=scales,
         )
 
     @classmethod

@@ -134,3 +134,12 @@ INDEX_KEY_FORMAT = CacheFormat("index keys", "e2m1", INDEX_BLOCK, "ue8m0")
 INDEX_KEY_FP8_BLOCK = 128
 INDEX_KEY_FP8_FORMAT = CacheFormat("index keys (FP8)", "e4m3", INDEX_KEY_FP8_BLOCK, "ue8m0")
 """V4's indexer keys in an FP8 cache: e4m3 per channel, a ue8m0 exponent per 128 channels (the release's layout)."""
+
+
+def index_key_fp8_format(channels: int) -> CacheFormat:
+    """The FP8 index-key format for keys of ``channels``: :data:`INDEX_KEY_FP8_FORMAT` where they are whole
+    128-channel blocks (the release's 128-channel keys: one scale a key); a narrower key (a small test model's)
+    takes one scale for the whole key, as the release's keys do."""
+    if channels % INDEX_KEY_FP8_BLOCK == 0 or channels > INDEX_KEY_FP8_BLOCK:
+        return INDEX_KEY_FP8_FORMAT
+    return CacheFormat(INDEX_KEY_FP8_FORMAT.name, "e4m3", channels, "ue8m0")

@@ -5,9 +5,8 @@ It follows the engine's byte accounting (:meth:`~dsinfer.kv.cache_v4.CacheLayout
 :meth:`~dsinfer.kv.cache_v41.KVCacheV41.slot_bytes` / ``block_bytes``) split by layer kind, before any engine or
 cache exists. Two storages per model family:
 
-* V4: ``bf16`` (what the engine keeps today: every row in the model dtype) and ``fp8`` (window KV, compressed KV
-  and indexer keys as e4m3 codes with a ue8m0 exponent per 32 channels; the compressors' unfinished windows stay
-  in bf16);
+* V4: ``bf16`` (every row in the model dtype) and ``fp8`` (the engine's ``kv_cache_dtype: fp8``: the indexer keys
+  as the release keeps them, e4m3 codes with a ue8m0 exponent per 128 channels; the other rows stay bf16);
 * V4.1: ``bf16`` (plain values) and ``fp8`` (the release's cache, what the engine keeps whenever the model's
   trained-in rounding is on: window KV FP8, compressed entries and index keys FP4,
   :mod:`dsinfer.kv.codecs`); unfinished ratio-2 groups stay fp32 in both.
@@ -19,9 +18,15 @@ import math
 from dataclasses import dataclass
 
 from dsinfer.config import ModelConfig, ModelConfigV41
-from dsinfer.kv.codecs import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_KV_FORMAT, CacheFormat
+from dsinfer.kv.codecs import (
+    COMPRESSED_KV_FORMAT,
+    INDEX_KEY_FORMAT,
+    INDEX_KEY_FP8_FORMAT,
+    WINDOW_KV_FORMAT,
+    CacheFormat,
+    index_key_fp8_format,
+)
 
-V4_FP8_FORMAT = CacheFormat("V4 FP8 rows", "e4m3", 32, "ue8m0")
 ENGRAM_ID_BYTES = 8  # int64 compressed token ids of the Engram history
 PENDING_GROUP_BYTES = 4  # V4.1 keeps unfinished ratio-2 groups in fp32
 
@@ -41,7 +46,7 @@ class CacheStorage:
 
 
 def v4_storages() -> dict[str, CacheStorage]:
-    return {"bf16": CacheStorage("bf16", 2), "fp8": CacheStorage("fp8", 2, *(V4_FP8_FORMAT,) * 3)}
+    return {"bf16": CacheStorage("bf16", 2), "fp8": CacheStorage("fp8", 2, index_keys=INDEX_KEY_FP8_FORMAT)}
 
 
 def v41_storages() -> dict[str, CacheStorage]:
@@ -85,6 +90,9 @@ def v4_kind_bytes(
     blocks, rows = math.ceil(tokens / block_tokens), []
     window = config.sliding_window * storage.row_bytes(storage.window, config.head_dim)
     state_element = storage.element_bytes
+    index_keys = storage.index_keys
+    if index_keys is INDEX_KEY_FP8_FORMAT:  # the engine's format for this model's key width
+        index_keys = index_key_fp8_format(config.index_head_dim)
     for ratio in (*config.compress_ratios, *(0,) * mtp_layers):
         if not ratio:
             rows.append(KindBytes("window" if len(rows) < config.num_hidden_layers else "MTP window", 1, window, 0))
@@ -93,7 +101,7 @@ def v4_kind_bytes(
         if ratio == config.csa_ratio:  # overlapping windows: pending + previous, values + gates, 2 x width
             state = 4 * ratio * 2 * (config.head_dim + config.index_head_dim) * state_element
             row = storage.row_bytes(storage.entries, config.head_dim)
-            row += storage.row_bytes(storage.index_keys, config.index_head_dim)
+            row += storage.row_bytes(index_keys, config.index_head_dim)
             rows.append(KindBytes(f"CSA (ratio {ratio})", 1, window + state, entries * row))
         else:
             state = 2 * ratio * config.head_dim * state_element

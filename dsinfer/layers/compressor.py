@@ -199,7 +199,8 @@ class Compressor(nn.Module):
             cos, sin = rope_angles(entry_ids * self.ratio, inv_freq)
             keep = kept_entries(span.start // self.ratio, span.reuse_below, self.ratio)
             table = span.block_table if block_table is None else block_table
-            write_entries(cache, table, entry_ids[keep], apply_rope(latents, cos, sin, ops=self.ops)[keep])
+            entries = apply_rope(latents, cos, sin, ops=self.ops)[keep]
+            write_entries(cache, table, entry_ids[keep], entries, self.ops)
 
     def decode_latents(
         self, x: torch.Tensor, positions: torch.Tensor, spans: DeviceSpans, cache, projected: torch.Tensor | None = None
@@ -236,11 +237,31 @@ class Compressor(nn.Module):
         of its columns: the op reads the row stride)."""
         positions, spans = batch.positions, batch.device_spans
         cos, sin = step_rope_angles(batch, inv_freq, self.ratio, self.ops)
+        decode_inputs = self._decode_inputs(x, positions, spans, cache, projected)
+        if cache.entry_format is not None:
+            self._store_coded_decode(CompressorDecodeInputs(*decode_inputs, x.dtype), cos, sin, batch, cache)
+            return
         store = self.ops.compressor_decode_store
         store(CompressorStoreInputs(
-            *self._decode_inputs(x, positions, spans, cache, projected), x.dtype, cos, sin, cache.entries,
-            spans.block_tables, batch.cache.trash_block,
+            *decode_inputs, x.dtype, cos, sin, cache.entries, spans.block_tables, batch.cache.trash_block,
         ))  # fmt: skip
+
+    def _store_coded_decode(
+        self,
+        inputs: CompressorDecodeInputs,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PackedBatch,
+        cache: CompressorCache,
+    ) -> None:
+        """:meth:`update_decode` into coded entries: the step's entries pooled (``compressor_decode``), RoPE'd, then
+        encoded and written to their blocks, the rows of tokens that completed nothing to the trash block; the
+        destination is chosen on the device, so a CUDA graph replays it."""
+        latents, entry, complete = self.ops.compressor_decode(inputs)
+        entries = apply_rope(latents, cos, sin, ops=self.ops)
+        per_block, trash = cache.entries.shape[1], batch.cache.trash_block
+        blocks, rows = decode_entry_location(batch.device_spans, entry, complete, per_block, trash, self.ops)
+        cache.store_rows(blocks, rows, entries, self.ops)
 
     def _decode_inputs(
         self,
@@ -312,19 +333,26 @@ def _entry_location(cache: CompressorCache, block_table: list[int] | torch.Tenso
 
 
 def write_entries(
-    cache: CompressorCache, block_table: list[int] | torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor
+    cache: CompressorCache,
+    block_table: list[int] | torch.Tensor,
+    entry_ids: torch.Tensor,
+    entries: torch.Tensor,
+    ops: OpTable | None = None,
 ):
-    """Store entries (by their index in the sequence) into the sequence's blocks."""
+    """Store entries (by their index in the sequence) into the sequence's blocks, encoded when the cache codes them
+    (``ops``: the table to encode with; None: the one for the entries' device and dtype)."""
     if entry_ids.numel():
         blocks, offsets = _entry_location(cache, block_table, entry_ids)
-        cache.entries[blocks, offsets] = entries.to(cache.entries.dtype)
+        cache.store_rows(blocks, offsets, entries, ops)
 
 
-def read_entries(cache: CompressorCache, block_table: list[int] | torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` entries of a sequence, [count, dim]."""
+def read_entries(
+    cache: CompressorCache, block_table: list[int] | torch.Tensor, count: int, ops: OpTable | None = None
+) -> torch.Tensor:
+    """The first ``count`` entries of a sequence, [count, dim] (coded entries decoded to float32)."""
     entry_ids = torch.arange(count, device=cache.entries.device)
     blocks, offsets = _entry_location(cache, block_table, entry_ids)
-    return cache.entries[blocks, offsets]
+    return cache.load_rows(blocks, offsets, ops)
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -169,7 +169,7 @@ class Indexer(IndexScorer):
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
-        keys = read_entries(cache, table, n_entries)  # the cache's dtype: the op widens what it must
+        keys = read_entries(cache, table, n_entries, self.ops)  # plain: the cache's dtype, the op widens it
         queries = self.queries(x, q_latent, positions, inv_freq, projected=projected)
         # the one-program selection per query (``index_topk_decode``: its contract is this list's) instead of a
         # top-k over packed keys and two sorts; row slices bound the scores' memory
@@ -202,5 +202,5 @@ class Indexer(IndexScorer):
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=angles, projected=projected)
         ops = self.ops
         visible = visible_entries(positions, self.ratio)
-        inputs = PagedIndexInputs(q, head_weights, cache.entries, None, spans.block_tables, visible)
+        inputs = PagedIndexInputs(q, head_weights, cache.entries, cache.entry_scales, spans.block_tables, visible)
         return ops.indexer_topk_decode(inputs, self.topk)

@@ -13,6 +13,7 @@ from torch import nn
 from dsinfer.config import ConfigError, ModelConfig, SpeculativeConfig
 from dsinfer.kv.batch import PackedBatch
 from dsinfer.kv.cache_v4 import KVCache, attention_layer_ratios, block_tokens_for
+from dsinfer.kv.codecs import index_key_fp8_format
 from dsinfer.layers.mhc import hyper_head
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.op_binding import reference_ops
@@ -147,10 +148,15 @@ class DeepseekV4(DeepseekModel):
         return block_tokens_for(self.config, requested)
 
     def build_cache(self, plan: CachePlan) -> KVCache:
-        """V4's cache; ``with_drafter`` adds the window rings of the MTP layers."""
+        """V4's cache; ``with_drafter`` adds the window rings of the MTP layers. ``kv_cache_dtype`` fp8 keeps the
+        indexer's keys as the release does (e4m3 codes, a ue8m0 scale per 128 channels); auto and bf16 keep them in
+        the model dtype (V4's other rows have one form)."""
         ratios = attention_layer_ratios(self.config, with_mtp=plan.with_drafter)
         dtype = self.embed.weight.dtype
-        return KVCache(self.config, ratios, plan.num_slots, plan.num_blocks, plan.block_tokens, dtype, plan.device)
+        config = self.config
+        index_keys = index_key_fp8_format(config.index_head_dim) if plan.kv_cache_dtype == "fp8" else None
+        return KVCache(config, ratios, plan.num_slots, plan.num_blocks, plan.block_tokens, dtype, plan.device,
+                       index_keys)  # fmt: skip
 
     def forward_for_drafter(
         self, batch: PackedBatch, logits_for: torch.Tensor | None

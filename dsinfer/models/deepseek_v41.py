@@ -441,10 +441,17 @@ class DeepseekV41(DeepseekModel):
 
         The trained-in rounding makes every cached value exactly representable in its FP8 / FP4 format, so the
         cache keeps codes and scales (3.6x fewer bytes per token than bf16); with the rounding off (testing only)
-        it keeps plain values."""
+        it keeps plain values. ``kv_cache_dtype`` bf16 keeps plain values too; fp8 asks for the codes, which the
+        rounding must be on for."""
+        if plan.kv_cache_dtype == "fp8" and not self.fake_quantization:
+            raise ConfigError(
+                "--kv-cache-dtype fp8: V4.1's cache keeps FP8 / FP4 codes only under the model's trained-in rounding, "
+                "which is off; use auto or bf16"
+            )
+        quantized = self.fake_quantization and plan.kv_cache_dtype != "bf16"
         return KVCacheV41(
             self.config, plan.num_slots, plan.num_blocks, plan.block_tokens, self.embed.weight.dtype, plan.device,
-            with_dspark=plan.with_drafter, quantized_storage=self.fake_quantization,
+            with_dspark=plan.with_drafter, quantized_storage=quantized,
         )  # fmt: skip
 
     def scratch_cache(self, seq_lens: list[int], device: torch.device | str, with_drafter: bool) -> KVCacheV41:

@@ -54,6 +54,7 @@ class CachePlan:
     block_tokens: int  # positions per block (the model's rule: ``cache_block_tokens``)
     device: torch.device | str
     with_drafter: bool = False  # the drafter's state for speculative decoding too
+    kv_cache_dtype: str = "auto"  # the engine's storage choice (EngineConfig.kv_cache_dtype)
 
 
 class ServedModel(nn.Module):
