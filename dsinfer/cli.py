@@ -14,7 +14,7 @@ from dsinfer.arg_types import non_negative_number, positive_int
 from dsinfer.chat.image_reader import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from dsinfer.chat.limits import DEFAULT_MAX_N
 from dsinfer.config import ConfigError, EngineConfig
-from dsinfer.config.engine import V41_PREFILL_MODES
+from dsinfer.config.engine import KV_CACHE_DTYPES, V41_PREFILL_MODES
 from dsinfer.cpu_threads import apply_cpu_threads
 from dsinfer.engram.fetch import PLACEMENTS
 from dsinfer.engram.store import EngramStoreError
@@ -208,6 +208,15 @@ def add_engine_features(parser: argparse.ArgumentParser) -> None:
         "GPU's budget, else 'device'); ignored for checkpoints without Engram layers",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="cache storage (vLLM's spelling): 'fp8' keeps V4's lightning-indexer keys as the release does, e4m3 "
+        "codes with a ue8m0 scale per 128 channels (half of bf16: more blocks fit; the top-k choice may differ "
+        "where scores nearly tie), and V4.1's rows as FP8 / FP4 codes; 'bf16' keeps both in the model dtype; "
+        "'auto': V4 bf16, V4.1 codes under its trained-in rounding",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -271,6 +280,7 @@ def engine_config(args: argparse.Namespace, **command_fields) -> EngineConfig:
     if "speculative_config" in args:
         fields.update(
             engram_placement=args.engram_placement,
+            kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
             enforce_eager=args.enforce_eager,
             kernel_warmup=args.kernel_warmup,

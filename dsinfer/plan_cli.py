@@ -57,7 +57,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="'auto' or a GPU budget in GiB for routed experts; the rest stay in host memory "
                       "(default: off, every expert on the GPUs)")  # fmt: skip
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                      help="cache storage (auto: the engine's; V4 bf16, V4.1 fp8 codes)")  # fmt: skip
+                      help="cache storage, the engine's --kv-cache-dtype (auto: V4 bf16, V4.1 fp8 codes; "
+                      "V4 fp8: indexer keys as e4m3 codes)")  # fmt: skip
     plan.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bfloat16", help="compute dtype")
     plan.add_argument("--fp8-linears", choices=("dequantize", "keep"), default="dequantize",
                       help="FP8 linears on the GPU: dequantised to the dtype (CUDA's default) or kept")  # fmt: skip
@@ -118,7 +119,7 @@ def log_serving_plan(model: str | None, engine: EngineConfig, ranks: int) -> Non
         expert_offload=engine.expert_offload, dtype_bytes=_DTYPE_BYTES[engine.dtype],
         fp8_linears=resolve_fp8_linears(None, device), gpu_memory_utilization=engine.gpu_memory_utilization,
         engram_placement=engine.engram_placement, with_drafter=engine.speculative_config is not None,
-        block_tokens=engine.block_tokens,
+        block_tokens=engine.block_tokens, kv_cache_dtype=engine.kv_cache_dtype,
     )  # fmt: skip
     plan = build_plan(request, Path(model).name, torch.cuda.get_device_name(device))
     logger.info("%s", "\n".join(plan_lines(plan)))

@@ -6,7 +6,7 @@
                                 [--device cuda] [--dtype bfloat16] [--warmup-steps 3] [--measure-steps 10]
                                 [--profile-steps 0] [--out-root sweeps] [--cache-gib G] [--prefill-chunk auto]
                                 [--telemetry-interval 5] [--compare-published] [--seed 0]
-                                [--engram-gib G] [--v41-prefill bounded|exact]
+                                [--engram-gib G] [--v41-prefill bounded|exact] [--kv-cache-dtype auto|bf16|fp8]
     dsinfer bench sweep prefill ... (same options; --nextn / --accept do not apply)
     dsinfer bench sweep encoder ... (images per batch: :mod:`dsinfer.bench.encoder_sweep`)
     scripts/run_sweep.sh decode ce-128k 131072 3 0.75      # the positional form
@@ -21,6 +21,8 @@ Engram tables (``--engram-gib``, default 8 GiB; a V4.1 ``--config`` keeps its ow
 rows in host shared memory read through the real store and the host fetcher, hashed by a synthetic compressed
 vocabulary (no tokenizer ships with random weights). V4.1 prompts prefill with the bounded CED replay unless
 ``--v41-prefill exact`` (or speculative decoding, whose drafts need every position) says otherwise.
+``--kv-cache-dtype fp8`` runs the engine with V4's indexer keys stored as FP8 codes (the engine's option), so one
+sweep per value compares the two storages at a context.
 
 Before the first point the sweep prints what one sequence's caches take at the context, per layer kind, in
 bf16 and FP8 storage (:mod:`dsinfer.bench.cache_budget`), the cache budget and how many sequences fit it; a

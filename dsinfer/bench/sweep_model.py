@@ -144,7 +144,8 @@ def gpu_name(device: torch.device) -> str:
 
 def cache_kinds(bench: Bench, tokens: int) -> tuple[dict[str, list[KindBytes]], str, list[KindBytes]]:
     """Per-kind bytes of one ``tokens``-long sequence in both storages, the engine's storage's name, and the
-    engine's own per-kind bytes (its dtype: float32 on the CPU; V4.1 quantized while its rounding is on)."""
+    engine's own per-kind bytes (its dtype: float32 on the CPU; ``--kv-cache-dtype``; V4.1 quantized while its
+    rounding is on, unless bf16 is asked for)."""
     config, args = bench.model.config, bench.args
     block_tokens, drafters = bench.model.cache_block_tokens(None), 0
     if args.speculative is not None:
@@ -152,14 +153,16 @@ def cache_kinds(bench: Bench, tokens: int) -> tuple[dict[str, list[KindBytes]], 
     element = torch.finfo(DTYPES[args.dtype]).bits // 8
     if bench.is_v41:
         storages = v41_storages()
-        name = "fp8" if bench.model.fake_quantization else "bf16"
+        coded = bench.model.fake_quantization and args.kv_cache_dtype != "bf16"
+        name = "fp8" if coded else "bf16"
         engine_storage = replace(storages[name], element_bytes=element)
         table = {key: v41_kind_bytes(config, tokens, block_tokens, s, drafters) for key, s in storages.items()}
         return table, name, v41_kind_bytes(config, tokens, block_tokens, engine_storage, drafters)
     storages = v4_storages()
-    engine_storage = replace(storages["bf16"], element_bytes=element)
+    name = "fp8" if args.kv_cache_dtype == "fp8" else "bf16"
+    engine_storage = replace(storages[name], element_bytes=element)
     table = {key: v4_kind_bytes(config, tokens, block_tokens, s, drafters) for key, s in storages.items()}
-    return table, "bf16", v4_kind_bytes(config, tokens, block_tokens, engine_storage, drafters)
+    return table, name, v4_kind_bytes(config, tokens, block_tokens, engine_storage, drafters)
 
 
 def decode_max_model_len(args: argparse.Namespace, num_requests: int, fill_budget: int) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.config import ConfigError, parse_speculative_config
+from dsinfer.config import KV_CACHE_DTYPES, ConfigError, parse_speculative_config
 
 OFFICIAL_CONTEXT = 131072
 DEFAULT_POINTS = {"decode": (1, 2, 4, 8, 16, 32, 64, 128, 256), "prefill": (4096, 8192, 16384, 32768, 65536)}
@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode: profile this many steps after the timed ones (kernels, gaps)")  # fmt: skip
     parser.add_argument("--out-root", default="sweeps", help="results go to OUT_ROOT/TAG/ (default: sweeps)")
     parser.add_argument("--cache-gib", type=float, help="KV cache budget (default: the engine's)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="cache storage, the engine's option (fp8: V4's indexer keys as e4m3 codes with a ue8m0 scale per 128 "
+        "channels, as released; auto: V4 bf16, V4.1 FP8 / FP4 codes)",
+    )
     parser.add_argument(
         "--prefill-chunk",
         default="auto",

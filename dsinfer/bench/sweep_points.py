@@ -55,7 +55,7 @@ def make_engine(bench: Bench, **options) -> LLMEngine:
     release_memory(bench.device)
     cache_bytes = None if args.cache_gib is None else int(args.cache_gib * 2**30)
     options = {"enable_prefix_caching": False, "cache_memory_bytes": cache_bytes,
-               "enforce_eager": args.enforce_eager, **options}  # fmt: skip
+               "enforce_eager": args.enforce_eager, "kv_cache_dtype": args.kv_cache_dtype, **options}  # fmt: skip
     if bench.is_v41:
         options.setdefault("v41_prefill", bench.info["v41_prefill"])
     config = EngineConfig(device=args.device, dtype=args.dtype, **options)
