@@ -21,6 +21,7 @@ sys.path.insert(0, str(PEERS))
 import slice_engines  # noqa: E402
 import slice_table  # noqa: E402
 import slice_timing  # noqa: E402
+import slice_trace  # noqa: E402
 from slice_model import release_config_dict, slice_model_config  # noqa: E402
 
 
@@ -184,3 +185,143 @@ def test_vllm_dummy_weights_fix_computes_the_mhc_broadcast_on_first_use(tmp_path
 
     layer.hc_attn_fn = torch.arange(12.0).view(2, 6)
     assert torch.equal(layer.forward(), torch.arange(12.0).view(-1, 2, 3).sum(dim=1))
+
+
+def _event(name, cat, ts, dur, tid=7, **extra):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, **extra}
+
+
+def _write_trace(path, events):
+    import gzip
+
+    with gzip.open(path, "wt") as handle:
+        json.dump({"schemaVersion": 1, "traceEvents": events}, handle)
+
+
+def test_trace_summary_counts_steps_kernels_and_busy_time_of_a_gpu_trace(tmp_path):
+    """Two vLLM steps of 100 us each: kernels on two streams (an overlap counted once), a copy, a gap the host
+    left; an empty step, the GPU copies of the annotations and runtime calls are not steps or device time."""
+    events = [
+        _event("execute_context_0(0)_generation_2(2)", "user_annotation", 0, 90),
+        _event("execute_context_0(0)_generation_2(2)", "user_annotation", 100, 90),
+        _event("execute_context_0(0)_generation_0(0)", "user_annotation", 195, 2),
+        _event("execute_context_0(0)_generation_2(2)", "gpu_user_annotation", 0, 200, tid=9),
+        _event("cudaGraphLaunch", "cuda_runtime", 1, 5),
+        _event("cudaGraphLaunch", "cuda_runtime", 101, 5),
+        _event("cpu work", "cpu_op", 0, 200),
+    ]
+    for base in (0, 100):  # per step: gemm 40 us, attention 20 us beside it on a second stream, a copy of 10 us
+        events += [
+            _event("void deep_gemm::fp8_gemm<128, 64>(float*, int)", "kernel", base + 10, 40, tid=9),
+            _event("flash_attn_fwd", "kernel", base + 30, 20, tid=10),
+            _event("Memcpy DtoD", "gpu_memcpy", base + 60, 10, tid=9),
+        ]
+    events.append(_event("tail", "kernel", 190, 20, tid=9))  # the window ends with it: 10..210 us
+    path = tmp_path / "vllm.pt.trace.json.gz"
+    _write_trace(path, events)
+    summary = slice_trace.summarize_trace(slice_trace.load_trace_events(path), slice_trace.VLLM_STEP_PATTERN, top=2)
+    assert summary["source"] == "gpu kernels" and summary["steps"] == 2 and summary["graph_launches"] == 2
+    assert summary["window_ms"] == pytest.approx(0.2) and summary["step_ms"] == pytest.approx(0.1)
+    assert summary["busy_ms_per_step"] == pytest.approx((2 * (40 + 10) + 20) / 2 / 1e3)  # the overlap once
+    assert summary["busy_share"] == pytest.approx(120 / 200)
+    gemm, attention = summary["top"]
+    assert gemm["name"].startswith("void deep_gemm") and gemm["calls"] == 2 and gemm["calls_per_step"] == 1
+    assert gemm["ms_per_step"] == pytest.approx(0.04) and gemm["share"] == pytest.approx(0.4)
+    assert attention["name"] == "flash_attn_fwd" and attention["ms_per_step"] == pytest.approx(0.02)
+    assert summary["rest_ms_per_step"] == pytest.approx((20 + 20) / 2 / 1e3)  # the copies and the tail
+    assert slice_trace.short_kernel_name(gemm["name"]) == "deep_gemm::fp8_gemm<128, 64>"
+
+
+def test_trace_summary_of_cpu_operators_uses_self_time_and_says_what_graphs_hid(tmp_path):
+    nested = [
+        _event("dsinfer_step", "user_annotation", 0, 100),
+        _event("aten::linear", "cpu_op", 0, 50),
+        _event("aten::addmm", "cpu_op", 5, 40),
+        _event("aten::add", "cpu_op", 60, 10),
+        _event("aten::add", "cpu_op", 70, 10, tid=8),  # another thread: not nested in anything
+    ]
+    summary = slice_trace.summarize_trace(nested, slice_trace.DSINFER_STEP_PATTERN, top=5)
+    assert summary["source"].startswith("cpu ops") and summary["steps"] == 1
+    times = {kernel["name"]: kernel["ms_per_step"] for kernel in summary["top"]}
+    assert times == pytest.approx({"aten::addmm": 0.04, "aten::add": 0.02, "aten::linear": 0.01})
+    graphs_only = [_event("dsinfer_step", "user_annotation", 0, 100), _event("cudaGraphLaunch", "cuda_runtime", 1, 3)]
+    hidden = slice_trace.summarize_trace(graphs_only, slice_trace.DSINFER_STEP_PATTERN)
+    assert hidden["top"] == [] and "1 CUDA graph launches" in hidden["note"]
+
+
+class ProfiledFakeEngine(FakeEngine):
+    """The fake engine with a profiler: each step inside a window leaves an annotation and one kernel of a
+    fake millisecond per running request in the trace it writes."""
+
+    step_pattern = "^fake_step$"
+
+    def __init__(self, clock, trace_dir):
+        super().__init__(clock)
+        self.trace_dir, self.events, self.label = trace_dir, None, ""
+
+    def step(self):
+        running = sum(held[0] < held[1] for held in self.requests.values())
+        if self.events is not None:
+            now = 1e6 * self.clock[0]
+            self.events += [
+                _event("fake_step", "user_annotation", now, 10),
+                _event("decode_kernel", "kernel", now, 1e3 * running, tid=9),
+            ]
+        return super().step()
+
+    def start_profile(self, label):
+        self.events, self.label = [], label
+
+    def stop_profile(self):
+        path = self.trace_dir / f"{self.label}.json.gz"
+        _write_trace(path, self.events)
+        self.events = None
+        return path
+
+
+def test_profiles_follow_timing_cover_full_batch_steps_and_respect_the_deadline(tmp_path, monkeypatch):
+    import slice_profile
+
+    clock = [0.0]
+    monkeypatch.setattr(slice_timing.time, "perf_counter", lambda: clock[0])
+    engine, prompts = ProfiledFakeEngine(clock, tmp_path), slice_timing.PromptMaker(100)
+    profiler = slice_profile.PointProfiler(engine, prompts, decode_tokens=128, top=3, deadline=float("inf"))
+    decode = slice_timing.Point("decode", batch=4, context=8)
+    summary = profiler.profile(decode, {"measure_s": 1.0})
+    assert summary["steps"] == 32 and summary["trace"] == "decode-4-at-8.json.gz"
+    assert summary["top"][0]["calls_per_step"] == 1 and summary["top"][0]["ms_per_step"] == pytest.approx(4.0)
+    assert not engine.busy()  # the requests were run out
+    prefill = profiler.profile(slice_timing.Point("prefill", tokens=64), {"measure_s": 1.0})
+    assert prefill["steps"] == 1 and prefill["top"][0]["ms_per_step"] == pytest.approx(1.0)
+    stream = slice_timing.Point("decode", batch=3, context=8, method="stream", profile_room=96)
+    row: dict = {}
+    slice_timing.measure_point(stream, engine, prompts, 5, 16384, profiler.after_window(stream, row))
+    assert row["profile"]["steps"] == 32 and row["profile"]["top"][0]["ms_per_step"] == pytest.approx(3.0)
+    late = slice_profile.PointProfiler(engine, prompts, 128, 3, deadline=slice_profile.time.time() + 20)
+    first = late.profile(decode, {"measure_s": 60.0})
+    assert "skipped" in first and "a profile needs about 45 s" in first["skipped"]
+    assert late.profile(decode, {"measure_s": 0.0}) == first  # once short of time, every later one is skipped
+    assert not list(tmp_path.glob("decode-4-at-8*.json.gz"))[1:]  # the skipped ones wrote no trace
+
+
+def test_tiny_dsinfer_run_with_profile_records_and_prints_each_rows_top_operators(tmp_path):
+    """A real torch.profiler run of dsinfer's tiny model on the CPU, where CPU operators stand in for kernels."""
+    command = [sys.executable, str(PEERS / "vllm_slice.py"), "--tiny", "--only", "dsinfer", "--mtp", "0", "--long",
+               "--profile", "--profile-top", "4", "--out", str(tmp_path)]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    profiles = {label: row["profile"] for record in results["records"] for label, row in record["rows"].items()}
+    assert set(profiles) == {"prefill 32", "prefill 64", "decode 1 @ 16", "decode 2 @ 16", "decode 1 @ 48",
+                             "decode 2 @ 48"}  # fmt: skip
+    for label, profile in profiles.items():
+        assert profile["source"].startswith("cpu ops"), label
+        assert len(profile["top"]) == 4 and all(k["name"].startswith("aten::") for k in profile["top"]), label
+        assert 0 < sum(k["share"] for k in profile["top"]) < 1 and 0 < profile["busy_share"] <= 1, label
+        trace = tmp_path / "profiles" / f"dsinfer-mtp0-{'long' if '48' in label else 'main'}" / profile["trace"]
+        assert trace.is_file(), label
+    assert profiles["decode 2 @ 48"]["steps"] == 32  # the stream point's window: P steps after the timed one
+    assert profiles["decode 2 @ 16"]["steps"] == 1 and profiles["prefill 64"]["steps"] == 1  # --decode-tokens 4
+    table = (tmp_path / "table.md").read_text()
+    assert "top kernels per step" in table and "### MTP 0, decode 2 @ 48" in table
+    assert "- vLLM: not profiled" in table and "| 1 |  | | |  | aten::" in table

@@ -1,12 +1,14 @@
 """One engine, one process: build vLLM's or dsinfer's offline ``LLM`` on a model directory and time the points.
 
     python benchmarks/peers/slice_engines.py --engine vllm|dsinfer --model-dir DIR --points points.json \
-        --result result.json [--mtp K] [--decode-tokens 128] [--device cuda] [--gpu-util 0.85]
+        --result result.json [--mtp K] [--decode-tokens 128] [--device cuda] [--gpu-util 0.85] \
+        [--profile-dir DIR [--profile-top 15]] [--deadline EPOCH_SECONDS]
 
 ``vllm_slice.py`` starts this once per engine, MTP setting and point set, each in a process of its own (its own
 CUDA context; vLLM's engine starts its workers from it). The result file is rewritten after every point, so a
 child stopped by its time limit still leaves the points it finished; a point that fails is recorded with its
-reason and the rest go on.
+reason and the rest go on. With ``--profile-dir`` each point is then profiled once more (``slice_profile.py``)
+and its row gets the summary of where the time went.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slice_profile import PointProfiler  # noqa: E402
 from slice_timing import (
     DECODE_TOKENS,
     Point,
@@ -32,6 +35,7 @@ from slice_timing import (
     measure_point,
     step_budget,
 )  # noqa: E402
+from slice_trace import DSINFER_STEP_ANNOTATION, DSINFER_STEP_PATTERN, VLLM_STEP_PATTERN  # noqa: E402
 
 KV_CACHE_DTYPE = "fp8"  # vLLM 0.26 stores V4's cache as fp8_ds_mla and refuses "auto" for V4 on NVIDIA
 BLOCK_SIZE = 256
@@ -50,11 +54,15 @@ def site_dirs_on_pythonpath() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], *added])
 
 
-def vllm_engine_args(model_dir: str, points: list[Point], mtp: int, gpu_util: float, decode_tokens: int) -> dict:
+def vllm_engine_args(
+    model_dir: str, points: list[Point], mtp: int, gpu_util: float, decode_tokens: int, profile_dir: str | None = None
+) -> dict:
     """Keywords for ``vllm.LLM``: the native V4 model on dummy weights, the release's fp8 cache layout, no prefix
     caching, the longest prompt in one step, CUDA graphs captured for exactly the measured decode batches (in
-    tokens: a decode step of B requests with K drafts is B * (1 + K) tokens)."""
+    tokens: a decode step of B requests with K drafts is B * (1 + K) tokens). ``profile_dir``: vLLM's torch
+    profiler writes its traces there (its worker creates the profiler at the first ``start_profile``)."""
     limits = engine_limits(points, decode_tokens, mtp)
+    profiler = vllm_profiler_config(profile_dir) if profile_dir else None
     return dict(
         model=model_dir,
         load_format="dummy",
@@ -67,8 +75,22 @@ def vllm_engine_args(model_dir: str, points: list[Point], mtp: int, gpu_util: fl
         seed=0,
         speculative_config={"method": "mtp", "num_speculative_tokens": mtp} if mtp else None,
         compilation_config={"cudagraph_capture_sizes": [b * (1 + mtp) for b in graph_batches(points)]},
+        **({"profiler_config": profiler} if profiler else {}),
         **limits,
     )
+
+
+def vllm_profiler_config(profile_dir: str) -> dict:
+    """vLLM's torch profiler, as light as it goes: no Python stacks, no shapes, and no summary table printed at
+    every stop (the trace is read here)."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(Path(profile_dir).resolve()),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_dump_cuda_time_total": False,
+        "torch_profiler_use_gzip": True,
+        "ignore_frontend": True,
+    }
 
 
 def dsinfer_engine_options(points: list[Point], mtp: int, gpu_util: float, decode_tokens: int, device: str) -> dict:
@@ -127,8 +149,22 @@ class OfflineEngine:
         return self.engine.has_unfinished_requests()
 
 
+def wait_for_new_file(directory: Path, before: set[Path], timeout: float = 60.0) -> Path:
+    """The file that appeared in ``directory`` since ``before`` was listed, once its size holds still."""
+    deadline, size = time.time() + timeout, -1
+    while time.time() < deadline:
+        new = sorted(set(directory.glob("*.json*")) - before, key=lambda path: path.stat().st_mtime)
+        if new and new[-1].stat().st_size == size and size > 0:
+            return new[-1]
+        size = new[-1].stat().st_size if new else -1
+        time.sleep(0.5)
+    raise RuntimeError(f"no new trace in {directory} within {timeout:.0f} s of stop_profile")
+
+
 class VllmEngine(OfflineEngine):
-    """``vllm.LLM``; its step loop is ``llm.llm_engine``."""
+    """``vllm.LLM``; its step loop is ``llm.llm_engine``. Profiled by its worker (see :func:`vllm_profiler_config`)."""
+
+    step_pattern = VLLM_STEP_PATTERN
 
     def __init__(self, engine_args: dict) -> None:
         from vllm import LLM, SamplingParams
@@ -138,6 +174,22 @@ class VllmEngine(OfflineEngine):
         llm = LLM(**engine_args)
         super().__init__(llm, llm.llm_engine, SamplingParams)
         self.tokens_prompt = TokensPrompt
+        profiler = engine_args.get("profiler_config") or {}
+        self.profile_dir = Path(profiler["torch_profiler_dir"]) if profiler else None
+        self.listed: set[Path] = set()
+        self.label = ""
+
+    def start_profile(self, label: str) -> None:
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        self.listed, self.label = set(self.profile_dir.glob("*.json*")), label
+        self.llm.start_profile()
+
+    def stop_profile(self) -> Path:
+        """The worker writes the window's trace before ``stop_profile`` returns; it is renamed after the point."""
+        self.llm.stop_profile()
+        written = wait_for_new_file(self.profile_dir, self.listed)
+        named = written.with_name(f"vllm-{self.label}.pt.trace.json" + (".gz" if written.suffix == ".gz" else ""))
+        return written.rename(named)
 
     def prompt(self, ids: list[int]):
         return self.tokens_prompt(prompt_token_ids=ids)
@@ -193,14 +245,49 @@ def describe_vllm_model(model) -> str:
 
 
 class DsinferEngine(OfflineEngine):
-    """``dsinfer.llm.LLM``; its step loop is ``llm.engine``."""
+    """``dsinfer.llm.LLM``; its step loop is ``llm.engine``. Profiled by ``torch.profiler`` in this process (CUDA
+    activity on a GPU: kernels replayed from CUDA graphs are recorded one by one), each ``step()`` annotated."""
 
-    def __init__(self, model_dir: str, options: dict) -> None:
+    step_pattern = DSINFER_STEP_PATTERN
+
+    def __init__(self, model_dir: str, options: dict, profile_dir: str | None = None) -> None:
         from dsinfer.llm import LLM
         from dsinfer.sampling_params import SamplingParams
 
         llm = LLM(model_dir, **options)
         super().__init__(llm, llm.engine, SamplingParams)
+        self.profile_dir = Path(profile_dir) if profile_dir else None
+        self.profiler, self.label = None, ""
+
+    def step(self) -> list:
+        if self.profiler is None:
+            return self.engine.step()
+        import torch
+
+        with torch.profiler.record_function(DSINFER_STEP_ANNOTATION):
+            return self.engine.step()
+
+    def start_profile(self, label: str) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        self.profiler, self.label = torch.profiler.profile(activities=activities), label
+        self.profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Wait for the window's kernels, stop, and write the trace (gzipped Chrome JSON)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        path = self.profile_dir / f"dsinfer-{self.label}.pt.trace.json.gz"
+        profiler.export_chrome_trace(str(path))
+        return path
 
     def _add(self, request_id: str, prompt, params) -> None:
         self.engine.add_request(prompt, params, request_id=request_id)
@@ -251,6 +338,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--gpu-util", type=float, default=0.85)
+    parser.add_argument("--profile-dir", default=None, help="profile every point after timing; traces go here")
+    parser.add_argument("--profile-top", type=int, default=15, help="kernels kept per profiled point")
+    parser.add_argument("--deadline", type=float, default=float("inf"), help="time.time() by which to be done")
     return parser.parse_args(argv)
 
 
@@ -258,7 +348,9 @@ def build_engine(args: argparse.Namespace, points: list[Point], record: dict[str
     """The engine, with its exact configuration written into ``record`` first (so a failed build still says
     what was asked)."""
     if args.engine == "vllm":
-        engine_args = vllm_engine_args(args.model_dir, points, args.mtp, args.gpu_util, args.decode_tokens)
+        engine_args = vllm_engine_args(
+            args.model_dir, points, args.mtp, args.gpu_util, args.decode_tokens, args.profile_dir
+        )
         record["config"] = {
             "engine_args": engine_args,
             "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
@@ -266,7 +358,38 @@ def build_engine(args: argparse.Namespace, points: list[Point], record: dict[str
         return VllmEngine(engine_args)
     options = dsinfer_engine_options(points, args.mtp, args.gpu_util, args.decode_tokens, args.device)
     record["config"] = {"engine_options": options}
-    return DsinferEngine(args.model_dir, options)
+    return DsinferEngine(args.model_dir, options, args.profile_dir)
+
+
+def time_points(args, engine, points: list[Point], record: dict[str, Any], save, profiler) -> None:
+    """Time every point (a stream point's profile follows its timed window, in the same run); save after each."""
+    prompts, budget = profiler.prompts, step_budget(points)
+    for point in points:
+        row: dict[str, Any] = {"unit": point.unit, "method": point.method if point.kind == "decode" else "prefill"}
+        after_window = profiler.after_window(point, row) if args.profile_dir and point.method == "stream" else None
+        started = time.time()
+        try:
+            row["value"] = measure_point(point, engine, prompts, args.decode_tokens, budget, after_window)
+            print(f"{args.engine} (mtp {args.mtp}) {point.label}: {row['value']:.2f} {point.unit}", flush=True)
+        except Exception as exc:  # out of memory, a missing kernel: this row says so, the others still run
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"{args.engine} (mtp {args.mtp}) {point.label}: FAILED {row['error']}", flush=True)
+        row["measure_s"] = time.time() - started
+        record["rows"][point.label] = row
+        save()
+
+
+def profile_points(args, points: list[Point], record: dict[str, Any], save, profiler: PointProfiler) -> None:
+    """Profile every timed prefill and ``generate`` point once more, in order, while the child's time allows."""
+    for point in points:
+        row = record["rows"][point.label]
+        if point.method == "stream" or row.get("value") is None:
+            continue
+        row["profile"] = profiler.profile(point, row)
+        shown = row["profile"].get("skipped") or row["profile"].get("error") or "done"
+        print(f"{args.engine} (mtp {args.mtp}) {point.label}: profile {shown}", flush=True)
+        save()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,17 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.engine} (mtp {args.mtp}): {record['model']}; up in {record['startup_s']:.0f} s", flush=True)
     save()
     prompts = PromptMaker(json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"])
-    for point in points:
-        row: dict[str, Any] = {"unit": point.unit, "method": point.method if point.kind == "decode" else "prefill"}
-        try:
-            row["value"] = measure_point(point, engine, prompts, args.decode_tokens, step_budget(points))
-            print(f"{args.engine} (mtp {args.mtp}) {point.label}: {row['value']:.2f} {point.unit}", flush=True)
-        except Exception as exc:  # out of memory, a missing kernel: this row says so, the others still run
-            traceback.print_exc()
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            print(f"{args.engine} (mtp {args.mtp}) {point.label}: FAILED {row['error']}", flush=True)
-        record["rows"][point.label] = row
-        save()
+    profiler = PointProfiler(engine, prompts, args.decode_tokens, args.profile_top, args.deadline)
+    time_points(args, engine, points, record, save, profiler)
+    if args.profile_dir:
+        profile_points(args, points, record, save, profiler)
     return 0
 
 

@@ -15,20 +15,23 @@ request runs exactly as long as asked, no detokenisation, prefix caching off.
   1 + W tokens and again when every one holds 1 + W + D; ms/step = the difference / D. One prefill, the same
   definition of a step. Every request may run on past 1 + W + D by as many tokens as the fill has steps, so the
   ones prefilled first are still decoding when the last one starts: the timed steps all decode B sequences.
-  The rest is run out untimed.
+  With ``vllm_slice.py --profile`` they may run on by 3 x P more (P = 32): room for a profile of P full-batch
+  steps right after the timed window (the same run, no second prefill). The rest is run out untimed.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 DECODE_TOKENS = 128
 GENERATE_WARM_TOKENS = 4
 STREAM_WARM_TOKENS = 8
+PROFILE_STEPS = 32  # decode steps in a profiled window
+PROFILE_RUN_ON = 3 * PROFILE_STEPS  # tokens a profiled request may make past its window's start (MTP, run-ahead)
 MIN_STEP_TOKENS = 16384
 DEFINITIONS = {
     "prefill": "one N-token prompt, 1 output token: N / wall time of generate(), after an untimed identical one",
@@ -48,6 +51,7 @@ class Point:
     batch: int = 0
     context: int = 0
     method: str = "generate"  # decode only: "generate" or "stream"
+    profile_room: int = 0  # stream only: tokens each request may run on for a profile after the timed window
 
     @property
     def label(self) -> str:
@@ -66,6 +70,7 @@ class Point:
             "batch": self.batch,
             "context": self.context,
             "method": self.method,
+            "profile_room": self.profile_room,
         }
 
 
@@ -80,9 +85,11 @@ def default_points(prefills: Sequence[int], batches: Sequence[int], contexts: Se
     return rows
 
 
-def long_points(batches: Sequence[int], context: int) -> list[Point]:
-    """Decode at a long context through the stream method (one prefill of B x C tokens, not three)."""
-    return [Point("decode", batch=b, context=context, method="stream") for b in batches]
+def long_points(batches: Sequence[int], context: int, profiled: bool = False) -> list[Point]:
+    """Decode at a long context through the stream method (one prefill of B x C tokens, not three); ``profiled``:
+    with room for a profiled window after the timed one."""
+    room = PROFILE_RUN_ON if profiled else 0
+    return [Point("decode", batch=b, context=context, method="stream", profile_room=room) for b in batches]
 
 
 def step_budget(points: Sequence[Point]) -> int:
@@ -92,8 +99,9 @@ def step_budget(points: Sequence[Point]) -> int:
 
 def stream_run_on(point: Point, budget: int) -> int:
     """Tokens a stream-method request may make past its timed ones: at least the steps of the fill (each step
-    prefills ``budget`` tokens or finishes a prompt), so none finishes before the last one is prefilled."""
-    return -(-point.batch * point.context // budget) + point.batch
+    prefills ``budget`` tokens or finishes a prompt), so none finishes before the last one is prefilled; then the
+    point's room for a profile after the timed window."""
+    return -(-point.batch * point.context // budget) + point.batch + point.profile_room
 
 
 def new_tokens(point: Point, decode_tokens: int, budget: int) -> int:
@@ -149,16 +157,25 @@ class Engine(StepEngine, Protocol):
         ...
 
 
-def measure_point(point: Point, engine: Engine, prompts: PromptMaker, decode_tokens: int, budget: int) -> float:
+def measure_point(
+    point: Point,
+    engine: Engine,
+    prompts: PromptMaker,
+    decode_tokens: int,
+    budget: int,
+    after_window: Callable[[], None] | None = None,
+) -> float:
     """The point's figure: prefill tokens/s, or decode ms/step (see the module docstring); ``budget``: the
-    engine's tokens per step."""
+    engine's tokens per step. ``after_window``: for the stream method, called once the timed window has closed,
+    while every request still decodes (a profile of the steps that follow)."""
     generate = engine.generate
     if point.kind == "prefill":
         generate(prompts(1, point.tokens), 1)
         return point.tokens / generate(prompts(1, point.tokens), 1)
     if point.method == "stream":
         run_on = stream_run_on(point, budget)
-        seconds = timed_stream(engine, prompts(point.batch, point.context), STREAM_WARM_TOKENS, decode_tokens, run_on)
+        batch = prompts(point.batch, point.context)
+        seconds = timed_stream(engine, batch, STREAM_WARM_TOKENS, decode_tokens, run_on, after_window)
         return 1e3 * seconds / decode_tokens
     generate(prompts(point.batch, point.context), GENERATE_WARM_TOKENS)
     total = generate(prompts(point.batch, point.context), 1 + decode_tokens)
@@ -170,24 +187,36 @@ def measure_point(point: Point, engine: Engine, prompts: PromptMaker, decode_tok
     return 1e3 * (total - first) / decode_tokens
 
 
-def timed_stream(engine: StepEngine, prompts: list[list[int]], warm: int, measured: int, run_on: int) -> float:
+def step_until_all_hold(engine: StepEngine, held: dict[str, int], requests: int, tokens: int) -> None:
+    """Step until each of ``requests`` requests holds at least ``tokens`` output tokens; ``held`` (request id:
+    tokens) is kept up to date from the step outputs, whose ``outputs[0].token_ids`` are cumulative."""
+    while len(held) < requests or min(held.values()) < tokens:
+        if not engine.busy():
+            raise RuntimeError(f"the engine finished with {held} tokens held, short of {tokens} each")
+        for output in engine.step():
+            held[output.request_id] = len(output.outputs[0].token_ids)
+
+
+def timed_stream(
+    engine: StepEngine,
+    prompts: list[list[int]],
+    warm: int,
+    measured: int,
+    run_on: int,
+    after_window: Callable[[], None] | None = None,
+) -> float:
     """Drive an engine's step loop over ``prompts`` (each added to make ``1 + warm + measured + run_on`` tokens)
     and return the seconds between every sequence holding ``1 + warm`` tokens and every one holding
-    ``1 + warm + measured``; then run the rest out."""
+    ``1 + warm + measured``; then call ``after_window`` and run the rest out."""
     for ids in prompts:
         engine.add(ids, 1 + warm + measured + run_on)
     held: dict[str, int] = {}
-    start = end = None
-    while end is None:
-        if not engine.busy():
-            raise RuntimeError(f"the engine finished with {held} tokens held, before the timed window closed")
-        for output in engine.step():  # request outputs whose outputs[0].token_ids are cumulative
-            held[output.request_id] = len(output.outputs[0].token_ids)
-        fewest = min(held.values()) if len(held) == len(prompts) else 0
-        if start is None and fewest >= 1 + warm:
-            start = time.perf_counter()
-        if start is not None and fewest >= 1 + warm + measured:
-            end = time.perf_counter()
+    step_until_all_hold(engine, held, len(prompts), 1 + warm)
+    start = time.perf_counter()
+    step_until_all_hold(engine, held, len(prompts), 1 + warm + measured)
+    end = time.perf_counter()
+    if after_window is not None:
+        after_window()
     while engine.busy():
         engine.step()
     return end - start

@@ -2,6 +2,7 @@
 
     python3 benchmarks/peers/vllm_slice.py --out /tmp/vllm-slice [--layers 4] [--mtp both] [--only both] [--long]
     python3 benchmarks/peers/vllm_slice.py --tiny --only dsinfer --out DIR      # the harness on a CPU, tiny model
+    python3 benchmarks/peers/vllm_slice.py --out DIR --profile [--profile-top 15]  # and where each row's time goes
 
 The model is dsinfer's ``--flash-layers N`` slice (every V4-Flash width, layers cycling window / CSA / HCA, the
 first MoE layer hash-routed, routed experts FP4, the release's FP8 block quantisation declared) written as one
@@ -19,6 +20,13 @@ vLLM comes from the peer kit's install (``--vllm-site``, default the kit's ``/tm
 checkout. ``VLLM_DEEP_GEMM_WARMUP`` defaults to ``skip`` here: DeepGEMM then compiles each GEMM shape at its first
 use, which is inside the untimed warm-up runs that precede every timed one, instead of over every token count up
 to the step budget at start-up.
+
+``--profile``: each child, once it has timed all its points, runs each point's work once more under its engine's
+profiler (``slice_profile.py``; the long-context points are profiled over the steps right after their timed
+window) and records per row the top kernels by GPU time per step (name, calls, ms per step, share of the step)
+and how much of the step the GPU was busy (``slice_trace.py``). The table is then followed by a "top kernels"
+section, both engines side by side per row. Traces stay in ``OUT/profiles/<child>/``. A child profiles only
+while its time limit allows: the points it has no time left for say so in their row.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from slice_table import merge_record, render_table  # noqa: E402
+from slice_table import merge_record, render_profiles, render_table  # noqa: E402
 from slice_timing import DECODE_TOKENS, DEFINITIONS, STREAM_WARM_TOKENS, default_points, long_points  # noqa: E402
 
 ENGINES = ("vllm", "dsinfer")
@@ -68,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vllm-site", default="/tmp/vllm-site", help="where the kit installed vLLM")
     parser.add_argument("--python", default=sys.executable, help="the interpreter the children run")
     parser.add_argument("--tiny", action="store_true", help="dsinfer's tiny V4 on the CPU, small points")
+    parser.add_argument("--profile", action="store_true", help="after timing, profile each point once more")
+    parser.add_argument("--profile-top", type=int, default=15, help="kernels shown per engine and row (default 15)")
     args = parser.parse_args(argv)
     try:
         args.prefill, args.batches, args.contexts, args.long_batches = (
@@ -75,8 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    if args.layers < 1 or args.decode_tokens < 1 or args.long_context < 1:
-        parser.error("--layers, --decode-tokens and --long-context must be positive")
+    if args.layers < 1 or args.decode_tokens < 1 or args.long_context < 1 or args.profile_top < 1:
+        parser.error("--layers, --decode-tokens, --long-context and --profile-top must be positive")
     if args.tiny:  # small enough for a CPU in seconds
         args.prefill, args.batches, args.contexts, args.long_context = [32, 64], [1, 2], [16], 48
         args.decode_tokens, args.long_batches = min(args.decode_tokens, 4), [1, 2]
@@ -100,7 +110,7 @@ def point_sets(args: argparse.Namespace) -> dict[str, list]:
     if not args.long_only:
         sets["main"] = default_points(args.prefill, args.batches, args.contexts)
     if args.long or args.long_only:
-        sets["long"] = long_points(args.long_batches, args.long_context)
+        sets["long"] = long_points(args.long_batches, args.long_context, profiled=args.profile)
     return sets
 
 
@@ -116,10 +126,16 @@ def child_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def child_command(engine: str, mtp: int, files: dict[str, Path], model_dir: Path, args) -> list[str]:
+def child_command(engine: str, mtp: int, files: dict[str, Path], model_dir: Path, args, deadline: float) -> list[str]:
+    """The child's command line; ``files["profiles"]``: where a profiled child writes its traces; ``deadline``:
+    the ``time.time()`` of its limit, which its profiles keep clear of."""
     options = {"--engine": engine, "--model-dir": model_dir, "--points": files["points"], "--result": files["result"],
                "--mtp": mtp, "--decode-tokens": args.decode_tokens, "--gpu-util": args.gpu_util,
                "--device": "cpu" if args.tiny else "cuda"}  # fmt: skip
+    if args.profile:
+        options.update({"--profile-dir": files["profiles"], "--profile-top": args.profile_top})
+    if args.profile and deadline != float("inf"):
+        options["--deadline"] = f"{deadline:.3f}"
     return [args.python, str(HERE / "slice_engines.py"), *(str(x) for pair in options.items() for x in pair)]
 
 
@@ -143,6 +159,7 @@ def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Pat
     result file, or a record saying why there is none."""
     out, name = Path(args.out), f"{engine}-mtp{mtp}-{set_name}"
     files = {kind: out / f"{name}.{kind}.json" for kind in ("points", "result")}
+    files["profiles"] = out / "profiles" / name
     files["points"].write_text(json.dumps([p.as_dict() for p in points]))
     files["result"].unlink(missing_ok=True)
     limit = min(args.child_timeout, args.deadline - time.time())
@@ -153,7 +170,8 @@ def run_child(engine: str, mtp: int, set_name: str, points: list, model_dir: Pat
         return {**base, "error": "not started: the run's --budget was spent"}
     print(f"=== {name}: {len(points)} points, limit {limit:.0f} s", flush=True)
     start, log = time.time(), out / f"{name}.log"
-    code = run_limited(child_command(engine, mtp, files, model_dir, args), child_env(engine, args), log, limit)
+    command = child_command(engine, mtp, files, model_dir, args, start + limit)
+    code = run_limited(command, child_env(engine, args), log, limit)
     record = json.loads(files["result"].read_text()) if files["result"].is_file() else {}
     record = {**base, **record, "set": set_name, "wall_s": time.time() - start, "exit_code": code, "log": log.name}
     if code is None:
@@ -196,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 merge_record(results, record)
                 results_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     table = render_table(results)
+    if args.profile:
+        table += "\n\n" + render_profiles(results, args.profile_top)
     print(table, flush=True)
     (out / "table.md").write_text(table + "\n")
     return 0
