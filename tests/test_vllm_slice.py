@@ -206,14 +206,14 @@ def test_trace_summary_counts_steps_kernels_and_busy_time_of_a_gpu_trace(tmp_pat
         _event("execute_context_0(0)_generation_2(2)", "user_annotation", 100, 90),
         _event("execute_context_0(0)_generation_0(0)", "user_annotation", 195, 2),
         _event("execute_context_0(0)_generation_2(2)", "gpu_user_annotation", 0, 200, tid=9),
-        _event("cudaGraphLaunch", "cuda_runtime", 1, 5),
-        _event("cudaGraphLaunch", "cuda_runtime", 101, 5),
+        _event("cudaGraphLaunch", "cuda_runtime", 1, 5, args={"correlation": 11}),
+        _event("cudaGraphLaunch", "cuda_runtime", 101, 5, args={"correlation": 12}),
         _event("cpu work", "cpu_op", 0, 200),
     ]
     for base in (0, 100):  # per step: gemm 40 us, attention 20 us beside it on a second stream, a copy of 10 us
         events += [
             _event("void deep_gemm::fp8_gemm<128, 64>(float*, int)", "kernel", base + 10, 40, tid=9),
-            _event("flash_attn_fwd", "kernel", base + 30, 20, tid=10),
+            _event("flash_attn_fwd", "kernel", base + 30, 20, tid=10, args={"correlation": 11 + base // 100}),
             _event("Memcpy DtoD", "gpu_memcpy", base + 60, 10, tid=9),
         ]
     events.append(_event("tail", "kernel", 190, 20, tid=9))  # the window ends with it: 10..210 us
@@ -221,6 +221,7 @@ def test_trace_summary_counts_steps_kernels_and_busy_time_of_a_gpu_trace(tmp_pat
     _write_trace(path, events)
     summary = slice_trace.summarize_trace(slice_trace.load_trace_events(path), slice_trace.VLLM_STEP_PATTERN, top=2)
     assert summary["source"] == "gpu kernels" and summary["steps"] == 2 and summary["graph_launches"] == 2
+    assert summary["graph_kernels"] == 2 and "note" not in summary
     assert summary["window_ms"] == pytest.approx(0.2) and summary["step_ms"] == pytest.approx(0.1)
     assert summary["busy_ms_per_step"] == pytest.approx((2 * (40 + 10) + 20) / 2 / 1e3)  # the overlap once
     assert summary["busy_share"] == pytest.approx(120 / 200)
@@ -247,6 +248,9 @@ def test_trace_summary_of_cpu_operators_uses_self_time_and_says_what_graphs_hid(
     graphs_only = [_event("dsinfer_step", "user_annotation", 0, 100), _event("cudaGraphLaunch", "cuda_runtime", 1, 3)]
     hidden = slice_trace.summarize_trace(graphs_only, slice_trace.DSINFER_STEP_PATTERN)
     assert hidden["top"] == [] and "1 CUDA graph launches" in hidden["note"]
+    outside_graphs = [*graphs_only, _event("sampler", "kernel", 50, 5, args={"correlation": 3})]
+    partial = slice_trace.summarize_trace(outside_graphs, slice_trace.DSINFER_STEP_PATTERN)
+    assert partial["graph_kernels"] == 0 and "inside 1 CUDA graph launches were not recorded" in partial["note"]
 
 
 class ProfiledFakeEngine(FakeEngine):

@@ -5,7 +5,8 @@ its own with ``torch.profiler``; both are Chrome-trace JSON read here by :func:`
 
 * device activity: GPU kernels, memory copies and memsets (Kineto's ``kernel``, ``gpu_memcpy``, ``gpu_memset``).
   Kernels replayed from a CUDA graph are recorded one by one on NVIDIA (they share the correlation id of their
-  ``cudaGraphLaunch``). A trace with no GPU activity (a CPU run) falls back to CPU operators by self time
+  ``cudaGraphLaunch``); a trace with graph launches and none of their kernels says so in its note, since its
+  device time then lacks them. A trace with no GPU activity (a CPU run) falls back to CPU operators by self time
   (their own time less that of the operators they called), which then stand in for kernels.
 * steps: the engine's own per-step annotations (``user_annotation`` events whose name matches the engine's
   pattern: vLLM's worker writes ``execute_context_C(T)_generation_G(T)`` for each step it executes once its
@@ -88,6 +89,14 @@ def count_steps(events: list[dict[str, Any]], step_pattern: str) -> int:
     return sum(1 for e in _complete(events, {"user_annotation"}) if pattern.search(str(e.get("name", ""))))
 
 
+def graph_replays(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(CUDA graph launches, kernels recorded from them): a replayed kernel carries its launch's correlation id."""
+    launches = [e for e in _complete(events, {"cuda_runtime", "cuda_driver"}) if e.get("name") in GRAPH_LAUNCHES]
+    correlations = {(e.get("args") or {}).get("correlation") for e in launches} - {None}
+    kernels = _complete(events, {"kernel"})
+    return len(launches), sum(1 for e in kernels if (e.get("args") or {}).get("correlation") in correlations)
+
+
 def device_activity(events: list[dict[str, Any]]) -> tuple[str, list[tuple[dict[str, Any], float]]]:
     """(what stands for the device, [(event, time in microseconds)]): GPU activity by duration, or where the
     trace has none, CPU operators by self time."""
@@ -102,18 +111,21 @@ def summarize_trace(events: list[dict[str, Any]], step_pattern: str, top: int = 
     (or CPU operators) by time, each with its calls, milliseconds and share of the step."""
     source, timed = device_activity(events)
     steps = count_steps(events, step_pattern)
-    launches = sum(1 for e in _complete(events, {"cuda_runtime", "cuda_driver"}) if e.get("name") in GRAPH_LAUNCHES)
+    launches, from_graphs = graph_replays(events)
     summary: dict[str, Any] = {"source": source, "steps": steps, "graph_launches": launches}
+    summary["graph_kernels"] = from_graphs
     if not timed:
         note = "no device activity recorded"
         if launches:
             note += f"; {launches} CUDA graph launches, the kernels inside them were not recorded"
         return {**summary, "note": note, "top": []}
+    if launches and not from_graphs:
+        summary["note"] = f"the kernels inside {launches} CUDA graph launches were not recorded (not in device time)"
     intervals = [_interval(event) for event, _ in timed]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     per_step = max(steps, 1)
     if not steps:
-        summary["note"] = "no step annotations: figures are for the whole window"
+        summary["note"] = "; ".join(filter(None, [summary.get("note"), "no step annotations: figures for the window"]))
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event, micros in timed:
         entry = by_name[str(event.get("name", "?"))]
