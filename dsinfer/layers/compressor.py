@@ -360,9 +360,3 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     if ratio == 1:  # every position is its own entry (no division kernel)
         return positions + 1
     return torch.div(positions + 1, ratio, rounding_mode="floor")
-
-
-def gather_entries(cache: CompressorCache, spans: DeviceSpans) -> torch.Tensor:
-    """Every entry slot of every sequence's block table, [B, max_blocks * per_block, dim] (callers mask)."""
-    blocks = cache.entries[spans.block_tables]  # [B, max_blocks, per_block, dim]
-    return blocks.flatten(1, 2)
