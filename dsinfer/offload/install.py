@@ -242,6 +242,7 @@ def _auto_budget_gib(model: torch.nn.Module, config) -> float:
     max_model_len = config.resolved_max_model_len(model.config)
     dtype_bytes = model.embed.weight.element_size()
     request = PlanRequest(model.config, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-                          dtype_bytes=dtype_bytes, block_tokens=config.block_tokens)  # fmt: skip
+                          dtype_bytes=dtype_bytes, block_tokens=config.block_tokens,
+                          kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
     cache = config.max_num_seqs * build_plan(request).per_sequence
     return max(0, free - total * (1 - config.gpu_memory_utilization) - cache) / GIB
