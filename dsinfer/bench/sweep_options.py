@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Steady-state decode / prefill sweep of the engine; writes results.jsonl and a Pareto PNG.",
     )
     parser.add_argument("mode", choices=["decode", "prefill"])
+    _model_options(parser)
+    _speculative_options(parser)
+    _run_options(parser)
+    return parser
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    """What model the sweep runs: a checkpoint, a config's random weights, or a Flash slice of an arch."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
     source.add_argument("--config", help="config.json (or its directory): random weights of that shape")
@@ -55,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="native",
         help="random weights (--flash-layers, --config): routed experts packed FP4 as released, or bf16",
     )
-    parser.add_argument("--tag", help="name of the output folder (default: MODE-ctxCONTEXT)")
-    parser.add_argument("--context", type=int, help=f"prompt tokens (default {OFFICIAL_CONTEXT}; tiny: {TINY_CONTEXT})")
+
+
+def _speculative_options(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding: the assumed accounting's drafts, or real drafts and their benchmark devices."""
     parser.add_argument("--nextn", type=int, default=0, help="speculative drafts per step, for the assumed accounting")
     parser.add_argument("--accept", type=float, default=0.75, help="per-token draft acceptance (default 0.75)")
     parser.add_argument(
@@ -79,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode with --speculative-config: time each graphed step's verify and draft replays apart (events "
         "around the replays; verify_ms and draft_ms in the record's measured block)",
     )
+
+
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """Where and how the points run: context, points, device, steps, cache, fill, outputs."""
+    parser.add_argument("--tag", help="name of the output folder (default: MODE-ctxCONTEXT)")
+    parser.add_argument("--context", type=int, help=f"prompt tokens (default {OFFICIAL_CONTEXT}; tiny: {TINY_CONTEXT})")
     parser.add_argument("--points", help="comma-separated: requests per rank (decode) or batch tokens (prefill)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
@@ -112,7 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare-published", action="store_true", help="plot DeepInfer's B200 points too")
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
-    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
