@@ -45,6 +45,7 @@ class FixedWidthBatch:
     column_positions: torch.Tensor = field(init=False)
     column_ids: torch.Tensor = field(init=False)
     column_slots: torch.Tensor | None = field(init=False)
+    _all_columns: PackedBatch | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
@@ -89,6 +90,20 @@ class FixedWidthBatch:
         slots = self.slots if slots is None else slots
         batch._device_spans = DeviceSpans(slots, positions, self.window_from, self.block_tables, rows)
         return batch
+
+    def all_columns(self) -> PackedBatch:
+        """Every position as a decode-shaped row, column after column ([width * B]: the order of
+        :meth:`columns` flattened), each in its sequence's slot, with its sequence's table and window start."""
+        if self._all_columns is None:
+            width, positions = self.width, self.column_positions.flatten()
+            spans = [SequenceSpan(0, 1, self.spare_slot, []) for _ in range(self.size * width)]
+            batch = PackedBatch(self.column_ids.flatten(), positions, spans, self.cache)
+            rows = torch.arange(positions.shape[0], device=positions.device)
+            tables = self.block_tables.repeat(width, 1)
+            batch._device_spans = DeviceSpans(self.slots.repeat(width), positions, self.window_from.repeat(width),
+                                              tables, rows)  # fmt: skip
+            self._all_columns = batch
+        return self._all_columns
 
     def columns(self, rows: torch.Tensor) -> torch.Tensor:
         """A per-row tensor [B * width, ...] as [width, B, ...]: column ``j`` contiguous."""

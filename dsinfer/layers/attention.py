@@ -199,9 +199,11 @@ class Attention(nn.Module):
     def _forward_columns(
         self, x: torch.Tensor, batch: FixedWidthBatch, inv_freq: torch.Tensor, layer_id: int, journal
     ) -> torch.Tensor:
-        """Every row of a fixed-width batch [B * width, hidden]: the projections over all rows, the attention through
-        :meth:`_attend_decode` one column at a time. ``journal`` (a :class:`PendingJournal`) records the
-        compressors' unfinished windows (None: a window-only layer)."""
+        """Every row of a fixed-width batch [B * width, hidden]: the projections over all rows; the compressors'
+        updates column by column (position order, recorded in ``journal``, a :class:`PendingJournal`; None: a
+        window-only layer); then the indexer's choice and the attention of every column at once
+        (:meth:`_attend_all_columns`). A batch whose columns run in slots of their own (``row_slots``: a drafter's
+        rejected positions) attends column by column instead."""
         layer_cache = batch.cache.layers[layer_id]
         cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
         projected = self._input_projections(x)  # every row at once, as a decode step's rows: one joined GEMM
@@ -211,19 +213,71 @@ class Attention(nn.Module):
         if states and journal is None:
             raise ValueError("a compressed layer's fixed-width forward needs a journal (the rollback reads it)")
         before = journal.before(states) if states else []
-        written, outputs = [], []
         xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
         by_column = {name: batch.columns(t) for name, t in projected.items()}  # the compressors' and indexer's
+        written, outputs = [], []
         for j in range(batch.width):
             column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
-            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
-                                               column_projected))  # fmt: skip
+            if batch.row_slots is not None:
+                outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
+                                                   column_projected))  # fmt: skip
+            else:
+                self._update_compressors(xs[j], column, layer_cache, inv_freq, column_projected)
             if states:
                 written.append(journal.column(states, j))
         if states:
             journal.close(states, before, written)
-        out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
+        if batch.row_slots is None:
+            flat = {name: t.flatten(0, 1) for name, t in by_column.items()}
+            columns = (t.flatten(0, 1) for t in (xs, qs, latents, kvs))
+            stacked = self._attend_all_columns(*columns, batch, layer_cache, inv_freq, flat)
+        else:
+            stacked = torch.stack(outputs)
+        out = apply_rope(batch.rows(stacked), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
+
+    def _update_compressors(self, x, column: PackedBatch, layer_cache: LayerCache, inv_freq, projected) -> None:
+        """One column's compressor updates (the attention's and the indexer's keys), as a decode step makes them."""
+        if self.compressor is not None:
+            self.compressor.update_decode(x, column, layer_cache.compressor, inv_freq, projected.get("compressor"))
+        if self.indexer is not None:
+            keys = self.indexer.compressor
+            keys.update_decode(x, column, layer_cache.indexer, inv_freq, projected.get("index_compressor"))
+
+    def _attend_all_columns(self, x, q, q_latent, kv, batch: FixedWidthBatch, layer_cache, inv_freq, projected):
+        """Every column's attention in one decode op over ``width * B`` rows (column after column), the entries
+        already written: each row sees the ``window`` positions up to its own, from a ring of ``window + width -
+        1`` rows (the window before the step and the step's rows, gathered here), and the entries its position
+        sees. The step's rows go into the layer's ring afterwards. Returns [width, B, H, D]."""
+        rows = batch.all_columns()
+        spans, positions, ring = rows.device_spans, rows.positions, layer_cache.window
+        size, width = batch.size, batch.width
+        verify_ring, ring_slots = self._verify_ring(kv, batch, ring)
+        entries, indices = self._entries_and_indices(x, q_latent, rows, layer_cache, inv_freq, projected, True)
+        out = self.ops.sparse_attention_decode(
+            SparseDecodeInputs(
+                q, verify_ring, ring_slots, positions, spans.window_from, entries, spans.block_tables, indices,
+                self.attn_sink, self.softmax_scale, window_length=self.window,
+            )
+        )  # fmt: skip
+        self.ops.cache_store(CacheStoreInputs(kv, ring, None, spans.slots, positions, self.window, None, 0, None))
+        return out.view(width, size, *out.shape[1:])
+
+    def _verify_ring(self, kv: torch.Tensor, batch: FixedWidthBatch, ring: torch.Tensor):
+        """A ring of ``window + width - 1`` rows a sequence ([B, R, D], row ``position % R``): its window's rows
+        before the step (read from ``ring``) and the step's ``kv`` rows (column-major [width * B, D]); and each
+        column-major row's sequence in it."""
+        size, width, window = batch.size, batch.width, self.window
+        length = window + width - 1
+        sequences = torch.arange(size, device=kv.device)
+        earlier = batch.starts[:, None] - window + 1 + torch.arange(window - 1, device=kv.device)  # [B, window - 1]
+        verify_ring = ring.new_empty(size, length, ring.shape[-1])
+        verify_ring[sequences[:, None], earlier.remainder(length)] = ring[
+            batch.slots[:, None], earlier.remainder(window)
+        ]
+        step_rows = batch.rows(kv.view(width, size, -1)).view(size, width, -1)  # sequence after sequence
+        verify_ring[sequences[:, None], batch.positions.remainder(length)] = step_rows.to(ring.dtype)
+        return verify_ring, sequences.repeat(width)
 
     def _attend_decode(
         self,
@@ -285,23 +339,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Decode after the cache writes: the indexer's choice (CSA), the visible entries (HCA), the attention."""
         spans, positions = batch.device_spans, batch.positions
-        ring = layer_cache.window
-        ops = self.ops
-        entries, indices = None, None
-        if self.compressor is not None:
-            entries = layer_cache.compressor.entries
-            if self.indexer is not None:
-                chosen, real = self.indexer.select_decode(x, q_latent, batch, layer_cache.indexer, inv_freq, projected)
-            else:
-                chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(q.shape[0], -1)
-                real = chosen < visible_entries(positions, self.compress_ratio)[:, None]
-            indices = torch.where(real, chosen, -1)
-        return ops.sparse_attention_decode(
+        entries, indices = self._entries_and_indices(x, q_latent, batch, layer_cache, inv_freq, projected)
+        return self.ops.sparse_attention_decode(
             SparseDecodeInputs(
-                q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
+                q, layer_cache.window, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
                 self.attn_sink, self.softmax_scale,
             )
         )  # fmt: skip
+
+    def _entries_and_indices(
+        self, x, q_latent, batch: PackedBatch, layer_cache, inv_freq, projected, keys_written=False
+    ):
+        """The compressed entries and each row's chosen entry numbers (-1: none), or (None, None) in a window-only
+        layer: the indexer's choice in CSA layers (``keys_written``: its keys are in the cache already), every
+        visible entry in HCA layers."""
+        if self.compressor is None:
+            return None, None
+        entries = layer_cache.compressor.entries
+        if self.indexer is not None:
+            choose = self.indexer.choose_decode if keys_written else self.indexer.select_decode
+            chosen, real = choose(x, q_latent, batch, layer_cache.indexer, inv_freq, projected)
+        else:
+            spans = batch.device_spans
+            chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(x.shape[0], -1)
+            real = chosen < visible_entries(batch.positions, self.compress_ratio)[:, None]
+        return entries, torch.where(real, chosen, -1)
 
     def _attend_batched(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Decode attention: one query per sequence [B, H, D] over its own keys [B, K, D] (``visible`` [B, K])."""

@@ -196,8 +196,21 @@ class Indexer(IndexScorer):
         :meth:`queries`); what is missing is projected here.
         """
         projected = projected or {}
-        positions, spans = batch.positions, batch.device_spans
         self.compressor.update_decode(x, batch, cache, inv_freq, projected.get("index_compressor"))
+        return self.choose_decode(x, q_latent, batch, cache, inv_freq, projected)
+
+    def choose_decode(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        batch: PackedBatch,
+        cache: CompressorCache,
+        inv_freq: torch.Tensor,
+        projected: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`select_decode` once the step's keys are in ``cache`` (a verify step writes every column's
+        first): one query a row, each masked to the entries its own position sees."""
+        positions, spans = batch.positions, batch.device_spans
         angles = step_rope_angles(batch, inv_freq, ops=self.ops)
         q, head_weights = self.queries(x, q_latent, positions, inv_freq, angles=angles, projected=projected)
         ops = self.ops

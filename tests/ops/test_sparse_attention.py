@@ -38,6 +38,7 @@ class Case:
     block_h: int = 16  # 0: the configuration choose_config picks
     block_n: int = 16
     seed: int = 0
+    ring_extra: int = 0  # the ring holds window + ring_extra rows; each query still sees ``window`` (a verify step)
 
 
 CASES = [
@@ -61,6 +62,9 @@ CASES = [
     # forced splits where the combine also splits the channels (choose_combine: blocks of 64 channels)
     Case(positions=(90,), heads=5, dim=200, n_indices=20, num_splits=3, seed=11),  # 4 blocks, the last masked
     Case(positions=(70, 300), heads=20, dim=256, n_indices=24, num_splits=5, block_n=32, dtype=torch.bfloat16),
+    # a ring longer than the window (a verify step's W + K rows): positions wrap at the ring, not the window
+    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), ring_extra=3, seed=12),
+    Case(positions=(64, 2), window=32, entries=False, num_splits=2, ring_extra=5, dtype=torch.bfloat16, seed=13),
 ]
 
 
@@ -76,7 +80,7 @@ def make_inputs(case: Case) -> dict:
     drop = torch.rand(batch, case.n_indices, generator=gen) < case.invalid
     return {
         "q": torch.randn(batch, case.heads, case.dim, generator=gen).to(case.dtype),
-        "window": torch.randn(slot_count, case.window, case.dim, generator=gen).to(case.dtype),
+        "window": torch.randn(slot_count, case.window + case.ring_extra, case.dim, generator=gen).to(case.dtype),
         "slots": torch.randperm(slot_count, generator=gen)[:batch],
         "positions": torch.tensor(case.positions),
         "window_from": torch.tensor(window_from),
@@ -85,6 +89,7 @@ def make_inputs(case: Case) -> dict:
         "indices": torch.where(drop, -1, indices) if case.entries else None,
         "sink": torch.randn(case.heads, generator=gen),
         "softmax_scale": case.dim**-0.5,
+        "window_length": case.window if case.ring_extra else None,
     }
 
 
@@ -303,6 +308,21 @@ def test_reference_is_the_former_inline_math_bit_for_bit(dtype, layer):
     )
 
 
+def test_a_longer_ring_with_the_window_length_is_the_window_ring_bit_for_bit():
+    """A ring of W + E rows (each position at ``position % (W + E)``) read with ``window_length`` W gives what a
+    W-row ring of the same positions gives: the same keys in the same order, so the same bits."""
+    case = Case(positions=(3, 70, 129, 500, 12), window_from=(0, 60, 0, 490, 0), heads=20, seed=1)
+    inputs = make_inputs(case)
+    extra, window, slots = 5, case.window, inputs["slots"]
+    longer = torch.randn(inputs["window"].shape[0], window + extra, case.dim)
+    for slot, position in zip(slots.tolist(), case.positions, strict=True):
+        for key_position in range(max(0, position - window + 1), position + 1):
+            longer[slot, key_position % (window + extra)] = inputs["window"][slot, key_position % window]
+    expected = sparse_attention_decode_reference(SparseDecodeInputs(**inputs))
+    got = sparse_attention_decode_reference(SparseDecodeInputs(**{**inputs, "window": longer, "window_length": window}))
+    assert torch.equal(got, expected)
+
+
 def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
     names = [b.name for b in registry.backends("sparse_attention_decode")]
     assert names[0] == "triton" and names[-1] == "reference"
@@ -435,8 +455,8 @@ def test_triton_kernels_compile_for_hopper():
         (torch.float32, "fp32", "ieee", None),
     ):
         config = backend.choose_config(64, dtype, 512, batch)
-        constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512, BLOCK_D=512,
-                         BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
+        constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512,
+                         BLOCK_D=512, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
                          PRECISION=precision)  # fmt: skip
         kernel = backend._decode_split_kernel
         source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)

@@ -16,12 +16,20 @@ from dsinfer.ops.registry import REFERENCE, register
 
 
 def window_keys(
-    window: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window_from: torch.Tensor
+    window: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    window_from: torch.Tensor,
+    length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring rows of every sequence, oldest position first ([B, W, D]), and which of them it may see ([B, W])."""
-    size = window.shape[1]
+    """Ring rows of every sequence, oldest position first ([B, W, D]), and which of them it may see ([B, W]).
+
+    ``length``: the window W each query sees (None: the ring's size); the ring may hold more rows than that (a
+    position's row is ``position % ring size``), as a verify step's ring of its drafts does."""
+    ring_size = window.shape[1]
+    size = ring_size if length is None else length
     key_positions = positions[:, None] - size + 1 + torch.arange(size, device=positions.device)
-    keys = window[slots[:, None], key_positions.remainder(size)]
+    keys = window[slots[:, None], key_positions.remainder(ring_size)]
     visible = (key_positions >= 0) & (key_positions >= window_from[:, None])
     return keys, visible
 
@@ -41,9 +49,10 @@ def entry_keys(entries: torch.Tensor, block_tables: torch.Tensor, indices: torch
 class SparseDecodeInputs:
     """One decode step of sparse attention: one query token per sequence over its window ring and entries.
 
-    q [B, H, D]; window [slots, W, D] (this step's token already written at ``positions % W``); slots,
-    positions, window_from [B] int64; entries [blocks, per_block, D] (or None: a window-only layer);
-    block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry (or None); sink [H] float32.
+    q [B, H, D]; window [slots, R, D], a ring of R >= W rows (this step's token already written at
+    ``positions % R``); slots, positions, window_from [B] int64; entries [blocks, per_block, D] (or None: a
+    window-only layer); block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry (or None);
+    sink [H] float32. ``window_length``: W, the window each query sees (None: R).
     """
 
     q: torch.Tensor
@@ -56,13 +65,14 @@ class SparseDecodeInputs:
     indices: torch.Tensor | None
     sink: torch.Tensor
     softmax_scale: float
+    window_length: int | None = None
 
 
 @register("sparse_attention_decode", REFERENCE)
 def sparse_attention_decode_reference(inputs: SparseDecodeInputs) -> torch.Tensor:
     """Attention of one query per sequence; returns [B, H, D] in ``q.dtype`` (shapes: :class:`SparseDecodeInputs`)."""
     q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
-    keys, visible = window_keys(window, inputs.slots, inputs.positions, inputs.window_from)
+    keys, visible = window_keys(window, inputs.slots, inputs.positions, inputs.window_from, inputs.window_length)
     keys = keys.to(q.dtype)
     if entries is not None and indices is not None:
         keys = torch.cat([keys, entry_keys(entries, inputs.block_tables, indices).to(keys.dtype)], dim=1)

@@ -120,6 +120,7 @@ if triton is not None:
         stride_oh,
         scale_log2,
         WINDOW: tl.constexpr,
+        RING: tl.constexpr,
         WINDOW_TILES: tl.constexpr,
         PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -160,8 +161,8 @@ if triton is not None:
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
-            row = key_position % WINDOW
-            row = tl.where(row < 0, row + WINDOW, row)
+            row = key_position % RING
+            row = tl.where(row < 0, row + RING, row)
             kv = tl.load(
                 ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None] & dim_ok[None, :], other=0.0
             )
@@ -390,7 +391,8 @@ def sparse_attention_decode_launch(
     q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
-    size = window.shape[1]
+    ring_size = window.shape[1]
+    size = ring_size if inputs.window_length is None else inputs.window_length
     has_entries = entries is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     out = torch.empty_like(q)
@@ -413,8 +415,8 @@ def sparse_attention_decode_launch(
         part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles, q.stride(0), q.stride(1), window.stride(0),
         window.stride(1), stride_eb, stride_ep, tables.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         inputs.softmax_scale * LOG2E,
-        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
+        WINDOW=size, RING=ring_size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
         PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if plan.splits > 1:
