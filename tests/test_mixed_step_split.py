@@ -7,6 +7,7 @@ The V4.1 model runs with its trained-in fake quantization off, as the engine's o
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_harness import random_prompts, run_all
 
 from dsinfer.config import EngineConfig
@@ -57,7 +58,7 @@ def test_split_mixed_steps_give_the_tokens_of_one_forward(model, checkpoint, gra
 def test_leading_decodes_counts_only_a_mixed_step():
     def step(*lengths):
         spans = [type("Span", (), {"length": n})() for n in lengths]
-        return type("Step", (), {"spans": spans})()
+        return type("Step", (), {"spans": spans, "sample_rows": torch.zeros(len(lengths))})()
 
     assert model_runner.ModelRunner.leading_decodes(step(1, 1, 1, 7)) == 3
     assert model_runner.ModelRunner.leading_decodes(step(1, 1, 1)) == 0  # a pure decode step

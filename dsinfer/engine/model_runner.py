@@ -220,13 +220,15 @@ class ModelRunner:
     @staticmethod
     def leading_decodes(step: StepInput) -> int:
         """How many of a mixed step's first spans decode one token each, ahead of a prefill chunk (0: the step
-        is not mixed). The scheduler puts decodes first; each samples its row."""
+        is not mixed). The scheduler puts decodes first; each samples its row (a one-token chunk that does not end
+        its prompt takes the step's last tokens of budget, so it comes last)."""
         count = 0
         for span in step.spans:
             if span.length != 1:
                 break
             count += 1
-        return count if count < len(step.spans) else 0
+        mixed = count < len(step.spans) and count <= int(step.sample_rows.shape[0])
+        return count if mixed else 0
 
     def _execute_split(self, step: StepInput, decodes: int) -> torch.Tensor:
         """A mixed step as two forwards: the leading ``decodes`` one-token spans on the decode path (their graph
