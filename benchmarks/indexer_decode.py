@@ -3,12 +3,14 @@
     python benchmarks/indexer_decode.py                       # batch 1 8 64 256 x context 4k 16k 131k, bf16 + fp8
     python benchmarks/indexer_decode.py --batch 64 --context 131072 --keys fp8
     python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts halves words
+    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts words --words-launches 4:4 5:4 3:8
 
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
-(``--fp4-layouts``: ``halves``, the even and odd channels as two dots, the default; ``joined``, the codes
-interleaved into one tile; ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot), a row
-each, the op (``op ms``) with the default.
+(``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot, the default;
+``halves``, the even and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each,
+and the words kernel again for each ``--words-launches`` (key tiles in flight : warps); the op (``op ms``) runs
+the default.
 
 V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
 ``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each
@@ -51,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keys", nargs="+", choices=["bf16", "fp8", "fp4"], default=["bf16", "fp8"])
     parser.add_argument("--fp4-layouts", nargs="+", choices=FP4_LAYOUTS, default=list(FP4_LAYOUTS),
                         help="FP4 tile layouts of the scores kernel, timed side by side")  # fmt: skip
+    parser.add_argument(
+        "--words-launches",
+        nargs="+",
+        default=[],
+        metavar="STAGES:WARPS",
+        help="FP4 words layout: also time these launches (key tiles in flight, warps), e.g. 4:4 5:8",
+    )
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--topk", type=int, default=512)
@@ -110,9 +119,21 @@ def choose(*step):
     return backend.indexer_topk_decode_triton(paged_inputs(*step), step[5])
 
 
-def scores_in_layout(*step, fp4_layout: str):
-    """The scores kernel alone on one step's values, FP4 tiles in ``fp4_layout``."""
-    return paged_scores_launch(paged_inputs(*step), fp4_layout=fp4_layout)
+def scores_in_layout(*step, fp4_layout: str, words_launch: dict | None = None):
+    """The scores kernel alone on one step's values, FP4 tiles in ``fp4_layout`` (words: ``words_launch``)."""
+    return paged_scores_launch(paged_inputs(*step), fp4_layout=fp4_layout, words_launch=words_launch)
+
+
+def layouts_to_time(args, keys_form: str) -> list[tuple[str, str, dict | None]]:
+    """(label, FP4 layout, words launch) of every row a point prints: one for bf16 / FP8 keys; for FP4 each
+    layout, and the words layout again for each of ``--words-launches``."""
+    if keys_form != "fp4":
+        return [(keys_form, FP4_LAYOUTS[0], None)]
+    rows = [(f"fp4/{layout}", layout, None) for layout in args.fp4_layouts]
+    for launch in args.words_launches:
+        stages, warps = (int(part) for part in launch.split(":"))
+        rows.append((f"words s{stages}w{warps}", "words", {"NUM_STAGES": stages, "num_warps": warps}))
+    return rows
 
 
 def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> None:
@@ -132,14 +153,13 @@ def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> No
         exact = index_scores_paged_reference(paged_inputs(*values))
         reference_ms = median_ms(reference, args.warmup, args.iters)
     roof = moved / (roofline_tb_s(device) * 1e12) * 1e3
-    for layout in args.fp4_layouts if keys_form == "fp4" else [FP4_LAYOUTS[0]]:
-        score = partial(scores_in_layout, fp4_layout=layout)
+    for label, layout, launch in layouts_to_time(args, keys_form):
+        score = partial(scores_in_layout, fp4_layout=layout, words_launch=launch)
         scores_ms = graph_ms(calls_over(score, cycle), args.warmup, args.iters, args.inner)
         scores = score(*values)
         topk_ms = median_ms(partial(torch.topk, scores, min(k, scores.shape[1]), dim=1), args.warmup, args.iters)
         seen = None if exact is None else torch.isfinite(exact)
         deviation = float("nan") if exact is None else (scores[seen] - exact[seen]).abs().max().item()
-        label = f"fp4/{layout}" if keys_form == "fp4" else keys_form
         print(f"{label:>10} {batch:>5} {context:>7} {tables.shape[1] * keys.shape[1]:>6} {reference_ms:>9.3f} "
               f"{op_ms:>8.4f} {scores_ms:>9.4f} {topk_ms:>10.4f} {moved / op_ms / 1e6:>7.0f} "
               f"{100 * roof / op_ms:>6.1f}% {100 * roof / scores_ms:>6.1f}% {same:>5} {deviation:>9.2e}")  # fmt: skip

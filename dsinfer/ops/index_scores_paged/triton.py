@@ -253,12 +253,15 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
     return key_scales.stride(-1) == 1 and scale_block >= 16 and (row_scale or key_scales.dtype == torch.uint8)
 
 
-def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words") -> torch.Tensor:
+def paged_scores_launch(
+    inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words", words_launch: dict | None = None
+) -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
     FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots; ``"joined"`` below 32 channels,
     where a half is shallower than a dot), ``"words"`` (int32 words of 8 codes, :mod:`.fp4_words`; ``"halves"``
-    where they do not fit) or ``"joined"`` (the codes interleaved into one float32 tile)."""
+    where they do not fit) or ``"joined"`` (the codes interleaved into one float32 tile). ``words_launch``: the
+    words kernel's ``NUM_STAGES`` and ``num_warps`` where they differ from the defaults (a benchmark's sweep)."""
     if fp4_layout not in FP4_LAYOUTS:
         raise ValueError(f"fp4_layout must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
     q, head_weights, keys, key_scales = inputs.q, inputs.head_weights, inputs.keys, inputs.key_scales
@@ -277,7 +280,7 @@ def paged_scores_launch(inputs: PagedIndexInputs, chunk: int | None = None, fp4_
     weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
     scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
     if form == "fp4" and fp4_layout == "words" and words_layout_fits(keys, key_scales, head_dim):
-        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, **(words_launch or {}))
         words_scores_launch(inputs, weights, tables, scores, chunk, launch)
         return scores
     _split_scores_kernel[(triton.cdiv(width, chunk), batch)](
