@@ -263,21 +263,6 @@ class KVCacheV41:
         self._write(source.entries, source.entry_scales, self.entry_format, (blocks, rows), entries)
         self._write(source.index_keys, source.index_key_scales, self.index_key_format, (blocks, rows), keys)
 
-    def gather_entries(self, layer_id: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every entry row of every block-table block, ``[B, max_blocks * per_block, head_dim]``, and index keys.
-
-        ``block_tables`` [B, max_blocks] comes from the step's device metadata; its padding (the trash block id,
-        past the pool) reads the last block instead: callers mask what a sequence may not see, so shapes depend
-        only on the tables' width and no value is read on the host.
-        """
-        source = self._source(layer_id)
-        per_block = self.block_tokens // source.ratio
-        blocks = block_tables.clamp(max=self.num_blocks - 1)[:, :, None]
-        index = (blocks, torch.arange(per_block, device=block_tables.device))
-        entries = self._read(source.entries, source.entry_scales, self.entry_format, index)
-        keys = self._read(source.index_keys, source.index_key_scales, self.index_key_format, index)
-        return entries.flatten(1, 2), keys.flatten(1, 2)
-
     def index_key_pool(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A KV source's index keys as stored, ``[blocks, per_block, ...]``, and their scales (None: model dtype):
         what a decode step's scores read in place through the block tables."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.config import ModelConfigBase
-from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
+from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import LayerCache
 from dsinfer.kv.fixed_width import FixedWidthBatch
 from dsinfer.layers.compressor import Compressor, visible_entries
@@ -44,7 +44,7 @@ from dsinfer.ops.sparse_attention.prefill_reference import (
 )
 from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
-__all__ = ["Attention", "decode_window_positions", "sink_softmax", "window_keys"]
+__all__ = ["Attention", "sink_softmax", "window_keys"]
 
 
 def window_keys(
@@ -67,15 +67,6 @@ def window_keys(
     recent = slice(max(0, kv.shape[0] - window), None)
     write_rows(positions[recent], kv[recent])
     return keys, key_positions
-
-
-def decode_window_positions(
-    positions: torch.Tensor, spans: DeviceSpans, window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode: the ``window`` key positions of each sequence's query [B, window] (oldest first), and which exist."""
-    key_positions = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
-    visible = (key_positions >= 0) & (key_positions >= spans.window_from[:, None])
-    return key_positions, visible
 
 
 class Attention(nn.Module):
@@ -364,12 +355,6 @@ class Attention(nn.Module):
             chosen = torch.arange(spans.max_blocks * entries.shape[1], device=x.device).expand(x.shape[0], -1)
             real = chosen < visible_entries(batch.positions, self.compress_ratio)[:, None]
         return entries, torch.where(real, chosen, -1)
-
-    def _attend_batched(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Decode attention: one query per sequence [B, H, D] over its own keys [B, K, D] (``visible`` [B, K])."""
-        logits = torch.einsum("bhd,bkd->bhk", q, keys).float() * self.softmax_scale
-        probs = sink_softmax(logits[:, :, None, :], self.attn_sink, ~visible[:, None, None, :])[:, :, 0, :]
-        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
 
     def _attend_prefill(
         self,

@@ -43,7 +43,7 @@ from dsinfer.config import ModelConfigV41
 from dsinfer.kv.batch import PackedBatch, SequenceSpan
 from dsinfer.kv.cache_v41 import KVCacheV41
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
-from dsinfer.layers.attention import Attention, decode_window_positions
+from dsinfer.layers.attention import Attention
 from dsinfer.layers.compressor import Compressor, decode_entry_location, kept_entries, visible_entries
 from dsinfer.layers.csa2_prefill import (
     candidate_block_rows,
@@ -60,7 +60,6 @@ from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RoundingPoint, apply_rope, rope_and_round, rope_angles, step_rope_angles
 from dsinfer.ops.fake_quant import ActivationQuantizer
-from dsinfer.ops.index_scores import top_k_in_order
 from dsinfer.ops.index_scores_paged import PagedIndexInputs
 from dsinfer.ops.index_select import candidate_block_mask_reference
 from dsinfer.ops.rope_round import RowChain
@@ -111,23 +110,6 @@ class IndexerV41(IndexScorer):
             defer,
         )
 
-    def candidate_scores(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-        inv_freq: torch.Tensor,
-        state: SequenceState,
-        quantizer: ActivationQuantizer,
-    ) -> torch.Tensor:
-        """Scores [n, W] (keys [W, d], or [n, W, d] per query) after the candidate-block level.
-
-        The candidate source records its blocks in ``state``; later index sources see only inside them.
-        """
-        scores, allowed = self._scores_and_candidates(x, q_latent, positions, keys, inv_freq, state, quantizer)
-        return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
-
     def prefill_choice(
         self,
         x: torch.Tensor,
@@ -140,7 +122,7 @@ class IndexerV41(IndexScorer):
     ) -> torch.Tensor:
         """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers, -1 where fewer are finite.
 
-        What :meth:`candidate_scores` and ``top_k_choice`` give, computed in row slices of the queries
+        The candidate-limited scores' ``top_k_choice``, computed in row slices of the queries
         (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget. The candidate
         source records its blocks in ``state`` (``candidate_blocks``, a boolean per block, written slice by slice);
         a later index source limits each slice to the entries of those rows' blocks."""
@@ -203,13 +185,8 @@ class IndexerV41(IndexScorer):
 
         return rotate_queries
 
-    def _scores_and_candidates(self, x, q_latent, positions, keys, inv_freq, state: SequenceState, quantizer):
-        """The scores [n, W] and the candidate mask that limits them (None: no limit)."""
-        scores = self.scores(x, q_latent, positions, keys, inv_freq, self._query_rotation(quantizer, positions))
-        return scores, self._candidates(x, scores, visible_entries(positions, self.ratio), state)
-
     def _candidates(
-        self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: SequenceState | DecodeState
+        self, x: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, state: DecodeState
     ) -> torch.Tensor | None:
         """The candidate source records its blocks in ``state`` (and is not limited by them); later index sources
         get the recorded mask; None: no limit."""
@@ -274,8 +251,8 @@ class AttentionV41(Attention):
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
         if batch.fixed_width is not None:  # one published state per column
-            sequences = published.sequences
-            return self._forward_columns(x, batch.fixed_width, inv_freq, sequences, quantizer, batch.column_journal)
+            columns = published.columns
+            return self._forward_columns(x, batch.fixed_width, inv_freq, columns, quantizer, batch.column_journal)
         if batch.is_decode and not compressor_only:
             return self._forward_decode(x, batch, inv_freq, published.decode, quantizer)
         # The step's device block tables (built once per step from the host's spans): a table copied from a host
@@ -301,46 +278,32 @@ class AttentionV41(Attention):
         x: torch.Tensor,
         batch: FixedWidthBatch,
         inv_freq: torch.Tensor,
-        published: list[SequenceState],
+        published: list[DecodeState],
         quantizer: ActivationQuantizer,
         journal: PendingJournal,
     ) -> torch.Tensor:
         """Every row of a fixed-width batch: projections over all rows, then per column what
-        :meth:`_forward_decode` does between its projections and its output (window ring, the sources'
-        publishing, the index sources' choice); ``published[j]`` holds what column ``j``'s sources publish."""
-        cache: KVCacheV41 = batch.cache
-        cos, sin, q_latent, q, kv = self._queries_and_kv(x, batch.positions.flatten(), inv_freq, quantizer)
-        source = cache.layers[self.layer_id].source
+        :meth:`_forward_decode` does between its projections and its output (the cache writes, the index sources'
+        choice over the paged keys, the decode attention), so each column computes what a decode step of its
+        position would; ``published[j]`` holds what column ``j``'s sources publish."""
+        cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
+        projected = {}
+        q_a, kv = self._input_rows(x, cos, sin, batch.positions.flatten(), quantizer, projected, True, False)
+        q_latent, q = self._queries(q_a, cos, sin, projected, True)
+        source = batch.cache.layers[self.layer_id].source
         states = [source] if source is not None and source.pending_values is not None else []
         before, written, outputs = journal.before(states), [], []
         xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
+        by_column = {name: batch.columns(t) for name, t in projected.items()}
         for j in range(batch.width):
-            outputs.append(self._attend_column(xs[j], qs[j], latents[j], kvs[j], batch.column(j), inv_freq,
-                                               published[j], quantizer))  # fmt: skip
+            column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
+            self._write_decode_caches(xs[j], kvs[j], column, inv_freq, published[j], quantizer, column_projected)
             written.append(journal.column(states, j))
+            outputs.append(self._choose_and_attend(xs[j], qs[j], latents[j], column, inv_freq, published[j],
+                                                   quantizer, column_projected))  # fmt: skip
         journal.close(states, before, written)
         out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
         return self._project_out(out)
-
-    def _attend_column(self, x, q, q_latent, kv, column: PackedBatch, inv_freq, state: SequenceState, quantizer):
-        """One column's attention [B, H, D], as :meth:`_forward_decode` computes it for a decode step."""
-        cache: KVCacheV41 = column.cache
-        spans, positions = column.device_spans, column.positions
-        cache.write_window(self.layer_id, spans.slots, positions, kv)
-        key_positions, visible = decode_window_positions(positions, spans, self.window)
-        keys = cache.read_window(self.layer_id, spans.slots[:, None], key_positions).to(kv.dtype)
-        if self.compress_ratio:
-            if self.compressor is not None:
-                self._publish_decode(x, column, cache, inv_freq, state, quantizer)
-            if self.indexer is not None:
-                scores = self.indexer.candidate_scores(x, q_latent, positions, state.source.index_keys, inv_freq,
-                                                       state, quantizer)  # fmt: skip
-                state.chosen, state.real = top_k_in_order(scores, self.indexer.topk)
-            chosen, source_entries = state.chosen, state.source.entries
-            entries = source_entries.gather(1, chosen[..., None].expand(-1, -1, source_entries.shape[-1]))
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            visible = torch.cat([visible, state.real], dim=1)
-        return self._attend_batched(q, keys, visible)
 
     def _sources_prefill(
         self,
@@ -543,20 +506,6 @@ class AttentionV41(Attention):
             spans, entry_ids, complete, cache.block_tokens // ratio, cache.trash_block, self.ops
         )
         cache.write_entries_at(self.layer_id, blocks, block_rows, entries, keys)
-
-    def _publish_decode(
-        self,
-        x: torch.Tensor,
-        batch: PackedBatch,
-        cache: KVCacheV41,
-        inv_freq: torch.Tensor,
-        state: SequenceState,
-        quantizer: ActivationQuantizer,
-    ) -> None:
-        """:meth:`_write_decode_entries`, then every entry and index key of every block-table slot published as
-        ``[B, W, ...]`` tensors (the verify forward's column-by-column attention reads them)."""
-        self._write_decode_entries(x, batch, cache, inv_freq, quantizer)
-        state.source = SourceEntries(*cache.gather_entries(self.layer_id, batch.device_spans.block_tables))
 
     def _publish(
         self,

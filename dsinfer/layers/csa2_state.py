@@ -9,7 +9,8 @@ in the form each kind of forward reads it:
 * a prefill forward publishes per sequence (:class:`SequenceState`) plus the batch's op-layout views
   (:class:`PrefillViews`);
 * a decode step publishes once for the whole batch (:class:`DecodeState`: every tensor one row per sequence);
-* a fixed-width (verify) forward runs its attention column by column: one :class:`SequenceState` per column.
+* a fixed-width (verify) forward runs its attention column by column, each column as a decode step: one
+  :class:`DecodeState` per column.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from dsinfer.kv.batch import PackedBatch
 class SourceEntries:
     """A KV source's compressed entries and index keys, as the layers after it read them.
 
-    Prefill: one sequence's entries [W, D] and keys [W, d] (every entry finished so far). A verify column: every
-    block-table slot of every sequence, [B, W, D] and [B, W, d] (the column's visibility masks the rest)."""
+    Prefill: one sequence's entries [W, D] and keys [W, d] (every entry finished so far)."""
 
     entries: torch.Tensor
     index_keys: torch.Tensor
@@ -34,13 +34,10 @@ class SourceEntries:
 
 @dataclass
 class SequenceState:
-    """What the sources published for one sequence of a prefill, or one column of a verify forward."""
+    """What the sources published for one sequence of a prefill."""
 
     source: SourceEntries | None = None  # the latest KV source's entries and keys
-    candidates: torch.Tensor | None = None  # verify column: bool [B, W], the entries of the candidate source's blocks
-    candidate_blocks: torch.Tensor | None = None  # prefill: bool [n, ceil(W / block)], the candidate source's blocks
-    chosen: torch.Tensor | None = None  # verify column: entry numbers [B, k] in ascending order
-    real: torch.Tensor | None = None  # verify column: bool [B, k], which of ``chosen`` are entries at all
+    candidate_blocks: torch.Tensor | None = None  # bool [n, ceil(W / block)], the candidate source's blocks
 
 
 @dataclass
@@ -67,16 +64,17 @@ class DecodeState:
 class PublishedState:
     """Everything V4.1's sources publish during one forward; made fresh for every forward (and sub-batch)."""
 
-    sequences: list[SequenceState]  # prefill: one per sequence; verify: one per column; decode: none
+    sequences: list[SequenceState]  # prefill: one per sequence; decode and verify: none
     prefill: PrefillViews = field(default_factory=PrefillViews)
     decode: DecodeState = field(default_factory=DecodeState)
+    columns: list[DecodeState] = field(default_factory=list)  # verify: one per column, each a decode step's
 
     @classmethod
     def for_batch(cls, batch: PackedBatch) -> PublishedState:
-        """Empty state shaped for ``batch``: a fixed-width batch runs its attention per column, a decode step
-        publishes once for the batch, a prefill per sequence."""
+        """Empty state shaped for ``batch``: a fixed-width batch runs its attention per column (each column as
+        a decode step publishes), a decode step publishes once for the batch, a prefill per sequence."""
         if batch.fixed_width is not None:
-            return cls([SequenceState() for _ in range(batch.fixed_width.width)])
+            return cls([], columns=[DecodeState() for _ in range(batch.fixed_width.width)])
         return cls([]) if batch.is_decode else cls.per_sequence(batch)
 
     @classmethod
