@@ -16,7 +16,9 @@
 # bounded and exact), firstprompt (the first long prompt after start-up against the second), verify (speculative
 # verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py),
 # servespec (the serve stage with MTP K = 3 drafts, then without: 16 prompts of 8k in, 256 out), fulldepth
-# (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams). FP8_LINEARS=keep runs the
+# (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype
+# (V4 decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores
+# kernel at other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
 # default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
@@ -148,6 +150,11 @@ for name in "$@"; do
         verify) stage verify bash -c "python3 benchmarks/spec_verify_step.py --device cuda --arch v4 && \
                     python3 benchmarks/spec_verify_step.py --device cuda --arch v41" ;;
         offload) stage offload python3 benchmarks/expert_offload.py --out "$OUT/expert_offload.json" ;;
+        kvdtype) stage kvdtype bash -c "for dtype in bf16 fp8; do $SWEEP decode --flash-layers 4 --context 131072 \
+                     --points 64,256 --prefill-chunk 32768 --telemetry-interval 0 --kv-cache-dtype \$dtype \
+                     --tag v4-d131k-\$dtype || exit 1; done" ;;
+        fp4words) stage fp4words python3 benchmarks/indexer_decode.py --keys fp4 --context 131072 --batch 64 256 \
+                      --fp4-layouts words --words-launches ${WORDS_LAUNCHES:-4:4 5:4 3:8 4:8} ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done
