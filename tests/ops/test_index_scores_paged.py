@@ -205,3 +205,30 @@ def test_fp4_words_layout_matches_the_reference_in_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter test covers the CPU)")
 def test_fp4_words_layout_matches_the_reference_on_cuda():
     assert check_words(torch.device("cuda")) == []
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_fp4_words_scores_kernel_compiles_for_hopper():
+    """The default FP4 layout's kernel at V4.1's index-key shapes (64 heads x 128 channels, a ue8m0 byte per 32,
+    128 entries a block, the scale row one int32) builds an sm_90 cubin without local memory."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.index_scores_paged.fp4_words as words
+    import dsinfer.ops.index_scores_paged.triton as backend
+
+    kernel = words._words_scores_kernel
+    constants = dict(PER_BLOCK=128, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, SPLIT_Q=False,
+                     NUM_STAGES=backend.NUM_STAGES, NATIVE_BF16=True, SCALE_WORD=True)  # fmt: skip
+    pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*i32", "scales_ptr": "*i32",
+                "scores_ptr": "*fp32"}  # fmt: skip
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "*i64") if name.endswith("_ptr") else
+        "fp32" if name == "scale" else "i32"
+        for name in kernel.arg_names
+    }  # fmt: skip
+    source = ASTSource(kernel, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=backend.NUM_WARPS))
+    assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 227 * 1024

@@ -84,8 +84,10 @@ if triton is not None:
         codes = tl.reshape(halves, shape).to(tl.bfloat16, bitcast=True)
         scales = tl.reshape(tl.broadcast_to(scale_bits.to(tl.int16)[:, :, None], [words.shape[0], words.shape[1],
                             WORD_CODES]), shape).to(tl.bfloat16, bitcast=True)  # fmt: skip
-        return _bf16_product(_bf16_product(codes, tl.full(shape, 2.0**126, tl.bfloat16), NATIVE_BF16), scales,
-                             NATIVE_BF16)  # fmt: skip
+        # 2**126 as bf16 bits (exponent field 253): a bf16 constant of its own would need the builder's bf16
+        # scalar, which some Triton interpreters lack
+        code_scale = tl.full(shape, 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)
+        return _bf16_product(_bf16_product(codes, code_scale, NATIVE_BF16), scales, NATIVE_BF16)
 
     @triton.jit
     def fp4_word_channels(HEAD_DIM: tl.constexpr):
