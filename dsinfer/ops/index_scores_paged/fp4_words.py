@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
+from dsinfer.ops.index_scores_paged.tiles import fill_unseen, split_for_dot
 from dsinfer.ops.triton_support import interpreted, tl, triton
 
 CODES_PER_WORD = 8  # packed e2m1 codes in one int32
@@ -117,8 +118,7 @@ if triton is not None:
         n_scored = tl.cdiv(tl.maximum(scored_end - first, 0), BLOCK_E)
         q = tl.load(q_ptr + seq * stride_qb + heads[None, :] * stride_qh + fp4_word_channels(HEAD_DIM)[:, None],
                     mask=head_ok[None, :], other=0.0)  # fmt: skip
-        q_high = q.to(tl.bfloat16)
-        q_low = (q.to(tl.float32) - q_high.to(tl.float32)).to(tl.bfloat16)  # used when SPLIT_Q (float32 queries)
+        q_high, q_low = split_for_dot(q, SPLIT_Q, tl.bfloat16)
         weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
         table = tables_ptr + seq * stride_tb
         for tile in tl.range(0, n_scored, num_stages=NUM_STAGES):
@@ -137,9 +137,7 @@ if triton is not None:
                 products = tl.dot(keys, q_low, products)
             summed = tl.sum(tl.maximum(products, 0.0) * weights[None, :], axis=1) * scale
             tl.store(out + entry, tl.where(seen, summed, float("-inf")), mask=entry < last)
-        for start in range(first + n_scored * BLOCK_E, last, BLOCK_E):  # past the visible entries: no key read
-            entry = start + tl.arange(0, BLOCK_E)
-            tl.store(out + entry, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=entry < last)
+        fill_unseen(out, first, n_scored, last, BLOCK_E)
 
 
 def _int32_rows(x: torch.Tensor) -> bool:

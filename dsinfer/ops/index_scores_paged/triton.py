@@ -39,6 +39,7 @@ import torch
 
 from dsinfer.ops.index_scores_paged.fp4_words import words_layout_fits, words_scores_launch
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference, paged_key_form
+from dsinfer.ops.index_scores_paged.tiles import fill_unseen, split_for_dot
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
 
@@ -65,16 +66,6 @@ FP4_LAYOUTS = ("halves", "joined", "words")  # how a tile of packed FP4 keys mee
 MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:
-
-    @triton.jit
-    def _split_bf16(x, SPLIT: tl.constexpr, DOT: tl.constexpr):
-        """``x`` in the dot's dtype, and (``SPLIT``) the remainder ``x - high`` in it too (else ``high`` again)."""
-        high = x.to(DOT)
-        if SPLIT:
-            low = (x.to(tl.float32) - high.to(tl.float32)).to(DOT)
-        else:
-            low = high
-        return high, low
 
     @triton.jit
     def _tile_keys(keys_ptr, scales_ptr, row, scale_row, seen, dims, dim_ok, HEAD_DIM: tl.constexpr,
@@ -173,11 +164,11 @@ if triton is not None:
             pairs = tl.arange(0, HEAD_DIM // 2)
             q_even = tl.load(q_row + 2 * pairs[:, None], mask=head_ok[None, :], other=0.0)
             q_odd = tl.load(q_row + 2 * pairs[:, None] + 1, mask=head_ok[None, :], other=0.0)
-            q_high, q_low = _split_bf16(q_even, SPLIT_Q, DOT)
-            q_odd_high, q_odd_low = _split_bf16(q_odd, SPLIT_Q, DOT)
+            q_high, q_low = split_for_dot(q_even, SPLIT_Q, DOT)
+            q_odd_high, q_odd_low = split_for_dot(q_odd, SPLIT_Q, DOT)
         else:  # [BLOCK_D, BLOCK_H]: the dot's right operand, read once a chunk
             q = tl.load(q_row + dims[:, None], mask=head_ok[None, :] & dim_ok[:, None], other=0.0)
-            q_high, q_low = _split_bf16(q, SPLIT_Q, DOT)
+            q_high, q_low = split_for_dot(q, SPLIT_Q, DOT)
         weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
         table = tables_ptr + seq * stride_tb
         for tile in tl.range(0, n_scored, num_stages=NUM_STAGES):
@@ -204,9 +195,7 @@ if triton is not None:
                 products = tl.maximum(products * factor[:, None], 0.0)
             summed = tl.sum(products * weights[None, :], axis=1) * scale
             tl.store(out + entry, tl.where(seen, summed, float("-inf")), mask=entry < last)
-        for start in range(first + n_scored * BLOCK_E, last, BLOCK_E):  # past the visible entries: no key read
-            entry = start + tl.arange(0, BLOCK_E)
-            tl.store(out + entry, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=entry < last)
+        fill_unseen(out, first, n_scored, last, BLOCK_E)
 
 
 @functools.lru_cache(maxsize=8)
