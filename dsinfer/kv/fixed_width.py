@@ -25,6 +25,21 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 
 
 @dataclass
+class VerifyRingRows:
+    """A verify step's ring of ``window + width - 1`` rows a sequence (row ``position % length``): the window's
+    rows before the step, then the step's. Index tensors: ``earlier_in_ring`` [B, window - 1] (their rows in the
+    step's ring) and ``earlier_in_cache`` (in the layer's ring), ``step_in_ring`` [B, width] (the step's rows),
+    ``ring_slots`` [width * B] (each column-major row's sequence)."""
+
+    window: int
+    sequences: torch.Tensor  # [B]
+    earlier_in_ring: torch.Tensor
+    earlier_in_cache: torch.Tensor
+    step_in_ring: torch.Tensor
+    ring_slots: torch.Tensor
+
+
+@dataclass
 class FixedWidthBatch:
     """``B`` sequences of exactly ``width`` new positions each (consecutive from ``starts``), as device tensors.
 
@@ -46,6 +61,7 @@ class FixedWidthBatch:
     column_ids: torch.Tensor = field(init=False)
     column_slots: torch.Tensor | None = field(init=False)
     _all_columns: PackedBatch | None = field(init=False, default=None, repr=False)
+    _ring_rows: VerifyRingRows | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
@@ -104,6 +120,18 @@ class FixedWidthBatch:
                                               tables, rows)  # fmt: skip
             self._all_columns = batch
         return self._all_columns
+
+    def verify_ring_rows(self, window: int) -> VerifyRingRows:
+        """Where a verify step's ring of ``window + width - 1`` rows a sequence takes its rows from (see
+        :class:`VerifyRingRows`), once a forward: every layer of one window shares it."""
+        if self._ring_rows is None or self._ring_rows.window != window:
+            length, device = window + self.width - 1, self.starts.device
+            sequences = torch.arange(self.size, device=device)
+            earlier = self.starts[:, None] - window + 1 + torch.arange(window - 1, device=device)
+            in_ring, in_cache = earlier.remainder(length), earlier.remainder(window)
+            step = self.positions.remainder(length)
+            self._ring_rows = VerifyRingRows(window, sequences, in_ring, in_cache, step, sequences.repeat(self.width))
+        return self._ring_rows
 
     def columns(self, rows: torch.Tensor) -> torch.Tensor:
         """A per-row tensor [B * width, ...] as [width, B, ...]: column ``j`` contiguous."""

@@ -258,17 +258,13 @@ class Attention(nn.Module):
         """A ring of ``window + width - 1`` rows a sequence ([B, R, D], row ``position % R``): its window's rows
         before the step (read from ``ring``) and the step's ``kv`` rows (column-major [width * B, D]); and each
         column-major row's sequence in it."""
-        size, width, window = batch.size, batch.width, self.window
-        length = window + width - 1
-        sequences = torch.arange(size, device=kv.device)
-        earlier = batch.starts[:, None] - window + 1 + torch.arange(window - 1, device=kv.device)  # [B, window - 1]
-        verify_ring = ring.new_empty(size, length, ring.shape[-1])
-        verify_ring[sequences[:, None], earlier.remainder(length)] = ring[
-            batch.slots[:, None], earlier.remainder(window)
-        ]
+        size, width, rows = batch.size, batch.width, batch.verify_ring_rows(self.window)
+        sequences = rows.sequences[:, None]
+        verify_ring = ring.new_empty(size, self.window + width - 1, ring.shape[-1])
+        verify_ring[sequences, rows.earlier_in_ring] = ring[batch.slots[:, None], rows.earlier_in_cache]
         step_rows = batch.rows(kv.view(width, size, -1)).view(size, width, -1)  # sequence after sequence
-        verify_ring[sequences[:, None], batch.positions.remainder(length)] = step_rows.to(ring.dtype)
-        return verify_ring, sequences.repeat(width)
+        verify_ring[sequences, rows.step_in_ring] = step_rows.to(ring.dtype)
+        return verify_ring, rows.ring_slots
 
     def _attend_decode(
         self,
