@@ -35,6 +35,7 @@ class Case:
     seed: int = 0
     spread: bool = False  # every scale block of a row at its own magnitude (a scale on wrong channels shows)
     hardware_fp8: bool | None = None  # the kernel's e4m3 decode: the float8 cast (True) or arithmetic (False)
+    ring_extra: int = 0  # the ring holds window + ring_extra rows; each query still sees ``window`` (a verify step)
 
 
 CASES = [
@@ -53,6 +54,8 @@ CASES = [
     Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, seed=7),
     Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, hardware_fp8=False, seed=7),
     Case(positions=(70, 9), heads=16, dim=128, n_indices=24, spread=True, dtype=torch.bfloat16, seed=8),
+    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), ring_extra=3, seed=9),  # a verify step's ring
+    Case(positions=(64, 2), window=32, entries=False, num_splits=2, ring_extra=5, dtype=torch.bfloat16, seed=10),
 ]
 
 
@@ -61,7 +64,7 @@ def make_inputs(case: Case) -> dict:
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.positions)
     slot_count, block_count = batch + 2, batch * case.table_width + 3
-    ring = torch.randn(slot_count, case.window, case.dim, generator=gen) * 3
+    ring = torch.randn(slot_count, case.window + case.ring_extra, case.dim, generator=gen) * 3
     pool = torch.randn(block_count, case.per_block, case.dim, generator=gen)
     if case.spread:  # 2**-3 .. 2**4 by scale block, in an order that is not monotone in the channel
         channel = torch.arange(case.dim)
@@ -87,6 +90,7 @@ def make_inputs(case: Case) -> dict:
         "indices": torch.where(drop, -1, indices) if case.entries else None,
         "sink": torch.randn(case.heads, generator=gen),
         "softmax_scale": case.dim**-0.5,
+        "window_length": case.window if case.ring_extra else None,
     }
 
 
@@ -96,7 +100,7 @@ def decoded(inputs: dict, dtype: torch.dtype) -> dict:
     entries = None
     if inputs["entry_codes"] is not None:
         entries = cache_decode_reference(inputs["entry_codes"], inputs["entry_scales"], "e2m1", 16, "e4m3", dtype)
-    names = ("slots", "positions", "window_from", "block_tables", "indices", "sink", "softmax_scale")
+    names = ("slots", "positions", "window_from", "block_tables", "indices", "sink", "softmax_scale", "window_length")
     return {"window": window, "entries": entries, "q": inputs["q"].to(dtype), **{k: inputs[k] for k in names}}
 
 
@@ -249,9 +253,9 @@ def test_kernel_compiles_for_hopper():
             attrs[(i,)] = [["tt.divisibility", 16]]
     for batch, decode in ((batch, decode) for batch in (1, 32) for decode in DECODES):
         config = choose_config(64, torch.bfloat16, 512, batch)
-        constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512, WINDOW_BLOCK=32,
-                         ENTRY_BLOCK=16, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
-                         PRECISION="tf32", HARDWARE_FP8=True, DECODE=decode, PIN=True)  # fmt: skip
+        constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512,
+                         WINDOW_BLOCK=32, ENTRY_BLOCK=16, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4,
+                         HAS_ENTRIES=True, PRECISION="tf32", HARDWARE_FP8=True, DECODE=decode, PIN=True)  # fmt: skip
         source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -26,8 +26,9 @@ def _rows(codes: torch.Tensor, scales: torch.Tensor, index: tuple) -> tuple[torc
 @dataclass(frozen=True)
 class CodedDecodeInputs:
     """One decode step of sparse attention over V4.1's coded cache: V4's :class:`SparseDecodeInputs` with the window
-    ring as e4m3 ``window_codes`` [slots, W, D] and ue8m0 ``window_scales``, and the entries as packed e2m1
-    ``entry_codes`` [blocks, per_block, D / 2] and e4m3 ``entry_scales`` (both None: a window-only layer)."""
+    ring as e4m3 ``window_codes`` [slots, R, D] and ue8m0 ``window_scales``, and the entries as packed e2m1
+    ``entry_codes`` [blocks, per_block, D / 2] and e4m3 ``entry_scales`` (both None: a window-only layer).
+    ``window_length``: W, the window each query sees (None: R, the ring's rows; a verify step's ring is longer)."""
 
     q: torch.Tensor
     window_codes: torch.Tensor
@@ -41,6 +42,7 @@ class CodedDecodeInputs:
     indices: torch.Tensor | None
     sink: torch.Tensor
     softmax_scale: float
+    window_length: int | None = None
 
 
 @register("sparse_attention_decode_coded", REFERENCE)
@@ -59,7 +61,8 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     local = torch.arange(batch, device=q.device)
     if entry_codes is None or indices is None or indices.shape[1] == 0:
         return sparse_attention_decode_reference(
-            SparseDecodeInputs(q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale)
+            SparseDecodeInputs(q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale,
+                               window_length=inputs.window_length)  # fmt: skip
         )
     per_block, count = entry_codes.shape[1], indices.shape[1]
     safe = indices.clamp(min=0)
@@ -69,5 +72,6 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     # The decoded entries as a pool of one block per sequence, [B, K, D], and their numbers in it.
     own = torch.where(indices >= 0, torch.arange(count, device=q.device), -1)
     return sparse_attention_decode_reference(
-        SparseDecodeInputs(q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale)
+        SparseDecodeInputs(q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale,
+                           window_length=inputs.window_length)  # fmt: skip
     )

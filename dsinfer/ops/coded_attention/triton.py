@@ -147,7 +147,8 @@ if triton is not None:
         stride_ob,
         stride_oh,
         scale_log2,
-        WINDOW: tl.constexpr,
+        WINDOW: tl.constexpr,  # the window each query sees
+        RING: tl.constexpr,  # ring rows a slot (row ``position % RING``): WINDOW, or more in a verify step's ring
         WINDOW_TILES: tl.constexpr,
         PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -187,8 +188,8 @@ if triton is not None:
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
-            row = key_position % WINDOW
-            row = tl.where(row < 0, row + WINDOW, row).to(tl.int64)
+            row = key_position % RING
+            row = tl.where(row < 0, row + RING, row).to(tl.int64)
             # one exponent per block of WINDOW_BLOCK channels, broadcast over the block's codes
             code = tl.load(ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None], other=0)
             exponent = tl.load(ring_scales + row[:, None] * stride_vw + window_blocks[None, :], mask=visible[:, None],
@@ -291,7 +292,8 @@ def sparse_attention_decode_coded_launch(
     q, entry_codes, indices = inputs.q, inputs.entry_codes, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
-    size = inputs.window_codes.shape[1]
+    ring_size = inputs.window_codes.shape[1]
+    size = ring_size if inputs.window_length is None else inputs.window_length
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     fp8_cast = fp8_cast_available(q.device) if hardware_fp8 is None else hardware_fp8
@@ -320,7 +322,7 @@ def sparse_attention_decode_coded_launch(
         window_exponents.stride(1), entries.stride(0) if has_entries else 0, entries.stride(1) if has_entries else 0,
         entry_bytes.stride(0) if has_entries else 0, entry_bytes.stride(1) if has_entries else 0,
         tables.stride(0), indices.stride(0), out.stride(0), out.stride(1), inputs.softmax_scale * LOG2E,
-        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        WINDOW=size, RING=ring_size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast, DECODE=decode,
