@@ -46,6 +46,7 @@ from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 if TYPE_CHECKING:
     from dsinfer.kv.batch import PackedBatch
+    from dsinfer.kv.fixed_width import VerifyRingRows
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -287,23 +288,78 @@ class KVCacheV41:
         runs ``sparse_attention_decode_coded``, which decodes the FP8 ring rows and FP4 entries it reads. Both
         take this step's row already written (:meth:`write_window`); ``batch`` gives the step's positions and
         device spans (slots, window starts, block tables)."""
-        layer, positions, spans = self.layers[layer_id], batch.positions, batch.device_spans
+        layer, spans = self.layers[layer_id], batch.device_spans
+        ring = (layer.window, layer.window_scales, spans.slots, None)
+        return self._attend(ops, ring, entries_layer, q, batch, indices, sink, softmax_scale)
+
+    def attend_verify(
+        self,
+        ops: OpTable,
+        layer_id: int,
+        entries_layer: int | None,
+        q: torch.Tensor,
+        rows: PackedBatch,
+        ring_rows: VerifyRingRows,
+        kv: torch.Tensor,
+        indices: torch.Tensor | None,
+        sink: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Every row of a verify step at once ([width * B], column after column: ``rows``, a fixed-width batch's
+        ``all_columns``), each over the window of its own position and its chosen entries, then the step's window
+        rows ``kv`` [width * B, D] (rounded) to the layer's ring.
+
+        The window comes from a ring of ``window + width - 1`` rows a sequence in the layer's storage: the rows
+        before the step, gathered from the layer's ring (``ring_rows``, :class:`VerifyRingRows`), and the step's
+        rows, encoded as the ring encodes them; so every query reads the rows a decode step at its position
+        would, from one decode op."""
+        layer, window = self.layers[layer_id], self.config.sliding_window
+        data, scales = self._verify_ring(layer, ring_rows, rows.positions, kv)
+        ring = (data, scales, ring_rows.ring_slots, window)
+        out = self._attend(ops, ring, entries_layer, q, rows, indices, sink, softmax_scale)
+        self.write_window(layer_id, rows.device_spans.slots, rows.positions, kv)
+        return out
+
+    def _verify_ring(
+        self, layer: LayerCacheV41, ring_rows: VerifyRingRows, positions: torch.Tensor, kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verify ring's rows [B, window + width - 1, D] and scales (None: model dtype), see
+        :meth:`attend_verify`; ``positions`` and ``kv``: the step's rows, column after column."""
+        window, width = ring_rows.window, ring_rows.step_in_ring.shape[1]
+        sequences, slots = ring_rows.sequences[:, None], ring_rows.slots[:, None]
+        earlier_in_ring, earlier_in_cache = ring_rows.earlier_in_ring, ring_rows.earlier_in_cache
+
+        def gathered(pool: torch.Tensor) -> torch.Tensor:  # byte views: float8 indexing is missing on some devices
+            ring = pool.new_empty(sequences.shape[0], window + width - 1, pool.shape[-1])
+            ring.view(torch.uint8)[sequences, earlier_in_ring] = pool.view(torch.uint8)[slots, earlier_in_cache]
+            return ring
+
+        data = gathered(layer.window)
+        scales = None if layer.window_scales is None else gathered(layer.window_scales)
+        self._write(data, scales, self.window_format, (ring_rows.ring_slots, positions), kv, window + width - 1)
+        return data, scales
+
+    def _attend(self, ops, ring: tuple, entries_layer, q, batch: PackedBatch, indices, sink, softmax_scale):
+        """The decode op over ``ring`` (rows, scales, each query's ring, the window length: None, the ring's rows)
+        and the chosen entries of ``entries_layer`` (see :meth:`attend_decode`)."""
+        data, scales, ring_slots, window_length = ring
+        positions, spans = batch.positions, batch.device_spans
         source = None if entries_layer is None or indices is None else self._source(entries_layer)
         tables = spans.block_tables
         if not self.quantized_storage:
             entries = None if source is None else source.entries
             return ops.sparse_attention_decode(
                 SparseDecodeInputs(
-                    q, layer.window, spans.slots, positions, spans.window_from, entries, tables, indices, sink,
-                    softmax_scale,
+                    q, data, ring_slots, positions, spans.window_from, entries, tables, indices, sink, softmax_scale,
+                    window_length=window_length,
                 )
             )  # fmt: skip
         entry_codes = None if source is None else source.entries
         entry_scales = None if source is None else source.entry_scales
         return ops.sparse_attention_decode_coded(
             CodedDecodeInputs(
-                q, layer.window, layer.window_scales, spans.slots, positions, spans.window_from, entry_codes,
-                entry_scales, tables, None if source is None else indices, sink, softmax_scale,
+                q, data, scales, ring_slots, positions, spans.window_from, entry_codes, entry_scales, tables,
+                None if source is None else indices, sink, softmax_scale, window_length,
             ),
         )  # fmt: skip
 

@@ -28,11 +28,12 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 class VerifyRingRows:
     """A verify step's ring of ``window + width - 1`` rows a sequence (row ``position % length``): the window's
     rows before the step, then the step's. Index tensors: ``earlier_in_ring`` [B, window - 1] (their rows in the
-    step's ring) and ``earlier_in_cache`` (in the layer's ring), ``step_in_ring`` [B, width] (the step's rows),
-    ``ring_slots`` [width * B] (each column-major row's sequence)."""
+    step's ring) and ``earlier_in_cache`` (in the layer's ring of slot ``slots``), ``step_in_ring`` [B, width] (the
+    step's rows), ``ring_slots`` [width * B] (each column-major row's sequence)."""
 
     window: int
     sequences: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B] the sequences' slots
     earlier_in_ring: torch.Tensor
     earlier_in_cache: torch.Tensor
     step_in_ring: torch.Tensor
@@ -130,7 +131,9 @@ class FixedWidthBatch:
             earlier = self.starts[:, None] - window + 1 + torch.arange(window - 1, device=device)
             in_ring, in_cache = earlier.remainder(length), earlier.remainder(window)
             step = self.positions.remainder(length)
-            self._ring_rows = VerifyRingRows(window, sequences, in_ring, in_cache, step, sequences.repeat(self.width))
+            self._ring_rows = VerifyRingRows(
+                window, sequences, self.slots, in_ring, in_cache, step, sequences.repeat(self.width)
+            )
         return self._ring_rows
 
     def columns(self, rows: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ visible ones; the layers after them reuse that choice. The candidate source addi
 later index source chooses only inside those blocks.
 
 Within a forward, what a source publishes for the layers after it lives in a
-:class:`~dsinfer.layers.csa2_state.PublishedState` (per sequence, per decode step or per verify column); what
+:class:`~dsinfer.layers.csa2_state.PublishedState` (per sequence, or once for a decode or verify step); what
 outlives the forward (windows, unfinished groups, entries, keys) lives in the cache, read and written through its
 methods whichever storage it uses (model dtype, or FP8 / FP4 codes and scales).
 A later source *replaces* what an earlier one published (the reference's cached path; its uncached path
@@ -250,9 +250,9 @@ class AttentionV41(Attention):
         """
         cache: KVCacheV41 = batch.cache
         cache.check_fake_quantization(quantizer.enabled)
-        if batch.fixed_width is not None:  # one published state per column
-            columns = published.columns
-            return self._forward_columns(x, batch.fixed_width, inv_freq, columns, quantizer, batch.column_journal)
+        if batch.fixed_width is not None:  # a verify forward: every row as a decode step of its position
+            state = published.decode
+            return self._forward_columns(x, batch.fixed_width, inv_freq, state, quantizer, batch.column_journal)
         if batch.is_decode and not compressor_only:
             return self._forward_decode(x, batch, inv_freq, published.decode, quantizer)
         # The step's device block tables (built once per step from the host's spans): a table copied from a host
@@ -278,32 +278,58 @@ class AttentionV41(Attention):
         x: torch.Tensor,
         batch: FixedWidthBatch,
         inv_freq: torch.Tensor,
-        published: list[DecodeState],
+        state: DecodeState,
         quantizer: ActivationQuantizer,
         journal: PendingJournal,
     ) -> torch.Tensor:
-        """Every row of a fixed-width batch: projections over all rows, then per column what
-        :meth:`_forward_decode` does between its projections and its output (the cache writes, the index sources'
-        choice over the paged keys, the decode attention), so each column computes what a decode step of its
-        position would; ``published[j]`` holds what column ``j``'s sources publish."""
-        cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
+        """Every row of a fixed-width (verify) batch as a decode step of its position would compute it: the
+        projections over all rows; a KV source's entries and index keys column by column, in position order
+        (journaled for the rollback); then every row at once, column after column (``batch.all_columns()``, one
+        ``state`` for all of them): the index sources' choice and one decode attention, each row over the window of
+        its own position (:meth:`KVCacheV41.attend_verify`), after which the step's rows join the ring.
+
+        Writing every column's entries first is safe: an entry a later column completes is never visible to an
+        earlier one (its number is at least that column's visible count)."""
+        positions = batch.positions.flatten()
+        cos, sin = rope_angles(positions, inv_freq)
         projected = {}
-        q_a, kv = self._input_rows(x, cos, sin, batch.positions.flatten(), quantizer, projected, True, False)
+        q_a, kv = self._input_rows(x, cos, sin, positions, quantizer, projected, True, False)
         q_latent, q = self._queries(q_a, cos, sin, projected, True)
-        source = batch.cache.layers[self.layer_id].source
-        states = [source] if source is not None and source.pending_values is not None else []
-        before, written, outputs = journal.before(states), [], []
-        xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
-        by_column = {name: batch.columns(t) for name, t in projected.items()}
-        for j in range(batch.width):
-            column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
-            self._write_decode_caches(xs[j], kvs[j], column, inv_freq, published[j], quantizer, column_projected)
-            written.append(journal.column(states, j))
-            outputs.append(self._choose_and_attend(xs[j], qs[j], latents[j], column, inv_freq, published[j],
-                                                   quantizer, column_projected))  # fmt: skip
-        journal.close(states, before, written)
-        out = apply_rope(batch.rows(torch.stack(outputs)), cos, sin, inverse=True, ops=self.ops)
+        rows = batch.all_columns()
+        xs, qs, latents, kvs = (batch.columns(t).flatten(0, 1) for t in (x, q, q_latent, kv))
+        by_row = {name: batch.columns(t).flatten(0, 1) for name, t in projected.items()}
+        cache: KVCacheV41 = batch.cache
+        if self.compress_ratio and self.compressor is not None:
+            self._write_verify_entries(xs, batch, rows, inv_freq, quantizer, by_row.get("compressor"), journal)
+            state.entries_layer = self.layer_id
+        indices, entries_layer = self._choose(xs, latents, rows, inv_freq, state, quantizer, by_row)
+        ring_rows = batch.verify_ring_rows(self.window)
+        out = cache.attend_verify(
+            self.ops, self.layer_id, entries_layer, qs, rows, ring_rows, kvs, indices, self.attn_sink,
+            self.softmax_scale,
+        )  # fmt: skip
+        out = apply_rope(batch.rows(out.view(batch.width, batch.size, *out.shape[1:])), cos, sin, ops=self.ops,
+                         inverse=True)  # fmt: skip
         return self._project_out(out)
+
+    def _write_verify_entries(self, xs, batch: FixedWidthBatch, rows: PackedBatch, inv_freq, quantizer, projected,
+                              journal: PendingJournal) -> None:  # fmt: skip
+        """A KV source's entries and index keys of every verify row (``xs``, column after column): at ratio 1 (no
+        unfinished groups) all rows at once, else column by column with each column's compressor update recorded
+        in ``journal``."""
+        cache: KVCacheV41 = batch.cache
+        source = cache.layers[self.layer_id].source
+        if source is None or source.pending_values is None:
+            self._write_decode_entries(xs, rows, cache, inv_freq, quantizer, projected)
+            return
+        size, states = batch.size, [source]
+        before, written = journal.before(states), []
+        for j in range(batch.width):
+            column_rows = slice(j * size, (j + 1) * size)
+            column_projected = None if projected is None else projected[column_rows]
+            self._write_decode_entries(xs[column_rows], batch.column(j), cache, inv_freq, quantizer, column_projected)
+            written.append(journal.column(states, j))
+        journal.close(states, before, written)
 
     def _sources_prefill(
         self,
@@ -454,20 +480,25 @@ class AttentionV41(Attention):
     ) -> torch.Tensor:
         """Decode after the cache writes: an index source's choice (published in ``state``), then the attention
         over the ring and the chosen entries of the layer whose entries this one reads."""
+        indices, entries_layer = self._choose(x, q_latent, batch, inv_freq, state, quantizer, projected)
         cache: KVCacheV41 = batch.cache
-        spans = batch.device_spans
-        indices, entries_layer = None, None
-        if self.compress_ratio:
-            if self.indexer is not None:
-                paged_keys = (*cache.index_key_pool(state.entries_layer), spans.block_tables)
-                angles = step_rope_angles(batch, inv_freq, ops=self.ops)
-                state.indices = self.indexer.decode_choice(
-                    x, q_latent, batch.positions, paged_keys, angles, state, quantizer, projected
-                )
-            indices, entries_layer = state.indices, state.entries_layer
         return cache.attend_decode(
             self.ops, self.layer_id, entries_layer, q, batch, indices, self.attn_sink, self.softmax_scale
         )
+
+    def _choose(self, x, q_latent, batch: PackedBatch, inv_freq, state: DecodeState, quantizer, projected):
+        """The chosen entries [B, k] (an index source chooses and publishes them in ``state``; a layer after it
+        reuses them) and the layer whose entries they number; (None, None) in a window-only layer."""
+        if not self.compress_ratio:
+            return None, None
+        if self.indexer is not None:
+            cache: KVCacheV41 = batch.cache
+            paged_keys = (*cache.index_key_pool(state.entries_layer), batch.device_spans.block_tables)
+            angles = step_rope_angles(batch, inv_freq, ops=self.ops)
+            state.indices = self.indexer.decode_choice(
+                x, q_latent, batch.positions, paged_keys, angles, state, quantizer, projected
+            )
+        return state.indices, state.entries_layer
 
     def _write_decode_entries(
         self,

@@ -9,8 +9,8 @@ in the form each kind of forward reads it:
 * a prefill forward publishes per sequence (:class:`SequenceState`) plus the batch's op-layout views
   (:class:`PrefillViews`);
 * a decode step publishes once for the whole batch (:class:`DecodeState`: every tensor one row per sequence);
-* a fixed-width (verify) forward runs its attention column by column, each column as a decode step: one
-  :class:`DecodeState` per column.
+* a fixed-width (verify) forward runs every row as a decode step of its position, all rows at once: one
+  :class:`DecodeState` with a row per position, column after column.
 """
 
 from __future__ import annotations
@@ -66,16 +66,13 @@ class PublishedState:
 
     sequences: list[SequenceState]  # prefill: one per sequence; decode and verify: none
     prefill: PrefillViews = field(default_factory=PrefillViews)
-    decode: DecodeState = field(default_factory=DecodeState)
-    columns: list[DecodeState] = field(default_factory=list)  # verify: one per column, each a decode step's
+    decode: DecodeState = field(default_factory=DecodeState)  # decode and verify steps
 
     @classmethod
     def for_batch(cls, batch: PackedBatch) -> PublishedState:
-        """Empty state shaped for ``batch``: a fixed-width batch runs its attention per column (each column as
-        a decode step publishes), a decode step publishes once for the batch, a prefill per sequence."""
-        if batch.fixed_width is not None:
-            return cls([], columns=[DecodeState() for _ in range(batch.fixed_width.width)])
-        return cls([]) if batch.is_decode else cls.per_sequence(batch)
+        """Empty state shaped for ``batch``: a decode or fixed-width (verify) step publishes once for all its
+        rows, a prefill per sequence."""
+        return cls([]) if batch.is_decode or batch.fixed_width is not None else cls.per_sequence(batch)
 
     @classmethod
     def per_sequence(cls, batch: PackedBatch) -> PublishedState:
