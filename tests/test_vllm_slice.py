@@ -329,3 +329,38 @@ def test_tiny_dsinfer_run_with_profile_records_and_prints_each_rows_top_operator
     table = (tmp_path / "table.md").read_text()
     assert "top kernels per step" in table and "### MTP 0, decode 2 @ 48" in table
     assert "- vLLM: not profiled" in table and "| 1 |  | | |  | aten::" in table
+
+
+def test_vllm_dummy_routing_is_spread_over_the_experts():
+    """vLLM's dummy MoE layers (one shared selection bias that outweighs the logits) route a batch to a few experts;
+    after the fix the bias is zero and each layer's router its own normal draw, so 32 tokens of random hidden states
+    touch most of the experts 32 independent top-6 picks would; a module without a router is left alone."""
+    import torch
+    from torch import nn
+
+    hidden, experts = 64, 256
+
+    def moe(hashed: bool) -> nn.Module:
+        module = nn.Module()
+        module.gate = nn.Linear(hidden, experts, bias=False)
+        module.gate.weight.data.uniform_(-1e-3, 1e-3)
+        module.gate.e_score_correction_bias = None if hashed else nn.Parameter(torch.linspace(1e-3, -1e-3, experts))
+        table = nn.Parameter(torch.zeros(10, 6, dtype=torch.int32), requires_grad=False)
+        module.gate.tid2eid = table if hashed else None
+        return module
+
+    model = nn.Sequential(moe(True), moe(False), moe(False), nn.Linear(4, 4))
+    plain = model[3].weight.detach().clone()
+    tokens = torch.randn(32, hidden) * 1e-3
+
+    def touched(module: nn.Module) -> int:
+        scores = nn.functional.softplus(module.gate(tokens)).sqrt() + module.gate.e_score_correction_bias
+        return scores.topk(6, dim=-1).indices.unique().numel()
+
+    assert touched(model[1]) == 6  # the bias alone picks: every token the same experts
+    said = slice_engines.spread_dummy_routing(model)
+    assert said == "router weights redrawn and selection bias zeroed in 3 MoE layers"
+    assert torch.equal(model[3].weight, plain)
+    assert not model[1].gate.e_score_correction_bias.any()
+    assert not torch.equal(model[1].gate.weight, model[2].gate.weight)
+    assert touched(model[1]) > 100 and touched(model[2]) > 100  # of ~135 for independent uniform picks

@@ -172,6 +172,7 @@ class VllmEngine(OfflineEngine):
 
         patch_dummy_mhc_broadcast()
         llm = LLM(**engine_args)
+        self.routing = llm.apply_model(spread_dummy_routing)[0]
         super().__init__(llm, llm.llm_engine, SamplingParams)
         self.tokens_prompt = TokensPrompt
         profiler = engine_args.get("profiler_config") or {}
@@ -205,7 +206,7 @@ class VllmEngine(OfflineEngine):
             built = f"(could not inspect the model: {type(exc).__name__}: {exc})"
         cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
         blocks, size, dtype = (getattr(cache, name, "?") for name in ("num_gpu_blocks", "block_size", "cache_dtype"))
-        return f"{built}; cache {blocks} blocks of {size} tokens ({dtype})"
+        return f"{built}; cache {blocks} blocks of {size} tokens ({dtype}); {self.routing}"
 
 
 # vLLM 0.26.0's DeepSeek-V4 computes the first layer's mHC broadcast weights in ``load_weights``, which
@@ -233,6 +234,34 @@ def patch_dummy_mhc_broadcast() -> None:
     if source.count(_MHC_ASSERT) == 1:
         path.write_text(source.replace(_MHC_ASSERT, _MHC_LAZY))
         print(f"vllm: {path} computes the first layer's mHC broadcast on first use (dummy weights)", flush=True)
+
+
+# vLLM's dummy weights are uniform in +-1e-3 with one seed a parameter, so every layer's selection bias
+# (``e_score_correction_bias``) holds the same values, and they outweigh the router's logits (of the same tiny
+# weights): every token then picks nearly the same experts, and a batch reads a few experts' weights where a real
+# router (and dsinfer's dummy model) spreads it over many. Bounded by the HBM rate, vLLM's 8 Marlin launches of
+# 32 tokens (1.08 ms) could read at most ~3.6 GB: ~67 experts a layer of the ~135 that 32 independent top-6 picks
+# from 256 touch. The fix zeroes the bias and redraws each layer's router weights (normal, its own seed), in
+# place, so the graphs captured at start-up route with them.
+def spread_dummy_routing(model) -> str:
+    """Runs inside vLLM's worker, right after start-up: routing of dummy weights spread as a trained router's
+    (see above); says what it changed."""
+    import torch
+
+    layers = 0
+    for index, module in enumerate(m for m in model.modules() if hasattr(m, "gate") and hasattr(m.gate, "weight")):
+        gate = module.gate
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if bias is None and getattr(gate, "tid2eid", None) is None:
+            continue
+        weight = gate.weight
+        generator = torch.Generator(device=weight.device).manual_seed(1000 + index)
+        drawn = torch.randn(weight.shape, generator=generator, device=weight.device, dtype=torch.float32)
+        weight.data.copy_(drawn * weight.shape[-1] ** -0.5)
+        if bias is not None:
+            bias.data.zero_()
+        layers += 1
+    return f"router weights redrawn and selection bias zeroed in {layers} MoE layers"
 
 
 def describe_vllm_model(model) -> str:
