@@ -100,8 +100,8 @@ class PackedBatch:
     _device_spans: DeviceSpans | None = field(default=None, repr=False)
     # RoPE angles the layers share within one forward (dsinfer.layers.rotary.step_rope_angles); emptied per forward
     rope_angle_memo: dict = field(default_factory=dict, repr=False)
-    # A fixed-width verify step (FixedWidthBatch.packed): the attention runs column by column and records the
-    # compressors' updates in ``column_journal``; None: a plain batch.
+    # A fixed-width verify step (FixedWidthBatch.packed): the compressors update column by column, recorded in
+    # ``column_journal``, then every row attends at once; None: a plain batch.
     fixed_width: FixedWidthBatch | None = field(default=None, repr=False)
     column_journal: PendingJournal | None = field(default=None, repr=False)
 

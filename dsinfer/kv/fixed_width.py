@@ -2,10 +2,12 @@
 
 A verify step runs every sequence's last token and its drafts: ``width`` = K + 1 positions per sequence, the
 same for all of them (:class:`FixedWidthBatch`). The model runs everything that is per token (embedding,
-projections, mHC, MoE, Engram, the head) once over all ``B * width`` rows, and the attention column by column:
-column ``j`` holds position ``start + j`` of every sequence and runs through the attention's own decode path
-(ring write, compressors, indexer, the decode op), so each position sees the ring and the unfinished windows
-exactly as a plain decode step of that position would. No shape depends on a device value and no metadata is
+projections, mHC, MoE, Engram, the head) once over all ``B * width`` rows. In the attention the compressors add
+one column at a time (column ``j`` holds position ``start + j`` of every sequence), then the indexer chooses and
+one decode op attends for every row at once (:meth:`FixedWidthBatch.all_columns`), each row over the window of its
+own position from a ring of ``window + width - 1`` rows (:meth:`FixedWidthBatch.verify_ring_rows`), so each
+position sees the ring and the entries exactly as a plain decode step of that position would (a drafter's batch
+with ``row_slots`` still attends column by column). No shape depends on a device value and no metadata is
 built on the host, so the whole forward can be captured once per batch bucket and replayed.
 
 Rollback needs what every compressor's unfinished window held before the step and what each column added to

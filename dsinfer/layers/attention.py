@@ -160,7 +160,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, inv_freq: torch.Tensor, layer_id: int) -> torch.Tensor:
         """x: [T, hidden] packed; ``inv_freq`` is this layer's RoPE (plain or YaRN-scaled). A fixed-width verify
-        batch (``batch.fixed_width``) attends column by column (:meth:`_forward_columns`)."""
+        batch (``batch.fixed_width``) runs :meth:`_forward_columns`."""
         if batch.fixed_width is not None:
             return self._forward_columns(x, batch.fixed_width, inv_freq, layer_id, batch.column_journal)
         layer_cache = batch.cache.layers[layer_id]

@@ -97,7 +97,8 @@ class ServedModel(nn.Module):
 
     def verify_forward(self, batch: FixedWidthBatch, journal: PendingJournal) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_for_drafter` of every row [B * width, ...] of a fixed-width verify step: per-token work
-        over all rows, the attention column by column, the compressors' updates recorded in ``journal``. No
+        over all rows, the compressors' updates column by column (recorded in ``journal``), then every row's
+        attention at once. No
         value is read on the host and no shape depends on one, so a CUDA graph can replay it."""
         return self.forward_for_drafter(batch.packed(journal), None)
 

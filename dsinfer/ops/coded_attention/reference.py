@@ -62,8 +62,8 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     if entry_codes is None or indices is None or indices.shape[1] == 0:
         return sparse_attention_decode_reference(
             SparseDecodeInputs(q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale,
-                               window_length=inputs.window_length)  # fmt: skip
-        )
+                               window_length=inputs.window_length)
+        )  # fmt: skip
     per_block, count = entry_codes.shape[1], indices.shape[1]
     safe = indices.clamp(min=0)
     blocks = block_tables.gather(1, torch.div(safe, per_block, rounding_mode="floor"))
@@ -73,5 +73,5 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     own = torch.where(indices >= 0, torch.arange(count, device=q.device), -1)
     return sparse_attention_decode_reference(
         SparseDecodeInputs(q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale,
-                           window_length=inputs.window_length)  # fmt: skip
-    )
+                           window_length=inputs.window_length)
+    )  # fmt: skip
