@@ -46,7 +46,7 @@ from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
 
 if TYPE_CHECKING:
     from dsinfer.kv.batch import PackedBatch
-    from dsinfer.kv.fixed_width import VerifyRingRows
+    from dsinfer.kv.fixed_width import FixedWidthBatch, VerifyRingRows
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -296,26 +296,26 @@ class KVCacheV41:
         self,
         ops: OpTable,
         layer_id: int,
-        entries_layer: int | None,
+        chosen: tuple[torch.Tensor | None, int | None],
         q: torch.Tensor,
-        rows: PackedBatch,
-        ring_rows: VerifyRingRows,
+        batch: FixedWidthBatch,
         kv: torch.Tensor,
-        indices: torch.Tensor | None,
         sink: torch.Tensor,
         softmax_scale: float,
     ) -> torch.Tensor:
-        """Every row of a verify step at once ([width * B], column after column: ``rows``, a fixed-width batch's
-        ``all_columns``), each over the window of its own position and its chosen entries, then the step's window
+        """Every row of a verify step at once ([width * B], column after column, as ``batch.all_columns()``),
+        each over the window of its own position and its chosen entries (``chosen``: the entries ``indices`` and
+        the KV source ``entries_layer`` they number, as :meth:`attend_decode` takes them), then the step's window
         rows ``kv`` [width * B, D] (rounded) to the layer's ring.
 
         The window comes from a ring of ``window + width - 1`` rows a sequence in the layer's storage: the rows
-        before the step, gathered from the layer's ring (``ring_rows``, :class:`VerifyRingRows`), and the step's
-        rows, encoded as the ring encodes them; so every query reads the rows a decode step at its position
-        would, from one decode op."""
-        layer, window = self.layers[layer_id], self.config.sliding_window
-        data, scales = self._verify_ring(layer, ring_rows, rows.positions, kv)
-        ring = (data, scales, ring_rows.ring_slots, window)
+        before the step, gathered from the layer's ring (``batch.verify_ring_rows``), and the step's rows, encoded
+        as the ring encodes them; so every query reads the rows a decode step at its position would, from one
+        decode op."""
+        indices, entries_layer = chosen
+        rows, ring_rows = batch.all_columns(), batch.verify_ring_rows(self.config.sliding_window)
+        data, scales = self._verify_ring(self.layers[layer_id], ring_rows, rows.positions, kv)
+        ring = (data, scales, ring_rows.ring_slots, ring_rows.window)
         out = self._attend(ops, ring, entries_layer, q, rows, indices, sink, softmax_scale)
         self.write_window(layer_id, rows.device_spans.slots, rows.positions, kv)
         return out

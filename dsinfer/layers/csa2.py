@@ -302,12 +302,8 @@ class AttentionV41(Attention):
         if self.compress_ratio and self.compressor is not None:
             self._write_verify_entries(xs, batch, rows, inv_freq, quantizer, by_row.get("compressor"), journal)
             state.entries_layer = self.layer_id
-        indices, entries_layer = self._choose(xs, latents, rows, inv_freq, state, quantizer, by_row)
-        ring_rows = batch.verify_ring_rows(self.window)
-        out = cache.attend_verify(
-            self.ops, self.layer_id, entries_layer, qs, rows, ring_rows, kvs, indices, self.attn_sink,
-            self.softmax_scale,
-        )  # fmt: skip
+        chosen = self._choose(xs, latents, rows, inv_freq, state, quantizer, by_row)
+        out = cache.attend_verify(self.ops, self.layer_id, chosen, qs, batch, kvs, self.attn_sink, self.softmax_scale)
         out = apply_rope(batch.rows(out.view(batch.width, batch.size, *out.shape[1:])), cos, sin, ops=self.ops,
                          inverse=True)  # fmt: skip
         return self._project_out(out)
