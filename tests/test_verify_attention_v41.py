@@ -35,13 +35,13 @@ def _cache(quantized: bool) -> tuple[KVCacheV41, torch.Tensor]:
 
 
 def _step(cache: KVCacheV41, tables: torch.Tensor) -> tuple[FixedWidthBatch, dict]:
-    """The verify batch and its rows, column after column: queries, window rows, chosen entries (-1: none)."""
+    """The verify batch and its rows in the packed order: queries, window rows, chosen entries (-1: none)."""
     config, size = cache.config, len(STARTS)
     batch = FixedWidthBatch(torch.zeros(size, WIDTH, dtype=torch.long), torch.tensor(STARTS), torch.tensor(SLOTS),
                             torch.tensor(WINDOW_FROM), tables, cache, spare_slot=3)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     rows = size * WIDTH
-    visible = (batch.column_positions.flatten() + 1) // 2  # entries each row's position sees at ratio 2
+    visible = (batch.positions.flatten() + 1) // 2  # entries each row's position sees at ratio 2
     picks = torch.randint(0, 64, (rows, 6), generator=gen)
     indices = torch.where(picks < visible[:, None], picks, -1)
     return batch, {
@@ -64,16 +64,16 @@ def test_one_pass_verify_attention_is_the_column_by_column_decode(quantized, wit
     got = one_pass.attend_verify(ops, LAYER, chosen, step["q"], batch, step["kv"], step["sink"], scale)
 
     column_batch, _ = _step(columns, tables)
-    size, want = len(STARTS), []
+    size, want = len(STARTS), torch.empty_like(got)
     for j in range(WIDTH):
-        rows = slice(j * size, (j + 1) * size)
+        rows = torch.arange(size) * WIDTH + j  # column j: position start + j of every sequence
         column = column_batch.column(j)
         columns.write_window(LAYER, column.device_spans.slots, column.positions, step["kv"][rows])
         indices = step["indices"][rows] if with_entries else None
         entries_layer = SOURCE if with_entries else None
-        want.append(columns.attend_decode(ops, LAYER, entries_layer, step["q"][rows], column, indices, step["sink"],
-                                          scale))  # fmt: skip
-    torch.testing.assert_close(got, torch.cat(want), rtol=1e-6, atol=1e-6)
+        want[rows] = columns.attend_decode(ops, LAYER, entries_layer, step["q"][rows], column, indices, step["sink"],
+                                           scale)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for mine, theirs in zip(one_pass.slot_tensors(), columns.slot_tensors(), strict=True):
         if mine is not None:
             assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))

@@ -303,17 +303,17 @@ class KVCacheV41:
         sink: torch.Tensor,
         softmax_scale: float,
     ) -> torch.Tensor:
-        """Every row of a verify step at once ([width * B], column after column, as ``batch.all_columns()``),
-        each over the window of its own position and its chosen entries (``chosen``: the entries ``indices`` and
-        the KV source ``entries_layer`` they number, as :meth:`attend_decode` takes them), then the step's window
-        rows ``kv`` [width * B, D] (rounded) to the layer's ring.
+        """Every row of a verify step at once ([B * width], in the packed order, as ``batch.all_rows()``), each over
+        the window of its own position and its chosen entries (``chosen``: the entries ``indices`` and the KV source
+        ``entries_layer`` they number, as :meth:`attend_decode` takes them), then the step's window rows ``kv``
+        [B * width, D] (rounded) to the layer's ring.
 
         The window comes from a ring of ``window + width - 1`` rows a sequence in the layer's storage: the rows
         before the step, gathered from the layer's ring (``batch.verify_ring_rows``), and the step's rows, encoded
         as the ring encodes them; so every query reads the rows a decode step at its position would, from one
         decode op."""
         indices, entries_layer = chosen
-        rows, ring_rows = batch.all_columns(), batch.verify_ring_rows(self.config.sliding_window)
+        rows, ring_rows = batch.all_rows(), batch.verify_ring_rows(self.config.sliding_window)
         data, scales = self._verify_ring(self.layers[layer_id], ring_rows, rows.positions, kv)
         ring = (data, scales, ring_rows.ring_slots, ring_rows.window)
         out = self._attend(ops, ring, entries_layer, q, rows, indices, sink, softmax_scale)
@@ -324,7 +324,7 @@ class KVCacheV41:
         self, layer: LayerCacheV41, ring_rows: VerifyRingRows, positions: torch.Tensor, kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The verify ring's rows [B, window + width - 1, D] and scales (None: model dtype), see
-        :meth:`attend_verify`; ``positions`` and ``kv``: the step's rows, column after column."""
+        :meth:`attend_verify`; ``positions`` and ``kv``: the step's rows in the packed order."""
         window, width = ring_rows.window, ring_rows.step_in_ring.shape[1]
         sequences, slots = ring_rows.sequences[:, None], ring_rows.slots[:, None]
         earlier_in_ring, earlier_in_cache = ring_rows.earlier_in_ring, ring_rows.earlier_in_cache

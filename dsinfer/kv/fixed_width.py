@@ -31,7 +31,7 @@ class VerifyRingRows:
     """A verify step's ring of ``window + width - 1`` rows a sequence (row ``position % length``): the window's
     rows before the step, then the step's. Index tensors: ``earlier_in_ring`` [B, window - 1] (their rows in the
     step's ring) and ``earlier_in_cache`` (in the layer's ring of slot ``slots``), ``step_in_ring`` [B, width] (the
-    step's rows), ``ring_slots`` [width * B] (each column-major row's sequence)."""
+    step's rows), ``ring_slots`` [B * width] (each packed row's sequence, as :meth:`FixedWidthBatch.all_rows`)."""
 
     window: int
     sequences: torch.Tensor  # [B]
@@ -63,7 +63,7 @@ class FixedWidthBatch:
     column_positions: torch.Tensor = field(init=False)
     column_ids: torch.Tensor = field(init=False)
     column_slots: torch.Tensor | None = field(init=False)
-    _all_columns: PackedBatch | None = field(init=False, default=None, repr=False)
+    _all_rows: PackedBatch | None = field(init=False, default=None, repr=False)
     _ring_rows: VerifyRingRows | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,19 +110,19 @@ class FixedWidthBatch:
         batch._device_spans = DeviceSpans(slots, positions, self.window_from, self.block_tables, rows)
         return batch
 
-    def all_columns(self) -> PackedBatch:
-        """Every position as a decode-shaped row, column after column ([width * B]: the order of
-        :meth:`columns` flattened), each in its sequence's slot, with its sequence's table and window start."""
-        if self._all_columns is None:
-            width, positions = self.width, self.column_positions.flatten()
+    def all_rows(self) -> PackedBatch:
+        """Every position as a decode-shaped row, in the packed batch's order ([B * width], sequence after
+        sequence), each in its sequence's slot, with its sequence's table and window start."""
+        if self._all_rows is None:
+            width, positions = self.width, self.positions.flatten()
             spans = [SequenceSpan(0, 1, self.spare_slot, []) for _ in range(self.size * width)]
-            batch = PackedBatch(self.column_ids.flatten(), positions, spans, self.cache)
+            batch = PackedBatch(self.input_ids.flatten(), positions, spans, self.cache)
             rows = torch.arange(positions.shape[0], device=positions.device)
-            tables = self.block_tables.repeat(width, 1)
-            batch._device_spans = DeviceSpans(self.slots.repeat(width), positions, self.window_from.repeat(width),
-                                              tables, rows)  # fmt: skip
-            self._all_columns = batch
-        return self._all_columns
+            tables = self.block_tables.repeat_interleave(width, dim=0)
+            batch._device_spans = DeviceSpans(self.slots.repeat_interleave(width), positions,
+                                              self.window_from.repeat_interleave(width), tables, rows)  # fmt: skip
+            self._all_rows = batch
+        return self._all_rows
 
     def verify_ring_rows(self, window: int) -> VerifyRingRows:
         """Where a verify step's ring of ``window + width - 1`` rows a sequence takes its rows from (see
@@ -134,7 +134,7 @@ class FixedWidthBatch:
             in_ring, in_cache = earlier.remainder(length), earlier.remainder(window)
             step = self.positions.remainder(length)
             self._ring_rows = VerifyRingRows(
-                window, sequences, self.slots, in_ring, in_cache, step, sequences.repeat(self.width)
+                window, sequences, self.slots, in_ring, in_cache, step, sequences.repeat_interleave(self.width)
             )
         return self._ring_rows
 

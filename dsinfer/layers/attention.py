@@ -29,7 +29,7 @@ from dsinfer.layers.indexer import Indexer
 from dsinfer.layers.joined_linear import JoinedLinears
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.op_binding import reference_ops
-from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, rope_angles, step_rope_angles
+from dsinfer.layers.rotary import apply_rope, normalize_and_rope, rope_and_round, step_rope_angles
 from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.grouped_linear import grouped_linear
 from dsinfer.ops.registry import OpTable
@@ -190,42 +190,64 @@ class Attention(nn.Module):
     def _forward_columns(
         self, x: torch.Tensor, batch: FixedWidthBatch, inv_freq: torch.Tensor, layer_id: int, journal
     ) -> torch.Tensor:
-        """Every row of a fixed-width batch [B * width, hidden]: the projections over all rows; the compressors'
-        updates column by column (position order, recorded in ``journal``, a :class:`PendingJournal`; None: a
-        window-only layer); then the indexer's choice and the attention of every column at once
-        (:meth:`_attend_all_columns`). A batch whose columns run in slots of their own (``row_slots``: a drafter's
-        rejected positions) attends column by column instead."""
+        """Every row of a fixed-width batch [B * width, hidden] (the packed order): the projections over all rows;
+        the compressors' updates column by column (position order, recorded in ``journal``, a
+        :class:`PendingJournal`; None: a window-only layer); then the indexer's choice and the attention of every
+        row at once (:meth:`_attend_all_rows`). A batch whose columns run in slots of their own (``row_slots``: a
+        drafter's rejected positions) attends column by column instead."""
         layer_cache = batch.cache.layers[layer_id]
-        cos, sin = rope_angles(batch.positions.flatten(), inv_freq)
+        rows = batch.all_rows()
+        cos, sin = step_rope_angles(rows, inv_freq, ops=self.ops)  # once per forward, shared by the layers
         projected = self._input_projections(x)  # every row at once, as a decode step's rows: one joined GEMM
         q, q_latent = self._queries(projected, cos, sin)
         kv = rope_and_round(projected.pop("kv"), cos, sin, self.ops, self.kv_norm)
         states = [state for state in (layer_cache.compressor, layer_cache.indexer) if state is not None]
         if states and journal is None:
             raise ValueError("a compressed layer's fixed-width forward needs a journal (the rollback reads it)")
+        if batch.row_slots is not None:
+            step = (x, q, q_latent, kv)
+            out = batch.rows(self._attend_column_by_column(step, batch, layer_cache, inv_freq, projected,
+                                                           (journal, states)))  # fmt: skip
+        else:
+            if states:
+                self._update_compressors_by_column(x, batch, layer_cache, inv_freq, projected, (journal, states))
+            out = self._attend_all_rows(x, q, q_latent, kv, batch, layer_cache, inv_freq, projected)
+        out = apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True)  # fresh tensors: rope in place
+        return self._project_out(out)
+
+    def _update_compressors_by_column(self, x, batch: FixedWidthBatch, layer_cache, inv_freq, projected, journaled):
+        """Every column's compressor updates (the attention's and the indexer's keys), in position order, each as a
+        decode step makes them, recorded in the journal (``journaled``: the journal and the states it records)."""
+        journal, states = journaled
+        xs = batch.columns(x)
+        names = ("compressor", "index_compressor")
+        by_column = {name: batch.columns(projected[name]) for name in names if name in projected}
+        before, written = journal.before(states), []
+        for j in range(batch.width):
+            column = batch.column(j)
+            self._update_compressors(xs[j], column, layer_cache, inv_freq, {n: t[j] for n, t in by_column.items()})
+            written.append(journal.column(states, j))
+        journal.close(states, before, written)
+
+    def _attend_column_by_column(self, step: tuple, batch: FixedWidthBatch, layer_cache, inv_freq, projected,
+                                 journaled) -> torch.Tensor:  # fmt: skip
+        """A drafter's batch (``row_slots``): each column of ``step`` (its rows' ``x``, queries, low-rank queries
+        and window rows) through the decode path in its own slots, recorded in the journal (``journaled``: the
+        journal and the states it records; none in a window-only layer). Returns [width, B, H, D]."""
+        journal, states = journaled
+        xs, qs, latents, kvs = (batch.columns(t) for t in step)
+        by_column = {name: batch.columns(t) for name, t in projected.items()}
         before = journal.before(states) if states else []
-        xs, qs, latents, kvs = (batch.columns(t) for t in (x, q, q_latent, kv))
-        by_column = {name: batch.columns(t) for name, t in projected.items()}  # the compressors' and indexer's
         written, outputs = [], []
         for j in range(batch.width):
             column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
-            if batch.row_slots is not None:
-                outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
-                                                   column_projected))  # fmt: skip
-            else:
-                self._update_compressors(xs[j], column, layer_cache, inv_freq, column_projected)
+            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
+                                               column_projected))  # fmt: skip
             if states:
                 written.append(journal.column(states, j))
         if states:
             journal.close(states, before, written)
-        if batch.row_slots is None:
-            flat = {name: t.flatten(0, 1) for name, t in by_column.items()}
-            columns = (t.flatten(0, 1) for t in (xs, qs, latents, kvs))
-            stacked = self._attend_all_columns(*columns, batch, layer_cache, inv_freq, flat)
-        else:
-            stacked = torch.stack(outputs)
-        out = apply_rope(batch.rows(stacked), cos, sin, inverse=True, ops=self.ops)
-        return self._project_out(out)
+        return torch.stack(outputs)
 
     def _update_compressors(self, x, column: PackedBatch, layer_cache: LayerCache, inv_freq, projected) -> None:
         """One column's compressor updates (the attention's and the indexer's keys), as a decode step makes them."""
@@ -235,14 +257,13 @@ class Attention(nn.Module):
             keys = self.indexer.compressor
             keys.update_decode(x, column, layer_cache.indexer, inv_freq, projected.get("index_compressor"))
 
-    def _attend_all_columns(self, x, q, q_latent, kv, batch: FixedWidthBatch, layer_cache, inv_freq, projected):
-        """Every column's attention in one decode op over ``width * B`` rows (column after column), the entries
+    def _attend_all_rows(self, x, q, q_latent, kv, batch: FixedWidthBatch, layer_cache, inv_freq, projected):
+        """Every row's attention in one decode op over the ``B * width`` rows (the packed order), the entries
         already written: each row sees the ``window`` positions up to its own, from a ring of ``window + width -
         1`` rows (the window before the step and the step's rows, gathered here), and the entries its position
-        sees. The step's rows go into the layer's ring afterwards. Returns [width, B, H, D]."""
-        rows = batch.all_columns()
+        sees. The step's rows go into the layer's ring afterwards."""
+        rows = batch.all_rows()
         spans, positions, ring = rows.device_spans, rows.positions, layer_cache.window
-        size, width = batch.size, batch.width
         verify_ring, ring_slots = self._verify_ring(kv, batch, ring)
         entries, indices = self._entries_and_indices(x, q_latent, rows, layer_cache, inv_freq, projected, True)
         out = self.ops.sparse_attention_decode(
@@ -252,18 +273,17 @@ class Attention(nn.Module):
             )
         )  # fmt: skip
         self.ops.cache_store(CacheStoreInputs(kv, ring, None, spans.slots, positions, self.window, None, 0, None))
-        return out.view(width, size, *out.shape[1:])
+        return out
 
     def _verify_ring(self, kv: torch.Tensor, batch: FixedWidthBatch, ring: torch.Tensor):
         """A ring of ``window + width - 1`` rows a sequence ([B, R, D], row ``position % R``): its window's rows
-        before the step (read from ``ring``) and the step's ``kv`` rows (column-major [width * B, D]); and each
-        column-major row's sequence in it."""
+        before the step (read from ``ring``) and the step's ``kv`` rows (the packed order [B * width, D]); and each
+        packed row's sequence in it."""
         size, width, rows = batch.size, batch.width, batch.verify_ring_rows(self.window)
         sequences = rows.sequences[:, None]
         verify_ring = ring.new_empty(size, self.window + width - 1, ring.shape[-1])
         verify_ring[sequences, rows.earlier_in_ring] = ring[batch.slots[:, None], rows.earlier_in_cache]
-        step_rows = batch.rows(kv.view(width, size, -1)).view(size, width, -1)  # sequence after sequence
-        verify_ring[sequences, rows.step_in_ring] = step_rows.to(ring.dtype)
+        verify_ring[sequences, rows.step_in_ring] = kv.view(size, width, -1).to(ring.dtype)
         return verify_ring, rows.ring_slots
 
     def _attend_decode(

@@ -284,46 +284,42 @@ class AttentionV41(Attention):
     ) -> torch.Tensor:
         """Every row of a fixed-width (verify) batch as a decode step of its position would compute it: the
         projections over all rows; a KV source's entries and index keys column by column, in position order
-        (journaled for the rollback); then every row at once, column after column (``batch.all_columns()``, one
+        (journaled for the rollback); then every row at once, in the packed order (``batch.all_rows()``, one
         ``state`` for all of them): the index sources' choice and one decode attention, each row over the window of
         its own position (:meth:`KVCacheV41.attend_verify`), after which the step's rows join the ring.
 
         Writing every column's entries first is safe: an entry a later column completes is never visible to an
         earlier one (its number is at least that column's visible count)."""
-        positions = batch.positions.flatten()
-        cos, sin = rope_angles(positions, inv_freq)
+        rows = batch.all_rows()
+        cos, sin = step_rope_angles(rows, inv_freq, ops=self.ops)  # once per forward, shared by the layers
         projected = {}
-        q_a, kv = self._input_rows(x, cos, sin, positions, quantizer, projected, True, False)
+        q_a, kv = self._input_rows(x, cos, sin, rows.positions, quantizer, projected, True, False)
         q_latent, q = self._queries(q_a, cos, sin, projected, True)
-        rows = batch.all_columns()
-        xs, qs, latents, kvs = (batch.columns(t).flatten(0, 1) for t in (x, q, q_latent, kv))
-        by_row = {name: batch.columns(t).flatten(0, 1) for name, t in projected.items()}
         cache: KVCacheV41 = batch.cache
         if self.compress_ratio and self.compressor is not None:
-            self._write_verify_entries(xs, batch, rows, inv_freq, quantizer, by_row.get("compressor"), journal)
+            self._write_verify_entries(x, batch, rows, inv_freq, quantizer, projected.get("compressor"), journal)
             state.entries_layer = self.layer_id
-        chosen = self._choose(xs, latents, rows, inv_freq, state, quantizer, by_row)
-        out = cache.attend_verify(self.ops, self.layer_id, chosen, qs, batch, kvs, self.attn_sink, self.softmax_scale)
-        out = apply_rope(batch.rows(out.view(batch.width, batch.size, *out.shape[1:])), cos, sin, ops=self.ops,
-                         inverse=True)  # fmt: skip
-        return self._project_out(out)
+        chosen = self._choose(x, q_latent, rows, inv_freq, state, quantizer, projected)
+        out = cache.attend_verify(self.ops, self.layer_id, chosen, q, batch, kv, self.attn_sink, self.softmax_scale)
+        return self._project_out(apply_rope(out, cos, sin, inverse=True, ops=self.ops, in_place=True))
 
-    def _write_verify_entries(self, xs, batch: FixedWidthBatch, rows: PackedBatch, inv_freq, quantizer, projected,
+    def _write_verify_entries(self, x, batch: FixedWidthBatch, rows: PackedBatch, inv_freq, quantizer, projected,
                               journal: PendingJournal) -> None:  # fmt: skip
-        """A KV source's entries and index keys of every verify row (``xs``, column after column): at ratio 1 (no
+        """A KV source's entries and index keys of every verify row (``x``, the packed rows): at ratio 1 (no
         unfinished groups) all rows at once, else column by column with each column's compressor update recorded
         in ``journal``."""
         cache: KVCacheV41 = batch.cache
         source = cache.layers[self.layer_id].source
         if source is None or source.pending_values is None:
-            self._write_decode_entries(xs, rows, cache, inv_freq, quantizer, projected)
+            self._write_decode_entries(x, rows, cache, inv_freq, quantizer, projected)
             return
-        size, states = batch.size, [source]
+        xs = batch.columns(x)
+        by_column = None if projected is None else batch.columns(projected)
+        states = [source]
         before, written = journal.before(states), []
         for j in range(batch.width):
-            column_rows = slice(j * size, (j + 1) * size)
-            column_projected = None if projected is None else projected[column_rows]
-            self._write_decode_entries(xs[column_rows], batch.column(j), cache, inv_freq, quantizer, column_projected)
+            column_projected = None if by_column is None else by_column[j]
+            self._write_decode_entries(xs[j], batch.column(j), cache, inv_freq, quantizer, column_projected)
             written.append(journal.column(states, j))
         journal.close(states, before, written)
 
