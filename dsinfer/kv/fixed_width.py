@@ -4,7 +4,7 @@ A verify step runs every sequence's last token and its drafts: ``width`` = K + 1
 same for all of them (:class:`FixedWidthBatch`). The model runs everything that is per token (embedding,
 projections, mHC, MoE, Engram, the head) once over all ``B * width`` rows. In the attention the compressors add
 one column at a time (column ``j`` holds position ``start + j`` of every sequence), then the indexer chooses and
-one decode op attends for every row at once (:meth:`FixedWidthBatch.all_columns`), each row over the window of its
+one decode op attends for every row at once (:meth:`FixedWidthBatch.all_rows`), each row over the window of its
 own position from a ring of ``window + width - 1`` rows (:meth:`FixedWidthBatch.verify_ring_rows`), so each
 position sees the ring and the entries exactly as a plain decode step of that position would (a drafter's batch
 with ``row_slots`` still attends column by column). No shape depends on a device value and no metadata is

@@ -10,7 +10,7 @@ in the form each kind of forward reads it:
   (:class:`PrefillViews`);
 * a decode step publishes once for the whole batch (:class:`DecodeState`: every tensor one row per sequence);
 * a fixed-width (verify) forward runs every row as a decode step of its position, all rows at once: one
-  :class:`DecodeState` with a row per position, column after column.
+  :class:`DecodeState` with a row per position, in the packed order.
 """
 
 from __future__ import annotations
