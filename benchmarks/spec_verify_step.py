@@ -3,6 +3,7 @@
     python benchmarks/spec_verify_step.py                       # V4 (MTP) and V4.1 (DSpark) 4-layer slices, CUDA
     python benchmarks/spec_verify_step.py --arch v4 --requests 1,32 --k 3 --contexts 256,131072
     python benchmarks/spec_verify_step.py --tiny                # tiny checkpoints on the CPU (what the test runs)
+    python benchmarks/spec_verify_step.py --arch v4 --k 3 --draft-map-size 32768   # MTP drafts from 32,768 head rows
 
 Each model is built once, as ``dsinfer bench sweep decode --flash-layers 4`` builds it (random weights at
 V4-Flash / V4.1-Flash widths; the V4 slice gets a random MTP layer, the V4.1 slice its DSpark stages). For every
@@ -29,6 +30,7 @@ import argparse
 import json
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -41,8 +43,12 @@ METHODS = {"v4": "mtp", "v41": "dspark"}
 
 
 def _sweep_argv(arch: str, options: argparse.Namespace, checkpoint: str | None, k: int) -> list[str]:
-    """The sweep options of one model's points (its speculative config is the largest K: the drafter it builds)."""
-    spec = json.dumps({"method": METHODS[arch], "num_speculative_tokens": k})
+    """The sweep options of one model's points (its speculative config is the largest K: the drafter it builds;
+    MTP with ``options.draft_map``, a ``draft_token_map`` file, when one was asked for)."""
+    spec = {"method": METHODS[arch], "num_speculative_tokens": k}
+    if arch == "v4" and options.draft_map is not None:
+        spec["draft_token_map"] = options.draft_map
+    spec = json.dumps(spec)
     argv = ["decode", "--device", options.device, "--speculative-config", spec, "--v41-prefill", "exact",
             "--warmup-steps", str(options.warmup_steps), "--measure-steps", str(options.measure_steps),
             "--prefill-chunk", str(options.prefill_chunk), "--seed", "0", "--time-spec-phases"]  # fmt: skip
@@ -128,6 +134,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny checkpoints instead of the slices (CPU test)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--draft-map-size", type=int, default=0,
+                        help="MTP drafts from a draft_token_map of this many ids (the lowest; the coin accepts them "
+                        "alike): each draft reads that many head rows (0: the whole head)")  # fmt: skip
     options = parser.parse_args(argv)
     if options.tiny and options.contexts == [256]:
         options.contexts = [24]
@@ -138,6 +147,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     options = parse_options(argv)
     rows = []
     with tempfile.TemporaryDirectory() as root:
+        options.draft_map = None
+        if options.draft_map_size > 0:
+            options.draft_map = f"{root}/draft_token_map.json"
+            Path(options.draft_map).write_text(json.dumps(list(range(options.draft_map_size))))
         for arch in options.arch.split(","):
             checkpoint = None
             if options.tiny:

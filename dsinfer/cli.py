@@ -261,7 +261,8 @@ def add_engine_features(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as JSON: \'{"method": "mtp" or "dspark", "num_speculative_tokens": K}\' (K from '
         "1 to 5; V4's MTP layer or V4.1's DSpark stages draft K tokens per step, the model verifies them in one "
-        'forward; dspark also takes "confidence_threshold" from 0 to 1) (default: off)',
+        'forward; dspark also takes "confidence_threshold" from 0 to 1, mtp "draft_token_map", a JSON file of the '
+        "token ids it may draft: scripts/make_token_map.py) (default: off)",
     )
     parser.add_argument(
         "--load-format",

@@ -30,3 +30,20 @@ def test_the_verify_step_table_on_tiny_checkpoints(arch, tmp_path):
     # The coin accepts three quarters of the drafts: K = 3 gets well past one token a step.
     assert all(row["tau"] > 1.5 for row in rows if row["k"] == 3)
     assert len({row["plain_ms"] for row in rows if row["requests"] == 1}) == 1  # one plain point per request count
+
+
+def test_the_mtp_rows_with_a_draft_token_map(monkeypatch):
+    """``--draft-map-size``: the MTP drafter the rows time drafts from that many ids of the head."""
+    from dsinfer.speculative.mtp import MTPDrafter
+
+    built = []
+    original = MTPDrafter.__init__
+
+    def recording(self, model, cache, num_tokens, token_map=None):
+        original(self, model, cache, num_tokens, token_map)
+        built.append(None if self.draft_head is None else self.draft_head.shape[0])
+
+    monkeypatch.setattr(MTPDrafter, "__init__", recording)
+    rows = spec_verify_step.main(["--tiny", "--arch", "v4", "--requests", "1", "--k", "3", "--warmup-steps", "1",
+                                  "--measure-steps", "3", "--device", "cpu", "--draft-map-size", "40"])  # fmt: skip
+    assert built and set(built) == {40} and rows[0]["tau"] > 1.5

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from dsinfer.config import SpeculativeConfig
+from dsinfer.config.speculative import read_draft_token_map
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.cache_v41 import KVCacheV41
@@ -135,7 +136,8 @@ def build_drafter(model, cache, config: SpeculativeConfig) -> Drafter:
     """The drafter of ``config.method`` over the engine cache (the checkpoint was checked to support it)."""
     if config.method == "dspark":
         return DSparkDrafter(model, cache, config.num_speculative_tokens, config.confidence_threshold)
-    return MTPDrafter(model, cache, config.num_speculative_tokens)
+    token_map = None if config.draft_token_map is None else read_draft_token_map(config.draft_token_map)
+    return MTPDrafter(model, cache, config.num_speculative_tokens, token_map)
 
 
 class SpeculativeExecutor:

@@ -6,7 +6,8 @@ the layer's own window ring current, and the last row of each sampled sequence d
 drafts chain the layer on its own output streams, one position at a time (vLLM's and SGLang's way when a
 checkpoint has fewer MTP layers than drafts). Those chained positions are written into the layer's ring for
 the later chain steps to attend to and put back afterwards: the next step runs them again with the target's
-streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.speculative.rejection`).
+streams. Drafts are the layer's argmax (a one-hot draft distribution for :mod:`dsinfer.speculative.rejection`),
+over every token id, or over a ``draft_token_map``'s ids only (then each draft reads only their rows of the head).
 
 A fixed-width verify step (:mod:`dsinfer.kv.fixed_width`, what a CUDA graph replays) drafts the same way
 from device tensors alone (:meth:`MTPDrafter.draft_fixed`): the layer runs every column of the step, a
@@ -19,7 +20,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
+from dsinfer.config import ConfigError
 from dsinfer.kv.batch import PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v4 import KVCache
 from dsinfer.kv.fixed_width import FixedWidthBatch
@@ -28,15 +31,32 @@ from dsinfer.speculative.drafting import DraftInput
 
 
 class MTPDrafter:
-    """Drafts with ``model.mtp[0]`` over the engine cache (which must hold the MTP layer's window ring)."""
+    """Drafts with ``model.mtp[0]`` over the engine cache (which must hold the MTP layer's window ring);
+    ``token_map``: the token ids it may draft (None: all)."""
 
-    def __init__(self, model: DeepseekV4, cache: KVCache, num_tokens: int) -> None:
+    def __init__(self, model: DeepseekV4, cache: KVCache, num_tokens: int, token_map: list[int] | None = None) -> None:
         if not len(model.mtp):
             raise ValueError("the model has no MTP layer to draft with")
         self.model, self.cache, self.num_tokens = model, cache, num_tokens
         self.layer = model.mtp[0]
         if len(cache.layers) <= self.layer.layer_id:
             raise ValueError("the engine cache has no window ring for the MTP layer (build it with_mtp)")
+        self.draft_ids, self.draft_head = None, None
+        if token_map is not None:
+            weight = model.head.weight
+            if max(token_map) >= weight.shape[0]:
+                raise ConfigError(
+                    f"speculative_config 'draft_token_map': token id {max(token_map)} is outside the model's "
+                    f"vocabulary of {weight.shape[0]}"
+                )
+            self.draft_ids = torch.tensor(token_map, dtype=torch.long, device=weight.device)
+            self.draft_head = weight[self.draft_ids].contiguous()  # the map's rows, read by every draft
+
+    def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's draft: the head's argmax, over the map's ids only when there is one."""
+        if self.draft_head is None:
+            return self.model.head(hidden).float().argmax(-1)
+        return self.draft_ids[F.linear(hidden, self.draft_head).float().argmax(-1)]
 
     @torch.inference_mode()
     def draft(self, inputs: DraftInput) -> list[list[int]]:
@@ -51,7 +71,7 @@ class MTPDrafter:
             return []
         device = streams.device
         streams = streams[host_to_device(inputs.last_rows(), torch.long, device)]
-        token = model.head(layer.collapse(streams)).float().argmax(-1)
+        token = self._draft_tokens(layer.collapse(streams))
         drafts = [token]
         spans = [inputs.spans[i] for i in inputs.drafting]
         next_positions = [span.start + span.length for span in spans]  # where each bonus token sits
@@ -67,7 +87,7 @@ class MTPDrafter:
                 positions = host_to_device([p + depth - 1 for p in next_positions], torch.long, device)
                 chain = PackedBatch(token, positions, chain_spans, self.cache)
                 streams = layer.draft_streams(streams, model.embed(token), token, chain, model.rope.window)
-                token = model.head(layer.collapse(streams)).float().argmax(-1)
+                token = self._draft_tokens(layer.collapse(streams))
                 drafts.append(token)
             ring[written] = saved
         return torch.stack(drafts, dim=1).tolist()  # the drafter's one host read
@@ -91,7 +111,7 @@ class MTPDrafter:
         streams = layer.draft_streams(features, model.embed(ids), ids, drafting.packed(), window)
         sequences = torch.arange(size, device=kept.device)
         streams = streams.reshape(size, batch.width, *streams.shape[1:])[sequences, kept - 1]
-        token = model.head(layer.collapse(streams)).float().argmax(-1)
+        token = self._draft_tokens(layer.collapse(streams))
         drafts = [token]
         if self.num_tokens > 1:
             ring = self.cache.layers[layer.layer_id].window
@@ -103,7 +123,7 @@ class MTPDrafter:
             for depth in range(1, self.num_tokens):
                 chain = batch.decode_batch(next_positions + depth - 1, token)
                 streams = layer.draft_streams(streams, model.embed(token), token, chain, window)
-                token = model.head(layer.collapse(streams)).float().argmax(-1)
+                token = self._draft_tokens(layer.collapse(streams))
                 drafts.append(token)
             ring[written] = saved
         counts = torch.full((size, 1), self.num_tokens, dtype=torch.long, device=kept.device)
