@@ -213,7 +213,12 @@ def test_decode_sweep_with_real_drafts_reports_the_measured_tau(tiny_checkpoint,
     assert sweep.main(args) == 0
     (record,) = read_records(tmp_path / "spec" / "results.jsonl")
     measured = record["measured"]
-    assert record["speculative"] == {"method": "mtp", "num_speculative_tokens": 2, "confidence_threshold": 0.0}
+    assert record["speculative"] == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+        "confidence_threshold": 0.0,
+        "draft_token_map": None,
+    }
     assert record["nextn"] == 2
     assert record["tokens_per_step"] == 2 * 3  # each sequence verifies its token and two drafts per step
     assert measured["drafts"] == 2 * 2 * record["steps"] and 0 <= measured["accepted"] <= measured["drafts"]

@@ -148,7 +148,7 @@ def test_checkpoint_without_engram_layers_ignores_the_placement(tiny_checkpoint)
     segments_before = _engram_segments()
     model = load_model(tiny_checkpoint, progress=False, engram_placement="sharded")  # no process group needed
     assert isinstance(model, DeepseekV4)
-    assert _engram_segments() == segments_before
+    assert _engram_segments() <= segments_before  # none made (another test's may have gone meanwhile)
 
 
 def test_host_placement_needs_fp8_tables_and_plain_float_tables_stay_in_the_model(tmp_path):
