@@ -7,9 +7,12 @@
 The model is dsinfer's ``--flash-layers N`` slice (every V4-Flash width, layers cycling window / CSA / HCA, the
 first MoE layer hash-routed, routed experts FP4, the release's FP8 block quantisation declared) written as one
 ``config.json`` that both engines read; each engine draws dummy weights (vLLM ``load_format="dummy"``, dsinfer
-``load_format="dummy"``). Each engine runs in a child process of its own (``slice_engines.py``), vLLM's first,
-then dsinfer's, for each MTP setting and point set, always in that order; the children share nothing but the
-model directory. Points and their definitions: ``slice_timing.py``; both engines are timed by the same code.
+``load_format="dummy"``). vLLM's dummy routers would send nearly every token to the same experts (one shared
+selection bias outweighs their logits), so its worker redraws them right after start-up
+(``slice_engines.spread_dummy_routing``): both engines then read the expert bytes a spread router reads. Each
+engine runs in a child process of its own (``slice_engines.py``), vLLM's first, then dsinfer's, for each MTP
+setting and point set, always in that order; the children share nothing but the model directory. Points and
+their definitions: ``slice_timing.py``; both engines are timed by the same code.
 
 The table gives, per point, vLLM's and dsinfer's figure and their ratio as dsinfer's speed over vLLM's (prefill
 tokens/s over tokens/s; decode vLLM's ms/step over dsinfer's), then the exact vLLM configuration, the versions
