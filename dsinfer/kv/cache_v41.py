@@ -42,11 +42,11 @@ from dsinfer.ops.cache_codec.reference import CacheStoreInputs
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs
 from dsinfer.ops.registry import OpTable, resolve
 from dsinfer.ops.rope_round import RowChain
-from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, StepRows
 
 if TYPE_CHECKING:
     from dsinfer.kv.batch import PackedBatch
-    from dsinfer.kv.fixed_width import FixedWidthBatch, VerifyRingRows
+    from dsinfer.kv.fixed_width import FixedWidthBatch
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -308,41 +308,28 @@ class KVCacheV41:
         ``entries_layer`` they number, as :meth:`attend_decode` takes them), then the step's window rows ``kv``
         [B * width, D] (rounded) to the layer's ring.
 
-        The window comes from a ring of ``window + width - 1`` rows a sequence in the layer's storage: the rows
-        before the step, gathered from the layer's ring (``batch.verify_ring_rows``), and the step's rows, encoded
-        as the ring encodes them; so every query reads the rows a decode step at its position would, from one
-        decode op."""
+        The ring still holds the window before the step while the decode op reads it; the step's own positions come
+        from the step's rows (:class:`StepRows`), in coded storage encoded as the ring encodes them, so every query
+        reads the values a decode step at its position would."""
         indices, entries_layer = chosen
-        rows, ring_rows = batch.all_rows(), batch.verify_ring_rows(self.config.sliding_window)
-        data, scales = self._verify_ring(self.layers[layer_id], ring_rows, rows.positions, kv)
-        ring = (data, scales, ring_rows.ring_slots, ring_rows.window)
+        rows, origin, layer = batch.all_rows(), batch.step_origin(), self.layers[layer_id]
+        step_rows, step_scales = kv, None
+        if self.quantized_storage:  # one encoding of the step's rows, into rows of their own
+            step_rows = layer.window.new_empty(kv.shape[0], 1, kv.shape[-1])
+            step_scales = layer.window_scales.new_empty(kv.shape[0], 1, layer.window_scales.shape[-1])
+            token_rows = rows.device_spans.token_rows  # row i at (i, i % 1): its own one-row slot
+            self._write(step_rows, step_scales, self.window_format, (token_rows, token_rows), kv, 1)
+            step_rows, step_scales = step_rows[:, 0], step_scales[:, 0]
+        step = StepRows(step_rows, origin.starts, origin.first_rows, step_scales)
+        ring = (layer.window, layer.window_scales, rows.device_spans.slots, step)
         out = self._attend(ops, ring, entries_layer, q, rows, indices, sink, softmax_scale)
         self.write_window(layer_id, rows.device_spans.slots, rows.positions, kv)
         return out
 
-    def _verify_ring(
-        self, layer: LayerCacheV41, ring_rows: VerifyRingRows, positions: torch.Tensor, kv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The verify ring's rows [B, window + width - 1, D] and scales (None: model dtype), see
-        :meth:`attend_verify`; ``positions`` and ``kv``: the step's rows in the packed order."""
-        window, width = ring_rows.window, ring_rows.step_in_ring.shape[1]
-        sequences, slots = ring_rows.sequences[:, None], ring_rows.slots[:, None]
-        earlier_in_ring, earlier_in_cache = ring_rows.earlier_in_ring, ring_rows.earlier_in_cache
-
-        def gathered(pool: torch.Tensor) -> torch.Tensor:  # byte views: float8 indexing is missing on some devices
-            ring = pool.new_empty(sequences.shape[0], window + width - 1, pool.shape[-1])
-            ring.view(torch.uint8)[sequences, earlier_in_ring] = pool.view(torch.uint8)[slots, earlier_in_cache]
-            return ring
-
-        data = gathered(layer.window)
-        scales = None if layer.window_scales is None else gathered(layer.window_scales)
-        self._write(data, scales, self.window_format, (ring_rows.ring_slots, positions), kv, window + width - 1)
-        return data, scales
-
     def _attend(self, ops, ring: tuple, entries_layer, q, batch: PackedBatch, indices, sink, softmax_scale):
-        """The decode op over ``ring`` (rows, scales, each query's ring, the window length: None, the ring's rows)
-        and the chosen entries of ``entries_layer`` (see :meth:`attend_decode`)."""
-        data, scales, ring_slots, window_length = ring
+        """The decode op over ``ring`` (rows, scales, each query's slot, and a verify step's :class:`StepRows` or
+        None) and the chosen entries of ``entries_layer`` (see :meth:`attend_decode`)."""
+        data, scales, ring_slots, step = ring
         positions, spans = batch.positions, batch.device_spans
         source = None if entries_layer is None or indices is None else self._source(entries_layer)
         tables = spans.block_tables
@@ -351,7 +338,7 @@ class KVCacheV41:
             return ops.sparse_attention_decode(
                 SparseDecodeInputs(
                     q, data, ring_slots, positions, spans.window_from, entries, tables, indices, sink, softmax_scale,
-                    window_length=window_length,
+                    step=step,
                 )
             )  # fmt: skip
         entry_codes = None if source is None else source.entries
@@ -359,7 +346,7 @@ class KVCacheV41:
         return ops.sparse_attention_decode_coded(
             CodedDecodeInputs(
                 q, data, scales, ring_slots, positions, spans.window_from, entry_codes, entry_scales, tables,
-                None if source is None else indices, sink, softmax_scale, window_length,
+                None if source is None else indices, sink, softmax_scale, step,
             ),
         )  # fmt: skip
 

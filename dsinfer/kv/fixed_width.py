@@ -5,8 +5,9 @@ same for all of them (:class:`FixedWidthBatch`). The model runs everything that 
 projections, mHC, MoE, Engram, the head) once over all ``B * width`` rows. In the attention the compressors add
 one column at a time (column ``j`` holds position ``start + j`` of every sequence), then the indexer chooses and
 one decode op attends for every row at once (:meth:`FixedWidthBatch.all_rows`), each row over the window of its
-own position from a ring of ``window + width - 1`` rows (:meth:`FixedWidthBatch.verify_ring_rows`), so each
-position sees the ring and the entries exactly as a plain decode step of that position would (a drafter's batch
+own position: the positions before the step from the ring, the step's own from its rows
+(:meth:`FixedWidthBatch.step_origin`), so each position sees the ring and the entries exactly as a plain decode
+step of that position would (a drafter's batch
 with ``row_slots`` still attends column by column). No shape depends on a device value and no metadata is
 built on the host, so the whole forward can be captured once per batch bucket and replayed.
 
@@ -27,19 +28,13 @@ from dsinfer.kv.cache_v41 import KVCacheV41
 
 
 @dataclass
-class VerifyRingRows:
-    """A verify step's ring of ``window + width - 1`` rows a sequence (row ``position % length``): the window's
-    rows before the step, then the step's. Index tensors: ``earlier_in_ring`` [B, window - 1] (their rows in the
-    step's ring) and ``earlier_in_cache`` (in the layer's ring of slot ``slots``), ``step_in_ring`` [B, width] (the
-    step's rows), ``ring_slots`` [B * width] (each packed row's sequence, as :meth:`FixedWidthBatch.all_rows`)."""
+class StepOrigin:
+    """Where each packed row's sequence's step starts, for a decode op reading the step's rows beside the ring:
+    ``starts`` [B * width] (the sequence's first step position) and ``first_rows`` [B * width] (that position's
+    packed row)."""
 
-    window: int
-    sequences: torch.Tensor  # [B]
-    slots: torch.Tensor  # [B] the sequences' slots
-    earlier_in_ring: torch.Tensor
-    earlier_in_cache: torch.Tensor
-    step_in_ring: torch.Tensor
-    ring_slots: torch.Tensor
+    starts: torch.Tensor
+    first_rows: torch.Tensor
 
 
 @dataclass
@@ -64,7 +59,7 @@ class FixedWidthBatch:
     column_ids: torch.Tensor = field(init=False)
     column_slots: torch.Tensor | None = field(init=False)
     _all_rows: PackedBatch | None = field(init=False, default=None, repr=False)
-    _ring_rows: VerifyRingRows | None = field(init=False, default=None, repr=False)
+    _step_origin: StepOrigin | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
@@ -124,19 +119,14 @@ class FixedWidthBatch:
             self._all_rows = batch
         return self._all_rows
 
-    def verify_ring_rows(self, window: int) -> VerifyRingRows:
-        """Where a verify step's ring of ``window + width - 1`` rows a sequence takes its rows from (see
-        :class:`VerifyRingRows`), once a forward: every layer of one window shares it."""
-        if self._ring_rows is None or self._ring_rows.window != window:
-            length, device = window + self.width - 1, self.starts.device
-            sequences = torch.arange(self.size, device=device)
-            earlier = self.starts[:, None] - window + 1 + torch.arange(window - 1, device=device)
-            in_ring, in_cache = earlier.remainder(length), earlier.remainder(window)
-            step = self.positions.remainder(length)
-            self._ring_rows = VerifyRingRows(
-                window, sequences, self.slots, in_ring, in_cache, step, sequences.repeat_interleave(self.width)
-            )
-        return self._ring_rows
+    def step_origin(self) -> StepOrigin:
+        """Each packed row's sequence's first step position and its row (:class:`StepOrigin`), once a forward:
+        every layer shares it."""
+        if self._step_origin is None:
+            width, device = self.width, self.starts.device
+            first_rows = torch.arange(self.size, device=device) * width
+            self._step_origin = StepOrigin(self.starts.repeat_interleave(width), first_rows.repeat_interleave(width))
+        return self._step_origin
 
     def columns(self, rows: torch.Tensor) -> torch.Tensor:
         """A per-row tensor [B * width, ...] as [width, B, ...]: column ``j`` contiguous."""

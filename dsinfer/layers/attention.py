@@ -42,7 +42,7 @@ from dsinfer.ops.sparse_attention.prefill_reference import (
     attend_window_and_entries,
     sink_softmax,
 )
-from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, StepRows
 
 __all__ = ["Attention", "sink_softmax", "window_keys"]
 
@@ -259,32 +259,21 @@ class Attention(nn.Module):
 
     def _attend_all_rows(self, x, q, q_latent, kv, batch: FixedWidthBatch, layer_cache, inv_freq, projected):
         """Every row's attention in one decode op over the ``B * width`` rows (the packed order), the entries
-        already written: each row sees the ``window`` positions up to its own, from a ring of ``window + width -
-        1`` rows (the window before the step and the step's rows, gathered here), and the entries its position
-        sees. The step's rows go into the layer's ring afterwards."""
+        already written: each row sees the ``window`` positions up to its own, those before the step from the
+        layer's ring and the step's own from ``kv`` (:class:`StepRows`), and the entries its position sees. The
+        step's rows go into the ring afterwards."""
         rows = batch.all_rows()
         spans, positions, ring = rows.device_spans, rows.positions, layer_cache.window
-        verify_ring, ring_slots = self._verify_ring(kv, batch, ring)
+        origin = batch.step_origin()
         entries, indices = self._entries_and_indices(x, q_latent, rows, layer_cache, inv_freq, projected, True)
         out = self.ops.sparse_attention_decode(
             SparseDecodeInputs(
-                q, verify_ring, ring_slots, positions, spans.window_from, entries, spans.block_tables, indices,
-                self.attn_sink, self.softmax_scale, window_length=self.window,
+                q, ring, spans.slots, positions, spans.window_from, entries, spans.block_tables, indices,
+                self.attn_sink, self.softmax_scale, step=StepRows(kv, origin.starts, origin.first_rows),
             )
         )  # fmt: skip
         self.ops.cache_store(CacheStoreInputs(kv, ring, None, spans.slots, positions, self.window, None, 0, None))
         return out
-
-    def _verify_ring(self, kv: torch.Tensor, batch: FixedWidthBatch, ring: torch.Tensor):
-        """A ring of ``window + width - 1`` rows a sequence ([B, R, D], row ``position % R``): its window's rows
-        before the step (read from ``ring``) and the step's ``kv`` rows (the packed order [B * width, D]); and each
-        packed row's sequence in it."""
-        size, width, rows = batch.size, batch.width, batch.verify_ring_rows(self.window)
-        sequences = rows.sequences[:, None]
-        verify_ring = ring.new_empty(size, self.window + width - 1, ring.shape[-1])
-        verify_ring[sequences, rows.earlier_in_ring] = ring[batch.slots[:, None], rows.earlier_in_cache]
-        verify_ring[sequences, rows.step_in_ring] = kv.view(size, width, -1).to(ring.dtype)
-        return verify_ring, rows.ring_slots
 
     def _attend_decode(
         self,

@@ -15,7 +15,7 @@ from dsinfer.ops import registry
 from dsinfer.ops.cache_codec.reference import cache_decode_reference, cache_encode_reference
 from dsinfer.ops.coded_attention.reference import CodedDecodeInputs, sparse_attention_decode_coded_reference
 from dsinfer.ops.fake_quant import fake_quant_compressed_kv, fake_quant_window_kv
-from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, StepRows, sparse_attention_decode_reference
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Case:
     seed: int = 0
     spread: bool = False  # every scale block of a row at its own magnitude (a scale on wrong channels shows)
     hardware_fp8: bool | None = None  # the kernel's e4m3 decode: the float8 cast (True) or arithmetic (False)
-    ring_extra: int = 0  # the ring holds window + ring_extra rows; each query still sees ``window`` (a verify step)
+    step: int = 0  # a verify step of this many rows a sequence, read from its own coded rows (the query's among them)
 
 
 CASES = [
@@ -54,8 +54,8 @@ CASES = [
     Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, seed=7),
     Case(positions=(40, 100), n_indices=20, num_splits=2, spread=True, hardware_fp8=False, seed=7),
     Case(positions=(70, 9), heads=16, dim=128, n_indices=24, spread=True, dtype=torch.bfloat16, seed=8),
-    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), ring_extra=3, seed=9),  # a verify step's ring
-    Case(positions=(64, 2), window=32, entries=False, num_splits=2, ring_extra=5, dtype=torch.bfloat16, seed=10),
+    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), step=4, spread=True, seed=11),  # step rows
+    Case(positions=(64, 3, 40), window=32, entries=False, num_splits=2, step=3, dtype=torch.bfloat16, seed=12),
 ]
 
 
@@ -64,7 +64,7 @@ def make_inputs(case: Case) -> dict:
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.positions)
     slot_count, block_count = batch + 2, batch * case.table_width + 3
-    ring = torch.randn(slot_count, case.window + case.ring_extra, case.dim, generator=gen) * 3
+    ring = torch.randn(slot_count, case.window, case.dim, generator=gen) * 3
     pool = torch.randn(block_count, case.per_block, case.dim, generator=gen)
     if case.spread:  # 2**-3 .. 2**4 by scale block, in an order that is not monotone in the channel
         channel = torch.arange(case.dim)
@@ -90,8 +90,30 @@ def make_inputs(case: Case) -> dict:
         "indices": torch.where(drop, -1, indices) if case.entries else None,
         "sink": torch.randn(case.heads, generator=gen),
         "softmax_scale": case.dim**-0.5,
-        "window_length": case.window if case.ring_extra else None,
+        "step": _step_rows(case, gen) if case.step else None,
     }
+
+
+def _step_rows(case: Case, gen: torch.Generator) -> StepRows:
+    """``case.step`` coded rows a sequence (rounded and encoded as the ring's); sequence ``b``'s query is row
+    ``b % step`` of its step."""
+    batch = len(case.positions)
+    rows = fake_quant_window_kv(torch.randn(batch * case.step, case.dim, generator=gen) * 3)
+    codes, scales = cache_encode_reference(rows, "e4m3", 32, "ue8m0")
+    starts = torch.tensor(case.positions) - torch.arange(batch) % case.step
+    return StepRows(codes, starts, torch.arange(batch) * case.step, scales)
+
+
+def _on(inputs: dict, device) -> dict:
+    """``inputs`` on ``device``, the step's tensors included."""
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, StepRows):
+            value = StepRows(*(t.to(device) for t in (value.rows, value.starts, value.first_rows, value.scales)))
+        elif isinstance(value, torch.Tensor):
+            value = value.to(device)
+        out[key] = value
+    return out
 
 
 def decoded(inputs: dict, dtype: torch.dtype) -> dict:
@@ -100,8 +122,13 @@ def decoded(inputs: dict, dtype: torch.dtype) -> dict:
     entries = None
     if inputs["entry_codes"] is not None:
         entries = cache_decode_reference(inputs["entry_codes"], inputs["entry_scales"], "e2m1", 16, "e4m3", dtype)
-    names = ("slots", "positions", "window_from", "block_tables", "indices", "sink", "softmax_scale", "window_length")
-    return {"window": window, "entries": entries, "q": inputs["q"].to(dtype), **{k: inputs[k] for k in names}}
+    names = ("slots", "positions", "window_from", "block_tables", "indices", "sink", "softmax_scale")
+    step = inputs["step"]
+    if step is not None:
+        rows = cache_decode_reference(step.rows, step.scales, "e4m3", 32, "ue8m0", dtype)
+        step = StepRows(rows, step.starts, step.first_rows)
+    return {"window": window, "entries": entries, "q": inputs["q"].to(dtype), "step": step,
+            **{k: inputs[k] for k in names}}  # fmt: skip
 
 
 def check_triton_case(case: Case, device: torch.device | None = None, decode: str | None = None) -> str | None:
@@ -113,7 +140,7 @@ def check_triton_case(case: Case, device: torch.device | None = None, decode: st
 
     inputs = make_inputs(case)
     if device is not None:
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = _on(inputs, device)
     if not backend.serves(inputs["q"], inputs["window_codes"], inputs["window_scales"], inputs["entry_codes"],
                           inputs["entry_scales"], inputs["indices"]):  # fmt: skip
         return f"{case}: the kernel does not take it"
@@ -237,7 +264,7 @@ def test_kernel_compiles_for_hopper():
     from dsinfer.ops.sparse_attention.triton import choose_config
 
     kernel = backend._coded_split_kernel
-    codes = ("window_ptr", "window_scales_ptr", "entries_ptr", "entry_scales_ptr")
+    codes = ("window_ptr", "window_scales_ptr", "entries_ptr", "entry_scales_ptr", "step_codes_ptr", "step_scales_ptr")
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name.isupper():
@@ -245,7 +272,8 @@ def test_kernel_compiles_for_hopper():
         elif name.endswith("_ptr"):
             kind = "bf16" if name in ("q_ptr", "out_ptr") else "u8" if name in codes else "fp32"
             signature[name] = "*" + ("fp32" if "part" in name or "sink" in name else kind)
-            if name in ("slots_ptr", "positions_ptr", "window_from_ptr", "tables_ptr", "indices_ptr"):
+            if name in ("slots_ptr", "positions_ptr", "window_from_ptr", "tables_ptr", "indices_ptr", "step_starts_ptr",
+                        "step_first_ptr"):  # fmt: skip
                 signature[name] = "*i64"
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
@@ -253,9 +281,10 @@ def test_kernel_compiles_for_hopper():
             attrs[(i,)] = [["tt.divisibility", 16]]
     for batch, decode in ((batch, decode) for batch in (1, 32) for decode in DECODES):
         config = choose_config(64, torch.bfloat16, 512, batch)
-        constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512,
+        constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=64, HEAD_DIM=512,
                          WINDOW_BLOCK=32, ENTRY_BLOCK=16, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4,
-                         HAS_ENTRIES=True, PRECISION="tf32", HARDWARE_FP8=True, DECODE=decode, PIN=True)  # fmt: skip
+                         HAS_ENTRIES=True, HAS_STEP=True, PRECISION="tf32", HARDWARE_FP8=True, DECODE=decode,
+                         PIN=True)  # fmt: skip
         source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -14,7 +14,7 @@ import torch
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
-from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, StepRows, sparse_attention_decode_reference
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Case:
     block_h: int = 16  # 0: the configuration choose_config picks
     block_n: int = 16
     seed: int = 0
-    ring_extra: int = 0  # the ring holds window + ring_extra rows; each query still sees ``window`` (a verify step)
+    step: int = 0  # a verify step of this many rows a sequence, read from its own rows (the query's is among them)
 
 
 CASES = [
@@ -62,9 +62,10 @@ CASES = [
     # forced splits where the combine also splits the channels (choose_combine: blocks of 64 channels)
     Case(positions=(90,), heads=5, dim=200, n_indices=20, num_splits=3, seed=11),  # 4 blocks, the last masked
     Case(positions=(70, 300), heads=20, dim=256, n_indices=24, num_splits=5, block_n=32, dtype=torch.bfloat16),
-    # a ring longer than the window (a verify step's W + K rows): positions wrap at the ring, not the window
-    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), ring_extra=3, seed=12),
-    Case(positions=(64, 2), window=32, entries=False, num_splits=2, ring_extra=5, dtype=torch.bfloat16, seed=13),
+    # a verify step's rows outside the ring (the ring as it was before the step): starting inside the window, at
+    # its start, after a prefix hit, at position 0
+    Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), step=4, seed=14),
+    Case(positions=(64, 3, 40), window=32, entries=False, num_splits=2, step=3, dtype=torch.bfloat16, seed=15),
 ]
 
 
@@ -80,7 +81,7 @@ def make_inputs(case: Case) -> dict:
     drop = torch.rand(batch, case.n_indices, generator=gen) < case.invalid
     return {
         "q": torch.randn(batch, case.heads, case.dim, generator=gen).to(case.dtype),
-        "window": torch.randn(slot_count, case.window + case.ring_extra, case.dim, generator=gen).to(case.dtype),
+        "window": torch.randn(slot_count, case.window, case.dim, generator=gen).to(case.dtype),
         "slots": torch.randperm(slot_count, generator=gen)[:batch],
         "positions": torch.tensor(case.positions),
         "window_from": torch.tensor(window_from),
@@ -89,12 +90,32 @@ def make_inputs(case: Case) -> dict:
         "indices": torch.where(drop, -1, indices) if case.entries else None,
         "sink": torch.randn(case.heads, generator=gen),
         "softmax_scale": case.dim**-0.5,
-        "window_length": case.window if case.ring_extra else None,
+        "step": _step_rows(case, gen) if case.step else None,
     }
 
 
+def _step_rows(case: Case, gen: torch.Generator) -> StepRows:
+    """``case.step`` rows a sequence; sequence ``b``'s query is row ``b % step`` of its step."""
+    batch = len(case.positions)
+    rows = torch.randn(batch * case.step, case.dim, generator=gen).to(case.dtype)
+    starts = torch.tensor(case.positions) - torch.arange(batch) % case.step
+    return StepRows(rows, starts, torch.arange(batch) * case.step)
+
+
+def _tensors(inputs: dict, change) -> dict:
+    """``inputs`` with ``change`` applied to every tensor, the step's included."""
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, StepRows):
+            value = StepRows(change(value.rows), change(value.starts), change(value.first_rows))
+        elif isinstance(value, torch.Tensor):
+            value = change(value)
+        out[key] = value
+    return out
+
+
 def _as_float(inputs: dict) -> dict:
-    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    return _tensors(inputs, lambda t: t.float() if t.is_floating_point() else t)
 
 
 def check_triton_case(case: Case, device: torch.device | None = None) -> str | None:
@@ -108,7 +129,7 @@ def check_triton_case(case: Case, device: torch.device | None = None) -> str | N
 
     inputs = make_inputs(case)
     if device is not None:
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = _tensors(inputs, lambda t: t.to(device))
     config = backend.DecodeConfig(block_h=case.block_h, block_n=case.block_n) if case.block_h else None
     got = backend.sparse_attention_decode_launch(
         SparseDecodeInputs(**inputs), config=config, num_splits=case.num_splits
@@ -308,19 +329,19 @@ def test_reference_is_the_former_inline_math_bit_for_bit(dtype, layer):
     )
 
 
-def test_a_longer_ring_with_the_window_length_is_the_window_ring_bit_for_bit():
-    """A ring of W + E rows (each position at ``position % (W + E)``) read with ``window_length`` W gives what a
-    W-row ring of the same positions gives: the same keys in the same order, so the same bits."""
-    case = Case(positions=(3, 70, 129, 500, 12), window_from=(0, 60, 0, 490, 0), heads=20, seed=1)
+def test_step_rows_read_beside_the_ring_are_the_ring_with_them_written_bit_for_bit():
+    """A verify step's rows read from ``step`` while the ring holds the window before the step give what the ring
+    with those rows written at their positions gives (the keys' values and order are the same)."""
+    case = Case(positions=(15, 16, 17, 31, 2), window_from=(0, 3, 0, 0, 0), step=4, seed=14)
     inputs = make_inputs(case)
-    extra, window, slots = 5, case.window, inputs["slots"]
-    longer = torch.randn(inputs["window"].shape[0], window + extra, case.dim)
-    for slot, position in zip(slots.tolist(), case.positions, strict=True):
-        for key_position in range(max(0, position - window + 1), position + 1):
-            longer[slot, key_position % (window + extra)] = inputs["window"][slot, key_position % window]
-    expected = sparse_attention_decode_reference(SparseDecodeInputs(**inputs))
-    got = sparse_attention_decode_reference(SparseDecodeInputs(**{**inputs, "window": longer, "window_length": window}))
-    assert torch.equal(got, expected)
+    step, window = inputs["step"], inputs["window"].clone()
+    for b, slot in enumerate(inputs["slots"].tolist()):
+        for j in range(case.step):
+            position = int(step.starts[b]) + j
+            if position <= case.positions[b]:  # the rows a query of the step sees (its own and the ones before)
+                window[slot, position % case.window] = step.rows[int(step.first_rows[b]) + j]
+    expected = sparse_attention_decode_reference(SparseDecodeInputs(**{**inputs, "window": window, "step": None}))
+    assert torch.equal(sparse_attention_decode_reference(SparseDecodeInputs(**inputs)), expected)
 
 
 def test_registry_picks_reference_on_cpu_and_triton_on_cuda():
@@ -395,7 +416,7 @@ def test_a_small_step_takes_sixteen_heads_a_program():
 def _signature(kernel, activation: str) -> dict[str, str]:
     """Triton types of a kernel's runtime arguments, by the naming convention of the sparse_attention kernels."""
     float_pointers = {"q_ptr": activation, "window_ptr": activation, "entries_ptr": activation,
-                      "out_ptr": activation}  # fmt: skip
+                      "step_ptr": activation, "out_ptr": activation}  # fmt: skip
     types = {}
     for name in kernel.arg_names:
         if name.isupper():
@@ -455,9 +476,9 @@ def test_triton_kernels_compile_for_hopper():
         (torch.float32, "fp32", "ieee", None),
     ):
         config = backend.choose_config(64, dtype, 512, batch)
-        constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512,
+        constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512,
                          BLOCK_D=512, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
-                         PRECISION=precision)  # fmt: skip
+                         HAS_STEP=True, PRECISION=precision)  # fmt: skip
         kernel = backend._decode_split_kernel
         source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)

@@ -15,7 +15,7 @@ import torch
 
 from dsinfer.ops.cache_codec.reference import cache_decode_reference
 from dsinfer.ops.registry import REFERENCE, register
-from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, sparse_attention_decode_reference
+from dsinfer.ops.sparse_attention.reference import SparseDecodeInputs, StepRows, sparse_attention_decode_reference
 
 
 def _rows(codes: torch.Tensor, scales: torch.Tensor, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +28,8 @@ class CodedDecodeInputs:
     """One decode step of sparse attention over V4.1's coded cache: V4's :class:`SparseDecodeInputs` with the window
     ring as e4m3 ``window_codes`` [slots, R, D] and ue8m0 ``window_scales``, and the entries as packed e2m1
     ``entry_codes`` [blocks, per_block, D / 2] and e4m3 ``entry_scales`` (both None: a window-only layer).
-    ``window_length``: W, the window each query sees (None: R, the ring's rows; a verify step's ring is longer)."""
+    ``step``: a verify step's rows not in the ring yet, as e4m3 codes [N, D] with their ue8m0 ``scales``
+    (:class:`StepRows`)."""
 
     q: torch.Tensor
     window_codes: torch.Tensor
@@ -42,7 +43,7 @@ class CodedDecodeInputs:
     indices: torch.Tensor | None
     sink: torch.Tensor
     softmax_scale: float
-    window_length: int | None = None
+    step: StepRows | None = None
 
 
 @register("sparse_attention_decode_coded", REFERENCE)
@@ -59,10 +60,15 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     codes, scales = _rows(inputs.window_codes, inputs.window_scales, (inputs.slots,))
     ring = cache_decode_reference(codes, scales, "e4m3", head_dim // scales.shape[-1], "ue8m0", q.dtype)
     local = torch.arange(batch, device=q.device)
+    step = inputs.step
+    if step is not None:  # the step's rows decoded as the ring's
+        rows = cache_decode_reference(step.rows, step.scales, "e4m3", head_dim // step.scales.shape[-1], "ue8m0",
+                                      q.dtype)  # fmt: skip
+        step = StepRows(rows, step.starts, step.first_rows)
     if entry_codes is None or indices is None or indices.shape[1] == 0:
         return sparse_attention_decode_reference(
             SparseDecodeInputs(q, ring, local, positions, window_from, None, block_tables, None, sink, softmax_scale,
-                               window_length=inputs.window_length)
+                               step=step)
         )  # fmt: skip
     per_block, count = entry_codes.shape[1], indices.shape[1]
     safe = indices.clamp(min=0)
@@ -73,5 +79,5 @@ def sparse_attention_decode_coded_reference(inputs: CodedDecodeInputs) -> torch.
     own = torch.where(indices >= 0, torch.arange(count, device=q.device), -1)
     return sparse_attention_decode_reference(
         SparseDecodeInputs(q, ring, local, positions, window_from, entries, local[:, None], own, sink, softmax_scale,
-                           window_length=inputs.window_length)
+                           step=step)
     )  # fmt: skip

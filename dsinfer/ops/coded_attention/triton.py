@@ -123,6 +123,10 @@ if triton is not None:
         window_from_ptr,
         tables_ptr,
         indices_ptr,
+        step_codes_ptr,
+        step_scales_ptr,
+        step_starts_ptr,
+        step_first_ptr,
         sink_ptr,
         out_ptr,
         part_out_ptr,
@@ -142,13 +146,14 @@ if triton is not None:
         stride_ep,
         stride_fb,
         stride_fp,
+        stride_sc,
+        stride_sv,
         stride_tb,
         stride_ib,
         stride_ob,
         stride_oh,
         scale_log2,
-        WINDOW: tl.constexpr,  # the window each query sees
-        RING: tl.constexpr,  # ring rows a slot (row ``position % RING``): WINDOW, or more in a verify step's ring
+        WINDOW: tl.constexpr,
         WINDOW_TILES: tl.constexpr,
         PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -158,6 +163,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         HAS_ENTRIES: tl.constexpr,
+        HAS_STEP: tl.constexpr,  # a verify step's rows come from step_codes_ptr (from the query's step start on)
         PRECISION: tl.constexpr,
         HARDWARE_FP8: tl.constexpr,  # e4m3 bytes decoded by the float8 cast (sm_89+, the interpreter)
         DECODE: tl.constexpr,  # "once" or "twice" (the module's DECODE)
@@ -178,6 +184,10 @@ if triton is not None:
         ring_scales = window_scales_ptr + slot * stride_vs
         WINDOW_BLOCKS: tl.constexpr = HEAD_DIM // WINDOW_BLOCK
         window_blocks = tl.arange(0, WINDOW_BLOCKS)
+        step_start, step_first = position + 1, 0  # no step rows: every key is in the ring
+        if HAS_STEP:
+            step_start = tl.load(step_starts_ptr + seq)
+            step_first = tl.load(step_first_ptr + seq)
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -188,12 +198,21 @@ if triton is not None:
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
-            row = key_position % RING
-            row = tl.where(row < 0, row + RING, row).to(tl.int64)
+            row = key_position % WINDOW
+            row = tl.where(row < 0, row + WINDOW, row).to(tl.int64)
+            codes = ring + row[:, None] * stride_ww + dims[None, :]
+            exponents = ring_scales + row[:, None] * stride_vw + window_blocks[None, :]
+            if HAS_STEP:  # the step's own positions from its rows, the earlier ones from the ring
+                from_step = key_position >= step_start
+                step_row = tl.where(from_step, step_first + key_position - step_start, 0).to(tl.int64)
+                codes = tl.where(from_step[:, None], step_codes_ptr + step_row[:, None] * stride_sc + dims[None, :],
+                                 codes)  # fmt: skip
+                exponents = tl.where(from_step[:, None],
+                                     step_scales_ptr + step_row[:, None] * stride_sv + window_blocks[None, :],
+                                     exponents)  # fmt: skip
             # one exponent per block of WINDOW_BLOCK channels, broadcast over the block's codes
-            code = tl.load(ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None], other=0)
-            exponent = tl.load(ring_scales + row[:, None] * stride_vw + window_blocks[None, :], mask=visible[:, None],
-                               other=127)  # fmt: skip
+            code = tl.load(codes, mask=visible[:, None], other=0)
+            exponent = tl.load(exponents, mask=visible[:, None], other=127)
             value = tl.reshape(e4m3_decode(code, HARDWARE_FP8), [BLOCK_N, WINDOW_BLOCKS, WINDOW_BLOCK])
             value = value * ue8m0_value(exponent.to(tl.int32))[:, :, None]
             kv = tl.reshape(value, [BLOCK_N, HEAD_DIM])
@@ -292,8 +311,7 @@ def sparse_attention_decode_coded_launch(
     q, entry_codes, indices = inputs.q, inputs.entry_codes, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
-    ring_size = inputs.window_codes.shape[1]
-    size = ring_size if inputs.window_length is None else inputs.window_length
+    size = inputs.window_codes.shape[1]
     has_entries = entry_codes is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     fp8_cast = fp8_cast_available(q.device) if hardware_fp8 is None else hardware_fp8
@@ -315,16 +333,24 @@ def sparse_attention_decode_coded_launch(
     else:  # window only: the entry pointers are never read
         entries, entry_bytes, indices, tables, per_block, entry_block = window, window_exponents, slots, slots, 1, 16
     part_out, part_max, part_sum = split_partials(out, plan.splits)
+    step = inputs.step
+    if step is not None:  # the step's rows as codes and exponent bytes, like the ring's
+        step_codes, step_exponents = step.rows.view(torch.uint8), step.scales.view(torch.uint8)
+        step_starts, step_first = step.starts.contiguous(), step.first_rows.contiguous()
+    else:  # the step pointers are never read
+        step_codes, step_exponents, step_starts, step_first = window, window_exponents, slots, slots
     _coded_split_kernel[(batch, plan.head_groups, plan.splits)](
-        q, window, window_exponents, entries, entry_bytes, slots, positions, window_from, tables, indices, sink,
+        q, window, window_exponents, entries, entry_bytes, slots, positions, window_from, tables, indices,
+        step_codes, step_exponents, step_starts, step_first, sink,
         out, part_out, part_max, part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), window_exponents.stride(0),
         window_exponents.stride(1), entries.stride(0) if has_entries else 0, entries.stride(1) if has_entries else 0,
         entry_bytes.stride(0) if has_entries else 0, entry_bytes.stride(1) if has_entries else 0,
+        step_codes.stride(0), step_exponents.stride(0),
         tables.stride(0), indices.stride(0), out.stride(0), out.stride(1), inputs.softmax_scale * LOG2E,
-        WINDOW=size, RING=ring_size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         WINDOW_BLOCK=head_dim // window_exponents.shape[-1], ENTRY_BLOCK=entry_block, BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
+        BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries, HAS_STEP=step is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HARDWARE_FP8=fp8_cast, DECODE=decode,
         PIN=inline_ptx_available(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -15,21 +15,38 @@ import torch
 from dsinfer.ops.registry import REFERENCE, register
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """A verify step's window rows that are not in the ring yet (the ring still holds the window before the step,
+    which every query of the step reads): ``rows`` [N, D] (in coded storage: codes, with ``scales``), each query's
+    first step position ``starts`` [B] (keys at or after it come from ``rows``) and the row of ``rows`` holding it,
+    ``first_rows`` [B]; the query's sequence's later positions follow in the next rows."""
+
+    rows: torch.Tensor
+    starts: torch.Tensor
+    first_rows: torch.Tensor
+    scales: torch.Tensor | None = None
+
+
 def window_keys(
     window: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
     window_from: torch.Tensor,
-    length: int | None = None,
+    step: StepRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring rows of every sequence, oldest position first ([B, W, D]), and which of them it may see ([B, W]).
 
-    ``length``: the window W each query sees (None: the ring's size); the ring may hold more rows than that (a
-    position's row is ``position % ring size``), as a verify step's ring of its drafts does."""
-    ring_size = window.shape[1]
-    size = ring_size if length is None else length
+    ``step``: the positions from each query's ``step.starts`` on are read from ``step.rows`` instead of the
+    ring."""
+    size = window.shape[1]
     key_positions = positions[:, None] - size + 1 + torch.arange(size, device=positions.device)
-    keys = window[slots[:, None], key_positions.remainder(ring_size)]
+    keys = window[slots[:, None], key_positions.remainder(size)]
+    if step is not None:
+        offsets = key_positions - step.starts[:, None]
+        from_step = offsets >= 0
+        rows = (step.first_rows[:, None] + offsets).clamp(0, step.rows.shape[0] - 1)
+        keys = torch.where(from_step[..., None], step.rows[rows].to(keys.dtype), keys)
     visible = (key_positions >= 0) & (key_positions >= window_from[:, None])
     return keys, visible
 
@@ -52,7 +69,8 @@ class SparseDecodeInputs:
     q [B, H, D]; window [slots, R, D], a ring of R >= W rows (this step's token already written at
     ``positions % R``); slots, positions, window_from [B] int64; entries [blocks, per_block, D] (or None: a
     window-only layer); block_tables [B, max_blocks]; indices [B, K] int64, -1 where there is no entry (or None);
-    sink [H] float32. ``window_length``: W, the window each query sees (None: R).
+    sink [H] float32. ``step``: a verify step's rows, read from there instead of the ring (:class:`StepRows`;
+    None: every position is in the ring).
     """
 
     q: torch.Tensor
@@ -65,14 +83,14 @@ class SparseDecodeInputs:
     indices: torch.Tensor | None
     sink: torch.Tensor
     softmax_scale: float
-    window_length: int | None = None
+    step: StepRows | None = None
 
 
 @register("sparse_attention_decode", REFERENCE)
 def sparse_attention_decode_reference(inputs: SparseDecodeInputs) -> torch.Tensor:
     """Attention of one query per sequence; returns [B, H, D] in ``q.dtype`` (shapes: :class:`SparseDecodeInputs`)."""
     q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
-    keys, visible = window_keys(window, inputs.slots, inputs.positions, inputs.window_from, inputs.window_length)
+    keys, visible = window_keys(window, inputs.slots, inputs.positions, inputs.window_from, inputs.step)
     keys = keys.to(q.dtype)
     if entries is not None and indices is not None:
         keys = torch.cat([keys, entry_keys(entries, inputs.block_tables, indices).to(keys.dtype)], dim=1)

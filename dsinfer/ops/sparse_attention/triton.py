@@ -99,6 +99,9 @@ if triton is not None:
         window_from_ptr,
         tables_ptr,
         indices_ptr,
+        step_ptr,
+        step_starts_ptr,
+        step_first_ptr,
         sink_ptr,
         out_ptr,
         part_out_ptr,
@@ -114,13 +117,13 @@ if triton is not None:
         stride_ww,
         stride_eb,
         stride_ep,
+        stride_sr,
         stride_tb,
         stride_ib,
         stride_ob,
         stride_oh,
         scale_log2,
         WINDOW: tl.constexpr,
-        RING: tl.constexpr,
         WINDOW_TILES: tl.constexpr,
         PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -129,6 +132,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         HAS_ENTRIES: tl.constexpr,
+        HAS_STEP: tl.constexpr,  # a verify step's rows come from step_ptr (positions from the query's step start)
         PRECISION: tl.constexpr,
     ):
         # Key tiles: WINDOW_TILES of window rows (the last one padded with masked rows), then the entries'.
@@ -151,6 +155,10 @@ if triton is not None:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         oldest = tl.maximum(tl.maximum(position - WINDOW + 1, tl.load(window_from_ptr + seq)), 0)
         ring = window_ptr + slot * stride_ws
+        step_start, step_first = position + 1, 0  # no step rows: every key is in the ring
+        if HAS_STEP:
+            step_start = tl.load(step_starts_ptr + seq)
+            step_first = tl.load(step_first_ptr + seq)
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # EMPTY_MAX
         running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -161,11 +169,14 @@ if triton is not None:
             key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_position = position - WINDOW + 1 + key
             visible = (key < WINDOW) & (key_position >= oldest)
-            row = key_position % RING
-            row = tl.where(row < 0, row + RING, row)
-            kv = tl.load(
-                ring + row[:, None] * stride_ww + dims[None, :], mask=visible[:, None] & dim_ok[None, :], other=0.0
-            )
+            row = key_position % WINDOW
+            row = tl.where(row < 0, row + WINDOW, row)
+            rows = ring + row[:, None] * stride_ww + dims[None, :]
+            if HAS_STEP:  # the step's own positions from its rows, the earlier ones from the ring
+                from_step = key_position >= step_start
+                step_row = tl.where(from_step, step_first + key_position - step_start, 0).to(tl.int64)
+                rows = tl.where(from_step[:, None], step_ptr + step_row[:, None] * stride_sr + dims[None, :], rows)
+            kv = tl.load(rows, mask=visible[:, None] & dim_ok[None, :], other=0.0)
             running_max, running_sum, acc = _attend_tile(
                 q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION
             )
@@ -391,8 +402,7 @@ def sparse_attention_decode_launch(
     q, window, entries, indices = inputs.q, inputs.window, inputs.entries, inputs.indices
     batch, n_heads, head_dim = q.shape
     config = config or choose_config(n_heads, q.dtype, head_dim, batch)
-    ring_size = window.shape[1]
-    size = ring_size if inputs.window_length is None else inputs.window_length
+    size = window.shape[1]
     has_entries = entries is not None and indices is not None and indices.shape[1] > 0
     n_indices = indices.shape[1] if has_entries else 0
     out = torch.empty_like(q)
@@ -410,14 +420,20 @@ def sparse_attention_decode_launch(
         indices, tables, entries_arg, per_block, stride_eb, stride_ep = slots, slots, window, 1, 0, 0
     part_out, part_max, part_sum = split_partials(out, plan.splits)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    step = inputs.step
+    if step is not None:  # the step's rows, in the ring's dtype
+        step_rows, step_starts, step_first = step.rows.to(window.dtype), step.starts, step.first_rows
+        step_starts, step_first = step_starts.contiguous(), step_first.contiguous()
+    else:  # the step pointers are never read
+        step_rows, step_starts, step_first = window, slots, slots
     _decode_split_kernel[(batch, plan.head_groups, plan.splits)](
-        q, window, entries_arg, slots, positions, window_from, tables, indices, sink, out, part_out, part_max,
-        part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles, q.stride(0), q.stride(1), window.stride(0),
-        window.stride(1), stride_eb, stride_ep, tables.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        inputs.softmax_scale * LOG2E,
-        WINDOW=size, RING=ring_size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        q, window, entries_arg, slots, positions, window_from, tables, indices, step_rows, step_starts, step_first,
+        sink, out, part_out, part_max, part_sum, n_heads, n_indices, plan.tiles_per_split, plan.n_tiles, q.stride(0),
+        q.stride(1), window.stride(0), window.stride(1), stride_eb, stride_ep, step_rows.stride(0), tables.stride(0),
+        indices.stride(0), out.stride(0), out.stride(1), inputs.softmax_scale * LOG2E,
+        WINDOW=size, WINDOW_TILES=plan.window_tiles, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=plan.splits, HAS_ENTRIES=has_entries,
-        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_STEP=step is not None, PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if plan.splits > 1:
         combine_splits(part_out, part_max, part_sum, sink, out)
