@@ -1,4 +1,4 @@
-"""KVCacheV41.attend_verify (every row of a verify step in one decode op, over a ring of window + K rows a sequence)
+"""KVCacheV41.attend_verify (every row of a verify step in one decode op, the step's rows read beside the ring)
 against the column-by-column decode path it replaced: the same outputs and the same ring afterwards, in model-dtype
 and coded storage, with one sequence's window wrapping and another's starting after a prefix hit, attending the
 chosen entries of a KV source (and none: a window-only layer)."""
