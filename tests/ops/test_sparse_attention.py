@@ -470,15 +470,16 @@ def test_triton_kernels_compile_for_hopper():
     # the compiler's scheduling, not our tile choice, differs; fp32 is the fallback for fp32 models, the bf16 path
     # (what checkpoints run) must fit on every version.
     older_triton = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
-    for dtype, activation, precision, batch in (
-        (torch.bfloat16, "bf16", "tf32", None),
-        (torch.bfloat16, "bf16", "tf32", 1),
-        (torch.float32, "fp32", "ieee", None),
+    for dtype, activation, precision, batch, has_step in (  # plain decode steps and verify steps (step rows)
+        (torch.bfloat16, "bf16", "tf32", None, False),
+        (torch.bfloat16, "bf16", "tf32", None, True),
+        (torch.bfloat16, "bf16", "tf32", 1, True),
+        (torch.float32, "fp32", "ieee", None, True),
     ):
         config = backend.choose_config(64, dtype, 512, batch)
         constants = dict(WINDOW=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=32, HEAD_DIM=512,
                          BLOCK_D=512, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLITS=4, HAS_ENTRIES=True,
-                         HAS_STEP=True, PRECISION=precision)  # fmt: skip
+                         HAS_STEP=has_step, PRECISION=precision)  # fmt: skip
         kernel = backend._decode_split_kernel
         source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)

@@ -47,7 +47,14 @@ from dsinfer.ops.triton_support import tl, triton, triton_available
 
 if triton is not None:
     from dsinfer.ops.cache_codec.triton import e4m3_value, ue8m0_value
-    from dsinfer.ops.sparse_attention.triton import _attend_tile, combine_splits, plan_splits, split_partials
+    from dsinfer.ops.sparse_attention.triton import (
+        _attend_tile,
+        _step_origin,
+        _step_rows,
+        combine_splits,
+        plan_splits,
+        split_partials,
+    )
 
     @triton.jit
     def e4m3_decode(byte, HARDWARE_FP8: tl.constexpr):
@@ -184,10 +191,7 @@ if triton is not None:
         ring_scales = window_scales_ptr + slot * stride_vs
         WINDOW_BLOCKS: tl.constexpr = HEAD_DIM // WINDOW_BLOCK
         window_blocks = tl.arange(0, WINDOW_BLOCKS)
-        step_start, step_first = position + 1, 0  # no step rows: every key is in the ring
-        if HAS_STEP:
-            step_start = tl.load(step_starts_ptr + seq)
-            step_first = tl.load(step_first_ptr + seq)
+        step_start, step_first = _step_origin(step_starts_ptr, step_first_ptr, seq, position, HAS_STEP)
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -203,8 +207,7 @@ if triton is not None:
             codes = ring + row[:, None] * stride_ww + dims[None, :]
             exponents = ring_scales + row[:, None] * stride_vw + window_blocks[None, :]
             if HAS_STEP:  # the step's own positions from its rows, the earlier ones from the ring
-                from_step = key_position >= step_start
-                step_row = tl.where(from_step, step_first + key_position - step_start, 0).to(tl.int64)
+                from_step, step_row = _step_rows(key_position, step_start, step_first)
                 codes = tl.where(from_step[:, None], step_codes_ptr + step_row[:, None] * stride_sc + dims[None, :],
                                  codes)  # fmt: skip
                 exponents = tl.where(from_step[:, None],

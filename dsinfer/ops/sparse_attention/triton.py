@@ -77,6 +77,22 @@ def choose_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512, batch: 
 if triton is not None:
 
     @triton.jit
+    def _step_origin(step_starts_ptr, step_first_ptr, seq, position, HAS_STEP: tl.constexpr):
+        """Query ``seq``'s first verify-step position and its row among the step's rows (without step rows: past
+        the query's own position, so every key is read from the ring)."""
+        step_start, step_first = position + 1, 0
+        if HAS_STEP:
+            step_start = tl.load(step_starts_ptr + seq)
+            step_first = tl.load(step_first_ptr + seq)
+        return step_start, step_first
+
+    @triton.jit
+    def _step_rows(key_position, step_start, step_first):
+        """Which keys of a tile a verify step's rows hold (its positions from ``step_start`` on) and their rows."""
+        from_step = key_position >= step_start
+        return from_step, tl.where(from_step, step_first + key_position - step_start, 0).to(tl.int64)
+
+    @triton.jit
     def _attend_tile(q, kv, visible, running_max, running_sum, acc, scale_log2, PRECISION: tl.constexpr):
         """One tile of keys into the running softmax of every head of the group; kv [BLOCK_N, BLOCK_D]."""
         kv = kv.to(q.dtype)
@@ -155,10 +171,7 @@ if triton is not None:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         oldest = tl.maximum(tl.maximum(position - WINDOW + 1, tl.load(window_from_ptr + seq)), 0)
         ring = window_ptr + slot * stride_ws
-        step_start, step_first = position + 1, 0  # no step rows: every key is in the ring
-        if HAS_STEP:
-            step_start = tl.load(step_starts_ptr + seq)
-            step_first = tl.load(step_first_ptr + seq)
+        step_start, step_first = _step_origin(step_starts_ptr, step_first_ptr, seq, position, HAS_STEP)
 
         running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # EMPTY_MAX
         running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -173,8 +186,7 @@ if triton is not None:
             row = tl.where(row < 0, row + WINDOW, row)
             rows = ring + row[:, None] * stride_ww + dims[None, :]
             if HAS_STEP:  # the step's own positions from its rows, the earlier ones from the ring
-                from_step = key_position >= step_start
-                step_row = tl.where(from_step, step_first + key_position - step_start, 0).to(tl.int64)
+                from_step, step_row = _step_rows(key_position, step_start, step_first)
                 rows = tl.where(from_step[:, None], step_ptr + step_row[:, None] * stride_sr + dims[None, :], rows)
             kv = tl.load(rows, mask=visible[:, None] & dim_ok[None, :], other=0.0)
             running_max, running_sum, acc = _attend_tile(
