@@ -7,9 +7,9 @@ one column at a time (column ``j`` holds position ``start + j`` of every sequenc
 one decode op attends for every row at once (:meth:`FixedWidthBatch.all_rows`), each row over the window of its
 own position: the positions before the step from the ring, the step's own from its rows
 (:meth:`FixedWidthBatch.step_origin`), so each position sees the ring and the entries exactly as a plain decode
-step of that position would (a drafter's batch
-with ``row_slots`` still attends column by column). No shape depends on a device value and no metadata is
-built on the host, so the whole forward can be captured once per batch bucket and replayed.
+step of that position would (a drafter's batch with ``row_slots`` still attends column by column). No shape
+depends on a device value and no metadata is built on the host, so the whole forward can be captured once per
+batch bucket and replayed.
 
 Rollback needs what every compressor's unfinished window held before the step and what each column added to
 it: :class:`PendingJournal` gathers both into one padded tensor per compressor (the records of the rollback's
