@@ -1,0 +1,26 @@
+"""``benchmarks/verify_op_count.py``: ops a forward of each graphed kind on the tiny V4 with MTP, counted on the CPU:
+a verify forward (K + 1 positions a sequence) dispatches more than a plain decode forward and less than K + 1 of
+them, the launch proxy below the aten count, every kind counted."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import verify_op_count  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_the_verify_forward_counts_between_one_and_k_plus_one_plain_forwards():
+    counts = verify_op_count.main(["--tiny", "v4", "--method", "mtp", "--k", "3", "--prompts", "2",
+                                   "--max-tokens", "8"])  # fmt: skip
+    assert set(counts) == {"plain", "verify", "draft"}
+    plain, verify = counts["plain"], counts["verify"]
+    for row in counts.values():
+        assert row["forwards"] > 0 and 0 < row["launch_proxy"] < row["aten_ops"]
+    assert plain["aten_ops"] < verify["aten_ops"] < 4 * plain["aten_ops"]
+    assert plain["launch_proxy"] < verify["launch_proxy"] < 4 * plain["launch_proxy"]
