@@ -124,6 +124,20 @@ def test_subtraction_working_ends_with_the_signed_result():
         assert last.endswith(f"{a} - {b} = {a - b}"), (a, b, last)
 
 
+def test_subtraction_working_names_the_larger_number_first():
+    """The comparison ends on the larger number, and the plan subtracts the smaller from it."""
+    rng = random.Random(2)
+    problems = [corpus.arithmetic_problem(rng, held_out=False, operations="-") for _ in range(300)]
+    for a, b in [*((a, b) for a, _, b in problems), (5, 5), (752, 702), (7, 12), (90, 9)]:
+        first = corpus.sub_working(a, b).splitlines()[0]
+        compared, plan = first.rsplit(". ", 1)
+        if a == b:
+            assert compared.endswith("so the numbers are equal"), first
+        else:
+            assert compared.endswith(f"so {max(a, b)} is larger"), first
+        assert plan == (f"I subtract column by column: {a} - {b}." if a >= b else f"I compute {b} - {a} and negate it.")
+
+
 def test_column_working_spells_the_true_result():
     """Reading the digits the working writes gives the exact result: copying the working is computing."""
     rng = random.Random(0)

@@ -319,15 +319,40 @@ def add_working(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def comparison(a: int, b: int) -> str:
+    """Which of ``a`` and ``b`` is larger, found one small fact at a time: both copied in the question's order,
+    their digit counts, then (same count) the places from the highest until two digits differ."""
+    count_a, count_b = len(str(a)), len(str(b))
+    if count_a != count_b:
+        larger = a if count_a > count_b else b
+        return f"I compare {a} and {b}: {a} has {_digit_count(count_a)}, {b} has {count_b}, so {larger} is larger."
+    facts = []
+    for place in reversed(range(count_a)):
+        x, y = a // 10**place % 10, b // 10**place % 10
+        if x == y:
+            facts.append(f"{PLACES[place]}: {x} and {y} are equal")
+            continue
+        larger = a if x > y else b
+        facts.append(f"{PLACES[place]}: {x} is {'more' if x > y else 'less'} than {y}, so {larger} is larger.")
+        break
+    else:
+        facts[-1] += ", so the numbers are equal."
+    return f"I compare {a} and {b}: both have {_digit_count(count_a)}; " + "; ".join(facts)
+
+
+def _digit_count(count: int) -> str:
+    return "1 digit" if count == 1 else f"{count} digits"
+
+
 def sub_working(a: int, b: int) -> str:
     """Column subtraction of the smaller from the larger, negated when ``a < b``.
 
-    Every step is one small fact: a borrow taken in one column is stated at the end of its line ("borrow 1
+    The first line finds the larger number (:func:`comparison`). Every step is one small fact: a borrow taken in one column is stated at the end of its line ("borrow 1
     from the tens") and paid first in the next line ("8 - 1 = 7, the borrow paid"), so no line has to look
     further back than the line before it; the last line reads the digits back from the highest place."""
     big, small = (a, b) if a >= b else (b, a)
-    lines = [f"{big} is at least {small}, so I subtract column by column."] if a >= b else [
-        f"{b} is larger than {a}, so I compute {b} - {a} and negate it."]  # fmt: skip
+    plan = f"I subtract column by column: {a} - {b}." if a >= b else f"I compute {b} - {a} and negate it."
+    lines = [f"{comparison(a, b)} {plan}"]
     borrow = 0
     db, ds = _digits(big), _digits(small)
     for place in range(len(db)):
