@@ -347,9 +347,10 @@ def _digit_count(count: int) -> str:
 def sub_working(a: int, b: int) -> str:
     """Column subtraction of the smaller from the larger, negated when ``a < b``.
 
-    The first line finds the larger number (:func:`comparison`). Every step is one small fact: a borrow taken in one column is stated at the end of its line ("borrow 1
-    from the tens") and paid first in the next line ("8 - 1 = 7, the borrow paid"), so no line has to look
-    further back than the line before it; the last line reads the digits back from the highest place."""
+    The first line finds the larger number (:func:`comparison`). Every step is one small fact: a borrow taken in
+    one column is stated at the end of its line ("borrow 1 from the tens") and paid first in the next line ("8 - 1
+    = 7, the borrow paid"), so no line has to look further back than the line before it; the last line reads the
+    digits back from the highest place."""
     big, small = (a, b) if a >= b else (b, a)
     plan = f"I subtract column by column: {a} - {b}." if a >= b else f"I compute {b} - {a} and negate it."
     lines = [f"{comparison(a, b)} {plan}"]
