@@ -12,7 +12,9 @@ workload); the rounds interleave the modes so that drift of the machine hits the
 stream count: median output tokens/s, the speed-up over ``plain`` (same run), τ (tokens per verify round, the
 engine's counters), how many replies equal plain decoding's (greedy: all of them in float32), and for drafting
 modes the share of verify steps that replayed the graphs (``graphed_steps``; the rest, steps with prefill
-chunks beside them, run eagerly).
+chunks beside them, run eagerly). Where a step's time goes: ``ms_per_step`` (wall time over engine steps, prefill
+steps included) and, for graphed drafting modes, ``replay_ms`` (median device time of the verify and the draft
+replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays is the host's.
 
 Every mode gets the same prompts, ``max_tokens`` and greedy sampling, and V4.1 prompts prefill ``exact`` in every
 mode (``--v41-prefill``): left to the engine, plain decoding of a checkpoint with a CED decoder prefills
@@ -66,17 +68,34 @@ def graphed_steps(engine: LLMEngine) -> tuple[int, int]:
 
 def serve(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list]:
     """Closed loop over ``prompts`` with ``streams`` in flight; wall seconds and the replies in prompt order."""
+    seconds, replies, _ = serve_counted(engine, prompts, streams, max_tokens)
+    return seconds, replies
+
+
+def serve_counted(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple:
+    """:func:`serve`, and how many engine steps it took."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    queue, replies, owner = list(enumerate(prompts)), {}, {}
+    queue, replies, owner, steps = list(enumerate(prompts)), {}, {}, 0
     start = time.perf_counter()
     while queue or engine.has_unfinished_requests():
         while queue and len(owner) < streams:
             index, prompt = queue.pop(0)
             owner[engine.add_request(prompt, params)] = index
+        steps += 1
         for out in engine.step():
             if out.finished:
                 replies[owner.pop(out.request_id)] = out.outputs[0].token_ids
-    return time.perf_counter() - start, [replies[i] for i in range(len(prompts))]
+    return time.perf_counter() - start, [replies[i] for i in range(len(prompts))], steps
+
+
+def start_phase_clocks(engines: dict[str, LLMEngine]) -> dict:
+    """A phase clock on every engine whose verify steps replay graphs (:mod:`dsinfer.speculative.phase_clock`)."""
+    clocks = {}
+    for mode, engine in engines.items():
+        executor = engine.worker.speculative
+        if executor is not None and executor.graphs is not None:
+            clocks[mode] = executor.graphs.start_phase_clock()
+    return clocks
 
 
 def main() -> None:
@@ -124,13 +143,14 @@ def main() -> None:
             for _ in range(args.warmup_rounds):
                 serve(engines[mode], prompts, streams, args.max_tokens)
             graphed[mode] = graphed_steps(engines[mode])  # counted from here: the timed rounds' steps
+        clocks = start_phase_clocks(engines)
         for _ in range(args.rounds):
             for mode in args.modes:
                 engine = engines[mode]
                 before = (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens) if engine.spec_stats \
                     else None  # fmt: skip
-                seconds, replies[mode] = serve(engine, prompts, streams, args.max_tokens)
-                times[mode].append((seconds, sum(len(r) for r in replies[mode])))
+                seconds, replies[mode], steps = serve_counted(engine, prompts, streams, args.max_tokens)
+                times[mode].append((seconds, sum(len(r) for r in replies[mode]), steps))
                 if before is not None:
                     rounds = engine.spec_stats.num_drafts - before[0]
                     accepted = engine.spec_stats.num_accepted_tokens - before[1]
@@ -138,9 +158,9 @@ def main() -> None:
         for mode, engine in engines.items():
             graphed[mode] = [now - before for now, before in zip(graphed_steps(engine), graphed[mode], strict=True)]
             engine.close()
-        plain = statistics.median(tokens / seconds for seconds, tokens in times[args.modes[0]])
+        plain = statistics.median(tokens / seconds for seconds, tokens, _ in times[args.modes[0]])
         for mode in args.modes:
-            rate = statistics.median(tokens / seconds for seconds, tokens in times[mode])
+            rate = statistics.median(tokens / seconds for seconds, tokens, _ in times[mode])
             differing = [i for i, (a, b) in enumerate(zip(replies[mode], replies[args.modes[0]], strict=True))
                          if a != b]  # fmt: skip
             first_replies.setdefault(mode, replies[mode])
@@ -151,7 +171,9 @@ def main() -> None:
                    "differing": differing,
                    f"replies_equal_at_{args.streams[0]}_streams": f"{across}/{len(prompts)}",
                    "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][1]}" if graphed[mode][1] else None,
-                   "seconds": [round(s, 2) for s, _ in times[mode]]}  # fmt: skip
+                   "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times[mode]), 3),
+                   "replay_ms": clocks[mode].medians() if mode in clocks else None,
+                   "seconds": [round(s, 2) for s, _, _ in times[mode]]}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:
