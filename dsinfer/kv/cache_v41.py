@@ -317,7 +317,7 @@ class KVCacheV41:
         if self.quantized_storage:  # one encoding of the step's rows, into rows of their own
             step_rows = layer.window.new_empty(kv.shape[0], 1, kv.shape[-1])
             step_scales = layer.window_scales.new_empty(kv.shape[0], 1, layer.window_scales.shape[-1])
-            token_rows = rows.device_spans.token_rows  # row i at (i, i % 1): its own one-row slot
+            token_rows = rows.device_spans.token_rows  # row i goes to slot i, ring row 0 (a one-row ring)
             self._write(step_rows, step_scales, self.window_format, (token_rows, token_rows), kv, 1)
             step_rows, step_scales = step_rows[:, 0], step_scales[:, 0]
         step = StepRows(step_rows, origin.starts, origin.first_rows, step_scales)

@@ -18,7 +18,9 @@ padded journal: the eager path's per-span journal at fixed width).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -158,6 +160,20 @@ class PendingJournal:
             offsets = positions % state.ratio
             rows.append((state.pending_values[slots, offsets], state.pending_gates[slots, offsets]))
         return rows
+
+    def run_columns(self, states: list, update: Callable[[int], Any]) -> list:
+        """``update(j)`` for every column ``j`` in position order, what each writes into the unfinished windows of
+        ``states`` recorded (:meth:`before`, :meth:`column`, :meth:`close`; nothing without states); the updates'
+        results in column order."""
+        before = self.before(states) if states else []
+        written, results = [], []
+        for j in range(self.batch.width):
+            results.append(update(j))
+            if states:
+                written.append(self.column(states, j))
+        if states:
+            self.close(states, before, written)
+        return results
 
     def close(self, states: list, before: list, written: list[list]) -> None:
         """Join each state's window before the step with the columns' rows [B, ratio - 1 + width, width]."""

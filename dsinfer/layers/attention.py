@@ -222,12 +222,8 @@ class Attention(nn.Module):
         xs = batch.columns(x)
         names = ("compressor", "index_compressor")
         by_column = {name: batch.columns(projected[name]) for name in names if name in projected}
-        before, written = journal.before(states), []
-        for j in range(batch.width):
-            column = batch.column(j)
-            self._update_compressors(xs[j], column, layer_cache, inv_freq, {n: t[j] for n, t in by_column.items()})
-            written.append(journal.column(states, j))
-        journal.close(states, before, written)
+        journal.run_columns(states, lambda j: self._update_compressors(
+            xs[j], batch.column(j), layer_cache, inv_freq, {n: t[j] for n, t in by_column.items()}))  # fmt: skip
 
     def _attend_column_by_column(self, step: tuple, batch: FixedWidthBatch, layer_cache, inv_freq, projected,
                                  journaled) -> torch.Tensor:  # fmt: skip
@@ -237,16 +233,13 @@ class Attention(nn.Module):
         journal, states = journaled
         xs, qs, latents, kvs = (batch.columns(t) for t in step)
         by_column = {name: batch.columns(t) for name, t in projected.items()}
-        before = journal.before(states) if states else []
-        written, outputs = [], []
-        for j in range(batch.width):
-            column, column_projected = batch.column(j), {name: t[j] for name, t in by_column.items()}
-            outputs.append(self._attend_decode(xs[j], qs[j], latents[j], kvs[j], column, layer_cache, inv_freq,
-                                               column_projected))  # fmt: skip
-            if states:
-                written.append(journal.column(states, j))
-        if states:
-            journal.close(states, before, written)
+
+        def attend(j: int) -> torch.Tensor:
+            column_projected = {name: t[j] for name, t in by_column.items()}
+            return self._attend_decode(xs[j], qs[j], latents[j], kvs[j], batch.column(j), layer_cache, inv_freq,
+                                       column_projected)  # fmt: skip
+
+        outputs = journal.run_columns(states, attend) if journal is not None else list(map(attend, range(batch.width)))
         return torch.stack(outputs)
 
     def _update_compressors(self, x, column: PackedBatch, layer_cache: LayerCache, inv_freq, projected) -> None:

@@ -314,14 +314,9 @@ class AttentionV41(Attention):
             self._write_decode_entries(x, rows, cache, inv_freq, quantizer, projected)
             return
         xs = batch.columns(x)
-        by_column = None if projected is None else batch.columns(projected)
-        states = [source]
-        before, written = journal.before(states), []
-        for j in range(batch.width):
-            column_projected = None if by_column is None else by_column[j]
-            self._write_decode_entries(xs[j], batch.column(j), cache, inv_freq, quantizer, column_projected)
-            written.append(journal.column(states, j))
-        journal.close(states, before, written)
+        by_column = [None] * batch.width if projected is None else batch.columns(projected)
+        journal.run_columns([source], lambda j: self._write_decode_entries(
+            xs[j], batch.column(j), cache, inv_freq, quantizer, by_column[j]))  # fmt: skip
 
     def _sources_prefill(
         self,
