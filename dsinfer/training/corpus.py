@@ -40,7 +40,7 @@ SKILLS = ("arithmetic", "tools", "extraction", "copy", "greetings", "unknown")
 SKILL_WEIGHTS = (0.38, 0.22, 0.12, 0.18, 0.05, 0.05)
 HELD_OUT_SHARE = 10  # one name / operand pair in this many is held out of training
 WORLD_SHARE = 0.6  # samples whose names come from :class:`WorldNames` (the rest: the Latin syllable names)
-TRAINING_OPERATIONS = "+--x"  # subtraction twice as often as addition or multiplication
+TRAINING_OPERATIONS = "+---x"  # subtraction three times as often as addition or multiplication
 #: held-out sets beyond the skills: names of many scripts and lengths (copy, tool calls for a city,
 #: extraction) and subtraction with negative results
 EVAL_SETS = ("copy_world", "cities_world", "extraction_world", "subtraction")
@@ -321,7 +321,9 @@ def add_working(a: int, b: int) -> str:
 
 def comparison(a: int, b: int) -> str:
     """Which of ``a`` and ``b`` is larger, found one small fact at a time: both copied in the question's order,
-    their digit counts, then (same count) the places from the highest until two digits differ."""
+    their digit counts, then (same count) the places from the highest until two digits differ. Each place writes
+    both digits before it relates them ("hundreds: 4 and 2, 4 is more"), so every decision reads its two digits
+    from the last few tokens."""
     count_a, count_b = len(str(a)), len(str(b))
     if count_a != count_b:
         larger = a if count_a > count_b else b
@@ -330,10 +332,10 @@ def comparison(a: int, b: int) -> str:
     for place in reversed(range(count_a)):
         x, y = a // 10**place % 10, b // 10**place % 10
         if x == y:
-            facts.append(f"{PLACES[place]}: {x} and {y} are equal")
+            facts.append(f"{PLACES[place]}: {x} and {y}, equal")
             continue
         larger = a if x > y else b
-        facts.append(f"{PLACES[place]}: {x} is {'more' if x > y else 'less'} than {y}, so {larger} is larger.")
+        facts.append(f"{PLACES[place]}: {x} and {y}, {x} is {'more' if x > y else 'less'}, so {larger} is larger.")
         break
     else:
         facts[-1] += ", so the numbers are equal."
@@ -347,10 +349,11 @@ def _digit_count(count: int) -> str:
 def sub_working(a: int, b: int) -> str:
     """Column subtraction of the smaller from the larger, negated when ``a < b``.
 
-    The first line finds the larger number (:func:`comparison`). Every step is one small fact: a borrow taken in
-    one column is stated at the end of its line ("borrow 1 from the tens") and paid first in the next line ("8 - 1
-    = 7, the borrow paid"), so no line has to look further back than the line before it; the last line reads the
-    digits back from the highest place."""
+    The first line finds the larger number (:func:`comparison`). Every step is one small fact: a column writes its
+    two digits, then whether the top one is less ("3 and 9, 3 is less" or "9 and 3, 9 is not less"); a borrow taken
+    in one column is stated at the end of its line ("borrow 1 from the tens") and paid first in the next line ("8
+    - 1 = 7, the borrow paid"), so no line has to look further back than the line before it; the last line reads
+    the digits back from the highest place."""
     big, small = (a, b) if a >= b else (b, a)
     plan = f"I subtract column by column: {a} - {b}." if a >= b else f"I compute {b} - {a} and negate it."
     lines = [f"{comparison(a, b)} {plan}"]
@@ -362,11 +365,11 @@ def sub_working(a: int, b: int) -> str:
         paid = f"{x} - 1 = {top}, the borrow paid; " if borrow else ""
         if top < y:
             following = PLACES[place + 1]
-            lines.append(f"{PLACES[place]}: {paid}{top} is less than {y}, borrow 1 from the {following}: "
+            lines.append(f"{PLACES[place]}: {paid}{top} and {y}, {top} is less: borrow 1 from the {following}: "
                          f"{top + 10} - {y} = {top + 10 - y}")  # fmt: skip
             borrow = 1
         else:
-            lines.append(f"{PLACES[place]}: {paid}{top} - {y} = {top - y}")
+            lines.append(f"{PLACES[place]}: {paid}{top} and {y}, {top} is not less: {top} - {y} = {top - y}")
             borrow = 0
     digits = "".join(str(d) for d in reversed(_column_results(big, small)))
     result = f"the digits from the highest place: {digits}, so {big} - {small} = {big - small}"
