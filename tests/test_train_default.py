@@ -53,7 +53,7 @@ def _parsed_message(renderer: SampleRenderer, sample: corpus.Sample) -> dict:
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_rendered_turns_parse_back_into_the_intended_message(renderer, thinking):
-    samples = [s for s in corpus.training_samples(7, 100) if s.thinking == thinking]
+    samples = [s for s in corpus.training_samples(7, 160) if s.thinking == thinking]
     assert {s.skill for s in samples} == set(corpus.SKILLS)
     for sample in samples:
         message = _parsed_message(renderer, sample)
