@@ -138,6 +138,25 @@ def test_subtraction_working_names_the_larger_number_first():
         assert plan == (f"I subtract column by column: {a} - {b}." if a >= b else f"I compute {b} - {a} and negate it.")
 
 
+def test_every_digit_relation_follows_both_digits():
+    """Each comparison place and each subtraction column writes its two digits, then their true relation."""
+    rng = random.Random(3)
+    relation = re.compile(r"(-?\d) and (\d), (?:(equal)|(-?\d) is (more|less|not less))")
+    problems = [corpus.arithmetic_problem(rng, held_out=False, operations="-") for _ in range(300)]
+    for a, b in [*((a, b) for a, _, b in problems), (5, 5), (752, 702), (100, 99), (1000, 1)]:
+        first, *columns, _ = corpus.sub_working(a, b).splitlines()
+        relations = relation.findall(first)
+        assert (len(relations) > 0) == (len(str(a)) == len(str(b))), first
+        for line in columns:
+            found = relation.findall(line)
+            assert len(found) == 1 and not found[0][2], line
+            relations += found
+        for x, y, equal, repeated, word in relations:
+            x, y = int(x), int(y)
+            assert (x == y) if equal else (int(repeated) == x and (word == "less") == (x < y)), (a, b, x, y, word)
+            assert word != "more" or x > y, (a, b, x, y, word)
+
+
 def test_column_working_spells_the_true_result():
     """Reading the digits the working writes gives the exact result: copying the working is computing."""
     rng = random.Random(0)
