@@ -161,22 +161,49 @@ class PendingJournal:
             rows.append((state.pending_values[slots, offsets], state.pending_gates[slots, offsets]))
         return rows
 
+    def step_rows(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What every column wrote into each unfinished window [B, width, width of a row], read once after the
+        columns ran: valid where :meth:`rows_survive_the_step`."""
+        slots, offsets = self.batch.slots[:, None], {}
+        rows = []
+        for state in states:
+            if state.ratio not in offsets:
+                offsets[state.ratio] = self.batch.positions % state.ratio
+            at = offsets[state.ratio]
+            rows.append((state.pending_values[slots, at], state.pending_gates[slots, at]))
+        return rows
+
+    def rows_survive_the_step(self, states: list) -> bool:
+        """Whether every column's row is still in its window once all columns ran: the columns run in their
+        sequences' slots, and a window holds at least ``width`` rows, so the step's positions fall in distinct rows
+        of it (a completed window's rows stay until overwritten)."""
+        return self.batch.row_slots is None and all(state.ratio >= self.batch.width for state in states)
+
     def run_columns(self, states: list, update: Callable[[int], Any]) -> list:
         """``update(j)`` for every column ``j`` in position order, what each writes into the unfinished windows of
-        ``states`` recorded (:meth:`before`, :meth:`column`, :meth:`close`; nothing without states); the updates'
-        results in column order."""
-        before = self.before(states) if states else []
-        written, results = [], []
-        for j in range(self.batch.width):
-            results.append(update(j))
-            if states:
-                written.append(self.column(states, j))
-        if states:
-            self.close(states, before, written)
+        ``states`` recorded (:meth:`before`, then :meth:`step_rows` once after the columns where the rows survive
+        the step, else :meth:`column` after each; :meth:`close`; nothing without states); the updates' results in
+        column order."""
+        width = self.batch.width
+        if not states:
+            return [update(j) for j in range(width)]
+        before = self.before(states)
+        if self.rows_survive_the_step(states):
+            results = [update(j) for j in range(width)]
+            written = self.step_rows(states)
+        else:
+            results, by_column = [], []
+            for j in range(width):
+                results.append(update(j))
+                by_column.append(self.column(states, j))
+            written = [tuple(torch.stack([rows[index][part] for rows in by_column], dim=1) for part in range(2))
+                       for index in range(len(states))]  # fmt: skip
+        self.close(states, before, written)
         return results
 
-    def close(self, states: list, before: list, written: list[list]) -> None:
-        """Join each state's window before the step with the columns' rows [B, ratio - 1 + width, width]."""
+    def close(self, states: list, before: list, written: list) -> None:
+        """Join each state's window before the step with the columns' rows (``written``: per state, values and gates
+        [B, width, ...]) into its record [B, ratio - 1 + width, ...]."""
         batch = self.batch
         for index, state in enumerate(states):
             ratio = state.ratio
@@ -186,7 +213,6 @@ class PendingJournal:
             source = torch.where(place < offset, place, ratio + place - offset).clamp(max=ratio + batch.width - 1)
             joined = []
             for part in range(2):
-                columns = torch.stack([rows[index][part] for rows in written], dim=1)
-                both = torch.cat([before[index][part], columns], dim=1)
+                both = torch.cat([before[index][part], written[index][part]], dim=1)
                 joined.append(both.gather(1, source[..., None].expand(-1, -1, both.shape[-1])))
             self.records[id(state)] = (joined[0], joined[1])
