@@ -100,8 +100,9 @@ class FixedWidthRollback:
     def _rollback_pending(self, batch, compressor, records, previous, kept_end, cut) -> None:
         """The unfinished window of each cut sequence (rows before its accepted end) and, overlapping, its last
         complete window, from the journal's record (positions from the first of the window the step started in)
-        or, when that window completed before the step, from the snapshot."""
-        ratio, slots = compressor.ratio, batch.slots
+        or, when that window completed before the step, from the snapshot. Each state takes one scatter: rows that
+        stay as they are go to the spare slot, so no scatter reads the state's current rows."""
+        ratio, slots, spare = compressor.ratio, batch.slots, batch.spare_slot
         length = records[0].shape[1]
         first = batch.starts - batch.starts % ratio
         window_start = kept_end - kept_end % ratio
@@ -109,19 +110,19 @@ class FixedWidthRollback:
         rows = torch.arange(ratio, device=slots.device)
         take = cut[:, None] & (rows[None, :] < (kept_end - window_start)[:, None])  # [B, ratio]
         source = (lo[:, None] + rows).clamp(max=length - 1)
+        targets = torch.where(take, slots[:, None], spare)
         for state, record in zip(compressor.pending, records, strict=True):
-            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1])).to(state.dtype)
-            state[slots] = torch.where(take[..., None], fresh, state[slots])
+            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1]))
+            state[targets, rows[None, :]] = fresh.to(state.dtype)
         if compressor.previous is None:
             return
         recorded = cut & (lo >= ratio)  # the last complete window ended inside the accepted positions
         restored = cut & (lo < ratio)
         source = (lo[:, None] - ratio + rows).clamp(min=0, max=length - 1)
+        targets = torch.where(recorded | restored, slots, spare)
         for state, record, before in zip(compressor.previous, records, previous, strict=True):
             fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1])).to(state.dtype)
-            current = state[slots]
-            value = torch.where(recorded[:, None, None], fresh, torch.where(restored[:, None, None], before, current))
-            state[slots] = value
+            state[targets] = torch.where(recorded[:, None, None], fresh, before)
 
     def _rollback_engram(self, batch: FixedWidthBatch, context: torch.Tensor, kept, cut) -> None:
         """The look-back after the accepted tokens: the last ``w`` of the context and the kept tokens."""
