@@ -40,6 +40,41 @@ class EntryIndex:
     owned: torch.Tensor  # [B, per_row] bool
 
 
+@dataclass
+class PendingPlan:
+    """Where the rollback of one compressor ratio's unfinished windows reads and writes (shared by its
+    compressors): record rows [B, ratio] and target slots for the unfinished window and, overlapping, for the last
+    complete one; targets are the spare slot where a row stays as it is."""
+
+    rows: torch.Tensor  # [ratio]
+    pending_source: torch.Tensor  # [B, ratio] record row of each window row
+    pending_targets: torch.Tensor  # [B, ratio] slot, or the spare slot
+    previous_source: torch.Tensor  # [B, ratio]
+    previous_targets: torch.Tensor  # [B] slot, or the spare slot
+    recorded: torch.Tensor  # [B] the last complete window comes from the record (else from the snapshot)
+
+
+def _pending_plan(batch: FixedWidthBatch, ratio: int, kept_end: torch.Tensor, cut: torch.Tensor) -> PendingPlan:
+    """:class:`PendingPlan` of ``ratio`` for sequences that keep positions up to ``kept_end`` [B] (``cut``: fewer
+    than the step's width). A record holds the positions from the first of the window the step started in."""
+    slots, spare, length = batch.slots, batch.spare_slot, ratio - 1 + batch.width
+    first = batch.starts - batch.starts % ratio
+    window_start = kept_end - kept_end % ratio
+    lo = window_start - first  # the record's row of the accepted end's window
+    rows = torch.arange(ratio, device=slots.device)
+    take = cut[:, None] & (rows[None, :] < (kept_end - window_start)[:, None])  # [B, ratio]
+    recorded = cut & (lo >= ratio)  # the last complete window ended inside the accepted positions
+    restored = cut & (lo < ratio)
+    return PendingPlan(
+        rows,
+        (lo[:, None] + rows).clamp(max=length - 1),
+        torch.where(take, slots[:, None], spare),
+        (lo[:, None] - ratio + rows).clamp(min=0, max=length - 1),
+        torch.where(recorded | restored, slots, spare),
+        recorded,
+    )
+
+
 class FixedWidthRollback:
     """Snapshot [B, ...] tensors before a fixed-width verify forward and roll rejected positions back after it."""
 
@@ -81,48 +116,41 @@ class FixedWidthRollback:
         ring_rows = self._ring_rows(batch)
         for ring in self.rings:
             _bytes(ring)[ring_slots, ring_rows[ring.shape[1]]] = saved.pop()
-        kept_end, cut, entry_indexes = batch.starts + kept, kept < batch.width, {}
+        kept_end, cut, entry_indexes, plans, undo_blocks = batch.starts + kept, kept < batch.width, {}, {}, {}
         for compressor in self.compressors:
             previous = None
             if compressor.previous is not None:
                 previous = (saved.pop(), saved.pop())
             if compressor.pending is not None:
+                if compressor.ratio not in plans:
+                    plans[compressor.ratio] = _pending_plan(batch, compressor.ratio, kept_end, cut)
                 values, gates = records[id(compressor.journal_key)]
-                self._rollback_pending(batch, compressor, (values, gates), previous, kept_end, cut)
+                self._rollback_pending(compressor, (values, gates), previous, plans[compressor.ratio])
             index = self._shared_entry_index(batch, compressor, entry_indexes)
-            undo = index.owned & cut[:, None] & (index.entry_ids >= (kept_end // compressor.ratio)[:, None])
-            blocks = torch.where(undo, index.blocks, batch.cache.trash_block)
+            key = (compressor.ratio, compressor.entries[0].shape[1])
+            if key not in undo_blocks:  # once for the compressors of one ratio and block layout
+                undo = index.owned & cut[:, None] & (index.entry_ids >= (kept_end // compressor.ratio)[:, None])
+                undo_blocks[key] = torch.where(undo, index.blocks, batch.cache.trash_block)
             for entries in compressor.entries:
-                _bytes(entries)[blocks, index.offsets] = saved.pop()
+                _bytes(entries)[undo_blocks[key], index.offsets] = saved.pop()
         if self.engram_history is not None:
             self._rollback_engram(batch, saved.pop(), kept, cut)
 
-    def _rollback_pending(self, batch, compressor, records, previous, kept_end, cut) -> None:
+    def _rollback_pending(self, compressor, records, previous, plan: PendingPlan) -> None:
         """The unfinished window of each cut sequence (rows before its accepted end) and, overlapping, its last
         complete window, from the journal's record (positions from the first of the window the step started in)
         or, when that window completed before the step, from the snapshot. Each state takes one scatter: rows that
         stay as they are go to the spare slot, so no scatter reads the state's current rows."""
-        ratio, slots, spare = compressor.ratio, batch.slots, batch.spare_slot
-        length = records[0].shape[1]
-        first = batch.starts - batch.starts % ratio
-        window_start = kept_end - kept_end % ratio
-        lo = window_start - first  # the record's row of the accepted end's window
-        rows = torch.arange(ratio, device=slots.device)
-        take = cut[:, None] & (rows[None, :] < (kept_end - window_start)[:, None])  # [B, ratio]
-        source = (lo[:, None] + rows).clamp(max=length - 1)
-        targets = torch.where(take, slots[:, None], spare)
+        rows = plan.rows[None, :]
         for state, record in zip(compressor.pending, records, strict=True):
-            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1]))
-            state[targets, rows[None, :]] = fresh.to(state.dtype)
+            fresh = record.gather(1, plan.pending_source[..., None].expand(-1, -1, record.shape[-1]))
+            state[plan.pending_targets, rows] = fresh.to(state.dtype)
         if compressor.previous is None:
             return
-        recorded = cut & (lo >= ratio)  # the last complete window ended inside the accepted positions
-        restored = cut & (lo < ratio)
-        source = (lo[:, None] - ratio + rows).clamp(min=0, max=length - 1)
-        targets = torch.where(recorded | restored, slots, spare)
+        recorded = plan.recorded[:, None, None]
         for state, record, before in zip(compressor.previous, records, previous, strict=True):
-            fresh = record.gather(1, source[..., None].expand(-1, -1, record.shape[-1])).to(state.dtype)
-            state[targets] = torch.where(recorded[:, None, None], fresh, before)
+            fresh = record.gather(1, plan.previous_source[..., None].expand(-1, -1, record.shape[-1]))
+            state[plan.previous_targets] = torch.where(recorded, fresh.to(state.dtype), before)
 
     def _rollback_engram(self, batch: FixedWidthBatch, context: torch.Tensor, kept, cut) -> None:
         """The look-back after the accepted tokens: the last ``w`` of the context and the kept tokens."""
