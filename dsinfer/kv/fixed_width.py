@@ -62,6 +62,7 @@ class FixedWidthBatch:
     column_slots: torch.Tensor | None = field(init=False)
     _all_rows: PackedBatch | None = field(init=False, default=None, repr=False)
     _step_origin: StepOrigin | None = field(init=False, default=None, repr=False)
+    _columns: dict[int, PackedBatch] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
@@ -91,9 +92,12 @@ class FixedWidthBatch:
         return batch
 
     def column(self, index: int) -> PackedBatch:
-        """Column ``index`` (position ``start + index`` of every sequence) as a decode-shaped batch."""
-        slots = self.slots if self.column_slots is None else self.column_slots[index]
-        return self.decode_batch(self.column_positions[index], self.column_ids[index], slots)
+        """Column ``index`` (position ``start + index`` of every sequence) as a decode-shaped batch, built once a
+        forward: every layer's columns share it, and with it the RoPE angles of its positions."""
+        if index not in self._columns:
+            slots = self.slots if self.column_slots is None else self.column_slots[index]
+            self._columns[index] = self.decode_batch(self.column_positions[index], self.column_ids[index], slots)
+        return self._columns[index]
 
     def decode_batch(
         self, positions: torch.Tensor, input_ids: torch.Tensor, slots: torch.Tensor | None = None
@@ -203,16 +207,17 @@ class PendingJournal:
 
     def close(self, states: list, before: list, written: list) -> None:
         """Join each state's window before the step with the columns' rows (``written``: per state, values and gates
-        [B, width, ...]) into its record [B, ratio - 1 + width, ...]."""
-        batch = self.batch
+        [B, width, ...]) into its record [B, ratio - 1 + width, ...]; the rows' order is worked out once a ratio."""
+        batch, sources = self.batch, {}
         for index, state in enumerate(states):
             ratio = state.ratio
-            offset = (batch.starts % ratio)[:, None]  # rows of the window before the span's first position
-            length = ratio - 1 + batch.width
-            place = torch.arange(length, device=offset.device)[None, :]
-            source = torch.where(place < offset, place, ratio + place - offset).clamp(max=ratio + batch.width - 1)
+            if ratio not in sources:
+                offset = (batch.starts % ratio)[:, None]  # rows of the window before the span's first position
+                place = torch.arange(ratio - 1 + batch.width, device=offset.device)[None, :]
+                source = torch.where(place < offset, place, ratio + place - offset).clamp(max=ratio + batch.width - 1)
+                sources[ratio] = source[..., None]
             joined = []
             for part in range(2):
                 both = torch.cat([before[index][part], written[index][part]], dim=1)
-                joined.append(both.gather(1, source[..., None].expand(-1, -1, both.shape[-1])))
+                joined.append(both.gather(1, sources[ratio].expand(-1, -1, both.shape[-1])))
             self.records[id(state)] = (joined[0], joined[1])
