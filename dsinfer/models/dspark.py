@@ -33,7 +33,7 @@ from dsinfer.layers.attention import Attention, sink_softmax
 from dsinfer.layers.mhc import collapse_streams
 from dsinfer.layers.moe import MoEV41
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RoundingPoint, apply_rope, rope_and_round, rope_angles
+from dsinfer.layers.rotary import RoundingPoint, apply_rope, rope_and_round
 from dsinfer.models.block import HyperConnectedBlock
 from dsinfer.ops.fake_quant import ActivationQuantizer
 
@@ -56,9 +56,16 @@ class DSparkAttention(Attention):
         self.stage = stage
 
     def keys(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, quantizer: ActivationQuantizer
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        quantizer: ActivationQuantizer,
+        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        cos, sin = rope_angles(positions, inv_freq)
+        """The stage's window keys of ``x`` at ``positions`` (``angles``: their cos and sin, when the caller has
+        them)."""
+        cos, sin = angles if angles is not None else self.ops.rope_angles(positions, inv_freq)
         return rope_and_round(
             self.wkv(x),
             cos,
@@ -81,10 +88,10 @@ class DSparkAttention(Attention):
 
         Several blocks at once (training): ``ring_keys`` [A, K, D] holds each block's own ring and x the A
         blocks' rows one block after the other; ``ring_visible`` [A, K] marks the ring slots each block has."""
-        cos, sin = rope_angles(positions, inv_freq)
+        cos, sin = self.ops.rope_angles(positions, inv_freq)
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(-1, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin, ops=self.ops)
-        block_keys = self.keys(x, positions, inv_freq, quantizer)
+        block_keys = self.keys(x, positions, inv_freq, quantizer, (cos, sin))
         if ring_keys.dim() == 2:
             out = self._attend_keys(q, torch.cat([ring_keys.to(x.dtype), block_keys]), None)
         else:
