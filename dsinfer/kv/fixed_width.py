@@ -145,10 +145,12 @@ class FixedWidthBatch:
 
 class PendingJournal:
     """Each compressor's unfinished window before the step and every column's addition to it, joined per sequence
-    into the record rollback reads: positions from the first of the window the span starts in through its end."""
+    into the record rollback reads: positions from the first of the window the span starts in through its end.
+    ``into`` (by ``id(state)``: values and gates [B, ...]) takes the records in place, as a graph's static
+    buffers do; without it each record is a tensor of its own."""
 
-    def __init__(self, batch: FixedWidthBatch) -> None:
-        self.batch = batch
+    def __init__(self, batch: FixedWidthBatch, into: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.batch, self.into = batch, into
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def before(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -219,5 +221,7 @@ class PendingJournal:
             joined = []
             for part in range(2):
                 both = torch.cat([before[index][part], written[index][part]], dim=1)
-                joined.append(both.gather(1, sources[ratio].expand(-1, -1, both.shape[-1])))
+                order = sources[ratio].expand(-1, -1, both.shape[-1])
+                out = None if self.into is None else self.into[id(state)][part]
+                joined.append(both.gather(1, order) if out is None else torch.gather(both, 1, order, out=out))
             self.records[id(state)] = (joined[0], joined[1])

@@ -40,6 +40,13 @@ class EntryIndex:
     owned: torch.Tensor  # [B, per_row] bool
 
 
+def _rows_into(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``index`` [N] of ``source``'s first dimension, into ``out`` [N, ...] (contiguous) when given."""
+    if out is None:
+        return source[index]
+    return torch.index_select(source, 0, index, out=out)
+
+
 @dataclass
 class PendingPlan:
     """Where the rollback of one compressor ratio's unfinished windows reads and writes (shared by its
@@ -83,21 +90,46 @@ class FixedWidthRollback:
         self.engram_history, self.engram_hasher = rollback.engram_history, rollback.engram_hasher
 
     # ---- snapshot ------------------------------------------------------------------------------------
-    def snapshot(self, batch: FixedWidthBatch) -> list[torch.Tensor]:
+    def snapshot(self, batch: FixedWidthBatch, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Everything the step may overwrite, each tensor's first dimension the batch's sequences: ring rows of
         every position, each overlapping compressor's last complete window, the entries each sequence may
-        write, and V4.1's Engram look-back before the step (a sequence at position 0 has none)."""
-        ring_rows, entry_indexes = self._ring_rows(batch), {}
-        saved = [_bytes(ring)[batch.slots[:, None], ring_rows[ring.shape[1]]] for ring in self.rings]
+        write, and V4.1's Engram look-back before the step (a sequence at position 0 has none). ``into`` (one
+        tensor [B, ...] each, in this order, as a graph's static buffers) takes them in place."""
+        ring_rows, entry_indexes, flat_indexes = self._ring_rows(batch), {}, {}
+        outs = iter([None] * self._snapshot_size() if into is None else into)
+
+        def take(source: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+            """``source[first, second]``, in place into the next buffer when there are buffers."""
+            out = next(outs)
+            if out is None:
+                return source[first, second]
+            try:
+                rows = source.view(-1, *source.shape[2:])
+            except RuntimeError:  # leading dimensions that do not merge into one view: gathered, then copied
+                return out.copy_(source[first, second])
+            key = (id(first), id(second), source.shape[1])
+            if key not in flat_indexes:  # shared by the sources of one layout
+                flat_indexes[key] = (first * source.shape[1] + second).flatten()
+            _rows_into(rows, flat_indexes[key], out.view(-1, *out.shape[2:]))
+            return out
+
+        saved = [take(_bytes(ring), batch.slots[:, None], ring_rows[ring.shape[1]]) for ring in self.rings]
         for compressor in self.compressors:
             if compressor.previous is not None:
-                saved += [part[batch.slots] for part in compressor.previous]
+                saved += [_rows_into(part, batch.slots, next(outs)) for part in compressor.previous]
             index = self._shared_entry_index(batch, compressor, entry_indexes)
-            saved += [_bytes(entries)[index.blocks, index.offsets] for entries in compressor.entries]
+            saved += [take(_bytes(entries), index.blocks, index.offsets) for entries in compressor.entries]
         if self.engram_history is not None:
-            history = self.engram_history[batch.slots]
-            saved.append(history.masked_fill((batch.starts == 0)[:, None], ENGRAM_DEAD))
+            history = _rows_into(self.engram_history, batch.slots, next(outs))
+            saved.append(history.masked_fill_((batch.starts == 0)[:, None], ENGRAM_DEAD))
         return saved
+
+    def _snapshot_size(self) -> int:
+        """How many tensors :meth:`snapshot` returns."""
+        size = len(self.rings) + (self.engram_history is not None)
+        for compressor in self.compressors:
+            size += len(compressor.entries) + (len(compressor.previous) if compressor.previous is not None else 0)
+        return size
 
     # ---- rollback ------------------------------------------------------------------------------------
     def rollback(self, batch: FixedWidthBatch, saved: list[torch.Tensor], records: dict, accepted: torch.Tensor):

@@ -214,29 +214,36 @@ class SpecGraphs:
                                inputs[:, width + _FIELDS :].contiguous(), self.cache, self.spare_slot)  # fmt: skip
 
     def _verify_forward(self, size: int) -> None:
-        batch = self._batch(size)
-        saved = self.fixed_rollback.snapshot(batch)
-        journal = PendingJournal(batch)
+        batch, first = self._batch(size), self.logits is None
+        # After the first forward the snapshot and the journal's records go straight into the static buffers.
+        saved_into, records_into = (None, None) if first else self._snapshot_buffers(size)
+        saved = self.fixed_rollback.snapshot(batch, saved_into)
+        journal = PendingJournal(batch, records_into)
         logits, features = self.drafter.model.verify_forward(batch, journal)
         rows = size * self.width
-        if self.logits is None:  # the first forward (the largest bucket's warm-up on CUDA) sizes the outputs
+        if first:  # the first forward (the largest bucket's warm-up on CUDA) sizes the outputs
             largest = self.sizes[-1]
             self.logits = logits.new_empty(largest * self.width, *logits.shape[1:])
             self.features = features.new_empty(largest * self.width, *features.shape[1:])
             self.records = {key: (v.new_zeros(largest, *v.shape[1:]), g.new_zeros(largest, *g.shape[1:]))
                             for key, (v, g) in journal.records.items()}  # fmt: skip
             self.saved = [tensor.new_zeros(largest, *tensor.shape[1:]) for tensor in saved]
+            for key, (values, gates) in journal.records.items():
+                self.records[key][0][:size].copy_(values)
+                self.records[key][1][:size].copy_(gates)
+            for buffer, tensor in zip(self.saved, saved, strict=True):
+                buffer[:size].copy_(tensor)
         self.logits[:rows].copy_(logits)
         self.features[:rows].copy_(features)
-        for key, (values, gates) in journal.records.items():
-            self.records[key][0][:size].copy_(values)
-            self.records[key][1][:size].copy_(gates)
-        for buffer, tensor in zip(self.saved, saved, strict=True):
-            buffer[:size].copy_(tensor)
         draft_counts = self.inputs[:size, self.width + 3]
         accepted, last = judge_greedy_fixed(logits, batch.input_ids[:, 1:], draft_counts)
         self.result[:size, 0].copy_(accepted)
         self.result[:size, 1].copy_(last)
+
+    def _snapshot_buffers(self, size: int) -> tuple[list[torch.Tensor], dict]:
+        """The first ``size`` rows of the snapshot's and the journal records' static buffers."""
+        records = {key: (values[:size], gates[:size]) for key, (values, gates) in self.records.items()}
+        return [buffer[:size] for buffer in self.saved], records
 
     def _judge_forward(self, size: int, mode: JudgeMode) -> None:
         """Every sequence's judgement from the verify logits, with the sampled and ``min_tokens`` inputs."""
