@@ -152,6 +152,14 @@ class PendingJournal:
     def __init__(self, batch: FixedWidthBatch, into: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.batch, self.into = batch, into
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._offsets: dict[int, torch.Tensor] = {}  # per ratio, shared by the layers: each position's window row
+        self._orders: dict[int, torch.Tensor] = {}  # per ratio, shared by the layers: the records' row order
+
+    def offsets(self, ratio: int) -> torch.Tensor:
+        """Each position's row in its ``ratio``-row window [B, width], once a forward."""
+        if ratio not in self._offsets:
+            self._offsets[ratio] = self.batch.positions % ratio
+        return self._offsets[ratio]
 
     def before(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The unfinished windows of the batch's slots [B, ratio, width] (before the layer's columns run)."""
@@ -160,22 +168,18 @@ class PendingJournal:
 
     def column(self, states: list, column: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What column ``column`` wrote into each unfinished window [B, width] (its position's row)."""
-        slots, positions = self.batch.slots, self.batch.column_positions[column]
-        rows = []
+        slots, rows = self.batch.slots, []
         for state in states:
-            offsets = positions % state.ratio
+            offsets = self.offsets(state.ratio)[:, column]
             rows.append((state.pending_values[slots, offsets], state.pending_gates[slots, offsets]))
         return rows
 
     def step_rows(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What every column wrote into each unfinished window [B, width, width of a row], read once after the
         columns ran: valid where :meth:`rows_survive_the_step`."""
-        slots, offsets = self.batch.slots[:, None], {}
-        rows = []
+        slots, rows = self.batch.slots[:, None], []
         for state in states:
-            if state.ratio not in offsets:
-                offsets[state.ratio] = self.batch.positions % state.ratio
-            at = offsets[state.ratio]
+            at = self.offsets(state.ratio)
             rows.append((state.pending_values[slots, at], state.pending_gates[slots, at]))
         return rows
 
@@ -209,8 +213,9 @@ class PendingJournal:
 
     def close(self, states: list, before: list, written: list) -> None:
         """Join each state's window before the step with the columns' rows (``written``: per state, values and gates
-        [B, width, ...]) into its record [B, ratio - 1 + width, ...]; the rows' order is worked out once a ratio."""
-        batch, sources = self.batch, {}
+        [B, width, ...]) into its record [B, ratio - 1 + width, ...]; the rows' order is worked out once a ratio
+        and forward."""
+        batch, sources = self.batch, self._orders
         for index, state in enumerate(states):
             ratio = state.ratio
             if ratio not in sources:
