@@ -1,8 +1,7 @@
 """``benchmarks/verify_op_count.py``: ops a forward of each graphed kind on the tiny V4 with MTP, counted on the CPU:
 a verify forward (K + 1 positions a sequence) dispatches more than a plain decode forward and less than K + 1 of
 them, the launch proxy below the aten count, every kind counted; and the graphs' own work (snapshot, journal,
-rollback) keeps a verify under 2.5 plain forwards' launches and a K = 3 draft under 2.3 (448 and 420 against a plain
-159 before the journal read its rows once and the rollback planned once a ratio; 342 and 328 after)."""
+rollback) keeps a verify under 2.5 plain forwards' launches and a K = 3 draft under 2.3."""
 
 from __future__ import annotations
 

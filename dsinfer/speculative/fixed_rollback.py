@@ -20,6 +20,7 @@ lands on another sequence's state.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,8 @@ class FixedWidthRollback:
         write, and V4.1's Engram look-back before the step (a sequence at position 0 has none). ``into`` (one
         tensor [B, ...] each, in this order, as a graph's static buffers) takes them in place."""
         ring_rows, entry_indexes, flat_indexes = self._ring_rows(batch), {}, {}
-        outs = iter([None] * self._snapshot_size() if into is None else into)
+        ring_slots = batch.slots[:, None]  # one tensor for every ring: their flat indexes are shared by identity
+        outs = itertools.repeat(None) if into is None else iter(into)
 
         def take(source: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
             """``source[first, second]``, in place into the next buffer when there are buffers."""
@@ -113,7 +115,7 @@ class FixedWidthRollback:
             _rows_into(rows, flat_indexes[key], out.view(-1, *out.shape[2:]))
             return out
 
-        saved = [take(_bytes(ring), batch.slots[:, None], ring_rows[ring.shape[1]]) for ring in self.rings]
+        saved = [take(_bytes(ring), ring_slots, ring_rows[ring.shape[1]]) for ring in self.rings]
         for compressor in self.compressors:
             if compressor.previous is not None:
                 saved += [_rows_into(part, batch.slots, next(outs)) for part in compressor.previous]
@@ -123,13 +125,6 @@ class FixedWidthRollback:
             history = _rows_into(self.engram_history, batch.slots, next(outs))
             saved.append(history.masked_fill_((batch.starts == 0)[:, None], ENGRAM_DEAD))
         return saved
-
-    def _snapshot_size(self) -> int:
-        """How many tensors :meth:`snapshot` returns."""
-        size = len(self.rings) + (self.engram_history is not None)
-        for compressor in self.compressors:
-            size += len(compressor.entries) + (len(compressor.previous) if compressor.previous is not None else 0)
-        return size
 
     # ---- rollback ------------------------------------------------------------------------------------
     def rollback(self, batch: FixedWidthBatch, saved: list[torch.Tensor], records: dict, accepted: torch.Tensor):
