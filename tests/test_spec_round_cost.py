@@ -109,11 +109,10 @@ class CacheAccess(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_graphed_rollback_restores_each_ring_and_entry_tensor_with_one_scatter(steady_engine, monkeypatch):
-    graphs = steady_engine.worker.speculative.graphs
-    fixed = graphs.fixed_rollback
-    restored = list(fixed.rings) + [entries for compressor in fixed.compressors for entries in compressor.entries]
-    access = CacheAccess(restored)
+def _rollback_access(engine: LLMEngine, tensors: list[torch.Tensor], monkeypatch) -> CacheAccess:
+    """Reads and writes of ``tensors`` by the graphed rollback during one engine step."""
+    fixed = engine.worker.speculative.graphs.fixed_rollback
+    access = CacheAccess(tensors)
     rollback = fixed.rollback
 
     def watched(*args, **kwargs):
@@ -121,7 +120,14 @@ def test_the_graphed_rollback_restores_each_ring_and_entry_tensor_with_one_scatt
             return rollback(*args, **kwargs)
 
     monkeypatch.setattr(fixed, "rollback", watched)
-    steady_engine.step()
+    engine.step()
+    return access
+
+
+def test_the_graphed_rollback_restores_each_ring_and_entry_tensor_with_one_scatter(steady_engine, monkeypatch):
+    fixed = steady_engine.worker.speculative.graphs.fixed_rollback
+    restored = list(fixed.rings) + [entries for compressor in fixed.compressors for entries in compressor.entries]
+    access = _rollback_access(steady_engine, restored, monkeypatch)
     assert (access.writes, access.reads) == (len(restored), 0)
 
 
@@ -132,13 +138,5 @@ def test_the_graphed_rollback_restores_each_unfinished_window_with_one_scatter(s
     windows = [state for compressor in fixed.compressors for states in (compressor.pending, compressor.previous)
                if states is not None for state in states]  # fmt: skip
     assert windows  # the tiny V4.1's ratio-2 sources keep unfinished windows
-    access = CacheAccess(windows)
-    rollback = fixed.rollback
-
-    def watched(*args, **kwargs):
-        with access:
-            return rollback(*args, **kwargs)
-
-    monkeypatch.setattr(fixed, "rollback", watched)
-    steady_engine.step()
+    access = _rollback_access(steady_engine, windows, monkeypatch)
     assert (access.writes, access.reads) == (len(windows), 0)

@@ -168,18 +168,18 @@ class PendingJournal:
 
     def column(self, states: list, column: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What column ``column`` wrote into each unfinished window [B, width] (its position's row)."""
-        slots, rows = self.batch.slots, []
-        for state in states:
-            offsets = self.offsets(state.ratio)[:, column]
-            rows.append((state.pending_values[slots, offsets], state.pending_gates[slots, offsets]))
-        return rows
+        return self._window_rows(states, self.batch.slots, column)
 
     def step_rows(self, states: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What every column wrote into each unfinished window [B, width, width of a row], read once after the
         columns ran: valid where :meth:`rows_survive_the_step`."""
-        slots, rows = self.batch.slots[:, None], []
+        return self._window_rows(states, self.batch.slots[:, None], slice(None))
+
+    def _window_rows(self, states: list, slots: torch.Tensor, columns) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each state's values and gates at the window rows of ``columns`` (an index or a slice) in ``slots``."""
+        rows = []
         for state in states:
-            at = self.offsets(state.ratio)
+            at = self.offsets(state.ratio)[:, columns]
             rows.append((state.pending_values[slots, at], state.pending_gates[slots, at]))
         return rows
 
