@@ -380,6 +380,14 @@ class DeepseekV41(DeepseekModel):
         history, spans = batch.cache.engram_history, batch.device_spans
         if batch.is_decode:  # one token per sequence: one op, which advances the histories in place
             return self.engram_hasher.decode_rows(batch.input_ids, history, spans.slots, spans.starts, self.ops)
+        fixed = batch.fixed_width
+        if fixed is not None and fixed.row_slots is None:  # a verify step: that op once a column, in order
+            columns = [
+                self.engram_hasher.decode_rows(fixed.column_ids[c], history, fixed.slots, fixed.column_positions[c],
+                                               self.ops)  # fmt: skip
+                for c in range(fixed.width)
+            ]
+            return torch.stack(columns, dim=1).flatten(0, 1)
         fresh = (spans.starts == 0)[:, None]
         contexts = torch.where(fresh, torch.full_like(history[spans.slots], ENGRAM_DEAD), history[spans.slots])
         rows, next_contexts = self.engram_hasher.prefill_step(
