@@ -383,8 +383,9 @@ class DeepseekV41(DeepseekModel):
         fixed = batch.fixed_width
         if fixed is not None and fixed.row_slots is None:  # a verify step: that op once a column, in order
             columns = [
-                self.engram_hasher.decode_rows(fixed.column_ids[c], history, fixed.slots, fixed.column_positions[c],
-                                               self.ops)  # fmt: skip
+                self.engram_hasher.decode_rows(
+                    fixed.column_ids[c], history, fixed.slots, fixed.column_positions[c], self.ops
+                )  # fmt: skip
                 for c in range(fixed.width)
             ]
             return torch.stack(columns, dim=1).flatten(0, 1)

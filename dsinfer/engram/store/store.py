@@ -101,7 +101,10 @@ class EngramStore:
     ):
         self.path = path
         self.name = path.name
-        self._mapping = mapping
+        self.inode = stat.st_ino
+        """The segment file's inode: tells this segment's mapping (``/proc/<pid>/maps`` lists it) from another
+        of the same name."""
+        self._mapping: mmap.mmap | None = mapping
         self.is_loader = is_loader
         self.page_size = header.page_size
         self.nbytes = header.total_bytes
@@ -357,6 +360,8 @@ class EngramStore:
         """The whole mapping as one uint8 CPU tensor (no copy)."""
         import torch
 
+        if self._closed:
+            raise EngramStoreError(f"Engram store {self.name} is closed")
         if self._base is None:
             # Through a memoryview: its buffer export lives as long as the tensor, so close() cannot unmap the
             # segment under a tensor still in use (torch.frombuffer on the mmap itself holds no export).
@@ -389,7 +394,9 @@ class EngramStore:
         """Drop this process's view; the loader also removes the name if it is still there. Idempotent.
 
         The memory itself is freed by the kernel once every process has unmapped it. Tensors from
-        :meth:`weight` / :meth:`scale` still alive elsewhere keep this process's mapping until they go.
+        :meth:`weight` / :meth:`scale` still alive elsewhere keep this process's mapping until the last of
+        them goes (the store lets go of the mapping here, so an object still referring to the store keeps
+        nothing mapped).
         """
         if self._closed:
             return
@@ -399,10 +406,11 @@ class EngramStore:
             unlink_if_same(self.path, self._stat)
         self._tensors.clear()
         self._base = None
+        mapping, self._mapping = self._mapping, None
         try:
-            self._mapping.close()
+            mapping.close()
         except BufferError:
-            pass  # someone still holds a tensor over it; the mapping goes when they do
+            pass  # a tensor over it is still alive: its memoryview holds the mmap, which unmaps when the last goes
         if self._reaper is not None:
             os.close(self._reaper[0])  # the reaper sees end-of-file, finds the name gone, exits
             self._reaper = None
