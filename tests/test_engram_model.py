@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from engram_harness import maps_segment
 
 from dsinfer.cli import main
 from dsinfer.config import ConfigError, EngineConfig
@@ -67,30 +68,27 @@ def _assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Te
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
 
 
-def _engram_segments() -> set[str]:
-    return {path.name for path in SHM_DIR.iterdir() if path.name.startswith("dsinfer-engram-")}
-
-
-def _mapped(path: Path) -> bool:
-    """Whether this process maps ``path`` (an unlinked segment shows as '<path> (deleted)')."""
-    return any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+def _segment_path(checkpoint: Path) -> Path:
+    """Where the host placement makes ``checkpoint``'s segment: its name is this test process's own (other processes
+    on the host, the other xdist worker's included, make and remove theirs meanwhile)."""
+    return SHM_DIR / default_segment_name(str(Path(checkpoint).resolve()))
 
 
 # ---------------------------------------------------------------------------------------------- placements
 def test_host_placement_is_bit_identical_and_holds_no_table(tiny_v41_checkpoint, device_model):
-    segments_before = _engram_segments()
     host = load_model(tiny_v41_checkpoint, progress=False, engram_placement="host")
     try:
         tables = host.engram_fetcher
         assert isinstance(tables, PlacedEngramTables) and isinstance(tables.fetcher, HostEngramFetcher)
+        store = tables.store
         assert not any("engram.embed" in name for name in host.state_dict())  # no table in the model
         assert all(block.engram.embed is None for block in host.layers if block.engram is not None)
-        weight = tables.fetcher.tables[1][0]
-        assert weight.data_ptr() == tables.store.weight(1).data_ptr()  # rows are read in the segment, in place
+        # Rows are read in the segment, in place (the test keeps no tensor over it, which would keep it mapped).
+        assert tables.fetcher.tables[1][0].data_ptr() == store.weight(1).data_ptr()
         _assert_bit_identical(_forwards(host, SEQUENCES[0]), _forwards(device_model, SEQUENCES[0]))
     finally:
         host.close()
-    assert _engram_segments() == segments_before
+    assert not maps_segment(store) and store.path == _segment_path(tiny_v41_checkpoint) and not store.path.exists()
 
 
 def _sharded_rank(rank: int, port: int, checkpoint: str, out_path: str | None) -> dict[str, torch.Tensor]:
@@ -134,7 +132,7 @@ def test_sharded_placement_over_two_gloo_ranks_is_bit_identical(tiny_v41_checkpo
     results[1] = torch.load(out_path)
     for rank in (0, 1):
         _assert_bit_identical(results[rank], _forwards(device_model, SEQUENCES[rank]))
-    assert default_segment_name(str(Path(tiny_v41_checkpoint).resolve())) not in _engram_segments()
+    assert not _segment_path(tiny_v41_checkpoint).exists()
 
 
 def test_sharded_without_a_process_group_is_one_clear_error(tiny_v41_checkpoint):
@@ -145,10 +143,9 @@ def test_sharded_without_a_process_group_is_one_clear_error(tiny_v41_checkpoint)
 
 
 def test_checkpoint_without_engram_layers_ignores_the_placement(tiny_checkpoint):
-    segments_before = _engram_segments()
     model = load_model(tiny_checkpoint, progress=False, engram_placement="sharded")  # no process group needed
     assert isinstance(model, DeepseekV4)
-    assert _engram_segments() <= segments_before  # none made (another test's may have gone meanwhile)
+    assert not _segment_path(tiny_checkpoint).exists()  # none made
 
 
 def test_host_placement_needs_fp8_tables_and_plain_float_tables_stay_in_the_model(tmp_path):
@@ -254,13 +251,11 @@ def test_ced_prefill_keeps_the_first_decoder_layers_rows_for_the_replay(tmp_path
 
 # ---------------------------------------------------------------------------------------------- lifetime
 def test_llm_close_unmaps_the_segment_and_leaves_no_name(tiny_v41_checkpoint):
-    segments_before = _engram_segments()
-    llm = LLM(tiny_v41_checkpoint, engram_placement="host", max_model_len=64)
-    store = llm.model.engram_fetcher.store
-    assert _mapped(store.path)  # the tables are mapped from the segment ...
-    assert not store.path.exists() and _engram_segments() == segments_before  # ... whose name is already gone
-    llm.close()
-    assert not _mapped(store.path)
+    with LLM(tiny_v41_checkpoint, engram_placement="host", max_model_len=64) as llm:
+        store = llm.model.engram_fetcher.store
+        assert maps_segment(store)  # the tables are mapped from the segment ...
+        assert store.path == _segment_path(tiny_v41_checkpoint) and not store.path.exists()  # ... whose name is gone
+    assert not maps_segment(store)
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="Engram tables live outside it .* no fetcher is attached"):
         llm.model(PackedBatch.from_sequences(SEQUENCES[0]))
@@ -299,7 +294,9 @@ def test_serve_hands_the_placement_to_the_server_and_its_llm(tiny_v41_checkpoint
     config = EngineConfig(engram_placement="host", max_model_len=64)
     app, engine = launch.build_server(launch.ServeOptions(model=str(tiny_v41_checkpoint)), config)
     llm = app.state.llm  # what serve() closes after the engine thread stops
-    store = llm.model.engram_fetcher.store
-    assert llm.engine is engine.engine and _mapped(store.path)
-    llm.close()
-    assert not _mapped(store.path)
+    try:
+        store = llm.model.engram_fetcher.store
+        assert llm.engine is engine.engine and maps_segment(store)
+    finally:
+        llm.close()
+    assert not maps_segment(store)
