@@ -172,7 +172,10 @@ class KVCache:
         self.index_key_format = index_key_format
         element_bytes = torch.finfo(dtype).bits // 8
         self.layout = CacheLayout(config, tuple(ratios), block_tokens, element_bytes, index_key_format)
-        self.layers = [self._layer(ratio, num_slots, num_blocks, dtype, device) for ratio in ratios]
+        # Every layer's ring is a view of one stack, so a fixed-width rollback reaches all of them in one gather.
+        shape = (len(ratios), num_slots, config.sliding_window, config.head_dim)
+        self.window_stack = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [self._layer(r, self.window_stack[i], num_blocks, dtype, device) for i, r in enumerate(ratios)]
 
     spare_blocks = 1  # the trash block, allocated beside the pool
 
@@ -218,9 +221,13 @@ class KVCache:
         """Copy one sequence's state onto another slot and other blocks (:mod:`dsinfer.kv.sequence_copy`)."""
         copy_sequence_state(self, source_slot, target_slot, source_blocks, target_blocks)
 
-    def _layer(self, ratio: int, slots: int, blocks: int, dtype: torch.dtype, device) -> LayerCache:
-        cfg = self.config
-        window = torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+    def ring_stacks(self, num_layers: int) -> list[torch.Tensor]:
+        """The rings of the first ``num_layers`` layers as one tensor [num_layers, slots, window, head_dim] (each
+        layer's ``window`` is a view of it)."""
+        return [self.window_stack[:num_layers]]
+
+    def _layer(self, ratio: int, window: torch.Tensor, blocks: int, dtype: torch.dtype, device) -> LayerCache:
+        cfg, slots = self.config, window.shape[0]
         if not ratio:
             return LayerCache(window, None, None)
         overlap = ratio == cfg.csa_ratio

@@ -109,6 +109,10 @@ class KVCacheV41:
         self.ops = None if torch.device(device).type == "meta" else resolve(device, dtype)
         self.quantized_storage = bool(quantized_storage)
         self.window_format, self.entry_format, self.index_key_format = self._formats()
+        # Every layer's ring is a view of one stack (codes and scales: two), so a fixed-width rollback reaches all of
+        # them in one gather.
+        rows = (config.num_hidden_layers, num_slots, config.sliding_window)
+        self.window_stack, self.window_scale_stack = self._allocate(rows, config.head_dim, self.window_format, device)
         self.layers = [self._layer(i, device) for i in range(config.num_hidden_layers)]
         width = config.engram_max_ngram_size - 1
         self.engram_history = torch.full((num_slots, width), ENGRAM_DEAD, dtype=torch.int64, device=device)
@@ -143,7 +147,8 @@ class KVCacheV41:
 
     def _layer(self, layer_id: int, device) -> LayerCacheV41:
         cfg, slots = self.config, self.num_slots
-        window, window_scales = self._allocate((slots, cfg.sliding_window), cfg.head_dim, self.window_format, device)
+        window = self.window_stack[layer_id]
+        window_scales = None if self.window_scale_stack is None else self.window_scale_stack[layer_id]
         if not cfg.is_kv_source(layer_id):
             return LayerCacheV41(window, None, window_scales)
         ratio = cfg.compress_ratios[layer_id]
@@ -158,6 +163,12 @@ class KVCacheV41:
         index_keys, index_key_scales = self._allocate(rows, cfg.index_head_dim, self.index_key_format, device)
         source = SourceCache(ratio, pending(), pending(), entries, index_keys, entry_scales, index_key_scales)
         return LayerCacheV41(window, source, window_scales)
+
+    def ring_stacks(self, num_layers: int) -> list[torch.Tensor]:
+        """The rings of the first ``num_layers`` layers as tensors [num_layers, slots, window, ...]: the values, or
+        the codes and the scales (each layer's ``window`` and ``window_scales`` are views of them)."""
+        stacks = [self.window_stack, self.window_scale_stack]
+        return [stack[:num_layers] for stack in stacks if stack is not None]
 
     spare_blocks = 1  # the trash block, allocated beside the pool: decode steps write unfinished entries there
 

@@ -48,6 +48,17 @@ def _rows_into(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
     return torch.index_select(source, 0, index, out=out)
 
 
+def _stack_as_rows(stack: torch.Tensor) -> torch.Tensor:
+    """A ring stack [layers, slots, window, ...] as rows [layers * slots * window, ...] (one-byte tensors as
+    uint8): a view, so a scatter into it writes the rings."""
+    return _bytes(stack).view(-1, *stack.shape[3:])
+
+
+def _flat_out(out: torch.Tensor | None) -> torch.Tensor | None:
+    """A snapshot buffer [B, layers, width, ...] as the rows a gather writes (one-byte tensors as uint8)."""
+    return None if out is None else _bytes(out).view(-1, *out.shape[3:])
+
+
 @dataclass
 class PendingPlan:
     """Where the rollback of one compressor ratio's unfinished windows reads and writes (shared by its
@@ -87,7 +98,11 @@ class FixedWidthRollback:
     """Snapshot [B, ...] tensors before a fixed-width verify forward and roll rejected positions back after it."""
 
     def __init__(self, rollback: CacheRollback) -> None:
-        self.rings, self.compressors = rollback.rings, rollback.compressors
+        # Every layer's ring rows through its cache's stacks: one gather and one scatter a stack, not one a layer.
+        self.ring_stacks = rollback.cache.ring_stacks(rollback.num_layers)
+        layers, num_slots, self.window = self.ring_stacks[0].shape[:3]  # shared by the stacks of one cache
+        self.layer_first_rows = torch.arange(layers, device=rollback.device) * (num_slots * self.window)
+        self.compressors = rollback.compressors
         self.engram_history, self.engram_hasher = rollback.engram_history, rollback.engram_hasher
 
     # ---- snapshot ------------------------------------------------------------------------------------
@@ -96,8 +111,7 @@ class FixedWidthRollback:
         every position, each overlapping compressor's last complete window, the entries each sequence may
         write, and V4.1's Engram look-back before the step (a sequence at position 0 has none). ``into`` (one
         tensor [B, ...] each, in this order, as a graph's static buffers) takes them in place."""
-        ring_rows, entry_indexes, flat_indexes = self._ring_rows(batch), {}, {}
-        ring_slots = batch.slots[:, None]  # one tensor for every ring: their flat indexes are shared by identity
+        entry_indexes, flat_indexes = {}, {}
         outs = itertools.repeat(None) if into is None else iter(into)
 
         def take(source: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -115,7 +129,10 @@ class FixedWidthRollback:
             _rows_into(rows, flat_indexes[key], out.view(-1, *out.shape[2:]))
             return out
 
-        saved = [take(_bytes(ring), ring_slots, ring_rows[ring.shape[1]]) for ring in self.rings]
+        ring_index = self._stack_rows(batch, batch.slots[:, None])
+        saved = [_rows_into(_stack_as_rows(stack), ring_index, _flat_out(next(outs))) for stack in self.ring_stacks]
+        saved = [rows.view(batch.size, *stack.shape[:1], batch.width, *stack.shape[3:])
+                 for rows, stack in zip(saved, self.ring_stacks, strict=True)]  # fmt: skip
         for compressor in self.compressors:
             if compressor.previous is not None:
                 saved += [_rows_into(part, batch.slots, next(outs)) for part in compressor.previous]
@@ -139,10 +156,9 @@ class FixedWidthRollback:
         saved = list(reversed(saved))  # taken from the end, in snapshot order
         columns = torch.arange(batch.width, device=kept.device)
         rejected = columns[None, :] >= kept[:, None]  # [B, width]
-        ring_slots = torch.where(rejected, batch.slots[:, None], batch.spare_slot)
-        ring_rows = self._ring_rows(batch)
-        for ring in self.rings:
-            _bytes(ring)[ring_slots, ring_rows[ring.shape[1]]] = saved.pop()
+        ring_index = self._stack_rows(batch, torch.where(rejected, batch.slots[:, None], batch.spare_slot))
+        for stack in self.ring_stacks:
+            _stack_as_rows(stack)[ring_index] = _bytes(saved.pop()).reshape(ring_index.shape[0], *stack.shape[3:])
         kept_end, cut, entry_indexes, plans, undo_blocks = batch.starts + kept, kept < batch.width, {}, {}, {}
         for compressor in self.compressors:
             previous = None
@@ -191,9 +207,11 @@ class FixedWidthRollback:
         self.engram_history[slots] = torch.where(cut[:, None], after, self.engram_history[slots])
 
     # ---- indexes -------------------------------------------------------------------------------------
-    def _ring_rows(self, batch: FixedWidthBatch) -> dict[int, torch.Tensor]:
-        """The ring row [B, width] of every position of the step, per ring width."""
-        return {width: batch.positions % width for width in {ring.shape[1] for ring in self.rings}}
+    def _stack_rows(self, batch: FixedWidthBatch, slots: torch.Tensor) -> torch.Tensor:
+        """The flat row [B * layers * width] of every position of the step in every layer of the ring stacks
+        (:func:`_stack_as_rows`), sequence after sequence, each row in ``slots`` ([B, 1] or [B, width])."""
+        within_layer = slots * self.window + batch.positions % self.window  # [B, width]
+        return (self.layer_first_rows[None, :, None] + within_layer[:, None, :]).flatten()
 
     def _shared_entry_index(self, batch: FixedWidthBatch, compressor, built: dict) -> EntryIndex:
         """:meth:`_entry_index`, built once for the compressors of one ratio and block layout (``built``: by key)."""
