@@ -3,11 +3,11 @@
 :class:`~dsinfer.speculative.rollback.CacheRollback` builds its gather and scatter indexes on the host from the
 spans' metadata; a step replayed from a CUDA graph cannot. Here every sequence of a fixed-width batch
 (:class:`~dsinfer.kv.fixed_width.FixedWidthBatch`: ``width`` = K + 1 new positions each) is snapshotted and rolled
-back at full width, with the accepted counts as a device tensor: each cache tensor is read at every position the
-step may write and written back at full width in one scatter per tensor, the rows of kept positions sent where no
-sequence reads (ring rows to the spare slot, entries to the trash block; no shape depends on a device value), so
-the snapshot, the judge and the rollback are captured with the verify forward and its drafts, and the host reads
-the step's result once.
+back at full width, with the accepted counts as a device tensor: each cache tensor (every layer's rings as one
+stack) is read at every position the step may write and written back at full width in one scatter, the rows of
+kept positions sent where no sequence reads (ring rows to the spare slot, entries to the trash block; no shape
+depends on a device value), so the snapshot, the judge and the rollback are captured with the verify forward and
+its drafts, and the host reads the step's result once.
 
 What is restored is what :class:`~dsinfer.speculative.rollback.CacheRollback` restores, the same way: window-ring
 rows of rejected positions from the snapshot; each compressor's unfinished window (and, overlapping, its last
