@@ -124,9 +124,12 @@ def _rollback_access(engine: LLMEngine, tensors: list[torch.Tensor], monkeypatch
     return access
 
 
-def test_the_graphed_rollback_restores_each_ring_and_entry_tensor_with_one_scatter(steady_engine, monkeypatch):
+def test_the_graphed_rollback_restores_each_ring_stack_and_entry_tensor_with_one_scatter(steady_engine, monkeypatch):
+    """Every layer's ring rows come back in one scatter a stack (values, or codes and scales), each entry tensor's
+    in one scatter, and none of them is read."""
     fixed = steady_engine.worker.speculative.graphs.fixed_rollback
-    restored = list(fixed.rings) + [entries for compressor in fixed.compressors for entries in compressor.entries]
+    assert all(stack.shape[0] > 1 for stack in fixed.ring_stacks)  # the stacks hold several layers' rings
+    restored = list(fixed.ring_stacks) + [entries for compressor in fixed.compressors for entries in compressor.entries]
     access = _rollback_access(steady_engine, restored, monkeypatch)
     assert (access.writes, access.reads) == (len(restored), 0)
 
