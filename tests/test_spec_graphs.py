@@ -100,6 +100,31 @@ def test_v41_dspark_with_a_confidence_threshold_runs_its_ragged_drafts_in_bucket
     assert calls and engine.blocks.num_used == 0
 
 
+def _check_mixed_steps_split(model, tokenizer, spec: dict, options: dict | None = None) -> None:
+    """More requests than slots: later ones are admitted while others decode, so steps mix decodes and prefill
+    chunks. Such a step runs its decodes from the buckets and its chunks eagerly, and gives plain decoding's
+    tokens."""
+    options = options or {}
+    prompts = random_prompts(7, seed=9, low=20, high=70)
+    plain = [out.outputs[0].token_ids for out in run_all(_engine(model, tokenizer, **options), prompts, GREEDY)]
+    engine = _engine(model, tokenizer, spec, **BUCKETS, **options)
+    calls = _record_buckets(engine)
+    use_oracle_drafts(engine, {f"req-{i}": tokens for i, tokens in enumerate(plain)})
+    assert [out.outputs[0].token_ids for out in run_all(engine, prompts, GREEDY)] == plain
+    executor = engine.worker.speculative
+    assert executor.split_steps > 0 and len(calls) == executor.graphed_steps + executor.split_steps
+    assert engine.blocks.num_used == 0
+
+
+def test_v4_mtp_mixed_steps_run_their_decodes_in_buckets(tiny_v4_model, tiny_v4_tokenizer):
+    _check_mixed_steps_split(tiny_v4_model, tiny_v4_tokenizer, {"method": "mtp", "num_speculative_tokens": 3})
+
+
+def test_v41_dspark_mixed_steps_run_their_decodes_in_buckets(v41_model, v41_tokenizer):
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    _check_mixed_steps_split(v41_model, v41_tokenizer, spec, {"num_cache_blocks": 96, "block_tokens": 8})
+
+
 def test_v4_caches_after_rejections_in_buckets_equal_a_run_that_never_drafted(tiny_v4_model, tiny_v4_tokenizer):
     prompt = random_prompts(1, seed=5, low=25, high=26)[0]
     params = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True)

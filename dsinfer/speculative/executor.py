@@ -25,14 +25,15 @@ when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static buf
 ``cuda_graph_sizes`` are given): the verify replay (snapshot, forward, greedy judge on the device), the draft
 replay (rollback, drafts), one host read; sampled requests and ``min_tokens`` masks are judged on the device too
 (:mod:`dsinfer.speculative.fixed_judge`), requests with a grammar, penalties or logprobs on the host between the
-replays. Any other step takes the eager path above.
+replays. A mixed step whose leading decodes the graphs serve is run as two: those sequences from the graphs, then
+the prefill chunks after them on the eager path. Any other step takes the eager path above.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -147,7 +148,8 @@ class SpeculativeExecutor:
         self.runner, self.model, self.cache, self.sampler = runner, runner.model, runner.cache, sampler
         self.drafter = build_drafter(self.model, self.cache, config)
         self.rollback = CacheRollback(self.cache, self.model.config.num_hidden_layers, self.model.engram_hasher)
-        self.steps = self.graphed_steps = 0  # steps run here since start, and those the graphs served
+        # Steps run here since start, those the graphs served, and those split into a graphed head and the rest.
+        self.steps = self.graphed_steps = self.split_steps = 0
         # A benchmark's stand-in for judging (``dsinfer.bench.coin_acceptance``: drafts accepted by a seeded coin,
         # for timing models whose random weights draft badly); no engine or server option sets it.
         self.judge_override: Callable[[list[list[int]]], list[tuple[int, int]]] | None = None
@@ -165,6 +167,44 @@ class SpeculativeExecutor:
         if self.graphs is not None and self.graphs.serves(step):
             self.graphed_steps += 1
             return self._run_graphed(step, states)
+        split = self._graphed_head(step)
+        if split is not None:
+            self.split_steps += 1
+            head, rest = split
+            count = len(head.spans)
+            return self._run_graphed(head, states[:count]) + self._run_eager(rest, states[count:])
+        return self._run_eager(step, states)
+
+    def _graphed_head(self, step) -> tuple[Any, Any] | None:
+        """A mixed step as two steps, when the graphs serve its leading decodes (the scheduler puts them first): those
+        sequences, and the prefill chunks after them; None when the graphs serve no such head."""
+        plan: SpeculationPlan = step.speculation
+        if self.graphs is None or step.image_pieces:  # image pieces number the whole step's rows
+            return None
+        count = 0
+        for span, drafts, following in zip(step.spans, plan.drafts, plan.following_token, strict=True):
+            if following is not None or span.length != 1 + len(drafts):
+                break
+            count += 1
+        if not 0 < count < len(step.spans):
+            return None
+        rows = sum(span.length for span in step.spans[:count])  # every one sampled: a last token and its drafts
+        head = replace(
+            step, input_ids=step.input_ids[:rows], positions=step.positions[:rows], spans=step.spans[:count],
+            sample_rows=step.sample_rows[:rows], engram_resume=None, image_pieces=None,
+            speculation=SpeculationPlan(plan.drafts[:count], plan.following_token[:count], plan.token_ids[:rows]),
+        )  # fmt: skip
+        if not self.graphs.serves(head):
+            return None
+        rest = replace(
+            step, input_ids=step.input_ids[rows:], positions=step.positions[rows:], spans=step.spans[count:],
+            sample_rows=step.sample_rows[rows:] - rows,
+            speculation=SpeculationPlan(plan.drafts[count:], plan.following_token[count:], plan.token_ids[rows:]),
+        )  # fmt: skip
+        return head, rest
+
+    def _run_eager(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
+        """The step as one packed forward, judged, rolled back and drafted (the module docstring's steps 1-4)."""
         plan: SpeculationPlan = step.speculation
         with torch.inference_mode():
             batch = self.runner.step_batch(step)  # Engram history restored first: the snapshots see it
