@@ -11,8 +11,9 @@ own engine, built once (CUDA graphs captured, kernels compiled by ``--warmup-rou
 workload); the rounds interleave the modes so that drift of the machine hits them alike. Reported per mode and
 stream count: median output tokens/s, the speed-up over ``plain`` (same run), τ (tokens per verify round, the
 engine's counters), how many replies equal plain decoding's (greedy: all of them in float32), and for drafting
-modes the share of verify steps that replayed the graphs (``graphed_steps``; the rest, steps with prefill
-chunks beside them, run eagerly). Where a step's time goes: ``ms_per_step`` (wall time over engine steps, prefill
+modes the share of verify steps that replayed the graphs (``graphed_steps``) and of those with prefill chunks
+beside them whose decodes replayed the graphs and whose chunks ran eagerly (``split_steps``); the rest ran
+eagerly. Where a step's time goes: ``ms_per_step`` (wall time over engine steps, prefill
 steps included) and, for graphed drafting modes, ``replay_ms`` (median device time of the verify and the draft
 replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays is the host's.
 
@@ -60,10 +61,11 @@ def speculative_config(mode: str) -> dict | None:
     return {"method": method, "num_speculative_tokens": int(k)}
 
 
-def graphed_steps(engine: LLMEngine) -> tuple[int, int]:
-    """(verify steps the graphs served, steps through the speculative executor) since the engine started."""
+def graphed_steps(engine: LLMEngine) -> tuple[int, int, int]:
+    """(verify steps the graphs served, steps split between them and the eager path, steps through the speculative
+    executor) since the engine started."""
     executor = engine.worker.speculative
-    return (0, 0) if executor is None else (executor.graphed_steps, executor.steps)
+    return (0, 0, 0) if executor is None else (executor.graphed_steps, executor.split_steps, executor.steps)
 
 
 def serve(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list]:
@@ -170,7 +172,8 @@ def main() -> None:
                    "replies_equal_to_first_mode": f"{len(prompts) - len(differing)}/{len(prompts)}",
                    "differing": differing,
                    f"replies_equal_at_{args.streams[0]}_streams": f"{across}/{len(prompts)}",
-                   "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][1]}" if graphed[mode][1] else None,
+                   "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][2]}" if graphed[mode][2] else None,
+                   "split_steps": graphed[mode][1] if graphed[mode][2] else None,
                    "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times[mode]), 3),
                    "replay_ms": clocks[mode].medians() if mode in clocks else None,
                    "seconds": [round(s, 2) for s, _, _ in times[mode]]}  # fmt: skip
