@@ -385,7 +385,7 @@ class DeepseekV41(DeepseekModel):
             columns = [
                 self.engram_hasher.decode_rows(
                     fixed.column_ids[c], history, fixed.slots, fixed.column_positions[c], self.ops
-                )  # fmt: skip
+                )
                 for c in range(fixed.width)
             ]
             return torch.stack(columns, dim=1).flatten(0, 1)
