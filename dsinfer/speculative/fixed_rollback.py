@@ -130,9 +130,11 @@ class FixedWidthRollback:
             return out
 
         ring_index = self._stack_rows(batch, batch.slots[:, None])
-        saved = [_rows_into(_stack_as_rows(stack), ring_index, _flat_out(next(outs))) for stack in self.ring_stacks]
-        saved = [rows.view(batch.size, *stack.shape[:1], batch.width, *stack.shape[3:])
-                 for rows, stack in zip(saved, self.ring_stacks, strict=True)]  # fmt: skip
+        saved = []
+        for stack in self.ring_stacks:  # each [B, layers, width, ...]
+            out = next(outs)
+            rows = _rows_into(_stack_as_rows(stack), ring_index, _flat_out(out))
+            saved.append(rows.view(batch.size, stack.shape[0], batch.width, *stack.shape[3:]) if out is None else out)
         for compressor in self.compressors:
             if compressor.previous is not None:
                 saved += [_rows_into(part, batch.slots, next(outs)) for part in compressor.previous]

@@ -256,8 +256,8 @@ class SpecGraphs:
     def _draft_forward(self, size: int) -> None:
         batch, width = self._batch(size), self.width
         accepted, last = self.result[:size, 0], self.result[:size, 1]
-        records = {key: (values[:size], gates[:size]) for key, (values, gates) in self.records.items()}
-        self.fixed_rollback.rollback(batch, [buffer[:size] for buffer in self.saved], records, accepted)
+        saved, records = self._snapshot_buffers(size)
+        self.fixed_rollback.rollback(batch, saved, records, accepted)
         # The token after each kept position: the accepted drafts, then the judged token; zeros past it.
         columns = torch.arange(width, device=accepted.device)[None, :]
         following = torch.cat([batch.input_ids[:, 1:], torch.zeros_like(batch.input_ids[:, :1])], dim=1)
