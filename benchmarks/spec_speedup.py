@@ -13,9 +13,11 @@ stream count: median output tokens/s, the speed-up over ``plain`` (same run), τ
 engine's counters), how many replies equal plain decoding's (greedy: all of them in float32), and for drafting
 modes the share of verify steps that replayed the graphs (``graphed_steps``) and of those with prefill chunks
 beside them whose decodes replayed the graphs and whose chunks ran eagerly (``split_steps``); the rest ran
-eagerly. Where a step's time goes: ``ms_per_step`` (wall time over engine steps, prefill
-steps included) and, for graphed drafting modes, ``replay_ms`` (median device time of the verify and the draft
-replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays is the host's.
+eagerly. Where a step's time goes: ``ms_per_step`` (wall time over engine steps, prefill steps included),
+``step_kinds`` (the last round's median wall ms, count and seconds of the steps that admitted a request, so
+prefilled its prompt, and of the others) and, for graphed drafting modes, ``replay_ms`` (median device time of the
+verify and the draft replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays
+is the host's.
 
 Every mode gets the same prompts, ``max_tokens`` and greedy sampling, and V4.1 prompts prefill ``exact`` in every
 mode (``--v41-prefill``): left to the engine, plain decoding of a checkpoint with a CED decoder prefills
@@ -74,19 +76,29 @@ def serve(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens:
     return seconds, replies
 
 
+def step_kind_ms(steps: dict[str, list[float]]) -> dict:
+    """Median wall ms, count and total seconds of a round's admitting and decoding steps (:func:`serve_counted`)."""
+    return {kind: {"median_ms": round(1e3 * statistics.median(times), 3) if times else None, "steps": len(times),
+                   "seconds": round(sum(times), 3)} for kind, times in steps.items()}  # fmt: skip
+
+
 def serve_counted(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple:
-    """:func:`serve`, and how many engine steps it took."""
+    """:func:`serve`, and its engine steps' wall seconds: ``{"admit": [...], "decode": [...]}`` (``admit``: the
+    steps right after a request joined, which prefill its prompt; ``decode``: the others)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    queue, replies, owner, steps = list(enumerate(prompts)), {}, {}, 0
+    queue, replies, owner, steps = list(enumerate(prompts)), {}, {}, {"admit": [], "decode": []}
     start = time.perf_counter()
     while queue or engine.has_unfinished_requests():
+        kind = "decode"
         while queue and len(owner) < streams:
             index, prompt = queue.pop(0)
             owner[engine.add_request(prompt, params)] = index
-        steps += 1
+            kind = "admit"
+        step_start = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 replies[owner.pop(out.request_id)] = out.outputs[0].token_ids
+        steps[kind].append(time.perf_counter() - step_start)
     return time.perf_counter() - start, [replies[i] for i in range(len(prompts))], steps
 
 
@@ -132,7 +144,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(args.device)
     for streams in args.streams:
-        engines, times, replies, stats, graphed = {}, {m: [] for m in args.modes}, {}, {}, {}
+        engines, times, replies, stats, graphed, kinds = {}, {m: [] for m in args.modes}, {}, {}, {}, {}
         for mode in args.modes:
             config = EngineConfig(max_num_seqs=streams, max_model_len=2048, max_num_batched_tokens=2048,
                                   device=args.device, dtype=args.dtype, cache_memory_bytes=int(args.cache_gib * 2**30),
@@ -152,7 +164,9 @@ def main() -> None:
                 before = (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens) if engine.spec_stats \
                     else None  # fmt: skip
                 seconds, replies[mode], steps = serve_counted(engine, prompts, streams, args.max_tokens)
-                times[mode].append((seconds, sum(len(r) for r in replies[mode]), steps))
+                count = sum(len(times) for times in steps.values())
+                times[mode].append((seconds, sum(len(r) for r in replies[mode]), count))
+                kinds[mode] = step_kind_ms(steps)
                 if before is not None:
                     rounds = engine.spec_stats.num_drafts - before[0]
                     accepted = engine.spec_stats.num_accepted_tokens - before[1]
@@ -175,7 +189,7 @@ def main() -> None:
                    "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][2]}" if graphed[mode][2] else None,
                    "split_steps": graphed[mode][1] if graphed[mode][2] else None,
                    "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times[mode]), 3),
-                   "replay_ms": clocks[mode].medians() if mode in clocks else None,
+                   "replay_ms": clocks[mode].medians() if mode in clocks else None, "step_kinds": kinds[mode],
                    "seconds": [round(s, 2) for s, _, _ in times[mode]]}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
