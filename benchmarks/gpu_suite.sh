@@ -51,7 +51,8 @@ serve_run() {  # the slice (random weights) behind `dsinfer serve`, loaded by `d
     local model=${SERVE_MODEL:-} port=${SERVE_PORT:-8123} ready=0
     if [ -z "$model" ]; then
         model=$(mktemp -d)/slice
-        python3 -m dsinfer.cli make-slice "$model" --flash-layers "${SERVE_LAYERS:-4}" || return 1
+        python3 -m dsinfer.cli make-slice "$model" --flash-layers "${SERVE_LAYERS:-4}" --nextn "${SERVE_NEXTN:-0}" \
+            || return 1
     fi
     python3 -m dsinfer.cli serve "$model" --load-format dummy --device "${SERVE_DEVICE:-cuda}" \
         --dtype "${SERVE_DTYPE:-bfloat16}" --port "$port" --served-model-name slice --max-num-seqs "${SERVE_SEQS:-16}" \
@@ -122,10 +123,10 @@ for name in "$@"; do
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
         servespec) export -f serve_run; export OUT  # the slice served with MTP K = 3 drafts, then without
-                   SERVE_TAG=serve-mtp3 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                   SERVE_TAG=serve-mtp3 SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
                        SERVE_ARGS="--speculative-config {\"method\":\"mtp\",\"num_speculative_tokens\":3}" \
                        stage servespec bash -c serve_run
-                   SERVE_TAG=serve-plain SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                   SERVE_TAG=serve-plain SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
                        stage serveplain bash -c serve_run ;;
         fulldepth) export -f serve_run; export OUT  # full-depth V4-Flash, random experts, --expert-offload auto
                    SERVE_TAG=fulldepth SERVE_TAG_STREAMS=1 SERVE_LAYERS=43 SERVE_SEQS=8 \

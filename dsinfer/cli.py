@@ -170,6 +170,8 @@ def add_tool_commands(commands) -> None:
     )  # fmt: skip
     sliced.add_argument("directory", type=Path)
     sliced.add_argument("--flash-layers", type=positive_int, default=4, help="layers, cycling window / CSA / HCA")
+    sliced.add_argument("--nextn", type=int, choices=[0, 1], default=0,
+                        help="MTP layers (1: serve it with --speculative-config method mtp)")  # fmt: skip
     add_plan_parser(commands)
 
 
@@ -395,8 +397,9 @@ def run_make_tiny(args: argparse.Namespace) -> int:
 def run_make_slice(args: argparse.Namespace) -> int:
     from dsinfer.bench.shapes import write_slice_directory
 
-    path = write_slice_directory(args.directory, args.flash_layers)
-    print(f"wrote a {args.flash_layers}-layer V4-Flash-width config and tokenizer to {path} "
+    path = write_slice_directory(args.directory, args.flash_layers, args.nextn)
+    mtp = f" and {args.nextn} MTP layer" if args.nextn else ""
+    print(f"wrote a {args.flash_layers}-layer V4-Flash-width config{mtp} and tokenizer to {path} "
           "(serve it with --load-format dummy)")  # fmt: skip
     return 0
 

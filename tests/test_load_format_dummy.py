@@ -66,6 +66,13 @@ def test_make_slice_writes_the_flash_widths_and_a_whole_vocabulary(tmp_path, cap
     assert json.loads((tmp_path / "slice" / "config.json").read_text())["num_hidden_layers"] == 3
 
 
+def test_make_slice_declares_an_mtp_layer_when_asked(tmp_path, capsys):
+    assert main(["make-slice", str(tmp_path / "slice"), "--flash-layers", "2", "--nextn", "1"]) == 0
+    assert "1 MTP layer" in capsys.readouterr().out
+    assert ModelConfig.from_file(tmp_path / "slice").num_nextn_predict_layers == 1
+    assert flash_slice_config(2).num_nextn_predict_layers == 0  # the default slice drafts nothing
+
+
 def test_the_server_serves_a_dummy_model(tiny_checkpoint, tmp_path):
     directory = _config_only(Path(tiny_checkpoint), tmp_path / "shape")
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)

@@ -13,9 +13,9 @@ from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 from dsinfer.tokenizer import DEEPSEEK_V4_SPECIAL_TOKENS, TOKENIZER_FILE
 
 
-def flash_slice_config(num_layers: int) -> ModelConfig:
+def flash_slice_config(num_layers: int, nextn: int = 0) -> ModelConfig:
     """Every V4-Flash width (hidden 4096, 64 x 512 heads, 256 experts x 2048, indexer 64 x 128, window 128) with
-    ``num_layers`` layers cycling window / CSA / HCA, one hash-routed layer and no MTP."""
+    ``num_layers`` layers cycling window / CSA / HCA, one hash-routed layer and ``nextn`` MTP layers."""
     kinds = (0, 4, 128)
     ratios = tuple(kinds[i % 3] for i in range(num_layers))
     return replace(
@@ -23,11 +23,11 @@ def flash_slice_config(num_layers: int) -> ModelConfig:
         num_hidden_layers=num_layers,
         compress_ratios=ratios,
         num_hash_layers=1,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=nextn,
     )
 
 
-def write_slice_directory(directory: str | Path, num_layers: int) -> Path:
+def write_slice_directory(directory: str | Path, num_layers: int, nextn: int = 0) -> Path:
     """``config.json`` of :func:`flash_slice_config` and a tokenizer of its whole vocabulary, no weights: what
     ``--load-format dummy`` serves (random prompts need only the ids; the tokenizer's pieces are synthetic, and
     every one decodes to text, so a served stream carries a chunk per token as a real model's does)."""
@@ -35,7 +35,7 @@ def write_slice_directory(directory: str | Path, num_layers: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     # The release's formats declared, as the dummy weights draw them (FP4 experts, FP8 block-scaled linears): the
     # start-up plan and `dsinfer plan` then size the experts as what the GPU and the host store hold.
-    config = replace(flash_slice_config(num_layers), quantization=QuantizationConfig())
+    config = replace(flash_slice_config(num_layers, nextn), quantization=QuantizationConfig())
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     build_tiny_tokenizer(directory, vocab_size=config.vocab_size, filler="words")
     words_into_vocabulary(directory / TOKENIZER_FILE)
