@@ -47,3 +47,12 @@ def test_the_mtp_rows_with_a_draft_token_map(monkeypatch):
     rows = spec_verify_step.main(["--tiny", "--arch", "v4", "--requests", "1", "--k", "3", "--warmup-steps", "1",
                                   "--measure-steps", "3", "--device", "cpu", "--draft-map-size", "40"])  # fmt: skip
     assert built and set(built) == {40} and rows[0]["tau"] > 1.5
+
+
+def test_a_fill_of_several_steps_leaves_room_for_the_drafts_decoded_meanwhile():
+    """Requests whose prompts prefill over several steps: the first ones decode, up to K + 1 tokens a step, while
+    the rest still prefill, and must not reach the end of their room inside the timed window."""
+    rows = spec_verify_step.main(["--tiny", "--arch", "v4", "--requests", "4", "--k", "3", "--contexts", "96",
+                                  "--prefill-chunk", "32", "--warmup-steps", "1", "--measure-steps", "3",
+                                  "--device", "cpu"])  # fmt: skip
+    assert [(row["requests"], row["k"]) for row in rows] == [(4, 3)] and rows[0]["tau"] > 1.5

@@ -166,12 +166,13 @@ def cache_kinds(bench: Bench, tokens: int) -> tuple[dict[str, list[KindBytes]], 
 
 
 def decode_max_model_len(args: argparse.Namespace, num_requests: int, fill_budget: int) -> int:
-    """Room for the prompt, the tokens sampled while the others still prefill, and every decode step."""
+    """Room for the prompt, the tokens sampled while the others still prefill, and every decode step (with
+    speculation each of those steps may add K + 1 tokens to a sequence)."""
     fill_budget = max(fill_budget, num_requests)
     fill_steps_bound = math.ceil(num_requests * args.context / fill_budget) + num_requests
     per_step = 1 + (args.speculative.num_speculative_tokens if args.speculative is not None else 0)
     steps = args.warmup_steps + args.measure_steps + args.profile_steps
-    return args.context + fill_steps_bound + steps * per_step + per_step + 2
+    return args.context + (fill_steps_bound + steps + 1) * per_step + 2
 
 
 def check_fits_model(args: argparse.Namespace, config: ModelConfig) -> None:
