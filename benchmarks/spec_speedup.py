@@ -17,7 +17,8 @@ eagerly. Where a step's time goes: ``ms_per_step`` (wall time over engine steps,
 ``step_kinds`` (the last round's median wall ms, count and seconds of the steps that admitted a request, so
 prefilled its prompt, and of the others) and, for graphed drafting modes, ``replay_ms`` (median device time of the
 verify and the draft replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays
-is the host's.
+is the host's. ``--profile-chats N`` then serves N chats of each mode under ``torch.profiler`` and adds the kernels
+and device time a step and the 25 costliest kernels to each row (``profile``).
 
 Every mode gets the same prompts, ``max_tokens`` and greedy sampling, and V4.1 prompts prefill ``exact`` in every
 mode (``--v41-prefill``): left to the engine, plain decoding of a checkpoint with a CED decoder prefills
@@ -35,10 +36,12 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from dsinfer.bench.step_profile import profiled_spans, timeline_summary
 from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -112,7 +115,7 @@ def start_phase_clocks(engines: dict[str, LLMEngine]) -> dict:
     return clocks
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default)")
     parser.add_argument("--device", default="cuda")
@@ -128,13 +131,117 @@ def main() -> None:
     parser.add_argument("--cache-gib", type=float, default=2.0)
     parser.add_argument("--v41-prefill", default="exact", help="V4.1 prefill of every mode (exact / bounded)")
     parser.add_argument("--no-rounding", action="store_true", help="turn the model's activation rounding off")
+    parser.add_argument(
+        "--profile-chats", type=int, default=0, help="after the timed rounds, profile this many chats of each mode"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.profile_chats < 0:
+        parser.error(f"--profile-chats: must not be negative, got {args.profile_chats}")
+    return args
+
+
+def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> dict:
+    """``torch.profiler`` over serving ``prompts``: :func:`~dsinfer.bench.step_profile.timeline_summary` per
+    engine step (kernels and device time a step, the top 25 kernels), with the steps' kinds beside it."""
+    served: dict = {}
+
+    def run() -> None:
+        served["steps"] = serve_counted(engine, prompts, streams, max_tokens)[2]
+
+    spans = profiled_spans(run, torch.device(engine.config.device))
+    steps = served["steps"]
+    summary = timeline_summary(spans, max(1, sum(len(times) for times in steps.values())), top=25, gaps_listed=0)
+    return {"step_kinds": step_kind_ms(steps), **summary}
+
+
+@dataclass
+class StreamRun:
+    """Every mode's timed rounds at one stream count: ``(seconds, tokens, steps)`` a round, the last round's
+    replies and step kinds, tau, graphed-step counts, phase clocks and profiles."""
+
+    streams: int
+    times: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
+    replies: dict[str, list] = field(default_factory=dict)
+    kinds: dict[str, dict] = field(default_factory=dict)
+    tau: dict[str, float] = field(default_factory=dict)
+    graphed: dict[str, list[int]] = field(default_factory=dict)
+    clocks: dict = field(default_factory=dict)
+    profiles: dict[str, dict] = field(default_factory=dict)
+
+
+def build_engines(args: argparse.Namespace, model, tokenizer: Tokenizer, prompts: list, streams: int) -> dict:
+    """One engine a mode, warmed over the whole workload: each new batch shape (prompt lengths, decode buckets,
+    verify widths) can compile kernels, and one short request does not meet them all (a first round took far
+    longer than the second)."""
+    engines = {}
+    for mode in args.modes:
+        config = EngineConfig(max_num_seqs=streams, max_model_len=2048, max_num_batched_tokens=2048,
+                              device=args.device, dtype=args.dtype, cache_memory_bytes=int(args.cache_gib * 2**30),
+                              speculative_config=speculative_config(mode), v41_prefill=args.v41_prefill,
+                              enforce_eager=mode.endswith(":eager"))  # fmt: skip
+        engines[mode] = LLMEngine(model, tokenizer, config)
+        for _ in range(args.warmup_rounds):
+            serve(engines[mode], prompts, streams, args.max_tokens)
+    return engines
+
+
+def run_streams(args: argparse.Namespace, model, tokenizer: Tokenizer, prompts: list, streams: int) -> StreamRun:
+    """The timed rounds of every mode at ``streams`` (interleaved, so drift hits the modes alike)."""
+    engines = build_engines(args, model, tokenizer, prompts, streams)
+    run = StreamRun(streams, times={mode: [] for mode in args.modes})
+    before = {mode: graphed_steps(engine) for mode, engine in engines.items()}  # counted from here
+    run.clocks = start_phase_clocks(engines)
+    for _ in range(args.rounds):
+        for mode, engine in engines.items():
+            stats = engine.spec_stats
+            drafts_before = (stats.num_drafts, stats.num_accepted_tokens) if stats is not None else None
+            seconds, run.replies[mode], steps = serve_counted(engine, prompts, streams, args.max_tokens)
+            count = sum(len(times) for times in steps.values())
+            run.times[mode].append((seconds, sum(len(r) for r in run.replies[mode]), count))
+            run.kinds[mode] = step_kind_ms(steps)
+            if drafts_before is not None:
+                rounds = stats.num_drafts - drafts_before[0]
+                accepted = stats.num_accepted_tokens - drafts_before[1]
+                run.tau[mode] = 1 + accepted / rounds if rounds else 1.0
+    for mode, engine in engines.items():
+        run.graphed[mode] = [now - then for now, then in zip(graphed_steps(engine), before[mode], strict=True)]
+        if args.profile_chats:
+            run.profiles[mode] = profile_mode(engine, prompts[: args.profile_chats], streams, args.max_tokens)
+        engine.close()
+    return run
+
+
+def result_row(args: argparse.Namespace, run: StreamRun, mode: str, first: list) -> dict:
+    """One mode's row: its rate against the first mode's, its replies against the first mode's and against its
+    own at the first stream count (``first``), and where its steps went."""
+    rate_of = {m: statistics.median(tokens / seconds for seconds, tokens, _ in run.times[m]) for m in args.modes}
+    rate, replies, count = rate_of[mode], run.replies[mode], len(run.replies[mode])
+    differing = [i for i, (a, b) in enumerate(zip(replies, run.replies[args.modes[0]], strict=True)) if a != b]
+    across = sum(a == b for a, b in zip(replies, first, strict=True))
+    graphed, times = run.graphed[mode], run.times[mode]
+    row = {"streams": run.streams, "mode": mode, "output_tok_s": round(rate, 1),
+           "speedup": round(rate / rate_of[args.modes[0]], 3),
+           "tau": round(run.tau[mode], 3) if mode in run.tau else None,
+           "replies_equal_to_first_mode": f"{count - len(differing)}/{count}", "differing": differing,
+           f"replies_equal_at_{args.streams[0]}_streams": f"{across}/{count}",
+           "graphed_steps": f"{graphed[0]}/{graphed[2]}" if graphed[2] else None,
+           "split_steps": graphed[1] if graphed[2] else None,
+           "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times), 3),
+           "replay_ms": run.clocks[mode].medians() if mode in run.clocks else None, "step_kinds": run.kinds[mode],
+           "seconds": [round(s, 2) for s, _, _ in times]}  # fmt: skip
+    if mode in run.profiles:
+        row["profile"] = run.profiles[mode]
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     directory = args.model or str(default_model_dir())
     model = load_model(directory, dtype=getattr(torch, args.dtype), device=args.device, progress=False)
     if args.no_rounding:
         if not hasattr(model, "set_fake_quantization"):
-            parser.error("--no-rounding: this checkpoint's model has no activation rounding to turn off")
+            raise SystemExit("--no-rounding: this checkpoint's model has no activation rounding to turn off")
         model.set_fake_quantization(False)
     tokenizer = Tokenizer.from_dir(directory)
     prompts = held_out_prompts(tokenizer, args.chats)
@@ -144,53 +251,9 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(args.device)
     for streams in args.streams:
-        engines, times, replies, stats, graphed, kinds = {}, {m: [] for m in args.modes}, {}, {}, {}, {}
+        run = run_streams(args, model, tokenizer, prompts, streams)
         for mode in args.modes:
-            config = EngineConfig(max_num_seqs=streams, max_model_len=2048, max_num_batched_tokens=2048,
-                                  device=args.device, dtype=args.dtype, cache_memory_bytes=int(args.cache_gib * 2**30),
-                                  speculative_config=speculative_config(mode), v41_prefill=args.v41_prefill,
-                                  enforce_eager=mode.endswith(":eager"))  # fmt: skip
-            engines[mode] = LLMEngine(model, tokenizer, config)
-            # Warm-up over the whole workload: each new batch shape (prompt lengths, decode buckets, verify widths)
-            # can compile kernels, and one short request does not meet them all (a first round took far longer
-            # than the second).
-            for _ in range(args.warmup_rounds):
-                serve(engines[mode], prompts, streams, args.max_tokens)
-            graphed[mode] = graphed_steps(engines[mode])  # counted from here: the timed rounds' steps
-        clocks = start_phase_clocks(engines)
-        for _ in range(args.rounds):
-            for mode in args.modes:
-                engine = engines[mode]
-                before = (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens) if engine.spec_stats \
-                    else None  # fmt: skip
-                seconds, replies[mode], steps = serve_counted(engine, prompts, streams, args.max_tokens)
-                count = sum(len(times) for times in steps.values())
-                times[mode].append((seconds, sum(len(r) for r in replies[mode]), count))
-                kinds[mode] = step_kind_ms(steps)
-                if before is not None:
-                    rounds = engine.spec_stats.num_drafts - before[0]
-                    accepted = engine.spec_stats.num_accepted_tokens - before[1]
-                    stats[mode] = 1 + accepted / rounds if rounds else 1.0
-        for mode, engine in engines.items():
-            graphed[mode] = [now - before for now, before in zip(graphed_steps(engine), graphed[mode], strict=True)]
-            engine.close()
-        plain = statistics.median(tokens / seconds for seconds, tokens, _ in times[args.modes[0]])
-        for mode in args.modes:
-            rate = statistics.median(tokens / seconds for seconds, tokens, _ in times[mode])
-            differing = [i for i, (a, b) in enumerate(zip(replies[mode], replies[args.modes[0]], strict=True))
-                         if a != b]  # fmt: skip
-            first_replies.setdefault(mode, replies[mode])
-            across = sum(a == b for a, b in zip(replies[mode], first_replies[mode], strict=True))
-            row = {"streams": streams, "mode": mode, "output_tok_s": round(rate, 1),
-                   "speedup": round(rate / plain, 3), "tau": round(stats[mode], 3) if mode in stats else None,
-                   "replies_equal_to_first_mode": f"{len(prompts) - len(differing)}/{len(prompts)}",
-                   "differing": differing,
-                   f"replies_equal_at_{args.streams[0]}_streams": f"{across}/{len(prompts)}",
-                   "graphed_steps": f"{graphed[mode][0]}/{graphed[mode][2]}" if graphed[mode][2] else None,
-                   "split_steps": graphed[mode][1] if graphed[mode][2] else None,
-                   "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times[mode]), 3),
-                   "replay_ms": clocks[mode].medians() if mode in clocks else None, "step_kinds": kinds[mode],
-                   "seconds": [round(s, 2) for s, _, _ in times[mode]]}  # fmt: skip
+            row = result_row(args, run, mode, first_replies.setdefault(mode, run.replies[mode]))
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:

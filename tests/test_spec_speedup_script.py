@@ -1,8 +1,10 @@
 """``benchmarks/spec_speedup.py``'s accounting: the closed loop counts the engine steps it ran, and a drafting
-engine whose verify steps replay graphs gets a phase clock that times every such step (none for the others)."""
+engine whose verify steps replay graphs gets a phase clock that times every such step (none for the others); the
+whole run on the CPU writes its rows, profiles included."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from dsinfer.models.loader import load_model
 from dsinfer.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import spec_speedup  # noqa: E402
 from spec_speedup import serve_counted, start_phase_clocks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -42,3 +45,19 @@ def test_steps_are_counted_and_only_graphed_drafting_engines_get_a_clock(tiny_ch
     assert drafted == replies  # greedy: drafting changes no token
     replayed = executor.graphed_steps + executor.split_steps - before
     assert sum(map(len, spec_steps.values())) >= 1 and len(clocks["mtp:2"].laps) == replayed > 0
+
+
+def test_the_whole_run_writes_a_row_per_mode_with_its_steps_and_profile(tmp_path):
+    out = tmp_path / "rows.json"
+    spec_speedup.main(["--device", "cpu", "--streams", "1", "--modes", "plain", "dspark:2", "--chats", "1",
+                       "--max-tokens", "2", "--rounds", "1", "--warmup-rounds", "0", "--profile-chats", "1",
+                       "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["plain", "dspark:2"] and rows[0]["speedup"] == 1.0
+    for row in rows:
+        assert row["replies_equal_to_first_mode"] == "12/12"  # greedy: drafting changes no token
+        kinds = row["step_kinds"]
+        assert kinds["admit"]["steps"] == 12  # one stream: each chat joins alone and prefills in its own step
+        assert row["profile"]["steps"] >= 2 and row["profile"]["per_step"]["kernels"] > 0
+        assert row["profile"]["step_kinds"]["admit"]["steps"] == 1  # the profiled chat
+    assert rows[1]["tau"] >= 1.0 and rows[0]["tau"] is None
