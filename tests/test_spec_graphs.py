@@ -125,6 +125,49 @@ def test_v41_dspark_mixed_steps_run_their_decodes_in_buckets(v41_model, v41_toke
     _check_mixed_steps_split(v41_model, v41_tokenizer, spec, {"num_cache_blocks": 96, "block_tokens": 8})
 
 
+def _check_deferred_first_drafts(model, tokenizer, spec: dict, options: dict | None = None) -> None:
+    """First drafts deferred (the CUDA default): a sequence whose prompt just ended drafts nothing in that step
+    (its drafter state still takes the prompt), verifies its next token with filler drafts in the buckets, and
+    drafts from there; the tokens are plain decoding's."""
+    options = options or {}
+    prompts = random_prompts(5, seed=4, low=20, high=60)
+    plain = [out.outputs[0].token_ids for out in run_all(_engine(model, tokenizer, **options), prompts, GREEDY)]
+    engine = _engine(model, tokenizer, spec, **BUCKETS, **options)
+    executor = engine.worker.speculative
+    assert executor.defer_first_drafts is False  # the CPU runs its buckets eagerly: an eager first draft is cheap
+    executor.defer_first_drafts = True
+    drafter, seen = executor.drafter, []
+    draft = drafter.draft
+
+    def recording(inputs):
+        seen.append((len(inputs.spans), len(inputs.drafting)))
+        return draft(inputs)
+
+    drafter.draft = recording
+    graphs, undrafted = executor.graphs, []
+    prepare = graphs.prepare
+
+    def prepare_counting(step):  # graphed steps holding a sequence without drafts: a first token after its prompt
+        undrafted.append(sum(not drafts for drafts in step.speculation.drafts))
+        return prepare(step)
+
+    graphs.prepare = prepare_counting
+    use_oracle_drafts(engine, {f"req-{i}": tokens for i, tokens in enumerate(plain)})
+    assert [out.outputs[0].token_ids for out in run_all(engine, prompts, GREEDY)] == plain
+    assert seen and all(drafting == 0 for _, drafting in seen)  # the eager path saw prompts only: none drafted
+    assert sum(undrafted) >= len(prompts)  # each first token verified in the buckets (and a last, out of room)
+    assert engine.spec_stats.num_accepted_tokens > 0 and engine.blocks.num_used == 0
+
+
+def test_v4_mtp_first_drafts_deferred_to_the_buckets(tiny_v4_model, tiny_v4_tokenizer):
+    _check_deferred_first_drafts(tiny_v4_model, tiny_v4_tokenizer, {"method": "mtp", "num_speculative_tokens": 3})
+
+
+def test_v41_dspark_first_drafts_deferred_to_the_buckets(v41_model, v41_tokenizer):
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    _check_deferred_first_drafts(v41_model, v41_tokenizer, spec, {"num_cache_blocks": 96, "block_tokens": 8})
+
+
 def test_v4_caches_after_rejections_in_buckets_equal_a_run_that_never_drafted(tiny_v4_model, tiny_v4_tokenizer):
     prompt = random_prompts(1, seed=5, low=25, high=26)[0]
     params = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True)

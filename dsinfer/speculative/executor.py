@@ -26,7 +26,9 @@ when the engine has them (:mod:`dsinfer.speculative.graphs`; the same static buf
 replay (rollback, drafts), one host read; sampled requests and ``min_tokens`` masks are judged on the device too
 (:mod:`dsinfer.speculative.fixed_judge`), requests with a grammar, penalties or logprobs on the host between the
 replays. A mixed step whose leading decodes the graphs serve is run as two: those sequences from the graphs, then
-the prefill chunks after them on the eager path. Any other step takes the eager path above.
+the prefill chunks after them on the eager path. Any other step takes the eager path above. Where the graphs are
+captured, a sequence whose prompt ends in an eager step drafts in its next step's draft replay instead
+(``defer_first_drafts``; that step verifies its token with filler drafts).
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ class SpeculativeExecutor:
             else:
                 self.graphs = SpecGraphs(self.drafter, self.rollback, runner.graph_sizes, runner.spare_slot,
                                          runner.max_model_len, runner.capture_graphs)  # fmt: skip
+        # A sequence whose prompt just ended drafts in its next step's draft replay instead of eagerly now, where
+        # the graphs are captured: that step verifies its token with filler drafts (one token where a round gives
+        # tau), but an eager draft costs several rounds on CUDA (docs/speculative.md). On the CPU it does not.
+        self.defer_first_drafts = self.graphs is not None and runner.capture_graphs
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
         """Forward, judge, roll back, draft (the judging runs outside inference mode, as the plain sampler does)."""
@@ -272,9 +278,11 @@ class SpeculativeExecutor:
             self.rollback.rollback_spans(snapshot, journals, [kept[i] for i in verifying])
             for i in verifying:
                 step.spans[i].journal = None
-        next_drafts = self.drafter.draft(self._draft_input(step, target_hidden, plan, outputs, sampled, kept))
-        for output, drafts in zip(outputs, next_drafts, strict=True):
-            output.next_drafts = drafts
+        inputs = self._draft_input(step, target_hidden, plan, outputs, sampled, kept)
+        next_drafts = iter(self.drafter.draft(inputs))
+        drafting = set(inputs.drafting)  # indices of the step's spans: the drafter's spans are the step's, in order
+        for index, output in zip(sampled, outputs, strict=True):
+            output.next_drafts = next(next_drafts) if index in drafting else []
 
     def _judge(self, logits: torch.Tensor, plan: SpeculationPlan, states: list[SamplingState]):
         """One output per sampled sequence. Sequences without a grammar or penalties are judged together (one
@@ -304,8 +312,14 @@ class SpeculativeExecutor:
                 outputs[i] = speculative_output(rows, tokens, d, states[i])
         return outputs
 
+    @staticmethod
+    def _ends_prompt(span, drafts: list[int]) -> bool:
+        """A sampled span that is its prompt's last chunk (several positions, none of them drafts)."""
+        return not drafts and span.length > 1
+
     def _draft_input(self, step, target_hidden, plan, outputs, sampled, kept) -> DraftInput:
-        """The kept positions of every span, each with the token after it, for the drafter."""
+        """The kept positions of every span, each with the token after it, for the drafter: every span updates the
+        drafter's state; the sampled ones draft, except a prompt's last chunk when first drafts are deferred."""
         emitted = dict(zip(sampled, outputs, strict=True))
         rows, next_ids, positions, spans, drafting = [], [], [], [], []
         offset = 0
@@ -317,7 +331,7 @@ class SpeculativeExecutor:
             rows += range(offset, offset + count)
             next_ids += following
             positions += range(span.start, span.start + count)
-            if index in emitted:
+            if index in emitted and not (self.defer_first_drafts and self._ends_prompt(span, plan.drafts[index])):
                 drafting.append(len(spans))
             spans.append(SequenceSpan(span.start, count, span.slot, span.block_table, span.reuse_below,
                                       span.window_from))  # fmt: skip
