@@ -15,8 +15,9 @@
 # at 131,072 tokens, 1 to 256 requests, V4 and V4.1 slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1
 # bounded and exact), firstprompt (the first long prompt after start-up against the second), verify (speculative
 # verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py),
-# servespec (the serve stage with MTP K = 3 drafts, then without: 16 prompts of 8k in, 256 out), fulldepth
-# (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype
+# servespec (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256
+# out), fulldepth (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8
+# streams), kvdtype
 # (V4 decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores
 # kernel at other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
@@ -123,10 +124,12 @@ for name in "$@"; do
                   --measure-steps 20 --cache-gib 16 --tag long ;;
         serve) export -f serve_run; export OUT; stage serve bash -c serve_run ;;
         servespec) export -f serve_run; export OUT  # the slice served with MTP K = 3 drafts, then without
-                   SERVE_TAG=serve-mtp3 SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                   SERVE_TAG=serve-mtp3 SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} \
+                       SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
                        SERVE_ARGS="--speculative-config {\"method\":\"mtp\",\"num_speculative_tokens\":3}" \
                        stage servespec bash -c serve_run
-                   SERVE_TAG=serve-plain SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
+                   SERVE_TAG=serve-plain SERVE_NEXTN=1 SERVE_PROMPTS=${SERVE_PROMPTS:-16} \
+                       SERVE_OUTPUT=${SERVE_OUTPUT:-256} \
                        stage serveplain bash -c serve_run ;;
         fulldepth) export -f serve_run; export OUT  # full-depth V4-Flash, random experts, --expert-offload auto
                    SERVE_TAG=fulldepth SERVE_TAG_STREAMS=1 SERVE_LAYERS=43 SERVE_SEQS=8 \

@@ -162,9 +162,9 @@ class SpeculativeExecutor:
             else:
                 self.graphs = SpecGraphs(self.drafter, self.rollback, runner.graph_sizes, runner.spare_slot,
                                          runner.max_model_len, runner.capture_graphs)  # fmt: skip
-        # A sequence whose prompt just ended drafts in its next step's draft replay instead of eagerly now, where
-        # the graphs are captured: that step verifies its token with filler drafts (one token where a round gives
-        # tau), but an eager draft costs several rounds on CUDA (docs/speculative.md). On the CPU it does not.
+        # Where the graphs are captured, a sequence whose prompt just ended drafts in its next step's draft replay
+        # instead of eagerly, op by op from the host: that step verifies its token with filler drafts (one token
+        # where a round gives tau; docs/speculative.md). The CPU runs its buckets eagerly anyway.
         self.defer_first_drafts = self.graphs is not None and runner.capture_graphs
 
     def run(self, step, states: list[SamplingState]) -> list[SpeculativeOutput]:
