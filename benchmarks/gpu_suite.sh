@@ -21,16 +21,18 @@
 # (V4 decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores
 # kernel at other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the
 # fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
-# Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve and engine
-# default to 300 s: the slice's server takes ~80 s to start, and the engine check runs three models) so one hang
-# cannot eat the rest.
+# Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve, servespec,
+# serveplain, speedup and engine default to 300 s: the slice's server takes ~80 s to start, more than 125 s with MTP
+# drafts on a machine whose compile caches are cold, the speedup stage compiled past 150 s there, and the engine
+# check runs three models) so one hang cannot eat the rest.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LIMIT=${STAGE_SECONDS:-150}
-: "${LIMIT_serve:=300}" "${LIMIT_engine:=300}"
+: "${LIMIT_serve:=300}" "${LIMIT_servespec:=300}" "${LIMIT_serveplain:=300}" "${LIMIT_speedup:=300}"
+: "${LIMIT_engine:=300}"
 # With ten or fifty timed steps a few slow host steps still pulled the 1-request mean well above its median
 # (docs/perf.md, history, passes 12 and 13), hence 200.
 # The sweep as `dsinfer bench sweep` runs it, without the CLI's server imports (a GPU image may lack them).
