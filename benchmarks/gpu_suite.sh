@@ -3,24 +3,24 @@
 #
 #   OUT=results bash benchmarks/gpu_suite.sh ops fast v41 ep            # each stage's log under $OUT
 #
-# Stages: ops (tests/ops and the engine's CUDA-against-CPU test on the GPU, over 8 pytest-xdist workers where it is installed), peer (HF transformers, ../shared/bench or PEER=path), fast
-# (benchmarks/fast_path_checks.py with kernel profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead), sweep
-# (engine decode sweep), spec (MTP verify steps, K = 1..5 or SPEC_K), speedup (DSpark K = 3 on the trained
-# default, 1 and 16 streams), prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU,
-# and the slice's fast path vs its reference path), long (engine decode of 16 requests at 8k context), serve
-# (`dsinfer serve` on the slice under `dsinfer bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it), gemv
-# (every launch of the one-token FP8 GEMV with no weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with
-# its rounding on, fast path vs the reference path on CUDA, ROUNDING_PROMPTS prompts), stepprofile (the engine's decode
-# step at PROFILE_POINT requests, then PROFILE_STEPS steps profiled: its kernels, copies and gaps), seed (engine decode
-# at 131,072 tokens, 1 to 256 requests, V4 and V4.1 slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1
-# bounded and exact), firstprompt (the first long prompt after start-up against the second), verify (speculative
-# verify steps against the plain step, benchmarks/spec_verify_step.py), offload (benchmarks/expert_offload.py),
-# servespec (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256
-# out), fulldepth (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8
-# streams), kvdtype
-# (V4 decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores
-# kernel at other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the
-# fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
+# Stages: ops (tests/ops and the engine's CUDA-against-CPU test on the GPU, over 8 pytest-xdist workers where it is
+# installed), peer (HF transformers, ../shared/bench or PEER=path), fast (benchmarks/fast_path_checks.py with kernel
+# profiles), v41 (V4.1 decode graphs), ep (EP = 1 overhead), sweep (engine decode sweep), spec (MTP verify steps, K =
+# 1..5 or SPEC_K), speedup (DSpark K = 3 on the trained default, 1 and 16 streams; SPEEDUP_PROFILE_CHATS profiles),
+# prefill (engine prefill sweep with GPU telemetry), engine (greedy tokens CUDA vs CPU, and the slice's fast path vs its
+# reference path), long (engine decode of 16 requests at 8k context), serve (`dsinfer serve` on the slice under `dsinfer
+# bench serve`: 16 streams, 8k in, 1k out; SERVE_* change it), gemv (every launch of the one-token FP8 GEMV with no
+# weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with its rounding on, fast path vs the reference path on
+# CUDA, ROUNDING_PROMPTS prompts), stepprofile (the engine's decode step at PROFILE_POINT requests, then PROFILE_STEPS
+# steps profiled: its kernels, copies and gaps), seed (engine decode at 131,072 tokens, 1 to 256 requests, V4 and V4.1
+# slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1 bounded and exact), firstprompt (the first long
+# prompt after start-up against the second), verify (speculative verify steps against the plain step,
+# benchmarks/spec_verify_step.py; VERIFY_CONTEXTS, VERIFY_REQUESTS), offload (benchmarks/expert_offload.py), servespec
+# (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256 out), fulldepth
+# (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
+# decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
+# other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
+# as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve, servespec,
 # serveplain, speedup and engine default to 300 s: the slice's server takes ~80 s to start, more than 125 s with MTP
 # drafts on a machine whose compile caches are cold, the speedup stage compiled past 150 s there, and the engine
@@ -117,7 +117,7 @@ for name in "$@"; do
         spec) export -f spec_sweeps; export SLICE; stage spec bash -c spec_sweeps ;;
         speedup) stage speedup python3 benchmarks/spec_speedup.py --device cuda --streams ${SPEEDUP_STREAMS:-1 16} \
                      --modes plain dspark:3 --chats 2 --max-tokens 128 --rounds "${SPEEDUP_ROUNDS:-2}" \
-                     --out "$OUT/speedup.json" ;;
+                     --profile-chats "${SPEEDUP_PROFILE_CHATS:-0}" --out "$OUT/speedup.json" ;;
         prefill) stage prefill $SWEEP prefill --flash-layers 4 --context 16384 \
                      --points 4096,16384 --cache-gib 16 --telemetry-interval 0.25 --warmup-steps "${PREFILL_WARMUP:-8}" \
                      --measure-steps "${PREFILL_STEPS:-48}" --tag prefill ;;
@@ -153,8 +153,9 @@ for name in "$@"; do
         firstprompt) stage firstprompt bash -c "python3 benchmarks/first_long_prompt.py --flash-layers 4 \
                   --context 131072 && python3 benchmarks/first_long_prompt.py --flash-layers 4 --arch v41 \
                   --engram-gib 4 --context 131072" ;;
-        verify) stage verify bash -c "python3 benchmarks/spec_verify_step.py --device cuda --arch v4 && \
-                    python3 benchmarks/spec_verify_step.py --device cuda --arch v41" ;;
+        verify) stage verify bash -c "for arch in v4 v41; do python3 benchmarks/spec_verify_step.py --device cuda \
+                    --arch \$arch --contexts ${VERIFY_CONTEXTS:-256} --requests ${VERIFY_REQUESTS:-1,32,64} \
+                    --out $OUT/verify-\$arch.json || exit 1; done" ;;
         offload) stage offload python3 benchmarks/expert_offload.py --out "$OUT/expert_offload.json" ;;
         kvdtype) stage kvdtype bash -c "for dtype in bf16 fp8; do $SWEEP decode --flash-layers 4 --context 131072 \
                      --points 64,256 --prefill-chunk 32768 --telemetry-interval 0 --kv-cache-dtype \$dtype \
