@@ -158,7 +158,7 @@ def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_
 @dataclass
 class StreamRun:
     """Every mode's timed rounds at one stream count: ``(seconds, tokens, steps)`` a round, the last round's
-    replies and step kinds, tau, graphed-step counts, phase clocks and profiles."""
+    replies and step kinds, tau, graphed-step counts, replay times and profiles."""
 
     streams: int
     times: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
@@ -166,7 +166,7 @@ class StreamRun:
     kinds: dict[str, dict] = field(default_factory=dict)
     tau: dict[str, float] = field(default_factory=dict)
     graphed: dict[str, list[int]] = field(default_factory=dict)
-    clocks: dict = field(default_factory=dict)
+    replay_ms: dict[str, dict] = field(default_factory=dict)  # the phase clocks' medians over the timed rounds
     profiles: dict[str, dict] = field(default_factory=dict)
 
 
@@ -191,7 +191,7 @@ def run_streams(args: argparse.Namespace, model, tokenizer: Tokenizer, prompts: 
     engines = build_engines(args, model, tokenizer, prompts, streams)
     run = StreamRun(streams, times={mode: [] for mode in args.modes})
     before = {mode: graphed_steps(engine) for mode, engine in engines.items()}  # counted from here
-    run.clocks = start_phase_clocks(engines)
+    clocks = start_phase_clocks(engines)
     for _ in range(args.rounds):
         for mode, engine in engines.items():
             stats = engine.spec_stats
@@ -204,6 +204,7 @@ def run_streams(args: argparse.Namespace, model, tokenizer: Tokenizer, prompts: 
                 rounds = stats.num_drafts - drafts_before[0]
                 accepted = stats.num_accepted_tokens - drafts_before[1]
                 run.tau[mode] = 1 + accepted / rounds if rounds else 1.0
+    run.replay_ms = {mode: clock.medians() for mode, clock in clocks.items()}  # before any profiled step
     for mode, engine in engines.items():
         run.graphed[mode] = [now - then for now, then in zip(graphed_steps(engine), before[mode], strict=True)]
         if args.profile_chats:
@@ -228,7 +229,7 @@ def result_row(args: argparse.Namespace, run: StreamRun, mode: str, first: list)
            "graphed_steps": f"{graphed[0]}/{graphed[2]}" if graphed[2] else None,
            "split_steps": graphed[1] if graphed[2] else None,
            "ms_per_step": round(statistics.median(1e3 * s / n for s, _, n in times), 3),
-           "replay_ms": run.clocks[mode].medians() if mode in run.clocks else None, "step_kinds": run.kinds[mode],
+           "replay_ms": run.replay_ms.get(mode), "step_kinds": run.kinds[mode],
            "seconds": [round(s, 2) for s, _, _ in times]}  # fmt: skip
     if mode in run.profiles:
         row["profile"] = run.profiles[mode]
