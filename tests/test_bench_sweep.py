@@ -160,7 +160,6 @@ def test_dp_rank_prefers_dp_rank_over_rank(monkeypatch):
         (["decode", "--tag", "../escape"], "--tag"),
         (["decode", "--measure-steps", "0"], "--measure-steps"),
         (["decode", "--profile-steps", "-1"], "--profile-steps"),
-        (["prefill", "--profile-steps", "2"], "--profile-steps"),
         (["decode", "--model", "/no/such/dir"], "--model"),
     ],
 )
@@ -260,6 +259,16 @@ def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
     assert profile["steps"] == 3 and profile["kernels"] > 0 and profile["top"]
     assert profile["per_step"]["busy_ms"] == pytest.approx(profile["busy_ms"] / 3)
     assert 0 < profile["busy_ms"] and profile["idle_ms"] <= profile["span_ms"]
+
+
+def test_prefill_point_with_profiled_steps(tiny_checkpoint, tmp_path):
+    """A prefill sweep profiles its steps after the timed ones too, each of them still a full batch."""
+    argv = sweep_args(tiny_checkpoint, tmp_path, "prefill", "32", "--tag", "pp", "--profile-steps", "2")
+    assert sweep.main(argv) == 0
+    (record,) = read_records(tmp_path / "pp" / "results.jsonl")
+    assert_consistent(record)
+    assert record["profile"]["steps"] == 2 and record["profile"]["kernels"] > 0
+    assert record["tokens_per_step"] == 32
 
 
 # ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------

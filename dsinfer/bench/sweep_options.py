@@ -101,7 +101,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=0,
-                        help="decode: profile this many steps after the timed ones (kernels, gaps)")  # fmt: skip
+                        help="profile this many steps after the timed ones (kernels, gaps)")  # fmt: skip
     parser.add_argument("--out-root", default="sweeps", help="results go to OUT_ROOT/TAG/ (default: sweeps)")
     parser.add_argument("--cache-gib", type=float, help="KV cache budget (default: the engine's)")
     parser.add_argument(
@@ -204,8 +204,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--arch v41: builds random weights of --flash-layers N (a checkpoint or config says its own)")
     if args.speculative is not None and args.v41_prefill == "bounded":
         raise ValueError("--v41-prefill bounded: the drafts read every prompt position's hidden states; use exact")
-    if args.mode == "prefill" and args.profile_steps:
-        raise ValueError("--profile-steps: profiles decode steps; a prefill sweep takes none")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")

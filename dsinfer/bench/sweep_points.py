@@ -262,13 +262,16 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
     engine = make_engine(bench, max_num_seqs=slots, max_num_batched_tokens=batch_tokens,
                          max_model_len=args.context + 1, num_cache_blocks=blocks)  # fmt: skip
     check_cache_holds(engine, slots, args.context + 1)
-    total_steps = args.warmup_steps + measure
-    requests = math.ceil(total_steps * batch_tokens / args.context) + 1  # +1: the last timed step stays full
+    total_steps = args.warmup_steps + measure + args.profile_steps
+    requests = math.ceil(total_steps * batch_tokens / args.context) + 1  # +1: the last step stays full
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # finish as soon as prefilled
     for prompt in random_prompts(requests, args.context, bench.model.config.vocab_size, args.seed):
         engine.add_request(prompt, params)
     run_steps(engine, args.warmup_steps)
     timed, collector, window = timed_steps(engine, measure)
+    extra = {}
+    if args.profile_steps:  # after the timing, as for decode
+        extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device)
     return {
         "point_unit": "batch tokens per step",
         **step_statistics(timed, expected_tokens=batch_tokens),
@@ -283,6 +286,7 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
         "gc": collector,
         "cache": cache,
         "engine": asdict(engine.config),
+        **extra,
     }
 
 
