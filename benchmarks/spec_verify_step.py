@@ -51,7 +51,8 @@ def _sweep_argv(arch: str, options: argparse.Namespace, checkpoint: str | None, 
     spec = json.dumps(spec)
     argv = ["decode", "--device", options.device, "--speculative-config", spec, "--v41-prefill", "exact",
             "--warmup-steps", str(options.warmup_steps), "--measure-steps", str(options.measure_steps),
-            "--prefill-chunk", str(options.prefill_chunk), "--seed", "0", "--time-spec-phases"]  # fmt: skip
+            "--prefill-chunk", str(options.prefill_chunk), "--seed", "0", "--time-spec-phases",
+            "--profile-steps", str(options.profile_steps)]  # fmt: skip
     if checkpoint is not None:
         argv += ["--model", checkpoint, "--cache-gib", "0.0625"]
     else:
@@ -69,7 +70,8 @@ def _point(bench, requests: int, speculative, coin: float) -> dict:
     shares, measured = record.get("step_time_share") or {}, record["measured"]
     return {"ms": record["ms_per_step"], "tau": tau, "graphed": measured.get("graphed_steps"),
             "host_share": shares.get("schedule", 0.0) + shares.get("postprocess", 0.0),
-            "verify_forward_ms": measured.get("verify_ms"), "draft_ms": measured.get("draft_ms")}  # fmt: skip
+            "verify_forward_ms": measured.get("verify_ms"), "draft_ms": measured.get("draft_ms"),
+            "profile": record.get("profile")}  # fmt: skip
 
 
 def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None = None) -> list[dict]:
@@ -93,6 +95,8 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
                            "plain_host_share": plain["host_share"], "verify_host_share": point["host_share"],
                            "verify_forward_ms": point["verify_forward_ms"], "draft_ms": point["draft_ms"],
                            "forward_ratio": _ratio(point["verify_forward_ms"], plain["ms"])}  # fmt: skip
+                    if options.profile_steps:
+                        row["profiles"] = {"plain": plain["profile"], "verify": point["profile"]}
                     rows.append(row)
                     print(_line(row), flush=True)
     finally:
@@ -130,6 +134,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coin", type=float, default=0.75, help="draft acceptance by the seeded coin; 0: judge")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=20)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps of each point after the timed ones (kernels a step)")
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="fill tokens a step (skips the probe)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny checkpoints instead of the slices (CPU test)")

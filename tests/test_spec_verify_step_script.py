@@ -56,3 +56,13 @@ def test_a_fill_of_several_steps_leaves_room_for_the_drafts_decoded_meanwhile():
                                   "--prefill-chunk", "32", "--warmup-steps", "1", "--measure-steps", "3",
                                   "--device", "cpu"])  # fmt: skip
     assert [(row["requests"], row["k"]) for row in rows] == [(4, 3)] and rows[0]["tau"] > 1.5
+
+
+def test_profiled_rows_carry_the_plain_and_the_verify_steps_profiles():
+    """``--profile-steps``: each row has both points' profiles (on the CPU, the top-level torch ops a step); a verify
+    step over K + 1 positions a sequence runs more of them than a plain step."""
+    (row,) = spec_verify_step.main(["--tiny", "--arch", "v4", "--requests", "1", "--k", "3", "--warmup-steps", "1",
+                                    "--measure-steps", "3", "--profile-steps", "2", "--device", "cpu"])  # fmt: skip
+    plain, verify = row["profiles"]["plain"], row["profiles"]["verify"]
+    assert plain["steps"] == verify["steps"] == 2
+    assert 0 < plain["per_step"]["kernels"] < verify["per_step"]["kernels"]
