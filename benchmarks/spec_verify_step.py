@@ -134,8 +134,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coin", type=float, default=0.75, help="draft acceptance by the seeded coin; 0: judge")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=20)
-    parser.add_argument("--profile-steps", type=int, default=0,
-                        help="profile this many steps of each point after the timed ones (kernels a step)")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many steps of each point after the timed ones (kernels a step)",
+    )
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="fill tokens a step (skips the probe)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny checkpoints instead of the slices (CPU test)")
