@@ -29,6 +29,8 @@ RATIO = 4
 SWEEP_CONFIGS = [  # (block_t, block_w, warps, stages) of the shared-keys kernel, 16-bit
     (64, 128, 8, 3),
     (64, 128, 8, 2),
+    (64, 256, 8, 2),
+    (64, 256, 8, 3),
     (64, 128, 4, 3),
     (128, 64, 8, 3),
     (128, 128, 8, 2),
