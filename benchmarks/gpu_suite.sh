@@ -13,9 +13,10 @@
 # weight in L2, GEMV_MODEL=v4|v41), rounding (the tiny V4.1 with its rounding on, fast path vs the reference path on
 # CUDA, ROUNDING_PROMPTS prompts), stepprofile (the engine's decode step at PROFILE_POINT requests, then PROFILE_STEPS
 # steps profiled: its kernels, copies and gaps), seed (engine decode at 131,072 tokens, 1 to 256 requests, V4 and V4.1
-# slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1 bounded and exact), firstprompt (the first long
-# prompt after start-up against the second), verify (speculative verify steps against the plain step,
-# benchmarks/spec_verify_step.py; VERIFY_CONTEXTS, VERIFY_REQUESTS), offload (benchmarks/expert_offload.py), servespec
+# slices), seedprefill (prefill at 131,072 and 16,384 tokens, V4, V4.1 bounded and exact; PREFILL_PROFILE_STEPS
+# profiles V4's steps), firstprompt (the first long prompt after start-up against the second), verify (speculative
+# verify steps against the plain step, benchmarks/spec_verify_step.py; VERIFY_CONTEXTS, VERIFY_REQUESTS,
+# VERIFY_PROFILE_STEPS), offload (benchmarks/expert_offload.py), servespec
 # (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256 out), fulldepth
 # (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
 # decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
@@ -145,7 +146,8 @@ for name in "$@"; do
         seed) stage seed bash -c "$SWEEP decode $LONG --prefill-chunk 32768 --tag v4-d131k && \
                   $SWEEP decode $LONG --arch v41 --engram-gib 4 --prefill-chunk 16384 --compare-published --tag v41-d131k" ;;
         seedprefill) stage seedprefill bash -c "for ctx in 131072 16384; do \
-                  $SWEEP prefill --flash-layers 4 --context \$ctx --points 8192,32768 --tag v4-p\$ctx && \
+                  $SWEEP prefill --flash-layers 4 --context \$ctx --points 8192,32768 \
+                      --profile-steps ${PREFILL_PROFILE_STEPS:-0} --tag v4-p\$ctx && \
                   $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --context \$ctx --points 8192,32768 \
                       --compare-published --tag v41-p\$ctx && \
                   $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --v41-prefill exact --context \$ctx \
@@ -155,7 +157,7 @@ for name in "$@"; do
                   --engram-gib 4 --context 131072" ;;
         verify) stage verify bash -c "for arch in v4 v41; do python3 benchmarks/spec_verify_step.py --device cuda \
                     --arch \$arch --contexts ${VERIFY_CONTEXTS:-256} --requests ${VERIFY_REQUESTS:-1,32,64} \
-                    --out $OUT/verify-\$arch.json || exit 1; done" ;;
+                    --profile-steps ${VERIFY_PROFILE_STEPS:-0} --out $OUT/verify-\$arch.json || exit 1; done" ;;
         offload) stage offload python3 benchmarks/expert_offload.py --out "$OUT/expert_offload.json" ;;
         kvdtype) stage kvdtype bash -c "for dtype in bf16 fp8; do $SWEEP decode --flash-layers 4 --context 131072 \
                      --points 64,256 --prefill-chunk 32768 --telemetry-interval 0 --kv-cache-dtype \$dtype \
