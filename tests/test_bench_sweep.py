@@ -262,13 +262,14 @@ def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
 
 
 def test_prefill_point_with_profiled_steps(tiny_checkpoint, tmp_path):
-    """A prefill sweep profiles its steps after the timed ones too, each of them still a full batch."""
-    argv = sweep_args(tiny_checkpoint, tmp_path, "prefill", "32", "--tag", "pp", "--profile-steps", "2")
+    """A prefill sweep profiles its steps after the timed ones too. A batch of one whole prompt a step leaves no
+    slack: the run must add a request for every profiled step, or the engine runs out of work while profiling."""
+    argv = sweep_args(tiny_checkpoint, tmp_path, "prefill", str(CONTEXT), "--tag", "pp", "--profile-steps", "2")
     assert sweep.main(argv) == 0
     (record,) = read_records(tmp_path / "pp" / "results.jsonl")
     assert_consistent(record)
     assert record["profile"]["steps"] == 2 and record["profile"]["kernels"] > 0
-    assert record["tokens_per_step"] == 32
+    assert record["tokens_per_step"] == CONTEXT
 
 
 # ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------
