@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-reference", action="store_true", help="time the Triton op only (no deviations)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--configs", nargs="+", default=None, metavar="H:N:W:S",
+        help="--sweep these launches (heads a program : keys a tile : warps : stages) instead of SWEEP_CONFIGS",
+    )  # fmt: skip
     parser.add_argument("--coded", action="store_true", help="V4.1 layers: also time decoding the coded storage")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -178,6 +182,19 @@ def print_table(rows: list[dict]) -> None:
     )
 
 
+def sweep_configs(args) -> list[tuple[int, int, int, int]]:
+    """The launches ``--sweep`` times: ``--configs`` when given, else ``SWEEP_CONFIGS``."""
+    if not args.configs:
+        return SWEEP_CONFIGS
+    configs = []
+    for text in args.configs:
+        parts = text.split(":")
+        if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise SystemExit(f"attention_prefill: --configs takes H:N:W:S of positive integers, got {text!r}")
+        configs.append(tuple(int(part) for part in parts))
+    return configs
+
+
 def sweep(args, device, gen) -> None:
     print(f"{'layer':>7} {'tokens':>7} {'chosen':>18} {'ms':>8} {'best':>18} {'ms':>8}")
     for layer in args.layers:
@@ -186,7 +203,7 @@ def sweep(args, device, gen) -> None:
             exact = sparse_attention_prefill_reference(SparsePrefillInputs(**as_float(step)))
             inputs = SparsePrefillInputs(**step)
             timings = {}
-            for block_h, block_n, warps, stages in SWEEP_CONFIGS:
+            for block_h, block_n, warps, stages in sweep_configs(args):
                 config = DecodeConfig(block_h, block_n, warps, stages)
                 try:
                     out = backend.sparse_attention_prefill_launch(inputs, config=config)
@@ -202,6 +219,8 @@ def sweep(args, device, gen) -> None:
             chosen = choose_config(args.heads, step["q"].dtype, args.head_dim)
             best = min(timings, key=timings.get)
             label = lambda c: f"{c.block_h}x{c.block_n} w{c.num_warps} s{c.num_stages}"  # noqa: E731
+            for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+                print(f"  {layer} {tokens}: {label(config):>18} {ms:8.3f} ms")
             print(f"{layer:>7} {tokens:>7} {label(chosen):>18} {timings.get(chosen, float('nan')):>8.3f} "
                   f"{label(best):>18} {timings[best]:>8.3f}")  # fmt: skip
 
