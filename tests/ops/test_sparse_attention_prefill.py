@@ -52,6 +52,29 @@ CASES = [
     Case(sequences=((0, 12, 0), (100, 3, 95)), layer="hca", dtype=torch.bfloat16, seed=7),
     Case(sequences=((37, 20, 30), (4, 7, 0)), holes=0.2, dtype=torch.bfloat16, seed=8),
     Case(sequences=((19, 9, 0), (0, 2, 0)), heads=64, dim=32, dtype=torch.bfloat16, block_h=0, seed=9),  # 64 x 1
+    # the wide-head launch choose_prefill_config picks (64 heads a program, 64-key tiles): HCA entries, then CSA
+    Case(
+        sequences=((250, 3, 0), (0, 2, 0)),
+        layer="hca",
+        ratio=32,
+        heads=64,
+        dim=256,
+        window=80,
+        dtype=torch.bfloat16,
+        block_h=0,
+        seed=10,
+    ),
+    Case(
+        sequences=((90, 2, 0),),
+        heads=64,
+        dim=256,
+        window=70,
+        topk=24,
+        holes=0.2,
+        dtype=torch.bfloat16,
+        block_h=0,
+        seed=11,
+    ),
 ]
 
 
@@ -255,20 +278,20 @@ def _signature(kernel, activation: str) -> dict[str, str]:
 def test_triton_kernel_compiles_for_hopper(layer):
     """The interpreter never compiles; this builds the kernel to sm_90 cubins with Triton's bundled ptxas (no GPU
     needed) at V4-Flash shapes (64 heads x 512, window 128; CSA ratio 4 with 32 entries per block, HCA 128 with
-    one) in the configurations choose_config picks for bf16 and fp32: within the H200's 227 KiB of shared memory
-    per block and without register spills."""
+    one) in the configurations choose_prefill_config picks for bf16 and fp32: within the H200's 227 KiB of shared
+    memory per block; fp32 without register spills, bf16 (64 heads a program, 64-key tiles: the warpgroup MMA,
+    measured 2.3-2.6x faster than the spill-free 32 x 32 launch on the H100) within 3 KiB a thread of spills."""
     triton = pytest.importorskip("triton")
     from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import dsinfer.ops.sparse_attention.prefill_triton as backend
-    from dsinfer.ops.sparse_attention.triton import choose_config
 
     target = GPUTarget("cuda", 90, 32)
     ratio, per_block, mode = (4, 32, backend.CHOSEN_ENTRIES) if layer == "csa" else (128, 1, backend.VISIBLE_ENTRIES)
     for dtype, activation, precision in ((torch.bfloat16, "bf16", "tf32"), (torch.float32, "fp32", "ieee")):
-        config = choose_config(64, dtype, 512)
+        config = backend.choose_prefill_config(64, dtype, 512)
         constants = dict(WINDOW=128, RING=128, WINDOW_TILES=128 // config.block_n, PER_BLOCK=per_block, RATIO=ratio,
                          HEAD_DIM=512, BLOCK_D=512, BLOCK_H=config.block_h, BLOCK_N=config.block_n, ENTRIES=mode,
                          PRECISION=precision)  # fmt: skip
@@ -276,6 +299,10 @@ def test_triton_kernel_compiles_for_hopper(layer):
         source = ASTSource(kernel, _signature(kernel, activation), constexprs=constants)
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         compiled = triton.compile(source, target=target, options=options)
-        assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], activation
+        assert compiled.asm["cubin"], activation
         assert compiled.metadata.shared <= 227 * 1024, (activation, compiled.metadata.shared)
-        assert _register_spills(compiled.asm["cubin"]) in (0, None), activation
+        spills = _register_spills(compiled.asm["cubin"]) or 0
+        if dtype == torch.float32:
+            assert spills == 0 and "ld.local" not in compiled.asm["ptx"], activation
+        else:
+            assert "wgmma" in compiled.asm["ptx"] and spills <= 3 * 1024, (activation, spills)

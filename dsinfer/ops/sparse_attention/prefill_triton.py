@@ -33,6 +33,25 @@ if triton is not None:
 NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA
 
 
+def choose_prefill_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512) -> DecodeConfig:
+    """The prefill launch by head count, dtype and width (``benchmarks/attention_prefill.py --sweep``).
+
+    A prefill program holds one token's heads, so its products are as wide as the head group: with 64 heads of 512
+    in bf16 / fp16, all 64 in one program and 64-key tiles at 8 warps and 2 stages (the Hopper MMA's 64 rows; each
+    K=V tile read once a token) took 4.76 / 4.89 ms for 8,192 tokens of an HCA / CSA layer at 131,072 context on
+    the H100 against 12.63 / 11.00 with 32 heads and 32-key tiles, and 1.49 / 3.49 against 3.20 / 9.07 at 16,384
+    (docs/perf.md). These launches spill some registers (~1.7 / 2.7 KiB a thread in sm_90 builds) and still win:
+    Triton issues Hopper's warpgroup MMA only for 64-row products. 32 to 63 heads (a rank's share of 64 under
+    tensor parallelism): 32-key tiles at 4 warps (6.78 ms for the CSA layer above against 11.00 at 8 warps).
+    Narrower heads and fp32 take the decode kernel's :func:`choose_config`."""
+    if dtype != torch.float32 and head_dim >= 256:
+        if n_heads >= 64:
+            return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+        if n_heads >= 32:
+            return DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2)
+    return choose_config(n_heads, dtype, head_dim)
+
+
 if triton is not None:
 
     @triton.jit
@@ -210,12 +229,12 @@ def entry_operands(inputs: SparsePrefillInputs, token_seq: torch.Tensor) -> Entr
 
 
 def sparse_attention_prefill_launch(inputs: SparsePrefillInputs, config: DecodeConfig | None = None) -> torch.Tensor:
-    """The kernel, no fallback; ``config`` (default: the decode kernel's :func:`choose_config`) fixes the launch.
+    """The kernel, no fallback; ``config`` (default: :func:`choose_prefill_config`) fixes the launch.
 
     ``inputs.spans`` (the reference's host-known bounds) is not read: the kernel reads the tensors."""
     q, kv, window = inputs.q, inputs.kv, inputs.window
     tokens, n_heads, head_dim = q.shape
-    config = config or choose_config(n_heads, q.dtype, head_dim)
+    config = config or choose_prefill_config(n_heads, q.dtype, head_dim)
     out = torch.empty_like(q)
     if tokens == 0:
         return out
