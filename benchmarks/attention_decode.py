@@ -46,6 +46,7 @@ import sys
 from functools import partial
 
 import torch
+from attention_prefill import launch_configs  # --configs (same folder)
 from cold_copies import calls_over, copied_args, copy_count, cycle_graph, mode_line  # --cold (same folder)
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
@@ -87,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--inner", type=int, default=20, help="calls per timed CUDA-graph replay")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--configs", nargs="+", default=None, metavar="H:N:W:S",
+        help="--sweep these launches (heads a program : keys a tile : warps : stages) instead of SWEEP_CONFIGS",
+    )  # fmt: skip
     parser.add_argument("--indexer", action="store_true", help="time the indexer's scores + top-k instead")
     parser.add_argument("--coded", action="store_true", help="time V4.1's coded-cache op in each decode form instead")
     parser.add_argument("--cold", action="store_true", help="graph calls cycle through copies of the cache (no L2)")
@@ -232,7 +237,7 @@ def sweep(args, device, gen) -> None:
                 n_keys = args.window + step["indices"].shape[1]
                 copies = copied_args(values, CACHE_ARGS, copy_count(cache_bytes(step), args.cold))
                 timings = {}
-                for block_h, block_n, warps, stages in SWEEP_CONFIGS:
+                for block_h, block_n, warps, stages in launch_configs(args.configs, SWEEP_CONFIGS):
                     config = backend.DecodeConfig(block_h, block_n, warps, stages)
                     for splits in SWEEP_SPLITS:
                         call = partial(launch, *values, config=config, num_splits=splits)

@@ -182,15 +182,15 @@ def print_table(rows: list[dict]) -> None:
     )
 
 
-def sweep_configs(args) -> list[tuple[int, int, int, int]]:
-    """The launches ``--sweep`` times: ``--configs`` when given, else ``SWEEP_CONFIGS``."""
-    if not args.configs:
-        return SWEEP_CONFIGS
+def launch_configs(texts: list[str] | None, default: list) -> list[tuple[int, int, int, int]]:
+    """``--configs`` (``H:N:W:S``: heads a program, keys a tile, warps, stages) as tuples; ``default`` without."""
+    if not texts:
+        return default
     configs = []
-    for text in args.configs:
+    for text in texts:
         parts = text.split(":")
         if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
-            raise SystemExit(f"attention_prefill: --configs takes H:N:W:S of positive integers, got {text!r}")
+            raise SystemExit(f"--configs takes H:N:W:S of positive integers, got {text!r}")
         configs.append(tuple(int(part) for part in parts))
     return configs
 
@@ -203,7 +203,7 @@ def sweep(args, device, gen) -> None:
             exact = sparse_attention_prefill_reference(SparsePrefillInputs(**as_float(step)))
             inputs = SparsePrefillInputs(**step)
             timings = {}
-            for block_h, block_n, warps, stages in sweep_configs(args):
+            for block_h, block_n, warps, stages in launch_configs(args.configs, SWEEP_CONFIGS):
                 config = DecodeConfig(block_h, block_n, warps, stages)
                 try:
                     out = backend.sparse_attention_prefill_launch(inputs, config=config)
