@@ -74,13 +74,16 @@ def _point(bench, requests: int, speculative, coin: float) -> dict:
             "profile": record.get("profile")}  # fmt: skip
 
 
-def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None = None) -> list[dict]:
-    """Every (context, requests, K) row of one model, plain first."""
+def measure_model(
+    arch: str, options: argparse.Namespace, checkpoint: str | None = None, rows: list[dict] | None = None
+) -> list[dict]:
+    """Every (context, requests, K) row of one model, plain first, each appended to ``rows`` and reported
+    (:func:`report_row`) as soon as it is measured."""
     ks = sorted(options.k)
     args = parse_sweep_args(_sweep_argv(arch, options, checkpoint, ks[-1]))
     spec = args.speculative
     bench = build_bench(args)
-    rows = []
+    rows = [] if rows is None else rows
     try:
         for context in options.contexts:
             args.context, bench.fill_budget = context, None
@@ -98,10 +101,23 @@ def measure_model(arch: str, options: argparse.Namespace, checkpoint: str | None
                     if options.profile_steps:
                         row["profiles"] = {"plain": plain["profile"], "verify": point["profile"]}
                     rows.append(row)
-                    print(_line(row), flush=True)
+                    report_row(row, rows, options.out)
     finally:
         bench.close()
     return rows
+
+
+def report_row(row: dict, rows: list[dict], out: str | None) -> None:
+    """Print ``row`` (and its profiles' costliest kernels) and rewrite ``out`` with every row so far, so that a run
+    stopped by a time limit keeps what it measured."""
+    print(_line(row), flush=True)
+    for name, profile in row.get("profiles", {}).items():
+        per_step = profile.get("per_step", {})
+        top = ", ".join(f"{entry['name'][:48]} {entry['ms_per_step']:.3f}" for entry in profile.get("top", [])[:6])
+        print(f"    {name}: {per_step.get('kernels', 0):.0f} kernels, {per_step.get('busy_ms', 0):.3f} ms busy a step; "
+              f"{top}", flush=True)  # fmt: skip
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1))
 
 
 def _ratio(part_ms: float | None, plain_ms: float) -> float | None:
@@ -166,10 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if options.tiny:
                 block = {"dspark_block_size": 5} if arch == "v41" else {}
                 checkpoint = str(make_tiny_checkpoint(f"{root}/{arch}", seed=0, arch=arch, **block))
-            rows += measure_model(arch, options, checkpoint)
-    if options.out:
-        with open(options.out, "w") as handle:
-            json.dump(rows, handle, indent=1)
+            measure_model(arch, options, checkpoint, rows)
     return rows
 
 

@@ -4,6 +4,7 @@ quotient, tau from the coin's accepted drafts."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -66,3 +67,26 @@ def test_profiled_rows_carry_the_plain_and_the_verify_steps_profiles():
     plain, verify = row["profiles"]["plain"], row["profiles"]["verify"]
     assert plain["steps"] == verify["steps"] == 2
     assert 0 < plain["per_step"]["kernels"] < verify["per_step"]["kernels"]
+
+
+def test_rows_reach_the_out_file_as_they_are_measured(tmp_path, monkeypatch, capsys):
+    """A run stopped part way (a time limit on the GPU machine) keeps the rows it measured: ``--out`` is rewritten
+    after each row, and each profiled row prints its costliest kernels."""
+    out = tmp_path / "rows.json"
+    calls, original = [], spec_verify_step._point
+
+    def stopping(*args, **kwargs):
+        calls.append(None)
+        if len(calls) > 2:  # the plain and the verify point of the first row, then the run stops
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(spec_verify_step, "_point", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        spec_verify_step.main(["--tiny", "--arch", "v4", "--requests", "1,2", "--k", "3", "--warmup-steps", "1",
+                               "--measure-steps", "3", "--profile-steps", "1", "--device", "cpu",
+                               "--out", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())
+    assert (row["requests"], row["k"]) == (1, 3) and set(row["profiles"]) == {"plain", "verify"}
+    printed = capsys.readouterr().out
+    assert "    plain: " in printed and "    verify: " in printed and "kernels" in printed
