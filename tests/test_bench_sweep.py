@@ -272,6 +272,22 @@ def test_prefill_point_with_profiled_steps(tiny_checkpoint, tmp_path):
     assert record["tokens_per_step"] == CONTEXT
 
 
+def test_a_profiling_sweep_prepares_the_profiler_before_its_graphs(tiny_checkpoint, tmp_path, monkeypatch):
+    """With ``--profile-steps`` the run opens the profiler once before any engine captures a CUDA graph (graphs
+    captured earlier replay without their kernels in a profile); without it, never. Off CUDA the session is skipped."""
+    from dsinfer.bench import step_profile, sweep_model
+
+    calls = []
+    monkeypatch.setattr(sweep_model, "prepare_graph_profiling", lambda device: calls.append(device.type))
+    assert sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "plain")) == 0
+    assert calls == []
+    assert (
+        sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "prof", "--profile-steps", "1")) == 0
+    )
+    assert calls == ["cpu"]
+    assert step_profile.prepare_graph_profiling(torch.device("cpu")) is False
+
+
 # ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_v41_config(tmp_path_factory):

@@ -7,6 +7,11 @@ step's input copies and the token read-back run beside it, and the host must lau
 record. On a CUDA device the spans are the device's kernels and copies; on the CPU, the top-level torch ops.
 A profiler session leaves the process slower for a while (graph replays after one ran measurably slower on the
 H200: docs/perf.md, history, pass 11), so a sweep that profiles should time one point: later points would read slow.
+
+A CUDA graph captured before the process's first profiler session replays without its kernels in later profiles
+(only the step's copies were recorded at six of eight seed decode points, docs/perf.md; the known workaround is a
+profiler session before the capture): :func:`prepare_graph_profiling` runs an empty one, and a run asked to profile
+calls it before its engines capture their graphs.
 """
 
 from __future__ import annotations
@@ -81,6 +86,18 @@ def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
         return event.cpu_parent is None and event.name.startswith("aten::")
 
     return [(event.time_range.start, event.time_range.end, event.name) for event in prof.events() if wanted(event)]
+
+
+def prepare_graph_profiling(device: torch.device) -> bool:
+    """An empty profiler session with the device's activities, so that CUDA graphs captured after it show their
+    kernels when profiled (see the module docstring). Nothing to do off CUDA; True when a session ran."""
+    if device.type != "cuda":
+        return False
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        torch.cuda.synchronize(device)
+    return True
 
 
 def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
