@@ -101,7 +101,7 @@ def build_bench(args: argparse.Namespace) -> Bench:
     from dsinfer.models.tiny import default_model_dir
     from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 
-    if getattr(args, "profile_steps", 0):  # before any engine captures a graph, or its replays profile without their kernels
+    if getattr(args, "profile_steps", 0):  # before any engine captures a graph (step_profile)
         prepare_graph_profiling(torch.device(args.device))
     if args.flash_layers is not None or args.config is not None:
         config, label, source = random_config(args)
