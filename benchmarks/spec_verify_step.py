@@ -20,8 +20,10 @@ step), ``tok/s x`` (output tokens per second against plain's), ``host share`` (t
 spends scheduling and processing outputs, plain and verify: a verify step reads its results on the host before the
 next can be planned, so its host work is not hidden behind the GPU's), and the ``replays``' device time
 (:mod:`dsinfer.speculative.phase_clock`): ``verify`` (snapshot, the target forward over the K + 1 positions, judge;
-``forward_ratio`` in the JSON divides it by the plain step) and ``draft`` (rollback, the next drafts). Issue 46's
-bar: K = 3 at most 1.3x plain at one request and 1.6x at 32.
+``forward_ratio`` in the JSON divides it by the plain step) and ``draft`` (rollback, the next drafts), and the
+``expert bytes floor``: the weight bytes a verify forward must read against a plain one's when the router spreads
+rows over experts uniformly, as the slices' random weights do (:func:`expert_bytes_floor`; a trained router whose
+drafts share experts reads less). Issue 46's bar: K = 3 at most 1.3x plain at one request and 1.6x at 32.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def measure_model(
                            "graphed_steps": point["graphed"], "coin": options.coin,
                            "plain_host_share": plain["host_share"], "verify_host_share": point["host_share"],
                            "verify_forward_ms": point["verify_forward_ms"], "draft_ms": point["draft_ms"],
-                           "forward_ratio": _ratio(point["verify_forward_ms"], plain["ms"])}  # fmt: skip
+                           "forward_ratio": _ratio(point["verify_forward_ms"], plain["ms"]),
+                           "expert_bytes_floor": expert_bytes_floor(bench.model, requests, k)}  # fmt: skip
                     if options.profile_steps:
                         row["profiles"] = {"plain": plain["profile"], "verify": point["profile"]}
                     rows.append(row)
@@ -105,6 +108,37 @@ def measure_model(
     finally:
         bench.close()
     return rows
+
+
+def weight_bytes(model) -> tuple[float, float, int]:
+    """(bytes a forward reads whatever it routes, bytes of one routed expert of one layer, routed layers) of the
+    target's weights on the device: the routed experts' tensors (``routed_w13``, ``routed_w2`` and their scales)
+    apart; the input embedding (a few rows a step) and the drafter's layers (``mtp``) left out."""
+    fixed, routed, layers = 0.0, 0.0, 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        size = tensor.numel() * tensor.element_size()
+        if name.startswith("mtp.") or "embed" in name:
+            continue
+        if ".routed_w" in name:
+            routed += size
+            layers += name.endswith(".routed_w13")
+        else:
+            fixed += size
+    experts = model.config.n_routed_experts
+    return fixed, (routed / layers / experts if layers else 0.0), layers
+
+
+def expert_bytes_floor(model, requests: int, k: int) -> float:
+    """How many times a verify forward of ``requests`` x (K + 1) rows must read the weight bytes of a plain one of
+    ``requests`` rows when the router picks each row's experts uniformly at random (the slices' random weights):
+    each layer reads the experts its rows touch, ``n (1 - (1 - top_k / n) ** rows)`` of them in expectation."""
+    fixed, per_expert, layers = weight_bytes(model)
+    n, top_k = model.config.n_routed_experts, model.config.num_experts_per_tok
+
+    def read(rows: int) -> float:
+        return fixed + layers * per_expert * n * (1 - (1 - top_k / n) ** rows)
+
+    return read(requests * (k + 1)) / read(requests)
 
 
 def report_row(row: dict, rows: list[dict], out: str | None) -> None:
@@ -133,7 +167,8 @@ def _line(row: dict) -> str:
             f"plain ms={row['plain_ms']:8.3f}  verify ms={row['verify_ms']:8.3f}  ratio={row['ratio']:5.2f}  "
             f"tau={row['tau']:4.2f}  tok/s x={row['speedup']:4.2f}  graphed={row['graphed_steps']}  "
             f"host share plain / verify={row['plain_host_share']:.2f} / {row['verify_host_share']:.2f}  "
-            f"replays: verify {_ms(row['verify_forward_ms'])} ms, draft {_ms(row['draft_ms'])} ms")  # fmt: skip
+            f"replays: verify {_ms(row['verify_forward_ms'])} ms, draft {_ms(row['draft_ms'])} ms  "
+            f"expert bytes floor={row['expert_bytes_floor']:.2f}x")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:

@@ -28,6 +28,7 @@ def test_the_verify_step_table_on_tiny_checkpoints(arch, tmp_path):
         assert row["plain_ms"] > 0 and row["ratio"] == pytest.approx(row["verify_ms"] / row["plain_ms"])
         assert 1.0 <= row["tau"] <= row["k"] + 1
         assert row["speedup"] == pytest.approx(row["tau"] / row["ratio"])
+        assert 1.0 < row["expert_bytes_floor"] < row["k"] + 1  # more experts to read, never K + 1 times the bytes
     # The coin accepts three quarters of the drafts: K = 3 gets well past one token a step.
     assert all(row["tau"] > 1.5 for row in rows if row["k"] == 3)
     assert len({row["plain_ms"] for row in rows if row["requests"] == 1}) == 1  # one plain point per request count
@@ -90,3 +91,18 @@ def test_rows_reach_the_out_file_as_they_are_measured(tmp_path, monkeypatch, cap
     assert (row["requests"], row["k"]) == (1, 3) and set(row["profiles"]) == {"plain", "verify"}
     printed = capsys.readouterr().out
     assert "    plain: " in printed and "    verify: " in printed and "kernels" in printed
+
+
+def test_the_expert_bytes_floor_of_a_uniform_router(monkeypatch):
+    """The floor counts the experts a layer's rows touch in expectation: at V4-Flash's 256 experts, 6 a token, one
+    row reads 6 and four rows ~23.2, 128 rows ~243.7 against 32 rows' ~136.1."""
+    from types import SimpleNamespace
+
+    fixed, per_expert = 2.08e9, 13.5e6  # bytes: the 4-layer slice's weights outside the routed experts, one expert
+    monkeypatch.setattr(spec_verify_step, "weight_bytes", lambda model: (fixed, per_expert, 4))
+    model = SimpleNamespace(config=SimpleNamespace(n_routed_experts=256, num_experts_per_tok=6))
+    one = spec_verify_step.expert_bytes_floor(model, 1, 3)
+    many = spec_verify_step.expert_bytes_floor(model, 32, 3)
+    assert one == pytest.approx((fixed + 4 * per_expert * 23.169) / (fixed + 4 * per_expert * 6), rel=1e-3)
+    assert many == pytest.approx((fixed + 4 * per_expert * 243.70) / (fixed + 4 * per_expert * 136.15), rel=1e-3)
+    assert 1.38 < one < 1.40 and 1.61 < many < 1.64
