@@ -20,7 +20,9 @@
 # (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256 out), fulldepth
 # (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
 # decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
-# other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
+# other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."), prefillattn (the prefill attention op of 8,192 tokens at
+# 131,072 and 16,384 context, CSA and HCA, against its reference; PREFILL_ATTN_CONFIGS "H:N:W:S ..." sweeps
+# launches instead). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
 # as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve, servespec,
 # serveplain, speedup and engine default to 300 s: the slice's server takes ~80 s to start, more than 125 s with MTP
@@ -164,6 +166,9 @@ for name in "$@"; do
                      --tag v4-d131k-\$dtype || exit 1; done" ;;
         fp4words) stage fp4words python3 benchmarks/indexer_decode.py --keys fp4 --context 131072 --batch 64 256 \
                       --fp4-layouts words --words-launches ${WORDS_LAUNCHES:-4:4 5:4 3:8 4:8} ;;
+        prefillattn) stage prefillattn bash -c "for start in 122880 8192; do python3 benchmarks/attention_prefill.py \
+                         --tokens 8192 --start \$start --layers hca csa \
+                         ${PREFILL_ATTN_CONFIGS:+--sweep --configs $PREFILL_ATTN_CONFIGS} || exit 1; done" ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done
