@@ -53,29 +53,11 @@ CASES = [
     Case(sequences=((37, 20, 30), (4, 7, 0)), holes=0.2, dtype=torch.bfloat16, seed=8),
     Case(sequences=((19, 9, 0), (0, 2, 0)), heads=64, dim=32, dtype=torch.bfloat16, block_h=0, seed=9),  # 64 x 1
     # the wide-head launch choose_prefill_config picks (64 heads a program, 64-key tiles): HCA entries, then CSA
-    Case(
-        sequences=((250, 3, 0), (0, 2, 0)),
-        layer="hca",
-        ratio=32,
-        heads=64,
-        dim=256,
-        window=80,
-        dtype=torch.bfloat16,
-        block_h=0,
-        seed=10,
-    ),
-    Case(
-        sequences=((90, 2, 0),),
-        heads=64,
-        dim=256,
-        window=70,
-        topk=24,
-        holes=0.2,
-        dtype=torch.bfloat16,
-        block_h=0,
-        seed=11,
-    ),
-]
+    Case(sequences=((250, 3, 0), (0, 2, 0)), layer="hca", ratio=32, heads=64, dim=256, window=80,
+         dtype=torch.bfloat16, block_h=0, seed=10),
+    Case(sequences=((90, 2, 0),), heads=64, dim=256, window=70, topk=24, holes=0.2, dtype=torch.bfloat16, block_h=0,
+         seed=11),
+]  # fmt: skip
 
 
 def make_inputs(case: Case) -> dict:
