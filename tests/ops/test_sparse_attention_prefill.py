@@ -288,3 +288,16 @@ def test_triton_kernel_compiles_for_hopper(layer):
             assert spills == 0 and "ld.local" not in compiled.asm["ptx"], activation
         else:
             assert "wgmma" in compiled.asm["ptx"] and spills <= 3 * 1024, (activation, spills)
+
+
+def test_the_prefill_launch_by_heads_dtype_and_gpu():
+    """Wide bf16 heads take 64 heads a program and 64-key tiles (Hopper's warpgroup MMA), 32-63 heads 32 x 32 at 4
+    warps; fp32, narrow heads and GPUs before Hopper keep the decode kernel's launch."""
+    from dsinfer.ops.sparse_attention.prefill_triton import choose_prefill_config
+    from dsinfer.ops.sparse_attention.triton import DecodeConfig, choose_config
+
+    assert choose_prefill_config(64, torch.bfloat16, 512) == DecodeConfig(64, 64, 8, 2)
+    assert choose_prefill_config(48, torch.float16, 512) == DecodeConfig(32, 32, 4, 2)
+    for heads, dtype, dim, hopper in ((64, torch.float32, 512, True), (64, torch.bfloat16, 128, True),
+                                      (64, torch.bfloat16, 512, False), (16, torch.bfloat16, 512, True)):  # fmt: skip
+        assert choose_prefill_config(heads, dtype, dim, warpgroup_mma=hopper) == choose_config(heads, dtype, dim)

@@ -33,8 +33,11 @@ if triton is not None:
 NO_ENTRIES, CHOSEN_ENTRIES, VISIBLE_ENTRIES = 0, 1, 2  # the kernel's ENTRIES: window only, CSA, HCA
 
 
-def choose_prefill_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512) -> DecodeConfig:
-    """The prefill launch by head count, dtype and width (``benchmarks/attention_prefill.py --sweep``).
+def choose_prefill_config(
+    n_heads: int, dtype: torch.dtype, head_dim: int = 512, warpgroup_mma: bool = True
+) -> DecodeConfig:
+    """The prefill launch by head count, dtype, width and whether the GPU has Hopper's warpgroup MMA
+    (``benchmarks/attention_prefill.py --sweep``).
 
     A prefill program holds one token's heads, so its products are as wide as the head group: with 64 heads of 512
     in bf16 / fp16, all 64 in one program and 64-key tiles at 8 warps and 2 stages (the Hopper MMA's 64 rows; each
@@ -43,8 +46,8 @@ def choose_prefill_config(n_heads: int, dtype: torch.dtype, head_dim: int = 512)
     (docs/perf.md). These launches spill some registers (~1.7 / 2.7 KiB a thread in sm_90 builds) and still win:
     Triton issues Hopper's warpgroup MMA only for 64-row products. 32 to 63 heads (a rank's share of 64 under
     tensor parallelism): 32-key tiles at 4 warps (6.78 ms for the CSA layer above against 11.00 at 8 warps).
-    Narrower heads and fp32 take the decode kernel's :func:`choose_config`."""
-    if dtype != torch.float32 and head_dim >= 256:
+    Narrower heads, fp32 and GPUs before Hopper take the decode kernel's :func:`choose_config`."""
+    if warpgroup_mma and dtype != torch.float32 and head_dim >= 256:
         if n_heads >= 64:
             return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
         if n_heads >= 32:
@@ -234,7 +237,9 @@ def sparse_attention_prefill_launch(inputs: SparsePrefillInputs, config: DecodeC
     ``inputs.spans`` (the reference's host-known bounds) is not read: the kernel reads the tensors."""
     q, kv, window = inputs.q, inputs.kv, inputs.window
     tokens, n_heads, head_dim = q.shape
-    config = config or choose_prefill_config(n_heads, q.dtype, head_dim)
+    if config is None:  # Triton's interpreter (a CPU tensor) runs the Hopper launch too
+        older_gpu = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9
+        config = choose_prefill_config(n_heads, q.dtype, head_dim, warpgroup_mma=not older_gpu)
     out = torch.empty_like(q)
     if tokens == 0:
         return out
