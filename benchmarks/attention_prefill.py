@@ -21,7 +21,7 @@ For each point: the median milliseconds per call of the reference (per sequence,
 queries) and of the Triton op, their ratio, the Triton op's tokens per second, and the largest deviation of each
 from the reference computed in fp32 on the same bf16 inputs (the bf16 reference's own deviation is the scale to
 compare against). ``--sweep`` times each ``SWEEP_CONFIGS`` launch and prints the best beside what
-``choose_config`` picks.
+``choose_prefill_config`` picks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (sa
 
 from dsinfer.ops.sparse_attention import prefill_triton as backend
 from dsinfer.ops.sparse_attention.prefill_reference import SparsePrefillInputs, sparse_attention_prefill_reference
-from dsinfer.ops.sparse_attention.triton import DecodeConfig, choose_config
+from dsinfer.ops.sparse_attention.triton import DecodeConfig
 
 RATIOS = {"csa": 4, "hca": 128, "v41-r2": 2, "v41-r1": 1}
 BLOCK_TOKENS = {"csa": 128, "hca": 128, "v41-r2": 64, "v41-r1": 64}  # V4.1: 64-token blocks (lcm of its ratios)
@@ -216,7 +216,7 @@ def sweep(args, device, gen) -> None:
                     )  # fmt: skip
                 except Exception as error:  # a configuration that does not build here
                     print(f"  {config}: {type(error).__name__}", file=sys.stderr)
-            chosen = choose_config(args.heads, step["q"].dtype, args.head_dim)
+            chosen = backend.choose_prefill_config(args.heads, step["q"].dtype, args.head_dim)
             best = min(timings, key=timings.get)
             label = lambda c: f"{c.block_h}x{c.block_n} w{c.num_warps} s{c.num_stages}"  # noqa: E731
             for config, ms in sorted(timings.items(), key=lambda item: item[1]):
