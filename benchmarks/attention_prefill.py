@@ -20,9 +20,8 @@ source, shared by its reusers) into the op's model-dtype layout.
 For each point: the median milliseconds per call of the reference (per sequence, dense logits over blocks of
 queries) and of the Triton op, their ratio, the Triton op's tokens per second, and the largest deviation of each
 from the reference computed in fp32 on the same bf16 inputs (the bf16 reference's own deviation is the scale to
-compare against). ``--sweep`` times each ``SWEEP_CONFIGS`` launch (or those of ``--configs``), every timing and the best
-beside what
-``choose_prefill_config`` picks.
+compare against). ``--sweep`` times each ``SWEEP_CONFIGS`` launch (or those of ``--configs``) and prints every
+timing, then the best beside what ``choose_prefill_config`` picks.
 """
 
 from __future__ import annotations
