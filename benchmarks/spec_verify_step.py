@@ -145,7 +145,9 @@ def report_row(row: dict, rows: list[dict], out: str | None) -> None:
     """Print ``row`` (and its profiles' costliest kernels) and rewrite ``out`` with every row so far, so that a run
     stopped by a time limit keeps what it measured."""
     print(_line(row), flush=True)
-    for name, profile in row.get("profiles", {}).items():
+    for name, profile in (row.get("profiles") or {}).items():
+        if not profile:  # a point that recorded none
+            continue
         per_step = profile.get("per_step", {})
         top = ", ".join(f"{entry['name'][:48]} {entry['ms_per_step']:.3f}" for entry in profile.get("top", [])[:6])
         print(f"    {name}: {per_step.get('kernels', 0):.0f} kernels, {per_step.get('busy_ms', 0):.3f} ms busy a step; "
