@@ -17,8 +17,9 @@ eagerly. Where a step's time goes: ``ms_per_step`` (wall time over engine steps,
 ``step_kinds`` (the last round's median wall ms, count and seconds of the steps that admitted a request, so
 prefilled its prompt, and of the others) and, for graphed drafting modes, ``replay_ms`` (median device time of the
 verify and the draft replay, :mod:`dsinfer.speculative.phase_clock`); a round's wall time beyond the two replays
-is the host's. ``--profile-chats N`` then serves N chats of each mode under ``torch.profiler`` and adds the kernels
-and device time a step and the 25 costliest kernels to each row (``profile``).
+is the host's. ``--profile-chats N`` then serves N chats of each mode under ``torch.profiler`` (a session a step)
+and adds the kernels and device time a step and the 25 costliest kernels to each row (``profile``), for the
+admitting and the decoding steps apart too (``profile.by_kind``).
 
 Every mode gets the same prompts, ``max_tokens`` and greedy sampling, and V4.1 prompts prefill ``exact`` in every
 mode (``--v41-prefill``): left to the engine, plain decoding of a checkpoint with a CED decoder prefills
@@ -85,9 +86,11 @@ def step_kind_ms(steps: dict[str, list[float]]) -> dict:
                    "seconds": round(sum(times), 3)} for kind, times in steps.items()}  # fmt: skip
 
 
-def serve_counted(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple:
+def serve_counted(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int,
+                  run_step=None) -> tuple:  # fmt: skip
     """:func:`serve`, and its engine steps' wall seconds: ``{"admit": [...], "decode": [...]}`` (``admit``: the
-    steps right after a request joined, which prefill its prompt; ``decode``: the others)."""
+    steps right after a request joined, which prefill its prompt; ``decode``: the others). ``run_step(kind)``, when
+    given, runs each step (``engine.step()``) and returns its outputs."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     queue, replies, owner, steps = list(enumerate(prompts)), {}, {}, {"admit": [], "decode": []}
     start = time.perf_counter()
@@ -98,7 +101,7 @@ def serve_counted(engine: LLMEngine, prompts: list[list[int]], streams: int, max
             owner[engine.add_request(prompt, params)] = index
             kind = "admit"
         step_start = time.perf_counter()
-        for out in engine.step():
+        for out in engine.step() if run_step is None else run_step(kind):
             if out.finished:
                 replies[owner.pop(out.request_id)] = out.outputs[0].token_ids
         steps[kind].append(time.perf_counter() - step_start)
@@ -142,17 +145,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> dict:
-    """``torch.profiler`` over serving ``prompts``: :func:`~dsinfer.bench.step_profile.timeline_summary` per
-    engine step (kernels and device time a step, the top 25 kernels), with the steps' kinds beside it."""
-    served: dict = {}
+    """``torch.profiler`` over serving ``prompts``, one session a step (each ends once the step's device work has):
+    :func:`~dsinfer.bench.step_profile.timeline_summary` per engine step (kernels and device time a step, the top
+    25 kernels), the same for the admitting and the decoding steps apart (``by_kind``), and the steps' kinds."""
+    device = torch.device(engine.config.device)
+    spans: dict[str, list] = {"admit": [], "decode": []}
 
-    def run() -> None:
-        served["steps"] = serve_counted(engine, prompts, streams, max_tokens)[2]
+    def run_step(kind: str) -> list:
+        outputs: list = []
+        spans[kind] += profiled_spans(lambda: outputs.extend(engine.step()), device)
+        return outputs
 
-    spans = profiled_spans(run, torch.device(engine.config.device))
-    steps = served["steps"]
-    summary = timeline_summary(spans, max(1, sum(len(times) for times in steps.values())), top=25, gaps_listed=0)
-    return {"step_kinds": step_kind_ms(steps), **summary}
+    steps = serve_counted(engine, prompts, streams, max_tokens, run_step)[2]
+    every = spans["admit"] + spans["decode"]
+    summary = timeline_summary(every, max(1, sum(len(times) for times in steps.values())), top=25, gaps_listed=0)
+    by_kind = {kind: timeline_summary(spans[kind], len(steps[kind]), top=25, gaps_listed=0)
+               for kind in spans if steps[kind]}  # fmt: skip
+    return {"step_kinds": step_kind_ms(steps), "by_kind": by_kind, **summary}
 
 
 @dataclass

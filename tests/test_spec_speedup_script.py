@@ -60,4 +60,8 @@ def test_the_whole_run_writes_a_row_per_mode_with_its_steps_and_profile(tmp_path
         assert kinds["admit"]["steps"] == 12  # one stream: each chat joins alone and prefills in its own step
         assert row["profile"]["steps"] >= 2 and row["profile"]["per_step"]["kernels"] > 0
         assert row["profile"]["step_kinds"]["admit"]["steps"] == 1  # the profiled chat
+        admit, decode = row["profile"]["by_kind"]["admit"], row["profile"]["by_kind"]["decode"]
+        assert admit["steps"] == 1 and decode["steps"] == row["profile"]["step_kinds"]["decode"]["steps"]
+        assert admit["kernels"] + decode["kernels"] == row["profile"]["kernels"]
+        assert admit["per_step"]["kernels"] > decode["per_step"]["kernels"] > 0  # a prefill runs more ops
     assert rows[1]["tau"] >= 1.0 and rows[0]["tau"] is None
