@@ -8,10 +8,10 @@ record. On a CUDA device the spans are the device's kernels and copies; on the C
 A profiler session leaves the process slower for a while (graph replays after one ran measurably slower on the
 H200: docs/perf.md, history, pass 11), so a sweep that profiles should time one point: later points would read slow.
 
-A CUDA graph captured before the process's first profiler session replays without its kernels in later profiles
-(only the step's copies were recorded at six of eight seed decode points, docs/perf.md; the known workaround is a
-profiler session before the capture): :func:`prepare_graph_profiling` runs an empty one, and a run asked to profile
-calls it before its engines capture their graphs.
+Profiles of graph replays came back with only the step's copies at six of eight seed decode points (docs/perf.md).
+PyTorch's profiler is known to mishandle CUDA graphs captured before a process's first profiler session, and its
+workaround is a session before the capture: :func:`prepare_graph_profiling` runs an empty one, and a run asked to
+profile calls it before its engines capture their graphs.
 """
 
 from __future__ import annotations

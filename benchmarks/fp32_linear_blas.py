@@ -1,0 +1,82 @@
+"""float32 linears of few rows on one GPU: cuBLAS against cuBLASLt at the embedded default's weight shapes.
+
+    python benchmarks/fp32_linear_blas.py                    # the 8 commonest 2-D weight shapes, 1 to 64 rows
+
+The embedded default runs in float32; a plain decode step multiplies one row a sequence, a verify step K + 1.
+Each ``F.linear`` is timed inside a CUDA graph of 20 calls (microseconds a call, median of 10 replays) with
+``torch.backends.cuda.preferred_blas_library`` set to each library in turn. The engine itself leaves the library
+at torch's default (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+
+import torch
+from safetensors import safe_open
+
+from dsinfer.models.tiny import default_model_dir
+
+CALLS_A_REPLAY = 20
+
+
+def weight_shapes(directory, count: int) -> list[tuple[tuple[int, int], int]]:
+    """The ``count`` commonest (out, in) shapes of the checkpoint's 2-D weights (embeddings left out)."""
+    shapes: collections.Counter = collections.Counter()
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                shape = tuple(handle.get_slice(name).get_shape())
+                if len(shape) == 2 and name.endswith("weight") and min(shape) >= 8 and "embed" not in name:
+                    shapes[shape] += 1
+    return shapes.most_common(count)
+
+
+def graph_us(call) -> float:
+    """Microseconds a call of ``call``, replayed from a CUDA graph of ``CALLS_A_REPLAY`` calls."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_A_REPLAY):
+            call()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / CALLS_A_REPLAY * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 16, 20, 64])
+    parser.add_argument("--shapes", type=int, default=8, help="how many of the commonest weight shapes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp32_linear_blas: needs a CUDA device", file=sys.stderr)
+        return 1
+    shapes = weight_shapes(default_model_dir(), args.shapes)
+    print(torch.cuda.get_device_name(), "; us a call:", flush=True)
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        for (out_features, in_features), count in shapes:
+            weight = torch.randn(out_features, in_features, device="cuda")
+            cells = []
+            for rows in args.rows:
+                x = torch.randn(rows, in_features, device="cuda")
+                cells.append(f"{rows} rows {graph_us(lambda x=x, w=weight: torch.nn.functional.linear(x, w)):6.2f}")
+            print(f"{library:8} ({out_features}, {in_features}) x {count}: " + ", ".join(cells), flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
