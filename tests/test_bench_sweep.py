@@ -275,16 +275,23 @@ def test_prefill_point_with_profiled_steps(tiny_checkpoint, tmp_path):
 def test_a_profiling_sweep_prepares_the_profiler_before_its_graphs(tiny_checkpoint, tmp_path, monkeypatch):
     """With ``--profile-steps`` the run opens the profiler once before any engine captures a CUDA graph (graphs
     captured earlier replay without their kernels in a profile); without it, never. Off CUDA the session is skipped."""
-    from dsinfer.bench import step_profile, sweep_model
+    from dsinfer.bench import step_profile, sweep_model, sweep_points
 
     calls = []
     monkeypatch.setattr(sweep_model, "prepare_graph_profiling", lambda device: calls.append(device.type))
+    engine_class = sweep_points.LLMEngine
+
+    def engine(*args, **kwargs):  # where an engine would capture its graphs
+        calls.append("engine")
+        return engine_class(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_points, "LLMEngine", engine)
     assert sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "plain")) == 0
-    assert calls == []
-    assert (
-        sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "prof", "--profile-steps", "1")) == 0
-    )
-    assert calls == ["cpu"]
+    assert "cpu" not in calls and "engine" in calls
+    calls.clear()
+    profiled = sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "prof", "--profile-steps", "1")
+    assert sweep.main(profiled) == 0
+    assert calls[0] == "cpu" and calls.count("cpu") == 1 and "engine" in calls
     assert step_profile.prepare_graph_profiling(torch.device("cpu")) is False
 
 
