@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -187,6 +188,36 @@ def test_step_statistics_arithmetic():
     assert stats["tokens_per_s_per_gpu"] == pytest.approx(11 / 0.6)
     assert stats["irregular_steps"] == 1 and stats["steps"] == 3
     assert stats["step_time_share"]["schedule"] == pytest.approx(0.01 / 0.6)
+
+
+class _QueuedWorkEngine:
+    """An engine whose step launches ``work_s`` of device work and returns at once; a drain runs what is queued
+    (as ``torch.cuda.synchronize`` waits for launched kernels)."""
+
+    def __init__(self, work_s: float):
+        self.work_s, self.queued, self.last_step = work_s, 0, None
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def step(self) -> None:
+        self.queued += 1
+        self.last_step = StepStats(0.0, 0.0, 0.0, 1)
+
+    def drain(self) -> None:
+        time.sleep(self.queued * self.work_s)
+        self.queued = 0
+
+
+def test_timed_steps_hold_exactly_their_own_device_work(monkeypatch):
+    engine = _QueuedWorkEngine(work_s=0.02)
+    engine.queued = 5  # untimed steps' work still in flight when the window opens
+    monkeypatch.setattr(sweep_timing, "drain_device", lambda e: e.drain())
+    timed, _, window = sweep_timing.timed_steps(engine, 3)
+    seconds = sum(s for s, _ in timed)
+    assert 0.06 <= seconds < 0.095  # the three timed steps' work: none of the five before, all of their own
+    assert timed[-1][0] >= 0.06 and engine.queued == 0
+    assert window[1] - window[0] >= 0.06
 
 
 def test_prefill_measure_steps_cover_whole_position_cycles():

@@ -37,20 +37,35 @@ def timed_steps(
     """Time ``measure`` steps one by one: (seconds, the engine's StepStats of that step), the collector's pauses
     among them, and the window they ran in (``time.monotonic()``). The heap is frozen meanwhile (frozen before
     the window opens), as ``dsinfer serve`` freezes it once its engine is up. ``quiet``: a context held over the
-    steps (the telemetry's :meth:`~Bench.telemetry_held`)."""
+    steps (the telemetry's :meth:`~Bench.telemetry_held`).
+
+    A step may return before its device work ends (overlap scheduling; a prefill chunk whose prompt samples
+    nothing yet is never waited for), so the device is drained before the window opens and inside the last
+    step's time: the window holds exactly the timed steps' work, none of the untimed steps before and all of its
+    own. Without it a window of few steps is off by up to a step's worth at each end."""
     freeze_heap()
     timed = []
+    drain_device(engine)
     window = [time.monotonic()]
     try:
         with GcPauses() as pauses, quiet or nullcontext():
-            for _ in range(measure):
+            for step in range(measure):
                 start = time.perf_counter()
                 checked_step(engine)
+                if step == measure - 1:
+                    drain_device(engine)
                 timed.append((time.perf_counter() - start, engine.last_step))
     finally:
         thaw_heap()  # this process builds and drops an engine per point
     window.append(time.monotonic())
     return timed, pauses.summary(), window
+
+
+def drain_device(engine: LLMEngine) -> None:
+    """Wait for the device work the engine has launched (nothing to wait for on the CPU)."""
+    device = torch.device(engine.config.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def checked_step(engine: LLMEngine) -> None:
