@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.bench.step_profile import prepare_graph_profiling, profiled_spans, timeline_summary
+from dsinfer.bench.step_profile import profiled_spans, timeline_summary
 from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -247,8 +247,6 @@ def result_row(args: argparse.Namespace, run: StreamRun, mode: str, first: list)
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.profile_chats:  # before the engines capture their graphs (dsinfer.bench.step_profile)
-        prepare_graph_profiling(torch.device(args.device))
     directory = args.model or str(default_model_dir())
     model = load_model(directory, dtype=getattr(torch, args.dtype), device=args.device, progress=False)
     if args.no_rounding:

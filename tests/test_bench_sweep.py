@@ -303,27 +303,18 @@ def test_prefill_point_with_profiled_steps(tiny_checkpoint, tmp_path):
     assert record["tokens_per_step"] == CONTEXT
 
 
-def test_a_profiling_sweep_prepares_the_profiler_before_its_graphs(tiny_checkpoint, tmp_path, monkeypatch):
-    """With ``--profile-steps`` the run opens the profiler once before any engine captures a CUDA graph (graphs
-    captured earlier replay without their kernels in a profile); without it, never. Off CUDA the session is skipped."""
-    from dsinfer.bench import step_profile, sweep_model, sweep_points
+def test_profiles_record_the_steps_of_a_worker_thread_started_before_them():
+    """The engine's steps run on its device worker's thread, which exists before the profiler starts: a session
+    must record that thread's ops too, not only the thread that started it."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    calls = []
-    monkeypatch.setattr(sweep_model, "prepare_graph_profiling", lambda device: calls.append(device.type))
-    engine_class = sweep_points.LLMEngine
+    from dsinfer.bench import step_profile
 
-    def engine(*args, **kwargs):  # where an engine would capture its graphs
-        calls.append("engine")
-        return engine_class(*args, **kwargs)
-
-    monkeypatch.setattr(sweep_points, "LLMEngine", engine)
-    assert sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "plain")) == 0
-    assert "cpu" not in calls and "engine" in calls
-    calls.clear()
-    profiled = sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "prof", "--profile-steps", "1")
-    assert sweep.main(profiled) == 0
-    assert calls[0] == "cpu" and calls.count("cpu") == 1 and "engine" in calls
-    assert step_profile.prepare_graph_profiling(torch.device("cpu")) is False
+    x = torch.ones(8)
+    with ThreadPoolExecutor(1) as worker:
+        worker.submit(lambda: None).result()  # the thread exists before the session
+        spans = step_profile.profiled_spans(lambda: worker.submit(torch.cumsum, x, 0).result(), torch.device("cpu"))
+    assert "aten::cumsum" in {name for _, _, name in spans}
 
 
 # ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ record. On a CUDA device the spans are the device's kernels and copies; on the C
 A profiler session leaves the process slower for a while (graph replays after one ran measurably slower on the
 H200: docs/perf.md, history, pass 11), so a sweep that profiles should time one point: later points would read slow.
 
-Profiles of graph replays came back with only the step's copies at six of eight seed decode points (docs/perf.md).
-PyTorch's profiler is known to mishandle CUDA graphs captured before a process's first profiler session, and its
-workaround is a session before the capture: :func:`prepare_graph_profiling` runs an empty one, and a run asked to
-profile calls it before its engines capture their graphs.
+The engine runs its steps on the device worker's thread (:mod:`dsinfer.engine.device_worker`), which exists
+before any profiler session. PyTorch's profiler records only the thread it was started in unless told to record
+them all: on the CPU the ops of such a worker thread are missing from a session (tested). Profiles of the seed
+decode points held only the step's copies, which the engine thread launches, and not the graph replays' kernels,
+which the worker launches; that is taken to be the same cause. So every session here records all threads.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def timeline_summary(spans: list[Span], steps: int = 1, top: int = 15, gaps_list
 
 
 def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
-    """Run ``run`` under ``torch.profiler``: the device's kernel and copy spans on CUDA (after a synchronize), the
-    top-level torch ops elsewhere."""
+    """Run ``run`` under ``torch.profiler``, every thread recorded (see the module docstring): the device's kernel
+    and copy spans on CUDA (after a synchronize), the top-level torch ops elsewhere."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         run()
         if cuda:
             torch.cuda.synchronize(device)
@@ -86,18 +88,6 @@ def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
         return event.cpu_parent is None and event.name.startswith("aten::")
 
     return [(event.time_range.start, event.time_range.end, event.name) for event in prof.events() if wanted(event)]
-
-
-def prepare_graph_profiling(device: torch.device) -> bool:
-    """An empty profiler session with the device's activities, so that CUDA graphs captured after it show their
-    kernels when profiled (see the module docstring). Nothing to do off CUDA; True when a session ran."""
-    if device.type != "cuda":
-        return False
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-        torch.cuda.synchronize(device)
-    return True
 
 
 def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from dsinfer.bench.shapes import flash_slice_config
-from dsinfer.bench.step_profile import prepare_graph_profiling
 from dsinfer.bench.sweep_options import DTYPES
 from dsinfer.bench.v41_slice import attach_engram, engram_table_bytes, v41_slice_config, with_engram_gib
 from dsinfer.config import ModelConfig, ModelConfigV41
@@ -101,8 +100,6 @@ def build_bench(args: argparse.Namespace) -> Bench:
     from dsinfer.models.tiny import default_model_dir
     from dsinfer.models.tiny_tokenizer import build_tiny_tokenizer
 
-    if getattr(args, "profile_steps", 0):  # before any engine captures a graph (step_profile)
-        prepare_graph_profiling(torch.device(args.device))
     if args.flash_layers is not None or args.config is not None:
         config, label, source = random_config(args)
         if args.speculative is not None and not config.num_nextn_predict_layers:
