@@ -71,12 +71,15 @@ def timeline_summary(spans: list[Span], steps: int = 1, top: int = 15, gaps_list
 
 def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
     """Run ``run`` under ``torch.profiler``, every thread recorded (see the module docstring): the device's kernel
-    and copy spans on CUDA (after a synchronize), the top-level torch ops elsewhere."""
+    and copy spans on CUDA (the device drained before the session and at its end), the top-level torch ops
+    elsewhere."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:  # work launched before the session (a step launched ahead) is not ``run``'s
+        torch.cuda.synchronize(device)
     with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         run()
         if cuda:
