@@ -46,7 +46,11 @@ What one point measures (one engine per point, one process = one DP rank = one G
   Prefix caching is off: every input token is uncached.
 
 Headline numbers use the mean over the timed steps (total tokens / total time is what a throughput is;
-prefill steps differ systematically by position); the median and spread are recorded beside it.
+prefill steps differ systematically by position); the median and spread are recorded beside it. The device is
+drained before the first timed step and inside the last, so the timed steps hold exactly their own work. A
+step's own time is the host's wait in it: under overlap scheduling a prefill chunk whose prompt does not finish
+returns at once, and the step that finishes the prompt waits for the chunks before it, so a prefill point's
+median and p90 say where the host waited, not what a chunk costs.
 
 Output, written only by dp_rank 0 (``DP_RANK``, else ``RANK``; others run and print but write nothing):
 ``<out-root>/<tag>/results.jsonl`` (one JSON object per point, appended as each point finishes),
