@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from dsinfer.bench.step_profile import profiled_spans, timeline_summary
+from dsinfer.bench.step_profile import laid_end_to_end, profiled_spans, timeline_summary
 from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -147,20 +147,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_tokens: int) -> dict:
     """``torch.profiler`` over serving ``prompts``, one session a step (each ends once the step's device work has):
     :func:`~dsinfer.bench.step_profile.timeline_summary` per engine step (kernels and device time a step, the top
-    25 kernels), the same for the admitting and the decoding steps apart (``by_kind``), and the steps' kinds."""
+    25 kernels), the same for the admitting and the decoding steps apart (``by_kind``), and the steps' kinds. The
+    sessions are laid end to end (:func:`~dsinfer.bench.step_profile.laid_end_to_end`): a kind's span and idle
+    time are its own steps', not the time between them."""
     device = torch.device(engine.config.device)
-    spans: dict[str, list] = {"admit": [], "decode": []}
+    sessions: dict[str, list] = {"admit": [], "decode": []}  # each step's spans, a session a step
 
     def run_step(kind: str) -> list:
         outputs: list = []
-        spans[kind] += profiled_spans(lambda: outputs.extend(engine.step()), device)
+        sessions[kind].append(profiled_spans(lambda: outputs.extend(engine.step()), device))
         return outputs
 
     steps = serve_counted(engine, prompts, streams, max_tokens, run_step)[2]
-    every = spans["admit"] + spans["decode"]
+    every = laid_end_to_end(sessions["admit"] + sessions["decode"])
     summary = timeline_summary(every, max(1, sum(len(times) for times in steps.values())), top=25, gaps_listed=0)
-    by_kind = {kind: timeline_summary(spans[kind], len(steps[kind]), top=25, gaps_listed=0)
-               for kind in spans if steps[kind]}  # fmt: skip
+    by_kind = {kind: timeline_summary(laid_end_to_end(sessions[kind]), len(steps[kind]), top=25, gaps_listed=0)
+               for kind in sessions if steps[kind]}  # fmt: skip
     return {"step_kinds": step_kind_ms(steps), "by_kind": by_kind, **summary}
 
 

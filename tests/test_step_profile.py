@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsinfer.bench.step_profile import timeline_summary
+from dsinfer.bench.step_profile import laid_end_to_end, timeline_summary
 
 
 def test_spans_of_two_steps():
@@ -32,3 +32,15 @@ def test_no_spans_and_bad_steps():
     assert timeline_summary([], steps=3) == {"kernels": 0, "steps": 3}
     with pytest.raises(ValueError, match="steps"):
         timeline_summary([(0.0, 1.0, "a")], steps=0)
+
+
+def test_sessions_laid_end_to_end_leave_out_the_time_between_them():
+    """Two steps profiled in sessions of their own, 10 ms apart (unprofiled steps ran between): their summary's
+    span and idle time are the two sessions' own, not the wall time from the first to the second."""
+    first = [(1000.0, 1100.0, "a"), (1130.0, 1150.0, "b")]  # 150 us, 30 idle
+    second = [(11000.0, 11040.0, "a"), (11060.0, 11100.0, "b")]  # 100 us, 20 idle
+    summary = timeline_summary(laid_end_to_end([first, [], second]), steps=2)
+    assert summary["span_ms"] == pytest.approx(0.25)
+    assert summary["idle_ms"] == pytest.approx(0.05)
+    assert summary["busy_ms"] == pytest.approx(0.2) and summary["kernels"] == 4
+    assert laid_end_to_end([]) == []

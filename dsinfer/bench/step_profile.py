@@ -93,6 +93,22 @@ def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
     return [(event.time_range.start, event.time_range.end, event.name) for event in prof.events() if wanted(event)]
 
 
+def laid_end_to_end(sessions: list[list[Span]]) -> list[Span]:
+    """The spans of separate profiler sessions as one timeline, each session shifted to start where the one before
+    ended: :func:`timeline_summary` then sums the sessions' spans and idle time, and leaves out whatever ran
+    between them (unprofiled steps)."""
+    joined: list[Span] = []
+    end = 0.0
+    for spans in sessions:
+        if not spans:
+            continue
+        first = min(start for start, _, _ in spans)
+        shift = end - first
+        joined += [(start + shift, stop + shift, name) for start, stop, name in spans]
+        end = max(stop for _, stop, _ in joined)
+    return joined
+
+
 def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
     """:func:`timeline_summary` of ``steps`` calls of ``step`` (an engine step) profiled together."""
 
