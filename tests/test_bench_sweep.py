@@ -210,14 +210,14 @@ class _QueuedWorkEngine:
 
 
 def test_timed_steps_hold_exactly_their_own_device_work(monkeypatch):
-    engine = _QueuedWorkEngine(work_s=0.02)
-    engine.queued = 5  # untimed steps' work still in flight when the window opens
+    engine = _QueuedWorkEngine(work_s=0.05)
+    engine.queued = 5  # untimed steps' work still in flight when the window opens: 0.25 s
     monkeypatch.setattr(sweep_timing, "drain_device", lambda e: e.drain())
     timed, _, window = sweep_timing.timed_steps(engine, 3)
     seconds = sum(s for s, _ in timed)
-    assert 0.06 <= seconds < 0.095  # the three timed steps' work: none of the five before, all of their own
-    assert timed[-1][0] >= 0.06 and engine.queued == 0
-    assert window[1] - window[0] >= 0.06
+    assert 0.15 <= seconds < 0.35  # the three timed steps' work (0.15 s): none of the five before, all of their own
+    assert timed[-1][0] >= 0.15 and engine.queued == 0
+    assert window[1] - window[0] >= 0.15
 
 
 def test_prefill_measure_steps_cover_whole_position_cycles():
