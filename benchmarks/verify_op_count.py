@@ -3,6 +3,7 @@
     python benchmarks/verify_op_count.py                          # the embedded default, DSpark K = 3
     python benchmarks/verify_op_count.py --tiny v4 --method mtp   # the tiny V4 with MTP
     python benchmarks/verify_op_count.py --tiny v41               # the tiny V4.1 with DSpark
+    python benchmarks/verify_op_count.py --admissions             # the steps that prefill a prompt instead
 
 The engine runs the static-shape path (one graph bucket, run eagerly on the CPU) over a few greedy prompts, once
 plain and once speculative, and every op inside the plain decode graph's forward, the verify graph's forward and
@@ -13,6 +14,10 @@ the draft graph's forward is counted with a ``TorchDispatchMode``. Two counts a 
   them (views and other metadata-only ops excluded): roughly the kernels a CUDA graph of the forward replays.
   On CUDA some registry ops launch more than one kernel, and the CPU backs ops such as ``hc_site_input`` with
   references of many aten ops, which this count leaves inside the op.
+
+``--admissions``: the engine steps that prefill a prompt instead (one prompt at a time, counted whole: the
+forward, the drafter's seeding and what the step adds around them), plain (``admit``) and speculative
+(``admit+drafter``), with the first drafts deferred as where graphs are captured (``defer_first_drafts``).
 
 No timing: the counts show where a forward's work is, and whether a change adds or removes dispatches.
 """
@@ -135,6 +140,32 @@ def count(checkpoint: str, speculative: dict | None, prompts: int, max_tokens: i
             for kind, (n, aten, proxy) in totals.items()}  # fmt: skip
 
 
+def count_admissions(checkpoint: str, speculative: dict | None, prompts: int) -> dict[str, dict[str, float]]:
+    """Ops of the engine steps that prefill a prompt, one greedy prompt admitted at a time (plain when
+    ``speculative`` is None; else its first drafts deferred, as where graphs are captured): ``{kind: {"forwards"
+    (steps), "aten_ops", "launch_proxy"}}`` per step."""
+    model = load_model(checkpoint, progress=False)
+    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256, cuda_graph_sizes=[1],
+                          speculative_config=speculative)  # fmt: skip
+    engine = LLMEngine(model, Tokenizer.from_dir(checkpoint), config)
+    executor = engine.worker.speculative
+    if executor is not None:
+        executor.defer_first_drafts = executor.graphs is not None
+    label = "admit" if speculative is None else "admit+drafter"
+    totals: dict = {}
+    counted_step = _counted(totals, label, engine.step)
+    scheduler, generator = engine.scheduler, torch.Generator().manual_seed(5)
+    for index in range(prompts):
+        ids = torch.randint(10, int(model.config.vocab_size) - 10, (40 + index,), generator=generator).tolist()
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            queued = [*scheduler.waiting, *scheduler.running]
+            prefilling = any(seq.num_computed < len(seq.prompt_token_ids) for seq in queued)
+            (counted_step if prefilling else engine.step)()
+    return {kind: {"forwards": n, "aten_ops": aten / n, "launch_proxy": proxy / n}
+            for kind, (n, aten, proxy) in totals.items()}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded default)")
@@ -143,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--prompts", type=int, default=4, help="sequences decoding at once (the graph bucket)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--admissions", action="store_true",
+                        help="count the steps that prefill a prompt (plain and speculative) instead")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root, registry_ops_counted():
@@ -150,10 +183,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         if args.tiny is not None:
             checkpoint = str(make_tiny_checkpoint(Path(root) / args.tiny, seed=0, arch=args.tiny))
         speculative = {"method": args.method, "num_speculative_tokens": args.k}
-        counts = {**count(checkpoint, None, args.prompts, args.max_tokens),
-                  **count(checkpoint, speculative, args.prompts, args.max_tokens)}  # fmt: skip
+        if args.admissions:
+            counts = {**count_admissions(checkpoint, None, args.prompts),
+                      **count_admissions(checkpoint, speculative, args.prompts)}  # fmt: skip
+        else:
+            counts = {**count(checkpoint, None, args.prompts, args.max_tokens),
+                      **count(checkpoint, speculative, args.prompts, args.max_tokens)}  # fmt: skip
     for kind, row in counts.items():
-        print(f"{kind:6}  {row['forwards']:3d} forwards  {row['aten_ops']:9.0f} aten ops  "
+        unit = "steps" if args.admissions else "forwards"
+        print(f"{kind:13}  {row['forwards']:3d} {unit:8}  {row['aten_ops']:9.0f} aten ops  "
               f"{row['launch_proxy']:7.0f} launch proxy", flush=True)  # fmt: skip
     return counts
 

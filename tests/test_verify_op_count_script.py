@@ -1,7 +1,8 @@
 """``benchmarks/verify_op_count.py``: ops a forward of each graphed kind on the tiny V4 with MTP, counted on the CPU:
 a verify forward (K + 1 positions a sequence) dispatches more than a plain decode forward and less than K + 1 of
 them, the launch proxy below the aten count, every kind counted; and the graphs' own work (snapshot, journal,
-rollback) keeps a verify under 2.5 plain forwards' launches and a K = 3 draft under 2.3."""
+rollback) keeps a verify under 2.5 plain forwards' launches and a K = 3 draft under 2.3; with ``--admissions`` the
+steps that prefill a prompt, plain and with DSpark's first drafts deferred."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def test_the_verify_forward_counts_between_one_and_k_plus_one_plain_forwards():
     assert plain["launch_proxy"] < verify["launch_proxy"] < 4 * plain["launch_proxy"]
     assert verify["launch_proxy"] < 2.5 * plain["launch_proxy"]
     assert counts["draft"]["launch_proxy"] < 2.3 * plain["launch_proxy"]
+
+
+def test_a_deferred_dspark_admission_adds_seeding_but_no_draft():
+    """Where graphs are captured a prompt's last chunk drafts nothing (its first drafts run in the next step's
+    draft replay): the admitting steps then cost plain's plus the drafter's seeding, well under one draft."""
+    admissions = verify_op_count.main(["--tiny", "v41", "--prompts", "2", "--admissions"])
+    rounds = verify_op_count.main(["--tiny", "v41", "--prompts", "1", "--max-tokens", "8"])
+    assert set(admissions) == {"admit", "admit+drafter"}
+    added = admissions["admit+drafter"]["launch_proxy"] - admissions["admit"]["launch_proxy"]
+    assert 0 < added < 0.5 * rounds["draft"]["launch_proxy"]
