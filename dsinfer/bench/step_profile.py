@@ -73,8 +73,7 @@ def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
     """Run ``run`` under ``torch.profiler``, every thread recorded (see the module docstring): the device's kernel
     and copy spans on CUDA (the device drained before the session and at its end), the top-level torch ops
     elsewhere."""
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
