@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 
 import torch
+from cold_copies import graph_ms  # the benchmarks' graph timer (same folder)
 from safetensors import safe_open
 
 from dsinfer.models.tiny import default_model_dir
 
 CALLS_A_REPLAY = 20
+REPLAYS = 10
 
 
 def weight_shapes(directory, count: int) -> list[tuple[tuple[int, int], int]]:
@@ -33,26 +34,6 @@ def weight_shapes(directory, count: int) -> list[tuple[tuple[int, int], int]]:
                 if len(shape) == 2 and name.endswith("weight") and min(shape) >= 8 and "embed" not in name:
                     shapes[shape] += 1
     return shapes.most_common(count)
-
-
-def graph_us(call) -> float:
-    """Microseconds a call of ``call``, replayed from a CUDA graph of ``CALLS_A_REPLAY`` calls."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_A_REPLAY):
-            call()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_A_REPLAY * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda")
-                cells.append(f"{rows} rows {graph_us(lambda x=x, w=weight: torch.nn.functional.linear(x, w)):6.2f}")
+                call = lambda x=x, w=weight: torch.nn.functional.linear(x, w)  # noqa: E731
+                cells.append(f"{rows} rows {1e3 * graph_ms(call, CALLS_A_REPLAY, REPLAYS, warmup=10):6.2f}")
             print(f"{library:8} ({out_features}, {in_features}) x {count}: " + ", ".join(cells), flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
     return 0

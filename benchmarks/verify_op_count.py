@@ -115,6 +115,11 @@ def _counted(totals: dict, label: str, forward):
     return wrapped
 
 
+def greedy_prompt(model, generator: torch.Generator, index: int) -> list[int]:
+    """Prompt ``index`` of a run: 40 + ``index`` random ids clear of the special tokens."""
+    return torch.randint(10, int(model.config.vocab_size) - 10, (40 + index,), generator=generator).tolist()
+
+
 def count(checkpoint: str, speculative: dict | None, prompts: int, max_tokens: int) -> dict[str, dict[str, float]]:
     """Ops a forward of each graphed kind while ``prompts`` greedy prompts decode (plain when ``speculative`` is
     None): ``{kind: {"forwards", "aten_ops", "launch_proxy"}}``."""
@@ -132,7 +137,7 @@ def count(checkpoint: str, speculative: dict | None, prompts: int, max_tokens: i
         graphs._draft_forward = _counted(totals, "draft", graphs._draft_forward)
     generator = torch.Generator().manual_seed(5)
     for index in range(prompts):
-        ids = torch.randint(10, int(model.config.vocab_size) - 10, (40 + index,), generator=generator).tolist()
+        ids = greedy_prompt(model, generator, index)
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -156,7 +161,7 @@ def count_admissions(checkpoint: str, speculative: dict | None, prompts: int) ->
     counted_step = _counted(totals, label, engine.step)
     scheduler, generator = engine.scheduler, torch.Generator().manual_seed(5)
     for index in range(prompts):
-        ids = torch.randint(10, int(model.config.vocab_size) - 10, (40 + index,), generator=generator).tolist()
+        ids = greedy_prompt(model, generator, index)
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             queued = [*scheduler.waiting, *scheduler.running]

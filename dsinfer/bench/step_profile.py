@@ -101,10 +101,9 @@ def laid_end_to_end(sessions: list[list[Span]]) -> list[Span]:
     for spans in sessions:
         if not spans:
             continue
-        first = min(start for start, _, _ in spans)
-        shift = end - first
+        shift = end - min(start for start, _, _ in spans)
         joined += [(start + shift, stop + shift, name) for start, stop, name in spans]
-        end = max(stop for _, stop, _ in joined)
+        end = max(end, max(stop for _, stop, _ in spans) + shift)
     return joined
 
 

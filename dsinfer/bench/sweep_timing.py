@@ -62,8 +62,12 @@ def timed_steps(
 
 
 def drain_device(engine: LLMEngine) -> None:
-    """Wait for the device work the engine has launched (nothing to wait for on the CPU)."""
-    device = torch.device(engine.config.device)
+    """Wait for the device work the engine has launched."""
+    synchronize(torch.device(engine.config.device))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work launched on ``device`` (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -173,12 +177,10 @@ def head_ms(hidden_size: int, vocab_size: int, rows: int, dtype: torch.dtype, de
     weight = torch.randn(vocab_size, hidden_size, dtype=dtype, device=device, generator=generator)
     repeats, times = 5, []
     for index in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.nn.functional.linear(hidden, weight)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         if index:  # the first call pays for the library's set-up
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
