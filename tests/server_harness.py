@@ -26,7 +26,11 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
 
     ``model_dir`` None serves the embedded default model, as ``dsinfer serve`` without a path does.
     """
-    port = free_port()
+    # The listening socket is bound before anything else starts, and uvicorn serves on it: a port only named here
+    # could be taken in between (the ranks' rendezvous picks a free port too) and the server would never answer.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     options.setdefault("served_model_name", "tiny")  # None: the name ``dsinfer serve`` would choose
     # Most tests send bodies without ``model``, as vLLM allows; the API-edge tests pass True (the server's default).
     options.setdefault("require_model", False)
@@ -35,7 +39,7 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
     app, engine = build_server(serve_options, config)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -50,6 +54,7 @@ def running_server(model_dir, engine_config: EngineConfig | None = None, **optio
         server.should_exit = True
         thread.join(timeout=30)
         engine.stop()
+        listener.close()
         forget_endpoints()
 
 
