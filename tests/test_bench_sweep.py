@@ -317,6 +317,36 @@ def test_profiles_record_the_steps_of_a_worker_thread_started_before_them():
     assert "aten::cumsum" in {name for _, _, name in spans}
 
 
+def test_a_profile_leaves_out_what_its_preparation_ran():
+    """A session's ``prepare`` (recording graphs again, on a GPU) runs inside the session, and its ops stay out of
+    the steps' spans."""
+    from dsinfer.bench import step_profile
+
+    x = torch.ones(8)
+    spans = step_profile.profiled_spans(
+        lambda: torch.cumsum(x, 0), torch.device("cpu"), prepare=lambda: torch.cumprod(x, 0)
+    )
+    names = {name for _, _, name in spans}
+    assert "aten::cumsum" in names and "aten::cumprod" not in names
+
+
+def test_work_between_steps_runs_on_the_device_worker_after_the_queued_steps():
+    import threading
+
+    from dsinfer.engine.device_worker import DeviceWorker
+
+    worker = DeviceWorker(runner=None, sampler=None)
+    try:
+        order, gate = [], threading.Event()
+        worker._pool.submit(lambda: (gate.wait(5), order.append("step")))
+        ran = []
+        threading.Timer(0.1, gate.set).start()
+        assert worker.run_between_steps(lambda: ran.append(threading.current_thread().name) or 7) == 7
+        assert order == ["step"] and ran[0].startswith("dsinfer-device")
+    finally:
+        worker.close()
+
+
 # ---- V4.1 in the sweep ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_v41_config(tmp_path_factory):

@@ -10,9 +10,10 @@ H200: docs/perf.md, history, pass 11), so a sweep that profiles should time one 
 
 The engine runs its steps on the device worker's thread (:mod:`dsinfer.engine.device_worker`), which exists
 before any profiler session. PyTorch's profiler records only the thread it was started in unless told to record
-them all: on the CPU the ops of such a worker thread are missing from a session (tested). Profiles of the seed
-decode points held only the step's copies, which the engine thread launches, and not the graph replays' kernels,
-which the worker launches; that is taken to be the same cause. So every session here records all threads.
+them all: on the CPU the ops of such a worker thread are missing from a session (tested). So every session here
+records all threads. Graphed steps need one thing more: CUPTI sees the kernels of a CUDA graph's replays only
+when the graph was instantiated while it was recording, so the sweep records its graphs again at the start of the
+session (``prepare``) and leaves that recording out of the summary.
 """
 
 from __future__ import annotations
@@ -69,27 +70,43 @@ def timeline_summary(spans: list[Span], steps: int = 1, top: int = 15, gaps_list
     }
 
 
-def profiled_spans(run: Callable[[], None], device: torch.device) -> list[Span]:
+PROFILED_MARK = "dsinfer.profiled_steps"  # a host event: spans before it belong to the session's preparation
+
+
+def profiled_spans(
+    run: Callable[[], None], device: torch.device, prepare: Callable[[], None] | None = None
+) -> list[Span]:
     """Run ``run`` under ``torch.profiler``, every thread recorded (see the module docstring): the device's kernel
     and copy spans on CUDA (the device drained before the session and at its end), the top-level torch ops
-    elsewhere."""
-    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
+    elsewhere. ``prepare`` runs first inside the same session (recording CUDA graphs the profiler should see into,
+    :func:`profile_steps`); what it ran is left out."""
+    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:  # work launched before the session (a step launched ahead) is not ``run``'s
         torch.cuda.synchronize(device)
     with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        if prepare is not None:
+            prepare()
+            if cuda:
+                torch.cuda.synchronize(device)
+        with record_function(PROFILED_MARK):
+            pass
         run()
         if cuda:
             torch.cuda.synchronize(device)
+    events = prof.events()
+    begin = max((event.time_range.end for event in events if event.name == PROFILED_MARK), default=float("-inf"))
 
     def wanted(event) -> bool:
+        if event.time_range.start < begin:
+            return False
         if cuda:
             return event.device_type == torch.autograd.DeviceType.CUDA
         return event.cpu_parent is None and event.name.startswith("aten::")
 
-    return [(event.time_range.start, event.time_range.end, event.name) for event in prof.events() if wanted(event)]
+    return [(event.time_range.start, event.time_range.end, event.name) for event in events if wanted(event)]
 
 
 def laid_end_to_end(sessions: list[list[Span]]) -> list[Span]:
@@ -107,11 +124,21 @@ def laid_end_to_end(sessions: list[list[Span]]) -> list[Span]:
     return joined
 
 
-def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
-    """:func:`timeline_summary` of ``steps`` calls of ``step`` (an engine step) profiled together."""
+def profile_steps(
+    step: Callable[[], None],
+    steps: int,
+    device: torch.device,
+    top: int = 15,
+    prepare: Callable[[], None] | None = None,
+) -> dict:
+    """:func:`timeline_summary` of ``steps`` calls of ``step`` (an engine step) profiled together. ``prepare``:
+    what must run inside the session first and stay out of the summary. The kernels of a CUDA graph's replays
+    reach the profiler only when the graph was instantiated while one was recording (CUPTI instruments a graph's
+    kernels when it is instantiated), so a profile of graphed steps passes the engine's graph recapture here
+    (:func:`dsinfer.bench.sweep_timing.recapture_graphs`)."""
 
     def run() -> None:
         for _ in range(steps):
             step()
 
-    return timeline_summary(profiled_spans(run, device), steps, top)
+    return timeline_summary(profiled_spans(run, device, prepare), steps, top)

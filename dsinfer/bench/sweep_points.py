@@ -29,6 +29,7 @@ from dsinfer.bench.sweep_timing import (
     head_ms,
     prefill_measure_steps,
     random_prompts,
+    recapture_graphs,
     run_steps,
     speculative_accounting,
     step_statistics,
@@ -234,7 +235,8 @@ def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dic
     extra = {"context_range": [shortest, max(seq.num_tokens for seq in sequences)], "timed_window": window,
              "gc": collector}  # fmt: skip
     if args.profile_steps:  # after the timing: a profiler session slows what runs after it
-        extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device)
+        extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device,
+                                         prepare=lambda: recapture_graphs(engine))  # fmt: skip
     drafts_per_step = args.speculative.num_speculative_tokens if args.speculative is not None else 0
     measured = step_statistics(timed, expected_tokens=len(sequences) * (1 + drafts_per_step))
     drafted = None

@@ -72,6 +72,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def recapture_graphs(engine: LLMEngine) -> None:
+    """Record the engine's decode graphs again, on its device worker between steps: a profiler session that
+    starts with this sees the kernels of the graphs' replays (:func:`dsinfer.bench.step_profile.profile_steps`).
+    Speculative steps keep their graphs."""
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:
+        engine.worker.run_between_steps(graphs.recapture)
+
+
 def checked_step(engine: LLMEngine) -> None:
     if not engine.has_unfinished_requests():
         raise RuntimeError("the engine ran out of work inside the timed window (a sweep bookkeeping bug)")

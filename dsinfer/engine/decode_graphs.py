@@ -104,6 +104,18 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self._batch(size), logits_for=self.rows[:size])
 
+    def recapture(self) -> None:
+        """Record every bucket again, every row padding (the next step stages its own rows). A profiler sees the
+        kernels of a graph's replays only when the graph was instantiated while it was recording (CUPTI instruments
+        a graph's kernels when it is instantiated), so a profile of graphed steps recaptures first."""
+        if not self.capture:
+            return
+        torch.cuda.synchronize()  # no replay of an old graph still running
+        self.graphs.clear()  # the old graphs and their pool go before the new ones take memory
+        for size, inputs in self.inputs.items():
+            self.staged.write(inputs, [], size)
+        self._capture_all()
+
     def _capture_all(self) -> None:
         """Record every bucket (largest first, sharing one memory pool), with every row padding."""
         pool = None

@@ -24,6 +24,7 @@ engine core and gives each rank a worker of its own.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,13 @@ class DeviceWorker:
         outputs = self.sampler.launch(logits, states, output_positions)
         self._sampled_tokens = self.sampler.last_token_ids
         return outputs
+
+    def run_between_steps(self, work: Callable[[], object]) -> object:
+        """``work()`` on the worker's thread once the steps queued before it have run, and its result: a change
+        to what the steps use (a CUDA graph recorded again) never races a step."""
+        if self._pool is None:
+            return work()
+        return self._pool.submit(work).result()
 
     def close(self) -> None:
         if self._pool is not None:
