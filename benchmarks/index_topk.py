@@ -1,0 +1,83 @@
+"""The indexer's top-k selection (``index_topk_decode``, Triton) at the shapes a long context gives it, by how many
+bits of the k-th key each count finds (``RADIX_BITS`` of :mod:`dsinfer.ops.index_select.triton`).
+
+    python benchmarks/index_topk.py                          # prefill slice and decode batches at 131,072 tokens
+    python benchmarks/index_topk.py --radix-bits 1 2 4       # the default list
+    python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
+
+A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
+``:causal`` the -inf tail of a prefill's rows: the rows are the last queries of a chunk whose newest sees all
+``width`` entries, each earlier one an entry fewer every 4 positions (ratio 4). For each case and setting: the
+median of CUDA-event timings, and whether the choice is the first setting's, bit for bit (the first setting's
+first 64 rows against the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
+
+from dsinfer.ops.index_select import triton as backend
+from dsinfer.ops.index_select.reference import index_topk_decode_reference
+
+RATIO = 4  # compressed entries a query position adds (V4's CSA): a prefill row sees one more entry every 4 tokens
+DEFAULT_CASES = ["4096x32768:causal", "4096x16384:causal", "64x32768", "256x32768"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    parser.add_argument("--radix-bits", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--k", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def make_scores(case: str, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    shape, _, kind = case.partition(":")
+    rows, width = (int(n) for n in shape.split("x"))
+    scores = torch.randn(rows, width, generator=generator)
+    scores[torch.rand(rows, width, generator=generator) < 0.1] = 0.0
+    if kind == "causal":  # rows are the chunk's last queries: each sees one entry fewer every RATIO rows back
+        visible = width - torch.arange(rows - 1, -1, -1) // RATIO
+        scores = scores.masked_fill(torch.arange(width) >= visible[:, None], float("-inf"))
+    elif kind:
+        raise ValueError(f"case {case!r}: the kind after ':' must be 'causal'")
+    return scores.to(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(args.seed)
+    default = backend.RADIX_BITS
+    print(f"{torch.cuda.get_device_name()}; k = {args.k}; the module's RADIX_BITS = {default}")
+    try:
+        for case in args.cases:
+            scores = make_scores(case, device, generator)
+            first = None
+            for bits in args.radix_bits:
+                backend.RADIX_BITS = bits
+                chosen = backend.index_topk_decode_triton(scores, args.k)
+                if first is None:  # the reference on a few rows (it materialises int64 keys of the whole case)
+                    same = torch.equal(chosen[:64], index_topk_decode_reference(scores[:64], args.k))
+                    first = chosen
+                else:
+                    same = torch.equal(chosen, first)
+                ms = statistics.median(
+                    cuda_ms(lambda s=scores: backend.index_topk_decode_triton(s, args.k), args.iters)
+                )
+                print(f"{case:>20}  radix bits {bits}: {ms:8.3f} ms  same choice: {same}")
+    finally:
+        backend.RADIX_BITS = default
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
