@@ -2,7 +2,7 @@
 bits of the k-th key each count finds (``RADIX_BITS`` of :mod:`dsinfer.ops.index_select.triton`).
 
     python benchmarks/index_topk.py                          # prefill slice and decode batches at 131,072 tokens
-    python benchmarks/index_topk.py --radix-bits 1 2 4       # the default list
+    python benchmarks/index_topk.py --radix-bits 1 2                # the default list
     python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
@@ -30,7 +30,7 @@ DEFAULT_CASES = ["4096x32768:causal", "4096x16384:causal", "64x32768", "256x3276
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
-    parser.add_argument("--radix-bits", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--radix-bits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)

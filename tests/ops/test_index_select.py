@@ -95,3 +95,23 @@ def test_registry_picks_the_kernels_on_cuda_only():
     for op in ("index_topk_decode", "candidate_block_mask"):
         assert [b.name for b in registry.backends(op)] == ["triton", "reference"]
         assert registry.choose(op, "cpu", torch.float32).name == "reference"
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("radix_bits", [1, 2])
+def test_topk_kernel_compiles_for_hopper(radix_bits):
+    """The chunk program of a long row (4,096 keys at 8 warps, candidates kept) builds an sm_90 cubin without local
+    memory at each setting of the count's bits (the interpreter runs code the compiler can refuse)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dsinfer.ops.index_select.triton as backend
+
+    kernel = backend._topk_kernel
+    constants = dict(HAS_ALLOWED=False, KEEP_KEYS=True, BLOCK_W=backend.CHUNK, RADIX_BITS=radix_bits)
+    pointers = {"scores_ptr": "*fp32", "allowed_ptr": "*u8", "out_ptr": "*i32", "kept_ptr": "*u32"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=backend._warps(backend.CHUNK)))  # fmt: skip
+    assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]

@@ -7,11 +7,12 @@ the int64 ``topk`` / ``sort`` are among the costliest kernels of a decode step.
 
 Here a program loads its row's scores (padded to a power of two), maps each to the same order-preserving
 unsigned key as the reference's packed key (negatives' magnitude bits flipped, ``-0`` and ``+0`` one key), and
-finds the k-th largest key bit by bit from the top (32 counts over the row): the keys above it are chosen, and
-among the keys equal to it the lowest entries, by a running count (the reference's tie rule, exactly). The
-choice is written in entry order by a cumulative sum: the same entries in the same order as the reference, bit
-for bit. ``index_topk_decode`` writes the chosen finite entries then -1; ``candidate_block_mask`` takes each
-block's best score first (the newest visible block forced in) and writes the kept blocks' entries as a mask.
+finds the k-th largest key from the top, one or two bits a count over the row (:func:`_top`; a row of at most k
+finite keys at once): the keys above it are chosen, and among the keys equal to it the lowest entries, by a
+running count (the reference's tie rule, exactly). The choice is written in entry order by a cumulative sum: the
+same entries in the same order as the reference, bit for bit. ``index_topk_decode`` writes the chosen finite
+entries then -1; ``candidate_block_mask`` takes each block's best score first (the newest visible block forced
+in) and writes the kept blocks' entries as a mask.
 
 A row wider than ``CHUNK`` (a long context's 32,800 slots) is cut into equal chunks, one program each, that keep
 their own best ``k`` as candidates (entry and score, ascending); one more program per row chooses among those.
@@ -37,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_WIDTH = 16384  # scores a program holds: 64 a thread at 8 warps
 CHUNK = 4096  # a wider row: chunks of at most this many, their candidates merged by one more program
-RADIX_BITS = 2  # bits of the k-th key found per count (1, 2 or 4: see :func:`_top`)
+RADIX_BITS = 1  # bits of the k-th key found per count (1 or 2: :func:`_top`; benchmarks/index_topk.py times both)
 
 
 if triton is not None:
@@ -55,25 +56,40 @@ if triton is not None:
         """Which of ``keys`` are the ``k`` largest (ties: lowest position first); a key of 0 (below every score's,
         -inf's included) marks a place outside the row: never counted, and never chosen while ``k`` others are.
 
-        The k-th largest key is found ``RADIX_BITS`` bits at a time from the top: one reduction counts the keys at
-        or above each of the ``2**RADIX_BITS`` extensions of the threshold so far, and the largest extension with
-        at least ``k`` keys is kept. Once the kept extension has exactly ``k`` keys at or above it, those are the
-        choice whatever the lower bits say, so the remaining counts are skipped; a row of at most ``k`` finite
-        keys chooses them all with no count. Each reduction is a barrier across the program's warps, which sets
-        a count's time more than its compares do."""
-        finite_count = tl.sum((keys > 0x7FFFFF).to(tl.int32), axis=0)
-        few = finite_count <= k
+        The k-th largest key is found from the top, ``RADIX_BITS`` (1 or 2) bits a count: the largest extension of
+        the threshold so far with at least ``k`` keys at or above it is kept. Two bits take the counts of their
+        three extensions in one reduction (packed into an int64, 21 bits each), so a count costs one barrier
+        across the program's warps as a one-bit count does, for half as many counts. Once the kept extension has
+        exactly ``k`` keys at or above it, those are the choice whatever the lower bits say, so the remaining
+        counts are skipped (random scores settle after about log2(width) + 4 bits instead of 32); a row of at
+        most ``k`` finite keys chooses them all with no count."""
+        few = tl.sum((keys > 0x7FFFFF).to(tl.int32), axis=0) <= k
         threshold = tl.where(few, 0x800000, 0).to(tl.uint32)  # the lowest finite key: every finite one chosen
         settled = few.to(tl.int32)
-        digit = tl.arange(0, 1 << RADIX_BITS)
         for step in tl.static_range(32 // RADIX_BITS):
-            shift: tl.constexpr = 32 - RADIX_BITS * (step + 1)
+            shift = 32 - RADIX_BITS * (step + 1)
             if settled == 0:
-                candidates = threshold | (digit.to(tl.uint32) << shift)  # digit 0: the threshold so far
-                counts = tl.sum((keys[:, None] >= candidates[None, :]).to(tl.int32), axis=0)
-                best = tl.max(tl.where(counts >= k, digit, 0), axis=0)
-                threshold = threshold | (best.to(tl.uint32) << shift)
-                settled = (tl.sum(tl.where(digit == best, counts, 0), axis=0) == k).to(tl.int32)
+                if RADIX_BITS == 1:
+                    candidate = threshold | (tl.full([], 1, tl.uint32) << shift)
+                    count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+                    threshold = tl.where(count >= k, candidate, threshold)
+                    settled = (count == k).to(tl.int32)
+                else:
+                    low = threshold | (tl.full([], 1, tl.uint32) << shift)
+                    middle = threshold | (tl.full([], 2, tl.uint32) << shift)
+                    high = threshold | (tl.full([], 3, tl.uint32) << shift)
+                    packed = tl.sum((keys >= low).to(tl.int64) + ((keys >= middle).to(tl.int64) << 21)
+                                    + ((keys >= high).to(tl.int64) << 42), axis=0)  # fmt: skip
+                    n_low = (packed & 0x1FFFFF).to(tl.int32)
+                    n_middle = ((packed >> 21) & 0x1FFFFF).to(tl.int32)
+                    n_high = (packed >> 42).to(tl.int32)
+                    threshold = tl.where(
+                        n_high >= k, high, tl.where(n_middle >= k, middle, tl.where(n_low >= k, low, threshold))
+                    )
+                    kept = tl.where(
+                        n_high >= k, n_high, tl.where(n_middle >= k, n_middle, tl.where(n_low >= k, n_low, k + 1))
+                    )
+                    settled = (kept == k).to(tl.int32)  # fmt: skip
         greater = keys > threshold
         tied = keys == threshold
         room = k - tl.sum(greater.to(tl.int32), axis=0)
