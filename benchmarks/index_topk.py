@@ -2,7 +2,7 @@
 bits of the k-th key each count finds (``RADIX_BITS`` of :mod:`dsinfer.ops.index_select.triton`).
 
     python benchmarks/index_topk.py                          # prefill slice and decode batches at 131,072 tokens
-    python benchmarks/index_topk.py --radix-bits 1 2                 # the default list
+    python benchmarks/index_topk.py --radix-bits 1 2         # the default list
     python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
