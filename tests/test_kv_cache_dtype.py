@@ -163,6 +163,41 @@ def test_fp8_index_keys_shrink_every_block_and_more_blocks_fit(tiny_v4_model):
     assert INDEX_KEY_FP8_FORMAT.row_bytes(128) == 129 and index_key_fp8_format(128) is INDEX_KEY_FP8_FORMAT
 
 
+def test_fp8_index_keys_decode_exactly_to_bf16_for_bf16_queries(tiny_checkpoint, tiny_v4_tokenizer):
+    """A prefill scores FP8 keys decoded to bf16 beside bf16 queries (the tensor cores' operands; float32 keys take
+    IEEE products on the CUDA cores): every e4m3 code times its ue8m0 scale is a bf16 value, so the keys are the
+    float32 decode's, bit for bit. Other dtypes are refused."""
+    from dsinfer.models.loader import load_model
+
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16, progress=False)
+    seen: list[torch.dtype] = []
+    for module in model.modules():
+        if isinstance(module, Indexer):
+            scores = module.ops.index_scores
+
+            class Spy:  # the indexer's table, recording the keys' dtype of every prefill scoring
+                def __getattr__(self, name, ops=module.ops):
+                    return getattr(ops, name)
+
+                def index_scores(self, q, keys, head_weights, visible, scores=scores):
+                    seen.append(keys.dtype)
+                    return scores(q, keys, head_weights, visible)
+
+            module.ops = Spy()
+    engine = LLMEngine(model, tiny_v4_tokenizer, EngineConfig(**BASE, kv_cache_dtype="fp8"))
+    run_all(engine, random_prompts(1, seed=2, low=40, high=41), GREEDY)
+    assert seen and set(seen) == {torch.bfloat16}
+    cache = engine.runner.cache.layers[1].indexer
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, cache.entries.shape[-1], generator=generator) * torch.logspace(-6, 6, 6)[:, None]
+    blocks, offsets = torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([0, 1, 0, 1, 0, 1])
+    cache.store_rows(blocks, offsets, rows)
+    wide = cache.load_rows(blocks, offsets)
+    assert torch.equal(cache.load_rows(blocks, offsets, decoded=torch.bfloat16).float(), wide)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cache.load_rows(blocks, offsets, decoded=torch.float16)
+
+
 def test_forks_and_drafts_carry_the_scales(tiny_v4_model, tiny_v4_tokenizer):
     model, tokenizer = tiny_v4_model, tiny_v4_tokenizer
     prompt = random_prompts(1, seed=5, low=60, high=61)[0]

@@ -65,14 +65,19 @@ class CompressorCache:
         _as_bytes(self.entries)[blocks, rows] = _as_bytes(codes)
         _as_bytes(self.entry_scales)[blocks, rows] = _as_bytes(scales)
 
-    def load_rows(self, blocks: torch.Tensor, rows: torch.Tensor, ops: OpTable | None = None) -> torch.Tensor:
-        """The entries at ``(blocks[i], rows[i])`` [n, dim]: as stored, or decoded to float32 (exact: an e4m3 code
-        times a power of two), what the scoring ops widen plain keys to."""
+    def load_rows(
+        self, blocks: torch.Tensor, rows: torch.Tensor, ops: OpTable | None = None, decoded: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The entries at ``(blocks[i], rows[i])`` [n, dim]: as stored, or decoded to ``decoded``: float32, what the
+        scoring ops widen plain keys to, or bfloat16, which holds every e4m3 code times a ue8m0 scale exactly too
+        (same exponent range) and meets bf16 queries on the tensor cores (float32 keys take IEEE products)."""
         if self.entry_format is None:
             return self.entries[blocks, rows]
+        if decoded not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"coded entries decode exactly to float32 or bfloat16, not {decoded}")
         codes = _as_bytes(self.entries)[blocks, rows].view(self.entries.dtype)
         scales = _as_bytes(self.entry_scales)[blocks, rows].view(self.entry_scales.dtype)
-        return self.entry_format.decode(codes, scales, torch.float32, ops)
+        return self.entry_format.decode(codes, scales, decoded, ops)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -347,12 +347,17 @@ def write_entries(
 
 
 def read_entries(
-    cache: CompressorCache, block_table: list[int] | torch.Tensor, count: int, ops: OpTable | None = None
+    cache: CompressorCache,
+    block_table: list[int] | torch.Tensor,
+    count: int,
+    ops: OpTable | None = None,
+    decoded: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The first ``count`` entries of a sequence, [count, dim] (coded entries decoded to float32)."""
+    """The first ``count`` entries of a sequence, [count, dim] (coded entries decoded to ``decoded``: float32 or
+    bfloat16, :meth:`CompressorCache.load_rows`)."""
     entry_ids = torch.arange(count, device=cache.entries.device)
     blocks, offsets = _entry_location(cache, block_table, entry_ids)
-    return cache.load_rows(blocks, offsets, ops)
+    return cache.load_rows(blocks, offsets, ops, decoded)
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:

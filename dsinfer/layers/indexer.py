@@ -169,7 +169,9 @@ class Indexer(IndexScorer):
         if n_entries == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
         table = span.block_table if block_table is None else block_table
-        keys = read_entries(cache, table, n_entries, self.ops)  # plain: the cache's dtype, the op widens it
+        # plain keys: the cache's dtype; FP8 ones decoded exactly, to bf16 beside bf16 queries (the tensor cores)
+        decoded = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        keys = read_entries(cache, table, n_entries, self.ops, decoded)
         queries = self.queries(x, q_latent, positions, inv_freq, projected=projected)
         # the one-program selection per query (``index_topk_decode``: its contract is this list's) instead of a
         # top-k over packed keys and two sorts; row slices bound the scores' memory
