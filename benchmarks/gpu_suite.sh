@@ -20,7 +20,8 @@
 # (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256 out), fulldepth
 # (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
 # decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
-# other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."), prefillattn (the prefill attention op of 8,192 tokens at
+# other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."), topk (the indexer's top-k selection at long-context shapes,
+# benchmarks/index_topk.py, by the bits each count finds), prefillattn (the prefill attention op of 8,192 tokens at
 # 131,072 and 16,384 context, CSA and HCA, against its reference; PREFILL_ATTN_CONFIGS "H:N:W:S ..." sweeps
 # launches instead). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
 # as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
@@ -41,6 +42,8 @@ LIMIT=${STAGE_SECONDS:-150}
 # The sweep as `dsinfer bench sweep` runs it, without the CLI's server imports (a GPU image may lack them).
 SWEEP="python3 -m dsinfer.bench.sweep"
 LONG="--flash-layers 4 --context 131072 --points 1,8,64,256 --profile-steps 1 --telemetry-interval 0"
+# Prefill points time whole position cycles (the sweep rounds the timed steps up) after 8 warm-up steps.
+PREFILL_SEED="--flash-layers 4 --warmup-steps 8 --telemetry-interval 0"
 SLICE="--flash-layers 4 --context 256 --points 1,32 --measure-steps ${SWEEP_STEPS:-200} --cache-gib 16"
 
 stage() {  # stage NAME COMMAND...: run with the limit, keep the log, say how it ended
@@ -148,11 +151,11 @@ for name in "$@"; do
         seed) stage seed bash -c "$SWEEP decode $LONG --prefill-chunk 32768 --tag v4-d131k && \
                   $SWEEP decode $LONG --arch v41 --engram-gib 4 --prefill-chunk 16384 --compare-published --tag v41-d131k" ;;
         seedprefill) stage seedprefill bash -c "for ctx in 131072 16384; do \
-                  $SWEEP prefill --flash-layers 4 --context \$ctx --points 8192,32768 \
+                  $SWEEP prefill $PREFILL_SEED --context \$ctx --points 8192,32768 \
                       --profile-steps ${PREFILL_PROFILE_STEPS:-0} --tag v4-p\$ctx && \
-                  $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --context \$ctx --points 8192,32768 \
+                  $SWEEP prefill $PREFILL_SEED --arch v41 --engram-gib 4 --context \$ctx --points 8192,32768 \
                       --compare-published --tag v41-p\$ctx && \
-                  $SWEEP prefill --flash-layers 4 --arch v41 --engram-gib 4 --v41-prefill exact --context \$ctx \
+                  $SWEEP prefill $PREFILL_SEED --arch v41 --engram-gib 4 --v41-prefill exact --context \$ctx \
                       --points 8192,32768 --tag v41x-p\$ctx; done" ;;
         firstprompt) stage firstprompt bash -c "python3 benchmarks/first_long_prompt.py --flash-layers 4 \
                   --context 131072 && python3 benchmarks/first_long_prompt.py --flash-layers 4 --arch v41 \
@@ -166,6 +169,7 @@ for name in "$@"; do
                      --tag v4-d131k-\$dtype || exit 1; done" ;;
         fp4words) stage fp4words python3 benchmarks/indexer_decode.py --keys fp4 --context 131072 --batch 64 256 \
                       --fp4-layouts words --words-launches ${WORDS_LAUNCHES:-4:4 5:4 3:8 4:8} ;;
+        topk) stage topk python3 benchmarks/index_topk.py ;;
         prefillattn) stage prefillattn bash -c "for start in 122880 8192; do python3 benchmarks/attention_prefill.py \
                          --tokens 8192 --start \$start --layers hca csa \
                          ${PREFILL_ATTN_CONFIGS:+--sweep --configs $PREFILL_ATTN_CONFIGS} || exit 1; done" ;;
