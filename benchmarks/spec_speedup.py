@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.bench.step_profile import laid_end_to_end, profiled_spans, timeline_summary
+from dsinfer.bench.sweep_timing import drain_device
 from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -155,7 +156,8 @@ def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_
 
     def run_step(kind: str) -> list:
         outputs: list = []
-        sessions[kind].append(profiled_spans(lambda: outputs.extend(engine.step()), device))
+        sessions[kind].append(profiled_spans(lambda: outputs.extend(engine.step()), device,
+                                             drain=lambda: drain_device(engine)))  # fmt: skip
         return outputs
 
     steps = serve_counted(engine, prompts, streams, max_tokens, run_step)[2]

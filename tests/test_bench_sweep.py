@@ -220,6 +220,24 @@ def test_timed_steps_hold_exactly_their_own_device_work(monkeypatch):
     assert window[1] - window[0] >= 0.15
 
 
+def test_a_drain_waits_for_the_step_the_worker_is_still_launching():
+    """The engine thread hands a step to its device worker and returns; the worker may launch the step's kernels
+    after a device synchronize from the engine thread has returned. A drain waits on the worker, behind it."""
+    import threading
+    from types import SimpleNamespace
+
+    from dsinfer.engine.device_worker import DeviceWorker
+
+    worker = DeviceWorker(runner=None, sampler=None)
+    try:
+        launched = threading.Event()
+        worker._pool.submit(lambda: (time.sleep(0.2), launched.set()))  # a step still on its way to the device
+        sweep_timing.drain_device(SimpleNamespace(worker=worker, config=SimpleNamespace(device="cpu")))
+        assert launched.is_set()
+    finally:
+        worker.close()
+
+
 def test_prefill_measure_steps_cover_whole_position_cycles():
     assert sweep_timing.prefill_measure_steps(131072, 4096, 10) == (32, 32)
     assert sweep_timing.prefill_measure_steps(131072, 65536, 10) == (10, 2)

@@ -74,28 +74,32 @@ PROFILED_MARK = "dsinfer.profiled_steps"  # a host event: spans before it belong
 
 
 def profiled_spans(
-    run: Callable[[], None], device: torch.device, prepare: Callable[[], None] | None = None
+    run: Callable[[], None],
+    device: torch.device,
+    prepare: Callable[[], None] | None = None,
+    drain: Callable[[], None] | None = None,
 ) -> list[Span]:
     """Run ``run`` under ``torch.profiler``, every thread recorded (see the module docstring): the device's kernel
     and copy spans on CUDA (the device drained before the session and at its end), the top-level torch ops
     elsewhere. ``prepare`` runs first inside the same session (recording CUDA graphs the profiler should see into,
-    :func:`profile_steps`); what it ran is left out."""
+    :func:`profile_steps`); what it ran is left out. ``drain``: how to wait for the launched work (default: the
+    device's synchronize; an engine's steps reach the device from its worker thread, which
+    :func:`dsinfer.bench.sweep_timing.drain_device` waits for too)."""
     from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:  # work launched before the session (a step launched ahead) is not ``run``'s
-        torch.cuda.synchronize(device)
+    if drain is None:
+        drain = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    drain()  # work launched before the session (a step launched ahead) is not ``run``'s
     with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         if prepare is not None:
             prepare()
-            if cuda:
-                torch.cuda.synchronize(device)
+            drain()
         with record_function(PROFILED_MARK):
             pass
         run()
-        if cuda:
-            torch.cuda.synchronize(device)
+        drain()
     events = prof.events()
     begin = max((event.time_range.end for event in events if event.name == PROFILED_MARK), default=float("-inf"))
 
@@ -130,15 +134,16 @@ def profile_steps(
     device: torch.device,
     top: int = 15,
     prepare: Callable[[], None] | None = None,
+    drain: Callable[[], None] | None = None,
 ) -> dict:
     """:func:`timeline_summary` of ``steps`` calls of ``step`` (an engine step) profiled together. ``prepare``:
-    what must run inside the session first and stay out of the summary. The kernels of a CUDA graph's replays
-    reach the profiler only when the graph was instantiated while one was recording (CUPTI instruments a graph's
-    kernels when it is instantiated), so a profile of graphed steps passes the engine's graph recapture here
-    (:func:`dsinfer.bench.sweep_timing.recapture_graphs`)."""
+    what must run inside the session first and stay out of the summary; ``drain``: as :func:`profiled_spans`
+    takes it. The kernels of a CUDA graph's replays reach the profiler only when the graph was instantiated while
+    one was recording (CUPTI instruments a graph's kernels when it is instantiated), so a profile of graphed steps
+    passes the engine's graph recapture here (:func:`dsinfer.bench.sweep_timing.recapture_graphs`)."""
 
     def run() -> None:
         for _ in range(steps):
             step()
 
-    return timeline_summary(profiled_spans(run, device, prepare), steps, top)
+    return timeline_summary(profiled_spans(run, device, prepare, drain), steps, top)

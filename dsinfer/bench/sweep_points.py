@@ -26,6 +26,7 @@ from dsinfer.bench.sweep_model import Bench, cache_kinds, decode_max_model_len, 
 from dsinfer.bench.sweep_options import CPU_FILL_BUDGET, DTYPES, FILL_CANDIDATES, dp_rank, world_size
 from dsinfer.bench.sweep_timing import (
     checked_step,
+    drain_device,
     head_ms,
     prefill_measure_steps,
     random_prompts,
@@ -236,7 +237,8 @@ def _timed_decode(bench: Bench, engine: LLMEngine, sequences: list) -> tuple[dic
              "gc": collector}  # fmt: skip
     if args.profile_steps:  # after the timing: a profiler session slows what runs after it
         extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device,
-                                         prepare=lambda: recapture_graphs(engine))  # fmt: skip
+                                         prepare=lambda: recapture_graphs(engine),
+                                         drain=lambda: drain_device(engine))  # fmt: skip
     drafts_per_step = args.speculative.num_speculative_tokens if args.speculative is not None else 0
     measured = step_statistics(timed, expected_tokens=len(sequences) * (1 + drafts_per_step))
     drafted = None
@@ -273,7 +275,8 @@ def run_prefill_point(bench: Bench, batch_tokens: int) -> dict[str, Any]:
     timed, collector, window = timed_steps(engine, measure)
     extra = {}
     if args.profile_steps:  # after the timing, as for decode
-        extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device)
+        extra["profile"] = profile_steps(lambda: checked_step(engine), args.profile_steps, bench.device,
+                                         drain=lambda: drain_device(engine))  # fmt: skip
     return {
         "point_unit": "batch tokens per step",
         **step_statistics(timed, expected_tokens=batch_tokens),

@@ -62,8 +62,11 @@ def timed_steps(
 
 
 def drain_device(engine: LLMEngine) -> None:
-    """Wait for the device work the engine has launched."""
-    synchronize(torch.device(engine.config.device))
+    """Wait for the device work the engine has launched: its device worker launches a step after the engine
+    thread hands it over (a step launched ahead may still be on its way to the device), so the wait runs on the
+    worker, behind the steps queued there."""
+    device = torch.device(engine.config.device)
+    engine.worker.run_between_steps(lambda: synchronize(device))
 
 
 def synchronize(device: torch.device) -> None:
