@@ -110,8 +110,9 @@ class DecodeGraphs:
         a graph's kernels when it is instantiated), so a profile of graphed steps recaptures first."""
         if not self.capture:
             return
-        torch.cuda.synchronize()  # no replay of an old graph still running
-        self.graphs.clear()  # the old graphs and their pool go before the new ones take memory
+        torch.cuda.synchronize(self.rows.device)  # no replay of an old graph still running
+        self.graphs.clear()
+        torch.cuda.empty_cache()  # the old graphs' pool back to the device before the new one takes memory
         for size, inputs in self.inputs.items():
             self.staged.write(inputs, [], size)
         self._capture_all()

@@ -89,7 +89,7 @@ if triton is not None:
                     kept = tl.where(
                         n_high >= k, n_high, tl.where(n_middle >= k, n_middle, tl.where(n_low >= k, n_low, k + 1))
                     )
-                    settled = (kept == k).to(tl.int32)  # fmt: skip
+                    settled = (kept == k).to(tl.int32)
         greater = keys > threshold
         tied = keys == threshold
         room = k - tl.sum(greater.to(tl.int32), axis=0)
