@@ -41,7 +41,7 @@ LIMIT=${STAGE_SECONDS:-150}
 # (docs/perf.md, history, passes 12 and 13), hence 200.
 # The sweep as `dsinfer bench sweep` runs it, without the CLI's server imports (a GPU image may lack them).
 SWEEP="python3 -m dsinfer.bench.sweep"
-LONG="--flash-layers 4 --context 131072 --points 1,8,64,256 --profile-steps 1 --telemetry-interval 0"
+LONG="--flash-layers 4 --context 131072 --points 1,8,64,256 --measure-steps 30 --profile-steps 1 --telemetry-interval 0"
 # Prefill points time whole position cycles (the sweep rounds the timed steps up) after 8 warm-up steps.
 PREFILL_SEED="--flash-layers 4 --warmup-steps 8 --telemetry-interval 0"
 SLICE="--flash-layers 4 --context 256 --points 1,32 --measure-steps ${SWEEP_STEPS:-200} --cache-gib 16"
