@@ -298,10 +298,17 @@ def test_speculative_config_is_checked_at_the_flag():
         sweep_options.parse_args(["prefill", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
 
 
-def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path):
+def test_decode_point_with_profiled_steps(tiny_checkpoint, tmp_path, monkeypatch):
     """``--profile-steps``: steps profiled after the timed ones, their summary in the point's record (on the CPU the
-    spans are the top-level torch ops), and the timed steps' records as without it."""
+    spans are the top-level torch ops), and the timed steps' records as without it. The session starts by recording
+    the decode graphs again (``recapture_graphs``: CUPTI sees a graph's kernels only if it was instantiated while
+    recording)."""
+    from dsinfer.bench import sweep_points
+
+    recaptured = []
+    monkeypatch.setattr(sweep_points, "recapture_graphs", recaptured.append)
     assert sweep.main(sweep_args(tiny_checkpoint, tmp_path, "decode", "1", "--tag", "pf", "--profile-steps", "3")) == 0
+    assert len(recaptured) == 1  # once, at the start of the session
     (record,) = read_records(tmp_path / "pf" / "results.jsonl")
     assert_consistent(record)
     profile = record["profile"]
@@ -333,6 +340,22 @@ def test_profiles_record_the_steps_of_a_worker_thread_started_before_them():
         worker.submit(lambda: None).result()  # the thread exists before the session
         spans = step_profile.profiled_spans(lambda: worker.submit(torch.cumsum, x, 0).result(), torch.device("cpu"))
     assert "aten::cumsum" in {name for _, _, name in spans}
+
+
+def test_graphs_are_recorded_again_on_the_device_worker():
+    import threading
+    from types import SimpleNamespace
+
+    from dsinfer.engine.device_worker import DeviceWorker
+
+    worker, threads = DeviceWorker(runner=None, sampler=None), []
+    graphs = SimpleNamespace(recapture=lambda: threads.append(threading.current_thread().name))
+    try:
+        sweep_timing.recapture_graphs(SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=graphs)))
+        sweep_timing.recapture_graphs(SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=None)))
+    finally:
+        worker.close()
+    assert len(threads) == 1 and threads[0].startswith("dsinfer-device")
 
 
 def test_a_profile_leaves_out_what_its_preparation_ran():

@@ -87,10 +87,12 @@ def profiled_spans(
     :func:`dsinfer.bench.sweep_timing.drain_device` waits for too)."""
     from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
 
+    from dsinfer.bench.sweep_timing import synchronize
+
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if drain is None:
-        drain = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        drain = lambda: synchronize(device)  # noqa: E731
     drain()  # work launched before the session (a step launched ahead) is not ``run``'s
     with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         if prepare is not None:
