@@ -2,10 +2,14 @@
 a verify forward (K + 1 positions a sequence) dispatches more than a plain decode forward and less than K + 1 of
 them, the launch proxy below the aten count, every kind counted; and the graphs' own work (snapshot, journal,
 rollback) keeps a verify under 2.5 plain forwards' launches and a K = 3 draft under 2.3; with ``--admissions`` the
-steps that prefill a prompt, plain and with DSpark's first drafts deferred."""
+steps that prefill a prompt, plain and with DSpark's first drafts deferred; ``--kernels``' estimate counts each
+Triton launch of a CUDA backend run in the interpreter and each aten op outside one, by source."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +42,43 @@ def test_a_deferred_dspark_admission_adds_seeding_but_no_draft():
     assert set(admissions) == {"admit", "admit+drafter"}
     added = admissions["admit+drafter"]["launch_proxy"] - admissions["admit"]["launch_proxy"]
     assert 0 < added < 0.5 * rounds["draft"]["launch_proxy"]
+
+
+KERNEL_COUNT = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import torch
+import verify_op_count as v
+from dsinfer.ops import registry
+totals = {}
+with v.registry_ops_counted(), v.interpreted_kernels():
+    table = registry.resolve("cpu", torch.float32)
+    backend = table.chosen["rms_norm"].name
+    forward = v._counted(totals, "norm", lambda x, w: table.rms_norm(x, w, 1e-6) * 2, sites=True)
+    forward(torch.randn(4, 64), torch.ones(64))
+after = registry.resolve("cpu", torch.float32).chosen["rms_norm"].name
+print(json.dumps({"backend": backend, "after": after, **v.per_forward(totals)["norm"]}))
+"""
+
+
+def test_the_kernel_estimate_counts_a_triton_launch_and_the_glue_beside_it():
+    """Under the interpreter a CUDA backend serves the CPU while the estimate is open (and not after): its kernel
+    counts once, by its registry op, and an aten op outside any registry op counts once, by where it ran."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_COUNT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (row["backend"], row["after"]) == ("triton", "reference")
+    assert row["kernels"] == 2
+    assert row["sites"] == {"triton _rms_norm_kernel in rms_norm": 1.0, "aten::mul in outside the model": 1.0}
+
+
+def test_the_kernel_estimate_needs_the_interpreter_and_sites_need_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for argv in (["--kernels"], ["--sites", "3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            verify_op_count.main(argv)
+        assert exit_info.value.code == 2
