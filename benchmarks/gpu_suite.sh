@@ -21,7 +21,7 @@
 # (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
 # decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
 # other pipelining, WORDS_LAUNCHES "STAGES:WARPS ..."), topk (the indexer's top-k selection at long-context shapes,
-# benchmarks/index_topk.py, by the bits each count finds), prefillattn (the prefill attention op of 8,192 tokens at
+# benchmarks/index_topk.py), prefillattn (the prefill attention op of 8,192 tokens at
 # 131,072 and 16,384 context, CSA and HCA, against its reference; PREFILL_ATTN_CONFIGS "H:N:W:S ..." sweeps
 # launches instead). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
 # as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.

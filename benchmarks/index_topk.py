@@ -1,15 +1,12 @@
-"""The indexer's top-k selection (``index_topk_decode``, Triton) at the shapes a long context gives it, by how many
-bits of the k-th key each count finds (``RADIX_BITS`` of :mod:`dsinfer.ops.index_select.triton`).
+"""The indexer's top-k selection (``index_topk_decode``, Triton) at the shapes a long context gives it.
 
     python benchmarks/index_topk.py                          # prefill slice and decode batches at 131,072 tokens
-    python benchmarks/index_topk.py --radix-bits 1 2         # the default list
     python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
 ``:causal`` the -inf tail of a prefill's rows: the rows are the last queries of a chunk whose newest sees all
-``width`` entries, each earlier one an entry fewer every 4 positions (ratio 4). For each case and setting: the
-median of CUDA-event timings, and whether the choice is the first setting's, bit for bit (the first setting's
-first 64 rows against the reference).
+``width`` entries, each earlier one an entry fewer every 4 positions (ratio 4). For each case: the median of
+CUDA-event timings, and whether the choice of the first 64 rows is the reference's, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ DEFAULT_CASES = ["4096x32768:causal", "4096x16384:causal", "64x32768", "256x3276
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
-    parser.add_argument("--radix-bits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -56,26 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs CUDA")
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(args.seed)
-    default = backend.RADIX_BITS
-    print(f"{torch.cuda.get_device_name()}; k = {args.k}; the module's RADIX_BITS = {default}")
-    try:
-        for case in args.cases:
-            scores = make_scores(case, device, generator)
-            first = None
-            for bits in args.radix_bits:
-                backend.RADIX_BITS = bits
-                chosen = backend.index_topk_decode_triton(scores, args.k)
-                if first is None:  # the reference on a few rows (it materialises int64 keys of the whole case)
-                    same = torch.equal(chosen[:64], index_topk_decode_reference(scores[:64], args.k))
-                    first = chosen
-                else:
-                    same = torch.equal(chosen, first)
-                ms = statistics.median(
-                    cuda_ms(lambda s=scores: backend.index_topk_decode_triton(s, args.k), args.iters)
-                )
-                print(f"{case:>20}  radix bits {bits}: {ms:8.3f} ms  same choice: {same}")
-    finally:
-        backend.RADIX_BITS = default
+    print(f"{torch.cuda.get_device_name()}; k = {args.k}")
+    for case in args.cases:
+        scores = make_scores(case, device, generator)
+        chosen = backend.index_topk_decode_triton(scores, args.k)
+        # the reference on a few rows (it materialises int64 keys of the whole case)
+        same = torch.equal(chosen[:64], index_topk_decode_reference(scores[:64], args.k))
+        ms = statistics.median(cuda_ms(lambda s=scores: backend.index_topk_decode_triton(s, args.k), args.iters))
+        print(f"{case:>20}  {ms:8.3f} ms  same choice: {same}")
     return 0
 
 

@@ -98,10 +98,9 @@ def test_registry_picks_the_kernels_on_cuda_only():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("radix_bits", [1, 2])
-def test_topk_kernel_compiles_for_hopper(radix_bits):
+def test_topk_kernel_compiles_for_hopper():
     """The chunk program of a long row (4,096 keys at 8 warps, candidates kept) builds an sm_90 cubin without local
-    memory at each setting of the count's bits (the interpreter runs code the compiler can refuse)."""
+    memory (the interpreter runs code the compiler can refuse)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -109,7 +108,7 @@ def test_topk_kernel_compiles_for_hopper(radix_bits):
     import dsinfer.ops.index_select.triton as backend
 
     kernel = backend._topk_kernel
-    constants = dict(HAS_ALLOWED=False, KEEP_KEYS=True, BLOCK_W=backend.CHUNK, RADIX_BITS=radix_bits)
+    constants = dict(HAS_ALLOWED=False, KEEP_KEYS=True, BLOCK_W=backend.CHUNK)
     pointers = {"scores_ptr": "*fp32", "allowed_ptr": "*u8", "out_ptr": "*i32", "kept_ptr": "*u32"}
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),

@@ -7,8 +7,8 @@ the int64 ``topk`` / ``sort`` are among the costliest kernels of a decode step.
 
 Here a program loads its row's scores (padded to a power of two), maps each to the same order-preserving
 unsigned key as the reference's packed key (negatives' magnitude bits flipped, ``-0`` and ``+0`` one key), and
-finds the k-th largest key from the top, one or two bits a count over the row (:func:`_top`; a row of at most k
-finite keys at once): the keys above it are chosen, and among the keys equal to it the lowest entries, by a
+finds the k-th largest key from the top, one bit a count over the row (:func:`_top`; a row of at most k finite
+keys at once): the keys above it are chosen, and among the keys equal to it the lowest entries, by a
 running count (the reference's tie rule, exactly). The choice is written in entry order by a cumulative sum: the
 same entries in the same order as the reference, bit for bit. ``index_topk_decode`` writes the chosen finite
 entries then -1; ``candidate_block_mask`` takes each block's best score first (the newest visible block forced
@@ -38,7 +38,6 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_WIDTH = 16384  # scores a program holds: 64 a thread at 8 warps
 CHUNK = 4096  # a wider row: chunks of at most this many, their candidates merged by one more program
-RADIX_BITS = 1  # bits of the k-th key found per count (1 or 2: :func:`_top`; benchmarks/index_topk.py times both)
 
 
 if triton is not None:
@@ -52,44 +51,24 @@ if triton is not None:
         return (flipped ^ -2147483648).to(tl.uint32, bitcast=True)
 
     @triton.jit
-    def _top(keys, k, RADIX_BITS: tl.constexpr):
+    def _top(keys, k):
         """Which of ``keys`` are the ``k`` largest (ties: lowest position first); a key of 0 (below every score's,
         -inf's included) marks a place outside the row: never counted, and never chosen while ``k`` others are.
 
-        The k-th largest key is found from the top, ``RADIX_BITS`` (1 or 2) bits a count: the largest extension of
-        the threshold so far with at least ``k`` keys at or above it is kept. Two bits take the counts of their
-        three extensions in one reduction (packed into an int64, 21 bits each), so a count costs one barrier
-        across the program's warps as a one-bit count does, for half as many counts. Once the kept extension has
-        exactly ``k`` keys at or above it, those are the choice whatever the lower bits say, so the remaining
-        counts are skipped (random scores settle after about log2(width) + 4 bits instead of 32); a row of at
-        most ``k`` finite keys chooses them all with no count."""
+        The k-th largest key is found from the top, one bit a count: the largest extension of the threshold so far
+        with at least ``k`` keys at or above it is kept. Once the kept extension has exactly ``k`` keys at or above
+        it, those are the choice whatever the lower bits say, so the remaining counts are skipped (random scores
+        settle after about log2(width) + 4 bits instead of 32); a row of at most ``k`` finite keys chooses them all
+        with no count."""
         few = tl.sum((keys > 0x7FFFFF).to(tl.int32), axis=0) <= k
         threshold = tl.where(few, 0x800000, 0).to(tl.uint32)  # the lowest finite key: every finite one chosen
         settled = few.to(tl.int32)
-        for step in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (step + 1)
+        for step in tl.static_range(32):
             if settled == 0:
-                if RADIX_BITS == 1:
-                    candidate = threshold | (tl.full([], 1, tl.uint32) << shift)
-                    count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-                    threshold = tl.where(count >= k, candidate, threshold)
-                    settled = (count == k).to(tl.int32)
-                else:
-                    low = threshold | (tl.full([], 1, tl.uint32) << shift)
-                    middle = threshold | (tl.full([], 2, tl.uint32) << shift)
-                    high = threshold | (tl.full([], 3, tl.uint32) << shift)
-                    packed = tl.sum((keys >= low).to(tl.int64) + ((keys >= middle).to(tl.int64) << 21)
-                                    + ((keys >= high).to(tl.int64) << 42), axis=0)  # fmt: skip
-                    n_low = (packed & 0x1FFFFF).to(tl.int32)
-                    n_middle = ((packed >> 21) & 0x1FFFFF).to(tl.int32)
-                    n_high = (packed >> 42).to(tl.int32)
-                    threshold = tl.where(
-                        n_high >= k, high, tl.where(n_middle >= k, middle, tl.where(n_low >= k, low, threshold))
-                    )
-                    kept = tl.where(
-                        n_high >= k, n_high, tl.where(n_middle >= k, n_middle, tl.where(n_low >= k, n_low, k + 1))
-                    )
-                    settled = (kept == k).to(tl.int32)
+                candidate = threshold | (tl.full([], 1, tl.uint32) << (31 - step))
+                count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+                threshold = tl.where(count >= k, candidate, threshold)
+                settled = (count == k).to(tl.int32)
         greater = keys > threshold
         tied = keys == threshold
         room = k - tl.sum(greater.to(tl.int32), axis=0)
@@ -102,8 +81,7 @@ if triton is not None:
 
     @triton.jit
     def _topk_kernel(scores_ptr, allowed_ptr, out_ptr, kept_ptr, width, chunk, k, stride_s, stride_a, stride_o,
-                     HAS_ALLOWED: tl.constexpr, KEEP_KEYS: tl.constexpr, BLOCK_W: tl.constexpr,
-                     RADIX_BITS: tl.constexpr):  # fmt: skip
+                     HAS_ALLOWED: tl.constexpr, KEEP_KEYS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
         """Program (c, row): the best ``k`` finite entries of chunk c of the row, ascending, then -1, into the
         row's ``k`` slots of chunk c (one chunk: the answer; several: candidates, their keys into ``kept``)."""
         row = tl.program_id(1).to(tl.int64)
@@ -115,7 +93,7 @@ if triton is not None:
             allowed = tl.load(allowed_ptr + row * stride_a + entry, mask=inside, other=0)
             scores = tl.where(allowed != 0, scores, float("-inf"))
         keys = tl.where(inside, _ordered_keys(scores), 0)
-        chosen = _top(keys, k, RADIX_BITS) & _finite(keys)
+        chosen = _top(keys, k) & _finite(keys)
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         padding = (position >= tl.sum(chosen.to(tl.int32), axis=0)) & (position < k)
         first_slot = row * stride_o + tl.program_id(0) * k
@@ -126,15 +104,14 @@ if triton is not None:
             tl.store(kept_ptr + first_slot + position, tl.zeros([BLOCK_W], tl.uint32), mask=padding)
 
     @triton.jit
-    def _merge_kernel(kept_ptr, entries_ptr, out_ptr, n_candidates, k, stride_c, stride_o, BLOCK_C: tl.constexpr,
-                      RADIX_BITS: tl.constexpr):  # fmt: skip
+    def _merge_kernel(kept_ptr, entries_ptr, out_ptr, n_candidates, k, stride_c, stride_o, BLOCK_C: tl.constexpr):
         """One program a row: the best ``k`` of the chunks' candidates (ascending entries, so the lowest position
         among ties is the lowest entry), ascending, then -1."""
         row = tl.program_id(0).to(tl.int64)
         position = tl.arange(0, BLOCK_C)
         inside = position < n_candidates
         keys = tl.load(kept_ptr + row * stride_c + position, mask=inside, other=0)
-        chosen = _top(keys, k, RADIX_BITS) & _finite(keys)
+        chosen = _top(keys, k) & _finite(keys)
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         entries = tl.load(entries_ptr + row * stride_c + position, mask=chosen, other=-1)
         out = out_ptr + row * stride_o
@@ -144,7 +121,7 @@ if triton is not None:
 
     @triton.jit
     def _candidate_kernel(scores_ptr, counts_ptr, out_ptr, width, num_blocks, topk, stride_s, stride_o,
-                          BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
+                          BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         block = tl.arange(0, BLOCK_B)
         entry = block[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
@@ -154,7 +131,7 @@ if triton is not None:
         count = tl.load(counts_ptr + row)
         newest = tl.where(count > 0, (count - 1) // BLOCK_SIZE, -1)  # C division truncates: no negative floor
         best = tl.where(block == newest, float("inf"), best)
-        kept = _top(tl.where(block < num_blocks, _ordered_keys(best), 0), topk, RADIX_BITS) & (best > float("-inf"))
+        kept = _top(tl.where(block < num_blocks, _ordered_keys(best), 0), topk) & (best > float("-inf"))
         mask = tl.broadcast_to(kept[:, None], [BLOCK_B, BLOCK_SIZE])
         tl.store(out_ptr + row * stride_o + entry, mask.to(tl.uint8), mask=inside)
 
@@ -196,12 +173,12 @@ def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor
     kept = scores if chunks == 1 else torch.empty(rows, candidates, dtype=torch.uint32, device=scores.device)
     _topk_kernel[(chunks, rows)](scores, allowed_arg, entries, kept, width, chunk, per_chunk, scores.stride(0),
                                  allowed_arg.stride(0), entries.stride(0), HAS_ALLOWED=allowed is not None,
-                                 KEEP_KEYS=chunks > 1, BLOCK_W=block, RADIX_BITS=RADIX_BITS,
+                                 KEEP_KEYS=chunks > 1, BLOCK_W=block,
                                  num_warps=_warps(block))  # fmt: skip
     if chunks > 1:
         block = triton.next_power_of_2(candidates)
         _merge_kernel[(rows,)](kept, entries, out, candidates, k, kept.stride(0), out.stride(0), BLOCK_C=block,
-                               RADIX_BITS=RADIX_BITS, num_warps=_warps(block))  # fmt: skip
+                               num_warps=_warps(block))  # fmt: skip
     return out
 
 
@@ -222,6 +199,6 @@ def candidate_block_mask_triton(
         scores = scores.contiguous()
         _candidate_kernel[(rows,)](scores, visible_counts.contiguous(), out, width, num_blocks,
                                    min(topk_blocks, num_blocks), scores.stride(0), out.stride(0),
-                                   BLOCK_SIZE=block_size, BLOCK_B=block_b, RADIX_BITS=RADIX_BITS,
+                                   BLOCK_SIZE=block_size, BLOCK_B=block_b,
                                    num_warps=_warps(block_b * block_size))  # fmt: skip
     return out.view(torch.bool)
