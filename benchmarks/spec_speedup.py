@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.bench.step_profile import laid_end_to_end, profiled_spans, timeline_summary
-from dsinfer.bench.sweep_timing import drain_device
+from dsinfer.bench.sweep_timing import drain_device, recapture_graphs
 from dsinfer.chat.format import ChatFormat
 from dsinfer.config import EngineConfig
 from dsinfer.engine.engine import LLMEngine
@@ -150,13 +150,17 @@ def profile_mode(engine: LLMEngine, prompts: list[list[int]], streams: int, max_
     :func:`~dsinfer.bench.step_profile.timeline_summary` per engine step (kernels and device time a step, the top
     25 kernels), the same for the admitting and the decoding steps apart (``by_kind``), and the steps' kinds. The
     sessions are laid end to end (:func:`~dsinfer.bench.step_profile.laid_end_to_end`): a kind's span and idle
-    time are its own steps', not the time between them."""
+    time are its own steps', not the time between them. The first session records the engine's CUDA graphs again
+    before its step (:func:`~dsinfer.bench.sweep_timing.recapture_graphs`): graphs instantiated before any
+    profiler session replay unseen in every later one."""
     device = torch.device(engine.config.device)
     sessions: dict[str, list] = {"admit": [], "decode": []}  # each step's spans, a session a step
 
     def run_step(kind: str) -> list:
         outputs: list = []
+        first = not any(sessions.values())
         sessions[kind].append(profiled_spans(lambda: outputs.extend(engine.step()), device,
+                                             prepare=(lambda: recapture_graphs(engine)) if first else None,
                                              drain=lambda: drain_device(engine)))  # fmt: skip
         return outputs
 

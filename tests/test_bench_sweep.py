@@ -349,13 +349,25 @@ def test_graphs_are_recorded_again_on_the_device_worker():
     from dsinfer.engine.device_worker import DeviceWorker
 
     worker, threads = DeviceWorker(runner=None, sampler=None), []
-    graphs = SimpleNamespace(recapture=lambda: threads.append(threading.current_thread().name))
+
+    def graphs(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(recapture=lambda: threads.append((kind, threading.current_thread().name)))
+
     try:
-        sweep_timing.recapture_graphs(SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=graphs)))
+        sweep_timing.recapture_graphs(
+            SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=graphs("decode")))
+        )
+        sweep_timing.recapture_graphs(SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=None)))
+        worker.speculative = SimpleNamespace(graphs=graphs("speculative"))  # an engine with drafts: both kinds
+        sweep_timing.recapture_graphs(
+            SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=graphs("decode")))
+        )
+        worker.speculative = SimpleNamespace(graphs=None)  # drafts run eagerly: nothing of theirs to record
         sweep_timing.recapture_graphs(SimpleNamespace(worker=worker, runner=SimpleNamespace(decode_graphs=None)))
     finally:
         worker.close()
-    assert len(threads) == 1 and threads[0].startswith("dsinfer-device")
+    assert [kind for kind, _ in threads] == ["decode", "decode", "speculative"]
+    assert all(thread.startswith("dsinfer-device") for _, thread in threads)
 
 
 def test_a_profile_leaves_out_what_its_preparation_ran():

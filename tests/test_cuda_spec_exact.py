@@ -113,3 +113,40 @@ def test_graphs_captured_before_a_larger_step_replay_what_eager_steps_compute(sp
             engine.close()
 
     assert run(enforce_eager=False) == run(enforce_eager=True)
+
+
+@pytest.mark.parametrize("speculative", [None, MTP], ids=["decode-graphs", "mtp-graphs"])
+def test_graphs_recorded_again_mid_reply_keep_the_replies(tiny_checkpoint, tiny_v4_tokenizer, speculative):
+    """A profile records the engine's graphs again between two steps (``sweep_timing.recapture_graphs``), with
+    sequences half-way through their replies: every bucket is recorded anew, on padding rows only, and the replies
+    are those of the same engine left alone."""
+    from dsinfer.bench.sweep_timing import recapture_graphs
+
+    model = load_model(str(tiny_checkpoint), dtype=torch.float32, device="cuda", progress=False)
+    prompts = random_prompts(4, seed=47, low=5, high=300)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=4, max_model_len=512, device="cuda", dtype="float32",
+                          cache_memory_bytes=1 << 28, speculative_config=speculative)  # fmt: skip
+    engine = LLMEngine(model, tiny_v4_tokenizer, config)
+
+    def serve(recapture_after: int | None) -> list[list[int]]:
+        replies = {engine.add_request(prompt, params): None for prompt in prompts}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    replies[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == recapture_after:
+                recapture_graphs(engine)
+        return list(replies.values())
+
+    try:
+        alone = serve(None)
+        recorded_again = serve(6)
+        executor = engine.worker.speculative
+        graphs = engine.runner.decode_graphs if executor is None else executor.graphs
+        assert graphs is not None and len(graphs.graphs) == len(graphs.sizes)
+    finally:
+        engine.close()
+    assert recorded_again == alone

@@ -65,3 +65,14 @@ def test_the_whole_run_writes_a_row_per_mode_with_its_steps_and_profile(tmp_path
         assert admit["kernels"] + decode["kernels"] == row["profile"]["kernels"]
         assert admit["per_step"]["kernels"] > decode["per_step"]["kernels"] > 0  # a prefill runs more ops
     assert rows[1]["tau"] >= 1.0 and rows[0]["tau"] is None
+
+
+def test_a_profile_records_the_graphs_again_once_at_its_first_session(tiny_checkpoint, monkeypatch):
+    """CUPTI sees a CUDA graph's replays only where the graph was instantiated after profiling began: the first
+    session records the engine's graphs again (decode and speculative, on its worker), and no later one does."""
+    engine = _engine(tiny_checkpoint, {"method": "mtp", "num_speculative_tokens": 2})
+    recorded = []
+    monkeypatch.setattr(spec_speedup, "recapture_graphs", recorded.append)
+    profile = spec_speedup.profile_mode(engine, random_prompts(2, seed=3), 1, 3)
+    assert recorded == [engine]
+    assert profile["steps"] >= 3  # two admissions and at least one decode step, each its own session

@@ -76,12 +76,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def recapture_graphs(engine: LLMEngine) -> None:
-    """Record the engine's decode graphs again, on its device worker between steps: a profiler session that
-    starts with this sees the kernels of the graphs' replays (:func:`dsinfer.bench.step_profile.profile_steps`).
-    Speculative steps keep their graphs."""
-    graphs = engine.runner.decode_graphs
-    if graphs is not None:
-        engine.worker.run_between_steps(graphs.recapture)
+    """Record the engine's decode graphs and its speculative steps' graphs again, on its device worker between
+    steps: a profiler session that starts with this sees the kernels of the graphs' replays, in it and in later
+    sessions (:func:`dsinfer.bench.step_profile.profile_steps`)."""
+    speculative = engine.worker.speculative
+    for graphs in (engine.runner.decode_graphs, None if speculative is None else speculative.graphs):
+        if graphs is not None:
+            engine.worker.run_between_steps(graphs.recapture)
 
 
 def checked_step(engine: LLMEngine) -> None:

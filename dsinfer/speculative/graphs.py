@@ -266,6 +266,20 @@ class SpecGraphs:
         drafts = self.drafter.draft_fixed(batch, self.features[: size * width], following, accepted + 1)
         self.result[:size, 2:].copy_(drafts)
 
+    def recapture(self) -> None:
+        """Record every bucket's graphs again, every row padding (the next step stages its own rows): a profiler
+        sees the kernels of a graph's replays only when the graph was instantiated while it was recording, as
+        :meth:`dsinfer.engine.decode_graphs.DecodeGraphs.recapture` says. Nothing a later step reads survives a
+        round in the buffers (the drafts went to the host with the round's one read)."""
+        if not self.capture:
+            return
+        torch.cuda.synchronize(self.device)  # no replay of an old graph still running
+        self.graphs.clear()
+        self.judge_graphs.clear()
+        torch.cuda.empty_cache()  # the old graphs' pool back to the device before the new one takes memory
+        self.inputs.copy_(torch.tensor([self._padding_row()] * self.sizes[-1], dtype=torch.long))
+        self._capture_all()
+
     def _capture_all(self) -> None:
         """Record every bucket's verify, judge and draft steps (largest first, sharing one memory pool), every row
         padding. The verify graph runs once before the others' capture: they read what it wrote."""
