@@ -4,8 +4,10 @@
 
 The embedded default runs in float32; a plain decode step multiplies one row a sequence, a verify step K + 1.
 Each ``F.linear`` is timed inside a CUDA graph of 20 calls (microseconds a call, median of 10 replays) with
-``torch.backends.cuda.preferred_blas_library`` set to each library in turn. The engine itself leaves the library
-at torch's default (cuBLAS).
+``torch.backends.cuda.preferred_blas_library`` set to each library in turn, then once more under cuBLAS with a
+zero bias (``+bias``: torch's addmm with a 1-D bias may take cuBLASLt's bias epilogue for that call alone, which
+would choose the library per call instead of per process); ``max diff`` is the largest difference from the plain
+cuBLAS product of the same rows. The engine itself leaves the library at torch's default (cuBLAS).
 """
 
 from __future__ import annotations
@@ -46,16 +48,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shapes = weight_shapes(default_model_dir(), args.shapes)
     print(torch.cuda.get_device_name(), "; us a call:", flush=True)
-    for library in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(library)
+    for library, with_bias in (("cublas", False), ("cublaslt", False), ("cublas", True)):
         for (out_features, in_features), count in shapes:
             weight = torch.randn(out_features, in_features, device="cuda")
+            bias = torch.zeros(out_features, device="cuda") if with_bias else None
             cells = []
             for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda")
-                call = lambda x=x, w=weight: torch.nn.functional.linear(x, w)  # noqa: E731
-                cells.append(f"{rows} rows {1e3 * graph_ms(call, CALLS_A_REPLAY, REPLAYS, warmup=10):6.2f}")
-            print(f"{library:8} ({out_features}, {in_features}) x {count}: " + ", ".join(cells), flush=True)
+                torch.backends.cuda.preferred_blas_library("cublas")
+                expected = torch.nn.functional.linear(x, weight)
+                torch.backends.cuda.preferred_blas_library(library)
+                call = lambda x=x, w=weight, b=bias: torch.nn.functional.linear(x, w, b)  # noqa: E731
+                diff = (call() - expected).abs().max().item()
+                cells.append(f"{rows} rows {1e3 * graph_ms(call, CALLS_A_REPLAY, REPLAYS, warmup=10):6.2f} "
+                             f"(max diff {diff:.1e})")  # fmt: skip
+            label = library + ("+bias" if with_bias else "")
+            print(f"{label:12} ({out_features}, {in_features}) x {count}: " + ", ".join(cells), flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
     return 0
 
