@@ -161,12 +161,12 @@ def interpreted_kernels():
             counter.launching -= 1
 
     registry.Backend.serves, InterpretedFunction.run = serves_interpreted, run_counted
-    registry._resolved.clear()
+    registry.forget_choices()
     try:
         yield
     finally:
         registry.Backend.serves, InterpretedFunction.run = serves, run
-        registry._resolved.clear()
+        registry.forget_choices()
 
 
 def _counted(totals: dict, label: str, forward, sites: bool = False):
@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parser.parse_args(argv)
     if args.kernels and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--kernels runs the CUDA backends in Triton's interpreter: set TRITON_INTERPRET=1 first")
-    if args.sites and not args.kernels:
-        parser.error("--sites lists the sources of the kernel estimate: add --kernels")
     if args.sites < 0:
         parser.error(f"--sites: must not be negative, got {args.sites}")
+    if args.sites and not args.kernels:
+        parser.error("--sites lists the sources of the kernel estimate: add --kernels")
     torch.set_num_threads(1)
     counts = _count_all(args)
     unit = "steps" if args.admissions else "forwards"

@@ -20,3 +20,13 @@ def capture_graph(forward, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     with torch.cuda.graph(graph, pool=pool):
         output = forward()
     return graph, output
+
+
+def release_graphs(device: torch.device, *tables: dict) -> None:
+    """Drop the graphs of ``tables`` (each a dict of graphs, emptied) once no replay of them still runs on
+    ``device``, and hand their memory pool back to the device, so that graphs recorded again next do not hold a
+    second pool beside the old one (the profiles' recording again, where 256 x 131,072 leaves little room)."""
+    torch.cuda.synchronize(device)
+    for table in tables:
+        table.clear()
+    torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ import math
 import torch
 
 from dsinfer.engine.graph_inputs import StagedGraphInputs
-from dsinfer.graph_capture import capture_graph
+from dsinfer.graph_capture import capture_graph, release_graphs
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,7 @@ class DecodeGraphs:
         a graph's kernels when it is instantiated), so a profile of graphed steps recaptures first."""
         if not self.capture:
             return
-        torch.cuda.synchronize(self.rows.device)  # no replay of an old graph still running
-        self.graphs.clear()
-        torch.cuda.empty_cache()  # the old graphs' pool back to the device before the new one takes memory
+        release_graphs(self.rows.device, self.graphs)
         for size, inputs in self.inputs.items():
             self.staged.write(inputs, [], size)
         self._capture_all()

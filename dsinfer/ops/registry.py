@@ -188,6 +188,12 @@ def resolve(device: torch.device | str, dtype: torch.dtype) -> OpTable:
     return _resolved[key]
 
 
+def forget_choices() -> None:
+    """Choose every setting's backends again at its next :func:`resolve` (a tool that changes which backends
+    serve a device, as ``benchmarks/verify_op_count.py --kernels`` does, and restores them afterwards)."""
+    _resolved.clear()
+
+
 def _choose_all(device: torch.device, dtype: torch.dtype) -> OpTable:
     forced = _forced()
     unknown = set(forced) - set(_REGISTRY)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.graph_capture import capture_graph
+from dsinfer.graph_capture import capture_graph, release_graphs
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter
@@ -88,7 +88,7 @@ class SpecGraphs:
         largest = self.sizes[-1]
         self.inputs = torch.zeros(largest, self.width + _FIELDS + self.table_width, dtype=torch.long,
                                   device=self.device)  # fmt: skip
-        self.inputs.copy_(torch.tensor([self._padding_row()] * largest, dtype=torch.long))
+        self._stage_padding()
         # The step's result, one row per sequence: accepted | the token after them | next drafts [K] | how many
         # of them to verify. The verify graph (or the host's judge) writes the first two, the draft graph the rest.
         self.result = torch.zeros(largest, 3 + self.num_drafts, dtype=torch.long, device=self.device)
@@ -200,6 +200,10 @@ class SpecGraphs:
     def _blocks_needed(self, span: SequenceSpan) -> int:
         return math.ceil((span.start + self.width) / self.cache.block_tokens)
 
+    def _stage_padding(self) -> None:
+        """Every row of the verify graph's inputs a padding row (:meth:`_padding_row`)."""
+        self.inputs.copy_(torch.tensor([self._padding_row()] * self.sizes[-1], dtype=torch.long))
+
     def _padding_row(self) -> list[int]:
         """A row that runs positions 0 .. width - 1 of the spare slot against the trash block, with no draft."""
         return [0] * self.width + [0, self.spare_slot, 0, 0] + [self.cache.trash_block] * self.table_width
@@ -273,11 +277,8 @@ class SpecGraphs:
         round in the buffers (the drafts went to the host with the round's one read)."""
         if not self.capture:
             return
-        torch.cuda.synchronize(self.device)  # no replay of an old graph still running
-        self.graphs.clear()
-        self.judge_graphs.clear()
-        torch.cuda.empty_cache()  # the old graphs' pool back to the device before the new one takes memory
-        self.inputs.copy_(torch.tensor([self._padding_row()] * self.sizes[-1], dtype=torch.long))
+        release_graphs(self.device, self.graphs, self.judge_graphs)
+        self._stage_padding()
         self._capture_all()
 
     def _capture_all(self) -> None:
