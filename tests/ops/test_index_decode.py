@@ -37,6 +37,7 @@ class ScoresCase:
     q_dtype: torch.dtype = torch.bfloat16
     heads: int = 16
     dim: int = 64
+    per_block: int = PER_BLOCK  # a multiple of TILE: every tile inside one block (read from the table once)
 
 
 SCORES_CASES = [
@@ -64,11 +65,14 @@ def encode_keys(pool: torch.Tensor, form: str) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
-def make_inputs(batch: int, heads: int, dim: int, form: str, q_dtype, visible: list[int], generator) -> list:
-    """q, head weights, keys, scales, block tables, visible: each sequence's own blocks, the spare one last."""
-    blocks = batch * TABLE_WIDTH + 1
-    keys, scales = encode_keys(torch.randn(blocks, PER_BLOCK, dim, generator=generator), form)
-    tables = torch.randperm(blocks - 1, generator=generator)[: batch * TABLE_WIDTH].view(batch, TABLE_WIDTH)
+def make_inputs(batch: int, heads: int, dim: int, form: str, q_dtype, visible: list[int], generator,
+                per_block: int = PER_BLOCK) -> list:  # fmt: skip
+    """q, head weights, keys, scales, block tables, visible: each sequence's own blocks (at least the slots of
+    ``TABLE_WIDTH`` blocks of ``PER_BLOCK``), the spare one last."""
+    width = -(-TABLE_WIDTH * PER_BLOCK // per_block)
+    blocks = batch * width + 1
+    keys, scales = encode_keys(torch.randn(blocks, per_block, dim, generator=generator), form)
+    tables = torch.randperm(blocks - 1, generator=generator)[: batch * width].view(batch, width)
     tables[0, -1] = blocks - 1
     q = torch.randn(batch, heads, dim, generator=generator).to(q_dtype)
     weights = torch.randn(batch, heads, generator=generator) * heads**-0.5
@@ -100,7 +104,7 @@ def check_scores(
     import dsinfer.ops.index_scores_paged.triton as backend
 
     visible = visible if visible is not None else visible_counts(case.batch, generator)
-    inputs = make_inputs(case.batch, case.heads, case.dim, case.form, case.q_dtype, visible, generator)
+    inputs = make_inputs(case.batch, case.heads, case.dim, case.form, case.q_dtype, visible, generator, case.per_block)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
     if not backend.serves(inputs[0], inputs[2], inputs[3]):
         return f"{case}: the kernel does not take it"

@@ -128,12 +128,14 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-WORDS_CASES = [  # batch, query dtype, heads, dim
-    (1, torch.bfloat16, 16, 64),
-    (1, torch.float32, 20, 128),
-    (64, torch.bfloat16, 16, 64),
-    (64, torch.bfloat16, 64, 128),
-    (64, torch.float32, 64, 128),
+WORDS_CASES = [  # batch, query dtype, heads, dim, slots a block (128, V4.1's: a tile's slots in one block)
+    (1, torch.bfloat16, 16, 64, 16),
+    (1, torch.float32, 20, 128, 16),
+    (1, torch.bfloat16, 16, 64, 128),
+    (64, torch.bfloat16, 16, 64, 16),
+    (64, torch.bfloat16, 64, 128, 16),
+    (64, torch.float32, 64, 128, 16),
+    (64, torch.bfloat16, 64, 128, 128),
 ]
 
 
@@ -142,8 +144,8 @@ def check_words_layout(device: torch.device) -> list[str]:
 
     generator = torch.Generator().manual_seed(2)
     messages = []
-    for batch, q_dtype, heads, dim in WORDS_CASES:
-        case = ScoresCase(batch, "fp4", q_dtype, heads, dim)
+    for batch, q_dtype, heads, dim, per_block in WORDS_CASES:
+        case = ScoresCase(batch, "fp4", q_dtype, heads, dim, per_block)
         counts = [[edge] for edge in EDGES] if batch == 1 else [None]
         messages += [check_scores(case, device, generator, fp4_layout="words", visible=visible) for visible in counts]
     return [f"words: {message}" for message in messages if message]
@@ -220,7 +222,7 @@ def test_fp4_words_scores_kernel_compiles_for_hopper():
 
     kernel = words._words_scores_kernel
     constants = dict(PER_BLOCK=128, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, SPLIT_Q=False,
-                     NUM_STAGES=backend.NUM_STAGES, NATIVE_BF16=True, SCALE_WORD=True)  # fmt: skip
+                     NUM_STAGES=backend.NUM_STAGES, NATIVE_BF16=True, SCALE_WORD=True, TILE_IN_BLOCK=True)  # fmt: skip
     pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*i32", "scales_ptr": "*i32",
                 "scores_ptr": "*fp32"}  # fmt: skip
     signature = {

@@ -103,11 +103,13 @@ if triton is not None:
         stride_tb, stride_ob, scale,
         PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_E: tl.constexpr, SPLIT_Q: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE_BF16: tl.constexpr,
-        SCALE_WORD: tl.constexpr,
+        SCALE_WORD: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     ):  # fmt: skip
         """The split-K scores kernel of :mod:`dsinfer.ops.index_scores_paged.triton` over FP4 keys read as words:
         the same grid, chunks, -inf tail and sums; ``keys_ptr`` int32 words, ``scales_ptr`` int32 (``SCALE_WORD``)
-        or ue8m0 bytes; strides in their elements."""
+        or ue8m0 bytes; strides in their elements. ``TILE_IN_BLOCK`` (``BLOCK_E`` divides ``PER_BLOCK``, and so
+        the chunks, whole tiles, start on a block's tile edge): a tile's slots share one block, read from the
+        table once a tile instead of once a slot."""
         seq = tl.program_id(1).to(tl.int64)
         first = tl.program_id(0) * chunk
         last = tl.minimum(first + chunk, width)
@@ -122,10 +124,15 @@ if triton is not None:
         weights = tl.load(weights_ptr + seq * stride_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
         table = tables_ptr + seq * stride_tb
         for tile in tl.range(0, n_scored, num_stages=NUM_STAGES):
-            entry = first + tile * BLOCK_E + tl.arange(0, BLOCK_E)
+            tile_first = first + tile * BLOCK_E
+            entry = tile_first + tl.arange(0, BLOCK_E)
             seen = entry < scored_end
-            block = tl.load(table + entry // PER_BLOCK, mask=seen, other=0).to(tl.int64)
-            in_block = (entry % PER_BLOCK).to(tl.int64)
+            if TILE_IN_BLOCK:  # one table entry a tile, its rows consecutive in that block
+                block = tl.load(table + tile_first // PER_BLOCK).to(tl.int64)
+                in_block = tile_first % PER_BLOCK + tl.arange(0, BLOCK_E)
+            else:
+                block = tl.load(table + entry // PER_BLOCK, mask=seen, other=0).to(tl.int64)
+                in_block = (entry % PER_BLOCK).to(tl.int64)
             key_row, scale_row = block * stride_kb + in_block * stride_kp, block * stride_sb_ + in_block * stride_sp
             words = tl.load(keys_ptr + key_row[:, None] + tl.arange(0, HEAD_DIM // WORD_CODES)[None, :],
                             mask=seen[:, None], other=0)  # fmt: skip
@@ -166,5 +173,6 @@ def words_scores_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables:
         scales.stride(1), tables.stride(0), scores.stride(0), head_dim**-0.5,
         PER_BLOCK=keys.shape[1], HEAD_DIM=head_dim, SCALE_BLOCK=head_dim // key_scales.shape[-1],
         BLOCK_H=max(16, triton.next_power_of_2(n_heads)), SPLIT_Q=q.dtype != torch.bfloat16,
-        NATIVE_BF16=not interpreted(), SCALE_WORD=scale_word, **launch,
+        NATIVE_BF16=not interpreted(), SCALE_WORD=scale_word, TILE_IN_BLOCK=(keys.shape[1] % launch["BLOCK_E"], chunk % launch["BLOCK_E"]) == (0, 0),
+        **launch,
     )  # fmt: skip
