@@ -167,12 +167,12 @@ def words_scores_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables:
     scale_word = key_scales.shape[-1] == 4 and _int32_rows(key_scales)
     scales = key_scales.view(torch.int32) if scale_word else key_scales
     words = keys.view(torch.int32)
+    tile_in_block = keys.shape[1] % launch["BLOCK_E"] == 0 and chunk % launch["BLOCK_E"] == 0
     _words_scores_kernel[(triton.cdiv(scores.shape[1], chunk), batch)](
         q, weights, words, scales, tables, inputs.visible.contiguous(), scores, n_heads, scores.shape[1], chunk,
         q.stride(0), q.stride(1), weights.stride(0), words.stride(0), words.stride(1), scales.stride(0),
         scales.stride(1), tables.stride(0), scores.stride(0), head_dim**-0.5,
         PER_BLOCK=keys.shape[1], HEAD_DIM=head_dim, SCALE_BLOCK=head_dim // key_scales.shape[-1],
         BLOCK_H=max(16, triton.next_power_of_2(n_heads)), SPLIT_Q=q.dtype != torch.bfloat16,
-        NATIVE_BF16=not interpreted(), SCALE_WORD=scale_word, TILE_IN_BLOCK=(keys.shape[1] % launch["BLOCK_E"], chunk % launch["BLOCK_E"]) == (0, 0),
-        **launch,
+        NATIVE_BF16=not interpreted(), SCALE_WORD=scale_word, TILE_IN_BLOCK=tile_in_block, **launch,
     )  # fmt: skip
