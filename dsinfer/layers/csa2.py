@@ -306,8 +306,8 @@ class AttentionV41(Attention):
     def _write_verify_entries(self, x, batch: FixedWidthBatch, rows: PackedBatch, inv_freq, quantizer, projected,
                               journal: PendingJournal) -> None:  # fmt: skip
         """A KV source's entries and index keys of every verify row (``x``, the packed rows): at ratio 1 (no
-        unfinished groups) all rows at once, else column by column with each column's compressor update recorded
-        in ``journal``."""
+        unfinished groups) all rows at once, else the compressor's update column by column (each column's recorded
+        in ``journal``), then every row's entry rounded, keyed and written at once."""
         cache: KVCacheV41 = batch.cache
         source = cache.layers[self.layer_id].source
         if source is None or source.pending_values is None:
@@ -315,8 +315,14 @@ class AttentionV41(Attention):
             return
         xs = batch.columns(x)
         by_column = [None] * batch.width if projected is None else batch.columns(projected)
-        journal.run_columns([source], lambda j: self._write_decode_entries(
-            xs[j], batch.column(j), cache, inv_freq, quantizer, by_column[j]))  # fmt: skip
+
+        def column_latents(j: int) -> tuple:
+            column = batch.column(j)
+            return self.compressor.decode_latents(xs[j], column.positions, column.device_spans, source, by_column[j])
+
+        columns = journal.run_columns([source], column_latents)
+        latents, entry_ids, complete = (batch.rows(torch.stack(parts)) for parts in zip(*columns, strict=True))
+        self._write_entries(rows, cache, inv_freq, quantizer, latents, entry_ids, complete)
 
     def _sources_prefill(
         self,
@@ -503,9 +509,16 @@ class AttentionV41(Attention):
         A decode token's window always ends past ``reuse_below`` (a prefix hit covers less than the prompt), so
         no completed entry is one a prefix hit already stored. ``projected``: ``x`` through the compressor's
         projection already (a ratio-1 source's ``wkv`` row of the input stack), else the compressor projects."""
-        spans, ratio = batch.device_spans, self.compress_ratio
         source = cache.layers[self.layer_id].source
-        latents, entry_ids, complete = self.compressor.decode_latents(x, batch.positions, spans, source, projected)
+        latents = self.compressor.decode_latents(x, batch.positions, batch.device_spans, source, projected)
+        self._write_entries(batch, cache, inv_freq, quantizer, *latents)
+
+    def _write_entries(self, batch: PackedBatch, cache: KVCacheV41, inv_freq: torch.Tensor,
+                       quantizer: ActivationQuantizer, latents: torch.Tensor, entry_ids: torch.Tensor,
+                       complete: torch.Tensor | None) -> None:  # fmt: skip
+        """The rows' pre-RoPE entries (:meth:`Compressor.decode_latents`) RoPE'd, rounded and written with their
+        index keys, each to its block where its row completed it, else to the trash block."""
+        spans, ratio = batch.device_spans, self.compress_ratio
         cos, sin = step_rope_angles(batch, inv_freq, ratio, self.ops)  # at the group's first position: entry id * ratio
         # The quantizer's entry ids: -1 for the trash writes (at ratio 1 every token completes its entry).
         real_ids = entry_ids if ratio == 1 else torch.where(complete, entry_ids, -1)
