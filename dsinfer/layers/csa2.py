@@ -283,10 +283,11 @@ class AttentionV41(Attention):
         journal: PendingJournal,
     ) -> torch.Tensor:
         """Every row of a fixed-width (verify) batch as a decode step of its position would compute it: the
-        projections over all rows; a KV source's entries and index keys column by column, in position order
-        (journaled for the rollback); then every row at once, in the packed order (``batch.all_rows()``, one
-        ``state`` for all of them): the index sources' choice and one decode attention, each row over the window of
-        its own position (:meth:`KVCacheV41.attend_verify`), after which the step's rows join the ring.
+        projections over all rows; a KV source's compressor update column by column, in position order (journaled
+        for the rollback), then its entries and index keys of every row at once; then every row at once, in the
+        packed order (``batch.all_rows()``, one ``state`` for all of them): the index sources' choice and one decode
+        attention, each row over the window of its own position (:meth:`KVCacheV41.attend_verify`), after which the
+        step's rows join the ring.
 
         Writing every column's entries first is safe: an entry a later column completes is never visible to an
         earlier one (its number is at least that column's visible count)."""
