@@ -37,7 +37,7 @@ class ScoresCase:
     q_dtype: torch.dtype = torch.bfloat16
     heads: int = 16
     dim: int = 64
-    per_block: int = PER_BLOCK  # a multiple of TILE: every tile inside one block (read from the table once)
+    per_block: int = PER_BLOCK  # slots a block; a multiple of TILE puts every tile inside one block
 
 
 SCORES_CASES = [
