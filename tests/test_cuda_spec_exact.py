@@ -143,10 +143,13 @@ def test_graphs_recorded_again_mid_reply_keep_the_replies(tiny_checkpoint, tiny_
 
     try:
         alone = serve(None)
-        recorded_again = serve(6)
         executor = engine.worker.speculative
         graphs = engine.runner.decode_graphs if executor is None else executor.graphs
-        assert graphs is not None and len(graphs.graphs) == len(graphs.sizes)
+        assert graphs is not None
+        first_recorded = dict(graphs.graphs)  # held, so a new graph cannot reuse an old one's identity
+        recorded_again = serve(6)
+        assert len(graphs.graphs) == len(graphs.sizes)
+        assert all(graphs.graphs[size][0] is not old[0] for size, old in first_recorded.items())  # every bucket anew
     finally:
         engine.close()
     assert recorded_again == alone
