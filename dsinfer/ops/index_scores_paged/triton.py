@@ -59,6 +59,8 @@ BLOCK_E = 64  # slots per tile: the dot's M (a Hopper warpgroup MMA is 64 rows)
 NUM_WARPS = 4
 NUM_STAGES = 3  # key tiles in flight per program
 PROGRAMS_PER_SM = 4  # B x chunks aims at this many programs per multiprocessor
+WORDS_STAGES = 5  # the FP4 words kernel waits on loads more than it computes: deeper pipeline, more programs
+WORDS_PROGRAMS_PER_SM = 8
 MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
@@ -205,11 +207,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_chunk(batch: int, width: int, device: torch.device) -> int:
-    """Slots per program: enough programs for ``PROGRAMS_PER_SM`` a multiprocessor, whole tiles, at least
+def choose_chunk(batch: int, width: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Slots per program: enough programs for ``programs_per_sm`` a multiprocessor, whole tiles, at least
     ``MIN_TILES`` of them (shapes only: a CUDA graph replays the same split)."""
     tiles = triton.cdiv(width, BLOCK_E)
-    splits = max(1, min(triton.cdiv(tiles, MIN_TILES), triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), batch)))
+    splits = max(1, min(triton.cdiv(tiles, MIN_TILES), triton.cdiv(programs_per_sm * _sm_count(device), batch)))
     return triton.cdiv(tiles, splits) * BLOCK_E
 
 
@@ -265,13 +267,14 @@ def paged_scores_launch(
     dot, split_q = dot_dtypes(q, keys, form)
     coded = key_scales is not None
     scales_arg = key_scales if coded else keys
-    chunk = chunk or choose_chunk(batch, width, q.device)
     weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
     scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
     if form == "fp4" and fp4_layout == "words" and words_layout_fits(keys, key_scales, head_dim):
-        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, **(words_launch or {}))
+        chunk = chunk or choose_chunk(batch, width, q.device, WORDS_PROGRAMS_PER_SM)
+        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=WORDS_STAGES, num_warps=NUM_WARPS, **(words_launch or {}))
         words_scores_launch(inputs, weights, tables, scores, chunk, launch)
         return scores
+    chunk = chunk or choose_chunk(batch, width, q.device)
     _split_scores_kernel[(triton.cdiv(width, chunk), batch)](
         q, weights, keys, scales_arg, tables, visible, scores, n_heads, width, chunk, q.stride(0), q.stride(1),
         weights.stride(0), keys.stride(0), keys.stride(1), scales_arg.stride(0) if coded else 0,
