@@ -176,7 +176,8 @@ def check_words_decode(device: torch.device) -> str | None:
 
 
 def check_words_choice(device: torch.device) -> list[str]:
-    """The top-k of the words layout's scores is the reference's, 64 requests, k 8 and 100."""
+    """The top-k of the words layout's scores is the reference's, 64 requests, k 8 and 100; a pipeline depth of
+    the caller's (``words_launch``) replaces the default and gives the same scores."""
     from test_index_decode import make_inputs, visible_counts
 
     import dsinfer.ops.index_scores_paged.triton as backend
@@ -191,6 +192,9 @@ def check_words_choice(device: torch.device) -> list[str]:
     for k in (8, 100):
         if not torch.equal(index_topk_decode_reference(got, k), index_topk_decode_reference(want, k)):
             messages.append(f"words: another top-{k}")
+    shallow = backend.paged_scores_launch(paged, chunk=128, fp4_layout="words", words_launch={"NUM_STAGES": 2})
+    if not torch.equal(shallow, got):
+        messages.append("words: two stages in flight changed the scores")
     return messages
 
 
@@ -221,8 +225,9 @@ def test_fp4_words_scores_kernel_compiles_for_hopper():
     import dsinfer.ops.index_scores_paged.triton as backend
 
     kernel = words._words_scores_kernel
-    constants = dict(PER_BLOCK=128, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E, SPLIT_Q=False,
-                     NUM_STAGES=backend.NUM_STAGES, NATIVE_BF16=True, SCALE_WORD=True, TILE_IN_BLOCK=True)  # fmt: skip
+    constants = dict(PER_BLOCK=128, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E,
+                     SPLIT_Q=False, NUM_STAGES=backend.WORDS_STAGES, NATIVE_BF16=True, SCALE_WORD=True,
+                     TILE_IN_BLOCK=True)  # fmt: skip
     pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*i32", "scales_ptr": "*i32",
                 "scores_ptr": "*fp32"}  # fmt: skip
     signature = {

@@ -61,6 +61,7 @@ NUM_STAGES = 3  # key tiles in flight per program
 PROGRAMS_PER_SM = 4  # B x chunks aims at this many programs per multiprocessor
 WORDS_STAGES = 5  # the FP4 words kernel waits on loads more than it computes: deeper pipeline, more programs
 WORDS_PROGRAMS_PER_SM = 8
+WORDS_MIN_TILES = 4  # one sequence's chunks stay as long as at four programs a multiprocessor
 MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
@@ -207,11 +208,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_chunk(batch: int, width: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+def choose_chunk(batch: int, width: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM,
+                 min_tiles: int = MIN_TILES) -> int:  # fmt: skip
     """Slots per program: enough programs for ``programs_per_sm`` a multiprocessor, whole tiles, at least
-    ``MIN_TILES`` of them (shapes only: a CUDA graph replays the same split)."""
+    ``min_tiles`` of them (shapes only: a CUDA graph replays the same split)."""
     tiles = triton.cdiv(width, BLOCK_E)
-    splits = max(1, min(triton.cdiv(tiles, MIN_TILES), triton.cdiv(programs_per_sm * _sm_count(device), batch)))
+    splits = max(1, min(triton.cdiv(tiles, min_tiles), triton.cdiv(programs_per_sm * _sm_count(device), batch)))
     return triton.cdiv(tiles, splits) * BLOCK_E
 
 
@@ -270,8 +272,8 @@ def paged_scores_launch(
     weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
     scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
     if form == "fp4" and fp4_layout == "words" and words_layout_fits(keys, key_scales, head_dim):
-        chunk = chunk or choose_chunk(batch, width, q.device, WORDS_PROGRAMS_PER_SM)
-        launch = dict(BLOCK_E=BLOCK_E, NUM_STAGES=WORDS_STAGES, num_warps=NUM_WARPS, **(words_launch or {}))
+        chunk = chunk or choose_chunk(batch, width, q.device, WORDS_PROGRAMS_PER_SM, WORDS_MIN_TILES)
+        launch = {"BLOCK_E": BLOCK_E, "NUM_STAGES": WORDS_STAGES, "num_warps": NUM_WARPS, **(words_launch or {})}
         words_scores_launch(inputs, weights, tables, scores, chunk, launch)
         return scores
     chunk = chunk or choose_chunk(batch, width, q.device)
