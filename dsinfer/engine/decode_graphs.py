@@ -24,7 +24,7 @@ import math
 import torch
 
 from dsinfer.engine.graph_inputs import StagedGraphInputs
-from dsinfer.graph_capture import capture_graph, release_graphs
+from dsinfer.graph_capture import blas_for_rows, capture_graph, release_graphs
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,10 @@ def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class DecodeGraphs:
     """Static-shape decode for batches up to the largest bucket; ``run`` returns the sampled rows' logits."""
 
-    def __init__(self, model, cache, sizes: tuple[int, ...], spare_slot: int, max_model_len: int, capture: bool):
+    def __init__(self, model, cache, sizes: tuple[int, ...], spare_slot: int, max_model_len: int, capture: bool,
+                 float32: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.spare_slot, self.capture = model, cache, spare_slot, capture
+        self.float32 = float32  # the model's linears are float32 (which BLAS each bucket records under)
         self.sizes = tuple(sorted(set(sizes)))
         self.table_width = math.ceil(max_model_len / cache.block_tokens)
         device = cache.layers[0].window.device
@@ -119,7 +121,8 @@ class DecodeGraphs:
         """Record every bucket (largest first, sharing one memory pool), with every row padding."""
         pool = None
         for size in reversed(self.sizes):
-            graph, logits = capture_graph(lambda size=size: self._forward(size), pool)
+            blas = blas_for_rows(size, self.float32)
+            graph, logits = capture_graph(lambda size=size: self._forward(size), pool, blas)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()

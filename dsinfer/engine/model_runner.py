@@ -123,13 +123,14 @@ class ModelRunner:
         # Static-shape steps: the buckets, the spare slot their padding rows run in, whether to capture graphs.
         self.graph_sizes: tuple[int, ...] | None = None
         self.spare_slot, self.capture_graphs = engine.max_num_seqs, self.device.type == "cuda"
+        self.float32 = engine.dtype == "float32"  # the model's dtype: which BLAS each graph records under
         self.decode_graphs: DecodeGraphs | None = None
         if graphed:
             sizes = engine.cuda_graph_sizes or default_graph_sizes(engine.max_num_seqs)
             self.graph_sizes = tuple(size for size in sizes if size <= engine.max_num_seqs) or (engine.max_num_seqs,)
         if graphed and not self.speculative:  # speculative steps have their own (dsinfer.speculative.graphs)
             self.decode_graphs = DecodeGraphs(model, self.cache, self.graph_sizes, self.spare_slot, max_model_len,
-                                              capture=self.capture_graphs)  # fmt: skip
+                                              self.capture_graphs, self.float32)  # fmt: skip
         self.image_embeddings = ImageEmbeddings(model) if getattr(model.config, "vision", None) else None
         # Mixed steps may run as two forwards (MIXED_STEP_DECODE_SPLIT_ROWS); expert-parallel ranks turn this off,
         # since their forwards pair up collective by collective.

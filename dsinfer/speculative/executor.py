@@ -71,6 +71,7 @@ class StepRunner(Protocol):
     spare_slot: int
     max_model_len: int
     capture_graphs: bool
+    float32: bool  # the model's linears are float32 (which BLAS each graph records under)
 
     def step_batch(self, step: Any) -> PackedBatch:
         """The step's packed batch over the cache, once what its forward needs first is done."""
@@ -161,7 +162,7 @@ class SpeculativeExecutor:
                 logger.info("speculative CUDA graphs off: K + 1 positions overrun the sliding window")
             else:
                 self.graphs = SpecGraphs(self.drafter, self.rollback, runner.graph_sizes, runner.spare_slot,
-                                         runner.max_model_len, runner.capture_graphs)  # fmt: skip
+                                         runner.max_model_len, runner.capture_graphs, runner.float32)  # fmt: skip
         # Where the graphs are captured, a sequence whose prompt just ended drafts in its next step's draft replay
         # instead of eagerly, op by op from the host: that step verifies its token with filler drafts (one token
         # where a round gives tau; docs/speculative.md). The CPU runs its buckets eagerly anyway.

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.graph_capture import capture_graph, release_graphs
+from dsinfer.graph_capture import blas_for_rows, capture_graph, release_graphs
 from dsinfer.kv.batch import SequenceSpan, host_into_device, host_to_device
 from dsinfer.kv.fixed_width import FixedWidthBatch, PendingJournal
 from dsinfer.speculative.drafting import Drafter
@@ -75,9 +75,10 @@ class SpecGraphs:
     """Static-shape verify and draft steps for batches up to the largest bucket (see the module docstring)."""
 
     def __init__(self, drafter: Drafter, rollback: CacheRollback, sizes: tuple[int, ...], spare_slot: int,
-                 max_model_len: int, capture: bool) -> None:  # fmt: skip
+                 max_model_len: int, capture: bool, float32: bool = False) -> None:  # fmt: skip
         cache = rollback.cache
         self.drafter, self.cache, self.spare_slot, self.capture = drafter, cache, spare_slot, capture
+        self.float32 = float32  # the model's linears are float32 (which BLAS each graph records under)
         self.fixed_rollback = FixedWidthRollback(rollback)
         self.num_drafts = drafter.num_tokens
         self.width = self.num_drafts + 1
@@ -286,12 +287,14 @@ class SpecGraphs:
         padding. The verify graph runs once before the others' capture: they read what it wrote."""
         pool = None
         for size in reversed(self.sizes):
-            verify, _ = capture_graph(lambda size=size: self._verify_forward(size), pool)
+            verify_blas = blas_for_rows(size * self.width, self.float32)  # K + 1 rows a sequence
+            verify, _ = capture_graph(lambda size=size: self._verify_forward(size), pool, verify_blas)
             pool = verify.pool()
             verify.replay()
             for mode in (JudgeMode.FILTERED, JudgeMode.FILTERED_TOP):
                 self.judge_graphs[size, mode], _ = capture_graph(lambda s=size, m=mode: self._judge_forward(s, m), pool)
-            draft, _ = capture_graph(lambda size=size: self._draft_forward(size), pool)
+            draft_blas = blas_for_rows(size, self.float32)  # a block's drafts: one row a sequence at a time
+            draft, _ = capture_graph(lambda size=size: self._draft_forward(size), pool, draft_blas)
             self.graphs[size] = (verify, draft)
         torch.cuda.synchronize()
         logger.info("speculative CUDA graphs captured for batch sizes %s, %d positions per sequence",
