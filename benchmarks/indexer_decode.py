@@ -3,14 +3,14 @@
     python benchmarks/indexer_decode.py                       # batch 1 8 64 256 x context 4k 16k 131k, bf16 + fp8
     python benchmarks/indexer_decode.py --batch 64 --context 131072 --keys fp8
     python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts halves words
-    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts words --words-launches 4:4 5:4 3:8
+    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts words --words-launches 3:4 5:4:4 6:4:8
 
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
 (``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot, the default;
 ``halves``, the even and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each,
-and the words kernel again for each ``--words-launches`` (key tiles in flight : warps); the op (``op ms``) runs
-the default.
+and the words kernel again for each ``--words-launches`` (key tiles in flight : warps, and optionally : the programs
+a multiprocessor its chunks aim at); the op (``op ms``) runs the default.
 
 V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
 ``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each
@@ -35,7 +35,7 @@ from cold_copies import calls_over, copied_args, copy_count
 
 from dsinfer.kv.codecs import INDEX_KEY_FORMAT, INDEX_KEY_FP8_FORMAT
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference
-from dsinfer.ops.index_scores_paged.triton import FP4_LAYOUTS, paged_scores_launch
+from dsinfer.ops.index_scores_paged.triton import FP4_LAYOUTS, WORDS_MIN_TILES, choose_chunk, paged_scores_launch
 from dsinfer.ops.indexer import triton as backend
 from dsinfer.ops.indexer.reference import indexer_topk_decode_reference
 
@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--words-launches",
         nargs="+",
         default=[],
-        metavar="STAGES:WARPS",
-        help="FP4 words layout: also time these launches (key tiles in flight, warps), e.g. 4:4 5:8",
+        metavar="STAGES:WARPS[:PROGRAMS]",
+        help="FP4 words layout: also time these launches (key tiles in flight, warps, programs a multiprocessor the "
+        "chunks aim at; default the kernel's), e.g. 3:4 5:4:4",
     )
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
@@ -119,20 +120,27 @@ def choose(*step):
     return backend.indexer_topk_decode_triton(paged_inputs(*step), step[5])
 
 
-def scores_in_layout(*step, fp4_layout: str, words_launch: dict | None = None):
-    """The scores kernel alone on one step's values, FP4 tiles in ``fp4_layout`` (words: ``words_launch``)."""
-    return paged_scores_launch(paged_inputs(*step), fp4_layout=fp4_layout, words_launch=words_launch)
+def scores_in_layout(*step, fp4_layout: str, words_launch: dict | None = None, programs: int | None = None):
+    """The scores kernel alone on one step's values, FP4 tiles in ``fp4_layout`` (words: ``words_launch``, its
+    chunks aiming at ``programs`` a multiprocessor; None: the kernel's own split)."""
+    inputs = paged_inputs(*step)
+    chunk = None
+    if programs is not None:
+        width = inputs.block_tables.shape[1] * inputs.keys.shape[1]
+        chunk = choose_chunk(inputs.q.shape[0], width, inputs.q.device, programs, WORDS_MIN_TILES)
+    return paged_scores_launch(inputs, chunk, fp4_layout=fp4_layout, words_launch=words_launch)
 
 
-def layouts_to_time(args, keys_form: str) -> list[tuple[str, str, dict | None]]:
-    """(label, FP4 layout, words launch) of every row a point prints: one for bf16 / FP8 keys; for FP4 each
-    layout, and the words layout again for each of ``--words-launches``."""
+def layouts_to_time(args, keys_form: str) -> list[tuple[str, str, dict | None, int | None]]:
+    """(label, FP4 layout, words launch, programs a multiprocessor) of every row a point prints: one for bf16 / FP8
+    keys; for FP4 each layout, and the words layout again for each of ``--words-launches``."""
     if keys_form != "fp4":
-        return [(keys_form, FP4_LAYOUTS[0], None)]
-    rows = [(f"fp4/{layout}", layout, None) for layout in args.fp4_layouts]
+        return [(keys_form, FP4_LAYOUTS[0], None, None)]
+    rows = [(f"fp4/{layout}", layout, None, None) for layout in args.fp4_layouts]
     for launch in args.words_launches:
-        stages, warps = (int(part) for part in launch.split(":"))
-        rows.append((f"words s{stages}w{warps}", "words", {"NUM_STAGES": stages, "num_warps": warps}))
+        stages, warps, *programs = (int(part) for part in launch.split(":"))
+        label = f"words s{stages}w{warps}" + "".join(f"p{count}" for count in programs)
+        rows.append((label, "words", {"NUM_STAGES": stages, "num_warps": warps}, programs[0] if programs else None))
     return rows
 
 
@@ -153,8 +161,8 @@ def run_point(args, batch: int, context: int, keys_form: str, device, gen) -> No
         exact = index_scores_paged_reference(paged_inputs(*values))
         reference_ms = median_ms(reference, args.warmup, args.iters)
     roof = moved / (roofline_tb_s(device) * 1e12) * 1e3
-    for label, layout, launch in layouts_to_time(args, keys_form):
-        score = partial(scores_in_layout, fp4_layout=layout, words_launch=launch)
+    for label, layout, launch, programs in layouts_to_time(args, keys_form):
+        score = partial(scores_in_layout, fp4_layout=layout, words_launch=launch, programs=programs)
         scores_ms = graph_ms(calls_over(score, cycle), args.warmup, args.iters, args.inner)
         scores = score(*values)
         topk_ms = median_ms(partial(torch.topk, scores, min(k, scores.shape[1]), dim=1), args.warmup, args.iters)
