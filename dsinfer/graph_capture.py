@@ -3,8 +3,9 @@
 A graph keeps the GEMM kernels chosen while it was recorded, so each graph records under the BLAS library that
 serves its row count best (:func:`blas_for_rows`): float32 products of 2 to ``FLOAT32_FEW_ROWS`` rows take
 cuBLASLt, everything else cuBLAS, torch's default. On an H100 (``benchmarks/fp32_linear_blas.py``, the embedded
-default's weight shapes) cuBLAS takes 5-6 us a call at 4 rows and 25-52 us at 16 where cuBLASLt takes 2.3-3.2;
-at 20 rows and more cuBLASLt is the slower one (11-15 us against 4.6-6.8), and at one row they are alike.
+default's weight shapes) cuBLAS takes 5-7 us a call at 4 rows and 25-52 us at 16 for the 128- to 256-wide weights
+where cuBLASLt takes 2.3-3.2; at 20 rows cuBLASLt is the slower one (11-15 us against 4.5-9.6), at 64 as slow or
+slower, and at one row they are alike. The choice follows the engine's ``dtype``, the one its model was loaded in.
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ class SpecGraphs:
             verify.replay()
             for mode in (JudgeMode.FILTERED, JudgeMode.FILTERED_TOP):
                 self.judge_graphs[size, mode], _ = capture_graph(lambda s=size, m=mode: self._judge_forward(s, m), pool)
-            draft_blas = blas_for_rows(size, self.float32)  # a block's drafts: one row a sequence at a time
+            draft_blas = blas_for_rows(size, self.float32)  # drafts run one row a sequence at a time
             draft, _ = capture_graph(lambda size=size: self._draft_forward(size), pool, draft_blas)
             self.graphs[size] = (verify, draft)
         torch.cuda.synchronize()
