@@ -16,8 +16,11 @@ Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dty
 sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
 an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. FP4 tiles take one of
 three layouts (``paged_scores_launch(fp4_layout=...)``). ``words``, the default (:mod:`.fp4_words`): the keys
-read as int32 words of 8 codes, two codes a shift and mask, one dot; on one H100 at 64 and 256 requests x 131,072
-its scores kernel took 0.78 and 2.56 ms against ``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``).
+read as int32 words of 8 codes, two codes a shift and mask, one dot. Its loop waits on latency more than it
+issues, so it keeps more tiles in flight (``WORDS_STAGES``) and aims at more programs a multiprocessor
+(``WORDS_PROGRAMS_PER_SM``, at least ``WORDS_MIN_TILES`` tiles a chunk) than the other layouts: on one H100 at 64
+and 256 requests x 131,072 it takes 0.57 and 2.08 ms, 0.65 and 2.32 at the others' three stages, against
+``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``).
 ``halves``, where words do not fit: the even channels (each byte's low
 nibble) and the odd ones (its high nibble) are two [BLOCK_E, d / 2] tiles, scored by two dots against the query's
 even and odd channels (loaded once a chunk with a channel stride of 2), and each nibble becomes bf16 bits with
