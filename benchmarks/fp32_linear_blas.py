@@ -7,7 +7,8 @@ Each ``F.linear`` is timed inside a CUDA graph of 20 calls (microseconds a call,
 ``torch.backends.cuda.preferred_blas_library`` set to each library in turn, then once more under cuBLAS with a
 zero bias (``+bias``: torch's addmm with a 1-D bias may take cuBLASLt's bias epilogue for that call alone, which
 would choose the library per call instead of per process); ``max diff`` is the largest difference from the plain
-cuBLAS product of the same rows. The engine itself leaves the library at torch's default (cuBLAS).
+cuBLAS product of the same rows. The engine records its float32 graphs of 2 to 16 rows under cuBLASLt and the
+rest under cuBLAS (``dsinfer.graph_capture.blas_for_rows``), from these figures.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from cold_copies import graph_ms  # the benchmarks' graph timer (same folder)
 from safetensors import safe_open
 
+from dsinfer.graph_capture import preferred_blas
 from dsinfer.models.tiny import default_model_dir
 
 CALLS_A_REPLAY = 20
@@ -55,16 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda")
-                torch.backends.cuda.preferred_blas_library("cublas")
-                expected = torch.nn.functional.linear(x, weight)
-                torch.backends.cuda.preferred_blas_library(library)
+                with preferred_blas("cublas"):
+                    expected = torch.nn.functional.linear(x, weight)
                 call = lambda x=x, w=weight, b=bias: torch.nn.functional.linear(x, w, b)  # noqa: E731
-                diff = (call() - expected).abs().max().item()
-                cells.append(f"{rows} rows {1e3 * graph_ms(call, CALLS_A_REPLAY, REPLAYS, warmup=10):6.2f} "
-                             f"(max diff {diff:.1e})")  # fmt: skip
+                with preferred_blas(library):
+                    diff = (call() - expected).abs().max().item()
+                    us = 1e3 * graph_ms(call, CALLS_A_REPLAY, REPLAYS, warmup=10)
+                cells.append(f"{rows} rows {us:6.2f} (max diff {diff:.1e})")
             label = library + ("+bias" if with_bias else "")
             print(f"{label:12} ({out_features}, {in_features}) x {count}: " + ", ".join(cells), flush=True)
-    torch.backends.cuda.preferred_blas_library("cublas")
     return 0
 
 

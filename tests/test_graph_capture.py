@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer.graph_capture import FLOAT32_FEW_ROWS, blas_for_rows, capture_graph
+from dsinfer.graph_capture import FLOAT32_FEW_ROWS, blas_for_rows, capture_graph, preferred_blas
 
 
 def test_float32_products_of_few_rows_take_cublaslt():
@@ -26,10 +26,7 @@ def test_graph_recorded_under_cublaslt_replays_its_product_and_restores_the_choi
     assert torch.backends.cuda.preferred_blas_library() == before
     x.copy_(torch.randn(4, 128, device="cuda", generator=generator))
     graph.replay()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
+    with preferred_blas("cublaslt"):
         want = torch.nn.functional.linear(x, weight)
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
