@@ -40,6 +40,7 @@ import functools
 
 import torch
 
+from dsinfer.ops.index_scores_paged.fp4_hopper import hopper_words_fits, hopper_words_launch
 from dsinfer.ops.index_scores_paged.fp4_words import words_layout_fits, words_scores_launch
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference, paged_key_form
 from dsinfer.ops.index_scores_paged.tiles import fill_unseen, split_for_dot
@@ -68,7 +69,7 @@ WORDS_MIN_TILES = 4  # a words chunk's fewest tiles: eight programs a multiproce
 MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
-FP4_LAYOUTS = ("halves", "joined", "words")  # how a tile of packed FP4 keys meets the query (module docstring)
+FP4_LAYOUTS = ("halves", "joined", "words", "words_mma")  # how FP4 tiles meet the query (module docstring)
 MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:
@@ -250,14 +251,16 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
 
 
 def paged_scores_launch(
-    inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words", words_launch: dict | None = None
+    inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words_mma", words_launch: dict | None = None
 ) -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
     FP4 tiles meet the query, ``"halves"`` (even and odd channels, two dots; ``"joined"`` below 32 channels,
     where a half is shallower than a dot), ``"words"`` (int32 words of 8 codes, :mod:`.fp4_words`; ``"halves"``
-    where they do not fit) or ``"joined"`` (the codes interleaved into one float32 tile). ``words_launch``: the
-    words kernel's ``NUM_STAGES`` and ``num_warps`` where they differ from the defaults (a benchmark's sweep)."""
+    where they do not fit), ``"words_mma"`` (the words decoded into the warpgroup MMA's register operand on
+    Hopper, :mod:`.fp4_hopper`; ``"words"`` elsewhere) or ``"joined"`` (the codes interleaved into one float32
+    tile). ``words_launch``: the words kernels' ``NUM_STAGES`` (and the Triton one's ``num_warps``) where they
+    differ from the defaults (a benchmark's sweep)."""
     if fp4_layout not in FP4_LAYOUTS:
         raise ValueError(f"fp4_layout must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
     q, head_weights, keys, key_scales = inputs.q, inputs.head_weights, inputs.keys, inputs.key_scales
@@ -274,8 +277,11 @@ def paged_scores_launch(
     scales_arg = key_scales if coded else keys
     weights, tables, visible = head_weights.float().contiguous(), block_tables.contiguous(), visible.contiguous()
     scale_block = head_dim // key_scales.shape[-1] if coded else head_dim
-    if form == "fp4" and fp4_layout == "words" and words_layout_fits(keys, key_scales, head_dim):
+    if form == "fp4" and fp4_layout in ("words", "words_mma") and words_layout_fits(keys, key_scales, head_dim):
         chunk = chunk or choose_chunk(batch, width, q.device, WORDS_PROGRAMS_PER_SM, WORDS_MIN_TILES)
+        if fp4_layout == "words_mma" and hopper_words_fits(inputs, chunk):
+            hopper_words_launch(inputs, weights, tables, scores, chunk, **_stages(words_launch))
+            return scores
         launch = {"BLOCK_E": BLOCK_E, "NUM_STAGES": WORDS_STAGES, "num_warps": NUM_WARPS, **(words_launch or {})}
         words_scores_launch(inputs, weights, tables, scores, chunk, launch)
         return scores
@@ -292,6 +298,12 @@ def paged_scores_launch(
         FP4_HALVES=form == "fp4" and fp4_layout == "halves" and head_dim // 2 >= MIN_DOT_DEPTH,
     )  # fmt: skip
     return scores
+
+
+def _stages(words_launch: dict | None) -> dict:
+    """The Gluon kernel's share of a words launch override: its pipeline depth (it always runs one warpgroup)."""
+    stages = (words_launch or {}).get("NUM_STAGES")
+    return {} if stages is None else {"num_stages": stages}
 
 
 @register("index_scores_paged", "triton", devices=("cuda",), available=sparse_attention_triton_available,
