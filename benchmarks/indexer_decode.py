@@ -4,13 +4,16 @@
     python benchmarks/indexer_decode.py --batch 64 --context 131072 --keys fp8
     python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts halves words
     python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts words --words-launches 3:4 5:4:4 6:4:8
+    python benchmarks/indexer_decode.py --keys fp4 --context 131072 --fp4-layouts words words_mma --mma-launches 4:96
 
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
-(``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot, the default;
+(``--fp4-layouts``: ``words_mma``, on Hopper the words decoded straight into the warpgroup MMA's register operand,
+the default; ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot, the default elsewhere;
 ``halves``, the even and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each,
 and the words kernel again for each ``--words-launches`` (key tiles in flight : warps, and optionally : the programs
-a multiprocessor its chunks aim at); the op (``op ms``) runs the default.
+a multiprocessor its chunks aim at) and the words_mma kernel for each ``--mma-launches``; the op (``op ms``) runs
+the default.
 
 V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
 ``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each
@@ -60,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="STAGES:WARPS[:PROGRAMS]",
         help="FP4 words layout: also time these launches (key tiles in flight, warps, programs a multiprocessor the "
         "chunks aim at; default the kernel's), e.g. 3:4 5:4:4",
+    )
+    parser.add_argument(
+        "--mma-launches",
+        nargs="+",
+        default=[],
+        metavar="STAGES:REGISTERS[:PROGRAMS]",
+        help="FP4 words_mma layout (Hopper): also time these launches (key tiles in flight, a thread's register cap, "
+        "0 the compiler's own; programs a multiprocessor the chunks aim at), e.g. 4:96 6:0:6",
     )
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
@@ -141,6 +152,12 @@ def layouts_to_time(args, keys_form: str) -> list[tuple[str, str, dict | None, i
         stages, warps, *programs = (int(part) for part in launch.split(":"))
         label = f"words s{stages}w{warps}" + "".join(f"p{count}" for count in programs)
         rows.append((label, "words", {"NUM_STAGES": stages, "num_warps": warps}, programs[0] if programs else None))
+    for launch in args.mma_launches:
+        stages, registers, *programs = (int(part) for part in launch.split(":"))
+        label = f"mma s{stages}r{registers}" + "".join(f"p{count}" for count in programs)
+        rows.append(
+            (label, "words_mma", {"NUM_STAGES": stages, "maxnreg": registers}, programs[0] if programs else None)
+        )
     return rows
 
 

@@ -50,6 +50,7 @@ HEAD_DIM = 128  # channels: 16 int32 words of 8 codes a row, four a lane
 SCALE_BLOCK = 32  # channels a ue8m0 scale byte covers: a row's four bytes are one int32
 NUM_WARPS = 4  # one warpgroup
 NUM_STAGES = 5  # key tiles in flight a program
+MAX_REGISTERS = 96  # a thread's registers: five programs a multiprocessor (104 unbounded: four), nothing spilled
 MAX_HEADS = 256  # the MMA's widest N
 
 if gluon is not None:
@@ -89,8 +90,10 @@ if gluon is not None:
         exponent = (packed_scales[:, None] >> (8 * word_block)[None, :]) & 0xFF
         field = gl.minimum(gl.maximum(exponent + exponent_shift, 0), 254)  # 2**(b - 1 - X)'s exponent field
         factors = field * 0x00800080  # the same bf16 in both halves
-        pairs = gl.join(gl.join(_scaled(_code_pair(words, 0), factors), _scaled(_code_pair(words, 1), factors)),
-                        gl.join(_scaled(_code_pair(words, 2), factors), _scaled(_code_pair(words, 3), factors)))
+        pairs = gl.join(
+            gl.join(_scaled(_code_pair(words, 0), factors), _scaled(_code_pair(words, 1), factors)),
+            gl.join(_scaled(_code_pair(words, 2), factors), _scaled(_code_pair(words, 3), factors)),
+        )
         halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))  # [TILE_C, 16, s, h, i]
         columns = gl.permute(gl.reshape(halves, [TILE_C, 4, 4, 2, 2, 2]), [0, 2, 3, 4, 1, 5])  # word = 4t + m
         keys = gl.reshape(columns, [TILE_C, HEAD_DIM_C]).to(gl.bfloat16, bitcast=True)
@@ -142,11 +145,15 @@ if gluon is not None:
         block = gl.load(table + tile_first // PER_BLOCK, mask=live, other=0).to(gl.int64)
         in_block = tile_first % PER_BLOCK
         key_rows = keys_ptr + block * stride_kb + in_block * stride_kp
-        copy_to_shared(words_ring.index(slot), key_rows + word_offsets,
-                                               mask=(tile_first + copy_rows < scored_end)[:, None] & live)
+        copy_to_shared(
+            words_ring.index(slot), key_rows + word_offsets, mask=(tile_first + copy_rows < scored_end)[:, None] & live
+        )
         scale_row = scales_ptr + block * stride_sb_ + in_block * stride_sp
-        copy_to_shared(scales_ring.index(slot), scale_row + scale_rows * stride_sp,
-                                               mask=(tile_first + scale_rows < scored_end) & live)
+        copy_to_shared(
+            scales_ring.index(slot),
+            scale_row + scale_rows * stride_sp,
+            mask=(tile_first + scale_rows < scored_end) & live,
+        )
         async_copy.commit_group()
 
     @gluon.jit
@@ -159,12 +166,17 @@ if gluon is not None:
         """Scores [B, W] of FP4 keys (int32 words, int32 scale rows) on the words kernel's grid (chunks,
         sequences); every chunk a whole number of tiles and every tile inside one block."""
         WORDS: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[TILE_C, 16])
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[TILE_C, 16],
+        )
         COPY_WORDS: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS_C, 1], [1, 0])
         COPY_SCALES: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_C], [0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_C, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS_C, 1], instr_shape=[16, BLOCK_H, 16]
+        )
         A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_H), element_bitwidth=16)
         RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -238,15 +250,26 @@ def hopper_words_fits(inputs: PagedIndexInputs, chunk: int) -> bool:
         return False
     shapes = q.shape[-1] == HEAD_DIM and key_scales.shape[-1] == HEAD_DIM // SCALE_BLOCK and q.shape[1] <= MAX_HEADS
     blocks = keys.shape[1] % TILE == 0 and chunk % TILE == 0
-    return shapes and blocks and q.dtype in (torch.bfloat16, torch.float32) and _int32_rows(keys) and _int32_rows(
-        key_scales
+    return (
+        shapes
+        and blocks
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and _int32_rows(keys)
+        and _int32_rows(key_scales)
     )
 
 
-def hopper_words_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables: torch.Tensor, scores: torch.Tensor,
-                        chunk: int, num_stages: int = NUM_STAGES) -> None:  # fmt: skip
+def hopper_words_launch(
+    inputs: PagedIndexInputs,
+    weights: torch.Tensor,
+    tables: torch.Tensor,
+    scores: torch.Tensor,
+    chunk: int,
+    num_stages: int = NUM_STAGES,
+    max_registers: int = MAX_REGISTERS,
+) -> None:
     """Fill ``scores`` [B, W] from FP4 ``inputs`` (:func:`hopper_words_fits`) on the grid of ``chunk`` slots a
-    program; ``weights`` float32 and ``tables`` contiguous."""
+    program; ``weights`` float32 and ``tables`` contiguous; ``max_registers`` 0: the compiler's own count."""
     q = inputs.q
     batch, n_heads, _ = q.shape
     words, scales = inputs.keys.view(torch.int32), inputs.key_scales.view(torch.int32)
@@ -256,5 +279,5 @@ def hopper_words_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables:
         q.stride(0), q.stride(1), weights.stride(0), words.stride(0), words.stride(1), scales.stride(0),
         scales.stride(1), tables.stride(0), scores.stride(0), HEAD_DIM**-0.5,
         PER_BLOCK=inputs.keys.shape[1], BLOCK_H=block_h, SPLIT_Q=q.dtype != torch.bfloat16, NUM_STAGES=num_stages,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip

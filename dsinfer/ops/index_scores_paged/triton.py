@@ -301,9 +301,10 @@ def paged_scores_launch(
 
 
 def _stages(words_launch: dict | None) -> dict:
-    """The Gluon kernel's share of a words launch override: its pipeline depth (it always runs one warpgroup)."""
-    stages = (words_launch or {}).get("NUM_STAGES")
-    return {} if stages is None else {"num_stages": stages}
+    """The Gluon kernel's share of a words launch override: its pipeline depth and register cap (``maxnreg``; it
+    always runs one warpgroup)."""
+    names = {"NUM_STAGES": "num_stages", "maxnreg": "max_registers"}
+    return {names[key]: value for key, value in (words_launch or {}).items() if key in names}
 
 
 @register("index_scores_paged", "triton", devices=("cuda",), available=sparse_attention_triton_available,
