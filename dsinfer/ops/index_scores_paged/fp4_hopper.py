@@ -135,14 +135,20 @@ if gluon is not None:
         return 126 - power
 
     @gluon.jit
-    def _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, table, first, scored_end, n_scored, tile,
+    def _tile_block(table, first, n_scored, tile, PER_BLOCK: gl.constexpr):
+        """The block holding tile ``tile``'s slots (0 past the last tile): read a tile ahead of its copy, so the
+        copy's address does not wait on the read."""
+        return gl.load(table + (first + tile * TILE_C) // PER_BLOCK, mask=tile < n_scored, other=0).to(gl.int64)
+
+    @gluon.jit
+    def _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, block, first, scored_end, n_scored, tile,
                     word_offsets, copy_rows, scale_rows, stride_kb, stride_kp, stride_sb_, stride_sp,
                     PER_BLOCK: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
-        """Start copying tile ``tile``'s words and scale words into its ring slot (nothing past the last tile)."""
+        """Start copying tile ``tile``'s words and scale words from ``block`` into its ring slot (nothing past the
+        last tile)."""
         slot = tile % NUM_STAGES
         tile_first = first + tile * TILE_C
         live = tile < n_scored
-        block = gl.load(table + tile_first // PER_BLOCK, mask=live, other=0).to(gl.int64)
         in_block = tile_first % PER_BLOCK
         key_rows = keys_ptr + block * stride_kb + in_block * stride_kp
         copy_to_shared(
@@ -207,18 +213,22 @@ if gluon is not None:
         scale_rows = gl.arange(0, TILE_C, layout=COPY_SCALES)
         table = tables_ptr + seq * stride_tb
         for tile in gl.static_range(NUM_STAGES - 1):
-            _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, table, first, scored_end, n_scored, tile,
+            block = _tile_block(table, first, n_scored, tile, PER_BLOCK)
+            _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, block, first, scored_end, n_scored, tile,
                         word_offsets, copy_rows, scale_rows, stride_kb, stride_kp, stride_sb_, stride_sp, PER_BLOCK,
                         NUM_STAGES)  # fmt: skip
+        next_block = _tile_block(table, first, n_scored, NUM_STAGES - 1, PER_BLOCK)
         for tile in range(n_scored):
             async_copy.wait_group(NUM_STAGES - 2)
             block_barrier()  # every lane's copies of this tile landed; the slot refilled next is read
-            _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, table, first, scored_end, n_scored,
-                        tile + NUM_STAGES - 1, word_offsets, copy_rows, scale_rows, stride_kb, stride_kp, stride_sb_,
-                        stride_sp, PER_BLOCK, NUM_STAGES)  # fmt: skip
             slot = tile % NUM_STAGES
             words = words_ring.index(slot).load(WORDS)
             packed_scales = scales_ring.index(slot).load(gl.SliceLayout(1, WORDS))
+            block = next_block
+            next_block = _tile_block(table, first, n_scored, tile + NUM_STAGES, PER_BLOCK)
+            _issue_tile(words_ring, scales_ring, keys_ptr, scales_ptr, block, first, scored_end, n_scored,
+                        tile + NUM_STAGES - 1, word_offsets, copy_rows, scale_rows, stride_kb, stride_kp, stride_sb_,
+                        stride_sp, PER_BLOCK, NUM_STAGES)  # fmt: skip
             keys = _operand(words, packed_scales, exponent_shift, A_LAYOUT)
             products = warpgroup_mma(keys, q_high, empty, use_acc=False)
             if SPLIT_Q:
