@@ -11,7 +11,7 @@ exactly the keys its part of the MMA's register operand holds:
   ``g + 8`` of its warp's 16, columns ``{2t, 2t+1, 2t+8, 2t+9}`` of each 16-wide K step. A query channel's column
   is free (the query is gathered once a chunk in any order), so lane ``t`` takes the four words ``4t .. 4t+3`` of
   each of its two rows (one 16-byte shared-memory read a row, conflict-free) and each word's 8 codes fill its 8
-  columns of two K steps: column ``32m + 16s + 8h + 2t + i`` holds code ``2s + h + 4i`` of word ``4t + m``
+  columns of two K steps: column ``32m + 16s + 8h + 2t + i`` holds code ``s + 2h + 4i`` of word ``4t + m``
   (:func:`operand_channels`). The decoded tile is already the operand: no shuffle, no shared-memory round trip.
 * A word's codes ``p`` and ``p + 4`` become one register of two bf16 ``code * 2**-126`` with a shift and a mask
   (as in :mod:`.fp4_words`), and one packed multiply by ``2**(b - 1 - X)`` applies the ue8m0 scale ``2**(b -
@@ -102,10 +102,10 @@ if gluon is not None:
     @gluon.jit
     def operand_channels(LAYOUT: gl.constexpr):
         """The query channel of each operand column (:func:`_operand`): column ``32m + 16s + 8h + 2t + i`` holds
-        channel ``8 (4t + m) + 2s + h + 4i``."""
+        channel ``8 (4t + m) + s + 2h + 4i``."""
         column = gl.arange(0, HEAD_DIM_C, layout=LAYOUT)
         lane = (column >> 1) & 3
-        return 32 * lane + 8 * (column >> 5) + 2 * ((column >> 4) & 1) + ((column >> 3) & 1) + 4 * (column & 1)
+        return 32 * lane + 8 * (column >> 5) + ((column >> 4) & 1) + 2 * ((column >> 3) & 1) + 4 * (column & 1)
 
     @gluon.jit
     def _exp2_field(power):
