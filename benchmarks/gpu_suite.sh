@@ -19,8 +19,9 @@
 # VERIFY_PROFILE_STEPS), offload (benchmarks/expert_offload.py), servespec
 # (the serve stage on a slice with an MTP layer, MTP K = 3 drafts then none: 16 prompts of 8k in, 256 out), fulldepth
 # (full-depth V4-Flash of random weights behind `dsinfer serve --expert-offload auto`, 1 and 8 streams), kvdtype (V4
-# decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernel at
-# other pipelining, WORDS_LAUNCHES "STAGES:WARPS[:PROGRAMS] ..."), topk (the indexer's top-k selection at
+# decode at 131,072 tokens, 64 and 256 requests, index keys bf16 then fp8), fp4words (the FP4 words scores kernels at
+# other pipelining, WORDS_LAUNCHES "STAGES:WARPS[:PROGRAMS] ..." for the Triton one, MMA_LAUNCHES
+# "STAGES:REGISTERS[:PROGRAMS] ..." for the Gluon one), topk (the indexer's top-k selection at
 # long-context shapes, benchmarks/index_topk.py), prefillattn (the prefill attention op of 8,192 tokens at
 # 131,072 and 16,384 context, CSA and HCA, against its reference; PREFILL_ATTN_CONFIGS "H:N:W:S ..." sweeps
 # launches instead). FP8_LINEARS=keep runs the fast stage with the FP8 linears kept
@@ -168,7 +169,8 @@ for name in "$@"; do
                      --points 64,256 --prefill-chunk 32768 --telemetry-interval 0 --kv-cache-dtype \$dtype \
                      --tag v4-d131k-\$dtype || exit 1; done" ;;
         fp4words) stage fp4words python3 benchmarks/indexer_decode.py --keys fp4 --context 131072 --batch 64 256 \
-                      --fp4-layouts words --words-launches ${WORDS_LAUNCHES:-3:4:4 5:4:4 6:4:8 4:8} ;;
+                      --fp4-layouts words words_mma --words-launches ${WORDS_LAUNCHES:-3:4:4 5:4:8} \
+                      --mma-launches ${MMA_LAUNCHES:-4:96 6:96 5:0} ;;
         topk) stage topk python3 benchmarks/index_topk.py ;;
         prefillattn) stage prefillattn bash -c "for start in 122880 8192; do python3 benchmarks/attention_prefill.py \
                          --tokens 8192 --start \$start --layers hca csa \
