@@ -73,6 +73,7 @@ MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
 FP4_LAYOUTS = ("halves", "joined", "words", "words_mma")  # how FP4 tiles meet the query (module docstring)
+DEFAULT_FP4_LAYOUT = "words"
 MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:
@@ -254,7 +255,10 @@ def serves(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None)
 
 
 def paged_scores_launch(
-    inputs: PagedIndexInputs, chunk: int | None = None, fp4_layout: str = "words_mma", words_launch: dict | None = None
+    inputs: PagedIndexInputs,
+    chunk: int | None = None,
+    fp4_layout: str = DEFAULT_FP4_LAYOUT,
+    words_launch: dict | None = None,
 ) -> torch.Tensor:
     """The kernel, no fallback (inputs :func:`serves` takes): scores [B, max_blocks * per_block] float32.
     ``chunk``: slots per program, a multiple of ``BLOCK_E`` (None: :func:`choose_chunk`). ``fp4_layout``: how
