@@ -23,9 +23,9 @@ exactly the keys its part of the MMA's register operand holds:
 * Key tiles and their scale words stream into a ring of shared-memory slots with ``cp.async`` (``NUM_STAGES``
   tiles in flight, one barrier a tile); the query sits in shared memory in the MMA's layout, once a chunk.
 
-The grid, chunks, sums, -inf tail and scores are the words kernel's. It serves V4.1's index keys (128 channels, a
-ue8m0 byte per 32 as one int32 a row, every tile inside one block) on sm_90 where Gluon is installed
-(:func:`hopper_words_fits`); elsewhere the words kernel runs. Triton's interpreter does not run Gluon: the kernel's
+The grid, chunks, sums, -inf tail and scores are the words kernel's. ``paged_scores_launch(fp4_layout=
+"words_mma")`` runs it for V4.1's index keys (128 channels, a ue8m0 byte per 32 as one int32 a row, every tile
+inside one block) on sm_90 where Gluon is installed (:func:`hopper_words_fits`); elsewhere the words kernel runs. Triton's interpreter does not run Gluon: the kernel's
 tests run on CUDA (``tests/ops/test_index_scores_hopper.py``), and its sm_90 build is checked on the CPU.
 """
 

@@ -15,15 +15,16 @@ fill the GPU alike and each key is read by exactly one program.
 Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dtype multiply exactly into float32
 sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
 an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. FP4 tiles take one of
-four layouts (``paged_scores_launch(fp4_layout=...)``). ``words_mma``, the default: on Hopper, V4.1's keys are
-decoded straight into the warpgroup MMA's register operand by a Gluon kernel (:mod:`.fp4_hopper`: no shared-memory
-round trip for the decoded tile, one multiply a code pair); elsewhere, and for other shapes, ``words``
-(:mod:`.fp4_words`): the keys read as int32 words of 8 codes, two codes a shift and mask, one dot, the tile
-reaching the MMA through shared memory. That loop waits on latency more than it issues, so it keeps more tiles in
-flight (``WORDS_STAGES``) and aims at more programs a multiprocessor (``WORDS_PROGRAMS_PER_SM``, at least
-``WORDS_MIN_TILES`` tiles a chunk) than the other layouts: on one H100 at 64 and 256 requests x 131,072 it takes
-0.57 and 2.08 ms, 0.65 and 2.32 at the others' three stages, against ``halves``' 1.20 and 3.98
-(``benchmarks/indexer_decode.py``).
+four layouts (``paged_scores_launch(fp4_layout=...)``, ``DEFAULT_FP4_LAYOUT`` unless a caller names one).
+``words``, the default (:mod:`.fp4_words`): the keys read as int32 words of 8 codes, two codes a shift and mask,
+one dot, the decoded tile reaching the MMA through shared memory. That loop waits on latency more than it issues,
+so it keeps more tiles in flight (``WORDS_STAGES``) and aims at more programs a multiprocessor
+(``WORDS_PROGRAMS_PER_SM``, at least ``WORDS_MIN_TILES`` tiles a chunk) than the other layouts: on one H100 at 64
+and 256 requests x 131,072 it takes 0.57 and 2.08 ms, 0.65 and 2.32 at the others' three stages, against
+``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``). ``words_mma``: on Hopper, V4.1's keys decoded
+straight into the warpgroup MMA's register operand by a Gluon kernel (:mod:`.fp4_hopper`: no shared-memory round
+trip for the decoded tile, one multiply a code pair; 373 instructions a tile against 460 in the sm_90 build);
+``words`` elsewhere and for other shapes.
 ``halves``, where words do not fit: the even channels (each byte's low
 nibble) and the odd ones (its high nibble) are two [BLOCK_E, d / 2] tiles, scored by two dots against the query's
 even and odd channels (loaded once a chunk with a channel stride of 2), and each nibble becomes bf16 bits with
