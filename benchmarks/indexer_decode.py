@@ -9,10 +9,10 @@
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
 (``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot, the default;
-``words_mma``, on Hopper the words decoded straight into the warpgroup MMA's register operand; ``halves``, the even and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each,
-and the words kernel again for each ``--words-launches`` (key tiles in flight : warps, and optionally : the programs
-a multiprocessor its chunks aim at) and the words_mma kernel for each ``--mma-launches``; the op (``op ms``) runs
-the default.
+``words_mma``, on Hopper the words decoded straight into the warpgroup MMA's register operand; ``halves``, the even
+and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each, and the words kernel
+again for each ``--words-launches`` (key tiles in flight : warps, and optionally : the programs a multiprocessor its
+chunks aim at) and the words_mma kernel for each ``--mma-launches``; the op (``op ms``) runs the default.
 
 V4-Flash shapes: 64 index heads x 128, ratio 4 (32 entries per 128-token block), top-512, every sequence at
 ``context`` tokens with its own blocks; the query is bf16 (the model's dtype), the head weights float32. For each

@@ -25,9 +25,9 @@ exactly the keys its part of the MMA's register operand holds:
 
 The grid, chunks, sums, -inf tail and scores are the words kernel's. ``paged_scores_launch(fp4_layout=
 "words_mma")`` runs it for V4.1's index keys (128 channels, a ue8m0 byte per 32 as one int32 a row, every tile
-inside one block) on sm_90 where Gluon is installed (:func:`hopper_words_fits`); elsewhere the words kernel runs. Triton's interpreter does not run Gluon: the kernel's
-tests run on CUDA (``tests/ops/test_index_scores_hopper.py``), and its sm_90 build is checked on the CPU.
-"""
+inside one block) on sm_90 where Gluon is installed (:func:`hopper_words_fits`); elsewhere the words kernel runs.
+Triton's interpreter does not run Gluon: the kernel's tests run on CUDA (``tests/ops/test_index_scores_hopper.py``),
+and its sm_90 build is checked on the CPU. """
 
 from __future__ import annotations
 
