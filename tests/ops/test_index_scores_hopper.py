@@ -123,18 +123,13 @@ def test_hopper_words_kernel_compiles_for_hopper(split_q):
     if hopper_words.gluon is None:
         pytest.skip("this Triton has no Gluon Hopper language")
     import triton
+    from test_index_scores_paged import words_kernel_signature
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = hopper_words._hopper_words_kernel
     constants = dict(PER_BLOCK=PER_BLOCK, BLOCK_H=64, SPLIT_Q=split_q, NUM_STAGES=hopper_words.NUM_STAGES)
-    pointers = {"q_ptr": "*fp32" if split_q else "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*i32",
-                "scales_ptr": "*i32", "scores_ptr": "*fp32"}  # fmt: skip
-    signature = {
-        name: "constexpr" if name in constants else pointers.get(name, "*i64") if name.endswith("_ptr") else
-        "fp32" if name == "scale" else "i32"
-        for name in kernel.arg_names
-    }  # fmt: skip
+    signature = words_kernel_signature(kernel.arg_names, constants, "*fp32" if split_q else "*bf16")
     source = GluonASTSource(kernel, signature, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]

@@ -213,6 +213,18 @@ def test_fp4_words_layout_matches_the_reference_on_cuda():
     assert check_words(torch.device("cuda")) == []
 
 
+def words_kernel_signature(arg_names: list[str], constants: dict, q_pointer: str) -> dict:
+    """An FP4 words scores kernel's argument types for an sm_90 build on the CPU: int32 words and scale rows, float32
+    weights and scores, the query's ``q_pointer``, the other pointers int64, the integers int32."""
+    pointers = {"q_ptr": q_pointer, "weights_ptr": "*fp32", "keys_ptr": "*i32", "scales_ptr": "*i32",
+                "scores_ptr": "*fp32"}  # fmt: skip
+    return {
+        name: "constexpr" if name in constants else pointers.get(name, "*i64") if name.endswith("_ptr") else
+        "fp32" if name == "scale" else "i32"
+        for name in arg_names
+    }  # fmt: skip
+
+
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_fp4_words_scores_kernel_compiles_for_hopper():
     """The default FP4 layout's kernel at V4.1's index-key shapes (64 heads x 128 channels, a ue8m0 byte per 32,
@@ -228,14 +240,7 @@ def test_fp4_words_scores_kernel_compiles_for_hopper():
     constants = dict(PER_BLOCK=128, HEAD_DIM=128, SCALE_BLOCK=32, BLOCK_H=64, BLOCK_E=backend.BLOCK_E,
                      SPLIT_Q=False, NUM_STAGES=backend.WORDS_STAGES, NATIVE_BF16=True, SCALE_WORD=True,
                      TILE_IN_BLOCK=True)  # fmt: skip
-    pointers = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "keys_ptr": "*i32", "scales_ptr": "*i32",
-                "scores_ptr": "*fp32"}  # fmt: skip
-    signature = {
-        name: "constexpr" if name in constants else pointers.get(name, "*i64") if name.endswith("_ptr") else
-        "fp32" if name == "scale" else "i32"
-        for name in kernel.arg_names
-    }  # fmt: skip
-    source = ASTSource(kernel, signature, constexprs=constants)
+    source = ASTSource(kernel, words_kernel_signature(kernel.arg_names, constants, "*bf16"), constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=backend.NUM_WARPS))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
