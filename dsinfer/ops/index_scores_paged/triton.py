@@ -288,7 +288,7 @@ def paged_scores_launch(
     if form == "fp4" and fp4_layout in ("words", "words_mma") and words_layout_fits(keys, key_scales, head_dim):
         chunk = chunk or choose_chunk(batch, width, q.device, WORDS_PROGRAMS_PER_SM, WORDS_MIN_TILES)
         if fp4_layout == "words_mma" and hopper_words_fits(inputs, chunk):
-            hopper_words_launch(inputs, weights, tables, scores, chunk, **_stages(words_launch))
+            hopper_words_launch(inputs, weights, tables, scores, chunk, **_mma_launch(words_launch))
             return scores
         launch = {"BLOCK_E": BLOCK_E, "NUM_STAGES": WORDS_STAGES, "num_warps": NUM_WARPS, **(words_launch or {})}
         words_scores_launch(inputs, weights, tables, scores, chunk, launch)
@@ -308,7 +308,7 @@ def paged_scores_launch(
     return scores
 
 
-def _stages(words_launch: dict | None) -> dict:
+def _mma_launch(words_launch: dict | None) -> dict:
     """The Gluon kernel's share of a words launch override: its pipeline depth and register cap (``maxnreg``; it
     always runs one warpgroup)."""
     names = {"NUM_STAGES": "num_stages", "maxnreg": "max_registers"}
