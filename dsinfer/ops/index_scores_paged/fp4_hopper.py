@@ -27,7 +27,7 @@ The grid, chunks, sums, -inf tail and scores are the words kernel's. ``paged_sco
 "words_mma")`` runs it for V4.1's index keys (128 channels, a ue8m0 byte per 32 as one int32 a row, every tile
 inside one block) on sm_90 where Gluon is installed (:func:`hopper_words_fits`); elsewhere the words kernel runs.
 Triton's interpreter does not run Gluon: the kernel's tests run on CUDA (``tests/ops/test_index_scores_hopper.py``),
-and its sm_90 build is checked on the CPU. """
+and its sm_90 build is checked on the CPU."""
 
 from __future__ import annotations
 
