@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from dsinfer.ops.index_scores_paged.fp4_words import int32_rows
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
 from dsinfer.ops.triton_support import interpreted
 
@@ -243,10 +244,6 @@ if gluon is not None:
             gl.store(out + entry, gl.full([TILE_C], float("-inf"), gl.float32, TAIL), mask=entry < last)
 
 
-def _int32_rows(x: torch.Tensor) -> bool:
-    return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(v % 4 == 0 for v in (*x.stride()[:2], x.storage_offset()))
-
-
 @functools.lru_cache(maxsize=8)
 def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
@@ -261,11 +258,7 @@ def hopper_words_fits(inputs: PagedIndexInputs, chunk: int) -> bool:
     shapes = q.shape[-1] == HEAD_DIM and key_scales.shape[-1] == HEAD_DIM // SCALE_BLOCK and q.shape[1] <= MAX_HEADS
     blocks = keys.shape[1] % TILE == 0 and chunk % TILE == 0
     return (
-        shapes
-        and blocks
-        and q.dtype in (torch.bfloat16, torch.float32)
-        and _int32_rows(keys)
-        and _int32_rows(key_scales)
+        shapes and blocks and q.dtype in (torch.bfloat16, torch.float32) and int32_rows(keys) and int32_rows(key_scales)
     )
 
 

@@ -147,7 +147,7 @@ if triton is not None:
         fill_unseen(out, first, n_scored, last, BLOCK_E)
 
 
-def _int32_rows(x: torch.Tensor) -> bool:
+def int32_rows(x: torch.Tensor) -> bool:
     """Whether ``x`` [blocks, per_block, n] views as int32 words: contiguous rows of whole, aligned words."""
     return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(v % 4 == 0 for v in (*x.stride()[:2], x.storage_offset()))
 
@@ -155,7 +155,7 @@ def _int32_rows(x: torch.Tensor) -> bool:
 def words_layout_fits(keys: torch.Tensor, key_scales: torch.Tensor, head_dim: int) -> bool:
     """Whether packed FP4 keys can be read as words: rows of whole aligned words, one scale a word, one dot."""
     scale_block = head_dim // key_scales.shape[-1]
-    return scale_block % CODES_PER_WORD == 0 and head_dim >= MIN_DOT_DEPTH and _int32_rows(keys)
+    return scale_block % CODES_PER_WORD == 0 and head_dim >= MIN_DOT_DEPTH and int32_rows(keys)
 
 
 def words_scores_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables: torch.Tensor, scores: torch.Tensor,
@@ -164,7 +164,7 @@ def words_scores_launch(inputs: PagedIndexInputs, weights: torch.Tensor, tables:
     ``chunk`` slots a program; ``weights`` and ``tables`` contiguous, ``launch``: BLOCK_E, NUM_STAGES, num_warps."""
     q, keys, key_scales = inputs.q, inputs.keys, inputs.key_scales
     batch, n_heads, head_dim = q.shape
-    scale_word = key_scales.shape[-1] == 4 and _int32_rows(key_scales)
+    scale_word = key_scales.shape[-1] == 4 and int32_rows(key_scales)
     scales = key_scales.view(torch.int32) if scale_word else key_scales
     words = keys.view(torch.int32)
     tile_in_block = keys.shape[1] % launch["BLOCK_E"] == 0 and chunk % launch["BLOCK_E"] == 0
