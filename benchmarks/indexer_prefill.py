@@ -3,14 +3,18 @@
     python benchmarks/indexer_prefill.py                              # 4,096 and 16,384 tokens, whole prompts
     python benchmarks/indexer_prefill.py --tokens 4096 --start 8192   # a later chunk: W = (start + n) / 4
     python benchmarks/indexer_prefill.py --sweep --tokens 16384       # time launch configurations
+    python benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --configs 64:128:8:3 64:128:8:3:128
+    python benchmarks/indexer_prefill.py --tokens 8192 --start 122880 --heads 32 --ratio 1   # V4.1's index keys
 
 One sequence's ``tokens`` new queries at positions ``start ..``, 64 index heads x 128 (bf16 queries and keys, fp32
-head weights scaled by 1 / sqrt(64)), ratio 4: W = (start + tokens) / 4 compressed entries shared by every query,
-query t seeing the (position + 1) / 4 entries whose windows have ended. For each point: the median milliseconds
-of ``index_scores`` per backend, their ratio, the peak memory each call allocates beyond its inputs, the largest
-|Triton - reference| over the finite scores (and whether -inf falls in the same places), and of the top-k
-(``--topk``, lowest index first among ties) the share of queries whose chosen sets are the same and the mean
-share of chosen entries the two have in common (random data: a difference is a near-tie within fp32 rounding).
+head weights scaled by 1 / sqrt(heads)), ratio 4: W = (start + tokens) / 4 compressed entries shared by every query,
+query t seeing the (position + 1) / 4 entries whose windows have ended (``--heads`` and ``--ratio`` set both). For
+each point: the median milliseconds of ``index_scores`` per backend, their ratio, the peak memory each call
+allocates beyond its inputs, the largest |Triton - reference| over the finite scores (and whether -inf falls in the
+same places), and of the top-k (``--topk``, lowest index first among ties) the share of queries whose chosen sets
+are the same and the mean share of chosen entries the two have in common (random data: a difference is a near-tie
+within fp32 rounding). ``--sweep`` times each launch of ``--configs`` (checked against the reference, computed a
+slice of rows at a time) and prints them fastest first.
 """
 
 from __future__ import annotations
@@ -25,17 +29,18 @@ from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (sa
 from dsinfer.ops.index_scores import triton as backend
 from dsinfer.ops.index_scores.reference import index_scores_reference, top_k_in_order
 
-RATIO = 4
-SWEEP_CONFIGS = [  # (block_t, block_w, warps, stages) of the shared-keys kernel, 16-bit
-    (64, 128, 8, 3),
-    (64, 128, 8, 2),
-    (64, 256, 8, 2),
-    (64, 256, 8, 3),
-    (64, 128, 4, 3),
-    (128, 64, 8, 3),
-    (128, 128, 8, 2),
-    (64, 64, 4, 3),
-    (32, 128, 4, 3),
+SWEEP_CONFIGS = [  # (block_t, block_w, warps, stages, max registers a thread; 0: the compiler's) of the shared-keys
+    (64, 128, 8, 3, 0),  # kernel, 16-bit
+    (64, 128, 8, 3, 128),  # two programs a multiprocessor: one's products beside the other's ReLU and sums
+    (64, 128, 8, 2, 128),
+    (64, 128, 8, 2, 0),
+    (64, 256, 8, 2, 0),
+    (64, 256, 8, 3, 0),
+    (64, 128, 4, 3, 0),
+    (128, 64, 8, 3, 0),
+    (128, 128, 8, 2, 0),
+    (64, 64, 4, 3, 0),
+    (32, 128, 4, 3, 0),
 ]
 
 
@@ -45,12 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=0, help="position of the chunk's first token")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ratio", type=int, default=4, help="tokens an entry: V4's 4, V4.1's ratio-1 index keys 1")
     parser.add_argument("--topk", type=int, default=512)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-reference", action="store_true", help="time the Triton op only")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--configs", nargs="+", metavar="T:W:WARPS:STAGES[:REGISTERS]",
+                        help="the launches --sweep times (default: its list)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -58,12 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_inputs(args, tokens: int, device, gen: torch.Generator) -> tuple:
     """(q, keys, head_weights, visible) in the op's argument order."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    width = (args.start + tokens) // RATIO
+    width = (args.start + tokens) // args.ratio
     positions = torch.arange(args.start, args.start + tokens, device=device)
     q = torch.randn(tokens, args.heads, args.head_dim, device=device, generator=gen, dtype=dtype)
     keys = torch.randn(width, args.head_dim, device=device, generator=gen, dtype=dtype)
     head_weights = torch.randn(tokens, args.heads, device=device, generator=gen) * args.heads**-0.5
-    return q, keys, head_weights, torch.div(positions + 1, RATIO, rounding_mode="floor")
+    return q, keys, head_weights, torch.div(positions + 1, args.ratio, rounding_mode="floor")
+
+
+def sliced_reference(inputs: tuple, rows: int = 512) -> torch.Tensor:
+    """The reference's scores, ``rows`` queries at a time: its [n, H, W] products of a long chunk would not fit."""
+    q, keys, head_weights, visible = inputs
+    pieces = []
+    for first in range(0, q.shape[0], rows):
+        part = slice(first, first + rows)
+        pieces.append(index_scores_reference(q[part], keys, head_weights[part], visible[part]))
+    return torch.cat(pieces)
 
 
 def median_ms(fn, warmup: int, iters: int) -> float:
@@ -129,15 +147,16 @@ def print_table(rows: list[dict]) -> None:
 
 
 def sweep(args, device, gen) -> None:
-    print(f"{'tokens':>7} {'chosen':>16} {'ms':>8} {'best':>16} {'ms':>8}")
-    label = lambda c: f"{c.block_t}x{c.block_w} w{c.num_warps} s{c.num_stages}"  # noqa: E731
+    print(f"{'tokens':>7} {'chosen':>21} {'ms':>8} {'best':>21} {'ms':>8}")
+    label = lambda c: f"{c.block_t}x{c.block_w} w{c.num_warps} s{c.num_stages} r{c.max_registers}"  # noqa: E731
+    configs = [tuple(int(part) for part in text.split(":")) for text in args.configs] if args.configs else SWEEP_CONFIGS
     for tokens in args.tokens:
         inputs = make_inputs(args, tokens, device, gen)
-        expected = index_scores_reference(*inputs)
+        expected = sliced_reference(inputs)
         finite = torch.isfinite(expected)
         timings = {}
-        for block_t, block_w, warps, stages in SWEEP_CONFIGS:
-            config = backend.ScoresConfig(block_t, block_w, 0, 16, warps, stages)
+        for block_t, block_w, warps, stages, *registers in configs:
+            config = backend.ScoresConfig(block_t, block_w, 0, 16, warps, stages, registers[0] if registers else 0)
             try:
                 out = backend.index_scores_launch(*inputs, config=config)
                 if not torch.equal(torch.isfinite(out), finite) or (out[finite] - expected[finite]).abs().max() > 1e-3:
@@ -151,7 +170,9 @@ def sweep(args, device, gen) -> None:
         chosen = backend.choose_config(True, backend.uses_tensor_cores(inputs[0], inputs[1]), args.heads)
         chosen_ms = median_ms(lambda x=inputs: backend.index_scores_launch(*x), args.warmup, args.iters)
         best = min(timings, key=timings.get)
-        print(f"{tokens:>7} {label(chosen):>16} {chosen_ms:>8.3f} {label(best):>16} {timings[best]:>8.3f}")
+        for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+            print(f"  {label(config):>21} {ms:>8.3f}")
+        print(f"{tokens:>7} {label(chosen):>21} {chosen_ms:>8.3f} {label(best):>21} {timings[best]:>8.3f}")
         del expected
 
 
@@ -162,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"{torch.cuda.get_device_name(device)}; {args.heads} index heads x {args.head_dim}, ratio {RATIO}, "
+    print(f"{torch.cuda.get_device_name(device)}; {args.heads} index heads x {args.head_dim}, ratio {args.ratio}, "
           f"from position {args.start}, {args.dtype}, top-k {args.topk}")  # fmt: skip
     if args.sweep:
         sweep(args, device, gen)

@@ -43,6 +43,7 @@ class ScoresConfig:
     block_k: int  # fp32: the slice of d one IEEE dot takes (16-bit: the whole head, one dot)
     num_warps: int
     num_stages: int
+    max_registers: int = 0  # the compiler's cap a thread (``maxnreg``); 0: its own choice
 
 
 def choose_config(shared_keys: bool, tensor_cores: bool, n_heads: int) -> ScoresConfig:
@@ -230,6 +231,8 @@ def index_scores_launch(
     block_k = block_d if tensor_cores or config.block_k >= block_d else max(16, config.block_k)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_K=block_k, BLOCK_W=config.block_w, PRECISION=precision)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers:
+        launch["maxnreg"] = config.max_registers
     if shared:
         grid = (triton.cdiv(width, config.block_w), triton.cdiv(n_queries, config.block_t))
         _shared_keys_kernel[grid](
