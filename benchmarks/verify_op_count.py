@@ -16,12 +16,15 @@ the draft graph's forward is counted with a ``TorchDispatchMode``. Two counts a 
   On CUDA some registry ops launch more than one kernel, and the CPU backs ops such as ``hc_site_input`` with
   references of many aten ops, which this count leaves inside the op.
 
-``--kernels`` (under ``TRITON_INTERPRET=1``): the CUDA backends run in Triton's interpreter on the CPU, and a third
-count estimates the kernels a GPU launches: every Triton launch plus every aten op outside one that computes
-(metadata and allocations excluded), the registry ops' own glue included. ``--sites N`` lists the N largest
-sources of those launches a forward (a kernel by its registry op, an aten op outside one by the model line that
-dispatched it). On the embedded default (one sequence) it counts 742 launches a DSpark K = 3 round, verify and
-draft forwards, where a profile of an H100's replays counted 838 (the graphs hold more than these forwards).
+``--kernels`` (under ``TRITON_INTERPRET=1``): the CUDA backends serve the CPU, and a third count estimates the
+kernels a GPU launches: every Triton launch plus every aten op outside one that computes (metadata and allocations
+excluded), the registry ops' own glue included. The launches are counted, not run (the interpreter would take
+minutes a forward): each counted op's torch reference gives the result the model goes on with, uncounted, and the
+work outside the counted forwards (the prompts' prefill) runs the references; a run takes seconds. ``--sites N``
+lists the N largest sources of those launches a forward (a kernel by its registry op, an aten op outside one by the
+model line that dispatched it). On the embedded default (one sequence) it counts 712 launches a DSpark K = 3 round
+(verify 480, draft 232; plain 314), where a profile of an H100's replays counted 838 for an earlier tree's 742 (the
+graphs hold more than these forwards).
 
 ``--admissions``: the engine steps that prefill a prompt instead (one prompt at a time, counted whole: the
 forward, the drafter's seeding and what the step adds around them), plain (``admit``) and speculative
@@ -49,6 +52,7 @@ from dsinfer.engine.engine import LLMEngine
 from dsinfer.models.loader import load_model
 from dsinfer.models.tiny import default_model_dir, make_tiny_checkpoint
 from dsinfer.ops import registry
+from dsinfer.ops.mhc.site_parts import SiteParts
 from dsinfer.sampling_params import SamplingParams
 from dsinfer.tokenizer import Tokenizer
 
@@ -68,7 +72,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, sites: bool = False) -> None:
         super().__init__()
-        self.aten, self.proxy, self.kernels, self.depth, self.launching = 0, 0, 0, 0, 0
+        self.aten, self.proxy, self.kernels, self.depth, self.launching, self.launch_free = 0, 0, 0, 0, 0, 0
         self.open_ops: list[str] = []  # the registry ops being called, innermost last
         self.sites: collections.Counter | None = collections.Counter() if sites else None
 
@@ -104,10 +108,55 @@ _active: list[OpCounter] = []
 
 
 @contextlib.contextmanager
-def registry_ops_counted():
+def uncounted(counter: OpCounter):
+    """While open, what runs counts nowhere (as inside a Triton launch)."""
+    counter.launching += 1
+    try:
+        yield
+    finally:
+        counter.launching -= 1
+
+
+def paired_parts(counter: OpCounter, name: str, launched: SiteParts, expected: SiteParts) -> SiteParts:
+    """``hc_site_input``'s halves run later, outside the op: each counts as the backend's half (launches not run,
+    under the op's name) and returns the reference's."""
+
+    def half(launched_half, expected_half):
+        def run():
+            counter.open_ops.append(name)
+            counter.depth += 1
+            counter.launch_free += 1
+            try:
+                launched_half()
+            finally:
+                counter.open_ops.pop()
+                counter.depth -= 1
+                counter.launch_free -= 1
+            with uncounted(counter):
+                return expected_half()
+
+        return run
+
+    return SiteParts(half(launched.collapse, expected.collapse), half(launched.weights, expected.weights))
+
+
+@contextlib.contextmanager
+def registry_ops_counted(launch_free: bool = False):
     """While open, every registry op called under an active counter counts once in its proxy (what it dispatches
-    does not); the op table is as it was afterwards."""
+    does not); the op table is as it was afterwards.
+
+    ``launch_free`` (with :func:`interpreted_kernels`): the interpreter would take minutes over a forward's kernels,
+    so an outermost op under a counter runs its backend with every Triton launch counted but not run (its glue
+    runs and counts), then its torch reference, uncounted, for the result the model goes on with; ops called
+    with no counter active (the prompts' prefill, the host's work between forwards) run their references."""
     table_getattr = registry.OpTable.__getattr__
+    references: dict[tuple, registry.OpTable] = {}
+
+    def reference(table, name):
+        key = (table.device, table.dtype)
+        if key not in references:
+            references[key] = registry.reference_table(*key)
+        return table_getattr(references[key], name)
 
     def counted_getattr(table, name):
         fn = table_getattr(table, name)
@@ -115,16 +164,24 @@ def registry_ops_counted():
         def call(*args, **kwargs):
             counter = _active[-1] if _active else None
             if counter is None:
-                return fn(*args, **kwargs)
-            if counter.depth == 0:
+                return reference(table, name)(*args, **kwargs) if launch_free else fn(*args, **kwargs)
+            outermost = counter.depth == 0
+            if outermost:
                 counter.proxy += 1
             counter.depth += 1
             counter.open_ops.append(name)
+            counter.launch_free += launch_free
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             finally:
                 counter.depth -= 1
                 counter.open_ops.pop()
+                counter.launch_free -= launch_free
+            if not (launch_free and outermost):
+                return result
+            with uncounted(counter):  # the reference stands in for the launches not run
+                expected = reference(table, name)(*args, **kwargs)
+            return paired_parts(counter, name, result, expected) if isinstance(result, SiteParts) else expected
 
         return call
 
@@ -154,6 +211,8 @@ def interpreted_kernels():
         if counter is None:
             return run(function, *args, **kwargs)
         counter.kernel(f"triton {function.fn.__name__}")
+        if counter.launch_free:
+            return None
         counter.launching += 1
         try:
             return run(function, *args, **kwargs)
@@ -291,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 def _count_all(args) -> dict:
     """The counts ``main`` prints: plain then speculative, forwards or admissions, the kernels where asked."""
     kernels = interpreted_kernels() if args.kernels else contextlib.nullcontext()
-    with tempfile.TemporaryDirectory() as root, registry_ops_counted(), kernels:
+    with tempfile.TemporaryDirectory() as root, registry_ops_counted(launch_free=args.kernels), kernels:
         checkpoint = args.model or str(default_model_dir())
         if args.tiny is not None:
             checkpoint = str(make_tiny_checkpoint(Path(root) / args.tiny, seed=0, arch=args.tiny))

@@ -82,3 +82,60 @@ def test_the_kernel_estimate_needs_the_interpreter_and_sites_need_it(monkeypatch
         with pytest.raises(SystemExit) as exit_info:
             verify_op_count.main(argv)
         assert exit_info.value.code == 2
+
+
+LAUNCH_FREE = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import torch
+import verify_op_count as v
+from dsinfer.ops import registry
+from dsinfer.ops.triton_support import triton
+ran = []
+run = triton.runtime.interpreter.InterpretedFunction.run
+triton.runtime.interpreter.InterpretedFunction.run = lambda *a, **k: ran.append(1) or run(*a, **k)
+totals = {}
+x, weight = torch.randn(4, 64), torch.rand(64) + 0.5
+with v.registry_ops_counted(launch_free=True), v.interpreted_kernels():
+    table = registry.resolve("cpu", torch.float32)
+    outside = table.rms_norm(x, weight, 1e-6)
+    forward = v._counted(totals, "norm", lambda x, w: table.rms_norm(x, w, 1e-6), sites=True)
+    inside = forward(x, weight)
+expected = registry.reference_table("cpu", torch.float32).rms_norm(x, weight, 1e-6)
+print(json.dumps({"ran": len(ran), "outside": torch.equal(outside, expected), "inside": torch.equal(inside, expected),
+                  **v.per_forward(totals)["norm"]}))
+"""
+
+
+def test_launch_free_counting_runs_no_kernel_and_returns_the_references_result():
+    """``--kernels`` counts each Triton launch without running it (the interpreter would take minutes a forward):
+    the op's reference gives the result, uncounted, and ops outside a counted forward run their references."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", LAUNCH_FREE], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (row["ran"], row["outside"], row["inside"]) == (0, True, True)
+    assert row["sites"] == {"triton _rms_norm_kernel in rms_norm": 1.0}
+
+
+def test_the_kernel_estimate_of_a_dspark_round_on_the_embedded_default():
+    """The whole estimate in seconds: a DSpark K = 3 round's forwards on the embedded default, Sinkhorn's halves
+    (run after ``hc_site_input`` returns) counted as its kernels, not as the reference's aten ops."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    argv = ["--prompts", "1", "--max-tokens", "6", "--kernels", "--sites", "400"]
+    script = f"import json, sys; sys.path.insert(0, 'benchmarks'); import verify_op_count as v; " \
+             f"print(json.dumps(v.main({argv})))"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, verify, draft = counts["plain"], counts["verify"], counts["draft"]
+    assert 100 < plain["kernels"] < verify["kernels"] < 3 * plain["kernels"]
+    assert 0 < draft["kernels"] < plain["kernels"]
+    assert plain["sites"]["triton _site_kernel in hc_site_input"] > 0
+    assert not any("models/block.py" in site for site in plain["sites"])
