@@ -25,6 +25,7 @@ import dsinfer.ops.router  # noqa: F401  moe_route: reference, triton
 import dsinfer.ops.router_logits  # noqa: F401  router_logits: reference, bf16_parts (CUDA)
 import dsinfer.ops.sinkhorn  # noqa: F401
 import dsinfer.ops.sparse_attention  # noqa: F401  sparse_attention_decode, _prefill: reference, triton
+import dsinfer.ops.step_plan  # noqa: F401  step_entry_index, step_pending_plan: reference, triton (CUDA)
 import dsinfer.ops.swiglu  # noqa: F401  clamped_swiglu: reference, triton
 import dsinfer.ops.topk.packed_key  # noqa: F401
 import dsinfer.ops.topk.reference  # noqa: F401

@@ -21,24 +21,14 @@ lands on another sequence's state.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from dsinfer.engram.hashing import ENGRAM_DEAD
 from dsinfer.kv.fixed_width import FixedWidthBatch
+from dsinfer.ops.registry import resolve
+from dsinfer.ops.step_plan import EntryIndex, PendingPlan
 from dsinfer.speculative.rollback import CacheRollback, _bytes
-
-
-@dataclass
-class EntryIndex:
-    """Where a fixed-width step may write the entries of one compressor ratio: ``per_row`` entries of each
-    sequence from the one its first position falls in; ``owned`` marks those its positions complete."""
-
-    entry_ids: torch.Tensor  # [B, per_row]
-    blocks: torch.Tensor  # [B, per_row], the trash block where not owned
-    offsets: torch.Tensor  # [B, per_row]
-    owned: torch.Tensor  # [B, per_row] bool
 
 
 def _rows_into(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -59,51 +49,17 @@ def _flat_out(out: torch.Tensor | None) -> torch.Tensor | None:
     return None if out is None else _bytes(out).view(-1, *out.shape[3:])
 
 
-@dataclass
-class PendingPlan:
-    """Where the rollback of one compressor ratio's unfinished windows reads and writes (shared by its
-    compressors): record rows [B, ratio] and target slots for the unfinished window and, overlapping, for the last
-    complete one; targets are the spare slot where a row stays as it is."""
-
-    rows: torch.Tensor  # [ratio]
-    pending_source: torch.Tensor  # [B, ratio] record row of each window row
-    pending_targets: torch.Tensor  # [B, ratio] slot, or the spare slot
-    previous_source: torch.Tensor  # [B, ratio]
-    previous_targets: torch.Tensor  # [B] slot, or the spare slot
-    recorded: torch.Tensor  # [B] the last complete window comes from the record (else from the snapshot)
-
-
-def _pending_plan(batch: FixedWidthBatch, ratio: int, kept_end: torch.Tensor, cut: torch.Tensor) -> PendingPlan:
-    """:class:`PendingPlan` of ``ratio`` for sequences that keep positions up to ``kept_end`` [B] (``cut``: fewer
-    than the step's width). A record holds the positions from the first of the window the step started in."""
-    slots, spare, length = batch.slots, batch.spare_slot, ratio - 1 + batch.width
-    first = batch.starts - batch.starts % ratio
-    window_start = kept_end - kept_end % ratio
-    lo = window_start - first  # the record's row of the accepted end's window
-    rows = torch.arange(ratio, device=slots.device)
-    take = cut[:, None] & (rows[None, :] < (kept_end - window_start)[:, None])  # [B, ratio]
-    recorded = cut & (lo >= ratio)  # the last complete window ended inside the accepted positions
-    restored = cut & (lo < ratio)
-    return PendingPlan(
-        rows,
-        (lo[:, None] + rows).clamp(max=length - 1),
-        torch.where(take, slots[:, None], spare),
-        (lo[:, None] - ratio + rows).clamp(min=0, max=length - 1),
-        torch.where(recorded | restored, slots, spare),
-        recorded,
-    )
-
-
 class FixedWidthRollback:
     """Snapshot [B, ...] tensors before a fixed-width verify forward and roll rejected positions back after it."""
 
     def __init__(self, rollback: CacheRollback) -> None:
         # Every layer's ring rows through its cache's stacks: one gather and one scatter a stack, not one a layer.
         self.ring_stacks = rollback.cache.ring_stacks(rollback.num_layers)
-        layers, num_slots, self.window = self.ring_stacks[0].shape[:3]  # shared by the stacks of one cache
-        self.layer_first_rows = torch.arange(layers, device=rollback.device) * (num_slots * self.window)
+        self.layers, num_slots, self.window = self.ring_stacks[0].shape[:3]  # shared by the stacks of one cache
+        self.rows_per_layer = num_slots * self.window
         self.compressors = rollback.compressors
         self.engram_history, self.engram_hasher = rollback.engram_history, rollback.engram_hasher
+        self.ops = resolve(rollback.device, torch.float32)  # the plans' ops read and write only integers
 
     # ---- snapshot ------------------------------------------------------------------------------------
     def snapshot(self, batch: FixedWidthBatch, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -129,7 +85,7 @@ class FixedWidthRollback:
             _rows_into(rows, flat_indexes[key], out.view(-1, *out.shape[2:]))
             return out
 
-        ring_index = self._stack_rows(batch, batch.slots[:, None])
+        ring_index = self._ring_rows(batch, None)
         saved = []
         for stack in self.ring_stacks:  # each [B, layers, width, ...]
             out = next(outs)
@@ -156,28 +112,24 @@ class FixedWidthRollback:
         needs the cache's current rows or a select between them."""
         kept = accepted + 1
         saved = list(reversed(saved))  # taken from the end, in snapshot order
-        columns = torch.arange(batch.width, device=kept.device)
-        rejected = columns[None, :] >= kept[:, None]  # [B, width]
-        ring_index = self._stack_rows(batch, torch.where(rejected, batch.slots[:, None], batch.spare_slot))
+        ring_index = self._ring_rows(batch, kept)  # rejected positions to their slot, kept ones to the spare slot
         for stack in self.ring_stacks:
             _stack_as_rows(stack)[ring_index] = _bytes(saved.pop()).reshape(ring_index.shape[0], *stack.shape[3:])
-        kept_end, cut, entry_indexes, plans, undo_blocks = batch.starts + kept, kept < batch.width, {}, {}, {}
+        kept_end, cut, entry_indexes, plans = batch.starts + kept, kept < batch.width, {}, {}
         for compressor in self.compressors:
             previous = None
             if compressor.previous is not None:
                 previous = (saved.pop(), saved.pop())
             if compressor.pending is not None:
                 if compressor.ratio not in plans:
-                    plans[compressor.ratio] = _pending_plan(batch, compressor.ratio, kept_end, cut)
+                    plans[compressor.ratio] = self.ops.step_pending_plan(
+                        batch.starts, batch.slots, kept_end, cut, batch.spare_slot, compressor.ratio, batch.width
+                    )
                 values, gates = records[id(compressor.journal_key)]
                 self._rollback_pending(compressor, (values, gates), previous, plans[compressor.ratio])
-            index = self._shared_entry_index(batch, compressor, entry_indexes)
-            key = (compressor.ratio, compressor.entries[0].shape[1])
-            if key not in undo_blocks:  # once for the compressors of one ratio and block layout
-                undo = index.owned & cut[:, None] & (index.entry_ids >= (kept_end // compressor.ratio)[:, None])
-                undo_blocks[key] = torch.where(undo, index.blocks, batch.cache.trash_block)
-            for entries in compressor.entries:
-                _bytes(entries)[undo_blocks[key], index.offsets] = saved.pop()
+            index = self._shared_entry_index(batch, compressor, entry_indexes, kept_end)
+            for entries in compressor.entries:  # entries only rejected positions completed, the rest to the trash
+                _bytes(entries)[index.undo_blocks, index.offsets] = saved.pop()
         if self.engram_history is not None:
             self._rollback_engram(batch, saved.pop(), kept, cut)
 
@@ -209,28 +161,20 @@ class FixedWidthRollback:
         self.engram_history[slots] = torch.where(cut[:, None], after, self.engram_history[slots])
 
     # ---- indexes -------------------------------------------------------------------------------------
-    def _stack_rows(self, batch: FixedWidthBatch, slots: torch.Tensor) -> torch.Tensor:
+    def _ring_rows(self, batch: FixedWidthBatch, kept: torch.Tensor | None) -> torch.Tensor:
         """The flat row [B * layers * width] of every position of the step in every layer of the ring stacks
-        (:func:`_stack_as_rows`), sequence after sequence, each row in ``slots`` ([B, 1] or [B, width])."""
-        within_layer = slots * self.window + batch.positions % self.window  # [B, width]
-        return (self.layer_first_rows[None, :, None] + within_layer[:, None, :]).flatten()
+        (:func:`_stack_as_rows`), sequence after sequence, each in its sequence's slot; with ``kept`` [B], the kept
+        positions' in the spare slot."""
+        return self.ops.step_ring_rows(batch.positions, batch.slots, kept, batch.spare_slot, self.window, self.layers,
+                                       self.rows_per_layer)  # fmt: skip
 
-    def _shared_entry_index(self, batch: FixedWidthBatch, compressor, built: dict) -> EntryIndex:
-        """:meth:`_entry_index`, built once for the compressors of one ratio and block layout (``built``: by key)."""
-        key = (compressor.ratio, compressor.entries[0].shape[1])
+    def _shared_entry_index(self, batch: FixedWidthBatch, compressor, built: dict, kept_end=None) -> EntryIndex:
+        """The entries each sequence's positions may complete (at most ``(ratio - 1 + width) // ratio``; with
+        ``kept_end``, a rollback's undo blocks too), built once for the compressors of one ratio and block layout
+        (``built``: by key)."""
+        per_block = compressor.entries[0].shape[1]
+        key = (compressor.ratio, per_block)
         if key not in built:
-            built[key] = self._entry_index(batch, compressor)
+            built[key] = self.ops.step_entry_index(batch.starts, batch.block_tables, batch.width, compressor.ratio,
+                                                   per_block, batch.cache.trash_block, kept_end)  # fmt: skip
         return built[key]
-
-    @staticmethod
-    def _entry_index(batch: FixedWidthBatch, compressor) -> EntryIndex:
-        """The entries each sequence's positions may complete (at most ``(ratio - 1 + width) // ratio``)."""
-        ratio, entries = compressor.ratio, compressor.entries[0]
-        per_block, table_width = entries.shape[1], batch.block_tables.shape[1]
-        per_row = (ratio - 1 + batch.width) // ratio
-        first = batch.starts // ratio
-        entry_ids = first[:, None] + torch.arange(per_row, device=first.device)[None, :]
-        owned = entry_ids < ((batch.starts + batch.width) // ratio)[:, None]
-        blocks = batch.block_tables.gather(1, (entry_ids // per_block).clamp(max=table_width - 1))
-        blocks = torch.where(owned, blocks, batch.cache.trash_block)
-        return EntryIndex(entry_ids, blocks, entry_ids % per_block, owned)

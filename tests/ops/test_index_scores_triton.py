@@ -227,7 +227,7 @@ def test_inputs_the_kernels_do_not_take_go_to_the_reference(monkeypatch):
 ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_kt", "stride_kw", "stride_wt", "stride_st")
 
 
-def _compile_for_hopper(kernel, pointers: dict, constants: dict, config):
+def _compile_for_hopper(kernel, pointers: dict, constants: dict, num_warps: int, num_stages: int, max_registers=0):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -245,9 +245,9 @@ def _compile_for_hopper(kernel, pointers: dict, constants: dict, config):
     aligned = [i for i, name in enumerate(kernel.arg_names) if name.endswith("_ptr") or name in ALIGNED_STRIDES]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_registers:
+        options["maxnreg"] = max_registers
     return triton, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -281,7 +281,8 @@ def test_triton_scores_kernels_compile_for_hopper(shared, dtypes, capped):
         kernel, constants["BLOCK_T"] = backend._shared_keys_kernel, config.block_t
     else:
         kernel, constants["BLOCK_H"] = backend._per_query_keys_kernel, config.block_h
-    triton, compiled = _compile_for_hopper(kernel, pointers, constants, config)
+    launch = (config.num_warps, config.num_stages, config.max_registers)
+    triton, compiled = _compile_for_hopper(kernel, pointers, constants, *launch)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
