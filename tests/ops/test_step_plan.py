@@ -126,3 +126,28 @@ def test_the_pending_plan_of_a_cut_and_a_whole_step():
     assert plan.pending_source[0].tolist() == [4, 5, 6, 6]  # rows from the record's row 4, clamped to its end
     assert plan.recorded.tolist() == [True, False] and plan.previous_targets.tolist() == [3, SPARE]
     assert plan.previous_source[0].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("kernel", ["entry_index", "ring_rows", "pending_plan"])
+def test_kernels_compile_for_hopper(kernel):
+    """sm_90 cubins (Triton's bundled ptxas, no GPU needed) of the three plans, with the options the rollback uses."""
+    pytest.importorskip("triton")
+    from test_index_scores_triton import _compile_for_hopper
+
+    from dsinfer.ops.step_plan import triton as backend
+
+    builds = {  # kernel, pointer types (the rest of the arguments are int32), constants
+        "entry_index": (backend._entry_index_kernel, {"starts_ptr": "*i64", "tables_ptr": "*i32",
+                        "kept_end_ptr": "*i64", "ids_ptr": "*i64", "blocks_ptr": "*i32", "offsets_ptr": "*i64",
+                        "owned_ptr": "*u8", "undo_ptr": "*i32"}, dict(UNDO=True, BLOCK_B=16, BLOCK_R=4)),
+        "ring_rows": (backend._ring_rows_kernel, {"positions_ptr": "*i64", "slots_ptr": "*i64", "kept_ptr": "*i64",
+                      "out_ptr": "*i64"}, dict(KEPT=True, BLOCK=1024)),
+        "pending_plan": (backend._pending_plan_kernel, {name: "*i64" for name in (
+            "starts_ptr", "slots_ptr", "kept_end_ptr", "rows_ptr", "pending_source_ptr", "pending_targets_ptr",
+            "previous_source_ptr", "previous_targets_ptr")} | {"cut_ptr": "*u8", "recorded_ptr": "*u8"},
+            dict(BLOCK_B=32, BLOCK_R=128)),
+    }  # fmt: skip
+    fn, pointers, constants = builds[kernel]
+    _, compiled = _compile_for_hopper(fn, pointers, constants, 4, 1)
+    assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
