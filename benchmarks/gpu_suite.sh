@@ -26,8 +26,9 @@
 # 131,072 and 16,384 context, CSA and HCA, against its reference; PREFILL_ATTN_CONFIGS "H:N:W:S ..." sweeps
 # launches instead), prefillscores (the indexer's prefill scores of 8,192 queries at 131,072 context, V4's 64 heads
 # over ratio-4 entries then V4.1's encoder, 32 heads over ratio-2 entries, each launch of SCORES_CONFIGS
-# "T:W:WARPS:STAGES[:REGISTERS] ..." against the reference). FP8_LINEARS=keep runs the fast stage with the FP8
-# linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec stages time.
+# "T:W:WARPS:STAGES[:REGISTERS[:KERNEL]] ..." against the reference, KERNEL gluon the Hopper one). FP8_LINEARS=keep
+# runs the fast stage with the FP8 linears kept as stored. SWEEP_STEPS (200) sets the steps the sweep and spec
+# stages time.
 # Each stage runs under its own time limit (LIMIT_<stage>, else STAGE_SECONDS, default 150 s; serve, servespec,
 # serveplain, speedup and engine default to 300 s: the slice's server takes ~80 s to start, more than 125 s with MTP
 # drafts on a machine whose compile caches are cold, the speedup stage compiled past 150 s there, and the engine
@@ -177,10 +178,11 @@ for name in "$@"; do
         prefillattn) stage prefillattn bash -c "for start in 122880 8192; do python3 benchmarks/attention_prefill.py \
                          --tokens 8192 --start \$start --layers hca csa \
                          ${PREFILL_ATTN_CONFIGS:+--sweep --configs $PREFILL_ATTN_CONFIGS} || exit 1; done" ;;
-        prefillscores) stage prefillscores bash -c "python3 benchmarks/indexer_prefill.py --sweep --tokens 8192 \
-                           --start 122880 --configs ${SCORES_CONFIGS:-64:128:8:3 64:128:8:3:128 64:128:8:2:128} && \
+        prefillscores) scores_configs=${SCORES_CONFIGS:-64:128:8:3 64:128:8:3:128 64:128:4:3:0:gluon 64:128:4:4:0:gluon}
+                       stage prefillscores bash -c "python3 benchmarks/indexer_prefill.py --sweep --tokens 8192 \
+                           --start 122880 --configs $scores_configs && \
                            python3 benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --heads 32 \
-                           --ratio 2 --configs ${SCORES_CONFIGS:-64:128:8:3 64:128:8:3:128 64:128:8:2:128}" ;;
+                           --ratio 2 --configs $scores_configs" ;;
         *) echo "unknown stage: $name" >&2; exit 2 ;;
     esac
 done

@@ -3,7 +3,7 @@
     python benchmarks/indexer_prefill.py                              # 4,096 and 16,384 tokens, whole prompts
     python benchmarks/indexer_prefill.py --tokens 4096 --start 8192   # a later chunk: W = (start + n) / 4
     python benchmarks/indexer_prefill.py --sweep --tokens 16384       # time launch configurations
-    python benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --configs 64:128:8:3 64:128:8:3:128
+    python benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --configs 64:128:8:3 64:128:4:3:0:gluon
     python benchmarks/indexer_prefill.py --tokens 8192 --start 122880 --heads 32 --ratio 1   # V4.1's index keys
 
 One sequence's ``tokens`` new queries at positions ``start ..``, 64 index heads x 128 (bf16 queries and keys, fp32
@@ -29,18 +29,20 @@ from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (sa
 from dsinfer.ops.index_scores import triton as backend
 from dsinfer.ops.index_scores.reference import index_scores_reference, top_k_in_order
 
-SWEEP_CONFIGS = [  # (block_t, block_w, warps, stages, max registers a thread; 0: the compiler's) of the shared-keys
-    (64, 128, 8, 3, 0),  # kernel, 16-bit
-    (64, 128, 8, 3, 128),  # two programs a multiprocessor: one's products beside the other's ReLU and sums
-    (64, 128, 8, 2, 128),
-    (64, 128, 8, 2, 0),
-    (64, 256, 8, 2, 0),
-    (64, 256, 8, 3, 0),
-    (64, 128, 4, 3, 0),
-    (128, 64, 8, 3, 0),
-    (128, 128, 8, 2, 0),
-    (64, 64, 4, 3, 0),
-    (32, 128, 4, 3, 0),
+# The shared-keys launches --sweep times, 16-bit: (block_t, block_w, warps, stages, registers a thread or 0 for the
+# compiler's, kernel: "triton", or "gluon" for the Hopper one at 64 x 128 and 4 warps).
+SWEEP_CONFIGS = [
+    (64, 128, 8, 3, 0, "triton"),
+    (64, 128, 8, 3, 128, "triton"),  # two programs a multiprocessor: one's products beside the other's sums
+    (64, 128, 8, 2, 128, "triton"),
+    (64, 128, 4, 3, 0, "gluon"),  # the next head's MMA beside this head's sums
+    (64, 128, 4, 2, 0, "gluon"),
+    (64, 128, 4, 4, 0, "gluon"),
+    (64, 128, 8, 2, 0, "triton"),
+    (64, 256, 8, 2, 0, "triton"),
+    (64, 128, 4, 3, 0, "triton"),
+    (128, 128, 8, 2, 0, "triton"),
+    (64, 64, 4, 3, 0, "triton"),
 ]
 
 
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-reference", action="store_true", help="time the Triton op only")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--configs", nargs="+", metavar="T:W:WARPS:STAGES[:REGISTERS]",
+    parser.add_argument("--configs", nargs="+", metavar="T:W:WARPS:STAGES[:REGISTERS[:KERNEL]]",
                         help="the launches --sweep times (default: its list)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -146,17 +148,26 @@ def print_table(rows: list[dict]) -> None:
     print("of queries with the same chosen set; common: mean share of the reference's choice the Triton one keeps.")
 
 
+def parse_config(text: str) -> tuple:
+    """``T:W:WARPS:STAGES[:REGISTERS[:KERNEL]]`` as (block_t, block_w, warps, stages, registers, kernel)."""
+    parts = text.split(":")
+    if not 4 <= len(parts) <= 6:
+        raise SystemExit(f"--configs: {text!r} is not T:W:WARPS:STAGES[:REGISTERS[:KERNEL]]")
+    numbers = [int(part) for part in parts[:5]]
+    return (*numbers, *([0] * (5 - len(numbers))), parts[5] if len(parts) == 6 else "triton")
+
+
 def sweep(args, device, gen) -> None:
     print(f"{'tokens':>7} {'chosen':>21} {'ms':>8} {'best':>21} {'ms':>8}")
-    label = lambda c: f"{c.block_t}x{c.block_w} w{c.num_warps} s{c.num_stages} r{c.max_registers}"  # noqa: E731
-    configs = [tuple(int(part) for part in text.split(":")) for text in args.configs] if args.configs else SWEEP_CONFIGS
+    label = lambda c: f"{c.block_t}x{c.block_w} w{c.num_warps} s{c.num_stages} r{c.max_registers} {c.kernel}"  # noqa: E731
+    configs = [parse_config(text) for text in args.configs] if args.configs else SWEEP_CONFIGS
     for tokens in args.tokens:
         inputs = make_inputs(args, tokens, device, gen)
         expected = sliced_reference(inputs)
         finite = torch.isfinite(expected)
         timings = {}
-        for block_t, block_w, warps, stages, *registers in configs:
-            config = backend.ScoresConfig(block_t, block_w, 0, 16, warps, stages, registers[0] if registers else 0)
+        for block_t, block_w, warps, stages, registers, kernel in configs:
+            config = backend.ScoresConfig(block_t, block_w, 0, 16, warps, stages, registers, kernel)
             try:
                 out = backend.index_scores_launch(*inputs, config=config)
                 if not torch.equal(torch.isfinite(out), finite) or (out[finite] - expected[finite]).abs().max() > 1e-3:

@@ -12,6 +12,9 @@ and keeps its fp32 sum in registers while it runs over the heads:
   queries, so a program takes one query x ``BLOCK_W`` entries and runs over the heads in chunks of ``BLOCK_H``
   (the chunk is the product's M), summing each chunk's weighted ReLU products over its heads.
 
+On sm_90 a shared-keys launch may ask for the Gluon kernel instead (``ScoresConfig.kernel == "gluon"``,
+:mod:`.hopper`: the next head's MMA runs beside this head's sums); ``choose_config`` does not yet.
+
 Both scale by 1 / sqrt(d) once at the end, write -inf at the entries a query may not see (``w >= visible[t]``),
 and skip every key load of a tile with no visible entry (half the tiles of a causal prefill). bf16 / fp16
 queries with keys of the same dtype take the tensor cores (products exact in fp32, fp32 accumulation); any fp32
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsinfer.ops.index_scores.hopper import hopper_shared_keys_fits, hopper_shared_keys_launch
 from dsinfer.ops.index_scores.reference import index_scores_reference, index_topk_reference, top_k_in_order
 from dsinfer.ops.registry import register
 from dsinfer.ops.triton_support import tl, triton, triton_available
@@ -44,6 +48,7 @@ class ScoresConfig:
     num_warps: int
     num_stages: int
     max_registers: int = 0  # the compiler's cap a thread (``maxnreg``); 0: its own choice
+    kernel: str = "triton"  # shared 16-bit keys on sm_90: "gluon" runs :mod:`.hopper` (64 x 128, 4 warps, stages)
 
 
 def choose_config(shared_keys: bool, tensor_cores: bool, n_heads: int) -> ScoresConfig:
@@ -233,7 +238,9 @@ def index_scores_launch(
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.max_registers:
         launch["maxnreg"] = config.max_registers
-    if shared:
+    if shared and config.kernel == "gluon" and hopper_shared_keys_fits(q, keys):
+        hopper_shared_keys_launch(q, keys, head_weights, visible, scores, config.num_stages)
+    elif shared:
         grid = (triton.cdiv(width, config.block_w), triton.cdiv(n_queries, config.block_t))
         _shared_keys_kernel[grid](
             q, keys, head_weights, visible, scores,
