@@ -178,7 +178,7 @@ for name in "$@"; do
         prefillattn) stage prefillattn bash -c "for start in 122880 8192; do python3 benchmarks/attention_prefill.py \
                          --tokens 8192 --start \$start --layers hca csa \
                          ${PREFILL_ATTN_CONFIGS:+--sweep --configs $PREFILL_ATTN_CONFIGS} || exit 1; done" ;;
-        prefillscores) scores_configs=${SCORES_CONFIGS:-64:128:8:3 64:128:8:3:128 64:128:4:3:0:gluon 64:128:4:4:0:gluon}
+        prefillscores) scores_configs=${SCORES_CONFIGS:-64:128:8:3 64:128:8:3:128 64:256:8:3:0:gluon 64:128:4:3:0:gluon}
                        stage prefillscores bash -c "python3 benchmarks/indexer_prefill.py --sweep --tokens 8192 \
                            --start 122880 --configs $scores_configs && \
                            python3 benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --heads 32 \

@@ -3,7 +3,7 @@
     python benchmarks/indexer_prefill.py                              # 4,096 and 16,384 tokens, whole prompts
     python benchmarks/indexer_prefill.py --tokens 4096 --start 8192   # a later chunk: W = (start + n) / 4
     python benchmarks/indexer_prefill.py --sweep --tokens 16384       # time launch configurations
-    python benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --configs 64:128:8:3 64:128:4:3:0:gluon
+    python benchmarks/indexer_prefill.py --sweep --tokens 8192 --start 122880 --configs 64:128:8:3 64:256:8:3:0:gluon
     python benchmarks/indexer_prefill.py --tokens 8192 --start 122880 --heads 32 --ratio 1   # V4.1's index keys
 
 One sequence's ``tokens`` new queries at positions ``start ..``, 64 index heads x 128 (bf16 queries and keys, fp32
@@ -30,14 +30,15 @@ from dsinfer.ops.index_scores import triton as backend
 from dsinfer.ops.index_scores.reference import index_scores_reference, top_k_in_order
 
 # The shared-keys launches --sweep times, 16-bit: (block_t, block_w, warps, stages, registers a thread or 0 for the
-# compiler's, kernel: "triton", or "gluon" for the Hopper one at 64 x 128 and 4 warps).
+# compiler's, kernel: "triton", or "gluon" for the Hopper one: 64 x 128 at 4 warps or 64 x 256 at 8).
 SWEEP_CONFIGS = [
     (64, 128, 8, 3, 0, "triton"),
     (64, 128, 8, 3, 128, "triton"),  # two programs a multiprocessor: one's products beside the other's sums
     (64, 128, 8, 2, 128, "triton"),
-    (64, 128, 4, 3, 0, "gluon"),  # the next head's MMA beside this head's sums
+    (64, 256, 8, 3, 0, "gluon"),  # the next head's MMA beside this head's sums
+    (64, 256, 8, 2, 0, "gluon"),
+    (64, 128, 4, 3, 0, "gluon"),
     (64, 128, 4, 2, 0, "gluon"),
-    (64, 128, 4, 4, 0, "gluon"),
     (64, 128, 8, 2, 0, "triton"),
     (64, 256, 8, 2, 0, "triton"),
     (64, 128, 4, 3, 0, "triton"),

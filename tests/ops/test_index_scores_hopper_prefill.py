@@ -46,13 +46,13 @@ def hopper_available() -> bool:
     return hopper.gluon is not None
 
 
-def check(inputs: tuple, stages: int) -> str | None:
+def check(inputs: tuple, stages: int, warpgroups: int) -> str | None:
     import dsinfer.ops.index_scores.triton as backend
 
     q, keys = inputs[0], inputs[1]
     if not backend.hopper_shared_keys_fits(q, keys):
         return f"the Gluon kernel does not take {tuple(q.shape)} x {tuple(keys.shape)} {q.dtype}"
-    config = backend.ScoresConfig(64, 128, 0, 0, 4, stages, kernel=GLUON)
+    config = backend.ScoresConfig(64, 128 * warpgroups, 0, 0, 4 * warpgroups, stages, kernel=GLUON)
     got = backend.index_scores_launch(*inputs, config=config)
     expected = index_scores_reference(*inputs)
     if not torch.equal(torch.isinf(got), torch.isinf(expected)):
@@ -71,14 +71,15 @@ def check(inputs: tuple, stages: int) -> str | None:
 
 @pytest.mark.skipif(not hopper_available(), reason="the Gluon kernel runs on an sm_90 GPU with Gluon")
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_gluon_scores_match_the_reference_on_hopper(stages):
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_gluon_scores_match_the_reference_on_hopper(stages, warpgroups):
     failures = []
     for case in CASES:
-        message = check(tuple(t.cuda() for t in make_inputs(case)), stages)
+        message = check(tuple(t.cuda() for t in make_inputs(case)), stages, warpgroups)
         failures += [] if message is None else [f"{case}: {message}"]
     for start in (0, 1000):  # a first chunk and a later one: both sides of the tiles' skip
         case = replace(CASES[0], width=(start + 200) // 4)
-        message = check(tuple(t.cuda() for t in causal(case, start)), stages)
+        message = check(tuple(t.cuda() for t in causal(case, start)), stages, warpgroups)
         failures += [] if message is None else [f"causal from {start}: {message}"]
     assert failures == []
 
@@ -95,7 +96,8 @@ def test_the_gluon_kernel_takes_only_what_it_fits():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_gluon_kernel_builds_for_hopper_with_its_mma_overlapped():
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_gluon_kernel_builds_for_hopper_with_its_mma_overlapped(warpgroups):
     pytest.importorskip("triton")
     import dsinfer.ops.index_scores.hopper as hopper
 
@@ -108,17 +110,17 @@ def test_gluon_kernel_builds_for_hopper_with_its_mma_overlapped():
     kernel = hopper._hopper_shared_keys_kernel
     pointers = {"q_ptr": "*bf16", "keys_ptr": "*bf16", "weights_ptr": "*fp32", "visible_ptr": "*i64",
                 "scores_ptr": "*fp32"}  # fmt: skip
-    constants = dict(NUM_STAGES=hopper.NUM_STAGES)
+    constants = dict(NUM_STAGES=hopper.NUM_STAGES, WARPGROUPS=warpgroups)
     signature = {name: pointers.get(name) or ("constexpr" if name in constants else "fp32" if name == "scale"
                  else "i32") for name in kernel.arg_names}  # fmt: skip
     aligned = [i for i, name in enumerate(kernel.arg_names) if name.endswith("_ptr") or name.startswith("stride_")
                and name != "stride_wh"]  # fmt: skip
     source = GluonASTSource(kernel, signature, constexprs=constants,
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # fmt: skip
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=hopper.NUM_WARPS))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 * warpgroups))
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
-    assert compiled.metadata.shared <= 227 * 1024 // 2  # two programs a multiprocessor
+    assert compiled.metadata.shared <= 227 * 1024 // (3 - warpgroups)  # two programs a multiprocessor at one
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if tool.exists() and shutil.which(str(tool)):
         with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:

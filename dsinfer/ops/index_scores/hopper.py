@@ -7,14 +7,16 @@ cores idle while a program sums. Plain Triton keeps the MMA synchronous even whe
 issued before this head's sums. Here the kernel is written in Gluon, Triton's layout-explicit dialect, which issues
 the MMA asynchronously and waits for it by count:
 
-* A program (one warpgroup) takes ``BLOCK_T`` = 64 queries x ``BLOCK_W`` = 128 entries. The entries' keys
-  [128, 128] sit in shared memory in the MMA's layout for the whole program (the B operand, read transposed); each
-  head's query tile [64, 128] streams into a ring of ``NUM_STAGES`` shared-memory slots with ``cp.async``.
+* A program takes ``BLOCK_T`` = 64 queries x 128 entries a warpgroup (``WARPGROUPS`` of them, 2 by default: the
+  program reads each query tile once for 256 entries, since a tile's 16 KiB from L2 a head are the kernel's
+  largest traffic). The entries' keys sit in shared memory in the MMA's layout for the whole program (the B
+  operand, read transposed); each head's query tile [64, 128] streams into a ring of ``NUM_STAGES`` shared-memory
+  slots with ``cp.async``.
 * Head ``h``'s MMA is issued asynchronously, then the kernel waits until only it is in flight, so head ``h - 1``'s
   products are ready: their ReLU, weight and sum run on the CUDA cores while head ``h``'s products run on the
   tensor cores. The slot head ``h - 1`` read is then refilled with head ``h - 1 + NUM_STAGES``'s queries.
-* Two products (the one in flight and the one being summed) and the sum are 192 registers a thread: one warpgroup a
-  program, two programs a multiprocessor.
+* Two products (the one in flight and the one being summed) and the sum are 192 registers a thread: one program a
+  multiprocessor at two warpgroups, two at one.
 
 The grid, the tile skip past the tile's widest view, the -inf at invisible entries and the scale are the Triton
 kernel's, and every product is the same exact bf16 product summed in fp32 in the same head order, so the scores
@@ -45,10 +47,10 @@ except ImportError:  # pragma: no cover - depends on the install
     gluon = None
 
 BLOCK_T = 64  # queries a program: the warpgroup MMA's M
-BLOCK_W = 128  # entries a program: the MMA's N
+WARPGROUP_ENTRIES = 128  # entries a warpgroup: its MMA's N
 HEAD_DIM = 128  # channels: the MMA's K
-NUM_WARPS = 4  # one warpgroup
-NUM_STAGES = 3  # query tiles in flight a program
+WARPGROUPS = 2  # a program's: each takes its 128 of the program's entries, all share its query tiles
+NUM_STAGES = 4  # query tiles in flight a program (two warpgroups: nothing spilled)
 HEADS_A_GROUP = 4  # heads a loop step: all but the last summed beside the next one's MMA
 
 if gluon is not None:
@@ -56,9 +58,8 @@ if gluon is not None:
     block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     BLOCK_T_C = gl.constexpr(BLOCK_T)
-    BLOCK_W_C = gl.constexpr(BLOCK_W)
+    WARPGROUP_ENTRIES_C = gl.constexpr(WARPGROUP_ENTRIES)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
-    WARPS_C = gl.constexpr(NUM_WARPS)
     HEADS_A_GROUP_C = gl.constexpr(HEADS_A_GROUP)
 
     @gluon.jit
@@ -95,33 +96,32 @@ if gluon is not None:
     def _hopper_shared_keys_kernel(
         q_ptr, keys_ptr, weights_ptr, visible_ptr, scores_ptr,
         n_queries, n_heads, width, stride_qt, stride_qh, stride_kw, stride_wt, stride_wh, stride_st, scale,
-        NUM_STAGES: gl.constexpr,
+        NUM_STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,
     ):  # fmt: skip
         """Scores [n, W] of queries [n, H, 128] against shared keys [W, 128] (16-bit, one dtype) on the Triton
         kernel's grid (entry tiles, query tiles)."""
+        BLOCK_W: gl.constexpr = WARPGROUPS * WARPGROUP_ENTRIES_C
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[WARPS_C, 1], instr_shape=[16, BLOCK_W_C, 16]
+            version=[3, 0], warps_per_cta=[4, WARPGROUPS], instr_shape=[16, WARPGROUP_ENTRIES_C, 16]
         )
         ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
         COLUMNS: gl.constexpr = gl.SliceLayout(0, MMA)
-        COPY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS_C, 1], [1, 0])  # 16-byte copies
+        COPY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WARPGROUPS, 1], [1, 0])  # 16-byte copies
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
         dtype = q_ptr.dtype.element_ty
 
-        first_entry = gl.program_id(0) * BLOCK_W_C
+        first_entry = gl.program_id(0) * BLOCK_W
         first_query = gl.program_id(1) * BLOCK_T_C
         query = first_query + gl.arange(0, BLOCK_T_C, layout=ROWS)
-        entry = first_entry + gl.arange(0, BLOCK_W_C, layout=COLUMNS)
+        entry = first_entry + gl.arange(0, BLOCK_W, layout=COLUMNS)
         query_ok = query < n_queries
         count = gl.load(visible_ptr + query, mask=query_ok, other=0)
-        out = scores_ptr + query.to(gl.int64)[:, None] * stride_st + entry[None, :]
-        in_bounds = query_ok[:, None] & (entry < width)[None, :]
         most = gl.max(count, axis=0)  # the tile's widest view: entries past it are never read
         if first_entry < most:
-            copy_rows = gl.arange(0, BLOCK_W_C, layout=gl.SliceLayout(1, COPY))
+            copy_rows = gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, COPY))
             dims = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, COPY))
             key_ok = (first_entry + copy_rows < width) & (first_entry + copy_rows < most)
-            keys = gl.allocate_shared_memory(dtype, [BLOCK_W_C, HEAD_DIM_C], SMEM)
+            keys = gl.allocate_shared_memory(dtype, [BLOCK_W, HEAD_DIM_C], SMEM)
             ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_T_C, HEAD_DIM_C], SMEM)
             key_rows = keys_ptr + (first_entry + copy_rows).to(gl.int64)[:, None] * stride_kw + dims[None, :]
             copy_to_shared(keys, key_rows, mask=key_ok[:, None])  # joins head 0's group
@@ -132,8 +132,8 @@ if gluon is not None:
                 _issue_queries(ring, q_rows, q_ok, dims, ahead, n_heads, stride_qh, NUM_STAGES)
             weight_rows = weights_ptr + query.to(gl.int64) * stride_wt
             keys_t = keys.permute((1, 0))
-            empty = gl.zeros([BLOCK_T_C, BLOCK_W_C], gl.float32, MMA)
-            acc = gl.zeros([BLOCK_T_C, BLOCK_W_C], gl.float32, MMA)
+            empty = gl.zeros([BLOCK_T_C, BLOCK_W], gl.float32, MMA)
+            acc = gl.zeros([BLOCK_T_C, BLOCK_W], gl.float32, MMA)
 
             # Heads in groups of HEADS_A_GROUP: a head's products are summed while the next head's run on the
             # tensor cores (all but the group's last); no product in flight crosses the loop's back edge, whose
@@ -152,10 +152,12 @@ if gluon is not None:
                         products = warpgroup_mma_wait(0, deps=[running])
                     _refill(ring, q_rows, q_ok, dims, head + step, n_heads, stride_qh, NUM_STAGES)
                     acc = _sum_head(acc, products, weight_rows, head + step, stride_wh, query_ok)
-            seen = entry[None, :] < count[:, None]
-            gl.store(out, gl.where(seen, acc * scale, float("-inf")), mask=in_bounds)
+            async_copy.wait_group(0)  # the empty copies past the last head land before the program ends
+            scores = gl.where(entry[None, :] < count[:, None], acc * scale, float("-inf"))
         else:
-            gl.store(out, gl.full([BLOCK_T_C, BLOCK_W_C], float("-inf"), gl.float32, MMA), mask=in_bounds)
+            scores = gl.full([BLOCK_T_C, BLOCK_W], float("-inf"), gl.float32, MMA)
+        out = scores_ptr + query.to(gl.int64)[:, None] * stride_st + entry[None, :]  # made here: 128 registers
+        gl.store(out, scores, mask=query_ok[:, None] & (entry < width)[None, :])
 
 
 @functools.lru_cache(maxsize=8)
@@ -184,13 +186,15 @@ def hopper_shared_keys_launch(
     visible: torch.Tensor,
     scores: torch.Tensor,
     num_stages: int = NUM_STAGES,
+    warpgroups: int = WARPGROUPS,
 ) -> None:
-    """Fill ``scores`` [n, W] from inputs :func:`hopper_shared_keys_fits` takes (``visible`` contiguous)."""
+    """Fill ``scores`` [n, W] from inputs :func:`hopper_shared_keys_fits` takes (``visible`` contiguous), with
+    ``warpgroups`` x 128 entries a program (1 or 2)."""
     n_queries, n_heads, _ = q.shape
     width = keys.shape[0]
-    grid = (-(-width // BLOCK_W), -(-n_queries // BLOCK_T))
+    grid = (-(-width // (warpgroups * WARPGROUP_ENTRIES)), -(-n_queries // BLOCK_T))
     _hopper_shared_keys_kernel[grid](
         q, keys, head_weights, visible, scores, n_queries, n_heads, width, q.stride(0), q.stride(1), keys.stride(0),
         head_weights.stride(0), head_weights.stride(1), scores.stride(0), HEAD_DIM**-0.5,
-        NUM_STAGES=num_stages, num_warps=NUM_WARPS,
+        NUM_STAGES=num_stages, WARPGROUPS=warpgroups, num_warps=4 * warpgroups,
     )  # fmt: skip

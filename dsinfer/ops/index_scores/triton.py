@@ -48,7 +48,7 @@ class ScoresConfig:
     num_warps: int
     num_stages: int
     max_registers: int = 0  # the compiler's cap a thread (``maxnreg``); 0: its own choice
-    kernel: str = "triton"  # shared 16-bit keys on sm_90: "gluon" runs :mod:`.hopper` (64 x 128, 4 warps, stages)
+    kernel: str = "triton"  # shared 16-bit keys on sm_90: "gluon" runs :mod:`.hopper` (64 x block_w of 128 or 256)
 
 
 def choose_config(shared_keys: bool, tensor_cores: bool, n_heads: int) -> ScoresConfig:
@@ -239,7 +239,7 @@ def index_scores_launch(
     if config.max_registers:
         launch["maxnreg"] = config.max_registers
     if shared and config.kernel == "gluon" and hopper_shared_keys_fits(q, keys):
-        hopper_shared_keys_launch(q, keys, head_weights, visible, scores, config.num_stages)
+        hopper_shared_keys_launch(q, keys, head_weights, visible, scores, config.num_stages, config.block_w // 128)
     elif shared:
         grid = (triton.cdiv(width, config.block_w), triton.cdiv(n_queries, config.block_t))
         _shared_keys_kernel[grid](
