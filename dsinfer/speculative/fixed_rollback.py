@@ -151,14 +151,9 @@ class FixedWidthRollback:
 
     def _rollback_engram(self, batch: FixedWidthBatch, context: torch.Tensor, kept, cut) -> None:
         """The look-back after the accepted tokens: the last ``w`` of the context and the kept tokens."""
-        hasher, width = self.engram_hasher, context.shape[1]
-        ids = batch.input_ids
-        compressed = hasher.compressed_vocabulary[ids].masked_fill(~hasher.gate_mask(ids), ENGRAM_DEAD)
-        joined = torch.cat([context, compressed.to(context.dtype)], dim=1)  # [B, w + width], oldest first
-        columns = kept[:, None] + torch.arange(width, device=kept.device)[None, :]
-        after = joined.gather(1, columns)
-        slots = batch.slots
-        self.engram_history[slots] = torch.where(cut[:, None], after, self.engram_history[slots])
+        hasher = self.engram_hasher
+        self.ops.step_engram_lookback(self.engram_history, context, batch.input_ids, hasher.compressed_vocabulary,
+                                      hasher.image_token_id, kept, cut, batch.slots)  # fmt: skip
 
     # ---- indexes -------------------------------------------------------------------------------------
     def _ring_rows(self, batch: FixedWidthBatch, kept: torch.Tensor | None) -> torch.Tensor:

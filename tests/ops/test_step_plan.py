@@ -10,7 +10,13 @@ import pytest
 import torch
 from interpreted import assert_interpreted_cases_pass
 
-from dsinfer.ops.step_plan import step_entry_index_reference, step_pending_plan_reference, step_ring_rows_reference
+from dsinfer.ops.engram_rows import ENGRAM_DEAD
+from dsinfer.ops.step_plan import (
+    step_engram_lookback_reference,
+    step_entry_index_reference,
+    step_pending_plan_reference,
+    step_ring_rows_reference,
+)
 
 CASES = [  # (sequences, width, ratio, per_block, table width, starts dtype, slots dtype)
     (1, 4, 4, 32, 6, torch.int64, torch.int64),
@@ -72,7 +78,28 @@ def check(device: str) -> list[str]:
         ]  # fmt: skip
         for name, fast, reference, args in calls:
             failures += [f"case {index}: {message}" for message in _differences(name, fast(*args), reference(*args))]
+        for image_token in (None, IMAGE_TOKEN):
+            failures += [f"case {index}: {message}" for message in _lookback_differences(x, image_token, backend)]
     return failures
+
+
+IMAGE_TOKEN, LOOKBACK, VOCABULARY = 5, 3, 40
+
+
+def _lookback_differences(x: dict, image_token: int | None, backend) -> list[str]:
+    """``step_engram_lookback``'s history after the Triton op and after the reference, from the same start."""
+    sequences, width = x["positions"].shape
+    gen = torch.Generator().manual_seed(sequences * 7 + width)
+    device = x["slots"].device
+    history = torch.randint(0, 1000, (sequences + 3, LOOKBACK), generator=gen).to(device)
+    context = torch.randint(0, 1000, (sequences, LOOKBACK), generator=gen).to(device)
+    ids = torch.randint(0, VOCABULARY, (sequences, width), generator=gen).to(device)
+    vocabulary = torch.randint(0, 500, (VOCABULARY,), generator=gen).to(device)
+    args = (context, ids, vocabulary, image_token, x["kept"], x["cut"], x["slots"].long())
+    got, want = history.clone(), history.clone()
+    backend.step_engram_lookback_triton(got, *args)
+    step_engram_lookback_reference(want, *args)
+    return [] if torch.equal(got, want) else [f"engram look-back ({image_token}): {int((got != want).sum())} differ"]
 
 
 def run_interpreted_cases() -> list[str]:
@@ -115,6 +142,17 @@ def test_the_ring_rows_of_a_snapshot_and_a_rollback():
     assert rollback.tolist() == [30, 15, 8, 62, 47, 40]
 
 
+def test_the_engram_lookback_after_a_cut_step():
+    """Look-back of 3, a step of 3 tokens (image token 5 among them) after context [7, 8, 9]: keeping 2 tokens
+    leaves [9, c(a), dead]; the uncut sequence's row stays."""
+    history = torch.zeros(3, 3, dtype=torch.long)
+    vocabulary = torch.arange(10) + 100
+    step_engram_lookback_reference(history, torch.tensor([[7, 8, 9], [1, 2, 3]]), torch.tensor([[4, 5, 6], [4, 4, 4]]),
+                                   vocabulary, 5, torch.tensor([2, 3]), torch.tensor([True, False]),
+                                   torch.tensor([2, 0]))  # fmt: skip
+    assert history.tolist() == [[0, 0, 0], [0, 0, 0], [9, 104, ENGRAM_DEAD]]
+
+
 def test_the_pending_plan_of_a_cut_and_a_whole_step():
     """Ratio 4, width 4, two sequences from position 6 (window 4-7 unfinished): the first keeps 2 positions (6, 7:
     kept end 8, the window 4-7 just completed inside the accepted ones, so it comes from the record and the new
@@ -129,9 +167,9 @@ def test_the_pending_plan_of_a_cut_and_a_whole_step():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("kernel", ["entry_index", "ring_rows", "pending_plan"])
+@pytest.mark.parametrize("kernel", ["entry_index", "ring_rows", "pending_plan", "engram_lookback"])
 def test_kernels_compile_for_hopper(kernel):
-    """sm_90 cubins (Triton's bundled ptxas, no GPU needed) of the three plans, with the options the rollback uses."""
+    """sm_90 cubins (Triton's bundled ptxas, no GPU needed) of the four plans, with the options the rollback uses."""
     pytest.importorskip("triton")
     from test_index_scores_triton import _compile_for_hopper
 
@@ -147,6 +185,9 @@ def test_kernels_compile_for_hopper(kernel):
             "starts_ptr", "slots_ptr", "kept_end_ptr", "rows_ptr", "pending_source_ptr", "pending_targets_ptr",
             "previous_source_ptr", "previous_targets_ptr")} | {"cut_ptr": "*u8", "recorded_ptr": "*u8"},
             dict(BLOCK_B=32, BLOCK_R=128)),
+        "engram_lookback": (backend._engram_lookback_kernel, {"history_ptr": "*i64", "context_ptr": "*i64",
+                            "ids_ptr": "*i64", "vocabulary_ptr": "*i64", "kept_ptr": "*i64", "cut_ptr": "*u8",
+                            "slots_ptr": "*i64"}, dict(GATED=True, BLOCK_B=16, BLOCK_R=4)),
     }  # fmt: skip
     fn, pointers, constants = builds[kernel]
     _, compiled = _compile_for_hopper(fn, pointers, constants, 4, 1)

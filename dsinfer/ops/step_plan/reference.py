@@ -9,6 +9,7 @@ metadata. Two plans, each a handful of integers a sequence:
   where the step does not complete them) and row in it.
 * ``step_ring_rows``: the flat row of every position of the step in every layer of a stack of window rings, each
   in its sequence's slot or, for the positions a rollback keeps, in the spare slot.
+* ``step_engram_lookback``: a rollback's V4.1 Engram look-back, rebuilt in place for the sequences it cuts.
 * ``step_pending_plan``: where the rollback of one ratio's unfinished compressor windows reads the step's journal
   and writes the states (:class:`PendingPlan`), for sequences that keep positions up to ``kept_end`` [B].
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsinfer.ops.engram_rows import ENGRAM_DEAD
 from dsinfer.ops.registry import REFERENCE, register
 
 
@@ -120,3 +122,21 @@ def step_pending_plan_reference(
         torch.where(recorded | restored, slots, spare),
         recorded,
     )
+
+
+@register("step_engram_lookback", REFERENCE)
+def step_engram_lookback_reference(
+    history: torch.Tensor, context: torch.Tensor, input_ids: torch.Tensor, vocabulary: torch.Tensor,
+    image_token_id: int | None, kept: torch.Tensor, cut: torch.Tensor, slots: torch.Tensor,
+) -> None:  # fmt: skip
+    """The Engram look-back ``history`` [slots, w] after a rollback, in place: for each sequence the step cut
+    (``cut`` [B]), the last ``w`` of its look-back before the step (``context`` [B, w], oldest first) and its
+    ``kept`` [B] first step tokens (``input_ids`` [B, width]) as compressed ids (``vocabulary``; dead at image
+    tokens), into its slot (``slots`` [B]); the other sequences' rows stay."""
+    compressed = vocabulary[input_ids]
+    if image_token_id is not None:
+        compressed = compressed.masked_fill(input_ids == image_token_id, ENGRAM_DEAD)
+    joined = torch.cat([context, compressed.to(context.dtype)], dim=1)  # [B, w + width], oldest first
+    width = context.shape[1]
+    columns = kept[:, None] + torch.arange(width, device=kept.device)[None, :]
+    history[slots] = torch.where(cut[:, None], joined.gather(1, columns), history[slots])

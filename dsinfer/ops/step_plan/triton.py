@@ -1,7 +1,8 @@
-"""``step_entry_index``, ``step_ring_rows`` and ``step_pending_plan`` in one Triton launch each.
+"""``step_entry_index``, ``step_ring_rows``, ``step_pending_plan`` and ``step_engram_lookback`` in one Triton launch
+each.
 
-The references are eleven (sixteen with a rollback's undo blocks), four to seven and twenty-two small kernels
-(divisions, remainders, compares, a gather, selects) for a few integers a sequence, issued at every speculative
+The references are eleven (sixteen with a rollback's undo blocks), four to seven, twenty-two and about ten small
+kernels (divisions, remainders, compares, gathers, selects) for a few integers a sequence, issued at every speculative
 round's snapshot and rollback; here each plan is one launch: a program takes a tile of sequences (of flat rows,
 for the ring rows) and writes every output of the plan. Every value is non-negative, so
 C's integer division and remainder (Triton's) are torch's floor ones; outputs take the references' dtypes.
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.ops.engram_rows import ENGRAM_DEAD
 from dsinfer.ops.registry import register
 from dsinfer.ops.step_plan.reference import (
     EntryIndex,
     PendingPlan,
     entries_per_row,
+    step_engram_lookback_reference,
     step_entry_index_reference,
     step_pending_plan_reference,
     step_ring_rows_reference,
@@ -94,6 +97,28 @@ if triton is not None:
         tl.store(recorded_ptr + b, recorded.to(tl.uint8), mask=real)
         if tl.program_id(0) == 0:
             tl.store(rows_ptr + r, r.to(tl.int64), mask=r < ratio)
+
+    @triton.jit
+    def _engram_lookback_kernel(history_ptr, context_ptr, ids_ptr, vocabulary_ptr, kept_ptr, cut_ptr, slots_ptr,
+                                sequences, width, step_width, stride_h, stride_c, stride_i, image_token_id, dead,
+                                GATED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        r = tl.arange(0, BLOCK_R)
+        real = b < sequences
+        cut = tl.load(cut_ptr + b, mask=real, other=0) != 0
+        inside = (real & cut)[:, None] & (r < width)[None, :]
+        kept = tl.load(kept_ptr + b, mask=real, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + b, mask=real, other=0).to(tl.int64)
+        column = kept[:, None] + r[None, :]  # in the look-back then the step's tokens, oldest first
+        rows = b.to(tl.int64)[:, None]
+        earlier = tl.load(context_ptr + rows * stride_c + column, mask=inside & (column < width), other=0)
+        step = tl.maximum(column - width, 0)
+        token = tl.load(ids_ptr + rows * stride_i + step, mask=inside & (column >= width), other=0)
+        compressed = tl.load(vocabulary_ptr + token, mask=inside & (column >= width), other=0)
+        if GATED:
+            compressed = tl.where(token == image_token_id, dead, compressed)
+        value = tl.where(column < width, earlier, compressed.to(earlier.dtype))
+        tl.store(history_ptr + slot[:, None] * stride_h + r[None, :], value, mask=inside)
 
 
 def _tiles(sequences: int, per_sequence: int) -> tuple[int, int, int]:
@@ -182,3 +207,27 @@ def step_pending_plan_triton(
         BLOCK_B=block_b, BLOCK_R=block_r, num_warps=4,
     )  # fmt: skip
     return PendingPlan(rows, pending_source, pending_targets, previous_source, previous_targets, recorded)
+
+
+@register("step_engram_lookback", "triton", devices=("cuda",), available=triton_available, priority=10)
+def step_engram_lookback_triton(
+    history: torch.Tensor, context: torch.Tensor, input_ids: torch.Tensor, vocabulary: torch.Tensor,
+    image_token_id: int | None, kept: torch.Tensor, cut: torch.Tensor, slots: torch.Tensor,
+) -> None:  # fmt: skip
+    """Same contract and effect as the reference, one launch."""
+    args = (history, context, input_ids, vocabulary, image_token_id, kept, cut, slots)
+    sequences = context.shape[0]
+    shapes_ok = context.dim() == 2 and history.dim() == 2 and input_ids.dim() == 2 and vocabulary.dim() == 1 and all(
+        t.dim() == 1 and t.shape[0] == sequences for t in (kept, cut, slots))  # fmt: skip
+    if not shapes_ok or sequences == 0 or history.shape[1] != context.shape[1] or cut.dtype != torch.bool \
+            or history.dtype != context.dtype or history.stride(1) != 1 or context.stride(1) != 1 \
+            or input_ids.stride(1) != 1 or not _integers(history, input_ids, vocabulary, kept, slots):  # fmt: skip
+        return step_engram_lookback_reference(*args)
+    width = context.shape[1]
+    programs, block_b, block_r = _tiles(sequences, width)
+    _engram_lookback_kernel[(programs,)](
+        history, context, input_ids, vocabulary, kept, cut.view(torch.uint8), slots, sequences, width,
+        input_ids.shape[1], history.stride(0), context.stride(0), input_ids.stride(0),
+        -1 if image_token_id is None else int(image_token_id), ENGRAM_DEAD, GATED=image_token_id is not None,
+        BLOCK_B=block_b, BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip
