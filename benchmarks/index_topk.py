@@ -3,12 +3,14 @@
     python benchmarks/index_topk.py                          # prefill slice and decode batches at 131,072 tokens
     python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
     python benchmarks/index_topk.py --cases 4096x32768:causal 2048x65536:causal --chunk-sizes 2048 4096 8192
+    python benchmarks/index_topk.py --cases 4096x32768:causal 256x131072 --register-caps 0 72 64
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
 ``:causal`` the -inf tail of a prefill's rows: the rows are the last queries of a chunk whose newest sees all
 ``width`` entries, each earlier one an entry fewer every 4 positions (ratio 4). For each case: the median of
 CUDA-event timings, and whether the choice of the first 64 rows is the reference's, bit for bit; with
-``--chunk-sizes`` a row each for those widest chunks a program takes (``CHUNK``, the wider rows' split).
+``--chunk-sizes`` a row each for those widest chunks a program takes (``CHUNK``, the wider rows' split), and
+with ``--register-caps`` for those registers a thread (``REGISTER_CAP``; 0: the compiler's).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--register-caps", type=int, nargs="+", default=None, metavar="REGISTERS",
+                        help=f"time each as the selections' register cap (default {backend.REGISTER_CAP})")  # fmt: skip
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=None, metavar="KEYS",
                         help=f"time each as the widest chunk a program takes (default {backend.CHUNK})")  # fmt: skip
     return parser.parse_args(argv)
@@ -57,20 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(args.seed)
     print(f"{torch.cuda.get_device_name()}; k = {args.k}")
-    chosen_chunk = backend.CHUNK
+    chosen_chunk, chosen_cap = backend.CHUNK, backend.REGISTER_CAP
     for case in args.cases:
         scores = make_scores(case, device, generator)
         # the reference on a few rows (it materialises int64 keys of the whole case)
         expected = index_topk_decode_reference(scores[:64], args.k)
         for chunk in args.chunk_sizes or [chosen_chunk]:
-            backend.CHUNK = chunk
-            try:
-                choose = lambda s=scores: backend.index_topk_decode_triton(s, args.k)  # noqa: E731
-                same = torch.equal(choose()[:64], expected)
-                ms = statistics.median(cuda_ms(choose, args.iters))
-            finally:
-                backend.CHUNK = chosen_chunk
-            print(f"{case:>20}  chunk {chunk:>6}  {ms:8.3f} ms  same choice: {same}")
+            for cap in args.register_caps or [chosen_cap]:
+                backend.CHUNK, backend.REGISTER_CAP = chunk, cap
+                try:
+                    choose = lambda s=scores: backend.index_topk_decode_triton(s, args.k)  # noqa: E731
+                    same = torch.equal(choose()[:64], expected)
+                    ms = statistics.median(cuda_ms(choose, args.iters))
+                finally:
+                    backend.CHUNK, backend.REGISTER_CAP = chosen_chunk, chosen_cap
+                print(f"{case:>20}  chunk {chunk:>6}  registers {cap:>3}  {ms:8.3f} ms  same choice: {same}")
     return 0
 
 

@@ -38,6 +38,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_WIDTH = 16384  # scores a program holds: 64 a thread at 8 warps
 CHUNK = 4096  # a wider row: chunks of at most this many, their candidates merged by one more program
+REGISTER_CAP = 0  # the selections' registers a thread (``maxnreg``; 0: the compiler's): 72 holds three 8-warp
+# chunk programs a multiprocessor on sm_90 without a spill (109 unbounded: two); benchmarks/index_topk.py times it
 
 
 if triton is not None:
@@ -141,6 +143,10 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else min(32, block // 512)
 
 
+def _register_cap() -> dict:
+    return {"maxnreg": REGISTER_CAP} if REGISTER_CAP else {}
+
+
 def chunking(width: int, k: int) -> tuple[int, int] | None:
     """(chunk, chunks) for a row of ``width`` scores: one chunk up to ``CHUNK``, else the fewest equal chunks of at
     most ``CHUNK`` (or twice, or ``MAX_WIDTH``, when the chunks' ``k`` candidates each would not fit one program);
@@ -173,12 +179,12 @@ def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor
     kept = scores if chunks == 1 else torch.empty(rows, candidates, dtype=torch.uint32, device=scores.device)
     _topk_kernel[(chunks, rows)](scores, allowed_arg, entries, kept, width, chunk, per_chunk, scores.stride(0),
                                  allowed_arg.stride(0), entries.stride(0), HAS_ALLOWED=allowed is not None,
-                                 KEEP_KEYS=chunks > 1, BLOCK_W=block,
-                                 num_warps=_warps(block))  # fmt: skip
+                                 KEEP_KEYS=chunks > 1, BLOCK_W=block, num_warps=_warps(block),
+                                 **_register_cap())  # fmt: skip
     if chunks > 1:
         block = triton.next_power_of_2(candidates)
         _merge_kernel[(rows,)](kept, entries, out, candidates, k, kept.stride(0), out.stride(0), BLOCK_C=block,
-                               num_warps=_warps(block))  # fmt: skip
+                               num_warps=_warps(block), **_register_cap())  # fmt: skip
     return out
 
 
