@@ -63,6 +63,7 @@ class FixedWidthBatch:
     _all_rows: PackedBatch | None = field(init=False, default=None, repr=False)
     _step_origin: StepOrigin | None = field(init=False, default=None, repr=False)
     _columns: dict[int, PackedBatch] = field(init=False, default_factory=dict, repr=False)
+    _sequence_rows: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = self.starts[:, None] + torch.arange(self.width, device=self.starts.device)
@@ -78,6 +79,14 @@ class FixedWidthBatch:
     def width(self) -> int:
         return int(self.input_ids.shape[1])
 
+    @property
+    def sequence_rows(self) -> torch.Tensor:
+        """``arange(B)`` on the device, made once a forward: the columns, the packed batch and the step origin
+        share it."""
+        if self._sequence_rows is None:
+            self._sequence_rows = torch.arange(self.size, device=self.starts.device)
+        return self._sequence_rows
+
     def packed(self, journal: PendingJournal | None = None) -> PackedBatch:
         """The whole batch as a packed batch (sequence after sequence) with its device spans; the host spans say
         only the lengths, which is all the model's per-token code reads of them. The packed batch names this one
@@ -86,7 +95,7 @@ class FixedWidthBatch:
         size, width = self.size, self.width
         spans = [SequenceSpan(0, width, self.spare_slot, []) for _ in range(size)]
         batch = PackedBatch(self.input_ids.flatten(), self.positions.flatten(), spans, self.cache)
-        last_rows = torch.arange(size, device=self.starts.device) * width + width - 1
+        last_rows = self.sequence_rows * width + (width - 1)
         batch._device_spans = DeviceSpans(self.slots, self.starts, self.window_from, self.block_tables, last_rows)
         batch.fixed_width, batch.column_journal = self, journal
         return batch
@@ -106,9 +115,8 @@ class FixedWidthBatch:
         (default: their own)."""
         spans = [SequenceSpan(0, 1, self.spare_slot, []) for _ in range(self.size)]
         batch = PackedBatch(input_ids, positions, spans, self.cache)
-        rows = torch.arange(self.size, device=positions.device)
         slots = self.slots if slots is None else slots
-        batch._device_spans = DeviceSpans(slots, positions, self.window_from, self.block_tables, rows)
+        batch._device_spans = DeviceSpans(slots, positions, self.window_from, self.block_tables, self.sequence_rows)
         return batch
 
     def all_rows(self) -> PackedBatch:
@@ -129,8 +137,8 @@ class FixedWidthBatch:
         """Each packed row's sequence's first step position and its row (:class:`StepOrigin`), once a forward:
         every layer shares it."""
         if self._step_origin is None:
-            width, device = self.width, self.starts.device
-            first_rows = torch.arange(self.size, device=device) * width
+            width = self.width
+            first_rows = self.sequence_rows * width
             self._step_origin = StepOrigin(self.starts.repeat_interleave(width), first_rows.repeat_interleave(width))
         return self._step_origin
 
