@@ -22,8 +22,8 @@ excluded), the registry ops' own glue included. The launches are counted, not ru
 minutes a forward): each counted op's torch reference gives the result the model goes on with, uncounted, and the
 work outside the counted forwards (the prompts' prefill) runs the references; a run takes seconds. ``--sites N``
 lists the N largest sources of those launches a forward (a kernel by its registry op, an aten op outside one by the
-model line that dispatched it). On the embedded default (one sequence) it counts 712 launches a DSpark K = 3 round
-(verify 480, draft 232; plain 314), where a profile of an H100's replays counted 838 for an earlier tree's 742 (the
+model line that dispatched it). On the embedded default (one sequence) it counts 617 launches a DSpark K = 3 round
+(verify 451, draft 166; plain 314), where a profile of an H100's replays counted 838 for an earlier tree's 742 (the
 graphs hold more than these forwards).
 
 ``--admissions``: the engine steps that prefill a prompt instead (one prompt at a time, counted whole: the
