@@ -28,23 +28,19 @@ is checked on the CPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from dsinfer.ops.triton_support import interpreted
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-except ImportError:  # pragma: no cover - depends on the install
-    gluon = None
+from dsinfer.ops.gluon_support import (
+    async_copy,
+    block_barrier,
+    copy_to_shared,
+    fence_async_shared,
+    gl,
+    gluon,
+    hopper_gluon_runs,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK_T = 64  # queries a program: the warpgroup MMA's M
 WARPGROUP_ENTRIES = 128  # entries a warpgroup: its MMA's N
@@ -54,9 +50,6 @@ NUM_STAGES = 4  # query tiles in flight a program (two warpgroups: nothing spill
 HEADS_A_GROUP = 4  # heads a loop step: all but the last summed beside the next one's MMA
 
 if gluon is not None:
-    # Triton 3.6's names, then 3.8's
-    block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     BLOCK_T_C = gl.constexpr(BLOCK_T)
     WARPGROUP_ENTRIES_C = gl.constexpr(WARPGROUP_ENTRIES)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
@@ -160,16 +153,11 @@ if gluon is not None:
         gl.store(out, scores, mask=query_ok[:, None] & (entry < width)[None, :])
 
 
-@functools.lru_cache(maxsize=8)
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def hopper_shared_keys_fits(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether the Gluon kernel takes these inputs: an sm_90 device with Gluon, shared keys [W, 128] and queries
     [n, H, 128] of one 16-bit dtype, heads a whole number of groups, rows 16-byte aligned (``cp.async`` copies 16
     bytes)."""
-    if gluon is None or interpreted() or q.device.type != "cuda" or not _is_hopper(q.device):
+    if not hopper_gluon_runs(q.device):
         return False
     if keys.dim() != 2 or q.dim() != 3 or q.shape[-1] != HEAD_DIM or keys.shape[-1] != HEAD_DIM:
         return False

@@ -31,20 +31,20 @@ and its sm_90 build is checked on the CPU."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from dsinfer.ops.gluon_support import (
+    async_copy,
+    block_barrier,
+    copy_to_shared,
+    fence_async_shared,
+    gl,
+    gluon,
+    hopper_gluon_runs,
+    warpgroup_mma,
+)
 from dsinfer.ops.index_scores_paged.fp4_words import int32_rows
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs
-from dsinfer.ops.triton_support import interpreted
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
-except ImportError:  # pragma: no cover - depends on the install
-    gluon = None
 
 TILE = 64  # slots a tile: the warpgroup MMA's M
 HEAD_DIM = 128  # channels: 16 int32 words of 8 codes a row, four a lane
@@ -55,9 +55,6 @@ MAX_REGISTERS = 96  # a thread's registers: five programs a multiprocessor (104 
 MAX_HEADS = 256  # the MMA's widest N
 
 if gluon is not None:
-    # Triton 3.6's names, then 3.8's
-    block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     TILE_C = gl.constexpr(TILE)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
     WARPS_C = gl.constexpr(NUM_WARPS)
@@ -244,16 +241,11 @@ if gluon is not None:
             gl.store(out + entry, gl.full([TILE_C], float("-inf"), gl.float32, TAIL), mask=entry < last)
 
 
-@functools.lru_cache(maxsize=8)
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def hopper_words_fits(inputs: PagedIndexInputs, chunk: int) -> bool:
     """Whether the Gluon kernel takes these FP4 inputs: an sm_90 device with Gluon, 128 channels with one ue8m0
     byte per 32 (a row's four as one aligned int32), every tile inside one block, at most 256 heads."""
     q, keys, key_scales = inputs.q, inputs.keys, inputs.key_scales
-    if gluon is None or interpreted() or q.device.type != "cuda" or not _is_hopper(q.device):
+    if not hopper_gluon_runs(q.device):
         return False
     shapes = q.shape[-1] == HEAD_DIM and key_scales.shape[-1] == HEAD_DIM // SCALE_BLOCK and q.shape[1] <= MAX_HEADS
     blocks = keys.shape[1] % TILE == 0 and chunk % TILE == 0
