@@ -61,16 +61,22 @@ print(json.dumps({"backend": backend, "after": after, **v.per_forward(totals)["n
 """
 
 
+def interpreted_json(script: str):
+    """``script``'s last printed line as JSON, run in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton reads it
+    when it loads) from the project root."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_the_kernel_estimate_counts_a_triton_launch_and_the_glue_beside_it():
     """Under the interpreter a CUDA backend serves the CPU while the estimate is open (and not after): its kernel
     counts once, by its registry op, and an aten op outside any registry op counts once, by where it ran."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_COUNT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = interpreted_json(KERNEL_COUNT)
     assert (row["backend"], row["after"]) == ("triton", "reference")
     assert row["kernels"] == 2
     assert row["sites"] == {"triton _rms_norm_kernel in rms_norm": 1.0, "aten::mul in outside the model": 1.0}
@@ -110,13 +116,7 @@ print(json.dumps({"ran": len(ran), "outside": torch.equal(outside, expected), "i
 def test_launch_free_counting_runs_no_kernel_and_returns_the_references_result():
     """``--kernels`` counts each Triton launch without running it (the interpreter would take minutes a forward):
     the op's reference gives the result, uncounted, and ops outside a counted forward run their references."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", LAUNCH_FREE], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = interpreted_json(LAUNCH_FREE)
     assert (row["ran"], row["outside"], row["inside"]) == (0, True, True)
     assert row["sites"] == {"triton _rms_norm_kernel in rms_norm": 1.0}
 
@@ -124,16 +124,9 @@ def test_launch_free_counting_runs_no_kernel_and_returns_the_references_result()
 def test_the_kernel_estimate_of_a_dspark_round_on_the_embedded_default():
     """The whole estimate in seconds: a DSpark K = 3 round's forwards on the embedded default, Sinkhorn's halves
     (run after ``hc_site_input`` returns) counted as its kernels, not as the reference's aten ops."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     argv = ["--prompts", "1", "--max-tokens", "6", "--kernels", "--sites", "400"]
-    script = f"import json, sys; sys.path.insert(0, 'benchmarks'); import verify_op_count as v; " \
-             f"print(json.dumps(v.main({argv})))"  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = interpreted_json(f"import json, sys; sys.path.insert(0, 'benchmarks'); import verify_op_count as v; "
+                              f"print(json.dumps(v.main({argv})))")  # fmt: skip
     plain, verify, draft = counts["plain"], counts["verify"], counts["draft"]
     assert 100 < plain["kernels"] < verify["kernels"] < 3 * plain["kernels"]
     assert 0 < draft["kernels"] < plain["kernels"]
