@@ -15,11 +15,11 @@ exactly the keys its part of the MMA's register operand holds:
   (:func:`operand_channels`). The decoded tile is already the operand: no shuffle, no shared-memory round trip.
 * A word's codes ``p`` and ``p + 4`` become one register of two bf16 ``code * 2**-126`` with a shift and a mask
   (as in :mod:`.fp4_words`), and one packed multiply by ``2**(b - 1 - X)`` applies the ue8m0 scale ``2**(b -
-  127)`` and the missing ``2**126`` at once; the query is gathered times ``2**X``, ``X`` chosen once a chunk from
-  its largest magnitude so that both factors stay normal bf16 values. Every product is then the reference's
-  product exactly: the words kernel's two multiplies a pair become one. Only products outside float32's normal
-  range (a key block's scale times the query's largest element beyond ``2**127`` or under ``2**-126``) are
-  clamped: the reference overflows or flushes there too.
+  127)`` and the missing ``2**126`` at once; the query is gathered times ``2**X``, ``X`` = 64 (less where the
+  query's largest magnitude would leave bf16's range). The factor and the decoded key stay normal bf16 values for
+  key block scales from ``2**(X - 125)`` to ``2**(X + 1)`` (``2**-61`` to ``2**65`` at ``X`` = 64), so every
+  product is the reference's exactly: the words kernel's two multiplies a pair become one. A block scale outside
+  that window is clamped or flushed.
 * Key tiles and their scale words stream into a ring of shared-memory slots with ``cp.async`` (``NUM_STAGES``
   tiles in flight, one barrier a tile); the query sits in shared memory in the MMA's layout, once a chunk.
 
@@ -53,11 +53,13 @@ NUM_WARPS = 4  # one warpgroup
 NUM_STAGES = 5  # key tiles in flight a program
 MAX_REGISTERS = 96  # a thread's registers: five programs a multiprocessor (104 unbounded: four), nothing spilled
 MAX_HEADS = 256  # the MMA's widest N
+QUERY_SHIFT = 64  # the most X: the decoded keys stay normal bf16 for block scales down to 2**-61
 
 if gluon is not None:
     TILE_C = gl.constexpr(TILE)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
     WARPS_C = gl.constexpr(NUM_WARPS)
+    QUERY_SHIFT_C = gl.constexpr(QUERY_SHIFT)
 
     @gluon.jit
     def _code_pair(words, POSITION: gl.constexpr):
@@ -123,8 +125,8 @@ if gluon is not None:
                     mask=(heads < n_heads)[None, :], other=0.0).to(gl.float32)  # fmt: skip
         top = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
         top_field = (top.to(gl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(top)) + 127; 0 for zero
-        power = gl.minimum(gl.maximum(253 - top_field, 0), 252)  # X: |q| * 2**X < 2**127
-        scaled = q * _exp2_field(gl.minimum(power, 127)) * _exp2_field(power - gl.minimum(power, 127))
+        power = gl.minimum(gl.maximum(253 - top_field, 0), QUERY_SHIFT_C)  # X: |q| * 2**X < 2**127, at most 64
+        scaled = q * _exp2_field(power)
         high = scaled.to(gl.bfloat16)
         high_smem.store(high)
         if SPLIT_Q:
