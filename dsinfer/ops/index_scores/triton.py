@@ -12,8 +12,8 @@ and keeps its fp32 sum in registers while it runs over the heads:
   queries, so a program takes one query x ``BLOCK_W`` entries and runs over the heads in chunks of ``BLOCK_H``
   (the chunk is the product's M), summing each chunk's weighted ReLU products over its heads.
 
-On sm_90 a shared-keys launch may ask for the Gluon kernel instead (``ScoresConfig.kernel == "gluon"``,
-:mod:`.hopper`: the next head's MMA runs beside this head's sums); ``choose_config`` does not yet.
+On sm_90 shared 16-bit keys of 128 channels take the Gluon kernel instead (:mod:`.hopper`: the next head's MMA
+runs beside this head's sums), unless a launch names a Triton one.
 
 Both scale by 1 / sqrt(d) once at the end, write -inf at the entries a query may not see (``w >= visible[t]``),
 and skip every key load of a tile with no visible entry (half the tiles of a causal prefill). bf16 / fp16
@@ -221,13 +221,19 @@ def index_scores_launch(
     visible: torch.Tensor,
     config: ScoresConfig | None = None,
 ) -> torch.Tensor:
-    """The kernels, no fallback: scores [n, W] float32 (inputs as the reference takes them, :func:`serves`)."""
+    """The kernels, no fallback: scores [n, W] float32 (inputs as the reference takes them, :func:`serves`).
+    Without a ``config``, shared keys the Gluon kernel takes (:func:`hopper_shared_keys_fits`) run on it (1.10x the
+    Triton kernel at 8,192 queries x 32,768 entries on an H100, docs/perf.md); the rest on :func:`choose_config`'s
+    Triton launch."""
     n_queries, n_heads, head_dim = q.shape
     width = keys.shape[-2]
     scores = torch.empty(n_queries, width, dtype=torch.float32, device=q.device)
     if n_queries == 0 or width == 0:
         return scores
     shared = keys.dim() == 2
+    if config is None and shared and hopper_shared_keys_fits(q, keys):
+        hopper_shared_keys_launch(q, keys, head_weights, visible.contiguous(), scores)
+        return scores
     tensor_cores = uses_tensor_cores(q, keys)
     config = config or choose_config(shared, tensor_cores, n_heads)
     precision = "tf32" if tensor_cores else "ieee"  # 16-bit dots ignore it; fp32 ones take IEEE
