@@ -117,21 +117,29 @@ def uncounted(counter: OpCounter):
         counter.launching -= 1
 
 
+@contextlib.contextmanager
+def inside_op(counter: OpCounter, name: str, launch_free: bool):
+    """While open, what runs counts as registry op ``name``'s (its Triton launches counted, not run, where
+    ``launch_free``)."""
+    counter.depth += 1
+    counter.open_ops.append(name)
+    counter.launch_free += launch_free
+    try:
+        yield
+    finally:
+        counter.depth -= 1
+        counter.open_ops.pop()
+        counter.launch_free -= launch_free
+
+
 def paired_parts(counter: OpCounter, name: str, launched: SiteParts, expected: SiteParts) -> SiteParts:
     """``hc_site_input``'s halves run later, outside the op: each counts as the backend's half (launches not run,
     under the op's name) and returns the reference's."""
 
     def half(launched_half, expected_half):
         def run():
-            counter.open_ops.append(name)
-            counter.depth += 1
-            counter.launch_free += 1
-            try:
+            with inside_op(counter, name, launch_free=True):
                 launched_half()
-            finally:
-                counter.open_ops.pop()
-                counter.depth -= 1
-                counter.launch_free -= 1
             with uncounted(counter):
                 return expected_half()
 
@@ -168,15 +176,8 @@ def registry_ops_counted(launch_free: bool = False):
             outermost = counter.depth == 0
             if outermost:
                 counter.proxy += 1
-            counter.depth += 1
-            counter.open_ops.append(name)
-            counter.launch_free += launch_free
-            try:
+            with inside_op(counter, name, launch_free):
                 result = fn(*args, **kwargs)
-            finally:
-                counter.depth -= 1
-                counter.open_ops.pop()
-                counter.launch_free -= launch_free
             if not (launch_free and outermost):
                 return result
             with uncounted(counter):  # the reference stands in for the launches not run

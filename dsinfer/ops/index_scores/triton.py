@@ -231,8 +231,9 @@ def index_scores_launch(
     if n_queries == 0 or width == 0:
         return scores
     shared = keys.dim() == 2
-    if config is None and shared and hopper_shared_keys_fits(q, keys):
-        hopper_shared_keys_launch(q, keys, head_weights, visible.contiguous(), scores)
+    if shared and (config is None or config.kernel == "gluon") and hopper_shared_keys_fits(q, keys):
+        launch = {} if config is None else dict(num_stages=config.num_stages, warpgroups=config.block_w // 128)
+        hopper_shared_keys_launch(q, keys, head_weights, visible.contiguous(), scores, **launch)
         return scores
     tensor_cores = uses_tensor_cores(q, keys)
     config = config or choose_config(shared, tensor_cores, n_heads)
@@ -244,9 +245,7 @@ def index_scores_launch(
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.max_registers:
         launch["maxnreg"] = config.max_registers
-    if shared and config.kernel == "gluon" and hopper_shared_keys_fits(q, keys):
-        hopper_shared_keys_launch(q, keys, head_weights, visible, scores, config.num_stages, config.block_w // 128)
-    elif shared:
+    if shared:
         grid = (triton.cdiv(width, config.block_w), triton.cdiv(n_queries, config.block_t))
         _shared_keys_kernel[grid](
             q, keys, head_weights, visible, scores,
