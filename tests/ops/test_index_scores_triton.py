@@ -5,14 +5,11 @@ fallbacks, and sm_90 builds of both kernels at V4-Flash shapes without register 
 
 from __future__ import annotations
 
-import re
-import subprocess
-import tempfile
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
+from hopper_build import compile_for_hopper, registers_and_stack
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
@@ -227,30 +224,6 @@ def test_inputs_the_kernels_do_not_take_go_to_the_reference(monkeypatch):
 ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_kt", "stride_kw", "stride_wt", "stride_st")
 
 
-def _compile_for_hopper(kernel, pointers: dict, constants: dict, num_warps: int, num_stages: int, max_registers=0):
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {}
-    for name in kernel.arg_names:
-        if name.isupper():
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers[name]
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    # What a launch on aligned tensors specialises on: 16-divisible pointers and strides (the head weights' head
-    # stride is 1). Without it the loads are not vectorised or pipelined and the build says little.
-    aligned = [i for i, name in enumerate(kernel.arg_names) if name.endswith("_ptr") or name in ALIGNED_STRIDES]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=num_stages)
-    if max_registers:
-        options["maxnreg"] = max_registers
-    return triton, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 TWO_PROGRAMS_A_MULTIPROCESSOR = 128  # registers a thread: two 8-warp programs share an sm_90 multiprocessor's 64 Ki
 CAPPED_STACK_BYTES = 128  # the spill the capped launch may take where the compiler wants more than the cap
 
@@ -281,16 +254,14 @@ def test_triton_scores_kernels_compile_for_hopper(shared, dtypes, capped):
         kernel, constants["BLOCK_T"] = backend._shared_keys_kernel, config.block_t
     else:
         kernel, constants["BLOCK_H"] = backend._per_query_keys_kernel, config.block_h
-    launch = (config.num_warps, config.num_stages, config.max_registers)
-    triton, compiled = _compile_for_hopper(kernel, pointers, constants, *launch)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers:
+        options["maxnreg"] = config.max_registers
+    triton, compiled = compile_for_hopper(kernel, pointers, constants, options, ALIGNED_STRIDES)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if tool.exists():  # register spills show as stack in the cubin's resource usage
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-            handle.write(compiled.asm["cubin"])
-            handle.flush()
-            usage = subprocess.run([str(tool), "-res-usage", handle.name], capture_output=True, text=True).stdout
-        registers, stack = (int(value) for value in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    usage = registers_and_stack(triton, compiled)
+    if usage is not None:
+        registers, stack = usage
         assert stack <= (CAPPED_STACK_BYTES if capped else 0), usage
         assert not capped or registers <= TWO_PROGRAMS_A_MULTIPROCESSOR, usage

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper_build import compile_for_hopper, registers_and_stack
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
@@ -97,20 +98,32 @@ def test_registry_picks_the_kernels_on_cuda_only():
         assert registry.choose(op, "cpu", torch.float32).name == "reference"
 
 
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_topk_kernel_compiles_for_hopper():
-    """The chunk program of a long row (4,096 keys at 8 warps, candidates kept) builds an sm_90 cubin without local
-    memory (the interpreter runs code the compiler can refuse)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+CAPPED_STACK_BYTES = 64  # what Triton 3.9's build of a capped program may spill (3.6, the GPU image's, and 3.8: none)
+POINTERS = {"scores_ptr": "*fp32", "allowed_ptr": "*u8", "out_ptr": "*i32", "kept_ptr": "*u32", "entries_ptr": "*i32"}
 
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("program", ["chunk", "merge", "wide_merge"])
+def test_selection_programs_compile_for_hopper(program):
+    """The programs of a long row at their launches (a 4,096-key chunk, candidates kept, and the merge of up to
+    4,096 or 8,192 candidates) build sm_90 cubins without local memory (the interpreter runs code the compiler can
+    refuse); a program the register cap applies to stays within it (three 8-warp programs a multiprocessor) and
+    spills at most a few values."""
+    pytest.importorskip("triton")
     import dsinfer.ops.index_select.triton as backend
 
-    kernel = backend._topk_kernel
-    constants = dict(HAS_ALLOWED=False, KEEP_KEYS=True, BLOCK_W=backend.CHUNK)
-    pointers = {"scores_ptr": "*fp32", "allowed_ptr": "*u8", "out_ptr": "*i32", "kept_ptr": "*u32"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=backend._warps(backend.CHUNK)))  # fmt: skip
+    if program == "chunk":
+        kernel, constants, block = backend._topk_kernel, dict(HAS_ALLOWED=False, KEEP_KEYS=True), backend.CHUNK
+        constants["BLOCK_W"] = block
+    else:
+        block = backend.CHUNK if program == "merge" else 2 * backend.CHUNK
+        kernel, constants = backend._merge_kernel, dict(BLOCK_C=block)
+    warps = backend._warps(block)
+    cap = backend._register_cap(warps)
+    assert bool(cap) == (warps <= backend.CAPPED_WARPS)
+    triton, compiled = compile_for_hopper(kernel, POINTERS, constants, dict(num_warps=warps, **cap))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
+    usage = registers_and_stack(triton, compiled)
+    if usage is not None and cap:
+        registers, stack = usage
+        assert registers <= backend.REGISTER_CAP and stack <= CAPPED_STACK_BYTES, usage

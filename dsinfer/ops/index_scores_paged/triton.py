@@ -16,15 +16,15 @@ Arithmetic, exact where it can be: bf16 / fp16 keys against a query of their dty
 sums; FP8 e4m3 codes and FP4 e2m1 codes times power-of-two (ue8m0) scales are bf16 values, decoded in registers;
 an FP8 pool with one float32 scale a row multiplies the row's products by it after the dot. FP4 tiles take one of
 four layouts (``paged_scores_launch(fp4_layout=...)``, ``DEFAULT_FP4_LAYOUT`` unless a caller names one).
-``words``, the default (:mod:`.fp4_words`): the keys read as int32 words of 8 codes, two codes a shift and mask,
+``words`` (:mod:`.fp4_words`): the keys read as int32 words of 8 codes, two codes a shift and mask,
 one dot, the decoded tile reaching the MMA through shared memory. That loop waits on latency more than it issues,
 so it keeps more tiles in flight (``WORDS_STAGES``) and aims at more programs a multiprocessor
 (``WORDS_PROGRAMS_PER_SM``, at least ``WORDS_MIN_TILES`` tiles a chunk) than the other layouts: on one H100 at 64
 and 256 requests x 131,072 it takes 0.57 and 2.08 ms, 0.65 and 2.32 at the others' three stages, against
-``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``). ``words_mma``: on Hopper, V4.1's keys decoded
-straight into the warpgroup MMA's register operand by a Gluon kernel (:mod:`.fp4_hopper`: no shared-memory round
-trip for the decoded tile, one multiply a code pair; 373 instructions a tile against 460 in the sm_90 build);
-``words`` elsewhere and for other shapes.
+``halves``' 1.20 and 3.98 (``benchmarks/indexer_decode.py``). ``words_mma``, the default: on Hopper, V4.1's keys
+decoded straight into the warpgroup MMA's register operand by a Gluon kernel (:mod:`.fp4_hopper`: no shared-memory
+round trip for the decoded tile, one multiply a code pair; 373 instructions a tile against 460 in the sm_90 build;
+0.36 and 1.38 ms at the same points); ``words`` elsewhere and for other shapes.
 ``halves``, where words do not fit: the even channels (each byte's low
 nibble) and the odd ones (its high nibble) are two [BLOCK_E, d / 2] tiles, scored by two dots against the query's
 even and odd channels (loaded once a chunk with a channel stride of 2), and each nibble becomes bf16 bits with
@@ -74,7 +74,7 @@ MIN_TILES = 2  # a chunk's fewest tiles (the query is read once per chunk)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMS = {"plain": 0, "fp8": 1, "fp4": 2}
 FP4_LAYOUTS = ("halves", "joined", "words", "words_mma")  # how FP4 tiles meet the query (module docstring)
-DEFAULT_FP4_LAYOUT = "words"
+DEFAULT_FP4_LAYOUT = "words_mma"
 MIN_DOT_DEPTH = 16  # tl.dot's smallest K: the halves layout needs head_dim >= 32
 
 if triton is not None:

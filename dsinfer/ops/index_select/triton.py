@@ -38,8 +38,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_WIDTH = 16384  # scores a program holds: 64 a thread at 8 warps
 CHUNK = 4096  # a wider row: chunks of at most this many, their candidates merged by one more program
-REGISTER_CAP = 0  # the selections' registers a thread (``maxnreg``; 0: the compiler's): 72 holds three 8-warp
-# chunk programs a multiprocessor on sm_90 without a spill (109 unbounded: two); benchmarks/index_topk.py times it
+REGISTER_CAP = 72  # the selections' registers a thread (``maxnreg``; 0: the compiler's): three 8-warp chunk
+# programs a multiprocessor on sm_90 without a spill (109 unbounded: two); 1.66x faster on an H100 at 8,192 x 32,768
+# (benchmarks/index_topk.py)
+CAPPED_WARPS = 8  # the cap applies to programs of at most this many warps (16 fit one a multiprocessor either way)
 
 
 if triton is not None:
@@ -143,8 +145,11 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else min(32, block // 512)
 
 
-def _register_cap() -> dict:
-    return {"maxnreg": REGISTER_CAP} if REGISTER_CAP else {}
+def _register_cap(num_warps: int) -> dict:
+    """The launch option capping a thread's registers (NVIDIA only) for a program of ``num_warps`` warps."""
+    if not REGISTER_CAP or num_warps > CAPPED_WARPS or torch.version.hip is not None:
+        return {}
+    return {"maxnreg": REGISTER_CAP}
 
 
 def chunking(width: int, k: int) -> tuple[int, int] | None:
@@ -180,11 +185,11 @@ def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor
     _topk_kernel[(chunks, rows)](scores, allowed_arg, entries, kept, width, chunk, per_chunk, scores.stride(0),
                                  allowed_arg.stride(0), entries.stride(0), HAS_ALLOWED=allowed is not None,
                                  KEEP_KEYS=chunks > 1, BLOCK_W=block, num_warps=_warps(block),
-                                 **_register_cap())  # fmt: skip
+                                 **_register_cap(_warps(block)))  # fmt: skip
     if chunks > 1:
         block = triton.next_power_of_2(candidates)
         _merge_kernel[(rows,)](kept, entries, out, candidates, k, kept.stride(0), out.stride(0), BLOCK_C=block,
-                               num_warps=_warps(block), **_register_cap())  # fmt: skip
+                               num_warps=_warps(block), **_register_cap(_warps(block)))  # fmt: skip
     return out
 
 
