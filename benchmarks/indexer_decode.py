@@ -8,8 +8,8 @@
 
 FP4 keys are V4.1's: packed e2m1 with a ue8m0 exponent per 32 channels (``INDEX_KEY_FORMAT``), scored over the
 ratio-1 source (every token an entry, 128 a block); each point times the scores kernel once per FP4 tile layout
-(``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot;
-``words_mma``, the default, on Hopper the words decoded straight into the warpgroup MMA's register operand; ``halves``, the even
+(``--fp4-layouts``: ``words``, int32 words of 8 codes decoded a pair per shift and mask, one dot; ``words_mma``,
+the default, on Hopper the words decoded straight into the warpgroup MMA's register operand; ``halves``, the even
 and odd channels as two dots; ``joined``, the codes interleaved into one tile), a row each, and the words kernel
 again for each ``--words-launches`` (key tiles in flight : warps, and optionally : the programs a multiprocessor its
 chunks aim at) and the words_mma kernel for each ``--mma-launches``; the op (``op ms``) runs the default.

@@ -163,7 +163,7 @@ class ModelRunner:
                 own = own + [0]
             ids += own + seq.draft_token_ids[: item.num_draft_tokens]
             positions += range(start, start + count)
-            table = list(seq.block_table)  # the scheduler may grow or drop the live list before this step runs
+            table = seq.block_table_now()  # the scheduler may grow or drop the live list before this step runs
             decoder_from = max(0, len(seq.prompt_token_ids) - self.replay_tokens) if self.replay_tokens else 0
             spans.append(
                 SequenceSpan(

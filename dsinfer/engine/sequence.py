@@ -49,6 +49,9 @@ class Sequence:
     # Names the block table while it only grows (a new token when it is rebuilt or shrinks): decode graphs
     # rewrite a staged table row only when its token changes (dsinfer.engine.graph_inputs).
     table_token: int = field(default_factory=new_table_token)
+    # The block table as of the last step that read it (immutable; rebuilt when the token or the length changed).
+    table_snapshot: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    snapshot_key: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     reuse_below: int = 0  # prefix-cache hit: entries for windows ending at or before this position are shared
     window_from: int = 0  # oldest position whose window KV the ring holds
     num_preemptions: int = 0
@@ -85,6 +88,17 @@ class Sequence:
         if start >= len(prompt):
             return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
+    def block_table_now(self) -> tuple[int, ...]:
+        """The block table as it is now, as a tuple a step in flight keeps while the scheduler grows or drops the
+        live list. The table only grows under one ``table_token`` (any other change takes a new token), so the
+        tuple is built again only when the token or the length changed: a decode step at 131,072 tokens reads
+        1,025 entries a sequence, and copying them every step (with the collector walking each copy) cost the
+        host more than the rest of its step."""
+        key = (self.table_token, len(self.block_table))
+        if key != self.snapshot_key:
+            self.table_snapshot, self.snapshot_key = tuple(self.block_table), key
+        return self.table_snapshot
 
     @property
     def num_uncomputed(self) -> int:

@@ -134,7 +134,7 @@ class SpecGraphs:
             offset += span.length
             own_ids.append(ids)
             judged += range(index * width, index * width + len(ids))
-            table = span.block_table + [trash] * max(0, self._blocks_needed(span) - len(span.block_table))
+            table = [*span.block_table] + [trash] * max(0, self._blocks_needed(span) - len(span.block_table))
             spans.append(SequenceSpan(span.start, width, span.slot, table, span.reuse_below, span.window_from))
             rows += ids + [0] * (width - len(ids)) + [span.start, span.slot, span.window_from, len(ids) - 1]
             rows += table + [trash] * (self.table_width - len(table))
