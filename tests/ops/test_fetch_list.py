@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper_build import compile_for_hopper
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops.fetch_list import FetchListInputs, offload_fetch_list_reference
@@ -94,13 +95,12 @@ def test_counts_belong_to_the_stage_alone():
 def test_kernel_compiles_for_hopper(ahead):
     """An sm_90 cubin (Triton's bundled ptxas, no GPU needed) at V4.1-Flash's 384 experts, both modes."""
     pytest.importorskip("triton")
-    from test_index_scores_triton import _compile_for_hopper
-
     import dsinfer.ops.fetch_list.triton as backend
 
     pointers = {"ids_ptr": "*i64", "resident_ptr": "*i8", "prefetched_ptr": "*i8", "offloaded_ptr": "*i64",
                 "row_of_expert_ptr": "*i64", "counters_ptr": "*i64", "counts_ptr": "*i64", "marks_ptr": "*i32",
                 "out_ptr": "*i64"}  # fmt: skip
     constants = dict(BLOCK_E=512, BLOCK_I=backend.BLOCK_IDS, AHEAD=ahead)
-    _, compiled = _compile_for_hopper(backend._fetch_list_kernel, pointers, constants, backend.NUM_WARPS, 1)
+    options = dict(num_warps=backend.NUM_WARPS, num_stages=1)
+    _, compiled = compile_for_hopper(backend._fetch_list_kernel, pointers, constants, options)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from hopper_build import compile_for_hopper
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops.engram_rows import ENGRAM_DEAD
@@ -171,8 +172,6 @@ def test_the_pending_plan_of_a_cut_and_a_whole_step():
 def test_kernels_compile_for_hopper(kernel):
     """sm_90 cubins (Triton's bundled ptxas, no GPU needed) of the four plans, with the options the rollback uses."""
     pytest.importorskip("triton")
-    from test_index_scores_triton import _compile_for_hopper
-
     from dsinfer.ops.step_plan import triton as backend
 
     builds = {  # kernel, pointer types (the rest of the arguments are int32), constants
@@ -190,5 +189,5 @@ def test_kernels_compile_for_hopper(kernel):
                             "slots_ptr": "*i64"}, dict(GATED=True, BLOCK_B=16, BLOCK_R=4)),
     }  # fmt: skip
     fn, pointers, constants = builds[kernel]
-    _, compiled = _compile_for_hopper(fn, pointers, constants, 4, 1)
+    _, compiled = compile_for_hopper(fn, pointers, constants, dict(num_warps=4, num_stages=1))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
