@@ -27,7 +27,7 @@ class SequenceSpan:
     start: int  # position of the first new token; positions before it are already in the cache
     length: int  # number of new tokens in this batch
     slot: int  # the sequence's state slot (window ring, unfinished compressor windows)
-    block_table: list[int]  # blocks holding compressed entries, in position order
+    block_table: list[int] | tuple[int, ...]  # blocks holding compressed entries, in position order
     reuse_below: int = 0  # entries of windows ending at or before this position are stored already (prefix hit)
     window_from: int = 0  # oldest position whose window KV is in the ring (later than 0 after a prefix hit)
     # V4.1 bounded (CED) prefill: positions below this run only the encoder layers and the first decoder layer's
