@@ -33,12 +33,20 @@ once and queues its D ms on a stand-in stream instead, and reading the sampled t
 exceeds D only by host work that does not fit under it.
 
     python benchmarks/host_step.py --requests 1 16 --device-ms 1.16 --device-queue   # does the host keep up?
+
+With ``--block-tokens`` the engine's cache blocks are that small, so a short prompt gets a block table as long as a
+long context's, which the host reads every step (3,000 tokens at 8 a block, the tiny V4.1's least: 376 entries;
+131,072 at 128: 1,025):
+
+    python benchmarks/host_step.py --requests 256 --input-len 3000 --arch v41 --block-tokens 8 --steps 40 \
+        --device-ms 10 --device-queue
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -123,24 +131,39 @@ def engine_config(requests: int, overlap: bool, **sizes) -> EngineConfig:
     return EngineConfig(max_num_seqs=max(requests, 1), async_scheduling=overlap, **sizes)
 
 
-def engine_host_ms(model, tokenizer, requests: int, steps: int, input_len: int, overlap: bool) -> dict:
-    engine = LLMEngine(model, tokenizer, engine_config(requests, overlap, max_model_len=input_len + steps + 64))
+def engine_host_ms(model, tokenizer, requests: int, steps: int, input_len: int, overlap: bool,
+                   block_tokens: int | None = None) -> dict:  # fmt: skip
+    """Median and mean ``step()`` ms and CPU ms a step over ``steps`` decode steps (every prompt prefilled in one
+    step first), and the garbage collector's ms a step among them."""
+    sizes = dict(max_model_len=input_len + steps + 64, block_tokens=block_tokens,
+                 max_num_batched_tokens=max(8192, requests * input_len))  # fmt: skip
+    engine = LLMEngine(model, tokenizer, engine_config(requests, overlap, **sizes))
     for i in range(requests):
         engine.add_request(
             [5 + (i + j) % 200 for j in range(input_len)],
             SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True),
         )
-    for _ in range(requests + 4):  # the prefills (one step each at most), then a few decode steps
+    for _ in range(4):  # the prefills (one step), then a few decode steps
         engine.step()
+    collections: list[float] = []
+
+    def timed_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            timed_collection.started = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - timed_collection.started)
+
+    gc.callbacks.append(timed_collection)
     times, cpu = [], time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
     cpu_ms = (time.process_time() - cpu) / steps * 1e3
+    gc.callbacks.remove(timed_collection)
     engine.close()
     return {"engine_step_ms": statistics.median(times) * 1e3, "mean_step_ms": statistics.mean(times) * 1e3,
-            "cpu_ms_per_step": cpu_ms}  # fmt: skip
+            "cpu_ms_per_step": cpu_ms, "gc_ms_per_step": sum(collections) / steps * 1e3}  # fmt: skip
 
 
 def bench_serve(port: int, requests: int, input_len: int, output_len: int, client_cpus: list[int] | None) -> dict:
@@ -364,11 +387,18 @@ def main() -> None:
                         "(without it: in the server's process, as --engine-in-process)")  # fmt: skip
     parser.add_argument("--port", type=int, default=18555)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--arch", choices=["v4", "v41"], default="v4", help="the tiny checkpoint's architecture")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=None,
+        help="engine mode: tokens a cache block (fewer: tables as long as a long context's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     overlap = args.overlap or args.device_ms > 0
     with tempfile.TemporaryDirectory() as directory:
-        make_tiny_checkpoint(directory, arch="v4")
+        make_tiny_checkpoint(directory, arch=args.arch)
         if args.serve:
             for requests in args.requests:
                 result = serve_host_ms(directory, requests, args.output_len, args.input_len, args.port, args.device_ms,
@@ -380,7 +410,8 @@ def main() -> None:
         constant_forward(type(model), args.device_ms, args.device_queue)
         tokenizer = Tokenizer.from_dir(directory)
         for requests in args.requests:
-            result = engine_host_ms(model, tokenizer, requests, args.steps, args.input_len, overlap)
+            result = engine_host_ms(model, tokenizer, requests, args.steps, args.input_len, overlap,
+                                    args.block_tokens)  # fmt: skip
             print(json.dumps({"requests": requests, "device_ms": args.device_ms, "device_queue": args.device_queue,
                               "overlap": overlap, **result}),
                   flush=True)  # fmt: skip

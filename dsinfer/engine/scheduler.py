@@ -147,7 +147,12 @@ class Scheduler:
         return budget if self.chunked_prefill else 0
 
     def _make_room(self, seq: Sequence, count: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest unscheduled running sequences until ``seq`` fits; False if ``seq`` itself went."""
+        """Preempt the newest unscheduled running sequences until ``seq`` fits; False if ``seq`` itself went.
+
+        The set of scheduled sequences is built only when a preemption is needed: building it for every sequence
+        made a step's scheduling quadratic in the running sequences (256 x 256 a step at 256 requests)."""
+        if self.blocks.blocks_needed(seq, seq.num_computed + count) <= self.blocks.num_free:
+            return True
         scheduled = {id(s.seq) for s in out.scheduled}
         while self.blocks.blocks_needed(seq, seq.num_computed + count) > self.blocks.num_free:
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
