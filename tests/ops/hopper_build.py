@@ -4,6 +4,7 @@ build checks of ``tests/ops`` (spills, occupancy) run on the CPU with the instal
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,15 +38,29 @@ def compile_for_hopper(kernel, pointers: dict, constants: dict, options: dict, a
     return triton, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def registers_and_stack(triton, compiled) -> tuple[int, int] | None:
-    """A thread's registers and stack bytes (register spills show as stack); None where Triton ships no
-    ``cuobjdump``."""
+def cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """Triton's bundled ``cuobjdump`` (or one on the PATH) run on ``cubin`` with ``flag``; None without the tool."""
+    import triton
+
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if tool is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(compiled.asm["cubin"])
+        handle.write(cubin)
         handle.flush()
-        usage = subprocess.run([str(tool), "-res-usage", handle.name], capture_output=True, text=True).stdout
-    registers, stack = (int(value) for value in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    return registers, stack
+        return subprocess.run([tool, flag, handle.name], capture_output=True, text=True).stdout
+
+
+def registers_and_stack(cubin: bytes) -> tuple[int, int] | None:
+    """A thread's registers and stack bytes (register spills show as stack) of the cubin's kernel; None without
+    ``cuobjdump``."""
+    usage = cuobjdump(cubin, "-res-usage")
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage) if usage is not None else None
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def register_spills(cubin: bytes) -> int | None:
+    """Bytes of stack (register spills) of the cubin's kernel; None without ``cuobjdump``."""
+    usage = registers_and_stack(cubin)
+    return usage[1] if usage is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper_build import register_spills
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops.fp8_linear import Fp8Weight, fp8_linear_reference
@@ -200,7 +201,6 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
     launches choose_config gives V4-Flash's shapes at 1 and 32 tokens, the one-token GEMV's two launches (split and
     not) and the dequantiser; no register may spill to the stack (the GEMV's default launch: 16 bytes at most)."""
     triton = pytest.importorskip("triton")
-    from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -232,7 +232,7 @@ def test_fp8_linear_kernel_compiles_for_hopper_without_spills():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
         assert compiled.asm["cubin"], kernel.fn.__name__
-        spills = _register_spills(compiled.asm["cubin"])
+        spills = register_spills(compiled.asm["cubin"])
         # The GEMV's default launch (four warps of 1024-column steps, the H200's fastest with no weight in L2)
         # keeps one 4-byte value on the stack under Triton 3.9's split form: 16 bytes at most, nothing more.
         allowed = 16 if kernel is gemv_triton._fp8_gemv_kernel and constants["BLOCK_K"] == 1024 else 0

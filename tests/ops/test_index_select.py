@@ -123,7 +123,7 @@ def test_selection_programs_compile_for_hopper(program):
     assert bool(cap) == (warps <= backend.CAPPED_WARPS)
     triton, compiled = compile_for_hopper(kernel, POINTERS, constants, dict(num_warps=warps, **cap))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
-    usage = registers_and_stack(triton, compiled)
+    usage = registers_and_stack(compiled.asm["cubin"])
     if usage is not None and cap:
         registers, stack = usage
         assert registers <= backend.REGISTER_CAP and stack <= CAPPED_STACK_BYTES, usage

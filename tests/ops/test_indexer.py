@@ -3,13 +3,11 @@ reference, on random shapes with the edges (no visible entry, a tile boundary, f
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from hopper_build import register_spills
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
@@ -195,14 +193,9 @@ def test_triton_fp4_halves_scores_kernel_compiles_for_hopper():
 
 def _assert_compiles_cleanly(pointers: dict, constants: dict, spills_checked: bool) -> None:
     """A cubin without local memory, within the H200's shared memory per block; no register spills when
-    ``spills_checked`` (and the bundled cuobjdump is there)."""
-    triton, compiled = _compile_scores_kernel_for_hopper(pointers, constants)
+    ``spills_checked`` (and a cuobjdump is there)."""
+    _, compiled = _compile_scores_kernel_for_hopper(pointers, constants)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if spills_checked and tool.exists():  # register spills show as stack in the cubin's resource usage
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-            handle.write(compiled.asm["cubin"])
-            handle.flush()
-            usage = subprocess.run([str(tool), "-res-usage", handle.name], capture_output=True, text=True).stdout
-        assert "STACK:0 " in usage, usage
+    if spills_checked:  # register spills show as stack in the cubin's resource usage
+        assert register_spills(compiled.asm["cubin"]) in (0, None)

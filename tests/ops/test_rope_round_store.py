@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper_build import cuobjdump
 from interpreted import assert_interpreted_cases_pass
 from test_rope_round import make_inputs
 
@@ -200,7 +201,6 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
     register spills: no local loads or stores in the machine code (the FP4 / e4m3 scale search's divisions call a
     slow-path routine, whose return address alone gives the kernel an 8-byte stack)."""
     triton = pytest.importorskip("triton")
-    from test_sparse_attention import _cuobjdump
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -228,7 +228,7 @@ def test_kernel_compiles_for_hopper_in_the_models_writes():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         label = (dim, rounding, store)
         assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], label
-        sass = _cuobjdump(compiled.asm["cubin"], "-sass")
+        sass = cuobjdump(compiled.asm["cubin"], "-sass")
         assert sass is None or not any(f" {op}" in sass for op in ("STL", "LDL")), label
 
 

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from hopper_build import register_spills
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
@@ -428,32 +428,6 @@ def _signature(kernel, activation: str) -> dict[str, str]:
     return types
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str | None:
-    """Triton's bundled cuobjdump (or one on the PATH) run on ``cubin`` with ``flag``; None without the tool."""
-    import shutil
-    import tempfile
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if tool is None:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        return subprocess.run([tool, flag, handle.name], capture_output=True, text=True).stdout
-
-
-def _register_spills(cubin: bytes) -> int | None:
-    """Bytes of stack (register spills) of the cubin's kernel, from cuobjdump (None without it)."""
-    import re
-
-    usage = _cuobjdump(cubin, "-res-usage")
-    found = re.search(r"STACK:(\d+)", usage) if usage is not None else None
-    return int(found.group(1)) if found else None
-
-
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_triton_kernels_compile_for_hopper():
     """The interpreter never compiles; this builds the kernels to sm_90 cubins with Triton's bundled ptxas (no GPU
@@ -487,14 +461,14 @@ def test_triton_kernels_compile_for_hopper():
         assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"], activation
         assert compiled.metadata.shared <= 227 * 1024, (activation, compiled.metadata.shared)
         allowed_stack = 8 if activation == "fp32" and older_triton else 0
-        assert (_register_spills(compiled.asm["cubin"]) or 0) <= allowed_stack, activation
+        assert (register_spills(compiled.asm["cubin"]) or 0) <= allowed_stack, activation
     kernel = backend._decode_combine_kernel
     for batch in (1, 32, 256):  # the blocks choose_combine picks for 64 heads x 512
         launch = backend.choose_combine(batch, 64, 512)
         constants = dict(HEAD_DIM=512, BLOCK_D=launch.block_d, BLOCK_H=launch.block_h, SPLITS=20)
         source = ASTSource(kernel, _signature(kernel, "bf16"), constexprs=constants)
         compiled = triton.compile(source, target=target, options=dict(num_warps=4))
-        assert compiled.asm["cubin"] and _register_spills(compiled.asm["cubin"]) in (0, None), launch
+        assert compiled.asm["cubin"] and register_spills(compiled.asm["cubin"]) in (0, None), launch
 
 
 # The tiny V4 model's decode step with both decode ops on their Triton backends (interpreted) against the same

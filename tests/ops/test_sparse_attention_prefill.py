@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hopper_build import register_spills
 from interpreted import assert_interpreted_cases_pass
 
 from dsinfer.ops import registry
@@ -264,7 +265,6 @@ def test_triton_kernel_compiles_for_hopper(layer):
     memory per block; fp32 without register spills, bf16 (64 heads a program, 64-key tiles: the warpgroup MMA,
     measured 2.3-2.6x faster than the spill-free 32 x 32 launch on the H100) within 3 KiB a thread of spills."""
     triton = pytest.importorskip("triton")
-    from test_sparse_attention import _register_spills
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -283,7 +283,7 @@ def test_triton_kernel_compiles_for_hopper(layer):
         compiled = triton.compile(source, target=target, options=options)
         assert compiled.asm["cubin"], activation
         assert compiled.metadata.shared <= 227 * 1024, (activation, compiled.metadata.shared)
-        spills = _register_spills(compiled.asm["cubin"]) or 0
+        spills = register_spills(compiled.asm["cubin"]) or 0
         if dtype == torch.float32:
             assert spills == 0 and "ld.local" not in compiled.asm["ptx"], activation
         else:
