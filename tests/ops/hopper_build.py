@@ -15,7 +15,7 @@ import pytest
 def compile_for_hopper(kernel, pointers: dict, constants: dict, options: dict, aligned: tuple[str, ...] = ()):
     """``kernel`` built for sm_90: ``pointers`` maps each ``*_ptr`` argument to its Triton type, upper-case
     arguments are the ``constants``, the rest 32-bit integers (``scale`` float32); pointers and the ``aligned``
-    arguments are specialised as 16-divisible, as a launch on aligned tensors is. Returns (triton, compiled)."""
+    arguments are specialised as 16-divisible, as a launch on aligned tensors is."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +35,7 @@ def compile_for_hopper(kernel, pointers: dict, constants: dict, options: dict, a
     }
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str | None:

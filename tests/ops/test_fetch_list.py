@@ -102,5 +102,5 @@ def test_kernel_compiles_for_hopper(ahead):
                 "out_ptr": "*i64"}  # fmt: skip
     constants = dict(BLOCK_E=512, BLOCK_I=backend.BLOCK_IDS, AHEAD=ahead)
     options = dict(num_warps=backend.NUM_WARPS, num_stages=1)
-    _, compiled = compile_for_hopper(backend._fetch_list_kernel, pointers, constants, options)
+    compiled = compile_for_hopper(backend._fetch_list_kernel, pointers, constants, options)
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]

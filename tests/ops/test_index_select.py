@@ -121,7 +121,7 @@ def test_selection_programs_compile_for_hopper(program):
     warps = backend._warps(block)
     cap = backend._register_cap(warps)
     assert bool(cap) == (warps <= backend.CAPPED_WARPS)
-    triton, compiled = compile_for_hopper(kernel, POINTERS, constants, dict(num_warps=warps, **cap))
+    compiled = compile_for_hopper(kernel, POINTERS, constants, dict(num_warps=warps, **cap))
     assert compiled.asm["cubin"] and "ld.local" not in compiled.asm["ptx"]
     usage = registers_and_stack(compiled.asm["cubin"])
     if usage is not None and cap:
