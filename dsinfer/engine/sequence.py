@@ -93,8 +93,8 @@ class Sequence:
         """The block table as it is now, as a tuple a step in flight keeps while the scheduler grows or drops the
         live list. The table only grows under one ``table_token`` (any other change takes a new token), so the
         tuple is built again only when the token or the length changed: a decode step at 131,072 tokens reads
-        1,025 entries a sequence, and copying them every step (with the collector walking each copy) cost the
-        host more than the rest of its step."""
+        1,025 entries a sequence, and copying them every step, with the collector walking each copy, cost about
+        3.7 ms of host time a step at 256 sequences (``benchmarks/step_prepare_host.py``, on a CPU)."""
         key = (self.table_token, len(self.block_table))
         if key != self.snapshot_key:
             self.table_snapshot, self.snapshot_key = tuple(self.block_table), key

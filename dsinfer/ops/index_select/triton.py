@@ -182,14 +182,16 @@ def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor
     candidates = chunks * per_chunk
     entries = out if chunks == 1 else torch.empty(rows, candidates, dtype=torch.int32, device=scores.device)
     kept = scores if chunks == 1 else torch.empty(rows, candidates, dtype=torch.uint32, device=scores.device)
+    warps = _warps(block)
     _topk_kernel[(chunks, rows)](scores, allowed_arg, entries, kept, width, chunk, per_chunk, scores.stride(0),
                                  allowed_arg.stride(0), entries.stride(0), HAS_ALLOWED=allowed is not None,
-                                 KEEP_KEYS=chunks > 1, BLOCK_W=block, num_warps=_warps(block),
-                                 **_register_cap(_warps(block)))  # fmt: skip
+                                 KEEP_KEYS=chunks > 1, BLOCK_W=block, num_warps=warps,
+                                 **_register_cap(warps))  # fmt: skip
     if chunks > 1:
         block = triton.next_power_of_2(candidates)
+        warps = _warps(block)
         _merge_kernel[(rows,)](kept, entries, out, candidates, k, kept.stride(0), out.stride(0), BLOCK_C=block,
-                               num_warps=_warps(block), **_register_cap(_warps(block)))  # fmt: skip
+                               num_warps=warps, **_register_cap(warps))  # fmt: skip
     return out
 
 
