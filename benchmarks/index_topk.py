@@ -4,13 +4,15 @@
     python benchmarks/index_topk.py --cases 4096x32768:causal 64x32768
     python benchmarks/index_topk.py --cases 4096x32768:causal 2048x65536:causal --chunk-sizes 2048 4096 8192
     python benchmarks/index_topk.py --cases 4096x32768:causal 256x131072 --register-caps 0 72 64
+    python benchmarks/index_topk.py --cases 8192x65536:causal 8192x8192:causal --torch-topk
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
 ``:causal`` the -inf tail of a prefill's rows: the rows are the last queries of a chunk whose newest sees all
 ``width`` entries, each earlier one an entry fewer every 4 positions (ratio 4). For each case: the median of
 CUDA-event timings, and whether the choice of the first 64 rows is the reference's, bit for bit; with
 ``--chunk-sizes`` a row each for those widest chunks a program takes (``CHUNK``, the wider rows' split), and
-with ``--register-caps`` for those registers a thread (``REGISTER_CAP``; 0: the compiler's).
+with ``--register-caps`` for those registers a thread (``REGISTER_CAP``; 0: the compiler's); with
+``--torch-topk`` also torch's own top-k of the case (``topk_indices``: packed int64 keys, best first).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (sa
 
 from dsinfer.ops.index_select import triton as backend
 from dsinfer.ops.index_select.reference import index_topk_decode_reference
+from dsinfer.ops.topk import topk_indices
 
 RATIO = 4  # compressed entries a query position adds (V4's CSA): a prefill row sees one more entry every 4 tokens
 DEFAULT_CASES = ["4096x32768:causal", "4096x16384:causal", "64x32768", "256x32768"]
@@ -38,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"time each as the selections' register cap (default {backend.REGISTER_CAP})")  # fmt: skip
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=None, metavar="KEYS",
                         help=f"time each as the widest chunk a program takes (default {backend.CHUNK})")  # fmt: skip
+    parser.add_argument(
+        "--torch-topk",
+        action="store_true",
+        help="also time torch's top-k of the same scores (the packed-key topk_indices, best first)",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     backend.CHUNK, backend.REGISTER_CAP = chosen_chunk, chosen_cap
                 print(f"{case:>20}  chunk {chunk:>6}  registers {cap:>3}  {ms:8.3f} ms  same choice: {same}")
+        if args.torch_topk:
+            by_torch = lambda s=scores: topk_indices(s, min(args.k, s.shape[-1]))  # noqa: E731
+            same = torch.equal(by_torch()[:64].sort(-1).values, expected.sort(-1).values)  # rows with k finite scores
+            ms = statistics.median(cuda_ms(by_torch, args.iters))
+            print(f"{case:>20}  torch topk_indices          {ms:8.3f} ms  same entries: {same}")
     return 0
 
 

@@ -50,7 +50,6 @@ from dsinfer.layers.csa2_prefill import (
     candidate_entries,
     entries_view,
     packed_indices,
-    top_k_choice,
     window_view,
     write_windows,
 )
@@ -120,12 +119,13 @@ class IndexerV41(IndexScorer):
         state: SequenceState,
         quantizer: ActivationQuantizer,
     ) -> torch.Tensor:
-        """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers, -1 where fewer are finite.
+        """One sequence's prefill choice [n, min(k, W)] (keys [W, d]): entry numbers ascending, then -1 where fewer
+        are finite (the list a decode step of the same position chooses).
 
-        The candidate-limited scores' ``top_k_choice``, computed in row slices of the queries
-        (:meth:`choose_by_row_slices`) so the float32 scores [rows, W] stay within a fixed budget. The candidate
-        source records its blocks in ``state`` (``candidate_blocks``, a boolean per block, written slice by slice);
-        a later index source limits each slice to the entries of those rows' blocks."""
+        One ``index_topk_decode`` a row slice of the queries (:meth:`choose_by_row_slices`: the float32 scores
+        [rows, W] stay within a fixed budget). The candidate source records its blocks in ``state``
+        (``candidate_blocks``, a boolean per block, written slice by slice); a later index source limits each slice
+        to the entries of those rows' blocks (the selection's mask)."""
         queries = self.queries(x, q_latent, positions, inv_freq, self._query_rotation(quantizer, positions))
         visible = visible_entries(positions, self.ratio)
         width, block_size = keys.shape[0], self.candidate_block_size
@@ -135,12 +135,13 @@ class IndexerV41(IndexScorer):
             blocks = torch.empty((x.shape[0], -(-width // block_size)), dtype=torch.bool, device=x.device)
 
         def choose(rows: slice, scores: torch.Tensor) -> torch.Tensor:
+            allowed = None
             if blocks is not None:  # the candidate source records its blocks and is not limited by them
                 mask = self.ops.candidate_block_mask(scores, visible[rows], self.candidate_topk_blocks, block_size)
                 blocks[rows] = candidate_block_rows(mask, block_size)
             elif limit is not None:
-                scores = scores.masked_fill(~candidate_entries(limit[rows], block_size, width), float("-inf"))
-            return top_k_choice(scores, self.topk)
+                allowed = candidate_entries(limit[rows], block_size, width)
+            return self.ops.index_topk_decode(scores, self.topk, allowed)
 
         indices = torch.cat(self.choose_by_row_slices(queries, keys, visible, choose))
         if blocks is not None:

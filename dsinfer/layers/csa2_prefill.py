@@ -23,17 +23,6 @@ import torch.nn.functional as F
 
 from dsinfer.kv.batch import DeviceSpans, PackedBatch, SequenceSpan, host_to_device
 from dsinfer.kv.cache_v41 import KVCacheV41
-from dsinfer.ops.topk import topk_indices
-
-
-def top_k_choice(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's ``k`` best finite scores of ``scores`` [n, W]: entry numbers [n, min(k, W)], -1 where fewer are
-    finite (the choice :func:`dsinfer.layers.indexer.top_k_visible` marks)."""
-    n, width = scores.shape
-    if width == 0:
-        return scores.new_zeros((n, 0), dtype=torch.long)
-    chosen = topk_indices(scores, min(k, width))
-    return torch.where(scores.gather(-1, chosen) > float("-inf"), chosen, -1)
 
 
 def candidate_block_rows(mask: torch.Tensor, block_size: int) -> torch.Tensor:
