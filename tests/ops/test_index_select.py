@@ -3,7 +3,8 @@ the references, bit for bit, and the references against the selections the V4.1 
 
 Cases: one row and many, widths that are and are not powers of two and that do not fill the last block, k wider
 than the row, ties (exact zeros, as the indexer's ReLU gives, -0 beside +0, repeated values), rows with fewer
-finite scores than k, rows with none, an ``allowed`` mask, and visible counts of 0, inside and at the end.
+finite scores than k, rows with none, an ``allowed`` mask, and visible counts of 0, inside and at the end; and
+candidate masks of rows wider than one program holds (a 131,072-entry source's).
 """
 
 from __future__ import annotations
@@ -68,6 +69,32 @@ def check(device: torch.device) -> list[str]:
                 got = backend.candidate_block_mask_triton(scores, counts, topk_blocks, block_size)
                 if got.dtype != want.dtype or not torch.equal(got, want):
                     failures.append(f"{label}: differs")
+    return failures + check_wide_candidates(device, generator)
+
+
+WIDE_CANDIDATE_CASES = [  # rows, width, block size, blocks kept: rows wider than one program (MAX_WIDTH) holds
+    (3, 16385, 4, 3),
+    (3, 16385, 8, 2048),
+    (2, 131075, 8, 2048),  # a 131,072-token ratio-1 source's row (and a last block it does not fill)
+]
+
+
+def check_wide_candidates(device: torch.device, generator: torch.Generator) -> list[str]:
+    """``candidate_block_mask`` of rows too wide for one program (its blocks chosen by the chunked selection)."""
+    import dsinfer.ops.index_select.triton as backend
+
+    failures = []
+    for rows, width, block_size, topk_blocks in WIDE_CANDIDATE_CASES:
+        assert backend.triton.next_power_of_2(-(-width // block_size)) * block_size > backend.MAX_WIDTH
+        for flavour in ("random", "ties", "hidden"):
+            scores = make_scores(rows, width, generator, flavour)
+            counts = torch.randint(1, width + 1, (rows,), generator=generator)
+            counts[0], counts[-1] = (0 if flavour == "hidden" else 1), width
+            scores, counts = scores.to(device), counts.to(device)
+            want = candidate_block_mask_reference(scores, counts, topk_blocks, block_size)
+            got = backend.candidate_block_mask_triton(scores, counts, topk_blocks, block_size)
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                failures.append(f"wide candidates {(rows, width)} {flavour} block={block_size} top={topk_blocks}")
     return failures
 
 

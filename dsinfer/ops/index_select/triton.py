@@ -200,13 +200,15 @@ def index_topk_decode_triton(scores: torch.Tensor, k: int, allowed: torch.Tensor
 def candidate_block_mask_triton(
     scores: torch.Tensor, visible_counts: torch.Tensor, topk_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """Same contract and result as the reference; rows wider than ``MAX_WIDTH`` go to it."""
+    """Same contract and result as the reference; rows wider than ``MAX_WIDTH`` choose their blocks with the chunked
+    selection (:func:`_wide_candidate_mask`)."""
     rows, width = scores.shape if scores.dim() == 2 else (0, 0)
     num_blocks = -(-width // block_size) if block_size > 0 else 0
     block_b = triton.next_power_of_2(max(num_blocks, 1))
-    if (scores.dim() != 2 or scores.dtype != torch.float32 or block_size <= 0 or block_size & (block_size - 1)
-            or block_b * block_size > MAX_WIDTH):  # fmt: skip
+    if scores.dim() != 2 or scores.dtype != torch.float32 or block_size <= 0 or block_size & (block_size - 1):
         return candidate_block_mask_reference(scores, visible_counts, topk_blocks, block_size)
+    if block_b * block_size > MAX_WIDTH:
+        return _wide_candidate_mask(scores, visible_counts, topk_blocks, block_size)
     out = torch.empty(rows, width, dtype=torch.uint8, device=scores.device)
     if rows and width:
         scores = scores.contiguous()
@@ -215,3 +217,24 @@ def candidate_block_mask_triton(
                                    BLOCK_SIZE=block_size, BLOCK_B=block_b,
                                    num_warps=_warps(block_b * block_size))  # fmt: skip
     return out.view(torch.bool)
+
+
+def _wide_candidate_mask(
+    scores: torch.Tensor, visible_counts: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """``candidate_block_mask`` of rows wider than one program holds (a 131,072-entry ratio-1 source): each block's
+    best score (one reduction), the newest visible block's set to +inf, the best ``topk_blocks`` blocks with a
+    finite score chosen by :func:`index_topk_decode_triton` (chunks merged), their entries marked. The reference's
+    blocks: the same scores, the same choice with ties to the lowest block."""
+    rows, width = scores.shape
+    tail = -width % block_size
+    padded = scores if not tail else torch.nn.functional.pad(scores, (0, tail), value=float("-inf"))
+    num_blocks = (width + tail) // block_size
+    block_scores = padded.reshape(rows, num_blocks, block_size).amax(dim=-1)
+    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
+    block_ids = torch.arange(num_blocks, device=scores.device)
+    block_scores.masked_fill_(block_ids == newest[:, None], float("inf"))
+    chosen = index_topk_decode_triton(block_scores, topk_blocks)  # ascending, then -1
+    keep = torch.zeros(rows, num_blocks + 1, dtype=torch.bool, device=scores.device)  # column num_blocks: the -1's
+    keep.scatter_(1, torch.where(chosen < 0, num_blocks, chosen), True)
+    return keep[:, :num_blocks].repeat_interleave(block_size, dim=-1)[:, :width]
