@@ -22,8 +22,9 @@ A later source *replaces* what an earlier one published (the reference's cached 
 concatenates, which is a bug: see docs/model.md).
 
 Prefill attention is V4's op, ``sparse_attention_prefill``, once per layer for the whole packed batch: the
-sources compress and the index sources choose per sequence first, then the op reads each token's window (new
-rows, earlier positions from the ring) and its chosen entries of the reused source, through the views
+sources compress and the index sources choose per sequence first (``index_scores`` in row slices, then the
+``index_topk_decode`` and ``candidate_block_mask`` a decode step chooses with), then the op reads each token's
+window (new rows, earlier positions from the ring) and its chosen entries of the reused source, through the views
 :mod:`dsinfer.layers.csa2_prefill` makes of the cache (its tensors as they are in model-dtype storage, decoded
 rings and entry blocks in coded storage).
 
