@@ -5,6 +5,7 @@
     python benchmarks/index_topk.py --cases 4096x32768:causal 2048x65536:causal --chunk-sizes 2048 4096 8192
     python benchmarks/index_topk.py --cases 4096x32768:causal 256x131072 --register-caps 0 72 64
     python benchmarks/index_topk.py --cases 8192x65536:causal 8192x8192:causal --torch-topk
+    python benchmarks/index_topk.py --cases 256x131072 64x131072 --candidates 2048:8
 
 A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros as the indexer's ReLU gives), with
 ``:causal`` the -inf tail of a prefill's rows: the rows are the last queries of a chunk whose newest sees all
@@ -12,7 +13,8 @@ A case is ``ROWSxWIDTH`` of float32 scores (random, a tenth of them exact zeros 
 CUDA-event timings, and whether the choice of the first 64 rows is the reference's, bit for bit; with
 ``--chunk-sizes`` a row each for those widest chunks a program takes (``CHUNK``, the wider rows' split), and
 with ``--register-caps`` for those registers a thread (``REGISTER_CAP``; 0: the compiler's); with
-``--torch-topk`` also torch's own top-k of the case (``topk_indices``: packed int64 keys, best first).
+``--torch-topk`` also torch's own top-k of the case (``topk_indices``: packed int64 keys, best first); with
+``--candidates`` also ``candidate_block_mask`` (Triton against the torch reference).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from fast_path_checks import cuda_ms  # the benchmarks' one CUDA-event timer (same folder)
 
 from dsinfer.ops.index_select import triton as backend
-from dsinfer.ops.index_select.reference import index_topk_decode_reference
+from dsinfer.ops.index_select.reference import candidate_block_mask_reference, index_topk_decode_reference
 from dsinfer.ops.topk import topk_indices
 
 RATIO = 4  # compressed entries a query position adds (V4's CSA): a prefill row sees one more entry every 4 tokens
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time torch's top-k of the same scores (the packed-key topk_indices, best first)",
     )
+    parser.add_argument("--candidates", metavar="BLOCKS:SIZE", default=None,
+                        help="also time candidate_block_mask (the best BLOCKS blocks of SIZE entries, as V4.1's "
+                             "candidate source keeps 2048:8), Triton against the torch reference")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -89,7 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             same = torch.equal(by_torch()[:64].sort(-1).values, expected.sort(-1).values)  # rows with k finite scores
             ms = statistics.median(cuda_ms(by_torch, args.iters))
             print(f"{case:>20}  torch topk_indices          {ms:8.3f} ms  same entries: {same}")
+        if args.candidates:
+            time_candidates(case, scores, args.candidates, args.iters)
     return 0
+
+
+def time_candidates(case: str, scores: torch.Tensor, spec: str, iters: int) -> None:
+    """``candidate_block_mask`` of the case's scores (each row's visible count: its finite scores), the Triton op
+    against the torch reference, and whether their masks agree."""
+    blocks, size = (int(n) for n in spec.split(":"))
+    visible = torch.isfinite(scores).sum(dim=-1)
+    timings = {}
+    for name, op in (("triton", backend.candidate_block_mask_triton), ("torch", candidate_block_mask_reference)):
+        timings[name] = statistics.median(cuda_ms(lambda op=op: op(scores, visible, blocks, size), iters))
+    same = torch.equal(backend.candidate_block_mask_triton(scores, visible, blocks, size),
+                       candidate_block_mask_reference(scores, visible, blocks, size))  # fmt: skip
+    print(f"{case:>20}  candidates {spec}: triton {timings['triton']:8.3f} ms, torch {timings['torch']:8.3f} ms"
+          f"  same mask: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":
