@@ -81,7 +81,7 @@ def test_runner_builds_a_v41_cache_sized_by_its_own_accounting(model):
     assert runner.num_blocks == (3 * 2**20 - 4 * probe.slot_bytes()) // probe.block_bytes() - probe.spare_blocks
     assert runner.cache.num_slots == 4
     default = ModelRunner(model, EngineConfig(max_num_seqs=2, num_cache_blocks=10), max_model_len=160)
-    assert default.num_blocks == 10 and default.block_tokens == 64  # V4.1's default block size
+    assert default.num_blocks == 10 and default.block_tokens == 128  # V4.1's default block size
     with pytest.raises(ValueError, match="block_tokens: must be a positive multiple of 2"):
         ModelRunner(model, EngineConfig(block_tokens=7, num_cache_blocks=40), max_model_len=160)
     with pytest.raises(ValueError, match="cache budget too small: 2 blocks of 64 tokens"):

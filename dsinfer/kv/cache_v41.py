@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from dsinfer.kv.batch import PackedBatch
     from dsinfer.kv.fixed_width import FixedWidthBatch
 
-DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_BLOCK_TOKENS = 128  # ratio-1 and ratio-2 index keys fill the FP4 MMA scorer's 64-slot tiles (hopper_words_fits)
 
 
 @dataclass

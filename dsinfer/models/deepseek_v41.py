@@ -442,7 +442,8 @@ class DeepseekV41(DeepseekModel):
 
     # ---- the served-model contract -----------------------------------------------------------------------
     def cache_block_tokens(self, requested: int | None) -> int:
-        """A multiple of the KV sources' ratios only (default 64 positions: the ratios are small)."""
+        """A multiple of the KV sources' ratios only (default 128 positions, so that ratio-1 and ratio-2 index keys fill
+        the FP4 scorer's 64-entry tiles)."""
         return block_tokens_for_v41(self.config, requested)
 
     def build_cache(self, plan: CachePlan) -> KVCacheV41:
