@@ -84,8 +84,8 @@ def test_runner_builds_a_v41_cache_sized_by_its_own_accounting(model):
     assert default.num_blocks == 10 and default.block_tokens == 128  # V4.1's default block size
     with pytest.raises(ValueError, match="block_tokens: must be a positive multiple of 2"):
         ModelRunner(model, EngineConfig(block_tokens=7, num_cache_blocks=40), max_model_len=160)
-    with pytest.raises(ValueError, match="cache budget too small: 2 blocks of 64 tokens"):
-        ModelRunner(model, EngineConfig(num_cache_blocks=2), max_model_len=160)
+    with pytest.raises(ValueError, match="cache budget too small: 1 blocks of 128 tokens"):
+        ModelRunner(model, EngineConfig(num_cache_blocks=1), max_model_len=160)
     with pytest.raises(ValueError, match="the engine serves DeepseekV4 and DeepseekV41 models.*got Linear"):
         ModelRunner(torch.nn.Linear(2, 2), EngineConfig(num_cache_blocks=4), max_model_len=16)
 
