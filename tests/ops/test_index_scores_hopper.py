@@ -3,9 +3,9 @@
 Triton's interpreter does not run Gluon, so the kernel is checked where it runs, on an sm_90 GPU: the stated bound
 of ``test_index_decode`` (float32 sums in another order, plus 2^-16 of each product's magnitude for float32 queries
 split into two bf16 halves) at 1 request on both sides of every tile and chunk edge and at 64 requests, with bf16
-and float32 queries and 16, 20 and 64 heads; keys and queries whose magnitudes span 2^-60 to 2^60 (every block of
-32 channels its own scale byte), where the one multiply a code pair and the query's power of two must keep every
-product exact; and the indexer's top-k from its scores equal to the reference's on untied scores. Each case first
+and float32 queries and 16, 20 and 64 heads, in blocks of 128 and of 64 keys (V4.1's ratio-1 and ratio-2
+sources); keys and queries whose magnitudes span 2^-60 to 2^60 (every block of 32 channels its own scale byte),
+where the one multiply a code pair and the query's power of two must keep every product exact; and the indexer's top-k from its scores equal to the reference's on untied scores. Each case first
 asserts that the Gluon kernel takes it, so a fallback to the Triton words kernel cannot pass for it. On the CPU
 the kernel is built for sm_90 with Triton's own ptxas.
 """
@@ -19,7 +19,8 @@ from test_index_decode import CHUNK, EDGES, ScoresCase, check_scores, make_input
 from dsinfer.ops.index_scores_paged.reference import PagedIndexInputs, index_scores_paged_reference
 from dsinfer.ops.index_select.reference import index_topk_decode_reference
 
-PER_BLOCK = 128  # V4.1's index-key blocks: every 64-slot tile inside one
+PER_BLOCK = 128  # V4.1's ratio-1 index keys a block (128 positions): every 64-slot tile inside one
+CASE_BLOCKS = (PER_BLOCK, 64)  # and its ratio-2 source's, one tile a block
 CASES = [  # batch, query dtype, heads
     (1, torch.bfloat16, 64),
     (1, torch.float32, 20),
@@ -42,9 +43,9 @@ def taken(inputs: list) -> bool:
 def check_cases(device: torch.device) -> list[str]:
     generator = torch.Generator().manual_seed(5)
     messages = []
-    for batch, q_dtype, heads in CASES:
-        case = ScoresCase(batch, "fp4", q_dtype, heads, 128, PER_BLOCK)
-        sample = make_inputs(batch, heads, 128, "fp4", q_dtype, [0] * batch, generator, PER_BLOCK)
+    for (batch, q_dtype, heads), per_block in ((case, size) for case in CASES for size in CASE_BLOCKS):
+        case = ScoresCase(batch, "fp4", q_dtype, heads, 128, per_block)
+        sample = make_inputs(batch, heads, 128, "fp4", q_dtype, [0] * batch, generator, per_block)
         if not taken([t.to(device) for t in sample]):
             messages.append(f"{case}: the Gluon kernel does not take it")
             continue
