@@ -5,9 +5,10 @@ of ``test_index_decode`` (float32 sums in another order, plus 2^-16 of each prod
 split into two bf16 halves) at 1 request on both sides of every tile and chunk edge and at 64 requests, with bf16
 and float32 queries and 16, 20 and 64 heads, in blocks of 128 and of 64 keys (V4.1's ratio-1 and ratio-2
 sources); keys and queries whose magnitudes span 2^-60 to 2^60 (every block of 32 channels its own scale byte),
-where the one multiply a code pair and the query's power of two must keep every product exact; and the indexer's top-k from its scores equal to the reference's on untied scores. Each case first
-asserts that the Gluon kernel takes it, so a fallback to the Triton words kernel cannot pass for it. On the CPU
-the kernel is built for sm_90 with Triton's own ptxas.
+where the one multiply a code pair and the query's power of two must keep every product exact; and the indexer's
+top-k from its scores equal to the reference's on untied scores. Each case first asserts that the Gluon kernel
+takes it, so a fallback to the Triton words kernel cannot pass for it. On the CPU the kernel is built for sm_90
+with Triton's own ptxas.
 """
 
 from __future__ import annotations
