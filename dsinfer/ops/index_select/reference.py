@@ -34,13 +34,20 @@ def candidate_block_mask_reference(
     width = scores.shape[-1]
     if width == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    block_scores = candidate_block_scores(scores, visible_counts, block_size)
     num_blocks = block_scores.shape[-1]
-    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
-    block_ids = torch.arange(num_blocks, device=scores.device)
-    block_scores = block_scores.masked_fill(block_ids == newest[:, None], float("inf"))
     chosen = topk_indices(block_scores, min(topk_blocks, num_blocks))
     finite = block_scores.gather(-1, chosen) > float("-inf")
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, chosen, finite)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def candidate_block_scores(scores: torch.Tensor, visible_counts: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each block's score [n, ceil(W / block_size)]: its best entry's, +inf for the block of the newest visible
+    entry (always kept), -inf for a block with no finite score."""
+    tail = -scores.shape[-1] % block_size
+    padded = F.pad(scores, (0, tail), value=float("-inf")) if tail else scores  # no copy of a whole row of blocks
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
+    block_ids = torch.arange(block_scores.shape[-1], device=scores.device)
+    return block_scores.masked_fill_(block_ids == newest[:, None], float("inf"))

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.ops.index_select.reference import candidate_block_mask_reference, index_topk_decode_reference
+from dsinfer.ops.index_select.reference import (
+    candidate_block_mask_reference,
+    candidate_block_scores,
+    index_topk_decode_reference,
+)
 from dsinfer.ops.registry import register
 from dsinfer.ops.sparse_attention.triton import sparse_attention_triton_available
 
@@ -222,18 +226,13 @@ def candidate_block_mask_triton(
 def _wide_candidate_mask(
     scores: torch.Tensor, visible_counts: torch.Tensor, topk_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """``candidate_block_mask`` of rows wider than one program holds (a 131,072-entry ratio-1 source): each block's
-    best score (one reduction), the newest visible block's set to +inf, the best ``topk_blocks`` blocks with a
-    finite score chosen by :func:`index_topk_decode_triton` (chunks merged), their entries marked. The reference's
-    blocks: the same scores, the same choice with ties to the lowest block."""
+    """``candidate_block_mask`` of rows wider than one program holds (a 131,072-entry ratio-1 source): the
+    reference's block scores (:func:`candidate_block_scores`), the best ``topk_blocks`` with a finite score chosen by
+    :func:`index_topk_decode_triton` (chunks merged; ties to the lowest block, as the reference's), their entries
+    marked."""
     rows, width = scores.shape
-    tail = -width % block_size
-    padded = scores if not tail else torch.nn.functional.pad(scores, (0, tail), value=float("-inf"))
-    num_blocks = (width + tail) // block_size
-    block_scores = padded.reshape(rows, num_blocks, block_size).amax(dim=-1)
-    newest = (visible_counts - 1).div(block_size, rounding_mode="floor")
-    block_ids = torch.arange(num_blocks, device=scores.device)
-    block_scores.masked_fill_(block_ids == newest[:, None], float("inf"))
+    block_scores = candidate_block_scores(scores, visible_counts, block_size)
+    num_blocks = block_scores.shape[-1]
     chosen = index_topk_decode_triton(block_scores, topk_blocks)  # ascending, then -1
     keep = torch.zeros(rows, num_blocks + 1, dtype=torch.bool, device=scores.device)  # column num_blocks: the -1's
     keep.scatter_(1, torch.where(chosen < 0, num_blocks, chosen), True)
